@@ -1,0 +1,236 @@
+"""The command line: thin verbs that parse options, call one function, and return 0 / 1 / 2.
+
+This is the only module that knows about Typer, and :func:`main` is the one error boundary: an
+:class:`~h3gate.errors.InputError` anywhere below becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+
+from h3gate.errors import EXIT_INPUT, InputError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="h3gate: evidence and gates proving two MiniMax-H3 executions run the same arithmetic.",
+)
+run_app = typer.Typer(no_args_is_help=True, help="Run a gate: strict kernels vs the provider replay and a golden.")
+app.add_typer(run_app, name="run")
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+OutOpt = Annotated[Path | None, typer.Option("--out", help="Evidence folder (default: evidence/local/<verb>).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda | auto (cuda when available).")]
+
+
+def _interpret_if_cpu(device: str) -> str:
+    """Resolve ``auto`` and switch Triton to its interpreter for CPU runs (must happen before triton is imported)."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InputError(f"--device {device!r}: must be cpu, cuda or auto")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return device
+
+
+def _done(code: int) -> None:
+    raise typer.Exit(code)
+
+
+@app.command()
+def layout(
+    name: Annotated[str | None, typer.Argument(help="A layout of manifests/layouts.yaml (default: tiny).")] = None,
+    text_tokens: Annotated[int | None, typer.Option("--text-tokens")] = None,
+    latent_frames: Annotated[int | None, typer.Option("--latent-frames")] = None,
+    latent_height: Annotated[int | None, typer.Option("--latent-height")] = None,
+    latent_width: Annotated[int | None, typer.Option("--latent-width")] = None,
+    audio_latents: Annotated[int | None, typer.Option("--audio-latents")] = None,
+    anchor: Annotated[list[str] | None, typer.Option("--anchor", help="first | last (repeatable).")] = None,
+    text_vision_rows: Annotated[
+        list[str] | None, typer.Option("--text-vision-rows", help="START:END text rows tagged video (repeatable).")
+    ] = None,
+    save: Annotated[Path | None, typer.Option("--save", help="Write the index tensors to FILE.safetensors.")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Build a packed layout (bitwise equal to diffusers' build_packed_sequence) and print its rows."""
+    from h3gate.commands.layout_cmd import layout_command
+
+    _done(
+        layout_command(
+            name,
+            text_tokens,
+            latent_frames,
+            latent_height,
+            latent_width,
+            audio_latents,
+            anchor or [],
+            text_vision_rows or [],
+            save,
+            json_,
+        )
+    )
+
+
+@app.command()
+def schedule(
+    steps: Annotated[int, typer.Option("--steps", help="Sigma grid points, terminal 0 included.")],
+    shift: Annotated[float, typer.Option("--shift")] = 12.0,
+    save: Annotated[Path | None, typer.Option("--save")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Sigmas and timesteps bitwise equal to MiniMaxH3Scheduler.set_timesteps."""
+    from h3gate.commands.schedule_cmd import schedule_command
+
+    _done(schedule_command(steps, shift, save, json_))
+
+
+@app.command("synth-checkpoint")
+def synth_checkpoint(
+    out: Annotated[Path, typer.Option("--out", help="Checkpoint folder to write.")],
+    config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml")] = "tiny",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    shard_size: Annotated[int | None, typer.Option("--shard-size", help="Shard above this many bytes.")] = None,
+) -> None:
+    """Write a seeded diffusers-layout checkpoint (config.json + safetensors, sharded with an index)."""
+    from h3gate.commands.checkpoint_cmd import synth_command
+
+    _done(synth_command(config, seed, out, shard_size))
+
+
+@app.command()
+def fingerprint(
+    manifest: Annotated[str, typer.Option("--manifest")] = "minimax-h3-42ed227",
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint")] = None,
+    config: Annotated[str, typer.Option("--config", help="NAME | PATH | auto (read config.json)")] = "auto",
+    hash_tensors: Annotated[bool, typer.Option("--hash-tensors")] = False,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Fingerprint the manifest, or check a checkpoint's headers against the inventory its config implies."""
+    from h3gate.commands.checkpoint_cmd import fingerprint_command
+
+    _done(fingerprint_command(manifest, checkpoint, config, hash_tensors, out, json_))
+
+
+@app.command()
+def seal(
+    folder: Annotated[Path, typer.Argument(help="Evidence folder.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Re-check schemas and hashes against the seal.")] = False,
+) -> None:
+    """Schema-validate every evidence JSON under FOLDER and seal it (or verify an existing seal)."""
+    from h3gate.commands.seal_cmd import seal_command
+
+    _done(seal_command(folder, verify))
+
+
+@run_app.command("ws1-block")
+def run_ws1_block(
+    layout: Annotated[str, typer.Option("--layout")] = "tiny",
+    config: Annotated[str, typer.Option("--config")] = "tiny",
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint")] = None,
+    device: DeviceOpt = "auto",
+    mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")] = "strict",
+    backward: Annotated[bool, typer.Option("--backward/--no-backward")] = True,
+    tolerance: Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")] = "ws1-block",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    save_tensors: Annotated[Path | None, typer.Option("--save-tensors")] = None,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP32 golden."""
+    device = _interpret_if_cpu(device)
+    from h3gate.commands.run_cmd import ws1_block_command
+
+    _done(
+        ws1_block_command(layout, config, checkpoint, device, mode, backward, tolerance, seed, save_tensors, out, json_)
+    )
+
+
+@run_app.command("ws1-ops")
+def run_ws1_ops(
+    op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,
+    layouts: Annotated[str, typer.Option("--layouts", help="Comma-separated layouts giving row counts.")] = "tiny",
+    config: Annotated[str, typer.Option("--config")] = "tiny",
+    device: DeviceOpt = "auto",
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Per-operator evidence: accuracy vs FP32/FP64, invariance, provider-bitwise flag, kernel id."""
+    device = _interpret_if_cpu(device)
+    from h3gate.commands.ops_cmd import ws1_ops_command
+
+    _done(ws1_ops_command(op or [], layouts, config, device, seed, out, json_))
+
+
+@app.command()
+def bench(
+    target: Annotated[str | None, typer.Argument(help="ws1-block, or leave empty and pass --op.")] = None,
+    op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable).")] = None,
+    layout: Annotated[str, typer.Option("--layout")] = "medium",
+    config: Annotated[str, typer.Option("--config")] = "real",
+    device: DeviceOpt = "cuda",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Time strict kernels next to the provider in one run (median of CUDA-event timings)."""
+    device = _interpret_if_cpu(device)
+    from h3gate.commands.bench_cmd import bench_command
+
+    _done(bench_command(target, op or [], layout, config, device, out, json_))
+
+
+@app.command()
+def ablate(
+    row: Annotated[str | None, typer.Argument(help="An ablation row id (A0, H5, H-C3, ...).")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Run every row.")] = False,
+    list_: Annotated[bool, typer.Option("--list", help="List the rows and exit.")] = False,
+    layout: Annotated[str, typer.Option("--layout")] = "tiny",
+    config: Annotated[str, typer.Option("--config")] = "tiny",
+    device: DeviceOpt = "auto",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Run RFC section 6 ablation rows and assert each one's first-drift signature."""
+    device = _interpret_if_cpu(device)
+    from h3gate.commands.ablate_cmd import ablate_command
+
+    _done(ablate_command(row, all_, list_, layout, config, device, out, json_))
+
+
+@app.command()
+def validate(
+    json_: JsonOpt = False,
+) -> None:
+    """Load and cross-check every manifest (configs, layouts, tolerances, operators, ablations)."""
+    from h3gate.commands.validate_cmd import validate_command
+
+    _done(validate_command(json_))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: the single error boundary."""
+    try:
+        code = app(args=argv, standalone_mode=False)
+    except InputError as exc:
+        print(f"h3gate: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        print(f"h3gate: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
+    except click.exceptions.Abort:
+        print("h3gate: aborted", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
+    sys.exit(code if isinstance(code, int) else 0)

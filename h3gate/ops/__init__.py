@@ -1,0 +1,1 @@
+"""Operators: the registry (name -> provider reference, strict kernel, contract) and the PyTorch references."""

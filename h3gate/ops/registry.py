@@ -1,0 +1,114 @@
+"""The operator registry and the one place runtime modes are decided.
+
+``bind(name, mode, device)`` returns what a node will actually run:
+
+* ``strict`` - the operator's declared strict kernel, or an :class:`InputError` naming the operator (fail closed);
+* ``audit``  - the kernel when it can run, otherwise the reference, recorded as a fallback the gate reports;
+* ``auto``   - the kernel when it can run, otherwise the reference (recorded, not reported as a finding);
+* ``off``    - the provider reference only.
+
+A kernel can run on CUDA tensors, or on CPU tensors when Triton's interpreter is on (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
+
+from h3gate.errors import InputError
+from h3gate.manifests.operators import OperatorSpec, load_operator_specs
+
+Mode = Literal["strict", "audit", "auto", "off"]
+MODES: tuple[str, ...] = ("strict", "audit", "auto", "off")
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What one operator resolves to for one run; evidence records every field."""
+
+    op: str
+    rfc_row: str
+    mode: str
+    requested: str  # "triton" | "provider"
+    actual: str  # "triton" | "provider"
+    kernel_id: str  # the kernel's id, or "provider:<reference path>"
+    label: str  # "row" | "interim" | "reference"
+    fallback: bool
+    reason: str
+    fn: Callable
+
+    def record(self) -> dict:
+        return {
+            "op": self.op,
+            "rfc_row": self.rfc_row,
+            "mode": self.mode,
+            "requested": self.requested,
+            "actual": self.actual,
+            "kernel_id": self.kernel_id,
+            "label": self.label,
+            "fallback": self.fallback,
+            "reason": self.reason,
+        }
+
+
+def import_path(path: str) -> Callable:
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InputError(f"operator binding {path}: cannot import ({exc})") from None
+
+
+@cache
+def specs() -> dict[str, OperatorSpec]:
+    return load_operator_specs()
+
+
+def spec(name: str) -> OperatorSpec:
+    table = specs()
+    if name not in table:
+        raise InputError(f"operator {name!r}: not declared in manifests/operators/ (known: {', '.join(sorted(table))})")
+    return table[name]
+
+
+def reference(name: str) -> Callable:
+    return import_path(spec(name).reference)
+
+
+def kernel_runnable(device: str) -> tuple[bool, str]:
+    """Whether a Triton kernel can execute on ``device`` in this process, and why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed"
+    if device.startswith("cuda"):
+        return True, ""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, ""
+    return False, f"device {device} needs TRITON_INTERPRET=1 for Triton kernels"
+
+
+def bind(name: str, mode: str, device: str) -> Binding:
+    if mode not in MODES:
+        raise InputError(f"--mode {mode!r}: must be one of {', '.join(MODES)}")
+    s = spec(name)
+    ref_id = f"provider:{s.reference}"
+    if mode == "off":
+        return Binding(
+            name, s.rfc_row, mode, "provider", "provider", ref_id, "reference", False, "mode off", reference(name)
+        )
+    ok, why = kernel_runnable(device)
+    if s.kernel is None:
+        why = "no strict kernel declared"
+        ok = False
+    if ok:
+        return Binding(
+            name, s.rfc_row, mode, "triton", "triton", s.kernel_id or "", s.label, False, "", import_path(s.kernel)
+        )
+    if mode == "strict":
+        raise InputError(f"strict mode: operator {name} ({s.rfc_row}): {why}; refusing to fall back")
+    return Binding(name, s.rfc_row, mode, "triton", "provider", ref_id, "reference", True, why, reference(name))
