@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.h3gate-installed
 TSTAMP  := $(VENV)/.h3gate-test-installed
 # On a machine without an NVIDIA driver pin the CPU wheel of torch first, so that no open range pulls a CUDA build.
-TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0")
+TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0 triton==3.6.0")
 PYTEST_ARGS ?= -n 2
 
 .PHONY: install install-test demo test lint format clean
@@ -17,7 +17,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	@if [ -n "$(TORCH_PIN)" ]; then $(BIN)/python -m pip install -q "$(TORCH_PIN)"; fi
+	@if [ -n "$(TORCH_PIN)" ]; then $(BIN)/python -m pip install -q $(TORCH_PIN); fi
 	$(BIN)/python -m pip install -q -e .
 	@touch $@
 

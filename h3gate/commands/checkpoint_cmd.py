@@ -1,0 +1,134 @@
+"""``h3gate synth-checkpoint`` and ``h3gate fingerprint``.
+
+fingerprint exits 0 when the checkpoint matches the inventory its config implies (or when only the manifest is
+fingerprinted), 1 on any missing / unexpected / mismatched tensor or precision-boundary violation (evidence is
+still written), 2 for unreadable input.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.manifests.checkpoint_manifest import CheckpointManifest
+from h3gate.manifests.loader import load_yaml, resolve
+from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS
+
+ROWS_SHOWN = 20
+
+
+def _config_manifest(config: str) -> Path | None:
+    """The YAML config manifest behind ``--config``, for provenance (None for ``auto`` or a config.json)."""
+    if config == "auto" or config.endswith(".json"):
+        return None
+    return resolve(config, MANIFESTS / "configs", "config")
+
+
+def synth_command(config: str, seed: int, out: Path, shard_size: int | None) -> int:
+    from h3gate.manifests.model_config import load_config
+    from h3gate.synth import write_checkpoint
+
+    cfg = load_config(config).config
+    summary = write_checkpoint(cfg, seed, out, shard_size)
+    console = Console()
+    table = Table(title=f"synthetic checkpoint {summary['path']} (config {config}, seed {seed})")
+    for col in ("file", "tensors", "bytes"):
+        table.add_column(col, justify="left" if col == "file" else "right")
+    for f in summary["files"]:
+        table.add_row(f["file"], str(f["tensors"]), f"{f['bytes']:,}")
+    console.print(table)
+    console.print(
+        f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
+        f"{summary['tensor_bytes']:,} tensor bytes, written in {summary['seconds']:.2f} s"
+    )
+    return EXIT_PASS
+
+
+def fingerprint_command(
+    manifest: str, checkpoint: Path | None, config: str, hash_tensors: bool, out: Path | None, json_: bool
+) -> int:
+    from h3gate.evidence.writer import write_evidence
+    from h3gate.fingerprint import check_checkpoint, manifest_fingerprint
+
+    manifest_path = resolve(manifest, MANIFESTS / "checkpoints", "checkpoint manifest")
+    loaded = load_yaml(manifest_path, CheckpointManifest)
+    if checkpoint is None and config != "auto":
+        raise InputError(f"--config {config}: only used with --checkpoint")
+    if checkpoint is None and hash_tensors:
+        raise InputError("--hash-tensors: only used with --checkpoint")
+    cfg_manifest = _config_manifest(config)
+    manifests = [manifest_path] + ([cfg_manifest] if cfg_manifest is not None else [])
+    fp = manifest_fingerprint(loaded)
+    report = None if checkpoint is None else check_checkpoint(checkpoint, config, loaded, hash_tensors)
+    body: dict[str, Any] = {
+        "mode": "manifest" if report is None else "checkpoint",
+        "manifest": fp,
+        "checkpoint": report,
+        "match": None if report is None else report["match"],
+    }
+    folder = out if out is not None else LOCAL_EVIDENCE / "fingerprint"
+    path = write_evidence(folder, "fingerprint.json", "fingerprint", body, manifests=manifests)
+    code = EXIT_PASS if report is None or report["match"] else EXIT_FAIL
+    if json_:
+        print(json.dumps({**body, "evidence": str(path)}, indent=2))
+        return code
+    _print(Console(), fp, report, path)
+    return code
+
+
+def _print(console: Console, fp: dict, report: dict | None, path: Path) -> None:
+    inv = fp["inventory"]
+    table = Table(title=f"manifest {fp['name']}: {fp['architecture']} @ {fp['upstream']['revision'][:7]}")
+    for col in ("group / dtype", "tensors", "parameters", "bytes"):
+        table.add_column(col, justify="left" if col == "group / dtype" else "right")
+    for group, g in inv["groups"].items():
+        table.add_row(group, str(g["tensors"]), f"{g['parameters']:,}", "")
+    for dtype, d in inv["dtypes"].items():
+        table.add_row(dtype, str(d["tensors"]), f"{d['parameters']:,}", f"{d['bytes']:,}")
+    table.add_row("total", str(inv["tensors"]), f"{inv['parameters']:,}", f"{inv['bytes']:,}", style="bold")
+    console.print(table)
+    console.print(f"FP32 boundary: {len(fp['precision']['fp32_tensors'])} tensors in {fp['precision']['fp32_modules']}")
+    console.print(f"content sha256 {fp['content_sha256']}")
+    if report is not None:
+        _print_report(console, report)
+    console.print(f"evidence: {path}")
+
+
+def _print_report(console: Console, r: dict) -> None:
+    shards = Table(title=f"checkpoint {r['path']} ({r['layout']}, config from {r['config_source']})")
+    for col in ("file", "tensors", "bytes"):
+        shards.add_column(col, justify="left" if col == "file" else "right")
+    for s in r["shards"]:
+        shards.add_row(s["file"], str(s["tensors"]), f"{s['bytes']:,}")
+    console.print(shards)
+    console.print(
+        f"expected {r['expected']['tensors']} tensors / {r['expected']['parameters']:,} parameters; "
+        f"found {r['found']['tensors']} / {r['found']['parameters']:,}; config "
+        + ("matches" if r["config_matches_manifest"] else "differs from") + " the manifest"
+    )
+    problems = Table(title="problems")
+    for col in ("kind", "tensor", "expected", "found"):
+        problems.add_column(col)
+    rows = [("missing", n, "present", "-") for n in r["missing"]]
+    rows += [("unexpected", u["name"], "-", f"{u['shape']} {u['dtype']}") for u in r["unexpected"]]
+    rows += [
+        ("mismatched", m["name"], f"{m['expected_shape']} {m['expected_dtype']}", f"{m['found_shape']} {m['found_dtype']}")
+        for m in r["mismatched"]
+    ]
+    rows += [
+        ("precision", v["name"], f"{v['expected']} ({v['side']})", v["found"]) for v in r["precision_boundary"]["violations"]
+    ]
+    for row in rows[:ROWS_SHOWN]:
+        problems.add_row(*row)
+    if rows:
+        console.print(problems)
+        if len(rows) > ROWS_SHOWN:
+            console.print(f"... and {len(rows) - ROWS_SHOWN} more (see the evidence file)")
+    if r["tensor_sha256"] is not None:
+        console.print(f"tensor sha256 combined {r['tensor_sha256']['combined']}")
+    console.print("[bold green]MATCH[/]" if r["match"] else f"[bold red]MISMATCH[/] ({len(rows)} problems)")

@@ -1,0 +1,52 @@
+"""``h3gate schedule``: print the shifted sigma grid and timesteps (table or JSON), optionally save them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from h3gate.commands.layout_cmd import save_safetensors
+from h3gate.errors import EXIT_PASS
+from h3gate.schedule import Schedule, build_schedule, sigma_hash
+
+
+def schedule_summary(schedule: Schedule) -> dict:
+    """The grid as floats (each float32 value exactly, as a double) and its sha256."""
+    return {
+        "steps": schedule.steps,
+        "shift": schedule.shift,
+        "num_evaluations": schedule.num_evaluations,
+        "sigmas": [float(s) for s in schedule.sigmas.tolist()],
+        "timesteps": [float(t) for t in schedule.timesteps.tolist()],
+        "sigma_sha256": sigma_hash(schedule),
+    }
+
+
+def schedule_command(steps: int, shift: float, save: Path | None, json_: bool) -> int:
+    schedule = build_schedule(steps, shift)
+    summary = schedule_summary(schedule)
+    if save is not None:
+        metadata = {"steps": str(schedule.steps), "shift": repr(schedule.shift), "sigma_sha256": summary["sigma_sha256"]}
+        save_safetensors(save, {"sigmas": schedule.sigmas, "timesteps": schedule.timesteps}, metadata)
+        summary["saved"] = str(save)
+    if json_:
+        print(json.dumps(summary, indent=2))
+        return EXIT_PASS
+    table = Table(
+        title=f"schedule: {schedule.steps} points, shift {schedule.shift:g}, {schedule.num_evaluations} evaluations"
+    )
+    table.add_column("index", justify="right")
+    table.add_column("sigma", justify="right")
+    table.add_column("timestep (1 - sigma)", justify="right")
+    for index, sigma in enumerate(summary["sigmas"]):
+        timestep = summary["timesteps"][index] if index < schedule.num_evaluations else None
+        table.add_row(str(index), f"{sigma:.9g}", "-" if timestep is None else f"{timestep:.9g}")
+    console = Console()
+    console.print(table)
+    console.print(f"sigma sha256 {summary['sigma_sha256']}")
+    if save is not None:
+        console.print(f"saved sigmas, timesteps to {save}")
+    return EXIT_PASS

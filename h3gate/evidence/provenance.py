@@ -1,0 +1,107 @@
+"""What ran, where, and from which bytes: the provenance block stamped on every evidence document."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import socket
+import subprocess
+import sys
+from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
+
+import h3gate
+from h3gate.errors import InputError
+from h3gate.paths import display
+
+# The checkout the running code came from (not H3GATE_HOME, which only relocates data).
+_CODE_ROOT = Path(h3gate.__file__).resolve().parents[1]
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks; an unreadable file is an input error naming it."""
+    digest = hashlib.sha256()
+    try:
+        with Path(path).open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+    except OSError as exc:
+        raise InputError(f"{display(path)}: cannot read ({exc.strerror or exc})") from None
+    return digest.hexdigest()
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(_CODE_ROOT), *args], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@cache
+def git_state() -> tuple[str, bool | None]:
+    """(revision, dirty) of the code checkout, once per process; ``("unknown", None)`` without git."""
+    rev = _git("rev-parse", "HEAD")
+    if rev is None or not rev.strip():
+        return "unknown", None
+    status = _git("status", "--porcelain")
+    return rev.strip(), (None if status is None else bool(status.strip()))
+
+
+def _versions() -> tuple[str, str | None]:
+    import torch
+
+    try:
+        import triton
+
+        triton_version: str | None = str(triton.__version__)
+    except ImportError:
+        triton_version = None
+    return str(torch.__version__), triton_version
+
+
+def _device_name(device: str | None) -> str:
+    import torch
+
+    if device is not None and device.startswith("cuda") and torch.cuda.is_available():
+        return str(torch.cuda.get_device_name(torch.device(device)))
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def provenance(
+    command: list[str] | None = None, manifests: list[Path] | None = None, device: str | None = None
+) -> dict:
+    """The provenance block (schema ``common.schema.json#/$defs/provenance``).
+
+    ``manifests`` are hashed (sha256 of their bytes) and keyed by their repository-relative path; ``device`` is
+    the execution device string (``cpu``/``cuda``/``cuda:N``) and is resolved to a hardware name.
+    """
+    import torch
+
+    torch_version, triton_version = _versions()
+    revision, dirty = git_state()
+    hashes: dict[str, str] = {}
+    for path in manifests or []:
+        hashes[display(Path(path))] = sha256_file(Path(path))
+    return {
+        "h3gate_version": h3gate.__version__,
+        "git_revision": revision,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "triton": triton_version,
+        "device": device,
+        "device_name": _device_name(device),
+        "allow_tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "allow_tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        "manifests": hashes,
+        "command": [str(a) for a in (sys.argv if command is None else command)],
+        "time_utc": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "hostname": socket.gethostname(),
+    }

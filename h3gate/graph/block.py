@@ -1,0 +1,323 @@
+"""One MiniMax-H3 transformer block as 17 named nodes (diffusers 0.42.1 ``MiniMaxH3TransformerBlock``, op for op).
+
+Graph inputs: ``hidden_states`` (B, S, H) bf16, ``temb`` (T, E) fp32, ``adaln_indices`` (S,) int64 (row of the
+(3T, H) AdaLN tables = ``timestep_index * 3 + token_tag``), ``rope_cos``/``rope_sin`` (S, R) fp32. Parameters are
+keyed by block-relative diffusers names (``norm1.weight``, ``attn.to_q.weight``, ...). Output: ``residual_mlp``.
+
+Maths (``tab[k]`` is the k-th (3T, H) view of the AdaLN projection, rows gathered by ``adaln_indices``)::
+
+    adaln_projection  P = linear(silu(temb).to(W.dtype), W, b)             (T, 18H)
+    norm1             n1 = rmsnorm(x) * (1 + scale_msa[idx]) + shift_msa[idx]
+    q/k/v_proj        q = n1 @ Wq.T  (no bias)                               (B, S, nh*D)
+    q_norm/k_norm     rmsnorm over D per head                                (B, S, nh, D)
+    rope_q/rope_k     rotate-half MM-RoPE on the first R of D channels
+    attention         SDPA, non-causal, unmasked, scale 1/sqrt(D)            (B, S, nh*D)
+    o_proj            a @ Wo.T                                               (B, S, H)
+    residual_attn     h = x + gate_msa[idx] * o
+    norm2             n2 = rmsnorm(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]
+    ffn_gate_up       u = n2 @ W1.T                                          (B, S, 2F)
+    swiglu            s = u[..., :F] * silu(u[..., F:])                      (B, S, F)
+    ffn_down          d = s @ W2.T                                           (B, S, H)
+    residual_mlp      y = h + gate_mlp[idx] * d
+
+Every cast is the provider's: the only explicit one is ``silu(temb)`` (FP32) -> the projection dtype (BF16); the
+RoPE tables are cast to the activation dtype inside ``mm_rope``; everything else stays at the operands' dtype.
+The golden runs the same nodes on float64 tensors (the references take every dtype from their inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.graph.core import Graph, Node, OpTable
+from h3gate.inventory import expected_inventory
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.ops import reference
+from h3gate.paths import display
+
+GRAPH_INPUTS: tuple[str, ...] = ("hidden_states", "temb", "adaln_indices", "rope_cos", "rope_sin")
+BLOCK_NODES: tuple[str, ...] = (
+    "adaln_projection",
+    "norm1",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "q_norm",
+    "k_norm",
+    "rope_q",
+    "rope_k",
+    "attention",
+    "o_proj",
+    "residual_attn",
+    "norm2",
+    "ffn_gate_up",
+    "swiglu",
+    "ffn_down",
+    "residual_mlp",
+)
+BLOCK_PARAMS: tuple[str, ...] = (
+    "norm1.weight",
+    "attn.to_q.weight",
+    "attn.to_k.weight",
+    "attn.to_v.weight",
+    "attn.norm_q.weight",
+    "attn.norm_k.weight",
+    "attn.to_out.0.weight",
+    "norm2.weight",
+    "ff.net.0.proj.weight",
+    "ff.net.2.weight",
+    "adaln_proj.linear.weight",
+    "adaln_proj.linear.bias",
+)
+# Order of the six (3T, H) views of the AdaLN projection (diffusers' chunk order).
+SHIFT_MSA, SCALE_MSA, GATE_MSA, SHIFT_MLP, SCALE_MLP, GATE_MLP = range(6)
+
+Inputs = Mapping[str, torch.Tensor]
+
+
+def _meta(dtype: str, casts: str, maths: str) -> dict[str, str]:
+    return {"dtype": dtype, "casts": casts, "maths": maths}
+
+
+def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
+    """The 17-node graph of block ``layer`` for ``cfg``; the node functions close over widths and epsilons."""
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    eps, qk_eps = cfg.norm_eps, cfg.qk_norm_eps
+
+    def table(x: Inputs, k: int) -> torch.Tensor:
+        return reference.adaln_table(x["adaln_projection"], hidden)[k]
+
+    def adaln_projection(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        w = p["adaln_proj.linear.weight"]
+        act = ops["adaln_silu_cast"](x["temb"], w.dtype)
+        return ops["adaln_projection_3mod"](act, w, p["adaln_proj.linear.bias"])
+
+    def norm(source: str, weight: str, shift: int, scale: int):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops["h3_rmsnorm_modulate"](
+                x[source], p[weight], table(x, shift), table(x, scale), x["adaln_indices"], eps
+            )
+
+        return fn
+
+    def gemm(op: str, source: str, weight: str):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops[op](x[source], p[weight])
+
+        return fn
+
+    def qk_norm(source: str, weight: str):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops["h3_qk_rmsnorm_d128"](x[source], p[weight], heads, qk_eps)
+
+        return fn
+
+    def rope(source: str):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops["h3_mm_rope_3axis_partial"](x[source], x["rope_cos"], x["rope_sin"])
+
+        return fn
+
+    def attention(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        v = x["v_proj"].unflatten(-1, (heads, -1))
+        return ops["h3_full_attention"](x["rope_q"], x["rope_k"], v)
+
+    def residual(source: str, branch: str, gate: int):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops["adaln_gate_residual"](x[source], x[branch], table(x, gate), x["adaln_indices"])
+
+        return fn
+
+    def swiglu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["h3_swiglu"](x["ffn_gate_up"])
+
+    bf16 = "activation dtype (BF16)"
+    mod = "(3T, H) AdaLN views of adaln_projection gathered by adaln_indices"
+    nodes = (
+        Node(
+            "adaln_projection",
+            "adaln_projection_3mod",
+            ("adaln_silu_cast", "adaln_projection_3mod"),
+            ("temb",),
+            adaln_projection,
+            row_dim=None,
+            meta=_meta(
+                "temb FP32 in, (T, 18H) at the projection dtype (BF16) out",
+                "silu at FP32, one cast to the projection dtype, then the BF16 linear with bias",
+                "linear(silu(temb).to(W.dtype), W, b), viewed as six (3T, H) tables",
+            ),
+        ),
+        Node(
+            "norm1",
+            "h3_rmsnorm",
+            ("h3_rmsnorm_modulate",),
+            ("hidden_states", "adaln_projection", "adaln_indices"),
+            norm("hidden_states", "norm1.weight", SHIFT_MSA, SCALE_MSA),
+            meta=_meta(bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(x) * (1 + scale) + shift; {mod}"),
+        ),
+        Node(
+            "q_proj",
+            "h3_qkv_gemm",
+            ("h3_qkv_gemm",),
+            ("norm1",),
+            gemm("h3_qkv_gemm", "norm1", "attn.to_q.weight"),
+            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n1 @ Wq.T, H -> nh*D"),
+        ),
+        Node(
+            "k_proj",
+            "h3_qkv_gemm",
+            ("h3_qkv_gemm",),
+            ("norm1",),
+            gemm("h3_qkv_gemm", "norm1", "attn.to_k.weight"),
+            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n1 @ Wk.T, H -> nh*D"),
+        ),
+        Node(
+            "v_proj",
+            "h3_qkv_gemm",
+            ("h3_qkv_gemm",),
+            ("norm1",),
+            gemm("h3_qkv_gemm", "norm1", "attn.to_v.weight"),
+            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n1 @ Wv.T, H -> nh*D"),
+        ),
+        Node(
+            "q_norm",
+            "h3_qk_rmsnorm_d128",
+            ("h3_qk_rmsnorm_d128",),
+            ("q_proj",),
+            qk_norm("q_proj", "attn.norm_q.weight"),
+            meta=_meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D"),
+        ),
+        Node(
+            "k_norm",
+            "h3_qk_rmsnorm_d128",
+            ("h3_qk_rmsnorm_d128",),
+            ("k_proj",),
+            qk_norm("k_proj", "attn.norm_k.weight"),
+            meta=_meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D"),
+        ),
+        Node(
+            "rope_q",
+            "h3_mm_rope_3axis_partial",
+            ("h3_mm_rope_3axis_partial",),
+            ("q_norm", "rope_cos", "rope_sin"),
+            rope("q_norm"),
+            meta=_meta(bf16, "FP32 cos/sin cast to BF16 first", "x*cos + rotate_half(x)*sin on R of D, rest copied"),
+        ),
+        Node(
+            "rope_k",
+            "h3_mm_rope_3axis_partial",
+            ("h3_mm_rope_3axis_partial",),
+            ("k_norm", "rope_cos", "rope_sin"),
+            rope("k_norm"),
+            meta=_meta(bf16, "FP32 cos/sin cast to BF16 first", "x*cos + rotate_half(x)*sin on R of D, rest copied"),
+        ),
+        Node(
+            "attention",
+            "h3_full_attention",
+            ("h3_full_attention",),
+            ("rope_q", "rope_k", "v_proj"),
+            attention,
+            meta=_meta(bf16, "the SDPA backend's own; output type_as(q)", "softmax(q k^T / sqrt(D)) v over all S rows"),
+        ),
+        Node(
+            "o_proj",
+            "h3_attention_o_gemm",
+            ("h3_attention_o_gemm",),
+            ("attention",),
+            gemm("h3_attention_o_gemm", "attention", "attn.to_out.0.weight"),
+            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "a @ Wo.T, nh*D -> H"),
+        ),
+        Node(
+            "residual_attn",
+            "adaln_gate_residual",
+            ("adaln_gate_residual",),
+            ("hidden_states", "o_proj", "adaln_projection", "adaln_indices"),
+            residual("hidden_states", "o_proj", GATE_MSA),
+            meta=_meta(bf16, "none: gate * y rounded, then the add rounded (BF16)", f"x + gate_msa * o; {mod}"),
+        ),
+        Node(
+            "norm2",
+            "h3_rmsnorm",
+            ("h3_rmsnorm_modulate",),
+            ("residual_attn", "adaln_projection", "adaln_indices"),
+            norm("residual_attn", "norm2.weight", SHIFT_MLP, SCALE_MLP),
+            meta=_meta(bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(h) * (1 + scale) + shift; {mod}"),
+        ),
+        Node(
+            "ffn_gate_up",
+            "h3_ffn_gate_up_gemm",
+            ("h3_ffn_gate_up_gemm",),
+            ("norm2",),
+            gemm("h3_ffn_gate_up_gemm", "norm2", "ff.net.0.proj.weight"),
+            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n2 @ W1.T, H -> 2F (value | gate)"),
+        ),
+        Node(
+            "swiglu",
+            "h3_swiglu",
+            ("h3_swiglu",),
+            ("ffn_gate_up",),
+            swiglu,
+            meta=_meta(bf16, "none: silu and product each rounded to BF16", "u[:F] * silu(u[F:])"),
+        ),
+        Node(
+            "ffn_down",
+            "h3_ffn_down_gemm",
+            ("h3_ffn_down_gemm",),
+            ("swiglu",),
+            gemm("h3_ffn_down_gemm", "swiglu", "ff.net.2.weight"),
+            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "s @ W2.T, F -> H"),
+        ),
+        Node(
+            "residual_mlp",
+            "adaln_gate_residual",
+            ("adaln_gate_residual",),
+            ("residual_attn", "ffn_down", "adaln_projection", "adaln_indices"),
+            residual("residual_attn", "ffn_down", GATE_MLP),
+            meta=_meta(bf16, "none: gate * y rounded, then the add rounded (BF16)", f"h + gate_mlp * d; {mod}"),
+        ),
+    )
+    nodes = tuple(
+        Node(n.name, n.owner_row, n.ops, n.inputs, n.fn, n.row_dim, layer, n.step, n.meta) for n in nodes
+    )
+    return Graph(f"block{layer}", nodes, GRAPH_INPUTS, "residual_mlp")
+
+
+def block_param_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Block-relative name -> (shape, dtype) from the checkpoint inventory of ``cfg``."""
+    prefix = f"transformer_blocks.{layer}."
+    found = {s.name[len(prefix) :]: (s.shape, s.dtype) for s in expected_inventory(cfg) if s.name.startswith(prefix)}
+    return {k: found[k] for k in BLOCK_PARAMS}
+
+
+def block_params(source, layer: int = 0, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The 12 parameters of block ``layer`` from a weight source, keyed by block-relative name.
+
+    Each tensor is read lazily (one at a time) and checked against the inventory's shape and dtype for the
+    source's config; a missing or mismatched tensor is an :class:`InputError` naming it.
+    """
+    cfg = source.config()
+    if cfg is None:
+        raise InputError("weight source: no config to check block tensors against")
+    if layer < 0 or layer >= cfg.num_layers:
+        raise InputError(f"block {layer}: outside the config's {cfg.num_layers} transformer blocks")
+    expected = block_param_shapes(cfg, layer)
+    have = set(source.names())
+    where = getattr(source, "path", None)
+    origin = f"checkpoint {display(where)}" if where is not None else "synthetic weights"
+    missing = [f"transformer_blocks.{layer}.{k}" for k in BLOCK_PARAMS if f"transformer_blocks.{layer}.{k}" not in have]
+    if missing:
+        raise InputError(f"{origin}: {missing[0]}: missing (block {layer} needs all {len(BLOCK_PARAMS)} block tensors)")
+    params: dict[str, torch.Tensor] = {}
+    for key, (shape, dtype) in expected.items():
+        name = f"transformer_blocks.{layer}.{key}"
+        tensor = source.load(name, device)
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != getattr(torch, dtype):
+            raise InputError(
+                f"{origin}: {name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}, "
+                f"expected {tuple(shape)} {dtype}"
+            )
+        params[key] = tensor
+    return params

@@ -1,0 +1,75 @@
+"""Tolerance profiles (``manifests/tolerances/*.yaml``): what a gate promises, committed before results are seen.
+
+A profile says which nodes promise isolated bitwise equality with the provider, how far a candidate's error against
+the golden may exceed the provider's own (``factor * provider + floor``), the BF16 ulp allowance for leaf gradients,
+and keeps a ``history`` of every change of a bound and why (a bound is never loosened silently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat
+
+from h3gate.manifests.loader import load_yaml, resolve
+from h3gate.manifests.model_config import Strict
+from h3gate.paths import MANIFESTS
+
+TOLERANCES = MANIFESTS / "tolerances"
+Metric = Literal["rel_l2", "max_abs"]
+
+
+class ForwardBounds(Strict):
+    """Per forward node: repeat and batch-row bitwise, promised isolated bitwise, and an error bound vs golden."""
+
+    repeat_bitwise: bool = True
+    batch_row_bitwise: bool = True
+    # Nodes promising bitwise equality with the provider on the provider's own inputs. A promise applies only when
+    # every op of the node runs the reference or a kernel whose contract declares provider_bitwise: true.
+    isolated_bitwise: list[str] = []
+    error_metric: Metric = "rel_l2"
+    error_factor: PositiveFloat
+    error_floor: NonNegativeFloat
+
+
+class BackwardBounds(Strict):
+    """Gradients: repeat and batch-row bitwise, leaf and node-gradient error bounds vs golden."""
+
+    repeat_bitwise: bool = True
+    batch_row_bitwise: bool = True
+    error_metric: Metric = "rel_l2"
+    leaf_factor: PositiveFloat
+    leaf_floor: NonNegativeFloat
+    # A BF16 leaf also passes when candidate max_abs <= provider max_abs + N BF16 ulps at max |golden|.
+    bf16_ulp_allowance: NonNegativeInt = 0
+    node_factor: PositiveFloat
+    node_floor: NonNegativeFloat
+
+
+class HistoryEntry(Strict):
+    date: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
+    change: str = Field(min_length=1)
+    reason: str = Field(min_length=1)
+
+
+class ToleranceProfile(Strict):
+    name: str
+    description: str
+    forward: ForwardBounds
+    backward: BackwardBounds
+    history: list[HistoryEntry] = Field(min_length=1)
+
+
+def tolerance_path(name_or_path: str | Path) -> Path:
+    """``manifests/tolerances/NAME.yaml`` or a YAML path; unknown names list the known profiles."""
+    return resolve(name_or_path, TOLERANCES, "tolerance profile")
+
+
+def load_tolerance(name_or_path: str | Path) -> ToleranceProfile:
+    """A named tolerance profile or a YAML path, validated with ``file: dotted.path: message`` breadcrumbs."""
+    return load_yaml(tolerance_path(name_or_path), ToleranceProfile)
+
+
+def tolerance_names() -> list[str]:
+    return sorted(p.stem for p in TOLERANCES.glob("*.yaml"))

@@ -1,0 +1,244 @@
+"""Seeded synthetic weights and the streaming diffusers-layout checkpoint writer.
+
+Tensor ``name`` of seed ``s`` is drawn on the CPU from ``torch.Generator().manual_seed(k)`` with
+``k = first 8 bytes (little-endian) of sha256(f"{s}:{name}")`` masked to 63 bits, as float32 ``z ~ N(0, 1)``:
+
+* RMSNorm weights (every 1-D ``.weight``): ``1 + 0.1 z``
+* biases: ``0.02 z``
+* AdaLN projections (``adaln_proj.linear.weight``, ``norm_out.linear.weight``): ``MOD_GAIN * z / sqrt(fan_in)``,
+  so that shift/scale/gate come out O(0.1-0.5) for the timestep embedding these weights produce;
+* every other linear weight: ``z / sqrt(fan_in)`` (unit-variance inputs give unit-ish variance outputs).
+
+The float32 draw is then cast once (round-to-nearest-even) to the precision map's dtype: FP32 boundary modules stay
+float32, everything else becomes bfloat16. A tensor depends on nothing but (seed, name, shape), so block 0 of the
+33B ``real`` config is made without generating the other 49 blocks, and the values do not depend on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from math import prod, sqrt
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3gate.checkpoint import (
+    CONFIG_NAME,
+    DTYPE_CODES,
+    INDEX_NAME,
+    ITEMSIZE,
+    WEIGHTS_NAME,
+    WeightSource,
+    ensure_finite,
+)
+from h3gate.errors import InputError
+from h3gate.inventory import DEFAULT_PRECISION, TensorSpec, expected_inventory
+from h3gate.manifests.checkpoint_manifest import PrecisionMap
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.paths import display
+
+NORM_STD = 0.1
+BIAS_STD = 0.02
+MOD_GAIN = 1.0
+MODULATION_WEIGHTS = ("adaln_proj.linear.weight", "norm_out.linear.weight")
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """The generator seed of one tensor: 63 bits of sha256(f"{seed}:{name}")."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_rule(name: str, shape: tuple[int, ...]) -> str:
+    """Which initialisation a tensor gets: ``norm``, ``bias``, ``modulation`` or ``linear``."""
+    if name.endswith(".bias"):
+        return "bias"
+    if len(shape) == 1:
+        return "norm"
+    if name.endswith(MODULATION_WEIGHTS):
+        return "modulation"
+    return "linear"
+
+
+def synth_tensor(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 value of one synthetic tensor (before the cast to its stored dtype)."""
+    g = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    rule = init_rule(name, shape)
+    if rule == "norm":
+        return x.mul_(NORM_STD).add_(1.0)
+    if rule == "bias":
+        return x.mul_(BIAS_STD)
+    gain = MOD_GAIN if rule == "modulation" else 1.0
+    return x.mul_(gain / sqrt(shape[-1]))
+
+
+class SyntheticSource:
+    """Seeded weights for ``cfg`` with the inventory's names, shapes and dtypes, each generated on demand."""
+
+    def __init__(self, cfg: ModelConfig, seed: int, precision: PrecisionMap = DEFAULT_PRECISION) -> None:
+        self._cfg = cfg
+        self.seed = int(seed)
+        self.precision = precision
+        self._specs: dict[str, TensorSpec] = {s.name: s for s in expected_inventory(cfg, precision)}
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, name: str) -> TensorSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise InputError(f"{name}: no such tensor in the synthetic weights") from None
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], str]:
+        s = self.spec(name)
+        return s.shape, s.dtype
+
+    def load(self, name: str, device: str | torch.device = "cpu", check_finite: bool = False) -> torch.Tensor:
+        s = self.spec(name)
+        tensor = synth_tensor(self.seed, name, s.shape).to(getattr(torch, s.dtype)).to(device)
+        return ensure_finite(name, tensor) if check_finite else tensor
+
+    def config(self) -> ModelConfig | None:
+        return self._cfg
+
+
+def _nbytes(source: WeightSource, name: str) -> int:
+    shape, dtype = source.meta(name)
+    if dtype not in DTYPE_CODES:
+        raise InputError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+    return prod(shape) * ITEMSIZE[dtype]
+
+
+def plan_shards(source: WeightSource, shard_size: int | None) -> list[list[str]]:
+    """Greedy in state-dict order: a new shard starts when the next tensor would push the current one past
+    ``shard_size`` bytes (a tensor larger than ``shard_size`` gets a shard of its own). ``None``: one file."""
+    names = source.names()
+    if shard_size is None:
+        return [names]
+    if shard_size <= 0:
+        raise InputError(f"--shard-size {shard_size}: must be a positive number of bytes")
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        size = _nbytes(source, name)
+        if shards[-1] and used + size > shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_safetensors(path: Path, source: WeightSource, names: list[str], metadata: dict[str, str]) -> int:
+    """Write ``names`` of ``source`` to one safetensors file, loading one tensor at a time; returns its size.
+
+    The header (offsets from ``meta``) is written first, padded with spaces to a multiple of 8 bytes; then each
+    tensor's contiguous little-endian bytes in header order.
+    """
+    if sys.byteorder != "little":
+        raise InputError("write_checkpoint: safetensors data is little-endian; this host is big-endian")
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in names:
+        shape, dtype = source.meta(name)
+        size = _nbytes(source, name)
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)))
+        fh.write(blob)
+        for name in names:
+            shape, dtype = source.meta(name)
+            tensor = source.load(name, "cpu")
+            if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != f"torch.{dtype}":
+                raise InputError(
+                    f"{name}: source produced {tuple(tensor.shape)} {tensor.dtype}, its meta says {shape} {dtype}"
+                )
+            fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+    return 8 + len(blob) + offset
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def write_checkpoint(
+    source_or_cfg: WeightSource | ModelConfig,
+    seed: int | None,
+    out_dir: str | Path,
+    shard_size: int | None = None,
+    precision: PrecisionMap = DEFAULT_PRECISION,
+) -> dict[str, Any]:
+    """Write ``config.json`` and the weights in diffusers' layout; returns a summary of what was written.
+
+    A :class:`ModelConfig` becomes ``SyntheticSource(cfg, seed, precision)``. Everything is written into a temporary
+    folder next to ``out_dir`` and renamed into place at the end; an existing non-empty ``out_dir`` is refused.
+    """
+    started = time.perf_counter()
+    out = Path(out_dir)
+    if isinstance(source_or_cfg, ModelConfig):
+        source: WeightSource = SyntheticSource(source_or_cfg, 0 if seed is None else seed, precision)
+    else:
+        source = source_or_cfg
+    cfg = source.config()
+    if cfg is None:
+        raise InputError("write_checkpoint: the weight source has no config to write as config.json")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"{display(out)}: already exists and is not an empty folder")
+    shards = plan_shards(source, shard_size)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the checkpoint gets an ordinary folder's mode
+    except OSError as exc:
+        raise InputError(f"{display(out)}: cannot create ({exc.strerror or exc})") from None
+    metadata = {"format": "pt", "producer": "h3gate"}
+    if isinstance(source, SyntheticSource):
+        metadata["h3gate_seed"] = str(source.seed)
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(cfg.diffusers_config(), indent=2) + "\n", encoding="utf-8")
+        files: list[dict[str, Any]] = []
+        if len(shards) == 1:
+            size = write_safetensors(tmp / WEIGHTS_NAME, source, shards[0], metadata)
+            files.append({"file": WEIGHTS_NAME, "bytes": size, "tensors": len(shards[0])})
+        else:
+            weight_map: dict[str, str] = {}
+            for i, names in enumerate(shards, start=1):
+                fname = _shard_name(i, len(shards))
+                size = write_safetensors(tmp / fname, source, names, metadata)
+                files.append({"file": fname, "bytes": size, "tensors": len(names)})
+                weight_map.update(dict.fromkeys(names, fname))
+            total = sum(_nbytes(source, n) for n in source.names())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InputError(f"{display(out)}: cannot write ({exc.strerror or exc})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    names = source.names()
+    return {
+        "path": display(out),
+        "files": files,
+        "tensors": len(names),
+        "parameters": sum(prod(source.meta(n)[0]) for n in names),
+        "tensor_bytes": sum(_nbytes(source, n) for n in names),
+        "seconds": round(time.perf_counter() - started, 3),
+    }

@@ -1,0 +1,176 @@
+"""Provenance, schema validation and the atomic evidence writer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import h3gate
+from h3gate.errors import InputError
+from h3gate.evidence import provenance as prov
+from h3gate.evidence import schema
+from h3gate.evidence.writer import to_json, write_evidence
+from h3gate.paths import ROOT, SCHEMAS
+
+PROBE = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "probe.schema.json",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kind", "schema_version", "provenance", "verdict", "agreement", "bindings", "shape"],
+    "properties": {
+        "kind": {"const": "probe"},
+        "schema_version": {"const": 1},
+        "provenance": {"$ref": "common.schema.json#/$defs/provenance"},
+        "verdict": {"$ref": "common.schema.json#/$defs/verdict"},
+        "agreement": {"$ref": "common.schema.json#/$defs/agreement"},
+        "bindings": {"type": "array", "items": {"$ref": "common.schema.json#/$defs/binding"}},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+    },
+}
+
+
+@pytest.fixture
+def probe_schemas(tmp_path, monkeypatch):
+    """The repository's schemas plus a test-only ``probe`` kind that $refs every common definition."""
+    folder = tmp_path / "schemas"
+    shutil.copytree(SCHEMAS, folder)
+    (folder / "probe.schema.json").write_text(json.dumps(PROBE))
+    monkeypatch.setattr(schema, "SCHEMAS", folder)
+    return folder
+
+
+def _body(**over):
+    body = {
+        "verdict": "pass",
+        "agreement": {
+            "bitwise": False,
+            "first_row": 3,
+            "first_modality": "video",
+            "max_abs": 0.5,
+            "rel_l2": 1e-3,
+            "rows_differing": 2,
+        },
+        "bindings": [],
+        "shape": (2, 3),
+    }
+    body.update(over)
+    return body
+
+
+def test_provenance_fields_and_manifest_hashes(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    manifest = ROOT / "manifests" / "configs" / "tiny.yaml"
+    p = prov.provenance(command=["h3gate", "validate"], manifests=[manifest], device="cpu")
+    required = json.loads((SCHEMAS / "common.schema.json").read_text())["$defs"]["provenance"]["required"]
+    assert sorted(p) == sorted(required)
+    assert p["h3gate_version"] == h3gate.__version__
+    assert p["manifests"] == {"manifests/configs/tiny.yaml": hashlib.sha256(manifest.read_bytes()).hexdigest()}
+    assert p["command"] == ["h3gate", "validate"]
+    assert p["triton_interpret"] == "1"
+    assert p["device"] == "cpu" and p["device_name"]
+    assert p["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert p["time_utc"].endswith("Z")
+    assert isinstance(p["allow_tf32_matmul"], bool) and isinstance(p["allow_tf32_cudnn"], bool)
+    assert p["git_revision"] == "unknown" or len(p["git_revision"]) == 40
+    assert prov.provenance()["command"] == sys.argv
+
+
+def test_provenance_without_git(tmp_path, monkeypatch):
+    monkeypatch.setattr(prov, "_CODE_ROOT", tmp_path)  # not a git checkout
+    prov.git_state.cache_clear()
+    try:
+        p = prov.provenance(command=[])
+    finally:
+        prov.git_state.cache_clear()
+    assert p["git_revision"] == "unknown" and p["git_dirty"] is None
+
+
+def test_missing_manifest_is_an_input_error(tmp_path):
+    with pytest.raises(InputError, match="nope.yaml: cannot read"):
+        prov.provenance(manifests=[tmp_path / "nope.yaml"])
+
+
+def test_write_evidence_round_trip(tmp_path, probe_schemas):
+    from h3gate.ops.registry import bind, specs
+
+    record = bind(sorted(specs())[0], "off", "cpu").record()
+    path = write_evidence(tmp_path / "out", "probe.json", "probe", _body(bindings=[record]), command=["x"])
+    doc = json.loads(path.read_text())
+    assert list(doc)[:3] == ["kind", "schema_version", "provenance"]
+    assert list(doc)[3:] == ["verdict", "agreement", "bindings", "shape"]  # insertion order kept
+    assert doc["shape"] == [2, 3] and doc["bindings"] == [record] and doc["provenance"]["command"] == ["x"]
+    schema.validate_document(doc)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["probe.json"]  # no temp file left behind
+
+
+def test_write_evidence_refuses_nan_and_writes_nothing(tmp_path, probe_schemas):
+    body = _body()
+    body["agreement"]["max_abs"] = math.nan
+    with pytest.raises(RuntimeError, match=r"\$\.agreement\.max_abs: non-finite float nan"):
+        write_evidence(tmp_path / "out", "probe.json", "probe", body)
+    with pytest.raises(RuntimeError, match=r"\$\.shape\[1\]: non-finite float inf"):
+        write_evidence(tmp_path / "out", "probe.json", "probe", _body(shape=[1, math.inf]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_write_evidence_schema_failure_is_a_bug(tmp_path, probe_schemas):
+    with pytest.raises(RuntimeError, match=r"fails its own schema: evidence probe.json: \$\.verdict: 'maybe'"):
+        write_evidence(tmp_path, "probe.json", "probe", _body(verdict="maybe"))
+    bad_binding = {**_body()["agreement"], "extra": 1}
+    with pytest.raises(RuntimeError, match="agreement"):
+        write_evidence(tmp_path, "probe.json", "probe", _body(agreement=bad_binding))
+    with pytest.raises(RuntimeError, match="must not set kind"):
+        write_evidence(tmp_path, "probe.json", "probe", {**_body(), "kind": "probe"})
+    with pytest.raises(RuntimeError, match="relative path ending in .json"):
+        write_evidence(tmp_path, "../probe.json", "probe", _body())
+    assert list(tmp_path.iterdir()) == [tmp_path / "schemas"]
+
+
+def test_write_evidence_into_a_file_is_an_input_error(tmp_path, probe_schemas):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    with pytest.raises(InputError, match="blocker: exists and is not a folder"):
+        write_evidence(blocker, "probe.json", "probe", _body())
+
+
+def test_validate_document_errors(probe_schemas):
+    with pytest.raises(InputError, match=r"evidence document: \$\.kind: missing"):
+        schema.validate_document({})
+    with pytest.raises(InputError, match=r"kind 'nosuch': no schema \S*schemas/nosuch.schema.json \(known: ") as exc:
+        schema.validate_document({"kind": "nosuch"})
+    assert {"common", "probe", "seal"} <= set(str(exc.value).split("(known: ")[1].rstrip(")").split(", "))
+    with pytest.raises(InputError, match=r"f.json: \$: 'provenance' is a required property"):
+        schema.validate_document({"kind": "seal", "schema_version": 1, "files": [], "root": "0" * 64}, source="f.json")
+
+
+def test_to_json_conversions():
+    import torch
+
+    assert to_json({1: (1.5, Path("a")), "t": torch.tensor(2.0)}) == {"1": [1.5, "a"], "t": 2.0}
+    with pytest.raises(RuntimeError, match=r"\$\.x: Tensor is not JSON data"):
+        to_json({"x": torch.zeros(2)})
+
+
+def test_check_schema_rejects_invalid_and_unresolved(tmp_path):
+    shutil.copytree(SCHEMAS, tmp_path / "schemas")
+    bad = tmp_path / "schemas" / "bad.schema.json"
+    bad.write_text(json.dumps({"$id": "bad.schema.json", "type": "objekt"}))
+    with pytest.raises(InputError, match="bad.schema.json: type: not a valid 2020-12 schema"):
+        schema.check_schema(bad)
+    bad.write_text(json.dumps({"$id": "bad.schema.json", "$ref": "common.schema.json#/$defs/nosuch"}))
+    schema.clear_cache()
+    with pytest.raises(InputError, match="does not resolve"):
+        schema.check_schema(bad)
+    bad.write_text(json.dumps({"$id": "other.schema.json"}))
+    schema.clear_cache()
+    with pytest.raises(InputError, match="must equal the file name"):
+        schema.check_schema(bad)
+    for path in sorted(SCHEMAS.glob("*.schema.json")):
+        schema.check_schema(path)
