@@ -135,9 +135,14 @@ def seal(
 
 @run_app.command("ws1-block")
 def run_ws1_block(
-    layout: Annotated[str, typer.Option("--layout")] = "tiny",
-    config: Annotated[str, typer.Option("--config")] = "tiny",
-    checkpoint: Annotated[Path | None, typer.Option("--checkpoint")] = None,
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "tiny",
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option("--checkpoint", help="diffusers transformer folder (else seeded synthetic weights).")
+    ] = None,
     device: DeviceOpt = "auto",
     mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")] = "strict",
     backward: Annotated[bool, typer.Option("--backward/--no-backward")] = True,
@@ -218,6 +223,18 @@ def validate(
     _done(validate_command(json_))
 
 
+def _click_errors() -> tuple[type[BaseException], ...]:
+    """Usage-error classes of Typer's bundled click copy and of click itself (whichever is in use)."""
+    classes: list[type[BaseException]] = [click.ClickException]
+    try:
+        from typer._click.exceptions import ClickException as TyperClickException
+
+        classes.append(TyperClickException)
+    except ImportError:  # older Typer uses click directly
+        pass
+    return tuple(classes)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: the single error boundary."""
     try:
@@ -225,12 +242,14 @@ def main(argv: list[str] | None = None) -> None:
     except InputError as exc:
         print(f"h3gate: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_INPUT)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        print(f"h3gate: error: {exc.format_message()}", file=sys.stderr)
-        sys.exit(EXIT_INPUT)
-    except click.exceptions.Abort:
+    except (click.exceptions.Exit, typer.Exit) as exc:
+        sys.exit(getattr(exc, "exit_code", 0))
+    except (click.exceptions.Abort, typer.Abort):
         print("h3gate: aborted", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
+    except _click_errors() as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # help was printed: not an error
+            sys.exit(0)
+        print(f"h3gate: error: {exc.format_message()}", file=sys.stderr)
         sys.exit(EXIT_INPUT)
     sys.exit(code if isinstance(code, int) else 0)

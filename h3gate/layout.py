@@ -124,7 +124,9 @@ class PackedLayout:
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    """sha256 of a tensor's raw little-endian bytes (any dtype, bfloat16 included)."""
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 def _spatial_axis(size: int, patch: int, sqrt_area: np.float64) -> torch.Tensor:
@@ -174,7 +176,10 @@ def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:
     h_axis = _spatial_axis(spec.latent_height, patch_h, sqrt_area)
     w_axis = _spatial_axis(spec.latent_width, patch_w, sqrt_area)
     frame_hw = torch.stack(
-        [h_axis[:, None].expand(-1, w_axis.numel()).reshape(-1), w_axis[None, :].expand(h_axis.numel(), -1).reshape(-1)],
+        [
+            h_axis[:, None].expand(-1, w_axis.numel()).reshape(-1),
+            w_axis[None, :].expand(h_axis.numel(), -1).reshape(-1),
+        ],
         dim=1,
     )
 

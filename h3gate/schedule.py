@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,9 @@ class Schedule:
 
 def build_schedule(steps: int, shift: float) -> Schedule:
     """The shifted float32 sigma grid of ``steps`` points (terminal 0 included) and its timesteps."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 2:
         raise InputError(f"--steps {steps}: must be an integer >= 2 (the grid includes the terminal sigma 0)")
+    steps = int(steps)
     shift = float(shift)
     if not math.isfinite(shift) or shift <= 0:
         raise InputError(f"--shift {shift}: must be a finite number > 0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from h3gate.manifests.layouts import LayoutSpec, layout_names, load_layout, load
 GOOD = {"text_tokens": 10, "latent_frames": 2, "latent_height": 4, "latent_width": 6, "audio_latents": 3}
 # S = 10 text + 2 frames * (2 * 3) video + 2 * 3 audio
 GOOD_S = 28
+FRAMES_MESSAGE = "must be of the form 5n+2 (the video VAE encodes its 17n+5 pixel-frame grid to 5n+2 latent frames)"
 
 
 def write_manifest(tmp_path: Path, **overrides) -> Path:
@@ -50,16 +52,17 @@ def test_named_layouts_and_declared_lengths() -> None:
         ({"audio_latents": 0}, "layouts.medium.audio_latents: must be > 0"),
         ({"text_tokens": -3}, "layouts.medium.text_tokens: must be > 0"),
         ({"text_tokens": "ten"}, "layouts.medium.text_tokens: must be an integer"),
-        ({"latent_frames": 4}, "layouts.medium.latent_frames: must be of the form 5n+2 (the video VAE encodes its 17n+5 "
-         "pixel-frame grid to 5n+2 latent frames), got 4"),
+        ({"latent_frames": 4}, f"layouts.medium.latent_frames: {FRAMES_MESSAGE}, got 4"),
         ({"latent_height": 5}, "layouts.medium.latent_height: must be a multiple of the spatial patch 2, got 5"),
         ({"latent_width": 7}, "layouts.medium.latent_width: must be a multiple of the spatial patch 2, got 7"),
         ({"anchors": ["middle"]}, "layouts.medium.anchors.0: must be one of 'first' or 'last'"),
         ({"colour": 3}, "layouts.medium.colour: unknown field"),
         ({"text_vision_rows": [[4, 4]]}, "layouts.medium.text_vision_rows: entry 0 (4:4): start must be < end"),
         ({"text_vision_rows": [[-1, 2]]}, "layouts.medium.text_vision_rows: entry 0 (-1:2): start must be >= 0"),
-        ({"text_vision_rows": [[2, 11]]}, "layouts.medium.text_vision_rows: entry 0 (2:11): must lie inside the 10 "
-         "text rows"),
+        (
+            {"text_vision_rows": [[2, 11]]},
+            "layouts.medium.text_vision_rows: entry 0 (2:11): must lie inside the 10 text rows",
+        ),
         ({"text_vision_rows": [[5, 8], [1, 6]]}, "layouts.medium.text_vision_rows: 1:6 and 5:8 overlap"),
         ({"seq_len": 0}, "layouts.medium.seq_len: must be > 0"),
     ],
@@ -129,29 +132,38 @@ def test_patch_pack_unpack_is_an_exact_inverse() -> None:
         unpatchify_video_latents(rows[1:], latents.shape)
 
 
+def geometry_flags(**overrides: str) -> list[str]:
+    """The five geometry flags of GOOD as CLI arguments, with some values replaced."""
+    values = {**{k: str(v) for k, v in GOOD.items()}, **overrides}
+    return [arg for key, value in values.items() for arg in ("--" + key.replace("_", "-"), value)]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--text-tokens", "10"], "--latent-frames: required when any geometry flag is given (give all five, or a "
-         "NAME)"),
+        (
+            ["--text-tokens", "10"],
+            "--latent-frames: required when any geometry flag is given (give all five, or a NAME)",
+        ),
         (["small", "--audio-latents", "3"], "layout 'small': --audio-latents cannot be combined with a layout NAME"),
         (["nope"], "layout 'nope': unknown (known: 768p, medium, small, tiny)"),
-        (["--text-tokens", "10", "--latent-frames", "3", "--latent-height", "4", "--latent-width", "6",
-          "--audio-latents", "3"], "--latent-frames 3: must be of the form 5n+2 (the video VAE encodes its 17n+5 "
-         "pixel-frame grid to 5n+2 latent frames), got 3"),
-        (["--text-tokens", "0", "--latent-frames", "2", "--latent-height", "4", "--latent-width", "6",
-          "--audio-latents", "3"], "--text-tokens 0: must be > 0"),
-        (["--text-tokens", "10", "--latent-frames", "2", "--latent-height", "4", "--latent-width", "6",
-          "--audio-latents", "3", "--anchor", "middle"], "--anchor 'middle': must be one of 'first' or 'last'"),
-        (["--text-tokens", "10", "--latent-frames", "2", "--latent-height", "4", "--latent-width", "6",
-          "--audio-latents", "3", "--text-vision-rows", "3-5"], "--text-vision-rows '3-5': expected START:END with "
-         "integer bounds"),
-        (["--text-tokens", "10", "--latent-frames", "2", "--latent-height", "4", "--latent-width", "6",
-          "--audio-latents", "3", "--text-vision-rows", "8:12"], "--text-vision-rows: entry 0 (8:12): must lie "
-         "inside the 10 text rows"),
+        (geometry_flags(latent_frames="3"), f"--latent-frames 3: {FRAMES_MESSAGE}, got 3"),
+        (geometry_flags(text_tokens="0"), "--text-tokens 0: must be > 0"),
+        (geometry_flags(latent_width="5"), "--latent-width 5: must be a multiple of the spatial patch 2, got 5"),
+        ([*geometry_flags(), "--anchor", "middle"], "--anchor 'middle': must be one of 'first' or 'last'"),
+        (
+            [*geometry_flags(), "--text-vision-rows", "3-5"],
+            "--text-vision-rows '3-5': expected START:END with integer bounds",
+        ),
+        (
+            [*geometry_flags(), "--text-vision-rows", "8:12"],
+            "--text-vision-rows: entry 0 (8:12): must lie inside the 10 text rows",
+        ),
         (["tiny", "--save", "out.bin"], "--save out.bin: must end in .safetensors"),
-        (["tiny", "--save", "no/such/dir/x.safetensors"], "--save no/such/dir/x.safetensors: folder no/such/dir does "
-         "not exist"),
+        (
+            ["tiny", "--save", "no/such/dir/x.safetensors"],
+            "--save no/such/dir/x.safetensors: folder no/such/dir does not exist",
+        ),
     ],
 )
 def test_layout_cli_errors(run_cli, args: list[str], message: str) -> None:
@@ -168,6 +180,7 @@ def test_layout_cli_default_is_tiny_and_json_hashes(run_cli) -> None:
     assert body["rows"] == {"text": 120, "video": 128, "audio": 16}
     assert body["sha256"] == layout.tensor_hashes()
     assert len(set(body["sha256"].values())) == 5
+    assert body["sha256"]["text_indices"] == hashlib.sha256(torch.arange(120).numpy().tobytes()).hexdigest()
     code, out, _ = run_cli("layout", "medium")
     assert code == 0 and "S = 3160" in out and "2880" in out and "640" in out
 

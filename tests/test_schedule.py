@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer._click.exceptions import ClickException as VendoredClickException
 
 from h3gate.errors import InputError
 from h3gate.schedule import build_schedule, euler_step, sigma_hash, step_at
@@ -65,12 +64,6 @@ def test_schedule_cli_errors(run_cli, args: list[str], message: str) -> None:
     assert run_cli("schedule", *args) == (2, "", f"h3gate: error: {message}\n")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=VendoredClickException,
-    reason="h3gate.cli.main catches click.ClickException, but typer 0.29 raises its vendored typer._click exceptions "
-    "for usage errors, so they escape the error boundary (lead-owned cli.py)",
-)
 @pytest.mark.parametrize("args", [[], ["--steps", "x"]])
 def test_schedule_cli_usage_errors_exit_2(run_cli, args: list[str]) -> None:
     code, out, err = run_cli("schedule", *args)

@@ -29,7 +29,11 @@ def schedule_command(steps: int, shift: float, save: Path | None, json_: bool) -
     schedule = build_schedule(steps, shift)
     summary = schedule_summary(schedule)
     if save is not None:
-        metadata = {"steps": str(schedule.steps), "shift": repr(schedule.shift), "sigma_sha256": summary["sigma_sha256"]}
+        metadata = {
+            "steps": str(schedule.steps),
+            "shift": repr(schedule.shift),
+            "sigma_sha256": summary["sigma_sha256"],
+        }
         save_safetensors(save, {"sigmas": schedule.sigmas, "timesteps": schedule.timesteps}, metadata)
         summary["saved"] = str(save)
     if json_:

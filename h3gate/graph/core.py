@@ -102,12 +102,18 @@ def run_chained(
 
 
 def run_isolated(
-    graph: Graph, feed: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], ops: OpTable
+    graph: Graph,
+    feed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops: OpTable,
+    node_overrides: Mapping[str, Callable] | None = None,
 ) -> Values:
     """Execute every node on ``feed``'s values of its inputs (e.g. the provider's), independently of each other."""
     values: Values = {}
+    overrides = node_overrides or {}
     for node in graph.nodes:
-        values[node.name] = node.fn(ops, {k: feed[k] for k in node.inputs}, params)
+        fn = overrides.get(node.name, node.fn)
+        values[node.name] = fn(ops, {k: feed[k] for k in node.inputs}, params)
     return values
 
 

@@ -11,6 +11,10 @@ from h3gate.errors import InputError
 # Triton's CPU interpreter computes tl.dot on bf16 operands wrongly; kernels upcast dot operands when this is set.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
+# Compile options every strict kernel launches with: no FMA contraction (each mul/add rounds on its own, as PyTorch's
+# eager ops do; ptxas --fmad=false) and no flush-to-zero inside libdevice transcendentals. The interpreter ignores them.
+STRICT_LAUNCH: dict = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
 
 def check_tensor(
     op: str,
@@ -47,3 +51,48 @@ def check_indices(op: str, arg: str, idx: torch.Tensor, length: int | None, uppe
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= upper:
         raise InputError(f"{op}: {arg}: index out of range [{lo}, {hi}] for size {upper}")
+
+
+def check_table(
+    op: str, arg: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], width: int | None, device: torch.device
+) -> None:
+    """A (rows, width) table whose rows may be strided (a chunk of a wider projection) but each row contiguous."""
+    check_tensor(op, arg, t, dtypes, ndim=2, device=device, contiguous=False)
+    width = t.shape[1] if width is None else width
+    if t.shape[1] != width:
+        raise InputError(f"{op}: {arg}: width {t.shape[1]}, expected {width}")
+    if t.stride(1) != 1 or t.stride(0) < width:
+        raise InputError(f"{op}: {arg}: unsupported layout (strides {t.stride()}); each row must be contiguous")
+
+
+def check_dtype_as(op: str, arg: str, t: torch.Tensor, dtype: torch.dtype, other: str) -> None:
+    """``t`` must have the dtype of argument ``other`` (strict kernels do not promote types)."""
+    if t.dtype != dtype:
+        got, want = str(t.dtype).replace("torch.", ""), str(dtype).replace("torch.", "")
+        raise InputError(f"{op}: {arg}: dtype {got} differs from {other} ({want}); strict kernels do not promote")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _interpreter_index_shim() -> None:
+    """Triton 3.6's interpreter turns loop bounds into ints with ``int(array)`` on 1-element arrays, which NumPy >=
+    2.4 refuses ("only 0-dimensional arrays can be converted"); re-install ``__index__`` with ``.item()``.
+    Interpreter-only: nothing changes on CUDA."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_h3gate_shim", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._h3gate_shim = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _interpreter_index_shim()

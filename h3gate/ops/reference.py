@@ -131,6 +131,11 @@ def gate_residual(x, y, gate, adaln_indices) -> torch.Tensor:
     return x + gate.index_select(0, adaln_indices) * y
 
 
+def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Plain residual ``x + y`` at the operands' dtype (``MiniMaxH3TokenRefinerBlock``: no gate)."""
+    return x + y
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """(.., 2F) -> (.., F): first half value, second half gate: ``value * silu(gate)``."""
     value, gate = h.chunk(2, dim=-1)

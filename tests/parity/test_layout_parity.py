@@ -10,6 +10,8 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3PrepareLayoutStep,
     MiniMaxH3SetTimestepsStep,
+)
+from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     patchify_video_latents as provider_patchify,
 )
 from hypothesis import given, settings

@@ -1,0 +1,301 @@
+"""``h3gate run ws1-block``: block 0 as 17 nodes, provider replay vs candidate vs FP64 golden; evidence + verdict.
+
+Exit codes: 0 the gate passed, 1 it failed (evidence written, failing checks listed), 2 bad input (including strict
+mode meeting a node without its strict kernel: nothing runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.provenance import sha256_file
+from h3gate.evidence.writer import write_evidence
+from h3gate.graph.block import build_block_graph, block_params
+from h3gate.graph.inputs import BlockInputs, build_block_inputs
+from h3gate.layout import PackedLayout, build_layout
+from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
+from h3gate.manifests.model_config import ModelConfig, config_names, load_config
+from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
+from h3gate.ops.registry import MODES
+from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+from h3gate.runs.ws1_block import (
+    BlockGate,
+    BlockGateResult,
+    backward_steps,
+    forward_steps,
+    input_record,
+    run_block_gate,
+    tensors_to_save,
+)
+
+KIND = "ws1-block"
+LAYER = 0
+
+
+@dataclass
+class Ws1BlockSetup:
+    """Everything a ws1-block run needs, resolved and checked (shared by the gate, the bench and tests)."""
+
+    config_name: str
+    cfg: ModelConfig
+    layout: PackedLayout
+    source: object
+    checkpoint: dict
+    device: str
+    params: dict[str, torch.Tensor]
+    inputs: BlockInputs
+    manifests: list[Path]
+
+
+def check_device(device: str) -> str:
+    if device == "cpu":
+        return device
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available on this machine")
+        return device
+    raise InputError(f"--device {device!r}: must be cpu or cuda")
+
+
+def _config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[str, ModelConfig, object, dict, list]:
+    from h3gate.checkpoint import open_checkpoint
+    from h3gate.synth import SyntheticSource
+
+    manifests: list[Path] = []
+    named = None
+    if config is not None:
+        named = load_config(config)
+        path = Path(config) if Path(config).suffix in (".yaml", ".yml") else MANIFESTS / "configs" / f"{config}.yaml"
+        manifests.append(path)
+    if checkpoint is None:
+        manifest = named or load_config("tiny")
+        if named is None:
+            manifests.append(MANIFESTS / "configs" / "tiny.yaml")
+        source = SyntheticSource(manifest.config, seed)
+        return manifest.name, manifest.config, source, {"kind": "synthetic", "path": None, "seed": seed}, manifests
+    source = open_checkpoint(checkpoint)
+    cfg = source.config()
+    if named is not None and named.config != cfg:
+        diff = next(k for k in cfg.model_fields if getattr(cfg, k) != getattr(named.config, k))
+        raise InputError(
+            f"--config {config}: {diff} {getattr(named.config, diff)} does not match the checkpoint's "
+            f"config.json ({getattr(cfg, diff)})"
+        )
+    name = named.name if named is not None else next((n for n in config_names() if load_config(n).config == cfg), None)
+    return name or "checkpoint", cfg, source, {"kind": "checkpoint", "path": str(checkpoint), "seed": None}, manifests
+
+
+def prepare_ws1_block(
+    layout: str, config: str | None, checkpoint: Path | None, device: str, seed: int
+) -> Ws1BlockSetup:
+    """Resolve config, weights, layout, block-0 parameters and the block inputs (every bad input -> InputError)."""
+    device = check_device(device)
+    config_name, cfg, source, ckpt, manifests = _config_for(config, checkpoint, seed)
+    packed = build_layout(load_layout(layout), layout)
+    params = block_params(source, LAYER, device)
+    inputs = build_block_inputs(packed, cfg, source, seed, device)
+    manifests += [LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
+    return Ws1BlockSetup(config_name, cfg, packed, source, ckpt, device, params, inputs, manifests)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr advancing once per execution; a no-op callback when disabled."""
+    if not enabled:
+        yield lambda label: None
+        return
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]ws1-block[/]"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=total)
+        done = [0]
+
+        def step(label: str) -> None:
+            bar.update(task, completed=done[0], description=label)
+            done[0] += 1
+
+        yield step
+        bar.update(task, completed=total)
+
+
+def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
+    """Write ``<name>.safetensors`` for every entry: all temp files first, then ``os.replace`` each."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"--save-tensors {display(folder)}: exists and is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"--save-tensors {display(folder)}: cannot create ({exc.strerror or exc})") from None
+    temps: dict[str, str] = {}
+    try:
+        for name, tensors in files.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+            os.close(fd)
+            temps[name] = tmp
+            save_file(tensors, tmp, metadata=metadata)
+        for name, tmp in temps.items():
+            os.replace(tmp, folder / f"{name}.safetensors")
+    except OSError as exc:
+        raise InputError(f"--save-tensors {display(folder)}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        for tmp in temps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _fmt(x: float | None) -> str:
+    return "null" if x is None else ("0" if x == 0 else f"{x:.2e}")
+
+
+def _mark(ok: bool | None) -> str:
+    return "-" if ok is None else ("[green]yes[/]" if ok else "[red]NO[/]")
+
+
+def _drift(d: dict | None) -> str:
+    if d is None:
+        return "none"
+    return f"{d['node']} (row {d['first_row']}, {d['first_modality']})"
+
+
+def print_table(doc: dict, path: Path) -> None:
+    console = Console()
+    table = Table(title=f"ws1-block: {doc['config']['name']} / {doc['layout']['name']} (S={doc['layout']['seq_len']})")
+    for col in ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "err cand", "err prov", "ok"):
+        table.add_column(col)
+    for n in doc["nodes"]:
+        b = n["binding"]
+        chained = "bitwise" if n["chained"]["bitwise"] else f"row {n['chained']['first_row']}"
+        iso = "bitwise" if n["isolated"]["bitwise"] else f"row {n['isolated']['first_row']}"
+        if n["isolated_bitwise_promise"]["applies"]:
+            iso += " *"
+        table.add_row(
+            n["name"],
+            n["owner_row"],
+            f"{b['actual']}/{b['label']}" + (" [yellow]fallback[/]" if b["fallback"] else ""),
+            _mark(n["repeat"]["bitwise"]),
+            _mark(n["batch_row"]["bitwise"]),
+            chained,
+            iso,
+            _fmt(n["error"]["candidate"]["rel_l2"]),
+            _fmt(n["error"]["provider"]["rel_l2"]),
+            _mark(n["pass"]),
+        )
+    console.print(table)
+    console.print("* = isolated bitwise promised by the tolerance profile; errors are rel_l2 vs the FP64 golden")
+    for key in ("first_drift", "first_isolated_drift", "first_repeat_drift", "first_batch_drift"):
+        console.print(f"{key}: {escape(_drift(doc[key]))}")
+    bw = doc["backward"]
+    if bw is not None:
+        for key in ("first_grad_drift", "first_grad_repeat_drift", "first_grad_batch_drift"):
+            console.print(f"{key}: {escape(_drift(bw[key]))}")
+        leaves_ok = sum(1 for v in bw["leaves"].values() if v and v["pass"])
+        console.print(f"leaf gradients passing: {leaves_ok}/{len(bw['leaves'])}")
+    if doc["fallbacks"]:
+        console.print(f"[yellow]fallbacks ({doc['mode']} mode): {len(doc['fallbacks'])} op bindings ran the provider[/]")
+    colour = "green" if doc["verdict"] == "pass" else "red"
+    console.print(f"verdict: [{colour}]{doc['verdict']}[/] ({len(doc['failing_checks'])} failing checks)")
+    for item in doc["failing_checks"][:20]:
+        console.print(f"  - {escape(item)}")
+    if len(doc["failing_checks"]) > 20:
+        console.print(f"  ... and {len(doc['failing_checks']) - 20} more (see the evidence)")
+    console.print(f"evidence: {display(path)} ({doc['timing']['total_s']:.1f} s)")
+
+
+def build_body(
+    setup: Ws1BlockSetup, result: BlockGateResult, mode: str, seed: int, tol: ToleranceProfile, tol_file: Path
+) -> dict:
+    cfg = setup.cfg
+    return {
+        "config": {
+            "name": setup.config_name,
+            "hidden_size": cfg.hidden_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "attention_head_dim": cfg.attention_head_dim,
+            "ffn_dim": cfg.ffn_dim,
+            "time_embed_dim": cfg.time_embed_dim,
+        },
+        "layout": {
+            "name": setup.layout.name,
+            "seq_len": setup.layout.seq_len,
+            "rows": setup.layout.rows_per_modality(),
+            "anchors": list(setup.layout.spec.anchors),
+            "tensor_sha256": setup.layout.tensor_hashes(),
+        },
+        "device": setup.device,
+        "mode": mode,
+        "seed": seed,
+        "layer": LAYER,
+        "checkpoint": setup.checkpoint,
+        "inputs": input_record(setup.inputs),
+        "tolerance": {"name": tol.name, "file": display(tol_file), "sha256": sha256_file(tol_file)},
+        **result.report,
+    }
+
+
+def ws1_block_command(
+    layout: str,
+    config: str | None,
+    checkpoint: Path | None,
+    device: str,
+    mode: str,
+    backward: bool,
+    tolerance: str,
+    seed: int,
+    save_tensors: Path | None,
+    out: Path | None,
+    json_: bool,
+) -> int:
+    """Run the one-block gate and write ``ws1-block.json``; returns 0 pass / 1 fail (InputError -> 2)."""
+    started = time.perf_counter()
+    if mode not in MODES:
+        raise InputError(f"--mode {mode!r}: must be one of {', '.join(MODES)}")
+    tol_file = tolerance_path(tolerance)
+    tol = load_tolerance(tol_file)
+    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
+        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
+    setup = prepare_ws1_block(layout, config, checkpoint, device, seed)
+    graph = build_block_graph(setup.cfg, LAYER)
+    folder = Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}"
+    steps = forward_steps() + (backward_steps() if backward else [])
+    setup_s = time.perf_counter() - started
+    with progress_bar(len(steps), enabled=not json_ and sys.stderr.isatty()) as step:
+        gate = BlockGate(graph, setup.inputs, setup.params, setup.device, mode, tol, backward, progress=step)
+        result = run_block_gate(gate)
+    body = build_body(setup, result, mode, seed, tol, tol_file)
+    body["timing"]["setup_s"] = round(setup_s, 4)
+    body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
+    if save_tensors is not None:
+        meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": setup.device}
+        save_tensor_files(Path(save_tensors), tensors_to_save(result, graph, setup.inputs), meta)
+        body["saved_tensors"] = display(Path(save_tensors))
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=[*setup.manifests, tol_file], device=device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+    else:
+        print_table(json.loads(path.read_text(encoding="utf-8")), path)
+    return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL

@@ -1,0 +1,346 @@
+"""The whole MiniMax-H3 transformer as named stages of named nodes (diffusers 0.42.1
+``MiniMaxH3Transformer3DModel.forward``, op for op, in its execution order).
+
+Graph inputs (``MODEL_INPUTS``): the request - ``video_rows`` (B, Nv, C*prod(patch)) and ``audio_rows`` (B, Na, Ca)
+at any float dtype, ``text`` (B, Nt, text_dim) - and the layout metadata :func:`derive_metadata` builds -
+``timestep`` (T,) fp32, ``timestep_indices`` / ``adaln_indices`` (S,) int64, ``rope_cos`` / ``rope_sin`` (S, R) fp32,
+the three scatter index tensors and the two output-selection index tensors (normally the same as the scatter ones;
+kept apart so that a stale selection index is a perturbation of its own). Stages and the maths of their nodes::
+
+    embed.video      linear(video.to(W.dtype), W, b)      FP32 module (proj_in)          (B, Nv, H) fp32
+    embed.audio      linear(audio.to(W.dtype), W, b)      FP32 module (audio_proj_in)    (B, Na, H) fp32
+    embed.text       linear(text.to(W.dtype), W, b)       BF16 (context_embedder)        (B, Nt, H) bf16
+    refiner.i.*      token refiner block i (refiner.py, 14 nodes); refiner.final_norm = rmsnorm(final_norm_eps)
+    embed.pack       zeros(B, S, H) at the text dtype; index_copy text, then video and audio cast to it
+    time.sinusoid    [cos(t f), sin(t f)], f_i = exp(-ln(1e4) i / 128)                   (T, 256) fp32
+    time.linear_1 / time.silu / time.linear_2   FP32 timestep MLP (input cast to the module dtype first)
+    block.i.*        transformer block i (block.py, 17 nodes) with temb = time.linear_2
+    final.projection linear(silu(temb).to(W.dtype), W, b) -> shift | scale                 (T, 2H) bf16
+    final.norm_out   rmsnorm(x) * (1 + scale[t_idx]) + shift[t_idx]                         (B, S, H) bf16
+    heads.video_proj linear(x.to(W.dtype), W, b) over every packed row; heads.video_select = index_select(1, idx)
+    heads.audio_proj / heads.audio_select   the same for audio
+
+Each node's ``meta["rows"]`` names its row space (``packed``, ``text``, ``video``, ``audio``, ``timestep``) so that a
+first-drift row maps back to a packed row and modality; ``row_dim == 1`` nodes carry the batch on dim 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.graph.block import build_block_graph
+from h3gate.graph.core import Graph, Node, OpTable
+from h3gate.graph.refiner import build_refiner_graph
+from h3gate.inventory import expected_inventory
+from h3gate.manifests.model_config import MODALITY_NUM, ModelConfig
+from h3gate.ops import reference
+
+MODEL_INPUTS: tuple[str, ...] = (
+    "video_rows",
+    "audio_rows",
+    "text",
+    "timestep",
+    "timestep_indices",
+    "adaln_indices",
+    "rope_cos",
+    "rope_sin",
+    "text_indices",
+    "video_indices",
+    "audio_indices",
+    "video_select",
+    "audio_select",
+)
+METADATA: tuple[str, ...] = MODEL_INPUTS[3:]
+OUTPUTS: tuple[str, str] = ("heads.video_select", "heads.audio_select")
+
+Inputs = Mapping[str, torch.Tensor]
+
+
+class PrefixParams(Mapping):
+    """Read-only view of ``params`` under ``prefix`` (``norm1.weight`` -> ``transformer_blocks.3.norm1.weight``)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], prefix: str) -> None:
+        self._params, self._prefix = params, prefix
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._params[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._prefix)
+        return (k[n:] for k in self._params if k.startswith(self._prefix))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _embed(sub: Graph, prefix: str, param_prefix: str, rename: Mapping[str, str], layer: int | None, rows: str):
+    """``sub``'s nodes renamed ``prefix + name``, inputs wired through ``rename``, params read under ``param_prefix``."""
+    out = []
+    for node in sub.nodes:
+        inputs = tuple(rename.get(i, prefix + i) for i in node.inputs)
+
+        def fn(ops, x, p, _fn=node.fn, _local=node.inputs, _global=inputs):
+            return _fn(ops, {lo: x[gl] for lo, gl in zip(_local, _global, strict=True)}, PrefixParams(p, param_prefix))
+
+        meta = {**node.meta, "rows": rows if node.row_dim is not None else "timestep", "stage": prefix[:-1]}
+        meta["param_prefix"] = param_prefix
+        out.append(replace(node, name=prefix + node.name, inputs=inputs, fn=fn, layer=layer, meta=meta))
+    return out
+
+
+def _node(name, owner, ops, inputs, fn, rows, row_dim=1, maths="", stage=None) -> Node:
+    stage = stage or name.split(".")[0]
+    return Node(name, owner, ops, inputs, fn, row_dim=row_dim, meta={"rows": rows, "maths": maths, "stage": stage})
+
+
+def build_model_graph(cfg: ModelConfig) -> Graph:
+    """Every node of the forward, in diffusers' execution order (rope tables and adaln indices are metadata)."""
+    nodes: list[Node] = []
+
+    def proj(op: str, source: str, prefix: str):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            w = p[f"{prefix}.weight"]
+            return ops[op](x[source].to(w.dtype), w, p[f"{prefix}.bias"])
+
+        return fn
+
+    nodes.append(_node("embed.video", "video_input_projection_fp32", ("video_input_projection_fp32",), ("video_rows",),
+                       proj("video_input_projection_fp32", "video_rows", "proj_in"), "video", maths="proj_in, FP32"))
+    nodes.append(_node("embed.audio", "audio_input_projection_fp32", ("audio_input_projection_fp32",), ("audio_rows",),
+                       proj("audio_input_projection_fp32", "audio_rows", "audio_proj_in"), "audio",
+                       maths="audio_proj_in, FP32"))
+    nodes.append(_node("embed.text", "text_context_projection", ("text_context_projection",), ("text",),
+                       proj("text_context_projection", "text", "context_embedder"), "text",
+                       maths="context_embedder, BF16"))  # fmt: skip
+    stream = "embed.text"
+    refiner = build_refiner_graph(cfg)
+    for i in range(cfg.num_refiner_layers):
+        prefix = f"refiner.{i}."
+        nodes += _embed(refiner, prefix, f"token_refiner.refiner_blocks.{i}.", {"hidden_states": stream}, None, "text")
+        stream = prefix + refiner.output
+
+    def final_norm(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["h3_rmsnorm"](x[stream], p["token_refiner.final_norm.weight"], cfg.final_norm_eps)
+
+    nodes.append(_node("refiner.final_norm", "h3_rmsnorm", ("h3_rmsnorm",), (stream,), final_norm, "text",
+                       maths="rmsnorm(final_norm_eps)"))  # fmt: skip
+
+    def pack(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["packed_index_copy"](
+            x["refiner.final_norm"], x["embed.video"], x["embed.audio"],
+            x["text_indices"], x["video_indices"], x["audio_indices"], x["rope_cos"].shape[0],
+        )  # fmt: skip
+
+    pack_in = ("refiner.final_norm", "embed.video", "embed.audio", "text_indices", "video_indices", "audio_indices",
+               "rope_cos")  # fmt: skip
+    nodes.append(_node("embed.pack", "packed_index_copy", ("packed_index_copy",), pack_in, pack, "packed",
+                       maths="zeros at text dtype; index_copy text, video, audio"))  # fmt: skip
+
+    def sinusoid(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["timestep_sinusoid_h3"](x["timestep"], cfg.freq_dim)
+
+    def t_linear(source: str, k: int):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            w = p[f"time_embedder.linear_{k}.weight"]
+            return ops["timestep_mlp_fp32"](x[source].to(w.dtype), w, p[f"time_embedder.linear_{k}.bias"])
+
+        return fn
+
+    def t_silu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["timestep_mlp_silu"](x["time.linear_1"])
+
+    nodes += [
+        _node("time.sinusoid", "timestep_sinusoid_h3", ("timestep_sinusoid_h3",), ("timestep",), sinusoid, "timestep",
+              row_dim=0, maths="cos first, FP32"),
+        _node("time.linear_1", "timestep_mlp_fp32", ("timestep_mlp_fp32",), ("time.sinusoid",), t_linear("time.sinusoid", 1),
+              "timestep", row_dim=0, maths="FP32"),
+        _node("time.silu", "timestep_mlp_fp32", ("timestep_mlp_silu",), ("time.linear_1",), t_silu, "timestep", row_dim=0),
+        _node("time.linear_2", "timestep_mlp_fp32", ("timestep_mlp_fp32",), ("time.silu",), t_linear("time.silu", 2),
+              "timestep", row_dim=0, maths="FP32"),
+    ]  # fmt: skip
+
+    hidden = "embed.pack"
+    for i in range(cfg.num_layers):
+        block = build_block_graph(cfg, i)
+        rename = {"hidden_states": hidden, "temb": "time.linear_2", "adaln_indices": "adaln_indices",
+                  "rope_cos": "rope_cos", "rope_sin": "rope_sin"}  # fmt: skip
+        nodes += _embed(block, f"block.{i}.", f"transformer_blocks.{i}.", rename, i, "packed")
+        hidden = f"block.{i}.{block.output}"
+
+    def final_projection(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        w = p["norm_out.linear.weight"]
+        return ops["final_adaln_projection"](ops["adaln_silu_cast"](x["time.linear_2"], w.dtype), w,
+                                             p["norm_out.linear.bias"])  # fmt: skip
+
+    def norm_out(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        shift, scale = x["final.projection"].chunk(2, dim=-1)
+        return ops["final_adaln_out"](x[hidden], p["norm_out.norm.weight"], shift, scale, x["timestep_indices"],
+                                      cfg.final_norm_eps)  # fmt: skip
+
+    def head(op: str, prefix: str):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            w = p[f"{prefix}.weight"]
+            return ops[op](x["final.norm_out"].to(w.dtype), w, p[f"{prefix}.bias"])
+
+        return fn
+
+    def select(source: str, index: str):
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops["packed_index_select"](x[source], x[index])
+
+        return fn
+
+    nodes += [
+        _node("final.projection", "final_adaln_out", ("adaln_silu_cast", "final_adaln_projection"), ("time.linear_2",),
+              final_projection, "timestep", row_dim=0, maths="linear(silu(temb).to(W.dtype)) -> shift | scale"),
+        _node("final.norm_out", "final_adaln_out", ("final_adaln_out",), (hidden, "final.projection", "timestep_indices"),
+              norm_out, "packed", maths="rmsnorm(x) * (1 + scale[t_idx]) + shift[t_idx]"),
+        _node("heads.video_proj", "video_output_projection_fp32", ("video_output_projection_fp32",), ("final.norm_out",),
+              head("video_output_projection_fp32", "proj_out"), "packed", maths="proj_out over every row, FP32"),
+        _node("heads.video_select", "packed_index_select", ("packed_index_select",), ("heads.video_proj", "video_select"),
+              select("heads.video_proj", "video_select"), "video", stage="heads"),
+        _node("heads.audio_proj", "audio_output_projection_fp32", ("audio_output_projection_fp32",), ("final.norm_out",),
+              head("audio_output_projection_fp32", "audio_proj_out"), "packed", maths="audio_proj_out, FP32"),
+        _node("heads.audio_select", "packed_index_select", ("packed_index_select",), ("heads.audio_proj", "audio_select"),
+              select("heads.audio_proj", "audio_select"), "audio", stage="heads"),
+    ]  # fmt: skip
+    return Graph("model", tuple(nodes), MODEL_INPUTS, OUTPUTS[1])
+
+
+def stages(graph: Graph) -> list[str]:
+    """Stage names in execution order (``embed``, ``refiner.0``, ``time``, ``block.3``, ``final``, ``heads``...)."""
+    seen: list[str] = []
+    for node in graph.nodes:
+        if node.meta["stage"] not in seen:
+            seen.append(node.meta["stage"])
+    return seen
+
+
+# -- metadata ------------------------------------------------------------------------------------------------------
+
+
+def adaln_rule_h3(timestep_indices: torch.Tensor, token_tags: torch.Tensor, num_timesteps: int) -> torch.Tensor:
+    """diffusers: ``timestep_indices * 3 + token_tags`` (the (3T, H) table is timestep-major)."""
+    return timestep_indices * MODALITY_NUM + token_tags
+
+
+@dataclass(frozen=True)
+class RawMetadata:
+    """What a packed layout and a timestep plan give the model before derivation (all on the CPU or run device)."""
+
+    position_ids: torch.Tensor  # (S, 3) float64
+    token_tags: torch.Tensor  # (S,) int64
+    timestep: torch.Tensor  # (T,) float32
+    timestep_indices: torch.Tensor  # (S,) int64
+    text_indices: torch.Tensor
+    video_indices: torch.Tensor
+    audio_indices: torch.Tensor
+    video_select: torch.Tensor
+    audio_select: torch.Tensor
+
+
+def raw_metadata(layout, timestep: torch.Tensor, timestep_indices: torch.Tensor) -> RawMetadata:
+    """The layout's tensors and a ``(timestep, timestep_indices)`` pair; selection indices = scatter indices."""
+    return RawMetadata(
+        layout.position_ids, layout.token_tags, timestep, timestep_indices, layout.text_indices,
+        layout.video_indices, layout.audio_indices, layout.video_indices, layout.audio_indices,
+    )  # fmt: skip
+
+
+def derive_metadata(
+    raw: RawMetadata,
+    cfg: ModelConfig,
+    device: str | torch.device,
+    adaln_rule: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = adaln_rule_h3,
+) -> dict[str, torch.Tensor]:
+    """The graph's metadata inputs: MM-RoPE tables (FP32 from float64 positions), AdaLN rows, indices on ``device``."""
+    s = raw.position_ids.shape[0]
+    if raw.position_ids.ndim != 2 or raw.position_ids.shape[-1] != 3:
+        raise InputError(f"position_ids: must be (S, 3), got {tuple(raw.position_ids.shape)}")
+    for name in ("token_tags", "timestep_indices"):
+        if tuple(getattr(raw, name).shape) != (s,):
+            raise InputError(f"{name}: must be ({s},) to match position_ids, got {tuple(getattr(raw, name).shape)}")
+    cos, sin = reference.rope_tables(raw.position_ids.to(device), cfg.rope_freq_dim, cfg.rope_theta)
+    ti = raw.timestep_indices.to(device)
+    return {
+        "timestep": raw.timestep.to(device),
+        "timestep_indices": ti,
+        "adaln_indices": adaln_rule(ti, raw.token_tags.to(device), int(raw.timestep.numel())),
+        "rope_cos": cos,
+        "rope_sin": sin,
+        "text_indices": raw.text_indices.to(device),
+        "video_indices": raw.video_indices.to(device),
+        "audio_indices": raw.audio_indices.to(device),
+        "video_select": raw.video_select.to(device),
+        "audio_select": raw.audio_select.to(device),
+    }
+
+
+# -- parameters ----------------------------------------------------------------------------------------------------
+
+
+def load_model_params(source, cfg: ModelConfig, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every inventory tensor of ``cfg`` from ``source``, checked for shape and dtype (InputError naming it)."""
+    have = set(source.names())
+    params: dict[str, torch.Tensor] = {}
+    for spec in expected_inventory(cfg):
+        if spec.name not in have:
+            raise InputError(f"weight source: {spec.name}: missing")
+        tensor = source.load(spec.name, device)
+        if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != getattr(torch, spec.dtype):
+            raise InputError(
+                f"{spec.name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}, expected "
+                f"{tuple(spec.shape)} {spec.dtype}"
+            )
+        params[spec.name] = tensor
+    return params
+
+
+# -- streaming execution -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeOverride:
+    """Replaces one node's function: ``fn(ops, values, params, node)`` sees every value computed so far (graph
+    inputs included) and the full parameter mapping; ``reads`` names the earlier node outputs it needs beyond the
+    node's own inputs, so that streaming execution keeps them alive."""
+
+    fn: Callable[[OpTable, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Node], torch.Tensor]
+    reads: tuple[str, ...] = ()
+    label: str = ""
+
+
+def iter_graph(
+    graph: Graph,
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops: OpTable,
+    overrides: Mapping[str, NodeOverride] | None = None,
+) -> Iterator[tuple[Node, torch.Tensor]]:
+    """Run ``graph`` node by node, yielding ``(node, output)``; an output is dropped after its last consumer, so
+    memory stays at the live set (what a 50-layer model needs on a GPU)."""
+    overrides = overrides or {}
+    missing = [k for k in graph.inputs if k not in inputs]
+    if missing:
+        raise InputError(f"graph {graph.name}: input {missing[0]} missing")
+    last_use: dict[str, int] = {}
+    for k, node in enumerate(graph.nodes):
+        extra = overrides[node.name].reads if node.name in overrides else ()
+        for name in (*node.inputs, *extra):
+            last_use[name] = k
+    values: dict[str, torch.Tensor] = dict(inputs)
+    for k, node in enumerate(graph.nodes):
+        override = overrides.get(node.name)
+        if override is None:
+            out = node.fn(ops, {name: values[name] for name in node.inputs}, params)
+        else:
+            out = override.fn(ops, values, params, node)
+        values[node.name] = out
+        yield node, out
+        for name in [n for n, last in last_use.items() if last == k and n not in graph.inputs]:
+            values.pop(name, None)
+            del last_use[name]

@@ -1,0 +1,215 @@
+"""Strict full attention: non-causal, unmasked, one packed document; forward here, backward in ``attention_bwd``.
+
+Contract (restated in ``manifests/operators/attention.yaml``):
+
+* maths - q, k, v (B, S, nh, D) -> out (B, S, nh * D) at q's dtype: ``softmax(q k^T / sqrt(D)) v`` per (batch,
+  head), no mask, no causality, no dropout. D = 128; any head count.
+* forward (FA2-style online softmax) - one program per (BLOCK_M query rows, batch, head) walks the KV blocks
+  j = 0, 1, ... in ascending order (a masked tail block last when S % BLOCK_N != 0). Per block, in FP32:
+  ``s = (q k^T) * (log2(e) / sqrt(D))`` (MMA, FP32 accumulate), ``m' = max(m, rowmax s)``,
+  ``p = exp2(s - m')``, ``alpha = exp2(m - m')``, ``l = l * alpha + rowsum p``, ``acc = acc * alpha +
+  cast(p) @ v``. End: ``out = cast(acc / l)`` (IEEE division, one rounding), ``lse2 = m + log2(l)`` kept in FP32
+  (log2 domain) for the backward.
+* cast points - ``p`` is rounded to the input dtype (RNE) before the PV MMA (identity for float32 inputs); the
+  output once, at the end. exp2/log2 are libdevice ``__nv_exp2f``/``__nv_log2f`` (the non-FTZ CUDA functions).
+* invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
+  the fixed block order above; batch elements and heads are separate programs (batch-row invariant); the tiling
+  is a function of (D, dtype) only, never of S or B. Repeat runs are bitwise equal. No split-KV, no atomics.
+* backward - see :mod:`h3gate.kernels.attention_bwd`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from h3gate.errors import InputError
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
+from h3gate.kernels.exact import f32, rne
+
+KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v1"
+OP = "h3_full_attention"
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = (128,)
+_DTYPES = (torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tilings of the three attention kernels (a function of head_dim and dtype only)."""
+
+    fwd_m: int = 128
+    fwd_n: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    kv_n: int = 128  # dK/dV kernel: KV rows per program
+    kv_m: int = 64  # dK/dV kernel: query rows per step of its ascending loop
+    kv_warps: int = 8
+    kv_stages: int = 2
+    q_m: int = 128  # dQ kernel: query rows per program
+    q_n: int = 64  # dQ kernel: KV rows per step of its ascending loop
+    q_warps: int = 8
+    q_stages: int = 2
+
+    @property
+    def tag(self) -> str:
+        return (
+            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}_"
+            f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
+            f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}"
+        )
+
+
+# (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
+ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
+    (128, "bfloat16"): AttnConfig(),
+    (128, "float32"): AttnConfig(64, 32, 4, 2, 64, 32, 4, 1, 64, 32, 4, 1),
+}
+
+
+def attn_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
+    return ATTN_TABLE[(head_dim, str(dtype).replace("torch.", ""))]
+
+
+@triton.jit
+def exp2(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.exp2(x)
+    else:
+        return libdevice.exp2(x)
+
+
+@triton.jit
+def log2(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.log2(x)
+    else:
+        return libdevice.log2(x)
+
+
+@triton.jit
+def mma(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` in FP32 (IEEE dot for float32; exact bf16 upcast under the interpreter)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif INTERPRET:
+        return tl.dot(f32(a, INTERPRET), f32(b, INTERPRET), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kv = base + offs_n[:, None] * stride_s + offs_d[None, :]
+    if MASK:
+        k = tl.load(k_ptr + kv, mask=offs_n[:, None] < S, other=0.0)
+        v = tl.load(v_ptr + kv, mask=offs_n[:, None] < S, other=0.0)
+    else:
+        k = tl.load(k_ptr + kv)
+        v = tl.load(v_ptr + kv)
+    s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
+    if MASK:
+        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = exp2(s - m_new[:, None], INTERPRET)
+    alpha = exp2(m_i - m_new, INTERPRET)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = mma(rne(p, v.dtype, INTERPRET), v, acc, INTERPRET)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, qk_scale, stride_b, stride_s,
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INTERPRET: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < S
+    rows = base + offs_m[:, None] * stride_s + offs_d[None, :]
+    q = tl.load(q_ptr + rows, mask=mask_m[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    n_full = S // BLOCK_N
+    for j in range(0, n_full):
+        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale,
+                                   BLOCK_M, BLOCK_N, D, False, INTERPRET)  # fmt: skip
+    if n_full * BLOCK_N < S:
+        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale,
+                                   BLOCK_M, BLOCK_N, D, True, INTERPRET)  # fmt: skip
+    out = tl.div_rn(acc, l_i[:, None])
+    tl.store(o_ptr + rows, rne(out, o_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
+    tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, m_i + log2(l_i, INTERPRET), mask=mask_m)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_tensor(OP, "q", q, _DTYPES, ndim=4)
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(OP, name, t, _DTYPES, ndim=4, device=q.device)
+        if t.dtype != q.dtype:
+            raise InputError(f"{OP}: {name}: dtype {t.dtype} does not match q dtype {q.dtype}".replace("torch.", ""))
+        if t.shape != q.shape:
+            raise InputError(f"{OP}: {name}: shape {tuple(t.shape)} != q shape {tuple(q.shape)} (B, S, nh, D)")
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise InputError(f"{OP}: q: head_dim {q.shape[3]} not supported (supported: {SUPPORTED_HEAD_DIMS})")
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, S, nh*D) at q's dtype, lse2 (B*nh, S) float32 in the log2 domain)."""
+    b, s, h, d = q.shape
+    out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(s, cfg.fwd_m), b * h)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, s, h, LOG2E / math.sqrt(d), q.stride(0), q.stride(1),
+        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, INTERPRET=INTERPRET,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return out, lse
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> torch.Tensor:
+        out, lse = forward(q, k, v, cfg)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from h3gate.kernels.attention_bwd import backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad.dtype != q.dtype:
+            raise InputError(f"{OP}: grad_output: dtype {grad.dtype} != output dtype {q.dtype}")
+        dq, dk, dv = backward(q, k, v, out, lse, grad.contiguous(), ctx.cfg)
+        return dq, dk, dv, None
+
+
+def attention_with(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> torch.Tensor:
+    """The strict attention with an explicit tiling (tests and the GPU bench); validates like :func:`attention`."""
+    _check(q, k, v)
+    return _Attention.apply(q, k, v, cfg)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Strict :func:`h3gate.ops.reference.attention`: (B, S, nh, D) x3 -> (B, S, nh*D), scale 1/sqrt(D)."""
+    _check(q, k, v)
+    return _Attention.apply(q, k, v, attn_config(q.shape[3], q.dtype))
+
+
+h3_full_attention = attention

@@ -1,0 +1,88 @@
+"""IEEE-exact building blocks shared by the strict kernels (Triton ``@jit`` helpers).
+
+* ``f32(x, INTERP)`` - exact upcast of a loaded float32/bfloat16 value to float32.
+* ``rne(x, DT, INTERP)`` - one round-to-nearest-even cast of a float32 value to ``DT`` (float32: no-op). On CUDA this
+  is ``cvt.rn``; under the interpreter (whose float32 -> bfloat16 cast rounds half away and drops carries) it is the
+  integer form ``(bits + 0x7FFF + lsb) >> 16`` that PyTorch's ``c10::BFloat16`` uses.
+* ``exp/sin/cos`` - on CUDA libdevice's ``__nv_expf/__nv_sinf/__nv_cosf`` (the functions nvcc links for PyTorch's
+  eager ``::exp``/``::sin``/``::cos``; Triton's ``tl.exp`` would be the approximate ``ex2.approx`` path); under the
+  interpreter numpy's float32 functions (which differ from PyTorch's CPU SLEEF kernels in the last ulp).
+* ``silu(x)`` - ``x / (1 + exp(-x))`` with an IEEE division (``div_rn``), PyTorch's formula on CPU and CUDA.
+
+Strict kernels launch with :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no libdevice FTZ), and
+use ``tl.div_rn`` / ``tl.sqrt_rn`` (never the approximate ``/`` and ``sqrt`` lowerings).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def f32(x, INTERP: tl.constexpr):
+    if x.dtype == tl.bfloat16:
+        if INTERP:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def rne(x, DT: tl.constexpr, INTERP: tl.constexpr):
+    if DT == tl.bfloat16:
+        if INTERP:
+            bits = x.to(tl.uint32, bitcast=True)
+            r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            r = tl.where(x != x, 0x7FC0, r)
+            return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(tl.bfloat16)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def exp(x, INTERP: tl.constexpr):
+    if INTERP:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def sin(x, INTERP: tl.constexpr):
+    if INTERP:
+        return tl.sin(x)
+    else:
+        return libdevice.sin(x)
+
+
+@triton.jit
+def cos(x, INTERP: tl.constexpr):
+    if INTERP:
+        return tl.cos(x)
+    else:
+        return libdevice.cos(x)
+
+
+@triton.jit
+def silu(x, INTERP: tl.constexpr):
+    """float32 ``x / (1 + exp(-x))`` (one IEEE division)."""
+    return tl.div_rn(x, 1.0 + exp(-x, INTERP))
+
+
+@triton.jit
+def dsilu(x, INTERP: tl.constexpr):
+    """float32 derivative of SiLU: ``sig * (1 + x * (1 - sig))`` with ``sig = 1 / (1 + exp(-x))``."""
+    sig = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp(-x, INTERP))
+    return sig * (1.0 + x * (1.0 - sig))
+
+
+@triton.jit
+def rnd(x, DT: tl.constexpr, INTERP: tl.constexpr):
+    """float32 ``x`` rounded once to ``DT`` and read back as float32 (what a PyTorch op at dtype ``DT`` returns)."""
+    return f32(rne(x, DT, INTERP), INTERP)

@@ -1,0 +1,347 @@
+"""Strict deterministic GEMM: ``linear(x, weight, bias)`` forward and backward, one fixed K order, no split.
+
+Contract (restated in ``manifests/operators/gemm.yaml``):
+
+* maths - ``Y = X @ W^T + b`` with X (M, K) (any leading dims flattened), W (N, K) as nn.Linear, b (N,);
+  output dtype = X's dtype (bfloat16 or float32).
+* accumulation - FP32. BF16 operands go to tensor-core MMAs with an FP32 accumulator; FP32 operands use
+  ``input_precision="ieee"`` (FMA dot, never TF32).
+* reduction order - one program owns one (BLOCK_M x BLOCK_N) output tile and walks the reduction dimension in
+  ascending BLOCK_K chunks, ``acc = dot(a_chunk, b_chunk, acc)``; inside a chunk the order is the MMA's / FMA dot's
+  fixed order for that block shape. No split-K, no Stream-K, no atomics; a masked K tail contributes exact zeros.
+* row invariance - the tiling comes from :func:`h3gate.kernels.gemm_configs.gemm_config` ``(role, N, K, dtype)``,
+  never from M, and M is not specialised at compile time: one binary serves every M, so row r's bytes do not
+  depend on M, on its position, or on the other rows (they only share a program, never a sum).
+* cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
+  (``out = cast(acc + float(b))``; the bf16 rounding is round-to-nearest-even).
+* backward - ``dX = dY @ W`` (reduction over N, ascending chunks, same row invariance), ``dW = dY^T @ X``
+  (reduction over the M rows in one ascending order inside one program, no split, no atomics),
+  ``db = sum_m dY[m]`` (rows in ascending BLOCK_R chunks, each chunk summed by a fixed tree), all FP32-accumulated
+  with one rounding to the parameter's dtype.
+* compilation - every launch uses :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no FTZ).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from h3gate.errors import InputError
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
+from h3gate.kernels.exact import f32, rne
+from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+
+KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _mma(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` in FP32. FP32 operands: IEEE FMA dot. BF16 under the interpreter: exact upcast first."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif INTERPRET:
+        return tl.dot(f32(a, INTERPRET), f32(b, INTERPRET), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped (GROUP_M-swizzled) tile order: a scheduling choice only."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile_id // in_group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % in_group) % size_m
+    pid_n = (tile_id % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M", "NUM_PROGS"])
+def _gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    R,
+    stride_am,
+    stride_ar,
+    stride_br,
+    stride_bn,
+    stride_cm,
+    NUM_PROGS,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    A_TRANS: tl.constexpr,
+    B_TRANS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """C (M, N) = A (M, R) @ B (R, N) [+ bias (N,)], A and B addressed through strides.
+
+    ``A_TRANS``: A is stored as (R, M) row-major (stride_am == 1); ``B_TRANS``: B is stored as (N, R) row-major
+    (stride_br == 1). They only matter to the TMA variant (descriptors need a unit last stride).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(R, BLOCK_K)
+    out_ty = c_ptr.dtype.element_ty
+    if USE_TMA:
+        if A_TRANS:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [R, M], [stride_ar, 1], [BLOCK_K, BLOCK_M])
+        else:
+            a_desc = tl.make_tensor_descriptor(a_ptr, [M, R], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        if B_TRANS:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, BLOCK_N])
+        c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            # Out-of-bounds rows/columns are zero-filled by the TMA unit.
+            for ki in range(k_tiles):
+                off_k = ki * BLOCK_K
+                if A_TRANS:
+                    a = tl.trans(a_desc.load([off_k, pid_m * BLOCK_M]))
+                else:
+                    a = a_desc.load([pid_m * BLOCK_M, off_k])
+                if B_TRANS:
+                    b = tl.trans(b_desc.load([pid_n * BLOCK_N, off_k]))
+                else:
+                    b = b_desc.load([off_k, pid_n * BLOCK_N])
+                acc = _mma(a, b, acc, INTERPRET)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
+            b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
+            for ki in range(k_tiles):
+                if EVEN_R:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                else:
+                    rem = R - ki * BLOCK_K
+                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < rem), other=0.0)
+                    b = tl.load(b_ptrs, mask=(offs_k[:, None] < rem) & mask_n[None, :], other=0.0)
+                acc = _mma(a, b, acc, INTERPRET)
+                a_ptrs += BLOCK_K * stride_ar
+                b_ptrs += BLOCK_K * stride_br
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        out = rne(acc, out_ty, INTERPRET)
+        if USE_TMA:
+            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
+        else:
+            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+            tl.store(c_ptrs, out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _colsum_kernel(g_ptr, out_ptr, M, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
+    """out[n] = sum_m g[m, n]: rows in ascending BLOCK_R chunks, each chunk reduced by tl.sum's fixed tree; FP32."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_R):
+        offs_r = m0 + tl.arange(0, BLOCK_R)
+        ptrs = g_ptr + offs_r.to(tl.int64)[:, None] * N + offs_n[None, :]
+        g = tl.load(ptrs, mask=(offs_r[:, None] < M) & mask_n[None, :], other=0.0).to(tl.float32)
+        acc = acc + tl.sum(g, axis=0)
+    tl.store(out_ptr + offs_n, rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
+
+
+# ----------------------------------------------------------------------------------------------------------- launch
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 3  # interpreter: a few programs, so the persistent loop really iterates
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a 16-byte aligned base: a misaligned view is copied (same bytes) to a fresh allocation."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: GemmConfig,
+    *,
+    a_trans: bool,
+    b_trans: bool,
+) -> torch.Tensor:
+    """``out (M, N) = A @ B [+ bias]`` with FP32 accumulation and one rounding into ``out``'s dtype.
+
+    ``a`` is (M, R) row-major, or (R, M) row-major when ``a_trans``; ``b`` is (R, N) row-major, or (N, R)
+    row-major when ``b_trans``. All tensors contiguous, on one device, of one floating dtype.
+    """
+    m, n = out.shape
+    r = a.shape[0] if a_trans else a.shape[1]
+    stride_am, stride_ar = (1, a.stride(0)) if a_trans else (a.stride(0), 1)
+    stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
+    tma = cfg.tma and out.device.type == "cuda"
+    if tma:
+        a, b = _aligned(a), _aligned(b)
+        triton.set_allocator(_tma_allocator)  # a context variable: set on every launch (autograd threads too)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    progs = min(tiles, _num_sms(out.device)) if cfg.persistent else tiles
+    target = out if not tma or out.data_ptr() % 16 == 0 else torch.empty_like(out)
+    _gemm_kernel[(progs,)](
+        a,
+        b,
+        target,
+        bias if bias is not None else target,
+        m,
+        n,
+        r,
+        stride_am,
+        stride_ar,
+        stride_br,
+        stride_bn,
+        target.stride(0),
+        progs,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        HAS_BIAS=bias is not None,
+        EVEN_R=r % cfg.block_k == 0,
+        A_TRANS=a_trans,
+        B_TRANS=b_trans,
+        USE_TMA=tma,
+        INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **STRICT_LAUNCH,
+    )
+    if target is not out:
+        out.copy_(target)
+    return out
+
+
+def colsum(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Fixed-order column sum of a contiguous (M, N) tensor, FP32 accumulation, one rounding to ``dtype``."""
+    m, n = g.shape
+    out = torch.empty(n, dtype=dtype, device=g.device)
+    block_n = 128
+    _colsum_kernel[(triton.cdiv(n, block_n),)](
+        g, out, m, n, BLOCK_R=32, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH
+    )
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- the operator
+
+
+def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_tensor(op, "x", x, _DTYPES)
+    if x.ndim < 1:
+        raise InputError(f"{op}: x: expected at least 1 dim, got a scalar")
+    check_tensor(op, "weight", weight, _DTYPES, ndim=2, device=x.device)
+    if weight.dtype != x.dtype:
+        raise InputError(f"{op}: weight: dtype {_name(weight.dtype)} does not match x dtype {_name(x.dtype)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise InputError(
+            f"{op}: weight: in_features {weight.shape[1]} != x last dim {x.shape[-1]} "
+            f"(x {tuple(x.shape)}, weight {tuple(weight.shape)})"
+        )
+    if bias is not None:
+        check_tensor(op, "bias", bias, _DTYPES, ndim=1, device=x.device)
+        if bias.dtype != x.dtype:
+            raise InputError(f"{op}: bias: dtype {_name(bias.dtype)} does not match x dtype {_name(x.dtype)}")
+        if bias.shape[0] != weight.shape[0]:
+            raise InputError(f"{op}: bias: length {bias.shape[0]} != out_features {weight.shape[0]}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
+        n, k = weight.shape
+        x2 = x.reshape(-1, k)
+        y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype), a_trans=False, b_trans=True)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.op = op
+        return y.view(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        n, k = weight.shape
+        if gy.dtype != x.dtype:
+            raise InputError(f"{ctx.op}: grad_output: dtype {_name(gy.dtype)} != output dtype {_name(x.dtype)}")
+        g2 = gy.reshape(-1, n).contiguous()  # a contiguous copy changes layout, never values
+        x2 = x.reshape(-1, k)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx2 = torch.empty((g2.shape[0], k), dtype=x.dtype, device=x.device)
+            matmul(g2, weight, dx2, None, gemm_config("dx", n, k, x.dtype), a_trans=False, b_trans=False)
+            dx = dx2.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty((n, k), dtype=weight.dtype, device=x.device)
+            matmul(g2, x2, dw, None, gemm_config("dw", n, k, x.dtype), a_trans=True, b_trans=False)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = colsum(g2, weight.dtype)
+        return dx, dw, db, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear"):
+    """Strict ``F.linear``: same signature, shapes and output dtype as :func:`h3gate.ops.reference.linear`."""
+    _check(op, x, weight, bias)
+    return _Linear.apply(x, weight, bias, op)
+
+
+def _operator(op: str):
+    """A module-level entry point per operator, so a bad input names the operator that received it."""
+
+    @functools.wraps(linear)
+    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, weight, bias, op=op)
+
+    fn.__name__ = fn.__qualname__ = op
+    fn.__doc__ = f"``{op}``: the strict deterministic GEMM (see the module docstring for the contract)."
+    return fn
+
+
+h3_qkv_gemm = _operator("h3_qkv_gemm")
+h3_attention_o_gemm = _operator("h3_attention_o_gemm")
+h3_ffn_gate_up_gemm = _operator("h3_ffn_gate_up_gemm")
+h3_ffn_down_gemm = _operator("h3_ffn_down_gemm")
+adaln_projection_3mod = _operator("adaln_projection_3mod")
+text_context_projection = _operator("text_context_projection")
+final_adaln_projection = _operator("final_adaln_projection")
+video_input_projection_fp32 = _operator("video_input_projection_fp32")
+audio_input_projection_fp32 = _operator("audio_input_projection_fp32")
+timestep_mlp_fp32 = _operator("timestep_mlp_fp32")
+video_output_projection_fp32 = _operator("video_output_projection_fp32")
+audio_output_projection_fp32 = _operator("audio_output_projection_fp32")

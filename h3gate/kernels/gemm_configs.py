@@ -1,0 +1,108 @@
+"""Tile configurations of the strict GEMM, keyed by ``(role, N, K, dtype)`` and NEVER by M.
+
+``N`` and ``K`` are always the *forward* layer's ``out_features`` and ``in_features`` (the nn.Linear weight is
+(N, K)); ``role`` says which product of that layer runs:
+
+* ``fwd`` - ``Y (M, N) = X (M, K) @ W^T``, reduction over K;
+* ``dx``  - ``dX (M, K) = dY (M, N) @ W``, reduction over N;
+* ``dw``  - ``dW (N, K) = dY^T @ X``, reduction over the M rows.
+
+Why a row's bytes do not depend on M: the config (BLOCK_M/N/K, warps, stages, variant) is a function of
+``(role, N, K, dtype)`` alone, the kernel is compiled with M unspecialised (``do_not_specialize``), so every M
+runs the same machine code; the reduction dimension is walked in ascending BLOCK_K chunks by one program, and M
+only decides how many row tiles are launched and which rows are masked. Which program (or persistent iteration)
+computes a tile is launch geometry, not arithmetic.
+
+Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
+dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
+(deterministically, from N and K only) where the layer's widths do not allow it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One fixed tiling. ``block_k`` fixes the reduction chunking; the rest is scheduling."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8  # GROUP_M swizzle of the tile order (L2 reuse), no effect on arithmetic
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = False  # grid = #SMs, each program walks tiles tile_id, tile_id + #SMs, ...
+    tma: bool = False  # TMA tensor-descriptor loads/stores instead of pointer loads
+
+    @property
+    def tag(self) -> str:
+        variant = ("tma" if self.tma else "ptr") + ("_pers" if self.persistent else "")
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_w{self.num_warps}_s{self.num_stages}_"
+            f"{variant}"
+        )
+
+
+_BF16 = "bfloat16"
+_FP32 = "float32"
+
+# Plain-kernel baseline measured in /work/shared/anchors/triton-probes-h200.json (row invariant, 0.69-0.77x cuBLAS).
+BF16_LARGE = GemmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)
+# GEMV-style tiling for layers whose rows are distinct timesteps (M = 1..3): one 16-row tile covers every row, so
+# each weight byte is read once; many narrow N tiles keep every SM streaming.
+BF16_SKINNY = GemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
+# True FP32 (input_precision="ieee"): FMA dot, no tensor cores, smaller tiles.
+FP32_LARGE = GemmConfig(64, 128, 32, group_m=8, num_warps=8, num_stages=3)
+FP32_SKINNY = GemmConfig(16, 64, 64, group_m=1, num_warps=4, num_stages=3)
+
+# (role, N, K, dtype) -> config. Layers whose M is a handful of timesteps take the skinny tiling in every role whose
+# output rows are those timesteps (fwd, dx); their dW (output N x K, reduction over the few rows) takes the default.
+TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
+    # adaln_projection_3mod (real: 2688 -> 96768) and final_adaln_projection (2688 -> 10752), BF16, M = T
+    ("fwd", 96768, 2688, _BF16): BF16_SKINNY,
+    ("dx", 96768, 2688, _BF16): BF16_SKINNY,
+    ("fwd", 10752, 2688, _BF16): BF16_SKINNY,
+    ("dx", 10752, 2688, _BF16): BF16_SKINNY,
+    # timestep_mlp_fp32 (real: 256 -> 5376 -> 2688), FP32, M = T
+    ("fwd", 5376, 256, _FP32): FP32_SKINNY,
+    ("dx", 5376, 256, _FP32): FP32_SKINNY,
+    ("fwd", 2688, 5376, _FP32): FP32_SKINNY,
+    ("dx", 2688, 5376, _FP32): FP32_SKINNY,
+}
+
+
+def _pow2_at_least(n: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < n and p < hi:
+        p *= 2
+    return p
+
+
+def default_config(role: str, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The dtype default, narrowed (from N and K only) so tiny layers do not launch mostly-empty tiles."""
+    base = BF16_LARGE if dtype == torch.bfloat16 else FP32_LARGE
+    out_cols = {"fwd": n, "dx": k, "dw": k}[role]
+    return replace(base, block_n=min(base.block_n, _pow2_at_least(out_cols, 16, base.block_n)))
+
+
+def _tma_ok(role: str, n: int, k: int, dtype: torch.dtype) -> bool:
+    """TMA needs every non-last stride 16-byte aligned: rows of X/dX (K wide) and of W/dY/Y (N or K wide)."""
+    size = torch.finfo(dtype).bits // 8
+    return (n * size) % 16 == 0 and (k * size) % 16 == 0
+
+
+def gemm_config(role: str, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The config for ``role`` of the layer with weight (N, K) at ``dtype``. Never depends on M."""
+    if role not in ROLES:
+        raise ValueError(f"gemm role {role!r}: expected one of {ROLES}")
+    name = str(dtype).replace("torch.", "")
+    cfg = TABLE.get((role, n, k, name)) or default_config(role, n, k, dtype)
+    if cfg.tma and not _tma_ok(role, n, k, dtype):
+        cfg = replace(cfg, tma=False)
+    return cfg

@@ -1,0 +1,127 @@
+"""The RFC section 6 ablation matrix as data (``manifests/ablations.yaml``).
+
+Every row changes one factor of the strict arm and declares what must happen:
+
+* ``PASS`` - the probe arm is byte-equal to the strict arm on every compared tensor;
+* ``EXPECTED_DRIFT`` - the first drift (in execution order) matches ``signature``;
+* ``REJECTED`` - the engine refuses to compare the arms (e.g. mis-owned metadata) and says why;
+* ``NA`` - the factor does not exist in H3, justified by a check where one exists.
+
+A signature field that is absent is not checked; ``any`` says the RFC promises only "the first affected" one and the
+engine records whichever it observes. ``row`` is a packed row: an integer, or ``<group>[k]`` resolved against the
+layout (``text``, ``video``, ``audio`` index tensors; ``video_target`` / ``audio_target`` skip condition rows).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, StrictInt, field_validator, model_validator
+
+from h3gate.manifests.loader import load_yaml
+from h3gate.manifests.model_config import Strict
+from h3gate.paths import MANIFESTS
+
+ABLATIONS_FILE = MANIFESTS / "ablations.yaml"
+Result = Literal["PASS", "EXPECTED_DRIFT", "REJECTED", "NA"]
+RESULTS: tuple[str, ...] = ("PASS", "EXPECTED_DRIFT", "REJECTED", "NA")
+Run = Literal["forward", "trajectory", "backward", "distributed", "check"]
+ROW_IDS: tuple[str, ...] = (
+    *(f"A{i}" for i in range(8)),
+    *(f"C{i}" for i in range(3)),
+    *(f"H{i}" for i in range(1, 18)),
+    *(f"H-C{i}" for i in range(8)),
+)
+ROW_SYMBOL = re.compile(r"^(text|video|audio|video_target|audio_target)\[(-?\d+)\]$")
+ANY = "any"
+
+
+class Signature(Strict):
+    """Where the first drift must land. Absent fields are not checked; ``any`` is recorded, not checked."""
+
+    node: str | None = Field(default=None, min_length=1)
+    layer: StrictInt | Literal["any"] | None = None
+    step: StrictInt | Literal["any"] | None = None
+    row: StrictInt | str | None = None
+    modality: Literal["video", "text", "audio", "any"] | None = None
+
+    @field_validator("row")
+    @classmethod
+    def _row(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, str) and value != ANY and not ROW_SYMBOL.match(value):
+            raise ValueError(
+                f"{value!r} must be an integer, 'any', or <group>[k] with group text, video, audio, video_target, "
+                "audio_target"
+            )
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("layer", "step")
+    @classmethod
+    def _non_negative(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+
+class Expected(Strict):
+    result: Result
+    reason: str | None = Field(default=None, min_length=1)
+    signature: Signature | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Expected:
+        if self.result in ("NA", "REJECTED") and not self.reason:
+            raise ValueError(f"reason: required when result is {self.result}")
+        if self.result == "EXPECTED_DRIFT" and (self.signature is None or self.signature.node is None):
+            raise ValueError("signature.node: required when result is EXPECTED_DRIFT")
+        if self.result != "EXPECTED_DRIFT" and self.signature is not None:
+            raise ValueError(f"signature: only an EXPECTED_DRIFT row has one (result is {self.result})")
+        return self
+
+
+class AblationRow(Strict):
+    """One row: the RFC's words, how the engine runs it, and what it must observe."""
+
+    section: Literal["6.1", "6.2", "6.3"]
+    factor: str = Field(min_length=1)
+    interpretation: str = Field(min_length=1)
+    strict_arm: str = Field(min_length=1)
+    probe_arm: str = Field(min_length=1)
+    run: Run
+    probe: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    strict: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9_]*$")
+    ranks: StrictInt = Field(default=1, ge=1)
+    anchors: list[Literal["first", "last"]] = []
+    expected: Expected
+
+    @model_validator(mode="after")
+    def _ranks(self) -> AblationRow:
+        if self.run == "distributed" and self.ranks < 2:
+            raise ValueError("ranks: a distributed row needs ranks >= 2")
+        if self.run != "distributed" and self.ranks != 1:
+            raise ValueError(f"ranks: only a distributed row runs on {self.ranks} ranks")
+        return self
+
+
+class AblationManifest(Strict):
+    rows: dict[str, AblationRow]
+
+    @field_validator("rows")
+    @classmethod
+    def _complete(cls, rows: dict[str, AblationRow]) -> dict[str, AblationRow]:
+        unknown = [k for k in rows if k not in ROW_IDS]
+        if unknown:
+            raise ValueError(f"unknown row id {unknown[0]!r} (RFC section 6 rows: {', '.join(ROW_IDS)})")
+        missing = [k for k in ROW_IDS if k not in rows]
+        if missing:
+            raise ValueError(f"missing RFC section 6 rows: {', '.join(missing)}")
+        return {k: rows[k] for k in ROW_IDS}
+
+
+def load_ablations(path: str | Path | None = None) -> dict[str, AblationRow]:
+    """Every row of ``manifests/ablations.yaml`` (or ``path``), in RFC order."""
+    return load_yaml(Path(path) if path is not None else ABLATIONS_FILE, AblationManifest).rows

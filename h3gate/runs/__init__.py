@@ -1,0 +1,1 @@
+"""Gate engines: each runs its executions and returns a report body and a verdict (no CLI, no printing)."""
