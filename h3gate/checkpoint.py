@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from h3gate.errors import InputError
+from h3gate.manifests.checkpoint_manifest import PrecisionMap
 from h3gate.manifests.loader import validate
 from h3gate.manifests.model_config import ARCHITECTURE, ModelConfig
 from h3gate.paths import display
@@ -319,7 +320,7 @@ def open_checkpoint(path: str | Path, subfolder: str | None = None, require_conf
 
 
 def open_weights(
-    checkpoint: str | Path | None, cfg: ModelConfig | None = None, seed: int = 0, precision: Any = None
+    checkpoint: str | Path | None, cfg: ModelConfig | None = None, seed: int = 0, precision: PrecisionMap | None = None
 ) -> WeightSource:
     """A checkpoint folder when given, otherwise seeded synthetic weights for ``cfg``."""
     if checkpoint is not None:

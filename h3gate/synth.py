@@ -139,14 +139,9 @@ def plan_shards(source: WeightSource, shard_size: int | None) -> list[list[str]]
     return shards
 
 
-def write_safetensors(path: Path, source: WeightSource, names: list[str], metadata: dict[str, str]) -> int:
-    """Write ``names`` of ``source`` to one safetensors file, loading one tensor at a time; returns its size.
-
-    The header (offsets from ``meta``) is written first, padded with spaces to a multiple of 8 bytes; then each
-    tensor's contiguous little-endian bytes in header order.
-    """
-    if sys.byteorder != "little":
-        raise InputError("write_checkpoint: safetensors data is little-endian; this host is big-endian")
+def safetensors_header(source: WeightSource, names: list[str], metadata: dict[str, str]) -> tuple[bytes, int]:
+    """The 8-byte length + JSON header for ``names`` (offsets from ``meta``, padded with spaces to a multiple of 8
+    bytes) and the size of the data section that must follow it."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name in names:
@@ -156,9 +151,19 @@ def write_safetensors(path: Path, source: WeightSource, names: list[str], metada
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, offset
+
+
+def write_safetensors(path: Path, source: WeightSource, names: list[str], metadata: dict[str, str]) -> int:
+    """Write ``names`` of ``source`` to one safetensors file, loading one tensor at a time; returns its size.
+
+    The header is written first, then each tensor's contiguous little-endian bytes in header order.
+    """
+    if sys.byteorder != "little":
+        raise InputError("write_checkpoint: safetensors data is little-endian; this host is big-endian")
+    head, data_size = safetensors_header(source, names, metadata)
     with path.open("wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(blob)
+        fh.write(head)
         for name in names:
             shape, dtype = source.meta(name)
             tensor = source.load(name, "cpu")
@@ -168,7 +173,7 @@ def write_safetensors(path: Path, source: WeightSource, names: list[str], metada
                 )
             fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del tensor
-    return 8 + len(blob) + offset
+    return len(head) + data_size
 
 
 def _shard_name(i: int, n: int) -> str:

@@ -55,13 +55,20 @@ def test_manifest_fingerprint_real_counts():
     inv = fp["inventory"]
     assert inv["tensors"] == 638
     assert inv["parameters"] == 33_122_992_896
-    assert {g: v["tensors"] for g, v in inv["groups"].items()} == {"boundary": 10, "refiner": 21, "block": 600, "head": 7}
+    assert {g: v["tensors"] for g, v in inv["groups"].items()} == {
+        "boundary": 10,
+        "refiner": 21,
+        "block": 600,
+        "head": 7,
+    }
     assert sum(v["parameters"] for v in inv["groups"].values()) == inv["parameters"]
     f32, bf16 = inv["dtypes"]["float32"], inv["dtypes"]["bfloat16"]
     assert (f32["tensors"], bf16["tensors"]) == (12, 626)
     assert f32["bytes"] == 4 * f32["parameters"] and bf16["bytes"] == 2 * bf16["parameters"]
     assert fp["precision"]["fp32_tensors"][:2] == ["proj_in.weight", "proj_in.bias"]
-    assert len(fp["precision"]["fp32_tensors"]) == 12 and "context_embedder.weight" not in fp["precision"]["fp32_tensors"]
+    assert (
+        len(fp["precision"]["fp32_tensors"]) == 12 and "context_embedder.weight" not in fp["precision"]["fp32_tensors"]
+    )
     assert fp["derived"] == {"inner_dim": 7168, "rotary_dim": 96, "video_patch_dim": 96, "adaln_width": 96768}
     assert fp["upstream"]["revision"] == "42ed227ee7df40d41602854ae760620d6eb651fe"
     body = {k: v for k, v in fp.items() if k != "content_sha256"}
@@ -148,7 +155,9 @@ def test_fingerprint_detects(run_cli, tmp_path, tiny_dir, tiny_state, case):
     if where == "missing":
         assert r["missing"] == [detail] and not r["unexpected"] and not r["mismatched"]
     elif where == "unexpected":
-        assert r["unexpected"] == [{"name": "transformer_blocks.0.attn.to_qkv.weight", "shape": [3, 2], "dtype": "float32"}]
+        assert r["unexpected"] == [
+            {"name": "transformer_blocks.0.attn.to_qkv.weight", "shape": [3, 2], "dtype": "float32"}
+        ]
     elif where == "mismatched":
         assert len(r["mismatched"]) == 1 and r["mismatched"][0]["problems"] == [detail]
         assert r["precision_boundary"]["ok"]  # float16 for bfloat16 is a wrong dtype, not a boundary move
@@ -191,8 +200,11 @@ def _wrong_config_field(folder: Path) -> None:
 @pytest.mark.parametrize(
     ("break_it", "message"),
     [
-        (_truncate, r"diffusion_pytorch_model\.safetensors: tensor audio_proj_out\.bias: data ends at byte \d+ but the "
-         r"file has \d+ bytes \(truncated\)"),
+        (
+            _truncate,
+            r"diffusion_pytorch_model\.safetensors: tensor audio_proj_out\.bias: data ends at byte \d+ but the "
+            r"file has \d+ bytes \(truncated\)",
+        ),
         (_corrupt_header, r"diffusion_pytorch_model\.safetensors: header is not valid UTF-8 JSON"),
         (_bad_config, r"config\.json: malformed JSON \(line 1, column 21: Expecting property name"),
         (_wrong_config_field, r"config\.json: hidden_size: must be > 0"),
@@ -238,7 +250,9 @@ def test_usage_errors(run_cli, tmp_path):
 
 def test_synth_cli_then_fingerprint_json(run_cli, tmp_path):
     out = tmp_path / "ck"
-    code, stdout, _ = run_cli("synth-checkpoint", "--out", out, "--config", "tiny", "--seed", "9", "--shard-size", "2000000")
+    code, stdout, _ = run_cli(
+        "synth-checkpoint", "--out", out, "--config", "tiny", "--seed", "9", "--shard-size", "2000000"
+    )
     assert code == 0 and "52 tensors, 2,111,840 parameters" in stdout
     code, stdout, _ = run_cli("fingerprint", "--checkpoint", out, "--out", tmp_path / "ev", "--json")
     assert code == 0
@@ -247,3 +261,41 @@ def test_synth_cli_then_fingerprint_json(run_cli, tmp_path):
     shard_files = set(json.loads((out / INDEX_NAME).read_text())["weight_map"].values())
     assert {s["file"] for s in doc["checkpoint"]["shards"]} == shard_files and len(shard_files) > 1
     assert struct.unpack("<Q", (out / doc["checkpoint"]["shards"][0]["file"]).read_bytes()[:8])[0] % 8 == 0
+
+
+def test_real_scale_checkpoint_is_checked_from_headers_only(tmp_path, monkeypatch):
+    """A 66 GB checkpoint of the released config (a sparse file: real header, unwritten data) is checked in full
+    without reading a single tensor."""
+    from h3gate.checkpoint import CheckpointDir
+    from h3gate.synth import SyntheticSource, safetensors_header
+
+    src = SyntheticSource(MANIFEST.config, 0)
+    folder = tmp_path / "real"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(MANIFEST.config.diffusers_config()))
+    head, data_size = safetensors_header(src, src.names(), {"format": "pt"})
+    with (folder / WEIGHTS_NAME).open("wb") as fh:
+        fh.write(head)
+        fh.truncate(len(head) + data_size)
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("fingerprint read tensor data")
+
+    monkeypatch.setattr(CheckpointDir, "load", no_reads)
+    monkeypatch.setattr(CheckpointDir, "iter_raw", no_reads)
+    monkeypatch.setattr(SyntheticSource, "load", no_reads)
+    r = check_checkpoint(folder, manifest=MANIFEST)
+    assert r["match"] is True and r["config_matches_manifest"] is True
+    assert r["found"] == {"tensors": 638, "parameters": 33_122_992_896}
+    assert r["shards"][0]["bytes"] == len(head) + 66_280_430_080
+
+
+def test_explicit_config_needs_no_config_json(run_cli, tmp_path, tiny_dir):
+    folder = tmp_path / "noconfig"
+    shutil.copytree(tiny_dir, folder)
+    (folder / "config.json").unlink()
+    code, doc, err = _fingerprint(run_cli, tmp_path, "--checkpoint", folder)
+    assert code == 2 and "noconfig/config.json: missing" in err
+    code, doc, _ = _fingerprint(run_cli, tmp_path, "--checkpoint", folder, "--config", "tiny")
+    assert code == 0 and doc["checkpoint"]["config_source"] == "tiny"
+    assert any(p.endswith("configs/tiny.yaml") for p in doc["provenance"]["manifests"])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
@@ -100,16 +101,17 @@ def _print(console: Console, fp: dict, report: dict | None, path: Path) -> None:
 
 
 def _print_report(console: Console, r: dict) -> None:
-    shards = Table(title=f"checkpoint {r['path']} ({r['layout']}, config from {r['config_source']})")
+    shards = Table(title=escape(f"checkpoint {r['path']} ({r['layout']}, config from {r['config_source']})"))
     for col in ("file", "tensors", "bytes"):
         shards.add_column(col, justify="left" if col == "file" else "right")
     for s in r["shards"]:
-        shards.add_row(s["file"], str(s["tensors"]), f"{s['bytes']:,}")
+        shards.add_row(escape(s["file"]), str(s["tensors"]), f"{s['bytes']:,}")
     console.print(shards)
     console.print(
         f"expected {r['expected']['tensors']} tensors / {r['expected']['parameters']:,} parameters; "
         f"found {r['found']['tensors']} / {r['found']['parameters']:,}; config "
-        + ("matches" if r["config_matches_manifest"] else "differs from") + " the manifest"
+        + ("matches" if r["config_matches_manifest"] else "differs from")
+        + " the manifest"
     )
     problems = Table(title="problems")
     for col in ("kind", "tensor", "expected", "found"):
@@ -117,14 +119,20 @@ def _print_report(console: Console, r: dict) -> None:
     rows = [("missing", n, "present", "-") for n in r["missing"]]
     rows += [("unexpected", u["name"], "-", f"{u['shape']} {u['dtype']}") for u in r["unexpected"]]
     rows += [
-        ("mismatched", m["name"], f"{m['expected_shape']} {m['expected_dtype']}", f"{m['found_shape']} {m['found_dtype']}")
+        (
+            "mismatched",
+            m["name"],
+            f"{m['expected_shape']} {m['expected_dtype']}",
+            f"{m['found_shape']} {m['found_dtype']}",
+        )
         for m in r["mismatched"]
     ]
     rows += [
-        ("precision", v["name"], f"{v['expected']} ({v['side']})", v["found"]) for v in r["precision_boundary"]["violations"]
+        ("precision", v["name"], f"{v['expected']} ({v['side']})", v["found"])
+        for v in r["precision_boundary"]["violations"]
     ]
     for row in rows[:ROWS_SHOWN]:
-        problems.add_row(*row)
+        problems.add_row(*(escape(str(cell)) for cell in row))
     if rows:
         console.print(problems)
         if len(rows) > ROWS_SHOWN:

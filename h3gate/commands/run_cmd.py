@@ -25,7 +25,8 @@ from rich.table import Table
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import write_evidence
-from h3gate.graph.block import build_block_graph, block_params
+from h3gate.graph.block import block_params, build_block_graph
+from h3gate.graph.executions import bind_graph
 from h3gate.graph.inputs import BlockInputs, build_block_inputs
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
@@ -101,12 +102,17 @@ def _config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple
 
 
 def prepare_ws1_block(
-    layout: str, config: str | None, checkpoint: Path | None, device: str, seed: int
+    layout: str, config: str | None, checkpoint: Path | None, device: str, seed: int, mode: str = "off"
 ) -> Ws1BlockSetup:
-    """Resolve config, weights, layout, block-0 parameters and the block inputs (every bad input -> InputError)."""
+    """Resolve config, weights, layout, block-0 parameters and the block inputs (every bad input -> InputError).
+
+    The cheap checks run first; ``mode`` is bound for every node before any weight is read, so strict mode fails
+    closed (naming the node) without loading anything.
+    """
     device = check_device(device)
     config_name, cfg, source, ckpt, manifests = _config_for(config, checkpoint, seed)
     packed = build_layout(load_layout(layout), layout)
+    bind_graph(build_block_graph(cfg, LAYER), mode, device)
     params = block_params(source, LAYER, device)
     inputs = build_block_inputs(packed, cfg, source, seed, device)
     manifests += [LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
@@ -176,6 +182,12 @@ def _mark(ok: bool | None) -> str:
     return "-" if ok is None else ("[green]yes[/]" if ok else "[red]NO[/]")
 
 
+def _where(agree: dict) -> str:
+    if agree["bitwise"]:
+        return "bitwise"
+    return f"row {agree['first_row']} {agree['first_modality'] or ''}".rstrip()
+
+
 def _drift(d: dict | None) -> str:
     if d is None:
         return "none"
@@ -183,26 +195,26 @@ def _drift(d: dict | None) -> str:
 
 
 def print_table(doc: dict, path: Path) -> None:
-    console = Console()
-    table = Table(title=f"ws1-block: {doc['config']['name']} / {doc['layout']['name']} (S={doc['layout']['seq_len']})")
-    for col in ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "err cand", "err prov", "ok"):
-        table.add_column(col)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    layout = doc["layout"]
+    table = Table(
+        title=f"ws1-block {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
+        f"mode {doc['mode']}"
+    )
+    for col in ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov", "ok"):
+        table.add_column(col, no_wrap=True)
     for n in doc["nodes"]:
         b = n["binding"]
-        chained = "bitwise" if n["chained"]["bitwise"] else f"row {n['chained']['first_row']}"
-        iso = "bitwise" if n["isolated"]["bitwise"] else f"row {n['isolated']['first_row']}"
-        if n["isolated_bitwise_promise"]["applies"]:
-            iso += " *"
+        iso = _where(n["isolated"]) + (" *" if n["isolated_bitwise_promise"]["applies"] else "")
         table.add_row(
             n["name"],
             n["owner_row"],
-            f"{b['actual']}/{b['label']}" + (" [yellow]fallback[/]" if b["fallback"] else ""),
+            f"{b['actual']}/{b['label']}" + (" [yellow](fallback)[/]" if b["fallback"] else ""),
             _mark(n["repeat"]["bitwise"]),
             _mark(n["batch_row"]["bitwise"]),
-            chained,
+            _where(n["chained"]),
             iso,
-            _fmt(n["error"]["candidate"]["rel_l2"]),
-            _fmt(n["error"]["provider"]["rel_l2"]),
+            f"{_fmt(n['error']['candidate']['rel_l2'])} / {_fmt(n['error']['provider']['rel_l2'])}",
             _mark(n["pass"]),
         )
     console.print(table)
@@ -278,7 +290,7 @@ def ws1_block_command(
     tol = load_tolerance(tol_file)
     if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
         raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
-    setup = prepare_ws1_block(layout, config, checkpoint, device, seed)
+    setup = prepare_ws1_block(layout, config, checkpoint, device, seed, mode)
     graph = build_block_graph(setup.cfg, LAYER)
     folder = Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}"
     steps = forward_steps() + (backward_steps() if backward else [])

@@ -9,7 +9,7 @@ gradients) are compared whole for forward values and skipped (``None``) where th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -44,36 +44,35 @@ def repeat_records(
     return {n: agreement(second[n], first[n], row_dims.get(n), modalities) for n in names}
 
 
+def slices(values: Mapping[str, torch.Tensor | None], batch_dims: Mapping[str, int | None], position: int) -> dict:
+    """The probed item's slice of every (non-None) tensor, cloned so the full batch can be freed."""
+    return {k: select(v, batch_dims.get(k), position).clone() for k, v in values.items() if v is not None}
+
+
 def batch_records(
     names: Sequence[str],
-    runs: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]],
+    reference: Mapping[str, torch.Tensor],
+    placements: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]],
     row_dims: Mapping[str, int | None],
-    batch_dims: Mapping[str, int | None],
     modalities: Sequence[str] | None,
-    skip: Callable[[str], bool] = lambda name: False,
-) -> dict[str, dict | None]:
-    """Per name: ``{"bitwise", "first_row", "first_modality", "placements": [...]}`` or None when skipped.
+) -> dict[str, dict]:
+    """Per name: ``{"bitwise", "first_row", "first_modality", "placements": [...]}``.
 
-    ``runs`` holds ``(size, position, values)``; the first entry is the reference (normally the batch of 1). Each
-    placement record is the agreement of the probed item's slice with the reference's slice.
+    ``reference`` holds the batch-of-1 values; ``placements`` holds ``(size, position, slices)`` where ``slices``
+    are the probed item's slices (:func:`slices`). Each placement record is the agreement of its slice with the
+    reference, bitwise.
     """
-    (_, ref_pos, ref), rest = runs[0], runs[1:]
-    out: dict[str, dict | None] = {}
+    out: dict[str, dict] = {}
     for n in names:
-        if skip(n):
-            out[n] = None
-            continue
-        bd = batch_dims.get(n)
-        base = select(ref[n], bd, ref_pos)
-        placements = []
-        for size, pos, values in rest:
-            rec = agreement(select(values[n], bd, pos), base, row_dims.get(n), modalities)
-            placements.append({"batch": size, "position": pos, **rec})
-        bad = next((p for p in placements if not p["bitwise"]), None)
+        recs = []
+        for size, pos, values in placements:
+            rec = agreement(values[n], reference[n], row_dims.get(n), modalities)
+            recs.append({"batch": size, "position": pos, **rec})
+        bad = next((p for p in recs if not p["bitwise"]), None)
         out[n] = {
             "bitwise": bad is None,
             "first_row": None if bad is None else bad["first_row"],
             "first_modality": None if bad is None else bad["first_modality"],
-            "placements": placements,
+            "placements": recs,
         }
     return out

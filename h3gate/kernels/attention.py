@@ -72,6 +72,11 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 }
 
 
+def qk_scale(head_dim: int) -> float:
+    """``log2(e) / sqrt(D)``: scores are kept in the log2 domain (one FP32 constant shared by every kernel)."""
+    return LOG2E / math.sqrt(head_dim)
+
+
 def attn_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
     return ATTN_TABLE[(head_dim, str(dtype).replace("torch.", ""))]
 
@@ -174,7 +179,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) 
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse, s, h, LOG2E / math.sqrt(d), q.stride(0), q.stride(1),
+        q, k, v, out, lse, s, h, qk_scale(d), q.stride(0), q.stride(1),
         D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, INTERPRET=INTERPRET,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
     )  # fmt: skip

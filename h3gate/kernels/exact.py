@@ -19,8 +19,16 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from h3gate.kernels.common import INTERPRET
 
-@triton.jit
+
+def helper(fn):
+    """``@triton.jit`` for compiled kernels; under the interpreter a plain function (the enclosing kernel's language
+    patch is active while it runs), which avoids the interpreter re-patching Triton on every helper call."""
+    return fn if INTERPRET else triton.jit(fn)
+
+
+@helper
 def f32(x, INTERP: tl.constexpr):
     if x.dtype == tl.bfloat16:
         if INTERP:
@@ -31,7 +39,7 @@ def f32(x, INTERP: tl.constexpr):
         return x.to(tl.float32)
 
 
-@triton.jit
+@helper
 def rne(x, DT: tl.constexpr, INTERP: tl.constexpr):
     if DT == tl.bfloat16:
         if INTERP:
@@ -45,7 +53,7 @@ def rne(x, DT: tl.constexpr, INTERP: tl.constexpr):
         return x.to(DT)
 
 
-@triton.jit
+@helper
 def exp(x, INTERP: tl.constexpr):
     if INTERP:
         return tl.exp(x)
@@ -53,7 +61,7 @@ def exp(x, INTERP: tl.constexpr):
         return libdevice.exp(x)
 
 
-@triton.jit
+@helper
 def sin(x, INTERP: tl.constexpr):
     if INTERP:
         return tl.sin(x)
@@ -61,7 +69,7 @@ def sin(x, INTERP: tl.constexpr):
         return libdevice.sin(x)
 
 
-@triton.jit
+@helper
 def cos(x, INTERP: tl.constexpr):
     if INTERP:
         return tl.cos(x)
@@ -69,20 +77,20 @@ def cos(x, INTERP: tl.constexpr):
         return libdevice.cos(x)
 
 
-@triton.jit
+@helper
 def silu(x, INTERP: tl.constexpr):
     """float32 ``x / (1 + exp(-x))`` (one IEEE division)."""
     return tl.div_rn(x, 1.0 + exp(-x, INTERP))
 
 
-@triton.jit
+@helper
 def dsilu(x, INTERP: tl.constexpr):
     """float32 derivative of SiLU: ``sig * (1 + x * (1 - sig))`` with ``sig = 1 / (1 + exp(-x))``."""
     sig = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp(-x, INTERP))
     return sig * (1.0 + x * (1.0 - sig))
 
 
-@triton.jit
+@helper
 def rnd(x, DT: tl.constexpr, INTERP: tl.constexpr):
     """float32 ``x`` rounded once to ``DT`` and read back as float32 (what a PyTorch op at dtype ``DT`` returns)."""
     return f32(rne(x, DT, INTERP), INTERP)

@@ -69,8 +69,7 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype | N
 
 @triton.jit
 def _segment_partial_kernel(
-    a_ptr, c_ptr, order_ptr, cstart_ptr, cend_ptr, part_ptr, H, a_bs, a_rs, c_bs, c_rs, part_bs,
-    CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr, INTERP: tl.constexpr,
+    a_ptr, c_ptr, order_ptr, cstart_ptr, cend_ptr, part_ptr, H, a_bs, a_rs, c_bs, c_rs, part_bs, max_len, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     k = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -79,7 +78,7 @@ def _segment_partial_kernel(
     start = tl.load(cstart_ptr + k)
     end = tl.load(cend_ptr + k)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for i in range(0, CHUNK):
+    for i in range(0, max_len):  # max_len = longest chunk (<= CHUNK); shorter chunks mask the tail (no-op adds)
         p = start + i
         valid = p < end
         r = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int64)
@@ -122,6 +121,7 @@ class SegmentPlan:
     num_chunks: int
     max_chunks: int
     num_segments: int
+    max_len: int  # longest chunk, <= CHUNK
 
 
 def segment_plan(seg: torch.Tensor, num_segments: int) -> SegmentPlan:
@@ -137,7 +137,8 @@ def segment_plan(seg: torch.Tensor, num_segments: int) -> SegmentPlan:
     local = torch.arange(total, device=dev) - seg_cstart[chunk_seg]
     start = bounds[chunk_seg] + local * CHUNK
     end = torch.minimum(start + CHUNK, bounds[chunk_seg + 1])
-    return SegmentPlan(order, start, end, seg_cstart, total, int(nch.max()), num_segments)
+    max_len = int(torch.clamp(counts, max=CHUNK).max())
+    return SegmentPlan(order, start, end, seg_cstart, total, int(nch.max()), num_segments, max_len)
 
 
 def segment_sum(
@@ -154,8 +155,8 @@ def segment_sum(
     if plan.num_chunks:
         _segment_partial_kernel[(plan.num_chunks, triton.cdiv(h, block_h), nb)](
             a, cc, plan.order, plan.chunk_start, plan.chunk_end, part, h,
-            a.stride(0), a.stride(1), cc.stride(0), cc.stride(1), part.stride(0),
-            CHUNK=CHUNK, BLOCK_H=block_h, PRODUCT=c is not None, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+            a.stride(0), a.stride(1), cc.stride(0), cc.stride(1), part.stride(0), plan.max_len,
+            BLOCK_H=block_h, PRODUCT=c is not None, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
         )  # fmt: skip
     out = torch.empty((nb, plan.num_segments, h), dtype=out_dtype, device=a.device)
     _segment_reduce_kernel[(plan.num_segments, triton.cdiv(h, block_h), nb)](
@@ -176,6 +177,7 @@ def sum_rows(a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         num_chunks=triton.cdiv(m, CHUNK),
         max_chunks=triton.cdiv(m, CHUNK),
         num_segments=1,
+        max_len=min(m, CHUNK),
     )
     return segment_sum(a.unsqueeze(0), plan, out_dtype)[0, 0]
 

@@ -25,7 +25,7 @@ import torch
 from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.drift import first_drift
-from h3gate.gate.invariance import PLACEMENTS, batch_records, place, repeat_records, select
+from h3gate.gate.invariance import PLACEMENTS, batch_records, place, repeat_records, slices
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated, to_float64
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
@@ -143,10 +143,6 @@ class _Executions:
         return leaf_grads, node_grads
 
 
-def _slices(values: Mapping[str, torch.Tensor | None], batch_dims: Mapping[str, int | None], pos: int) -> Values:
-    return {k: select(v, batch_dims.get(k), pos).clone() for k, v in values.items() if v is not None}
-
-
 def _unrelated(gate: BlockGate, tag: str) -> list[torch.Tensor]:
     h = gate.inputs.tensors["hidden_states"]
     n = max(size for size, _ in PLACEMENTS) - 1
@@ -184,14 +180,14 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
     gold = ex.forward("golden", "golden")
     x0 = gate.inputs.tensors["hidden_states"]
     others = _unrelated(gate, "hidden_states")
-    batch: dict[str, list] = {"candidate": [(1, 0, cand)], "provider": [(1, 0, prov)]}
+    batch: dict[str, list] = {"candidate": [], "provider": []}
     for who in ("candidate", "provider"):
         for size, pos in PLACEMENTS[1:]:
             values = ex.forward(who, f"{who} batch {size}", place(x0, others, size, pos))
-            batch[who].append((size, pos, _slices({k: values[k] for k in names}, batch_dims, pos)))
+            batch[who].append((size, pos, slices({k: values[k] for k in names}, batch_dims, pos)))
             del values
-    cand_batch = batch_records(names, batch["candidate"], row_dims, batch_dims, modalities)
-    prov_batch = batch_records(names, batch["provider"], row_dims, batch_dims, modalities)
+    cand_batch = batch_records(names, cand, batch["candidate"], row_dims, modalities)
+    prov_batch = batch_records(names, prov, batch["provider"], row_dims, modalities)
     forward_s = time.perf_counter() - t0
 
     nodes = []
@@ -315,21 +311,16 @@ def _backward(
     others = _unrelated(gate, "hidden_states")
     cots = _unrelated(gate, "cotangent")
     per_row = ["hidden_states", *[n for n in names if batch_dims[n] is not None]]
-    runs: dict[str, list] = {
-        "candidate": [(1, 0, {**c_leaf, **c_node})],
-        "provider": [(1, 0, {**p_leaf, **p_node})],
-    }
+    runs: dict[str, list] = {"candidate": [], "provider": []}
     for who in ("candidate", "provider"):
         for size, pos in PLACEMENTS[1:]:
             lg, ng = ex.grads(who, f"{who} batch {size}", place(cot, cots, size, pos), place(h, others, size, pos))
             picked = {k: v for k, v in {**lg, **ng}.items() if k in per_row}
-            runs[who].append((size, pos, _slices(picked, all_batch, pos)))
+            runs[who].append((size, pos, slices(picked, all_batch, pos)))
             del lg, ng
-
-    def batch_of(who: str) -> dict:
-        return batch_records(per_row, runs[who], all_rows, all_batch, modalities)
-
-    cand_batch, prov_batch = batch_of("candidate"), batch_of("provider")
+    per_row = [k for k in per_row if all(k in values for _, _, values in runs["candidate"] + runs["provider"])]
+    cand_batch = batch_records(per_row, {**c_leaf, **c_node}, runs["candidate"], all_rows, modalities)
+    prov_batch = batch_records(per_row, {**p_leaf, **p_node}, runs["provider"], all_rows, modalities)
 
     def present(values: Values, keys: list[str]) -> list[str]:
         return [k for k in keys if values.get(k) is not None]

@@ -74,7 +74,9 @@ def _forward_stats(model: MiniMaxH3Transformer3DModel, inputs: dict) -> tuple[li
     mod_std: list[float] = []
     hooks = []
     for block in model.transformer_blocks:
-        hooks.append(block.adaln_proj.register_forward_hook(lambda m, i, o: mod_std.append(torch.cat(o).float().std().item())))
+        hooks.append(
+            block.adaln_proj.register_forward_hook(lambda m, i, o: mod_std.append(torch.cat(o).float().std().item()))
+        )
         hooks.append(block.register_forward_hook(lambda m, i, o: block_std.append(_finite_std(o))))
     try:
         with torch.no_grad():
@@ -128,7 +130,9 @@ def test_save_pretrained_checkpoints_pass_fingerprint(run_cli, ours, tmp_path, o
         model = MiniMaxH3Transformer3DModel.from_pretrained(ours["single"], torch_dtype=torch.bfloat16)
     folder = tmp_path / "saved"
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-    code, out, err = run_cli("fingerprint", "--checkpoint", folder, "--out", tmp_path / "ev", "--hash-tensors", "--json")
+    code, out, err = run_cli(
+        "fingerprint", "--checkpoint", folder, "--out", tmp_path / "ev", "--hash-tensors", "--json"
+    )
     assert code == 0, err
     doc = json.loads(out)
     r = doc["checkpoint"]
@@ -169,8 +173,13 @@ def test_real_block0_forward_cpu():
     src = SyntheticSource(REAL, SEED)
     with torch.device("meta"):  # no 2 GB float32 default init; every parameter is assigned from the source below
         block = MiniMaxH3TransformerBlock(
-            REAL.hidden_size, REAL.num_attention_heads, REAL.attention_head_dim, REAL.ffn_dim, REAL.time_embed_dim,
-            REAL.norm_eps, REAL.qk_norm_eps,
+            REAL.hidden_size,
+            REAL.num_attention_heads,
+            REAL.attention_head_dim,
+            REAL.ffn_dim,
+            REAL.time_embed_dim,
+            REAL.norm_eps,
+            REAL.qk_norm_eps,
         )
     prefix = "transformer_blocks.0."
     block.load_state_dict({n.removeprefix(prefix): src.load(n) for n in block_tensor_names(REAL, 0)}, assign=True)

@@ -1,0 +1,276 @@
+"""The ablation engine: run a row's strict arm and probe arm, localise the first drift, judge it against the row.
+
+First drift is the first tensor, in execution order, whose probe bytes differ from the strict bytes: over steps
+(trajectory), stages and layers, nodes, then the first differing packed row and its modality. Before comparison the
+probe value is aligned: its compared batch item is selected (``Arm.batch_row``), and under a row permutation its
+packed rows are put back in logical order (``value[argsort(row_perm)]``; row-id metadata is mapped through
+``row_perm``). Metadata tensors (``meta.*``, ``schedule.*``) are compared and reported separately: a row's observed
+result is decided by the nodes, i.e. by what the model and the samplers computed.
+
+Verdict: the observed result must equal the expected one; for ``EXPECTED_DRIFT`` every given signature field must
+match (``node``/``modality`` exactly, ``layer``/``step`` exactly, ``row`` after resolving ``<group>[k]``); ``any``
+and absent fields are recorded, not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import zip_longest
+
+import torch
+
+from h3gate.ablate.arms import Arm, Stream, backward_stream, forward_stream, trajectory_stream
+from h3gate.errors import InputError
+from h3gate.gate.compare import bitwise_equal, differing_rows, error, tensor_sha256
+from h3gate.graph.core import Graph, Node, OpTable
+from h3gate.graph.model import OUTPUTS
+from h3gate.layout import PackedLayout, build_layout
+from h3gate.manifests.ablations import ANY, ROW_SYMBOL, AblationRow, Signature
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.trajectory import Recipe, Request, make_request
+
+HASHED = (*OUTPUTS, "scheduler.video_step", "scheduler.audio_step", "init.condition_rows")
+
+
+class NonComparable(Exception):
+    """The arms cannot be compared (mis-owned metadata, different programs): the row's observed result is REJECTED."""
+
+
+@dataclass
+class Context:
+    """What every arm of one invocation shares: config, layout, weights, base op table, sampler and request seeds."""
+
+    cfg: ModelConfig
+    layout: PackedLayout
+    device: str
+    seed: int
+    graph: Graph
+    params: dict[str, torch.Tensor]
+    ops: OpTable
+    recipe: Recipe
+    plan: dict
+    execution: dict
+    config_name: str = "tiny"
+    weights: Callable[[int], dict[str, torch.Tensor]] | None = None
+    cache: dict = field(default_factory=dict)
+
+    def request(self, item: int = 0) -> Request:
+        key = ("request", self.layout.name, item)
+        if key not in self.cache:
+            self.cache[key] = make_request(self.layout, self.cfg, self.seed, item, self.device)
+        return self.cache[key]
+
+    def base_arm(self) -> Arm:
+        return Arm(self.layout, self.params, self.ops, (self.request(0),), self.recipe)
+
+    def resolve_row(self, row: int | str) -> int:
+        return resolve_row(self.layout, row)
+
+    def with_anchors(self, anchors: list[str]) -> Context:
+        """The same context on this layout with ``anchors`` (for rows that need condition rows), cached."""
+        if not anchors or list(self.layout.spec.anchors):
+            return self
+        key = ("anchors", tuple(anchors))
+        if key not in self.cache:
+            spec = self.layout.spec.model_copy(update={"anchors": list(anchors), "seq_len": None})
+            layout = build_layout(spec, f"{self.layout.name}+{'+'.join(anchors)}")
+            self.cache[key] = Context(self.cfg, layout, self.device, self.seed, self.graph, self.params, self.ops,
+                                      self.recipe, self.plan, self.execution, self.config_name, self.weights,
+                                      self.cache)  # fmt: skip
+        return self.cache[key]
+
+
+def resolve_row(layout: PackedLayout, row: int | str) -> int:
+    """A packed row: an integer, or ``<group>[k]`` against ``layout``'s index tensors (``*_target`` skip conditions)."""
+    if isinstance(row, int):
+        return row
+    match = ROW_SYMBOL.match(row)
+    if match is None:
+        raise InputError(f"row {row!r}: expected an integer or <group>[k]")
+    group, k = match.group(1), int(match.group(2))
+    skip = {"video_target": layout.num_condition_video_rows, "audio_target": layout.num_condition_audio_rows}
+    indices = getattr(layout, f"{group.split('_')[0]}_indices")[skip.get(group, 0) :]
+    if not -indices.numel() <= k < indices.numel():
+        raise InputError(f"row {row!r}: layout {layout.name!r} has {indices.numel()} {group} rows")
+    return int(indices[k])
+
+
+# -- comparison ----------------------------------------------------------------------------------------------------
+
+
+def align(node: Node, value: torch.Tensor, arm: Arm) -> torch.Tensor:
+    """The arm's value in the strict arm's terms: compared batch item selected, permuted rows put back in order."""
+    if node.row_dim == 1 and value.ndim >= 2:
+        value = value[arm.batch_row : arm.batch_row + 1]
+    if arm.row_perm is not None:
+        perm = arm.row_perm.to(value.device)
+        if node.meta.get("values") == "row_ids":
+            value = perm[value]
+        elif node.meta.get("rows") == "packed" and node.row_dim is not None:
+            value = value.index_select(node.row_dim, torch.argsort(perm))
+    return value
+
+
+def _packed_row(layout: PackedLayout, space: str, local: int) -> int | None:
+    if space == "packed":
+        return local
+    if space in ("text", "video", "audio"):
+        return int(getattr(layout, f"{space}_indices")[local])
+    return None
+
+
+def localise(node: Node, strict: torch.Tensor, probe: torch.Tensor, layout: PackedLayout) -> dict:
+    """Where ``probe`` first differs from ``strict`` at ``node``: packed row, modality, extent."""
+    space = node.meta.get("rows", "none")
+    record = {"node": node.name, "layer": node.layer, "step": node.step, "stage": node.meta.get("stage"),
+              "row": None, "local_row": None, "row_space": space, "modality": None, "rows_differing": None,
+              "max_abs": None, "rel_l2": None}  # fmt: skip
+    if strict.shape != probe.shape or strict.dtype != probe.dtype:
+        record["why"] = f"shape/dtype {tuple(probe.shape)} {probe.dtype} vs {tuple(strict.shape)} {strict.dtype}"
+        return record
+    rows = differing_rows(probe, strict, node.row_dim)
+    if rows is not None and rows.numel():
+        local = int(rows[0])
+        packed = _packed_row(layout, space, local)
+        record.update(local_row=local, row=packed, rows_differing=int(rows.numel()))
+        if packed is not None:
+            record["modality"] = space if space in ("text", "video", "audio") else layout.row_modalities()[packed]
+    record.update(error(probe, strict))
+    return record
+
+
+@dataclass
+class Comparison:
+    first_drift: dict | None = None
+    nodes_compared: int = 0
+    nodes_drifting: int = 0
+    metadata_drift: list[dict] = field(default_factory=list)
+    outputs: dict[str, dict] = field(default_factory=dict)
+    hashes: dict[str, list[dict]] = field(default_factory=lambda: {"strict": [], "probe": []})
+
+    def arm_sha256(self, side: str) -> str:
+        """sha256 over the arm's hashed tensors (outputs, scheduler updates) in execution order."""
+        h = hashlib.sha256()
+        for entry in self.hashes[side]:
+            h.update(f"{entry['step']}:{entry['node']}:{entry['sha256']};".encode())
+        return h.hexdigest()
+
+
+def compare_streams(strict: Stream, probe: Stream, strict_arm: Arm, probe_arm: Arm, layout: PackedLayout) -> Comparison:
+    """Walk both streams in lockstep; the first non-bitwise node is the first drift (metadata reported apart)."""
+    out = Comparison()
+    for pair_s, pair_p in zip_longest(strict, probe, fillvalue=(None, None)):
+        (ns, vs), (np_, vp) = pair_s, pair_p
+        if ns is None or np_ is None or (ns.name, ns.step) != (np_.name, np_.step):
+            where = lambda n: "end of run" if n is None else f"{n.name} (step {n.step})"  # noqa: E731
+            raise NonComparable(f"the arms ran different programs: strict {where(ns)} vs probe {where(np_)}")
+        a, b = align(ns, vs, strict_arm), align(np_, vp, probe_arm)
+        same = a.shape == b.shape and bitwise_equal(b, a)
+        if ns.name in HASHED:
+            for side, value in (("strict", a), ("probe", b)):
+                out.hashes[side].append({"node": ns.name, "step": ns.step, "sha256": tensor_sha256(value)})
+        if ns.name in OUTPUTS or ns.name.startswith("scheduler.") or ns.name.startswith("grad.input"):
+            key = ns.name if ns.step is None else f"{ns.name}@{ns.step}"
+            rows = None if same or a.shape != b.shape else differing_rows(b, a, ns.row_dim)
+            out.outputs[key] = {"bitwise": same, "rows_differing": 0 if same else (None if rows is None else
+                                int(rows.numel())), **({} if same or a.shape != b.shape else error(b, a))}  # fmt: skip
+        if ns.meta.get("kind") == "metadata":
+            if not same:
+                rec = localise(ns, a, b, layout)
+                out.metadata_drift.append({k: rec[k] for k in ("node", "step", "row", "modality", "rows_differing")})
+            continue
+        out.nodes_compared += 1
+        if not same:
+            out.nodes_drifting += 1
+            if out.first_drift is None:
+                out.first_drift = localise(ns, a, b, layout)
+    return out
+
+
+# -- verdict -------------------------------------------------------------------------------------------------------
+
+
+def signature_mismatches(expected: Signature, observed: dict, layout: PackedLayout) -> list[str]:
+    """Each given, non-``any`` field of ``expected`` that ``observed`` does not match, as a sentence."""
+    problems = []
+    for name in ("node", "layer", "step", "modality"):
+        want = getattr(expected, name)
+        if want is not None and want != ANY and observed.get(name) != want:
+            problems.append(f"{name}: expected {want!r}, observed {observed.get(name)!r}")
+    if expected.row is not None and expected.row != ANY:
+        want = resolve_row(layout, expected.row)
+        if observed.get("row") != want:
+            problems.append(f"row: expected {expected.row} = packed row {want}, observed {observed.get('row')!r}")
+    return problems
+
+
+def judge(row: AblationRow, observed_result: str, observed_sig: dict | None, layout: PackedLayout) -> list[str]:
+    """Every way the observation misses the row's expectation (empty: the row passes)."""
+    if observed_result != row.expected.result:
+        return [f"result: expected {row.expected.result}, observed {observed_result}"]
+    if observed_result == "EXPECTED_DRIFT" and row.expected.signature is not None:
+        return signature_mismatches(row.expected.signature, observed_sig or {}, layout)
+    return []
+
+
+def stream_for(run: str, arm: Arm, ctx: Context) -> Stream:
+    if run == "forward":
+        return forward_stream(arm, ctx.graph, ctx.cfg, ctx.plan, ctx.device)
+    if run == "trajectory":
+        return trajectory_stream(arm, ctx.graph, ctx.cfg, ctx.device)
+    if run == "backward":
+        return backward_stream(arm, ctx.graph, ctx.cfg, ctx.plan, ctx.device, ctx.cache.get("grad_params"))
+    raise ValueError(f"run {run!r} has no arm stream")
+
+
+def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
+    """Run one row and return its evidence record (``verdict`` pass/fail against the row's expectation)."""
+    from h3gate.ablate import probes
+
+    started = time.perf_counter()
+    ctx = base.with_anchors(row.anchors)
+    record: dict = {"id": row_id, "section": row.section, "factor": row.factor, "run": row.run, "probe": row.probe,
+                    "strict": row.strict, "layout": ctx.layout.name, "expected": row.expected.model_dump(mode="json"),
+                    "notes": [], "diagnostics": {}}  # fmt: skip
+    record["probe_doc"] = probes.describe(row.probe)
+    observed_sig = None
+    comparison = None
+    try:
+        if row.run in ("check", "distributed"):
+            outcome = probes.run_special(row.probe, ctx, row)
+            observed, reason = outcome.result, outcome.reason
+            observed_sig, comparison = outcome.signature, outcome.comparison
+            record["notes"] += outcome.notes
+            record["diagnostics"].update(outcome.evidence)
+        else:
+            strict_arm = probes.apply(row.strict, ctx, ctx.base_arm()) if row.strict else ctx.base_arm()
+            probe_arm = probes.apply(row.probe, ctx, strict_arm)
+            record["notes"] += list(probe_arm.notes)
+            comparison = compare_streams(stream_for(row.run, strict_arm, ctx), stream_for(row.run, probe_arm, ctx),
+                                         strict_arm, probe_arm, ctx.layout)  # fmt: skip
+            for name, (s_arm, p_arm) in probe_arm.diagnostics.items():
+                diag = compare_streams(stream_for(row.run, s_arm, ctx), stream_for(row.run, p_arm, ctx), s_arm,
+                                       p_arm, ctx.layout)  # fmt: skip
+                record["diagnostics"][name] = {"first_drift": diag.first_drift, "outputs": diag.outputs}
+            observed_sig = comparison.first_drift
+            observed = "PASS" if observed_sig is None else "EXPECTED_DRIFT"
+            reason = None
+    except NonComparable as exc:
+        observed, reason = "REJECTED", str(exc)
+    if comparison is not None:
+        record.update(strict_sha256=comparison.arm_sha256("strict"), probe_sha256=comparison.arm_sha256("probe"),
+                      nodes_compared=comparison.nodes_compared, nodes_drifting=comparison.nodes_drifting,
+                      metadata_drift=comparison.metadata_drift[:16], outputs=comparison.outputs,
+                      hashed=comparison.hashes)  # fmt: skip
+    else:
+        record.update(strict_sha256=None, probe_sha256=None, nodes_compared=0, nodes_drifting=0, metadata_drift=[],
+                      outputs={}, hashed={"strict": [], "probe": []})  # fmt: skip
+    record["observed"] = {"result": observed, "reason": reason, "signature": observed_sig}
+    problems = judge(row, observed, observed_sig, ctx.layout)
+    record["mismatches"] = problems
+    record["verdict"] = "pass" if not problems else "fail"
+    record["wall_s"] = round(time.perf_counter() - started, 3)
+    return record

@@ -1,0 +1,175 @@
+"""Backward of the strict full attention: three kernels, fixed orders, no atomics.
+
+With ``c = log2(e) / sqrt(D)``, ``s = (q k^T) * c`` and the forward's FP32 ``lse2`` (log2 domain), every kernel
+recomputes ``p = exp2(s - lse2)`` exactly as the others do:
+
+1. ``delta[r] = sum_d f32(out[r, d]) * f32(dout[r, d])`` - FP32 products, one fixed tree over D = 128.
+2. dK/dV - one program per (KV block of ``kv_n`` rows, batch, head); it walks the query blocks of ``kv_m`` rows in
+   ascending order (masked tail last): ``dv += cast(p^T) @ dout``, ``dp^T = v @ dout^T``,
+   ``ds^T = p^T * (dp^T - delta)``, ``dk += cast(ds^T) @ q``; at the end ``dk *= 1/sqrt(D)``.
+3. dQ - one program per (query block of ``q_m`` rows, batch, head); it walks the KV blocks of ``q_n`` rows in
+   ascending order: ``ds = p * (dout @ v^T - delta)``, ``dq += cast(ds) @ k``; at the end ``dq *= 1/sqrt(D)``.
+
+All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
+gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
+written by exactly one program, so dQ/dK/dV are repeat-bitwise and batch-row invariant.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from h3gate.kernels.attention import AttnConfig, exp2, mma, qk_scale
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
+from h3gate.kernels.exact import f32, rne
+
+
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, S, H, stride_b, stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  INTERPRET: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
+    o = f32(tl.load(o_ptr + rows, mask=offs_m[:, None] < S, other=0.0), INTERPRET)
+    do = f32(tl.load(do_ptr + rows, mask=offs_m[:, None] < S, other=0.0), INTERPRET)
+    tl.store(delta_ptr + bh.to(tl.int64) * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
+
+
+@triton.jit
+def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, start, S, stride_s, qk_scale,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
+                INTERPRET: tl.constexpr):  # fmt: skip
+    offs_m = start + tl.arange(0, BLOCK_M)
+    rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
+    if MASK:
+        q = tl.load(q_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
+        do = tl.load(do_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
+        lse = tl.load(lse_ptr + stat + offs_m, mask=offs_m < S, other=0.0)
+        dl = tl.load(delta_ptr + stat + offs_m, mask=offs_m < S, other=0.0)
+    else:
+        q = tl.load(q_ptr + rows)
+        do = tl.load(do_ptr + rows)
+        lse = tl.load(lse_ptr + stat + offs_m)
+        dl = tl.load(delta_ptr + stat + offs_m)
+    s_t = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET) * qk_scale
+    p_t = exp2(s_t - lse[None, :], INTERPRET)
+    if MASK:
+        p_t = tl.where(offs_m[None, :] < S, p_t, 0.0)
+    dv = mma(rne(p_t, do.dtype, INTERPRET), do, dv, INTERPRET)
+    dp_t = mma(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
+    ds_t = p_t * (dp_t - dl[None, :])
+    dk = mma(rne(ds_t, q.dtype, INTERPRET), q, dk, INTERPRET)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, S, H, qk_scale, sm_scale,
+                 stride_b, stride_s, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
+    stat = bh.to(tl.int64) * S
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = base + offs_n[:, None] * stride_s + tl.arange(0, D)[None, :]
+    mask_n = offs_n[:, None] < S
+    k = tl.load(k_ptr + rows, mask=mask_n, other=0.0)
+    v = tl.load(v_ptr + rows, mask=mask_n, other=0.0)
+    dk = tl.zeros((BLOCK_N, D), tl.float32)
+    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    m_full = S // BLOCK_M
+    for j in range(0, m_full):
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, j * BLOCK_M, S, stride_s,
+                             qk_scale, BLOCK_N, BLOCK_M, D, False, INTERPRET)  # fmt: skip
+    if m_full * BLOCK_M < S:
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, m_full * BLOCK_M, S,
+                             stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, INTERPRET)  # fmt: skip
+    dk = dk * sm_scale
+    tl.store(dk_ptr + rows, rne(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
+    tl.store(dv_ptr + rows, rne(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
+
+
+@triton.jit
+def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_scale, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    offs_n = start + tl.arange(0, BLOCK_N)
+    rows = base + offs_n[:, None] * stride_s + tl.arange(0, D)[None, :]
+    if MASK:
+        k = tl.load(k_ptr + rows, mask=offs_n[:, None] < S, other=0.0)
+        v = tl.load(v_ptr + rows, mask=offs_n[:, None] < S, other=0.0)
+    else:
+        k = tl.load(k_ptr + rows)
+        v = tl.load(v_ptr + rows)
+    s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
+    p = exp2(s - lse[:, None], INTERPRET)
+    if MASK:
+        p = tl.where(offs_n[None, :] < S, p, 0.0)
+    dp = mma(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
+    ds = p * (dp - dl[:, None])
+    return mma(rne(ds, k.dtype, INTERPRET), k, dq, INTERPRET)
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, H, qk_scale, sm_scale, stride_b,
+               stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               INTERPRET: tl.constexpr):  # fmt: skip
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
+    stat = bh.to(tl.int64) * S
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
+    mask_m = offs_m < S
+    q = tl.load(q_ptr + rows, mask=mask_m[:, None], other=0.0)
+    do = tl.load(do_ptr + rows, mask=mask_m[:, None], other=0.0)
+    lse = tl.load(lse_ptr + stat + offs_m, mask=mask_m, other=0.0)
+    dl = tl.load(delta_ptr + stat + offs_m, mask=mask_m, other=0.0)
+    dq = tl.zeros((BLOCK_M, D), tl.float32)
+    n_full = S // BLOCK_N
+    for j in range(0, n_full):
+        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale, BLOCK_M, BLOCK_N,
+                       D, False, INTERPRET)  # fmt: skip
+    if n_full * BLOCK_N < S:
+        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale, BLOCK_M,
+                       BLOCK_N, D, True, INTERPRET)  # fmt: skip
+    dq = dq * sm_scale
+    tl.store(dq_ptr + rows, rne(dq, dq_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    cfg: AttnConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (B, S, nh, D) at q's dtype, from the forward's ``out`` and FP32 ``lse2`` and ``grad`` = dL/dout."""
+    b, s, h, d = q.shape
+    sm_scale = 1.0 / math.sqrt(d)
+    c = qk_scale(d)
+    stride_b, stride_s = q.stride(0), q.stride(1)
+    delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
+    _delta_kernel[(triton.cdiv(s, 64), b * h)](
+        out, grad, delta, s, h, stride_b, stride_s, D=d, BLOCK_M=64, INTERPRET=INTERPRET, num_warps=4,
+        **STRICT_LAUNCH,
+    )  # fmt: skip
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
+        q, k, v, grad, lse, delta, dk, dv, s, h, c, sm_scale, stride_b, stride_s,
+        D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
+        num_stages=cfg.kv_stages, **STRICT_LAUNCH,
+    )  # fmt: skip
+    _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
+        q, k, v, grad, lse, delta, dq, s, h, c, sm_scale, stride_b, stride_s,
+        D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, INTERPRET=INTERPRET, num_warps=cfg.q_warps,
+        num_stages=cfg.q_stages, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return dq, dk, dv

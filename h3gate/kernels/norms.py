@@ -1,0 +1,277 @@
+"""RMSNorm rows: ``h3_rmsnorm`` (plain), ``h3_rmsnorm_modulate`` / ``final_adaln_out`` (norm + AdaLN modulation) and
+``h3_qk_rmsnorm_d128`` (per head over D = 128).
+
+Forward, per row (one row never reads another; rows per program fixed by H alone, never by the row count):
+
+* ``ss = sum(x_f32 * x_f32)`` - float32, one ``tl.sum`` tree over the row's ``BLOCK_H`` lanes (fixed for a given
+  H, identical for every row and every row count);
+* ``rstd = 1 / sqrt_rn(ss / H + eps)`` - IEEE division and square root;
+* ``n = round(x_f32 * rstd * w_f32)`` (one rounding, the torch>=2.9 ``_fused_rms_norm`` composite) or, when the
+  provider rounds before the weight (``ROUND_FIRST``), ``round(round(x_f32 * rstd) * w)``. The rule is measured,
+  not assumed: :func:`provider_rounds_first` runs the device's ``F.rms_norm`` on an exact-sum probe once per process
+  and picks the order that reproduces it;
+* modulation at the provider's dtype, rounding after each op: ``round(round(n * round(1 + scale[row])) + shift[row])``
+  with ``row = idx[s]`` read straight from the (row-strided) table.
+
+Not provider-bitwise in general: the provider's sum of squares is torch's own reduction (CPU cascade sum, CUDA
+reduce kernel) whose order differs; with exact-sum inputs (where order cannot matter) every rounding point matches.
+
+Backward (float32, deterministic, no atomics): ``dn = g * round(1 + scale[row])`` (or ``g``), ``dx = rstd * (dn * w -
+xhat * sum(dn * w * xhat) / H)`` per row (one ``tl.sum`` tree), cast once; ``dweight``: each program owns
+``BWD_ROWS = 32`` consecutive rows, taken as sub-tiles of the forward's ``BLOCK_M`` rows (fixed by H) in ascending
+order, each sub-tile's ``dn * xhat`` combined by one ``tl.sum`` tree over its rows and added to a float32 partial;
+partials are then summed in ascending program order (``gather.sum_rows``) and cast once; ``dshift``/``dscale`` tables: fixed-order
+segment sums of ``g`` / ``g * n`` over every row (``gather.table_grad``).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from h3gate.errors import InputError
+from h3gate.kernels import exact
+from h3gate.kernels.common import (
+    INTERPRET,
+    STRICT_LAUNCH,
+    check_dtype_as,
+    check_indices,
+    check_table,
+    check_tensor,
+    next_pow2,
+)
+from h3gate.kernels.gather import sum_rows, table_grad
+
+BWD_ROWS = 32
+HEAD_DIM = 128
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@exact.helper
+def _normed(xhat, w, DT: tl.constexpr, ROUND_FIRST: tl.constexpr, INTERP: tl.constexpr):
+    if ROUND_FIRST:
+        return exact.rnd(exact.rnd(xhat, DT, INTERP) * w, DT, INTERP)
+    else:
+        return exact.rnd(xhat * w, DT, INTERP)
+
+
+@triton.jit
+def _rms_fwd_kernel(
+    x_ptr, w_ptr, out_ptr, rstd_ptr, shift_ptr, scale_ptr, idx_ptr, M, H, S, shift_rs, scale_rs, h_f, eps,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODULATE: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    SAVE_RSTD: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_H)
+    rm = rows < M
+    cm = cols < H
+    m = rm[:, None] & cm[None, :]
+    offs = rows[:, None] * H + cols[None, :]
+    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+    w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)
+    ss = tl.sum(x * x, axis=1)
+    rstd = tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
+    n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
+    if MODULATE:
+        j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
+        sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0), INTERP)
+        sh = exact.f32(tl.load(shift_ptr + j[:, None] * shift_rs + cols[None, :], mask=m, other=0.0), INTERP)
+        n = exact.rnd(n * exact.rnd(1.0 + sc, DT, INTERP), DT, INTERP)
+        n = exact.rnd(n + sh, DT, INTERP)
+    tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
+    if SAVE_RSTD:
+        tl.store(rstd_ptr + rows, rstd, mask=rm)
+
+
+@triton.jit
+def _rms_bwd_kernel(
+    x_ptr, w_ptr, g_ptr, rstd_ptr, scale_ptr, idx_ptr, dx_ptr, n_ptr, dwp_ptr, M, H, S, scale_rs, h_f,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODULATE: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    DT: tl.constexpr = dx_ptr.dtype.element_ty
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    cm = cols < H
+    w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)[None, :]
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for i in range(0, ROWS // BLOCK_M):
+        rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = rows < M
+        m = rm[:, None] & cm[None, :]
+        offs = rows[:, None] * H + cols[None, :]
+        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+        g = exact.f32(tl.load(g_ptr + offs, mask=m, other=0.0), INTERP)
+        rstd = tl.load(rstd_ptr + rows, mask=rm, other=0.0)[:, None]
+        xhat = x * rstd
+        if MODULATE:
+            j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
+            sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0), INTERP)
+            dn = g * exact.rnd(1.0 + sc, DT, INTERP)
+            if NEED_N:
+                tl.store(n_ptr + offs, exact.rne(_normed(xhat, w, DT, ROUND_FIRST, INTERP), DT, INTERP), mask=m)
+        else:
+            dn = g
+        dw = dw + tl.sum(dn * xhat, axis=0)
+        dxhat = dn * w
+        c = tl.div_rn(tl.sum(dxhat * xhat, axis=1), h_f)[:, None]
+        dx = rstd * (dxhat - xhat * c)
+        tl.store(dx_ptr + offs, exact.rne(dx, DT, INTERP), mask=m)
+    tl.store(dwp_ptr + pid * H + cols, dw, mask=cm)
+
+
+@cache
+def _probe(device_type: str, index: int | None) -> bool:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    gen = torch.Generator().manual_seed(1234)
+    h = 64
+    x = (torch.randint(-16, 17, (256, h), generator=gen).float() / 4).to(torch.bfloat16).to(device)
+    w = torch.randn(h, generator=gen).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        got = F.rms_norm(x, (h,), w, 1e-5)
+        xf = x.float()
+        xhat = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) / h + 1e-5)  # exact sum: order cannot matter
+        first = (xhat.to(torch.bfloat16) * w).view(torch.int16)
+        once = (xhat * w.float()).to(torch.bfloat16).view(torch.int16)
+        miss_first = int((first != got.view(torch.int16)).sum())
+        miss_once = int((once != got.view(torch.int16)).sum())
+    return miss_first < miss_once
+
+
+def provider_rounds_first(device: torch.device) -> bool:
+    """Whether ``F.rms_norm`` on ``device`` rounds ``x * rstd`` to the input dtype before the weight multiply.
+
+    Measured once per process (exact-sum probe, 256 x 64 bfloat16); the order with fewer mismatches wins."""
+    return _probe(device.type, device.index)
+
+
+def rounding_rule(device: torch.device) -> str:
+    return "round(x*rstd) then *w" if provider_rounds_first(device) else "round(x*rstd*w) once"
+
+
+def _fwd_config(h: int) -> tuple[int, int, int]:
+    block_h = next_pow2(h)
+    block_m = max(1, min(16, 2048 // block_h))
+    tile = block_m * block_h
+    return block_h, block_m, 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, idx, eps):
+        h = x.shape[-1]
+        m = x.numel() // h
+        s = idx.shape[0] if idx is not None else 1
+        modulate = idx is not None
+        round_first = provider_rounds_first(x.device)
+        save = any(ctx.needs_input_grad[:4])
+        out = torch.empty_like(x)
+        rstd = torch.empty(m if save else 1, dtype=torch.float32, device=x.device)
+        block_h, block_m, warps = _fwd_config(h)
+        _rms_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x, weight, out, rstd, shift if modulate else x, scale if modulate else x, idx if modulate else x,
+            m, h, s, shift.stride(0) if modulate else 0, scale.stride(0) if modulate else 0, float(h), float(eps),
+            BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
+            INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, rstd, scale, idx)
+        ctx.round_first = round_first
+        ctx.table_rows = scale.shape[0] if modulate else 0
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd, scale, idx = ctx.saved_tensors
+        modulate = idx is not None
+        g = grad.contiguous()
+        h = x.shape[-1]
+        m = x.numel() // h
+        need_n = modulate and ctx.needs_input_grad[3]
+        dx = torch.empty_like(x)
+        n = torch.empty_like(x) if need_n else dx
+        progs = triton.cdiv(m, BWD_ROWS)
+        dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
+        block_h, block_m, warps = _fwd_config(h)
+        _rms_bwd_kernel[(progs,)](
+            x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
+            m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
+            ROWS=BWD_ROWS, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=ctx.round_first,
+            NEED_N=need_n, INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+        )  # fmt: skip
+        dweight = sum_rows(dwp, weight.dtype) if ctx.needs_input_grad[1] else None
+        dshift = dscale = None
+        if modulate and ctx.needs_input_grad[2]:
+            dshift = table_grad(g, idx, ctx.table_rows, x.dtype)
+        if need_n:
+            dscale = table_grad(g, idx, ctx.table_rows, x.dtype, other=n)
+        return dx, dweight, dshift, dscale, None, None
+
+
+def _check_x(op: str, x: torch.Tensor, weight: torch.Tensor, width: int | None = None) -> None:
+    check_tensor(op, "x", x, _DTYPES)
+    if x.ndim < 2:
+        raise InputError(f"{op}: x: expected (..., rows, H), got shape {tuple(x.shape)}")
+    check_tensor(op, "weight", weight, _DTYPES, ndim=1, device=x.device)
+    check_dtype_as(op, "weight", weight, x.dtype, "x")
+    h = width or x.shape[-1]
+    if weight.shape[0] != h:
+        raise InputError(f"{op}: weight: length {weight.shape[0]}, expected {h}")
+
+
+def _check_eps(op: str, eps: float) -> None:
+    if not isinstance(eps, int | float) or not eps > 0:
+        raise InputError(f"{op}: eps: must be a positive number, got {eps!r}")
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h3_rmsnorm``: RMSNorm over the last dim of a contiguous (..., H) tensor (refiner and final norms)."""
+    _check_x("h3_rmsnorm", x, weight)
+    _check_eps("h3_rmsnorm", eps)
+    return _RmsNorm.apply(x, weight, None, None, None, float(eps))
+
+
+def _modulate(op: str, x, weight, shift, scale, indices, eps, index_arg: str) -> torch.Tensor:
+    _check_x(op, x, weight)
+    _check_eps(op, eps)
+    if x.ndim not in (2, 3):
+        raise InputError(f"{op}: x: expected (B, S, H) or (S, H), got shape {tuple(x.shape)}")
+    h = x.shape[-1]
+    check_table(op, "shift", shift, _DTYPES, h, x.device)
+    check_table(op, "scale", scale, _DTYPES, h, x.device)
+    check_dtype_as(op, "shift", shift, x.dtype, "x")
+    check_dtype_as(op, "scale", scale, x.dtype, "x")
+    if shift.shape[0] != scale.shape[0]:
+        raise InputError(f"{op}: shift/scale: {shift.shape[0]} vs {scale.shape[0]} table rows")
+    check_indices(op, index_arg, indices, x.shape[-2], scale.shape[0], x.device)
+    return _RmsNorm.apply(x, weight, shift, scale, indices, float(eps))
+
+
+def rmsnorm_modulate(x, weight, shift, scale, adaln_indices, eps: float) -> torch.Tensor:
+    """``h3_rmsnorm_modulate``: ``rmsnorm(x) * (1 + scale[idx]) + shift[idx]``; (3T, H) tables may be row-strided
+    chunks of the AdaLN projection (no copy)."""
+    return _modulate("h3_rmsnorm_modulate", x, weight, shift, scale, adaln_indices, eps, "adaln_indices")
+
+
+def final_adaln_out(x, weight, shift, scale, timestep_indices, eps: float) -> torch.Tensor:
+    """``final_adaln_out``: the same kernel with (T, H) per-timestep shift/scale tables and ``timestep_indices``."""
+    return _modulate("final_adaln_out", x, weight, shift, scale, timestep_indices, eps, "timestep_indices")
+
+
+def qk_rmsnorm(x: torch.Tensor, weight: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    """``h3_qk_rmsnorm_d128``: (B, S, nh*128) -> (B, S, nh, 128), RMSNorm per head over D = 128 (any head count)."""
+    op = "h3_qk_rmsnorm_d128"
+    check_tensor(op, "x", x, _DTYPES)
+    if not isinstance(heads, int) or heads < 1 or x.shape[-1] % heads:
+        raise InputError(f"{op}: heads: {heads!r} does not divide the last dim {x.shape[-1]}")
+    d = x.shape[-1] // heads
+    if d != HEAD_DIM:
+        raise InputError(f"{op}: x: head dim {d} unsupported (this kernel is D = {HEAD_DIM} only)")
+    _check_x(op, x, weight, HEAD_DIM)
+    _check_eps(op, eps)
+    out = _RmsNorm.apply(x.view(*x.shape[:-1], heads, d), weight, None, None, None, float(eps))
+    return out

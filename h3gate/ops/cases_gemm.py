@@ -1,0 +1,102 @@
+"""Case builders for the GEMM rows and full attention (protocol: :mod:`h3gate.ops.cases`).
+
+Each builder makes one operator's inputs at ``rows`` packed rows with ``cfg``'s real widths and the provider's
+dtypes, seeded on the CPU. Weights are scaled by ``1/sqrt(in_features)`` so outputs stay O(1). Layers whose rows are
+distinct timesteps (the AdaLN projections, the timestep MLP) take ``T = min(rows, 3)`` rows: a rollout step sees at
+most three distinct timesteps there, never the packed sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.ops.cases import CaseBuilder, OpCase, randn
+
+BF16, FP32 = torch.bfloat16, torch.float32
+MAX_TIMESTEPS = 3
+
+
+def _linear_case(
+    op: str, rows: int, k: int, n: int, dtype: torch.dtype, bias: bool, packed: bool, device, seed: int
+) -> OpCase:
+    """x (1, rows, K) when ``packed`` (batch dim 0, row dim 1), else (rows, K) (row dim 0); weight (N, K)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, rows, k) if packed else (rows, k)
+    x = randn(shape, dtype, device, gen)
+    w = randn((n, k), dtype, device, gen, scale=k**-0.5)
+    args: tuple = (x, w, randn((n,), dtype, device, gen, scale=0.1)) if bias else (x, w)
+    size = torch.finfo(dtype).bits // 8
+    row_dim = 1 if packed else 0
+    return OpCase(
+        op=op,
+        args=args,
+        grad_args=tuple(range(len(args))),
+        batch_dims={0: 0} if packed else {},
+        out_batch_dim=0 if packed else None,
+        row_dims={0: row_dim},
+        out_row_dim=row_dim,
+        bytes_moved=size * (rows * k + n * k + rows * n + (n if bias else 0)),
+        flops=2 * rows * n * k,
+        shape=f"M={rows} K={k} N={n} {str(dtype).replace('torch.', '')}{' +bias' if bias else ''}",
+    )
+
+
+def _gemm(op: str, widths: Callable[[ModelConfig], tuple[int, int]], dtype, bias: bool, timestep_rows: bool = False):
+    def build(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+        k, n = widths(cfg)
+        m = min(rows, MAX_TIMESTEPS) if timestep_rows else rows
+        return _linear_case(op, m, k, n, dtype, bias, not timestep_rows, device, seed)
+
+    return build
+
+
+def _attention(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+    gen = torch.Generator().manual_seed(seed)
+    h, d = cfg.num_attention_heads, cfg.attention_head_dim
+    q, k, v = (randn((1, rows, h, d), BF16, device, gen) for _ in range(3))
+    return OpCase(
+        op="h3_full_attention",
+        args=(q, k, v),
+        grad_args=(0, 1, 2),
+        batch_dims={0: 0, 1: 0, 2: 0},
+        out_batch_dim=0,
+        bytes_moved=2 * 4 * rows * h * d,
+        flops=4 * rows * rows * h * d,
+        shape=f"S={rows} heads={h} D={d} bfloat16",
+    )
+
+
+CASES: dict[str, CaseBuilder] = {
+    "h3_qkv_gemm": _gemm("h3_qkv_gemm", lambda c: (c.hidden_size, c.inner_dim), BF16, False),
+    "h3_attention_o_gemm": _gemm("h3_attention_o_gemm", lambda c: (c.inner_dim, c.hidden_size), BF16, False),
+    "h3_ffn_gate_up_gemm": _gemm("h3_ffn_gate_up_gemm", lambda c: (c.hidden_size, 2 * c.ffn_dim), BF16, False),
+    "h3_ffn_down_gemm": _gemm("h3_ffn_down_gemm", lambda c: (c.ffn_dim, c.hidden_size), BF16, False),
+    "adaln_projection_3mod": _gemm(
+        "adaln_projection_3mod", lambda c: (c.time_embed_dim, c.adaln_width), BF16, True, timestep_rows=True
+    ),
+    "final_adaln_projection": _gemm(
+        "final_adaln_projection", lambda c: (c.time_embed_dim, 2 * c.hidden_size), BF16, True, timestep_rows=True
+    ),
+    "text_context_projection": _gemm(
+        "text_context_projection", lambda c: (c.text_dim, c.hidden_size), BF16, True
+    ),
+    "video_input_projection_fp32": _gemm(
+        "video_input_projection_fp32", lambda c: (c.video_patch_dim, c.hidden_size), FP32, True
+    ),
+    "audio_input_projection_fp32": _gemm(
+        "audio_input_projection_fp32", lambda c: (c.audio_in_channels, c.hidden_size), FP32, True
+    ),
+    "timestep_mlp_fp32": _gemm(
+        "timestep_mlp_fp32", lambda c: (c.freq_dim, c.time_embed_hidden_dim), FP32, True, timestep_rows=True
+    ),
+    "video_output_projection_fp32": _gemm(
+        "video_output_projection_fp32", lambda c: (c.hidden_size, c.video_patch_dim), FP32, True
+    ),
+    "audio_output_projection_fp32": _gemm(
+        "audio_output_projection_fp32", lambda c: (c.hidden_size, c.audio_in_channels), FP32, True
+    ),
+    "h3_full_attention": _attention,
+}

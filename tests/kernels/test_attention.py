@@ -1,0 +1,124 @@
+"""Strict full attention under Triton's interpreter: forward/backward accuracy vs float64, repeat bitwise, batch-row
+and head invariance, tilings with many programs, input validation and registry binding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3gate.errors import InputError
+from h3gate.kernels import attention as attn
+from h3gate.ops import reference, registry
+
+BF16, FP32 = torch.bfloat16, torch.float32
+TOL = {BF16: 1e-2, FP32: 1e-5}
+# Many programs in every kernel (S = 70: 5 query blocks, 5 KV blocks, masked tails everywhere).
+SMALL = attn.AttnConfig(16, 16, 4, 2, 16, 32, 4, 1, 32, 16, 4, 1)
+
+
+def qkv(b: int, s: int, h: int = 2, dtype: torch.dtype = BF16, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, 128, generator=g).to(dtype) for _ in range(3)]
+
+
+def fwd_bwd(q, k, v, grad, cfg: attn.AttnConfig | None = None):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attn.attention(*leaves) if cfg is None else attn.attention_with(*leaves, cfg)
+    out.backward(grad)
+    return out.detach(), *(t.grad for t in leaves)
+
+
+def golden(q, k, v, grad):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out = reference.attention(*leaves)
+    out.backward(grad.double())
+    return out.detach(), *(t.grad for t in leaves)
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("s", [17, 70])
+@pytest.mark.parametrize("cfg", [None, SMALL], ids=["default", "small"])
+def test_forward_backward_accuracy_vs_float64(dtype, s, cfg) -> None:
+    q, k, v = qkv(1, s, dtype=dtype)
+    grad = torch.randn(1, s, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
+    got = fwd_bwd(q, k, v, grad, cfg)
+    want = golden(q, k, v, grad)
+    assert got[0].shape == (1, s, 256) and got[0].dtype == dtype
+    for g, w, name in zip(got, want, ("out", "dq", "dk", "dv"), strict=True):
+        assert rel(g, w) < TOL[dtype], name
+
+
+def test_single_row_document() -> None:
+    """S = 1: softmax is constant, so out = v and dq = dk = 0 up to the delta = rowsum(dO * O) rounding."""
+    q, k, v = qkv(1, 1, dtype=FP32)
+    grad = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(1))
+    out, dq, dk, dv = fwd_bwd(q, k, v, grad)
+    assert torch.equal(out, v.flatten(2))
+    assert torch.equal(dv, grad.view_as(dv))
+    assert dq.abs().max() < 1e-4 * q.abs().max() * grad.abs().max() * 128
+    assert dk.abs().max() < 1e-4 * q.abs().max() * grad.abs().max() * 128
+
+
+def test_repeat_bitwise() -> None:
+    q, k, v = qkv(2, 70)
+    grad = torch.randn(2, 70, 256, generator=torch.Generator().manual_seed(2)).to(BF16)
+    first, second = fwd_bwd(q, k, v, grad), fwd_bwd(q, k, v, grad)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_batch_row_invariance(position) -> None:
+    """One document alone and inside a batch of 3 with unrelated documents: out and dq/dk/dv bitwise equal."""
+    q, k, v = qkv(1, 37)
+    grad = torch.randn(1, 37, 256, generator=torch.Generator().manual_seed(3)).to(BF16)
+    alone = fwd_bwd(q, k, v, grad)
+    others = qkv(2, 37, seed=4) + [torch.randn(2, 37, 256, generator=torch.Generator().manual_seed(5)).to(BF16)]
+
+    def widen(t: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        parts = [o[:1], o[1:]]
+        parts.insert(position, t)
+        return torch.cat(parts)
+
+    batched = fwd_bwd(*(widen(t, o) for t, o in zip((q, k, v, grad), others, strict=True)))
+    for a, b in zip(alone, batched, strict=True):
+        assert torch.equal(a[0], b[position])
+
+
+def test_head_count_invariance() -> None:
+    """Heads are independent programs: head 1 of a 3-head call equals the same head run as a 1-head call."""
+    q, k, v = qkv(1, 70, h=3)
+    out3 = attn.attention(q, k, v).view(1, 70, 3, 128)
+    out1 = attn.attention(*(t[:, :, 1:2].contiguous() for t in (q, k, v)))
+    assert torch.equal(out3[:, :, 1], out1.view(1, 70, 128))
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda q, k, v: (q[..., :64].contiguous(),) * 3, "h3_full_attention: q: head_dim 64 not supported"),
+        (lambda q, k, v: (q, k[:, :5].contiguous(), v), "h3_full_attention: k: shape (1, 5, 2, 128) != q shape"),
+        (lambda q, k, v: (q, k, v.float()), "h3_full_attention: v: dtype float32 does not match q dtype bfloat16"),
+        (lambda q, k, v: (q.transpose(1, 2), k, v), "h3_full_attention: q: non-contiguous tensor"),
+        (lambda q, k, v: (q.flatten(2), k, v), "h3_full_attention: q: expected 4 dims, got shape (1, 17, 256)"),
+        (lambda q, k, v: (q.half(), k, v), "h3_full_attention: q: dtype float16 not supported"),
+    ],
+)
+def test_invalid_inputs(mutate, message) -> None:
+    with pytest.raises(InputError) as err:
+        attn.attention(*mutate(*qkv(1, 17)))
+    assert str(err.value).startswith(message)
+
+
+def test_strict_binding_and_case() -> None:
+    from h3gate.manifests.model_config import load_config
+    from h3gate.ops.cases_gemm import CASES
+
+    bound = registry.bind("h3_full_attention", "strict", "cpu")
+    assert (bound.actual, bound.label, bound.kernel_id) == ("triton", "row", attn.KERNEL_ID)
+    case = CASES["h3_full_attention"](19, load_config("tiny").config, "cpu", 0)
+    assert rel(case.call(bound.fn), case.golden_call(registry.reference("h3_full_attention"))) < TOL[BF16]

@@ -1,0 +1,210 @@
+"""Strict GEMM under Triton's interpreter: accuracy vs float64, backward, repeat and row invariance, RNE epilogue,
+M-independent tiling, input validation, registry binding and the per-operator case builders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3gate.errors import InputError
+from h3gate.kernels import gemm
+from h3gate.kernels.gemm_configs import BF16_SKINNY, GemmConfig, gemm_config
+from h3gate.manifests.model_config import load_config
+from h3gate.ops import registry
+
+BF16, FP32 = torch.bfloat16, torch.float32
+TOL = {BF16: 5e-3, FP32: 1e-5}  # rel-L2 vs float64: one bf16 rounding of the output (~2e-3); FP32 accumulate
+SMALL = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2)  # many tiles: multi-tile grids and K tails
+VARIANTS = [
+    pytest.param(None, id="default"),
+    pytest.param(SMALL, id="small"),
+    pytest.param(GemmConfig(16, 32, 32, group_m=2, persistent=True), id="persistent"),
+    pytest.param(GemmConfig(16, 32, 32, group_m=2, persistent=True, tma=True), id="tma"),
+]
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def make(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    return x, w, b
+
+
+def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemmConfig | None) -> torch.Tensor:
+    if cfg is None:
+        return gemm.linear(x, w, b)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+    return gemm.matmul(x, w, out, b, cfg, a_trans=False, b_trans=True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 96), (5, 130, 96), (37, 96, 130)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_forward_accuracy_vs_float64(dtype, m, k, n, bias) -> None:
+    x, w, b = make(m, k, n, dtype, bias=bias)
+    y = gemm.linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert rel(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_backward_accuracy_vs_float64(dtype) -> None:
+    x, w, b = make(2 * 37, 130, 96, dtype)
+    x = x.view(2, 37, 130)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    golden = [t.double().requires_grad_() for t in (x, w, b)]
+    gy = torch.randn(2, 37, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gemm.h3_qkv_gemm(*leaves).backward(gy)
+    F.linear(*golden).backward(gy.double())
+    for got, want, name in zip(leaves, golden, ("dx", "dw", "db"), strict=True):
+        assert got.grad.dtype == dtype and got.grad.shape == got.shape, name
+        assert rel(got.grad, want.grad) < TOL[dtype], name
+
+
+def test_repeat_bitwise_forward_and_backward() -> None:
+    x, w, b = make(37, 130, 96, BF16)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = gemm.linear(*leaves)
+        y.backward(torch.ones_like(y))
+        runs.append([y.detach(), *(t.grad for t in leaves)])
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_row_bytes_do_not_depend_on_m_or_other_rows(dtype, cfg) -> None:
+    x, w, b = make(37, 130, 96, dtype)
+    full = run(x, w, b, cfg)
+    g = torch.Generator().manual_seed(7)
+    for r in (0, 3, 20, 36):
+        assert torch.equal(run(x[r : r + 1].clone(), w, b, cfg)[0], full[r]), f"row {r} alone (M=1)"
+        others = torch.randn(5, 130, generator=g).to(dtype)
+        others[2] = x[r]  # the row at position 2 among unrelated rows (M=5)
+        assert torch.equal(run(others, w, b, cfg)[2], full[r]), f"row {r} inside M=5"
+
+
+def test_dx_rows_are_invariant_too() -> None:
+    x, w, _ = make(37, 130, 96, BF16, bias=False)
+    gy = torch.randn(37, 96, generator=torch.Generator().manual_seed(3)).to(BF16)
+
+    def dx(rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        leaf = rows.clone().requires_grad_()
+        gemm.linear(leaf, w).backward(g)
+        return leaf.grad
+
+    full = dx(x, gy)
+    for r in (0, 17, 36):
+        assert torch.equal(dx(x[r : r + 1], gy[r : r + 1])[0], full[r])
+
+
+def test_variants_are_scheduling_only() -> None:
+    """Same BLOCK sizes: grouped order, persistence and TMA loads change who computes a tile, not the bytes."""
+    x, w, b = make(37, 130, 96, FP32)
+    outs = [run(x, w, b, p.values[0]) for p in VARIANTS[1:]]
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other)
+
+
+def test_bf16_epilogue_is_one_rne_rounding_after_the_bias() -> None:
+    """Integer data: the FP32 sum is exact, so the output must be float64's value rounded once to bf16 (RNE)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-8, 9, (37, 130), generator=g).to(BF16)
+    w = torch.randint(-8, 9, (96, 130), generator=g).to(BF16)
+    b = (torch.randint(-64, 65, (96,), generator=g) + 0.5).to(BF16)
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert (exact.abs() > 256).any()  # needs rounding: bf16 holds 8 significant bits
+    for cfg in (None, SMALL):
+        assert torch.equal(run(x, w, b, cfg), exact.to(BF16))
+    # The rounding is observable: a truncating cast or a cast before the bias would differ.
+    assert not torch.equal(exact.float().view(torch.int32).bitwise_and(-65536).view(FP32).to(BF16), exact.to(BF16))
+
+
+def test_dbias_is_the_fixed_order_column_sum() -> None:
+    g = torch.Generator().manual_seed(2)
+    gy = torch.randint(-4, 5, (300, 96), generator=g).to(FP32) / 8  # exact sums: any order gives the same value
+    assert torch.equal(gemm.colsum(gy, FP32), gy.double().sum(0).float())
+
+
+def test_config_is_chosen_without_m(monkeypatch) -> None:
+    seen: list[tuple[str, GemmConfig]] = []
+    real = gemm.matmul
+
+    def spy(a, b, out, bias, cfg, **kw):
+        seen.append((tuple(out.shape), cfg))
+        return real(a, b, out, bias, cfg, **kw)
+
+    monkeypatch.setattr(gemm, "matmul", spy)
+    for m in (1, 5, 37):
+        x, w, b = make(m, 130, 96, BF16)
+        gemm.linear(x.requires_grad_(), w.requires_grad_(), b).sum().backward()
+    fwd = {cfg for shape, cfg in seen if shape[1] == 96 and shape != (96, 130)}
+    assert len(fwd) == 1 and len(seen) == 9
+    assert gemm_config("fwd", 96768, 2688, BF16) == BF16_SKINNY  # the AdaLN projection's GEMV-style tiling
+
+
+def test_skinny_adaln_tiling_small_m() -> None:
+    x, w, b = make(3, 256, 200, BF16)
+    full = run(x, w, b, BF16_SKINNY)
+    assert rel(full, F.linear(x.double(), w.double(), b.double())) < TOL[BF16]
+    for r in range(3):
+        assert torch.equal(run(x[r : r + 1].clone(), w, b, BF16_SKINNY)[0], full[r])
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda x, w, b: (x.half(), w, b), "h3_qkv_gemm: x: dtype float16 not supported (expected bfloat16, float32)"),
+        (lambda x, w, b: (x, w.float(), b), "h3_qkv_gemm: weight: dtype float32 does not match x dtype bfloat16"),
+        (lambda x, w, b: (x[:, :64], w, b), "h3_qkv_gemm: x: non-contiguous tensor"),
+        (lambda x, w, b: (x[:, :64].contiguous(), w, b), "h3_qkv_gemm: weight: in_features 130 != x last dim 64"),
+        (lambda x, w, b: (x, w, b[:5]), "h3_qkv_gemm: bias: length 5 != out_features 96"),
+        (lambda x, w, b: (x[:0], w, b), "h3_qkv_gemm: x: empty tensor (0, 130)"),
+        (lambda x, w, b: (x, w.to("meta"), b), "h3_qkv_gemm: weight: on meta, expected cpu (mixed devices)"),
+        (lambda x, w, b: (x, w[None], b), "h3_qkv_gemm: weight: expected 2 dims, got shape (1, 96, 130)"),
+    ],
+)
+def test_invalid_inputs_name_operator_and_argument(mutate, message) -> None:
+    with pytest.raises(InputError) as err:
+        gemm.h3_qkv_gemm(*mutate(*make(5, 130, 96, BF16)))
+    assert str(err.value).startswith(message)
+
+
+GEMM_OPS = [
+    "h3_qkv_gemm",
+    "h3_attention_o_gemm",
+    "h3_ffn_gate_up_gemm",
+    "h3_ffn_down_gemm",
+    "adaln_projection_3mod",
+    "text_context_projection",
+    "final_adaln_projection",
+    "video_input_projection_fp32",
+    "audio_input_projection_fp32",
+    "timestep_mlp_fp32",
+    "video_output_projection_fp32",
+    "audio_output_projection_fp32",
+]
+
+
+@pytest.mark.parametrize("op", GEMM_OPS)
+def test_strict_binding_and_case_on_tiny_config(op) -> None:
+    """Every GEMM row binds to its strict kernel in strict mode, and matches the float64 golden on its case."""
+    from h3gate.ops.cases_gemm import CASES
+
+    bound = registry.bind(op, "strict", "cpu")
+    assert (bound.actual, bound.label, bound.kernel_id) == ("triton", "row", gemm.KERNEL_ID)
+    assert bound.fn is getattr(gemm, op)
+    case = CASES[op](6, load_config("tiny").config, "cpu", 0)
+    got = case.call(bound.fn)
+    golden = case.golden_call(registry.reference(op))
+    assert got.dtype == case.args[0].dtype and got.shape == golden.shape
+    assert rel(got, golden) < TOL[got.dtype]
