@@ -203,6 +203,11 @@ def ablate(
     layout: Annotated[str, typer.Option("--layout")] = "tiny",
     config: Annotated[str, typer.Option("--config")] = "tiny",
     device: DeviceOpt = "auto",
+    mode: Annotated[str, typer.Option("--mode", help="off (provider ops) | strict | audit | auto")] = "off",
+    steps: Annotated[int, typer.Option("--steps", help="Sigma grid points of trajectory rows.")] = 4,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Real weights (default: synthetic).")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="Intra-op CPU threads (default: 1 on cpu).")] = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -210,7 +215,7 @@ def ablate(
     device = _interpret_if_cpu(device)
     from h3gate.commands.ablate_cmd import ablate_command
 
-    _done(ablate_command(row, all_, list_, layout, config, device, out, json_))
+    _done(ablate_command(row, all_, list_, layout, config, device, out, json_, mode, steps, seed, checkpoint, threads))
 
 
 @app.command()

@@ -115,8 +115,11 @@ class Request:
 
 def make_request(layout: PackedLayout, cfg: ModelConfig, seed: int, item: int = 0, device="cpu") -> Request:
     nc = layout.num_condition_video_rows
-    nv, na, nt = (int(layout.video_indices.numel()), int(layout.audio_indices.numel()),
-                  int(layout.text_indices.numel()))  # fmt: skip
+    nv, na, nt = (
+        int(layout.video_indices.numel()),
+        int(layout.audio_indices.numel()),
+        int(layout.text_indices.numel()),
+    )
     cv, ca = cfg.video_patch_dim, cfg.audio_in_channels
 
     def draw(tag: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -134,8 +137,16 @@ def make_request(layout: PackedLayout, cfg: ModelConfig, seed: int, item: int = 
 
 
 def _node(name: str, rows: str, step: int | None, ops: tuple[str, ...] = ()) -> Node:
-    return Node(name, "h3_ode_step" if name.startswith("scheduler") else "conditioning_noise_mix", ops, (),
-                lambda *a: None, row_dim=0, step=step, meta={"rows": rows, "stage": name.split(".")[0]})  # fmt: skip
+    return Node(
+        name,
+        "h3_ode_step" if name.startswith("scheduler") else "conditioning_noise_mix",
+        ops,
+        (),
+        lambda *a: None,
+        row_dim=0,
+        step=step,
+        meta={"rows": rows, "stage": name.split(".")[0]},
+    )
 
 
 def initial_latents(request: Request, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,19 +167,27 @@ def iter_trajectory(
     overrides: Mapping[str, NodeOverride] | None = None,
     raw_hook: Callable[[RawMetadata], RawMetadata] | None = None,
     adaln_rule=None,
+    start: int = 0,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Iterator[tuple[Node, torch.Tensor]]:
-    """Yield every tensor of the trajectory in execution order (see the module docstring)."""
+    """Yield every tensor of the trajectory in execution order (see the module docstring). ``start`` / ``state``
+    resume at step ``start`` from ``(video_latents, audio_latents)`` - the only state a step hands to the next."""
     video, audio = recipe.schedules()
     plan = row_timestep_plan(layout, recipe, video, audio)
     if not plan:
         raise InputError(f"trajectory: {recipe.steps} grid points give no model evaluation")
     vt, at = recipe.timesteps_of(video), recipe.timesteps_of(audio)
     nc, nca = layout.num_condition_video_rows, layout.num_condition_audio_rows
-    cond, latents, audio_latents = initial_latents(request, recipe)
-    if nc:
-        yield _node("init.condition_rows", "video", None, ("conditioning_noise_mix",)), cond
+    if state is None:
+        cond, latents, audio_latents = initial_latents(request, recipe)
+        if nc:
+            yield _node("init.condition_rows", "video", None, ("conditioning_noise_mix",)), cond
+    else:
+        latents, audio_latents = state
     derive = {} if adaln_rule is None else {"adaln_rule": adaln_rule}
     for i, (timestep, timestep_indices) in enumerate(plan):
+        if i < start:
+            continue
         raw = raw_metadata(layout, timestep, timestep_indices)
         raw = raw_hook(raw) if raw_hook is not None else raw
         inputs = {
@@ -184,9 +203,7 @@ def iter_trajectory(
             yield replace(node, step=i), value
         v_pred, a_pred = outputs[OUTPUTS[0]], outputs[OUTPUTS[1]]
         latents = latents.clone()
-        latents[nc:] = recipe.euler(
-            v_pred[0, nc:].float(), vt[i], latents[nc:], video.sigmas[i], video.sigmas[i + 1]
-        )
+        latents[nc:] = recipe.euler(v_pred[0, nc:].float(), vt[i], latents[nc:], video.sigmas[i], video.sigmas[i + 1])
         yield _node("scheduler.video_step", "video", i, ("h3_ode_step",)), latents
         audio_latents = audio_latents.clone()
         audio_latents[nca:] = recipe.euler(

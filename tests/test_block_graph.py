@@ -12,7 +12,7 @@ from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import TimestepPlan, build_block_inputs
 from h3gate.inventory import block_tensor_names
 from h3gate.layout import build_layout
-from h3gate.manifests.layouts import LayoutSpec, load_layout
+from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import registry
 from h3gate.synth import SyntheticSource

@@ -88,9 +88,10 @@ def metadata_nodes(meta: Mapping[str, torch.Tensor], step: int | None) -> Stream
         node_meta = {"kind": "metadata", "rows": rows, "stage": "meta"}
         if values:
             node_meta["values"] = values
-        yield Node(f"meta.{name}", "packed_layout", (), (), lambda *a: None, row_dim=0, step=step, meta=node_meta), meta[
-            name
-        ]
+        yield (
+            Node(f"meta.{name}", "packed_layout", (), (), lambda *a: None, row_dim=0, step=step, meta=node_meta),
+            meta[name],
+        )
 
 
 def schedule_nodes(video: Schedule, audio: Schedule) -> Stream:
@@ -113,29 +114,41 @@ def _forward_inputs(arm: Arm, cfg: ModelConfig, plan: dict, device) -> tuple[dic
     return request, meta
 
 
+# Streams run in lockstep with another arm's: grad mode is set per resumption by the decorator (a ``with`` block
+# inside a suspended generator would leak into the caller and into the other stream).
+@torch.no_grad()
 def forward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device) -> Stream:
     """Metadata, then one model call at the one-step plan ``plan`` (``TimestepPlan.resolve()``)."""
     request, meta = _forward_inputs(arm, cfg, plan, device)
     yield from metadata_nodes(meta, None)
-    with torch.no_grad():
-        yield from iter_graph(graph, {**request, **meta}, arm.params, arm.ops, expand_overrides(graph, arm.overrides))
+    yield from iter_graph(graph, {**request, **meta}, arm.params, arm.ops, expand_overrides(graph, arm.overrides))
 
 
+@torch.no_grad()
 def trajectory_stream(arm: Arm, graph: Graph, cfg: ModelConfig, device) -> Stream:
     """Sigma grids, then the dual-scheduler trajectory of the arm's first request (metadata per step)."""
     video, audio = arm.recipe.schedules()
     yield from schedule_nodes(video, audio)
     overrides = expand_overrides(graph, arm.overrides)
-    with torch.no_grad():
-        stream = iter_trajectory(graph, arm.params, arm.ops, cfg, arm.layout, arm.requests[0], arm.recipe, device,
-                                 overrides, arm.raw_hook, arm.adaln_rule)  # fmt: skip
-        step = None
-        for node, value in stream:
-            if node.step is not None and node.step != step and not node.name.startswith("scheduler"):
-                step = node.step
-                meta = _step_metadata(arm, cfg, device, step)
-                yield from metadata_nodes(meta, step)
-            yield node, value
+    stream = iter_trajectory(
+        graph,
+        arm.params,
+        arm.ops,
+        cfg,
+        arm.layout,
+        arm.requests[0],
+        arm.recipe,
+        device,
+        overrides,
+        arm.raw_hook,
+        arm.adaln_rule,
+    )
+    step = None
+    for node, value in stream:
+        if node.step is not None and node.step != step and not node.name.startswith("scheduler"):
+            step = node.step
+            yield from metadata_nodes(_step_metadata(arm, cfg, device, step), step)
+        yield node, value
 
 
 def _step_metadata(arm: Arm, cfg: ModelConfig, device, step: int) -> dict:
@@ -158,6 +171,7 @@ def _stage_groups(graph: Graph) -> list[list[Node]]:
     return groups
 
 
+@torch.enable_grad()
 def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device, grad_params=None) -> Stream:
     """Forward with autograd (each ``refiner.i`` / ``block.i`` stage under ``torch.utils.checkpoint`` when the arm
     says so, non-reentrant), yielding every stage's outputs; then ``loss = sum(v * cv) + sum(a * ca)`` with seeded
@@ -205,13 +219,15 @@ def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device
     loss.backward()
     for name in reversed(names):
         grad = params[name].grad
-        node = Node(f"grad.{name}", "gradient", (), (), lambda *a: None, row_dim=None,
-                    meta={"rows": "none", "stage": "grad"})  # fmt: skip
+        node = Node(
+            f"grad.{name}", "gradient", (), (), lambda *a: None, row_dim=None, meta={"rows": "none", "stage": "grad"}
+        )
         yield node, grad if grad is not None else torch.zeros_like(params[name])
     for name in ("text", "audio_rows", "video_rows"):
         rows = {"text": "text", "audio_rows": "audio", "video_rows": "video"}[name]
-        node = Node(f"grad.input.{name}", "gradient", (), (), lambda *a: None, row_dim=1,
-                    meta={"rows": rows, "stage": "grad"})  # fmt: skip
+        node = Node(
+            f"grad.input.{name}", "gradient", (), (), lambda *a: None, row_dim=1, meta={"rows": rows, "stage": "grad"}
+        )
         yield node, leaves[name].grad
 
 

@@ -32,6 +32,7 @@ from h3gate.manifests.ablations import ANY, ROW_SYMBOL, AblationRow, Signature
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.trajectory import Recipe, Request, make_request
 
+BIG_MODEL_PARAMS = 2_000_000_000
 HASHED = (*OUTPUTS, "scheduler.video_step", "scheduler.audio_step", "init.condition_rows")
 
 
@@ -54,8 +55,15 @@ class Context:
     plan: dict
     execution: dict
     config_name: str = "tiny"
-    weights: Callable[[int], dict[str, torch.Tensor]] | None = None
+    checkpoint: str | None = None
+    source_factory: Callable[[int], object] | None = None
     cache: dict = field(default_factory=dict)
+
+    def variant_source(self, seed: int):
+        """Another weight source of the same config (a variant stand-in: synthetic weights of another seed)."""
+        if self.source_factory is None:
+            raise InputError("this run has no second weight source for a variant probe")
+        return self.source_factory(seed)
 
     def request(self, item: int = 0) -> Request:
         key = ("request", self.layout.name, item)
@@ -77,9 +85,22 @@ class Context:
         if key not in self.cache:
             spec = self.layout.spec.model_copy(update={"anchors": list(anchors), "seq_len": None})
             layout = build_layout(spec, f"{self.layout.name}+{'+'.join(anchors)}")
-            self.cache[key] = Context(self.cfg, layout, self.device, self.seed, self.graph, self.params, self.ops,
-                                      self.recipe, self.plan, self.execution, self.config_name, self.weights,
-                                      self.cache)  # fmt: skip
+            self.cache[key] = Context(
+                self.cfg,
+                layout,
+                self.device,
+                self.seed,
+                self.graph,
+                self.params,
+                self.ops,
+                self.recipe,
+                self.plan,
+                self.execution,
+                self.config_name,
+                self.checkpoint,
+                self.source_factory,
+                self.cache,
+            )
         return self.cache[key]
 
 
@@ -91,6 +112,11 @@ def resolve_row(layout: PackedLayout, row: int | str) -> int:
     if match is None:
         raise InputError(f"row {row!r}: expected an integer or <group>[k]")
     group, k = match.group(1), int(match.group(2))
+    if group == "media":
+        n_text = int(layout.text_indices.numel())
+        if not 0 <= k < layout.seq_len - n_text:
+            raise InputError(f"row {row!r}: layout {layout.name!r} has {layout.seq_len - n_text} rows after the text")
+        return n_text + k
     skip = {"video_target": layout.num_condition_video_rows, "audio_target": layout.num_condition_audio_rows}
     indices = getattr(layout, f"{group.split('_')[0]}_indices")[skip.get(group, 0) :]
     if not -indices.numel() <= k < indices.numel():
@@ -125,9 +151,19 @@ def _packed_row(layout: PackedLayout, space: str, local: int) -> int | None:
 def localise(node: Node, strict: torch.Tensor, probe: torch.Tensor, layout: PackedLayout) -> dict:
     """Where ``probe`` first differs from ``strict`` at ``node``: packed row, modality, extent."""
     space = node.meta.get("rows", "none")
-    record = {"node": node.name, "layer": node.layer, "step": node.step, "stage": node.meta.get("stage"),
-              "row": None, "local_row": None, "row_space": space, "modality": None, "rows_differing": None,
-              "max_abs": None, "rel_l2": None}  # fmt: skip
+    record = {
+        "node": node.name,
+        "layer": node.layer,
+        "step": node.step,
+        "stage": node.meta.get("stage"),
+        "row": None,
+        "local_row": None,
+        "row_space": space,
+        "modality": None,
+        "rows_differing": None,
+        "max_abs": None,
+        "rel_l2": None,
+    }
     if strict.shape != probe.shape or strict.dtype != probe.dtype:
         record["why"] = f"shape/dtype {tuple(probe.shape)} {probe.dtype} vs {tuple(strict.shape)} {strict.dtype}"
         return record
@@ -175,8 +211,11 @@ def compare_streams(strict: Stream, probe: Stream, strict_arm: Arm, probe_arm: A
         if ns.name in OUTPUTS or ns.name.startswith("scheduler.") or ns.name.startswith("grad.input"):
             key = ns.name if ns.step is None else f"{ns.name}@{ns.step}"
             rows = None if same or a.shape != b.shape else differing_rows(b, a, ns.row_dim)
-            out.outputs[key] = {"bitwise": same, "rows_differing": 0 if same else (None if rows is None else
-                                int(rows.numel())), **({} if same or a.shape != b.shape else error(b, a))}  # fmt: skip
+            out.outputs[key] = {
+                "bitwise": same,
+                "rows_differing": 0 if same else (None if rows is None else int(rows.numel())),
+                **({} if same or a.shape != b.shape else error(b, a)),
+            }
         if ns.meta.get("kind") == "metadata":
             if not same:
                 rec = localise(ns, a, b, layout)
@@ -232,9 +271,18 @@ def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
 
     started = time.perf_counter()
     ctx = base.with_anchors(row.anchors)
-    record: dict = {"id": row_id, "section": row.section, "factor": row.factor, "run": row.run, "probe": row.probe,
-                    "strict": row.strict, "layout": ctx.layout.name, "expected": row.expected.model_dump(mode="json"),
-                    "notes": [], "diagnostics": {}}  # fmt: skip
+    record: dict = {
+        "id": row_id,
+        "section": row.section,
+        "factor": row.factor,
+        "run": row.run,
+        "probe": row.probe,
+        "strict": row.strict,
+        "layout": ctx.layout.name,
+        "expected": row.expected.model_dump(mode="json"),
+        "notes": [],
+        "diagnostics": {},
+    }
     record["probe_doc"] = probes.describe(row.probe)
     observed_sig = None
     comparison = None
@@ -249,28 +297,102 @@ def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
             strict_arm = probes.apply(row.strict, ctx, ctx.base_arm()) if row.strict else ctx.base_arm()
             probe_arm = probes.apply(row.probe, ctx, strict_arm)
             record["notes"] += list(probe_arm.notes)
-            comparison = compare_streams(stream_for(row.run, strict_arm, ctx), stream_for(row.run, probe_arm, ctx),
-                                         strict_arm, probe_arm, ctx.layout)  # fmt: skip
+            comparison = compare_streams(
+                stream_for(row.run, strict_arm, ctx),
+                stream_for(row.run, probe_arm, ctx),
+                strict_arm,
+                probe_arm,
+                ctx.layout,
+            )
             for name, (s_arm, p_arm) in probe_arm.diagnostics.items():
-                diag = compare_streams(stream_for(row.run, s_arm, ctx), stream_for(row.run, p_arm, ctx), s_arm,
-                                       p_arm, ctx.layout)  # fmt: skip
+                diag = compare_streams(
+                    stream_for(row.run, s_arm, ctx), stream_for(row.run, p_arm, ctx), s_arm, p_arm, ctx.layout
+                )
                 record["diagnostics"][name] = {"first_drift": diag.first_drift, "outputs": diag.outputs}
             observed_sig = comparison.first_drift
             observed = "PASS" if observed_sig is None else "EXPECTED_DRIFT"
             reason = None
     except NonComparable as exc:
         observed, reason = "REJECTED", str(exc)
+    except torch.OutOfMemoryError as exc:  # a device limit, not a verdict: recorded, and the row fails
+        observed, reason = "NA", f"not run: out of memory on {ctx.device} ({str(exc).splitlines()[0]})"
     if comparison is not None:
-        record.update(strict_sha256=comparison.arm_sha256("strict"), probe_sha256=comparison.arm_sha256("probe"),
-                      nodes_compared=comparison.nodes_compared, nodes_drifting=comparison.nodes_drifting,
-                      metadata_drift=comparison.metadata_drift[:16], outputs=comparison.outputs,
-                      hashed=comparison.hashes)  # fmt: skip
+        record.update(
+            strict_sha256=comparison.arm_sha256("strict"),
+            probe_sha256=comparison.arm_sha256("probe"),
+            nodes_compared=comparison.nodes_compared,
+            nodes_drifting=comparison.nodes_drifting,
+            metadata_drift=comparison.metadata_drift[:16],
+            outputs=comparison.outputs,
+            hashed=comparison.hashes,
+        )
     else:
-        record.update(strict_sha256=None, probe_sha256=None, nodes_compared=0, nodes_drifting=0, metadata_drift=[],
-                      outputs={}, hashed={"strict": [], "probe": []})  # fmt: skip
+        record.update(
+            strict_sha256=None,
+            probe_sha256=None,
+            nodes_compared=0,
+            nodes_drifting=0,
+            metadata_drift=[],
+            outputs={},
+            hashed={"strict": [], "probe": []},
+        )
     record["observed"] = {"result": observed, "reason": reason, "signature": observed_sig}
     problems = judge(row, observed, observed_sig, ctx.layout)
     record["mismatches"] = problems
     record["verdict"] = "pass" if not problems else "fail"
     record["wall_s"] = round(time.perf_counter() - started, 3)
     return record
+
+
+def build_context(
+    config: str, layout: str, device: str, seed: int = 0, mode: str = "off", steps: int = 4, checkpoint=None
+) -> Context:
+    """Load the config, layout and weights once; bind the strict arm's op table for ``mode`` on ``device``."""
+    from h3gate.checkpoint import open_checkpoint
+    from h3gate.graph.executions import bind_graph, candidate_table, provider_table
+    from h3gate.graph.inputs import TimestepPlan
+    from h3gate.graph.model import build_model_graph, load_model_params
+    from h3gate.manifests.layouts import load_layout
+    from h3gate.manifests.model_config import load_config
+    from h3gate.synth import SyntheticSource
+
+    cfg = load_config(config).config
+    packed = build_layout(load_layout(layout), layout)
+    graph = build_model_graph(cfg)
+    bindings = bind_graph(graph, mode, device)
+    ops = provider_table() if mode == "off" else candidate_table(bindings)
+    per_op = {b.op: b.record() for nb in bindings.values() for b in nb.bindings}
+    source = open_checkpoint(checkpoint) if checkpoint is not None else SyntheticSource(cfg, seed)
+    params = load_model_params(source, cfg, device)
+    execution = {
+        "mode": mode,
+        "device": device,
+        "weights": f"checkpoint {checkpoint}" if checkpoint is not None else f"synthetic seed {seed}",
+        "ops": per_op,
+        "triton_ops": sorted(op for op, rec in per_op.items() if rec["actual"] == "triton"),
+        "provider_ops": sorted(op for op, rec in per_op.items() if rec["actual"] == "provider"),
+        "outside_graph": "sampler arithmetic (sigma grid, Euler step, noise mix) runs h3gate.schedule (the reference)",
+    }
+    ctx = Context(
+        cfg,
+        packed,
+        device,
+        seed,
+        graph,
+        params,
+        ops,
+        Recipe(steps=steps),
+        TimestepPlan().resolve(),
+        execution,
+        config,
+        None if checkpoint is None else str(checkpoint),
+        lambda s: SyntheticSource(cfg, s),
+    )
+    if sum(p.numel() for p in params.values()) > BIG_MODEL_PARAMS:  # H-C6 on a real-size model: bounded gradients
+        last = f"transformer_blocks.{cfg.num_layers - 1}."
+        ctx.cache["grad_params"] = [
+            n
+            for n in params
+            if not n.startswith("transformer_blocks.") or n.startswith(("transformer_blocks.0.", last))
+        ]
+    return ctx

@@ -92,7 +92,7 @@ def _config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple
     source = open_checkpoint(checkpoint)
     cfg = source.config()
     if named is not None and named.config != cfg:
-        diff = next(k for k in cfg.model_fields if getattr(cfg, k) != getattr(named.config, k))
+        diff = next(k for k in type(cfg).model_fields if getattr(cfg, k) != getattr(named.config, k))
         raise InputError(
             f"--config {config}: {diff} {getattr(named.config, diff)} does not match the checkpoint's "
             f"config.json ({getattr(cfg, diff)})"
@@ -228,7 +228,9 @@ def print_table(doc: dict, path: Path) -> None:
         leaves_ok = sum(1 for v in bw["leaves"].values() if v and v["pass"])
         console.print(f"leaf gradients passing: {leaves_ok}/{len(bw['leaves'])}")
     if doc["fallbacks"]:
-        console.print(f"[yellow]fallbacks ({doc['mode']} mode): {len(doc['fallbacks'])} op bindings ran the provider[/]")
+        console.print(
+            f"[yellow]fallbacks ({doc['mode']} mode): {len(doc['fallbacks'])} op bindings ran the provider[/]"
+        )
     colour = "green" if doc["verdict"] == "pass" else "red"
     console.print(f"verdict: [{colour}]{doc['verdict']}[/] ({len(doc['failing_checks'])} failing checks)")
     for item in doc["failing_checks"][:20]:

@@ -2,9 +2,10 @@
 
 RFC section 4 rules 2 and 6: a strict execution is bitwise repeatable and one batch item's bytes do not depend on
 the batch size, its position in the batch, or the other items. The batch probe places the probed item at
-``position`` of a batch of ``size`` (``PLACEMENTS``: alone; first of 2; last of 3) and compares that item's slice of
-every tensor with the batch-of-1 run, bitwise. Tensors without a batch axis (e.g. the AdaLN table, parameter
-gradients) are compared whole for forward values and skipped (``None``) where they sum over the batch.
+``position`` of a batch of ``size`` (``PLACEMENTS``: alone, first of 2, last of 3; ``GRAD_PLACEMENTS`` for
+gradients: alone, second of 2) and compares that item's slice of every tensor with the batch-of-1 run, bitwise.
+Tensors without a batch axis (e.g. the AdaLN table) are compared whole; gradients that sum over the batch
+(parameters, temb) have no per-row check.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from h3gate.gate.compare import agreement
 
 # (batch size, position of the probed item): alone, first of two, last of three.
 PLACEMENTS: tuple[tuple[int, int], ...] = ((1, 0), (2, 0), (3, 2))
+# Gradients (forward + backward, the costly probe): alone, and second of two.
+GRAD_PLACEMENTS: tuple[tuple[int, int], ...] = ((1, 0), (2, 1))
 
 
 def place(item: torch.Tensor, others: Sequence[torch.Tensor], size: int, position: int) -> torch.Tensor:

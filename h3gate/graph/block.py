@@ -156,7 +156,9 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
             ("h3_rmsnorm_modulate",),
             ("hidden_states", "adaln_projection", "adaln_indices"),
             norm("hidden_states", "norm1.weight", SHIFT_MSA, SCALE_MSA),
-            meta=_meta(bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(x) * (1 + scale) + shift; {mod}"),
+            meta=_meta(
+                bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(x) * (1 + scale) + shift; {mod}"
+            ),
         ),
         Node(
             "q_proj",
@@ -244,7 +246,9 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
             ("h3_rmsnorm_modulate",),
             ("residual_attn", "adaln_projection", "adaln_indices"),
             norm("residual_attn", "norm2.weight", SHIFT_MLP, SCALE_MLP),
-            meta=_meta(bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(h) * (1 + scale) + shift; {mod}"),
+            meta=_meta(
+                bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(h) * (1 + scale) + shift; {mod}"
+            ),
         ),
         Node(
             "ffn_gate_up",
@@ -279,9 +283,7 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
             meta=_meta(bf16, "none: gate * y rounded, then the add rounded (BF16)", f"h + gate_mlp * d; {mod}"),
         ),
     )
-    nodes = tuple(
-        Node(n.name, n.owner_row, n.ops, n.inputs, n.fn, n.row_dim, layer, n.step, n.meta) for n in nodes
-    )
+    nodes = tuple(Node(n.name, n.owner_row, n.ops, n.inputs, n.fn, n.row_dim, layer, n.step, n.meta) for n in nodes)
     return Graph(f"block{layer}", nodes, GRAPH_INPUTS, "residual_mlp")
 
 

@@ -78,7 +78,7 @@ class PrefixParams(Mapping):
 
 
 def _embed(sub: Graph, prefix: str, param_prefix: str, rename: Mapping[str, str], layer: int | None, rows: str):
-    """``sub``'s nodes renamed ``prefix + name``, inputs wired through ``rename``, params read under ``param_prefix``."""
+    """``sub``'s nodes renamed ``prefix + name``, inputs wired via ``rename``, params read under ``param_prefix``."""
     out = []
     for node in sub.nodes:
         inputs = tuple(rename.get(i, prefix + i) for i in node.inputs)
@@ -108,14 +108,39 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
 
         return fn
 
-    nodes.append(_node("embed.video", "video_input_projection_fp32", ("video_input_projection_fp32",), ("video_rows",),
-                       proj("video_input_projection_fp32", "video_rows", "proj_in"), "video", maths="proj_in, FP32"))
-    nodes.append(_node("embed.audio", "audio_input_projection_fp32", ("audio_input_projection_fp32",), ("audio_rows",),
-                       proj("audio_input_projection_fp32", "audio_rows", "audio_proj_in"), "audio",
-                       maths="audio_proj_in, FP32"))
-    nodes.append(_node("embed.text", "text_context_projection", ("text_context_projection",), ("text",),
-                       proj("text_context_projection", "text", "context_embedder"), "text",
-                       maths="context_embedder, BF16"))  # fmt: skip
+    nodes.append(
+        _node(
+            "embed.video",
+            "video_input_projection_fp32",
+            ("video_input_projection_fp32",),
+            ("video_rows",),
+            proj("video_input_projection_fp32", "video_rows", "proj_in"),
+            "video",
+            maths="proj_in, FP32",
+        )
+    )
+    nodes.append(
+        _node(
+            "embed.audio",
+            "audio_input_projection_fp32",
+            ("audio_input_projection_fp32",),
+            ("audio_rows",),
+            proj("audio_input_projection_fp32", "audio_rows", "audio_proj_in"),
+            "audio",
+            maths="audio_proj_in, FP32",
+        )
+    )
+    nodes.append(
+        _node(
+            "embed.text",
+            "text_context_projection",
+            ("text_context_projection",),
+            ("text",),
+            proj("text_context_projection", "text", "context_embedder"),
+            "text",
+            maths="context_embedder, BF16",
+        )
+    )
     stream = "embed.text"
     refiner = build_refiner_graph(cfg)
     for i in range(cfg.num_refiner_layers):
@@ -126,19 +151,49 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
     def final_norm(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["h3_rmsnorm"](x[stream], p["token_refiner.final_norm.weight"], cfg.final_norm_eps)
 
-    nodes.append(_node("refiner.final_norm", "h3_rmsnorm", ("h3_rmsnorm",), (stream,), final_norm, "text",
-                       maths="rmsnorm(final_norm_eps)"))  # fmt: skip
+    nodes.append(
+        _node(
+            "refiner.final_norm",
+            "h3_rmsnorm",
+            ("h3_rmsnorm",),
+            (stream,),
+            final_norm,
+            "text",
+            maths="rmsnorm(final_norm_eps)",
+        )
+    )
 
     def pack(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["packed_index_copy"](
-            x["refiner.final_norm"], x["embed.video"], x["embed.audio"],
-            x["text_indices"], x["video_indices"], x["audio_indices"], x["rope_cos"].shape[0],
-        )  # fmt: skip
+            x["refiner.final_norm"],
+            x["embed.video"],
+            x["embed.audio"],
+            x["text_indices"],
+            x["video_indices"],
+            x["audio_indices"],
+            x["rope_cos"].shape[0],
+        )
 
-    pack_in = ("refiner.final_norm", "embed.video", "embed.audio", "text_indices", "video_indices", "audio_indices",
-               "rope_cos")  # fmt: skip
-    nodes.append(_node("embed.pack", "packed_index_copy", ("packed_index_copy",), pack_in, pack, "packed",
-                       maths="zeros at text dtype; index_copy text, video, audio"))  # fmt: skip
+    pack_in = (
+        "refiner.final_norm",
+        "embed.video",
+        "embed.audio",
+        "text_indices",
+        "video_indices",
+        "audio_indices",
+        "rope_cos",
+    )
+    nodes.append(
+        _node(
+            "embed.pack",
+            "packed_index_copy",
+            ("packed_index_copy",),
+            pack_in,
+            pack,
+            "packed",
+            maths="zeros at text dtype; index_copy text, video, audio",
+        )
+    )
 
     def sinusoid(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["timestep_sinusoid_h3"](x["timestep"], cfg.freq_dim)
@@ -154,32 +209,65 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
         return ops["timestep_mlp_silu"](x["time.linear_1"])
 
     nodes += [
-        _node("time.sinusoid", "timestep_sinusoid_h3", ("timestep_sinusoid_h3",), ("timestep",), sinusoid, "timestep",
-              row_dim=0, maths="cos first, FP32"),
-        _node("time.linear_1", "timestep_mlp_fp32", ("timestep_mlp_fp32",), ("time.sinusoid",), t_linear("time.sinusoid", 1),
-              "timestep", row_dim=0, maths="FP32"),
-        _node("time.silu", "timestep_mlp_fp32", ("timestep_mlp_silu",), ("time.linear_1",), t_silu, "timestep", row_dim=0),
-        _node("time.linear_2", "timestep_mlp_fp32", ("timestep_mlp_fp32",), ("time.silu",), t_linear("time.silu", 2),
-              "timestep", row_dim=0, maths="FP32"),
-    ]  # fmt: skip
+        _node(
+            "time.sinusoid",
+            "timestep_sinusoid_h3",
+            ("timestep_sinusoid_h3",),
+            ("timestep",),
+            sinusoid,
+            "timestep",
+            row_dim=0,
+            maths="cos first, FP32",
+        ),
+        _node(
+            "time.linear_1",
+            "timestep_mlp_fp32",
+            ("timestep_mlp_fp32",),
+            ("time.sinusoid",),
+            t_linear("time.sinusoid", 1),
+            "timestep",
+            row_dim=0,
+            maths="FP32",
+        ),
+        _node(
+            "time.silu", "timestep_mlp_fp32", ("timestep_mlp_silu",), ("time.linear_1",), t_silu, "timestep", row_dim=0
+        ),
+        _node(
+            "time.linear_2",
+            "timestep_mlp_fp32",
+            ("timestep_mlp_fp32",),
+            ("time.silu",),
+            t_linear("time.silu", 2),
+            "timestep",
+            row_dim=0,
+            maths="FP32",
+        ),
+    ]
 
     hidden = "embed.pack"
     for i in range(cfg.num_layers):
         block = build_block_graph(cfg, i)
-        rename = {"hidden_states": hidden, "temb": "time.linear_2", "adaln_indices": "adaln_indices",
-                  "rope_cos": "rope_cos", "rope_sin": "rope_sin"}  # fmt: skip
+        rename = {
+            "hidden_states": hidden,
+            "temb": "time.linear_2",
+            "adaln_indices": "adaln_indices",
+            "rope_cos": "rope_cos",
+            "rope_sin": "rope_sin",
+        }
         nodes += _embed(block, f"block.{i}.", f"transformer_blocks.{i}.", rename, i, "packed")
         hidden = f"block.{i}.{block.output}"
 
     def final_projection(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         w = p["norm_out.linear.weight"]
-        return ops["final_adaln_projection"](ops["adaln_silu_cast"](x["time.linear_2"], w.dtype), w,
-                                             p["norm_out.linear.bias"])  # fmt: skip
+        return ops["final_adaln_projection"](
+            ops["adaln_silu_cast"](x["time.linear_2"], w.dtype), w, p["norm_out.linear.bias"]
+        )
 
     def norm_out(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         shift, scale = x["final.projection"].chunk(2, dim=-1)
-        return ops["final_adaln_out"](x[hidden], p["norm_out.norm.weight"], shift, scale, x["timestep_indices"],
-                                      cfg.final_norm_eps)  # fmt: skip
+        return ops["final_adaln_out"](
+            x[hidden], p["norm_out.norm.weight"], shift, scale, x["timestep_indices"], cfg.final_norm_eps
+        )
 
     def head(op: str, prefix: str):
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
@@ -195,19 +283,62 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
         return fn
 
     nodes += [
-        _node("final.projection", "final_adaln_out", ("adaln_silu_cast", "final_adaln_projection"), ("time.linear_2",),
-              final_projection, "timestep", row_dim=0, maths="linear(silu(temb).to(W.dtype)) -> shift | scale"),
-        _node("final.norm_out", "final_adaln_out", ("final_adaln_out",), (hidden, "final.projection", "timestep_indices"),
-              norm_out, "packed", maths="rmsnorm(x) * (1 + scale[t_idx]) + shift[t_idx]"),
-        _node("heads.video_proj", "video_output_projection_fp32", ("video_output_projection_fp32",), ("final.norm_out",),
-              head("video_output_projection_fp32", "proj_out"), "packed", maths="proj_out over every row, FP32"),
-        _node("heads.video_select", "packed_index_select", ("packed_index_select",), ("heads.video_proj", "video_select"),
-              select("heads.video_proj", "video_select"), "video", stage="heads"),
-        _node("heads.audio_proj", "audio_output_projection_fp32", ("audio_output_projection_fp32",), ("final.norm_out",),
-              head("audio_output_projection_fp32", "audio_proj_out"), "packed", maths="audio_proj_out, FP32"),
-        _node("heads.audio_select", "packed_index_select", ("packed_index_select",), ("heads.audio_proj", "audio_select"),
-              select("heads.audio_proj", "audio_select"), "audio", stage="heads"),
-    ]  # fmt: skip
+        _node(
+            "final.projection",
+            "final_adaln_out",
+            ("adaln_silu_cast", "final_adaln_projection"),
+            ("time.linear_2",),
+            final_projection,
+            "timestep",
+            row_dim=0,
+            maths="linear(silu(temb).to(W.dtype)) -> shift | scale",
+        ),
+        _node(
+            "final.norm_out",
+            "final_adaln_out",
+            ("final_adaln_out",),
+            (hidden, "final.projection", "timestep_indices"),
+            norm_out,
+            "packed",
+            maths="rmsnorm(x) * (1 + scale[t_idx]) + shift[t_idx]",
+        ),
+        _node(
+            "heads.video_proj",
+            "video_output_projection_fp32",
+            ("video_output_projection_fp32",),
+            ("final.norm_out",),
+            head("video_output_projection_fp32", "proj_out"),
+            "packed",
+            maths="proj_out over every row, FP32",
+        ),
+        _node(
+            "heads.video_select",
+            "packed_index_select",
+            ("packed_index_select",),
+            ("heads.video_proj", "video_select"),
+            select("heads.video_proj", "video_select"),
+            "video",
+            stage="heads",
+        ),
+        _node(
+            "heads.audio_proj",
+            "audio_output_projection_fp32",
+            ("audio_output_projection_fp32",),
+            ("final.norm_out",),
+            head("audio_output_projection_fp32", "audio_proj_out"),
+            "packed",
+            maths="audio_proj_out, FP32",
+        ),
+        _node(
+            "heads.audio_select",
+            "packed_index_select",
+            ("packed_index_select",),
+            ("heads.audio_proj", "audio_select"),
+            select("heads.audio_proj", "audio_select"),
+            "audio",
+            stage="heads",
+        ),
+    ]
     return Graph("model", tuple(nodes), MODEL_INPUTS, OUTPUTS[1])
 
 
@@ -246,9 +377,16 @@ class RawMetadata:
 def raw_metadata(layout, timestep: torch.Tensor, timestep_indices: torch.Tensor) -> RawMetadata:
     """The layout's tensors and a ``(timestep, timestep_indices)`` pair; selection indices = scatter indices."""
     return RawMetadata(
-        layout.position_ids, layout.token_tags, timestep, timestep_indices, layout.text_indices,
-        layout.video_indices, layout.audio_indices, layout.video_indices, layout.audio_indices,
-    )  # fmt: skip
+        layout.position_ids,
+        layout.token_tags,
+        timestep,
+        timestep_indices,
+        layout.text_indices,
+        layout.video_indices,
+        layout.audio_indices,
+        layout.video_indices,
+        layout.audio_indices,
+    )
 
 
 def derive_metadata(

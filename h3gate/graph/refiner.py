@@ -104,14 +104,32 @@ def build_refiner_graph(cfg: ModelConfig) -> Graph:
         ("q_norm", "h3_qk_rmsnorm_d128", ("q_proj",), qk_norm("q_proj", "attn.norm_q.weight"), "rmsnorm over D"),
         ("k_norm", "h3_qk_rmsnorm_d128", ("k_proj",), qk_norm("k_proj", "attn.norm_k.weight"), "rmsnorm over D"),
         ("attention", "h3_full_attention", ("q_norm", "k_norm", "v_proj"), attention, "SDPA over text rows"),
-        ("o_proj", "h3_attention_o_gemm", ("attention",), gemm("h3_attention_o_gemm", "attention", "attn.to_out.0.weight"), "a @ Wo.T"),
+        (
+            "o_proj",
+            "h3_attention_o_gemm",
+            ("attention",),
+            gemm("h3_attention_o_gemm", "attention", "attn.to_out.0.weight"),
+            "a @ Wo.T",
+        ),
         ("residual_attn", "residual_add", ("hidden_states", "o_proj"), add("hidden_states", "o_proj"), "x + o"),
         ("norm2", "h3_rmsnorm", ("residual_attn",), norm("residual_attn", "norm2.weight"), "rmsnorm(h)"),
-        ("ffn_gate_up", "h3_ffn_gate_up_gemm", ("norm2",), gemm("h3_ffn_gate_up_gemm", "norm2", "ff.net.0.proj.weight"), "n2 @ W1.T"),
+        (
+            "ffn_gate_up",
+            "h3_ffn_gate_up_gemm",
+            ("norm2",),
+            gemm("h3_ffn_gate_up_gemm", "norm2", "ff.net.0.proj.weight"),
+            "n2 @ W1.T",
+        ),
         ("swiglu", "h3_swiglu", ("ffn_gate_up",), swiglu, "u[:F] * silu(u[F:])"),
-        ("ffn_down", "h3_ffn_down_gemm", ("swiglu",), gemm("h3_ffn_down_gemm", "swiglu", "ff.net.2.weight"), "s @ W2.T"),
+        (
+            "ffn_down",
+            "h3_ffn_down_gemm",
+            ("swiglu",),
+            gemm("h3_ffn_down_gemm", "swiglu", "ff.net.2.weight"),
+            "s @ W2.T",
+        ),
         ("residual_mlp", "residual_add", ("residual_attn", "ffn_down"), add("residual_attn", "ffn_down"), "h + d"),
-    )  # fmt: skip
+    )
     nodes = tuple(
         Node(name, spec_of(op).rfc_row, (op,), inputs, fn, meta={"dtype": "activation dtype (BF16)", "maths": maths})
         for name, op, inputs, fn, maths in spec

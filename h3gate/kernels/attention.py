@@ -30,7 +30,8 @@ from triton.language.extra import libdevice
 
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
-from h3gate.kernels.exact import f32, rne
+from h3gate.kernels.exact import helper, rne
+from h3gate.kernels.gemm import mma
 
 KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v1"
 OP = "h3_full_attention"
@@ -81,7 +82,7 @@ def attn_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
     return ATTN_TABLE[(head_dim, str(dtype).replace("torch.", ""))]
 
 
-@triton.jit
+@helper
 def exp2(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.exp2(x)
@@ -89,7 +90,7 @@ def exp2(x, INTERPRET: tl.constexpr):
         return libdevice.exp2(x)
 
 
-@triton.jit
+@helper
 def log2(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.log2(x)
@@ -97,18 +98,7 @@ def log2(x, INTERPRET: tl.constexpr):
         return libdevice.log2(x)
 
 
-@triton.jit
-def mma(a, b, acc, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` in FP32 (IEEE dot for float32; exact bf16 upcast under the interpreter)."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif INTERPRET:
-        return tl.dot(f32(a, INTERPRET), f32(b, INTERPRET), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
+@helper
 def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
                INTERPRET: tl.constexpr):  # fmt: skip

@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2, mma, qk_scale
+from h3gate.kernels.attention import AttnConfig, exp2, qk_scale
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
-from h3gate.kernels.exact import f32, rne
+from h3gate.kernels.exact import f32, helper, rne
+from h3gate.kernels.gemm import mma
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, S, H, stride_b, stride_s, D: tl.cons
     tl.store(delta_ptr + bh.to(tl.int64) * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
 
 
-@triton.jit
+@helper
 def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, start, S, stride_s, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
                 INTERPRET: tl.constexpr):  # fmt: skip
@@ -95,7 +96,7 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     tl.store(dv_ptr + rows, rne(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
 
 
-@triton.jit
+@helper
 def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_scale, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)

@@ -15,6 +15,11 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 # eager ops do; ptxas --fmad=false) and no flush-to-zero inside libdevice transcendentals. The interpreter ignores them.
 STRICT_LAUNCH: dict = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
+# Rows per program are a fixed function of the row width and the backend, never of the row count. The interpreter
+# pays Python overhead per program, so it gives each program this many times more rows; a row's own arithmetic and
+# reduction order do not depend on how many rows share its program.
+ROW_SCALE: int = 8 if INTERPRET else 1
+
 
 def check_tensor(
     op: str,

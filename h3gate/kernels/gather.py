@@ -9,8 +9,9 @@ Backward (:func:`segment_sum`): the gradient a gather sends back to its source i
 order is fixed by the index values alone:
 
 1. rows are sorted stably by segment (``torch.sort(stable=True)``: ascending ``r`` inside each segment);
-2. each segment is cut into chunks of ``CHUNK = 256`` consecutive sorted rows; stage 1 sums a chunk's contributions
-   sequentially in ascending ``r`` into a float32 partial;
+2. each segment is cut into chunks of ``CHUNK = 256`` consecutive sorted rows; stage 1 walks a chunk in sub-tiles
+   of ``SUB = 32`` consecutive sorted rows in ascending order, combines each sub-tile by one ``tl.sum`` tree over its
+   32 rows (fixed shape; rows past the chunk's end add exact zeros) and adds it to a float32 partial;
 3. stage 2 sums a segment's partials sequentially in ascending chunk order, then casts once to the output dtype.
 
 Accumulator float32; no atomics; nothing depends on launch geometry, SM count or the other segments. Segments no
@@ -26,31 +27,39 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels import exact
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_indices, check_table, next_pow2
+from h3gate.kernels.common import INTERPRET, ROW_SCALE, STRICT_LAUNCH, check_indices, check_table, next_pow2
 
 CHUNK = 256
+SUB = 32  # rows per sub-tile of a chunk
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
 def _gather_kernel(
     src_ptr, idx_ptr, out_ptr, N, C, src_bs, src_rs, out_bs, out_rs,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, CAST: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, CAST: tl.constexpr, SUM1: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
     rmask = rows < N
+    src_rows = tl.load(idx_ptr + rows, mask=rmask, other=-1).to(tl.int64)
     m = rmask[:, None] & (cols < C)[None, :]
-    src_rows = tl.load(idx_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    v = tl.load(src_ptr + b * src_bs + src_rows[:, None] * src_rs + cols[None, :], mask=m, other=0.0)
-    if CAST:
+    ml = m & (src_rows >= 0)[:, None]  # source row -1: nothing to read, the output is +0.0
+    v = tl.load(src_ptr + b * src_bs + src_rows[:, None] * src_rs + cols[None, :], mask=ml, other=0.0)
+    if SUM1:  # a one-term float32 sum (0.0 + v), as a segment sum or index_add into zeros computes it
+        v = exact.rne(0.0 + exact.f32(v, INTERP), out_ptr.dtype.element_ty, INTERP)
+    elif CAST:
         v = exact.rne(exact.f32(v, INTERP), out_ptr.dtype.element_ty, INTERP)
     tl.store(out_ptr + b * out_bs + rows.to(tl.int64)[:, None] * out_rs + cols[None, :], v, mask=m)
 
 
-def gather_rows(src: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(B, S, C) or (S, C) rows (inner dim contiguous, rows may be strided) -> same rank with N = len(idx) rows."""
+def gather_rows(
+    src: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype | None = None, sum1: bool = False
+) -> torch.Tensor:
+    """(B, S, C) or (S, C) rows (inner dim contiguous, rows may be strided) -> same rank with N = len(idx) rows.
+
+    ``idx[n] == -1`` writes +0.0; ``sum1`` computes ``0.0 + v`` in float32 (a one-term segment sum)."""
     squeeze = src.ndim == 2
     s3 = src.unsqueeze(0) if squeeze else src
     nb, _, c = s3.shape
@@ -58,18 +67,19 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype | N
     out_dtype = out_dtype or src.dtype
     out = torch.empty((nb, n, c), dtype=out_dtype, device=src.device)
     block_c = min(next_pow2(c), 1024)
-    block_n = max(1, min(16, 2048 // block_c))
+    block_n = max(1, min(16, 2048 // block_c)) * ROW_SCALE
     grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_c), nb)
     _gather_kernel[grid](
         s3, idx, out, n, c, s3.stride(0), s3.stride(1), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_C=block_c, CAST=out_dtype != src.dtype, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+        BLOCK_N=block_n, BLOCK_C=block_c, CAST=out_dtype != src.dtype, SUM1=sum1, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
     )  # fmt: skip
     return out[0] if squeeze else out
 
 
 @triton.jit
 def _segment_partial_kernel(
-    a_ptr, c_ptr, order_ptr, cstart_ptr, cend_ptr, part_ptr, H, a_bs, a_rs, c_bs, c_rs, part_bs, max_len, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr, INTERP: tl.constexpr,
+    a_ptr, c_ptr, order_ptr, cstart_ptr, cend_ptr, part_ptr, H, a_bs, a_rs, c_bs, c_rs, part_bs, n_sub,
+    SUB: tl.constexpr, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     k = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -78,14 +88,16 @@ def _segment_partial_kernel(
     start = tl.load(cstart_ptr + k)
     end = tl.load(cend_ptr + k)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for i in range(0, max_len):  # max_len = longest chunk (<= CHUNK); shorter chunks mask the tail (no-op adds)
-        p = start + i
+    for i in range(0, n_sub):  # n_sub = sub-tiles in the longest chunk; shorter chunks add exact zeros
+        p = start + i * SUB + tl.arange(0, SUB)
         valid = p < end
         r = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int64)
-        v = exact.f32(tl.load(a_ptr + b * a_bs + r * a_rs + cols, mask=cm & valid, other=0.0), INTERP)
+        m = valid[:, None] & cm[None, :]
+        v = exact.f32(tl.load(a_ptr + b * a_bs + r[:, None] * a_rs + cols[None, :], mask=m, other=0.0), INTERP)
         if PRODUCT:
-            v = v * exact.f32(tl.load(c_ptr + b * c_bs + r * c_rs + cols, mask=cm & valid, other=0.0), INTERP)
-        acc = tl.where(valid, acc + v, acc)
+            cv = tl.load(c_ptr + b * c_bs + r[:, None] * c_rs + cols[None, :], mask=m, other=0.0)
+            v = v * exact.f32(cv, INTERP)
+        acc = acc + tl.sum(v, axis=0)
     tl.store(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, acc, mask=cm)
 
 
@@ -149,14 +161,14 @@ def segment_sum(
 ) -> torch.Tensor:
     """(B, M, H) contributions ``a`` (times ``c`` when given), summed per segment -> (B, num_segments, H)."""
     nb, _, h = a.shape
-    block_h = min(next_pow2(h), 512)
+    block_h = min(next_pow2(h), 128)
     part = torch.empty((nb, max(plan.num_chunks, 1), h), dtype=torch.float32, device=a.device)
     cc = a if c is None else c
     if plan.num_chunks:
         _segment_partial_kernel[(plan.num_chunks, triton.cdiv(h, block_h), nb)](
             a, cc, plan.order, plan.chunk_start, plan.chunk_end, part, h,
-            a.stride(0), a.stride(1), cc.stride(0), cc.stride(1), part.stride(0), plan.max_len,
-            BLOCK_H=block_h, PRODUCT=c is not None, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+            a.stride(0), a.stride(1), cc.stride(0), cc.stride(1), part.stride(0), triton.cdiv(plan.max_len, SUB),
+            SUB=SUB, BLOCK_H=block_h, PRODUCT=c is not None, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
         )  # fmt: skip
     out = torch.empty((nb, plan.num_segments, h), dtype=out_dtype, device=a.device)
     _segment_reduce_kernel[(plan.num_segments, triton.cdiv(h, block_h), nb)](

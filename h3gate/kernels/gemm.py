@@ -10,8 +10,9 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   ascending BLOCK_K chunks, ``acc = dot(a_chunk, b_chunk, acc)``; inside a chunk the order is the MMA's / FMA dot's
   fixed order for that block shape. No split-K, no Stream-K, no atomics; a masked K tail contributes exact zeros.
 * row invariance - the tiling comes from :func:`h3gate.kernels.gemm_configs.gemm_config` ``(role, N, K, dtype)``,
-  never from M, and M is not specialised at compile time: one binary serves every M, so row r's bytes do not
-  depend on M, on its position, or on the other rows (they only share a program, never a sum).
+  never from M, and M is never a compile-time constant (``do_not_specialize``): every M runs the same arithmetic
+  (Triton still specialises on pointer alignment, which changes load vectorisation, never the maths), so row r's
+  bytes do not depend on M, on its position, or on the other rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
   (``out = cast(acc + float(b))``; the bf16 rounding is round-to-nearest-even).
 * backward - ``dX = dY @ W`` (reduction over N, ascending chunks, same row invariance), ``dW = dY^T @ X``
@@ -31,15 +32,15 @@ import triton.language as tl
 
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
-from h3gate.kernels.exact import f32, rne
+from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-@triton.jit
-def _mma(a, b, acc, INTERPRET: tl.constexpr):
+@helper
+def mma(a, b, acc, INTERPRET: tl.constexpr):
     """``acc + a @ b`` in FP32. FP32 operands: IEEE FMA dot. BF16 under the interpreter: exact upcast first."""
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -49,7 +50,7 @@ def _mma(a, b, acc, INTERPRET: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit
+@helper
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped (GROUP_M-swizzled) tile order: a scheduling choice only."""
     in_group = GROUP_M * num_pid_n
@@ -84,6 +85,7 @@ def _gemm_kernel(
     A_TRANS: tl.constexpr,
     B_TRANS: tl.constexpr,
     USE_TMA: tl.constexpr,
+    FLATTEN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """C (M, N) = A (M, R) @ B (R, N) [+ bias (N,)], A and B addressed through strides.
@@ -107,7 +109,7 @@ def _gemm_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, BLOCK_N])
         c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
-    for tile_id in tl.range(pid, num_tiles, NUM_PROGS):
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,7 +128,7 @@ def _gemm_kernel(
                     b = tl.trans(b_desc.load([pid_n * BLOCK_N, off_k]))
                 else:
                     b = b_desc.load([off_k, pid_n * BLOCK_N])
-                acc = _mma(a, b, acc, INTERPRET)
+                acc = mma(a, b, acc, INTERPRET)
         else:
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
@@ -139,7 +141,7 @@ def _gemm_kernel(
                     rem = R - ki * BLOCK_K
                     a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < rem), other=0.0)
                     b = tl.load(b_ptrs, mask=(offs_k[:, None] < rem) & mask_n[None, :], other=0.0)
-                acc = _mma(a, b, acc, INTERPRET)
+                acc = mma(a, b, acc, INTERPRET)
                 a_ptrs += BLOCK_K * stride_ar
                 b_ptrs += BLOCK_K * stride_br
         if HAS_BIAS:
@@ -234,6 +236,7 @@ def matmul(
         A_TRANS=a_trans,
         B_TRANS=b_trans,
         USE_TMA=tma,
+        FLATTEN=cfg.persistent,
         INTERPRET=INTERPRET,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -8,9 +8,10 @@
 * ``dw``  - ``dW (N, K) = dY^T @ X``, reduction over the M rows.
 
 Why a row's bytes do not depend on M: the config (BLOCK_M/N/K, warps, stages, variant) is a function of
-``(role, N, K, dtype)`` alone, the kernel is compiled with M unspecialised (``do_not_specialize``), so every M
-runs the same machine code; the reduction dimension is walked in ascending BLOCK_K chunks by one program, and M
-only decides how many row tiles are launched and which rows are masked. Which program (or persistent iteration)
+``(role, N, K, dtype)`` alone and M is never a compile-time constant (``do_not_specialize``), so every M runs the
+same instruction sequence on a row (pointer-alignment specialisation only changes load vectorisation); the
+reduction dimension is walked in ascending BLOCK_K chunks by one program, and M only decides how many row tiles
+are launched and which rows are masked. Which program (or persistent iteration)
 computes a tile is launch geometry, not arithmetic.
 
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the

@@ -37,6 +37,7 @@ from h3gate.errors import InputError
 from h3gate.kernels import exact
 from h3gate.kernels.common import (
     INTERPRET,
+    ROW_SCALE,
     STRICT_LAUNCH,
     check_dtype_as,
     check_indices,
@@ -158,7 +159,7 @@ def _fwd_config(h: int) -> tuple[int, int, int]:
     block_h = next_pow2(h)
     block_m = max(1, min(16, 2048 // block_h))
     tile = block_m * block_h
-    return block_h, block_m, 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
+    return block_h, block_m * ROW_SCALE, 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
 
 
 class _RmsNorm(torch.autograd.Function):
@@ -194,13 +195,14 @@ class _RmsNorm(torch.autograd.Function):
         need_n = modulate and ctx.needs_input_grad[3]
         dx = torch.empty_like(x)
         n = torch.empty_like(x) if need_n else dx
-        progs = triton.cdiv(m, BWD_ROWS)
-        dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
         block_h, block_m, warps = _fwd_config(h)
+        rows = max(BWD_ROWS, block_m)
+        progs = triton.cdiv(m, rows)
+        dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
         _rms_bwd_kernel[(progs,)](
             x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
             m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
-            ROWS=BWD_ROWS, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=ctx.round_first,
+            ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=ctx.round_first,
             NEED_N=need_n, INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
         )  # fmt: skip
         dweight = sum_rows(dwp, weight.dtype) if ctx.needs_input_grad[1] else None

@@ -9,7 +9,8 @@ Every row changes one factor of the strict arm and declares what must happen:
 
 A signature field that is absent is not checked; ``any`` says the RFC promises only "the first affected" one and the
 engine records whichever it observes. ``row`` is a packed row: an integer, or ``<group>[k]`` resolved against the
-layout (``text``, ``video``, ``audio`` index tensors; ``video_target`` / ``audio_target`` skip condition rows).
+layout (``text``, ``video``, ``audio`` index tensors; ``video_target`` / ``audio_target`` skip condition rows;
+``media[k]`` is packed row ``text_tokens + k``, the k-th row after the text block).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROW_IDS: tuple[str, ...] = (
     *(f"H{i}" for i in range(1, 18)),
     *(f"H-C{i}" for i in range(8)),
 )
-ROW_SYMBOL = re.compile(r"^(text|video|audio|video_target|audio_target)\[(-?\d+)\]$")
+ROW_SYMBOL = re.compile(r"^(text|video|audio|video_target|audio_target|media)\[(-?\d+)\]$")
 ANY = "any"
 
 
@@ -53,7 +54,7 @@ class Signature(Strict):
         if isinstance(value, str) and value != ANY and not ROW_SYMBOL.match(value):
             raise ValueError(
                 f"{value!r} must be an integer, 'any', or <group>[k] with group text, video, audio, video_target, "
-                "audio_target"
+                "audio_target, media"
             )
         if isinstance(value, int) and value < 0:
             raise ValueError("must be >= 0")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeFloat
 
 from h3gate.errors import InputError
 from h3gate.manifests.loader import read_yaml, validate
@@ -19,6 +19,17 @@ from h3gate.paths import MANIFESTS, display
 
 ImportPath = str  # "package.module:function"
 _IMPORT = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+AccuracyDtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Accuracy(Strict):
+    """Bounds declared before measuring: rel_l2 = ||kernel - golden|| / ||golden|| against the float64 golden, keyed
+    by the compared tensor's dtype (the output forward; each input gradient backward). Checked by ``run ws1-ops``."""
+
+    forward: dict[AccuracyDtype, NonNegativeFloat] = Field(min_length=1)
+    backward: dict[AccuracyDtype, NonNegativeFloat] = Field(default_factory=dict)
 
 
 class Contract(Strict):
@@ -33,6 +44,7 @@ class Contract(Strict):
     provider_bitwise: bool
     backward: str
     supported: str
+    accuracy: Accuracy | None = None
 
 
 class OperatorSpec(Strict):

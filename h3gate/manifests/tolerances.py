@@ -38,6 +38,8 @@ class BackwardBounds(Strict):
 
     repeat_bitwise: bool = True
     batch_row_bitwise: bool = True
+    # The forward under autograd (training) equals the forward under no_grad (rollout), node by node.
+    autograd_forward_bitwise: bool = True
     error_metric: Metric = "rel_l2"
     leaf_factor: PositiveFloat
     leaf_floor: NonNegativeFloat

@@ -80,9 +80,7 @@ CASES: dict[str, CaseBuilder] = {
     "final_adaln_projection": _gemm(
         "final_adaln_projection", lambda c: (c.time_embed_dim, 2 * c.hidden_size), BF16, True, timestep_rows=True
     ),
-    "text_context_projection": _gemm(
-        "text_context_projection", lambda c: (c.text_dim, c.hidden_size), BF16, True
-    ),
+    "text_context_projection": _gemm("text_context_projection", lambda c: (c.text_dim, c.hidden_size), BF16, True),
     "video_input_projection_fp32": _gemm(
         "video_input_projection_fp32", lambda c: (c.video_patch_dim, c.hidden_size), FP32, True
     ),

@@ -4,8 +4,10 @@ Executions (forward, no autograd): provider chained; candidate chained; candidat
 provider's inputs); golden chained (float64); candidate and provider repeated; candidate and provider with the
 block input placed in batches of 2 and 3 next to unrelated items (``h3gate.gate.invariance.PLACEMENTS``).
 Backward (``out.backward(g)`` with a seeded BF16 cotangent ``g``): provider, candidate, candidate repeat, golden,
-and the batch placements (each unrelated item with its own cotangent). The gradient of every leaf (block input,
-temb, 12 parameters) and the gradient reaching every node output (``retain_grad``) are compared.
+and the gradient batch placement (``GRAD_PLACEMENTS``; each unrelated item with its own cotangent). The gradient of
+every leaf (block input, temb, 12 parameters) and the gradient reaching every node output (``retain_grad``) are
+compared, and the candidate's forward under autograd (training) is compared node by node with its no_grad forward
+(rollout).
 
 Checks (the tolerance profile): every candidate node and gradient repeats bitwise and is batch-row bitwise; promised
 nodes are isolated-bitwise; candidate error vs golden <= factor * provider error + floor (leaf gradients also pass
@@ -25,7 +27,7 @@ import torch
 from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.drift import first_drift
-from h3gate.gate.invariance import PLACEMENTS, batch_records, place, repeat_records, slices
+from h3gate.gate.invariance import GRAD_PLACEMENTS, PLACEMENTS, batch_records, place, repeat_records, slices
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated, to_float64
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
@@ -46,6 +48,11 @@ NOTES = (
     "gate the profile's metric, max_abs is reported.",
     "Provider repeat / batch-row results are context (is the provider itself invariant on this device) and never "
     "gate. Gradient drifts walk backward execution order (residual_mlp first), then the leaves.",
+    "Forward batch-row probes place the item alone, first of 2 and last of 3; gradient probes (forward + backward, "
+    "the costly ones) alone and second of 2. Parameter and temb gradients sum over the batch and have no per-row "
+    "check.",
+    "autograd_forward compares the candidate's forward under autograd (the training path) with its no_grad forward "
+    "(the rollout path), node by node.",
 )
 
 
@@ -55,7 +62,7 @@ def forward_steps() -> list[str]:
 
 
 def backward_steps() -> list[str]:
-    batch = [f"{who} batch {size}" for who in ("candidate", "provider") for size, _ in PLACEMENTS[1:]]
+    batch = [f"{who} batch {size}" for who in ("candidate", "provider") for size, _ in GRAD_PLACEMENTS[1:]]
     return [f"backward: {s}" for s in (*BACKWARD_STEPS, *batch)]
 
 
@@ -123,8 +130,8 @@ class _Executions:
 
     def grads(
         self, who: str, label: str, cotangent: torch.Tensor, hidden: torch.Tensor | None = None
-    ) -> tuple[Values, Values]:
-        """(leaf gradients, node-output gradients) of ``<output, cotangent>``."""
+    ) -> tuple[Values, Values, Values]:
+        """(leaf gradients, node-output gradients, node outputs) of ``<output, cotangent>``."""
         self.step(f"backward: {label}")
         x, p = self._inputs(who, hidden)
         x = dict(x)
@@ -140,17 +147,22 @@ class _Executions:
             out.backward(cotangent.to(out.dtype))
         leaf_grads = {k: v.grad for k, v in {**leaves, **params}.items()}
         node_grads = {n.name: values[n.name].grad for n in self.gate.graph.nodes}
-        return leaf_grads, node_grads
+        outputs = {n.name: values[n.name].detach() for n in self.gate.graph.nodes}
+        return leaf_grads, node_grads, outputs
 
 
 def _unrelated(gate: BlockGate, tag: str) -> list[torch.Tensor]:
     h = gate.inputs.tensors["hidden_states"]
-    n = max(size for size, _ in PLACEMENTS) - 1
+    n = max(size for size, _ in (*PLACEMENTS, *GRAD_PLACEMENTS)) - 1
     return [stand_in(gate.inputs.seed, tag, i, h.shape[1], h.shape[2], h.device) for i in range(1, n + 1)]
 
 
 def _check(name: str, ok: bool, detail: str = "") -> dict:
     return {"check": name, "pass": bool(ok), "detail": detail}
+
+
+def _failure(where: str, check: dict) -> str:
+    return f"{where}.{check['check']}" + (f" ({check['detail']})" if check["detail"] else "")
 
 
 def run_block_gate(gate: BlockGate) -> BlockGateResult:
@@ -214,7 +226,7 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         if gate.mode == "audit" and nb.fallback:
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
             checks.append(_check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
-        failing += [f"forward.{n}.{c['check']}" + (f" ({c['detail']})" if c["detail"] else "") for c in checks if not c["pass"]]
+        failing += [_failure(f"forward.{n}", c) for c in checks if not c["pass"]]
         nodes.append(
             {
                 "name": n,
@@ -253,7 +265,7 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
     backward_report, backward_s = None, 0.0
     if gate.backward:
         t1 = time.perf_counter()
-        backward_report = _backward(gate, ex, failing, modalities, row_dims, batch_dims)
+        backward_report = _backward(gate, ex, cand, failing, modalities, row_dims, batch_dims)
         backward_s = time.perf_counter() - t1
 
     fallbacks = [
@@ -287,6 +299,7 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
 def _backward(
     gate: BlockGate,
     ex: _Executions,
+    no_grad_values: Values,
     failing: list[str],
     modalities: list[str],
     row_dims: dict[str, int | None],
@@ -297,11 +310,15 @@ def _backward(
     names = [n.name for n in graph.nodes]
     h = gate.inputs.tensors["hidden_states"]
     cot = stand_in(gate.inputs.seed, "cotangent", 0, h.shape[1], h.shape[2], h.device)
-    p_leaf, p_node = ex.grads("provider", "provider", cot)
-    pr_leaf, pr_node = ex.grads("provider", "provider repeat", cot)
-    c_leaf, c_node = ex.grads("candidate", "candidate", cot)
-    cr_leaf, cr_node = ex.grads("candidate", "candidate repeat", cot)
-    g_leaf, g_node = ex.grads("golden", "golden", cot.double())
+    p_leaf, p_node, _ = ex.grads("provider", "provider", cot)
+    pr_leaf, pr_node, _ = ex.grads("provider", "provider repeat", cot)
+    c_leaf, c_node, c_out = ex.grads("candidate", "candidate", cot)
+    cr_leaf, cr_node, _ = ex.grads("candidate", "candidate repeat", cot)
+    g_leaf, g_node, _ = ex.grads("golden", "golden", cot.double())
+    autograd_fwd = {n: agreement(c_out[n], no_grad_values[n], row_dims[n], modalities) for n in names}
+    if tol.autograd_forward_bitwise:
+        failing.extend(f"backward.autograd_forward.{n}.bitwise" for n in names if not autograd_fwd[n]["bitwise"])
+    del c_out
     leaf_names = list(c_leaf)
     leaf_rows = {k: (1 if k == "hidden_states" else None) for k in leaf_names}
     leaf_batch = {k: (0 if k == "hidden_states" else None) for k in leaf_names}
@@ -313,8 +330,8 @@ def _backward(
     per_row = ["hidden_states", *[n for n in names if batch_dims[n] is not None]]
     runs: dict[str, list] = {"candidate": [], "provider": []}
     for who in ("candidate", "provider"):
-        for size, pos in PLACEMENTS[1:]:
-            lg, ng = ex.grads(who, f"{who} batch {size}", place(cot, cots, size, pos), place(h, others, size, pos))
+        for size, pos in GRAD_PLACEMENTS[1:]:
+            lg, ng, _ = ex.grads(who, f"{who} batch {size}", place(cot, cots, size, pos), place(h, others, size, pos))
             picked = {k: v for k, v in {**lg, **ng}.items() if k in per_row}
             runs[who].append((size, pos, slices(picked, all_batch, pos)))
             del lg, ng
@@ -355,11 +372,7 @@ def _backward(
                 _check("error_bound", bound["pass"], f"{bound['metric']} {bound['candidate']} <= {bound['bound']}")
             )
             kind = "leaf" if leaf else "node"
-            failing.extend(
-                f"backward.{kind}.{k}.{ch['check']}" + (f" ({ch['detail']})" if ch["detail"] else "")
-                for ch in checks
-                if not ch["pass"]
-            )
+            failing.extend(_failure(f"backward.{kind}.{k}", ch) for ch in checks if not ch["pass"])
             out[k] = {
                 "shape": list(c[k].shape),
                 "dtype": str(c[k].dtype).replace("torch.", ""),
@@ -391,6 +404,8 @@ def _backward(
         "order": "backward execution order: node gradients from residual_mlp back to adaln_projection, then leaves",
         "leaves": leaves,
         "nodes": node_recs,
+        "autograd_forward": autograd_fwd,
+        "first_autograd_forward_drift": first_drift(names, autograd_fwd),
         "first_grad_drift": drift("chained"),
         "first_grad_repeat_drift": drift("repeat"),
         "first_grad_batch_drift": drift("batch_row"),

@@ -1,0 +1,140 @@
+"""``h3gate bench ws1-block``: the strict block next to the provider block, forward and forward + backward.
+
+Both executions run in one process on the same inputs (synthetic weights of ``--config``, the ``--layout`` block
+inputs), interleaved iteration by iteration (provider, strict, provider, ...) after a warm-up, each iteration timed
+with a pair of CUDA events around the call and a device synchronisation after it; the report gives the median (and
+min / max) in milliseconds and the strict / provider ratio. Strict mode fails closed before anything is timed when
+a node has no strict kernel. TF32 is off for both.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from h3gate.errors import EXIT_PASS, InputError
+from h3gate.evidence.writer import write_evidence
+from h3gate.graph.block import build_block_graph
+from h3gate.graph.core import OpTable, run_chained
+from h3gate.graph.executions import bind_graph, candidate_table, provider_table
+from h3gate.graph.inputs import stand_in
+from h3gate.paths import LOCAL_EVIDENCE, display
+
+KIND = "bench-ws1-block"
+WARMUP = 3
+ITERS = 20
+
+
+def _cuda_timer() -> Callable[[Callable[[], object]], float]:
+    """A timer in milliseconds from CUDA events (``h3gate.bench.timing`` when present, else this local one)."""
+    try:
+        from h3gate.bench.timing import cuda_ms  # type: ignore[attr-defined]
+
+        return cuda_ms
+    except (ImportError, AttributeError):
+        pass
+
+    def cuda_ms(fn: Callable[[], object]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return float(start.elapsed_time(end))
+
+    return cuda_ms
+
+
+def _summary(samples: list[float]) -> dict:
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "iters": len(samples),
+    }
+
+
+def bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+    """Time the strict block and the provider block side by side; write ``bench-ws1-block.json``."""
+    from h3gate.commands.run_cmd import LAYER, prepare_ws1_block
+
+    if not device.startswith("cuda"):
+        raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    setup = prepare_ws1_block(layout, config, None, device, 0, "strict")
+    graph = build_block_graph(setup.cfg, LAYER)
+    bindings = bind_graph(graph, "strict", device)
+    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+    x, params = setup.inputs.tensors, setup.params
+    h = x["hidden_states"]
+    cot = stand_in(0, "cotangent", 0, h.shape[1], h.shape[2], h.device)
+
+    def forward(table: OpTable) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return run_chained(graph, x, params, table)[graph.output]
+
+        return run
+
+    def forward_backward(table: OpTable) -> Callable[[], object]:
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+
+        def run() -> object:
+            hs = h.detach().clone().requires_grad_(True)
+            temb = x["temb"].detach().clone().requires_grad_(True)
+            for p in leaves.values():
+                p.grad = None
+            out = run_chained(graph, {**x, "hidden_states": hs, "temb": temb}, leaves, table)[graph.output]
+            out.backward(cot)
+            return hs.grad
+
+        return run
+
+    timer = _cuda_timer()
+    results: dict[str, dict] = {}
+    for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
+        fns = {who: make(t) for who, t in tables.items()}
+        for _ in range(WARMUP):
+            for fn in fns.values():
+                fn()
+        torch.cuda.synchronize()
+        samples: dict[str, list[float]] = {who: [] for who in fns}
+        for _ in range(ITERS):
+            for who, fn in fns.items():
+                samples[who].append(timer(fn))
+        stats = {who: _summary(s) for who, s in samples.items()}
+        ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
+        results[phase] = {**stats, "strict_over_provider": ratio}
+    body = {
+        "config": setup.config_name,
+        "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
+        "device": device,
+        "method": f"{WARMUP} warm-up then {ITERS} interleaved iterations; CUDA events per call; median",
+        "bindings": {name: nb.record() for name, nb in bindings.items()},
+        "results": results,
+    }
+    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{setup.config_name}-{layout}"
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=setup.manifests, device=device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+        return EXIT_PASS
+    table = Table(title=f"bench ws1-block {setup.config_name} / {layout} (S={setup.layout.seq_len}) on {device}")
+    for col in ("phase", "provider ms", "strict ms", "strict / provider"):
+        table.add_column(col)
+    for phase, r in results.items():
+        table.add_row(
+            phase,
+            f"{r['provider']['median_ms']:.3f}",
+            f"{r['strict']['median_ms']:.3f}",
+            f"{r['strict_over_provider']:.2f}x",
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"evidence: {display(path)}")
+    return EXIT_PASS

@@ -1,0 +1,110 @@
+"""``h3gate bench --op NAME``: each strict kernel timed next to its provider op in one run.
+
+For every operator the case builder (``h3gate.ops.cases``) makes the inputs at the layout's rows and the config's
+widths; the strict kernel (``registry.bind(op, "strict", device)``) and the provider reference are timed side by
+side (:func:`h3gate.bench.timing.side_by_side`, interleaved, L2 flushed, medians), forward (under ``no_grad``) and
+forward + backward (gradients of every grad argument). The copy bandwidth of the same device is measured in the
+same run.
+
+Criteria, declared here before measuring (forward only; forward + backward is recorded, not gated):
+
+* ``not_slower``: kernel median <= provider median * (1 + NOISE), NOISE = 0.05 (timing noise allowance);
+* ``bandwidth``: for operators whose case moves >= MEMORY_BOUND_MIN_BYTES (256 MiB, where launch latency is under a
+  few percent), achieved bytes/s >= 70% of the measured copy bandwidth; smaller cases record it as not applicable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h3gate.bench.timing import copy_bandwidth_gbs, side_by_side
+from h3gate.errors import InputError
+from h3gate.ops import registry
+from h3gate.ops.cases import OpCase, build_case, randn
+
+MIN_COPY_FRACTION = 0.70
+MEMORY_BOUND_MIN_BYTES = 256 << 20
+NOISE = 0.05
+
+
+def _forward(case: OpCase, fn):
+    def run():
+        with torch.no_grad():
+            return case.call(fn)
+
+    return run
+
+
+def _forward_backward(case: OpCase, fn, gout: torch.Tensor):
+    args = list(case.args)
+    leaves = []
+    for i in case.grad_args:
+        args[i] = args[i].detach().requires_grad_(True)
+        leaves.append(args[i])
+
+    def run():
+        out = fn(*args, **case.kwargs)
+        return torch.autograd.grad(out, leaves, gout, allow_unused=True)
+
+    return run
+
+
+def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int = 50) -> dict:
+    """One operator's record: forward (gated) and forward + backward (recorded) timings, achieved bandwidth."""
+    case = build_case(op, rows, cfg, device, seed=0)
+    binding = registry.bind(op, "strict", device)
+    ref = registry.reference(op)
+    fwd = side_by_side({"kernel": _forward(case, binding.fn), "provider": _forward(case, ref)}, iters=iters)
+    fb = None
+    if case.grad_args:
+        with torch.no_grad():
+            out = case.call(ref)
+        gout = randn(out.shape, out.dtype, out.device, torch.Generator().manual_seed(1))
+        fb = side_by_side(
+            {"kernel": _forward_backward(case, binding.fn, gout), "provider": _forward_backward(case, ref, gout)},
+            iters=max(10, iters // 2),
+        )
+    k_ms, p_ms = fwd["kernel"]["median_ms"], fwd["provider"]["median_ms"]
+    k_gbs = case.bytes_moved / (k_ms * 1e-3) / 1e9 if case.bytes_moved else None
+    p_gbs = case.bytes_moved / (p_ms * 1e-3) / 1e9 if case.bytes_moved else None
+    memory_bound = case.bytes_moved >= MEMORY_BOUND_MIN_BYTES
+    fraction = None if k_gbs is None else k_gbs / copy_gbs
+    checks = {
+        "not_slower": k_ms <= p_ms * (1 + NOISE),
+        "bandwidth": (fraction is not None and fraction >= MIN_COPY_FRACTION) if memory_bound else None,
+    }
+    return {
+        "op": op,
+        "binding": binding.record(),
+        "shape": case.shape,
+        "bytes_moved": case.bytes_moved,
+        "flops": case.flops,
+        "memory_bound": memory_bound,
+        "forward": {
+            "kernel": fwd["kernel"],
+            "provider": fwd["provider"],
+            "speedup": p_ms / k_ms if k_ms > 0 else None,
+            "kernel_gbs": k_gbs,
+            "provider_gbs": p_gbs,
+            "fraction_of_copy": fraction,
+        },
+        "forward_backward": None if fb is None else {"kernel": fb["kernel"], "provider": fb["provider"]},
+        "checks": checks,
+        "verdict": "pass" if all(v is not False for v in checks.values()) else "fail",
+    }
+
+
+def bench_ops(ops: list[str], rows: int, cfg, device: str) -> tuple[float, list[dict]]:
+    """Copy bandwidth and one record per operator (strict binds checked before anything is timed)."""
+    if not device.startswith("cuda"):
+        raise InputError("bench needs --device cuda")
+    for op in ops:
+        registry.bind(op, "strict", device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    copy_gbs = copy_bandwidth_gbs(device)
+    records = []
+    for op in ops:
+        records.append(bench_op(op, rows, cfg, device, copy_gbs))
+        torch.cuda.empty_cache()
+    return copy_gbs, records

@@ -1,0 +1,67 @@
+"""CUDA-event timing: one call, interleaved side-by-side medians, and the device's measured copy bandwidth.
+
+* :func:`cuda_ms` - one call bracketed by CUDA events, then a device synchronisation; milliseconds.
+* :func:`side_by_side` - several callables timed in one run: after ``warmup`` untimed rounds, ``iters`` rounds
+  each call every callable once in turn (interleaved, so clock and thermal drift hit all alike), each timed call
+  preceded by zeroing a 256 MiB buffer (the H200's L2 is 50 MiB), so inputs never sit in L2 - no input rotation
+  needed; per callable the median / min / max of its ``iters`` event timings.
+* :func:`copy_bandwidth_gbs` - a 1 GiB device-to-device ``copy_`` timed the same way: ``2 * bytes / median``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+
+import torch
+
+FLUSH_BYTES = 256 << 20
+COPY_BYTES = 1 << 30
+
+
+def cuda_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds of one call, from CUDA events around it (synchronised)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def side_by_side(fns: Mapping[str, Callable[[], object]], iters: int = 50, warmup: int = 5) -> dict[str, dict]:
+    """Interleaved CUDA-event timings of every callable (L2 flushed before each timed call)."""
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    events = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    out = {}
+    for name, pairs in events.items():
+        samples = [float(s.elapsed_time(e)) for s, e in pairs]
+        out[name] = {
+            "median_ms": statistics.median(samples),
+            "min_ms": min(samples),
+            "max_ms": max(samples),
+            "iters": len(samples),
+        }
+    return out
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int = COPY_BYTES, iters: int = 20) -> float:
+    """Measured device-to-device copy bandwidth (read + write bytes per second, in GB/s = 1e9 B/s)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    stats = side_by_side({"copy": lambda: dst.copy_(src)}, iters=iters)
+    return 2 * nbytes / (stats["copy"]["median_ms"] * 1e-3) / 1e9

@@ -1,0 +1,194 @@
+"""``h3gate ablate ROW | --all | --list``: run RFC section 6 rows and check each one's observed result and first-drift
+signature against ``manifests/ablations.yaml``.
+
+Exit 0 when every requested row matches its expectation, 1 when any does not (``ablation.json`` is written either
+way), 2 for bad input (unknown row, bad options, malformed manifest). Rows run on the provider op table by default
+(``--mode off``; on CPU this keeps the whole matrix within CI time); ``--mode strict|audit|auto`` binds the registry's
+kernels and the evidence records every binding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.manifests.ablations import ABLATIONS_FILE, ROW_IDS, AblationRow, load_ablations
+from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+
+ARM_RUNS = ("forward", "trajectory", "backward")
+
+
+def check_probe_names(rows: dict[str, AblationRow], source: str = display(ABLATIONS_FILE)) -> None:
+    """Every ``probe`` / ``strict`` names a registered function of the right kind (breadcrumb error otherwise)."""
+    from h3gate.ablate import probes
+
+    probes.names()
+    for row_id, row in rows.items():
+        table = probes.ARM_PROBES if row.run in ARM_RUNS else probes.SPECIAL
+        kind = "an arm probe" if row.run in ARM_RUNS else "a check/distributed function"
+        if row.probe not in table:
+            raise InputError(
+                f"{source}: rows.{row_id}.probe: {row.probe!r} is not {kind} (known: {', '.join(sorted(table))})"
+            )
+        if row.strict is not None and (row.run not in ARM_RUNS or row.strict not in probes.ARM_PROBES):
+            raise InputError(f"{source}: rows.{row_id}.strict: {row.strict!r} is not an arm probe of a {row.run} row")
+
+
+def select_rows(rows: dict[str, AblationRow], row: str | None, all_: bool) -> list[str]:
+    if row is not None and all_:
+        raise InputError("ablate: give one ROW or --all, not both")
+    if all_:
+        return list(rows)
+    if row is None:
+        raise InputError("ablate: give a ROW (e.g. H5), --all, or --list")
+    wanted = {r.upper(): r for r in rows}.get(row.upper())
+    if wanted is None:
+        raise InputError(f"ablation row {row!r}: unknown (known: {', '.join(ROW_IDS)})")
+    return [wanted]
+
+
+def _signature_text(sig: dict | None) -> str:
+    if not sig:
+        return "-"
+    parts = [str(sig.get("node"))]
+    for key in ("layer", "step", "row", "modality"):
+        if sig.get(key) is not None:
+            parts.append(f"{key} {sig[key]}")
+    return ", ".join(parts)
+
+
+def _list(rows: dict[str, AblationRow], json_: bool) -> int:
+    if json_:
+        print(json.dumps({k: v.model_dump(mode="json") for k, v in rows.items()}, indent=1))
+        return EXIT_PASS
+    table = Table(title=f"RFC section 6 ablation rows ({display(ABLATIONS_FILE)})")
+    for col in ("row", "factor", "run", "probe", "expected", "expected first drift"):
+        table.add_column(col, overflow="fold")
+    for row_id, row in rows.items():
+        sig = row.expected.signature.model_dump(exclude_none=True) if row.expected.signature else None
+        table.add_row(row_id, escape(row.factor), row.run, row.probe, row.expected.result, escape(_signature_text(sig)))
+    Console().print(table)
+    return EXIT_PASS
+
+
+def _render(records: list[dict], wall: float, title: str) -> None:
+    table = Table(title=escape(title))
+    for col in ("row", "expected", "observed", "first drift / reason", "strict sha256", "probe sha256", "verdict", "s"):
+        table.add_column(col, overflow="fold")
+    for rec in records:
+        obs = rec["observed"]
+        detail = _signature_text(obs["signature"]) if obs["result"] == "EXPECTED_DRIFT" else (obs["reason"] or "-")
+        colour = "green" if rec["verdict"] == "pass" else "red"
+        detail += "" if not rec["mismatches"] else " | " + "; ".join(rec["mismatches"])
+        table.add_row(
+            rec["id"],
+            rec["expected"]["result"],
+            obs["result"],
+            escape(detail[:160]),
+            (rec["strict_sha256"] or "-")[:12],
+            (rec["probe_sha256"] or "-")[:12],
+            f"[{colour}]{rec['verdict']}[/{colour}]",
+            f"{rec['wall_s']:.1f}",
+        )
+    console = Console()
+    console.print(table)
+    passed = sum(r["verdict"] == "pass" for r in records)
+    console.print(f"{passed}/{len(records)} rows match their expectation in {wall:.1f} s")
+
+
+def _trajectory_record(ctx) -> dict:
+    from h3gate.trajectory import run_trajectory
+
+    result = run_trajectory(ctx.graph, ctx.params, ctx.ops, ctx.cfg, ctx.layout, ctx.request(0), ctx.recipe, ctx.device)
+    return {
+        "config": ctx.config_name,
+        "layout": ctx.layout.name,
+        "seed": ctx.seed,
+        "execution": ctx.execution,
+        **result.record(),
+    }
+
+
+def ablate_command(
+    row: str | None,
+    all_: bool,
+    list_: bool,
+    layout: str,
+    config: str,
+    device: str,
+    out: Path | None,
+    json_: bool,
+    mode: str = "off",
+    steps: int = 4,
+    seed: int = 0,
+    checkpoint: Path | None = None,
+    threads: int | None = None,
+) -> int:
+    from h3gate.ablate.engine import build_context, run_row
+    from h3gate.evidence.writer import write_evidence
+
+    rows = load_ablations()
+    check_probe_names(rows)
+    if list_:
+        if row is not None or all_:
+            raise InputError("ablate: --list takes no ROW and no --all")
+        return _list(rows, json_)
+    selected = select_rows(rows, row, all_)
+    if steps < 3:
+        raise InputError(f"--steps {steps}: must be >= 3 (two model evaluations: trajectory rows compare steps)")
+    if threads is not None and threads < 1:
+        raise InputError(f"--threads {threads}: must be >= 1")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    previous = torch.get_num_threads()
+    # CPU: one intra-op thread unless told otherwise (the tiny shapes gain nothing from more, and idle OpenMP
+    # workers spin on a shared machine); every arm, and every gloo rank, runs with the same count.
+    torch.set_num_threads(threads or (1 if device == "cpu" else previous))
+    try:
+        started = time.perf_counter()
+        ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
+        ctx.execution["threads"] = torch.get_num_threads()
+        records = [run_row(row_id, rows[row_id], ctx) for row_id in selected]
+        wall = time.perf_counter() - started
+        trajectory = _trajectory_record(ctx) if any(rows[r].run == "trajectory" for r in selected) else None
+    finally:
+        torch.set_num_threads(previous)
+    ok = all(r["verdict"] == "pass" for r in records)
+    body = {
+        "config": config,
+        "layout": ctx.layout.name,
+        "device": device,
+        "seed": seed,
+        "execution": ctx.execution,
+        "one_step_plan": ctx.plan,
+        "recipe": ctx.recipe.record(),
+        "rows": records,
+        "summary": {
+            "requested": len(records),
+            "passed": sum(r["verdict"] == "pass" for r in records),
+            "failed": [r["id"] for r in records if r["verdict"] != "pass"],
+            "wall_s": round(wall, 3),
+        },
+        "verdict": "pass" if ok else "fail",
+    }
+    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "ablate"
+    manifests = [ABLATIONS_FILE, MANIFESTS / "layouts.yaml"]
+    manifests += (
+        [MANIFESTS / "configs" / f"{config}.yaml"] if (MANIFESTS / "configs" / f"{config}.yaml").is_file() else []
+    )
+    path = write_evidence(folder, "ablation.json", "ablation", body, manifests=manifests, device=device)
+    if trajectory is not None:
+        write_evidence(folder, "trajectory.json", "trajectory", trajectory, manifests=manifests, device=device)
+    if json_:
+        print(json.dumps({"evidence": display(path), **body["summary"], "verdict": body["verdict"]}, indent=1))
+    else:
+        _render(records, wall, f"h3gate ablate: config {config}, layout {ctx.layout.name}, {device}, mode {mode}")
+        Console().print(f"evidence: {escape(display(path))}")
+    return EXIT_PASS if ok else EXIT_FAIL

@@ -1,0 +1,107 @@
+"""``h3gate bench``: ``--op NAME`` times strict kernels next to their provider ops (:mod:`h3gate.bench.ops`);
+``ws1-block`` times the strict block next to the provider block (:mod:`h3gate.bench.block`). CUDA only: on CPU the
+verb exits 2 ("bench needs --device cuda"). Exit 0 when every declared criterion held, 1 otherwise (evidence
+written), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+
+KIND = "bench"
+
+
+def bench_command(
+    target: str | None, ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool
+) -> int:
+    if not device.startswith("cuda"):
+        raise InputError("bench needs --device cuda")
+    if target == "ws1-block":
+        if ops:
+            raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")
+        from h3gate.bench.block import bench_block
+
+        return bench_block(layout, config, device, out, json_)
+    if target is not None:
+        raise InputError(f"bench {target!r}: unknown target (ws1-block, or none with --op NAME)")
+    if not ops:
+        raise InputError("bench: give a target (ws1-block) or at least one --op NAME")
+    return _bench_ops(list(dict.fromkeys(ops)), layout, config, device, out, json_)
+
+
+def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+    import torch
+
+    from h3gate.bench.ops import MEMORY_BOUND_MIN_BYTES, MIN_COPY_FRACTION, NOISE, bench_ops
+    from h3gate.commands.ops_cmd import parse_layouts
+    from h3gate.evidence.writer import write_evidence
+    from h3gate.manifests.layouts import LAYOUTS_FILE
+    from h3gate.manifests.model_config import load_config
+    from h3gate.ops import registry
+    from h3gate.ops.cases import CASES
+
+    if not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available on this machine")
+    for op in ops:
+        registry.spec(op)
+        if op not in CASES:
+            raise InputError(f"--op {op}: no case builder (known: {', '.join(sorted(CASES))})")
+    cfg = load_config(config)
+    ((name, rows),) = parse_layouts(layout)
+    copy_gbs, records = bench_ops(ops, rows, cfg.config, device)
+    body = {
+        "target": "ops",
+        "config": cfg.name,
+        "layout": {"name": name, "rows": rows},
+        "device": device,
+        "copy_bandwidth_gbs": copy_gbs,
+        "criteria": {
+            "min_fraction_of_copy": MIN_COPY_FRACTION,
+            "memory_bound_min_bytes": MEMORY_BOUND_MIN_BYTES,
+            "not_slower_noise": NOISE,
+        },
+        "operators": records,
+        "verdict": "pass" if all(r["verdict"] == "pass" for r in records) else "fail",
+    }
+    manifests = [MANIFESTS / "configs" / f"{cfg.name}.yaml", LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
+    path = write_evidence(
+        out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
+        manifests=[p for p in manifests if p.is_file()], device=device,
+    )  # fmt: skip
+    if json_:
+        print(json.dumps({"evidence": display(path), **{k: body[k] for k in ("verdict", "copy_bandwidth_gbs")},
+                          "operators": {r["op"]: r["forward"] | {"checks": r["checks"]} for r in records}}, indent=1))
+    else:
+        _table(body, path)
+    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def _table(body: dict, path: Path) -> None:
+    console = Console()
+    title = f"bench --op @ {body['layout']['name']} (S={body['layout']['rows']}), copy {body['copy_bandwidth_gbs']:.0f} GB/s"
+    table = Table(title=f"{title}: {body['verdict'].upper()}")
+    for col in ("operator", "kernel ms", "provider ms", "speedup", "kernel GB/s", "% copy", "fwd+bwd k/p ms", "ok"):
+        table.add_column(col)
+    for r in body["operators"]:
+        f = r["forward"]
+        frac = "-" if f["fraction_of_copy"] is None else f"{100 * f['fraction_of_copy']:.0f}%"
+        if not r["memory_bound"] and f["fraction_of_copy"] is not None:
+            frac += " (n/a)"
+        fb = r["forward_backward"]
+        fbs = "-" if fb is None else f"{fb['kernel']['median_ms']:.3f}/{fb['provider']['median_ms']:.3f}"
+        table.add_row(
+            escape(r["op"]), f"{f['kernel']['median_ms']:.4f}", f"{f['provider']['median_ms']:.4f}",
+            f"{f['speedup']:.2f}x", "-" if f["kernel_gbs"] is None else f"{f['kernel_gbs']:.0f}", frac, fbs,
+            "yes" if r["verdict"] == "pass" else "[red]NO[/red]",
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"evidence: {escape(display(path))}")

@@ -1,0 +1,150 @@
+"""``h3gate run ws1-ops``: per-operator evidence (``ws1-ops.json``) for the strict kernels; engine in
+:mod:`h3gate.opsgate`.
+
+Rows come from the named layouts' sequence lengths (tiny 264, small 925, medium 3160, 768p 38974), widths and dtypes
+from ``--config``. Without ``--op`` every operator that declares a strict kernel and has a case builder runs; the
+others are listed under ``not_run``. Exit 0 when every declared promise held, 1 when one did not (evidence still
+written), 2 for bad input (unknown operator / layout / config, an operator without its strict kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.writer import write_evidence
+from h3gate.layout import build_layout
+from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
+from h3gate.manifests.model_config import load_config
+from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+
+KIND = "ws1-ops"
+
+
+def parse_layouts(layouts: str) -> list[tuple[str, int]]:
+    """``"tiny,small"`` -> [(name, seq_len)] built from ``manifests/layouts.yaml``."""
+    names = [n.strip() for n in layouts.split(",") if n.strip()]
+    if not names:
+        raise InputError("--layouts: give at least one layout name")
+    return [(n, build_layout(load_layout(n), n).seq_len) for n in names]
+
+
+def _device(device: str) -> str:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
+def ws1_ops_command(
+    ops: list[str], layouts: str, config: str, device: str, seed: int, out: Path | None, json_: bool
+) -> int:
+    from h3gate import opsgate
+    from h3gate.kernels.norms import rounding_rule
+    from h3gate.ops.cases import CASES
+
+    device = _device(device)
+    cfg_manifest = load_config(config)
+    rows = parse_layouts(layouts)
+    known = sorted(CASES)
+    if ops:
+        opsgate.check_ops(ops, known)
+        selected, not_run = list(dict.fromkeys(ops)), []
+    else:
+        selected, not_run = opsgate.default_ops(known)
+    headers = {op: opsgate.operator_header(op, device) for op in selected}  # strict binds first: fail before running
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    console = Console(stderr=True, quiet=json_)
+    failures: list[str] = []
+    operators = []
+    started = time.monotonic()
+    for op in selected:
+        results = []
+        for name, n in rows:
+            console.print(f"[dim]{op} @ {name} (S={n})[/dim]")
+            res = opsgate.run_case(op, n, cfg_manifest.config, device, seed)
+            results.append({"layout": name, **res.record})
+            failures += [f"{f} [{name}]" for f in res.failures]
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        verdict = "pass" if all(r["verdict"] == "pass" for r in results) else "fail"
+        operators.append({**headers[op], "results": results, "verdict": verdict})
+
+    rules = {}
+    if any(registry_family(op) == "norm" for op in selected):
+        rules["rms_norm_rounding"] = rounding_rule(torch.device(device))
+    body = {
+        "config": cfg_manifest.name,
+        "device": device,
+        "seed": seed,
+        "layouts": [{"name": n, "rows": r} for n, r in rows],
+        "device_rules": rules,
+        "operators": operators,
+        "not_run": not_run,
+        "failures": failures,
+        "verdict": "pass" if not failures else "fail",
+    }
+    folder = out or LOCAL_EVIDENCE / KIND
+    manifests = [MANIFESTS / "configs" / f"{cfg_manifest.name}.yaml", LAYOUTS_FILE]
+    manifests += sorted((MANIFESTS / "operators").glob("*.yaml"))
+    path = write_evidence(
+        folder, f"{KIND}.json", KIND, body, command=["h3gate", *sys.argv[1:]],
+        manifests=[p for p in manifests if p.is_file()], device=device,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    if json_:
+        summary = {"evidence": display(path), "verdict": body["verdict"], "failures": failures, "seconds": elapsed}
+        summary["operators"] = {o["op"]: o["verdict"] for o in operators}
+        print(json.dumps(summary, indent=1))
+    else:
+        _table(operators, path, body["verdict"], failures, elapsed)
+    return EXIT_PASS if not failures else EXIT_FAIL
+
+
+def registry_family(op: str) -> str:
+    from h3gate.ops.registry import spec
+
+    return spec(op).family
+
+
+def _flag(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "[red]NO[/red]")
+
+
+def _table(operators: list[dict], path: Path, verdict: str, failures: list[str], elapsed: float) -> None:
+    console = Console()
+    table = Table(title=f"ws1-ops: {verdict.upper()} ({elapsed:.1f} s)")
+    for col in ("operator", "rows", "kernel id", "bitwise (promised)", "fwd rel_l2 (bound)", "bwd worst", "invariant"):
+        table.add_column(col)
+    for o in operators:
+        for r in o["results"]:
+            f = r["forward"]
+            promised = "promised" if o["contract"]["provider_bitwise"] else "measured"
+            bw = f"{_flag(f['provider_bitwise'])} ({promised})"
+            rel = f["kernel_vs_golden"]["rel_l2"]
+            acc = f"{rel:.2e} ({f['bound_rel_l2']})" if rel is not None else "n/a"
+            grads = [g for g in (r["backward"] or []) if not g["missing"]]
+            worst = max((g["kernel_vs_golden"]["rel_l2"] or 0.0 for g in grads), default=None)
+            inv = r["invariance"]
+            flags = [inv["repeat"]["forward"], inv["repeat"]["backward"]]
+            flags += [p["forward"] for p in inv["batch"]] + [p["backward"] for p in inv["batch"]]
+            if inv["mutation"] is not None:
+                flags += [inv["mutation"]["forward"], inv["mutation"]["backward"]]
+            invariant = all(x is not False for x in flags)
+            table.add_row(
+                escape(o["op"]), str(r["layout_rows"]), escape(o["binding"]["kernel_id"]), bw, acc,
+                "-" if worst is None else f"{worst:.2e}", _flag(invariant),
+            )  # fmt: skip
+    console.print(table)
+    for f in failures:
+        console.print(f"[red]fail[/red] {escape(f)}")
+    console.print(f"evidence: {escape(display(path))}")

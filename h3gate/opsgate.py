@@ -1,0 +1,268 @@
+"""The ws1-ops engine: per-operator evidence for the strict kernels against the provider and a float64 golden.
+
+For one operator and one row count it runs, on the case's inputs (``h3gate.ops.cases``):
+
+* forward and backward of the provider reference, the strict kernel (``registry.bind(op, "strict", device)``) and
+  the golden (the reference on float64 copies; gradients of a seeded float64 output gradient);
+* ``provider_bitwise`` - measured, kernel bytes vs provider bytes (forward and each input gradient);
+* accuracy - ``rel_l2`` of kernel and provider against the golden; the kernel's must not exceed the bound the
+  contract declares (``contract.accuracy``, keyed by the compared tensor's dtype; :data:`DEFAULT_ACCURACY` for an
+  operator that declares none);
+* invariance, bitwise, forward and backward: a repeat; the case's item inside batches of 2 and 3 at every position
+  next to fresh random items; outputs rows kept while every unrelated input row is mutated.
+
+A result passes when every promise held: ``provider_bitwise`` where the contract promises it (forward), accuracy
+within the declared bound, every invariance probe bitwise. Tensors without a batch (or row) dimension that sum over
+it (parameter and table gradients) are compared on repeat only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.gate.compare import agreement, bitwise_equal, error
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.ops import registry
+from h3gate.ops.cases import OpCase, build_case, in_batch, mutate_rows, randn, to_float64
+
+DEFAULT_ACCURACY = {
+    "forward": {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-3},
+    "backward": {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3},
+}
+PLACEMENTS: tuple[tuple[int, int], ...] = ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2))
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def bounds(op: str) -> tuple[dict, dict, str]:
+    """(forward, backward) rel_l2 bounds by dtype and where they were declared."""
+    acc = registry.spec(op).contract.accuracy
+    if acc is None:
+        return DEFAULT_ACCURACY["forward"], DEFAULT_ACCURACY["backward"], "ws1-ops default"
+    return dict(acc.forward), dict(acc.backward), "contract"
+
+
+def _leaves(case: OpCase, args: tuple) -> tuple[tuple, list[torch.Tensor]]:
+    out, leaves = list(args), []
+    for i in case.grad_args:
+        a = args[i].detach().requires_grad_(True)
+        out[i] = a
+        leaves.append(a)
+    return tuple(out), leaves
+
+
+def _run(case: OpCase, fn: Callable, args: tuple, gout: torch.Tensor | None, golden: bool = False):
+    """Forward output and (when ``gout`` is given) the gradients of every grad arg; ``golden`` runs on float64."""
+    kwargs = case.kwargs
+    if golden:
+        args = tuple(to_float64(a) for a in args)
+        kwargs = {k: to_float64(v) for k, v in kwargs.items()} | case.golden_kwargs
+    if gout is None or not case.grad_args:
+        with torch.no_grad():
+            return fn(*args, **kwargs).detach(), []
+    args, leaves = _leaves(case, args)
+    out = fn(*args, **kwargs)
+    grads = torch.autograd.grad(out, leaves, gout.double() if golden else gout, allow_unused=True)
+    return out.detach(), [None if d is None else d.detach() for d in grads]
+
+
+def _widen(t: torch.Tensor, dim: int, size: int, position: int, gen: torch.Generator) -> torch.Tensor:
+    """``t`` (batch 1 along ``dim``) at ``position`` of a batch of ``size``, fresh random items elsewhere."""
+    parts = [t if i == position else randn(t.shape, t.dtype, t.device, gen) for i in range(size)]
+    return torch.cat(parts, dim=dim)
+
+
+def _acc_check(kernel: torch.Tensor, provider: torch.Tensor, golden: torch.Tensor, table: dict) -> dict:
+    dt = dtype_name(kernel)
+    bound = table.get(dt)
+    k, p = error(kernel, golden), error(provider, golden)
+    ok = bound is not None and k["rel_l2"] is not None and k["rel_l2"] <= bound
+    return {
+        "dtype": dt,
+        "provider_bitwise": bitwise_equal(kernel, provider),
+        "kernel_vs_golden": k,
+        "provider_vs_golden": p,
+        "bound_rel_l2": bound,
+        "accuracy_ok": bool(ok),
+    }
+
+
+def _rows_of(t: torch.Tensor, dim: int | None, keep: Sequence[int]) -> torch.Tensor:
+    if dim is None:
+        return t
+    return t.index_select(dim, torch.as_tensor(list(keep), device=t.device))
+
+
+@dataclass
+class OpResult:
+    record: dict
+    failures: list[str]
+
+
+def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backward: bool = True) -> OpResult:
+    """Everything ws1-ops records for one operator at one row count."""
+    case = build_case(op, rows, cfg, device, seed)
+    binding = registry.bind(op, "strict", device)
+    ref = registry.reference(op)
+    spec = registry.spec(op)
+    fwd_bounds, bwd_bounds, source = bounds(op)
+    gen = torch.Generator().manual_seed(seed + 7919)
+    failures: list[str] = []
+
+    with torch.no_grad():
+        probe_out = case.call(ref)
+    gout = randn(probe_out.shape, probe_out.dtype, probe_out.device, gen) if backward and case.grad_args else None
+    k_out, k_grads = _run(case, binding.fn, case.args, gout)  # kernel first: a bad input fails before the rest
+    p_out, p_grads = _run(case, ref, case.args, gout)
+    g_out, g_grads = _run(case, ref, case.args, gout, golden=True)
+
+    forward = _acc_check(k_out, p_out, g_out, fwd_bounds)
+    forward["kernel_vs_provider"] = agreement(k_out, p_out, case.out_row_dim)
+    grads = []
+    for pos, kg, pg, gg in zip(case.grad_args, k_grads, p_grads, g_grads, strict=False):
+        if kg is None or pg is None or gg is None:
+            grads.append({"arg": pos, "missing": True})
+            failures.append(f"{op} S={rows}: gradient of arg {pos} missing")
+            continue
+        grads.append({"arg": pos, "missing": False, **_acc_check(kg, pg, gg, bwd_bounds)})
+
+    inv = _invariance(case, binding.fn, k_out, k_grads, gout, gen)
+
+    if spec.contract.provider_bitwise and not forward["provider_bitwise"]:
+        failures.append(f"{op} S={rows}: promised provider-bitwise forward, kernel bytes differ from the provider")
+    if not forward["accuracy_ok"]:
+        failures.append(f"{op} S={rows}: forward rel_l2 {forward['kernel_vs_golden']['rel_l2']} > {forward['bound_rel_l2']}")
+    for g in grads:
+        if not g["missing"] and not g["accuracy_ok"]:
+            rel, bound = g["kernel_vs_golden"]["rel_l2"], g["bound_rel_l2"]
+            failures.append(f"{op} S={rows}: grad of arg {g['arg']} rel_l2 {rel} > {bound}")
+    for name, ok in _flatten_invariance(inv):
+        if ok is False:
+            failures.append(f"{op} S={rows}: invariance {name} not bitwise")
+
+    record = {
+        "layout_rows": rows,
+        "shape": case.shape,
+        "forward": forward,
+        "backward": grads if gout is not None else None,
+        "invariance": inv,
+        "tolerance_source": source,
+        "verdict": "pass" if not failures else "fail",
+    }
+    return OpResult(record, failures)
+
+
+def _grads_equal(a: list, b: list) -> bool | None:
+    pairs = [bitwise_equal(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+    return all(pairs) if pairs else None
+
+
+def _invariance(case: OpCase, fn: Callable, out: torch.Tensor, grads: list, gout, gen: torch.Generator) -> dict:
+    rep_out, rep_grads = _run(case, fn, case.args, gout)
+    inv: dict = {
+        "repeat": {
+            "forward": bitwise_equal(rep_out, out),
+            "backward": _grads_equal(grads, rep_grads) if gout is not None else None,
+        }
+    }
+    placements = []
+    if case.batch_dims and case.out_batch_dim is not None:
+        for size, position in PLACEMENTS:
+            args = in_batch(case, case.args, size, position, gen)
+            g_b = None if gout is None else _widen(gout, case.out_batch_dim, size, position, gen)
+            o_b, gr_b = _run(case, fn, args, g_b)
+            bwd_ok = None
+            if gout is not None:
+                pairs = [
+                    bitwise_equal(gb.narrow(case.batch_dims[p], position, 1), ga)
+                    for p, ga, gb in zip(case.grad_args, grads, gr_b, strict=False)
+                    if ga is not None and gb is not None and p in case.batch_dims
+                ]
+                bwd_ok = all(pairs) if pairs else None
+            fwd_ok = bitwise_equal(o_b.narrow(case.out_batch_dim, position, 1), out)
+            placements.append({"batch": size, "position": position, "forward": fwd_ok, "backward": bwd_ok})
+    inv["batch"] = placements
+    inv["mutation"] = _mutation(case, fn, out, grads, gout, gen)
+    return inv
+
+
+def _mutation(case: OpCase, fn: Callable, out: torch.Tensor, grads: list, gout, gen: torch.Generator) -> dict | None:
+    if case.out_row_dim is None or (case.mutate is None and not case.row_dims):
+        return None
+    n = out.shape[case.out_row_dim]
+    keep = sorted({0, n // 2, n - 1})
+    args = mutate_rows(case, case.args, keep, gen)
+    g_m = None
+    if gout is not None:
+        g_m = gout.detach().clone()
+        fresh = randn(g_m.shape, g_m.dtype, g_m.device, gen)
+        mask = torch.ones(n, dtype=torch.bool, device=g_m.device)
+        mask[torch.as_tensor(keep, device=g_m.device)] = False
+        shape = [1] * g_m.ndim
+        shape[case.out_row_dim] = n
+        g_m = torch.where(mask.view(shape), fresh, g_m)
+    o_m, gr_m = _run(case, fn, args, g_m)
+    fwd_ok = bitwise_equal(_rows_of(o_m, case.out_row_dim, keep), _rows_of(out, case.out_row_dim, keep))
+    bwd_ok = None
+    if gout is not None and case.mutate is None:  # row-local gradients only (gathers' gradients are sums)
+        pairs = [
+            bitwise_equal(_rows_of(gb, case.row_dims[p], keep), _rows_of(ga, case.row_dims[p], keep))
+            for p, ga, gb in zip(case.grad_args, grads, gr_m, strict=False)
+            if ga is not None and gb is not None and p in case.row_dims
+        ]
+        bwd_ok = all(pairs) if pairs else None
+    return {"rows_kept": keep, "forward": fwd_ok, "backward": bwd_ok}
+
+
+def _flatten_invariance(inv: dict) -> list[tuple[str, bool | None]]:
+    out = [("repeat.forward", inv["repeat"]["forward"]), ("repeat.backward", inv["repeat"]["backward"])]
+    for p in inv["batch"]:
+        tag = f"batch{p['batch']}@{p['position']}"
+        out += [(f"{tag}.forward", p["forward"]), (f"{tag}.backward", p["backward"])]
+    if inv["mutation"] is not None:
+        out += [("mutation.forward", inv["mutation"]["forward"]), ("mutation.backward", inv["mutation"]["backward"])]
+    return out
+
+
+def operator_header(op: str, device: str) -> dict:
+    """The operator's binding and the contract facts evidence restates next to what was measured."""
+    spec = registry.spec(op)
+    binding = registry.bind(op, "strict", device)
+    c = spec.contract
+    return {
+        "op": op,
+        "binding": binding.record(),
+        "contract": {
+            "provider_bitwise": c.provider_bitwise,
+            "accumulator": c.accumulator,
+            "atomics": c.atomics,
+            "split_policy": c.split_policy,
+            "dtypes": list(c.dtypes),
+        },
+    }
+
+
+def default_ops(known: Sequence[str]) -> tuple[list[str], list[dict]]:
+    """Operators with a case builder and a declared kernel; the others, with the reason they do not run."""
+    run, skipped = [], []
+    for op in sorted(registry.specs()):
+        if op not in known:
+            skipped.append({"op": op, "reason": "no case builder"})
+        elif registry.spec(op).kernel is None:
+            skipped.append({"op": op, "reason": "no strict kernel declared"})
+        else:
+            run.append(op)
+    return run, skipped
+
+
+def check_ops(ops: Sequence[str], known: Sequence[str]) -> None:
+    for op in ops:
+        registry.spec(op)
+        if op not in known:
+            raise InputError(f"--op {op}: no case builder (known: {', '.join(sorted(known))})")

@@ -1,0 +1,105 @@
+"""Elementwise rows under the interpreter: SiLU paths, SwiGLU, AdaLN gated residual, conditioning noise mix.
+
+Provider-bitwise where promised (gated residual, noise mix: no transcendental), accuracy vs float64 where not (the
+SiLU rows use numpy's exp under the interpreter). Backward vs float64 autograd, repeat-bitwise, batch-row invariance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3gate.errors import InputError
+from h3gate.kernels import elementwise as E
+from h3gate.ops import reference as R
+
+from .rows_support import BF16, FP32, FWD_TOL, batch_rows_invariant, bits_equal, check_backward, randn, rel
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_silu_rows(dtype):
+    x = randn((3, 97), dtype)
+    out = E.silu(x)
+    assert out.dtype == dtype and rel(out, R.silu(x.double())) < FWD_TOL[dtype]
+    check_backward(E.silu, R.silu, (x,), (0,))
+    temb = randn((3, 96), FP32, 4)
+    cast = E.silu_cast(temb, dtype)
+    assert cast.dtype == dtype and rel(cast, R.silu(temb.double())) < FWD_TOL[dtype]
+    check_backward(lambda t: E.silu_cast(t, dtype), lambda t: R.silu_cast(t, t.dtype), (temb,), (0,))
+
+
+def test_silu_cast_rounds_at_temb_precision_then_casts():
+    """bf16 temb: SiLU rounds to bf16 first, then the cast to float32 is exact (the provider's order)."""
+    temb = randn((2, 64), BF16, 5)
+    out = E.silu_cast(temb, FP32)
+    assert out.dtype == FP32
+    assert bits_equal(out, E.silu(temb).float())
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_swiglu(dtype):
+    h = randn((2, 7, 2 * 48), dtype)
+    out = E.swiglu(h)
+    assert out.shape == (2, 7, 48) and rel(out, R.swiglu(h.double())) < FWD_TOL[dtype]
+    check_backward(E.swiglu, R.swiglu, (h,), (0,))
+    batch_rows_invariant(E.swiglu, (h[:1],), (0,), (0,))
+
+
+def test_swiglu_chunk_order_value_first():
+    """First half value, second half gate: a gate of zeros gives zeros whatever the value (silu(0) = 0)."""
+    h = torch.cat([randn((1, 3, 8), FP32), torch.zeros(1, 3, 8)], dim=-1)
+    assert torch.equal(E.swiglu(h), torch.zeros(1, 3, 8))
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_gate_residual_bitwise_and_backward(dtype):
+    hdim = 64
+    x, y = randn((2, 7, hdim), dtype), randn((2, 7, hdim), dtype, 1)
+    gate = R.adaln_table(randn((2, 18 * hdim), dtype, 2, 0.5), hdim)[2]  # strided (3T, H) view
+    idx = torch.tensor([0, 5, 0, 2, 0, 5, 1])
+    assert bits_equal(E.gate_residual(x, y, gate, idx), R.gate_residual(x, y, gate, idx))
+    g = check_backward(E.gate_residual, R.gate_residual, (x, y, gate, idx), (0, 1, 2))
+    gout = randn((2, 7, hdim), dtype, 1)  # check_backward's seed: dy is the provider's bf16/fp32 product, bitwise
+    assert bits_equal(g[1], (gout * gate.index_select(0, idx)).to(dtype))
+    batch_rows_invariant(E.gate_residual, (x[:1], y[:1], gate, idx), (0, 1), (0, 1))
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_noise_mix_bitwise(dtype):
+    s, n = randn((3, 5, 9), dtype), randn((3, 5, 9), dtype, 1)
+    for t in (0.3, torch.tensor(0.7), torch.rand(3, generator=torch.Generator().manual_seed(0)), torch.rand(3, 5)):
+        assert bits_equal(E.conditioning_noise_mix(s, t, n), R.conditioning_noise_mix(s, t, n))
+    t = torch.tensor([0.25, 0.5, 0.9])
+    check_backward(lambda a, b: E.conditioning_noise_mix(a, t, b), lambda a, b: R.conditioning_noise_mix(a, t, b),
+                   (s, n), (0, 1))  # fmt: skip
+    batch_rows_invariant(
+        lambda a, tt, b: E.conditioning_noise_mix(a, tt, b), (s[:1], t[:1], n[:1]), (0, 1, 2), (0, 2)
+    )
+
+
+def test_invalid_inputs():
+    x = randn((1, 5, 64), BF16)
+    gate = randn((6, 64), BF16)
+    idx = torch.zeros(5, dtype=torch.int64)
+    with pytest.raises(InputError, match=r"^h3_swiglu: h: last dim 7 is odd \(expected 2F\)$"):
+        E.swiglu(randn((2, 7), BF16))
+    with pytest.raises(InputError, match=r"^timestep_mlp_silu: x: dtype int64 not supported"):
+        E.silu(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(InputError, match=r"^adaln_silu_cast: dtype: torch.float16 not supported"):
+        E.silu_cast(randn((2, 4), FP32), torch.float16)
+    with pytest.raises(InputError, match=r"^adaln_gate_residual: y: shape \(1, 4, 64\) differs from x \(1, 5, 64\)$"):
+        E.gate_residual(x, x[:, :4], gate, idx)
+    with pytest.raises(InputError, match=r"^adaln_gate_residual: gate: dtype float32 differs from x \(bfloat16\)"):
+        E.gate_residual(x, x, gate.float(), idx)
+    with pytest.raises(InputError, match=r"^adaln_gate_residual: adaln_indices: index out of range \[-1, 0\] for size 6$"):
+        E.gate_residual(x, x, gate, torch.tensor([0, 0, -1, 0, 0]))
+    s = randn((2, 3), FP32)
+    t = torch.tensor([0.5, 0.5], requires_grad=True)
+    with pytest.raises(InputError, match=r"^conditioning_noise_mix: t: gradients w.r.t. the schedule value"):
+        E.conditioning_noise_mix(s, t, s)
+    with pytest.raises(InputError, match=r"^conditioning_noise_mix: noise: dtype bfloat16 differs from sample"):
+        E.conditioning_noise_mix(s, 0.5, s.bfloat16())
+    with pytest.raises(InputError, match=r"^conditioning_noise_mix: t: shape \(3,\) does not broadcast over sample"):
+        E.conditioning_noise_mix(s, torch.rand(3), s)
+    with pytest.raises(InputError, match=r"^conditioning_noise_mix: t: on meta, expected cpu \(mixed devices\)$"):
+        E.conditioning_noise_mix(s, torch.empty(2, device="meta"), s)

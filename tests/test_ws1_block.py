@@ -1,0 +1,379 @@
+"""``h3gate run ws1-block``: the engine (verdicts, first drift, invariance), its evidence schema, and the CLI."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from h3gate.commands import run_cmd
+from h3gate.errors import InputError
+from h3gate.evidence.schema import validate_document
+from h3gate.gate.compare import tensor_sha256
+from h3gate.graph.block import BLOCK_NODES, block_params, build_block_graph
+from h3gate.graph.inputs import build_block_inputs
+from h3gate.layout import build_layout
+from h3gate.manifests.layouts import LayoutSpec
+from h3gate.manifests.model_config import load_config
+from h3gate.manifests.tolerances import load_tolerance, tolerance_path
+from h3gate.ops import registry
+from h3gate.runs.ws1_block import BlockGate, run_block_gate
+from h3gate.synth import SyntheticSource, write_checkpoint
+
+SMALL = LayoutSpec(text_tokens=9, latent_frames=2, latent_height=4, latent_width=6, audio_latents=3, anchors=["first"])
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = load_config("tiny").config
+    source = SyntheticSource(cfg, 0)
+    layout = build_layout(SMALL, "small-test")
+    return cfg, layout, block_params(source, 0), build_block_inputs(layout, cfg, source, 0, "cpu")
+
+
+def _gate(small, mode, **kw) -> BlockGate:
+    cfg, _, params, inputs = small
+    return BlockGate(build_block_graph(cfg), inputs, params, "cpu", mode, load_tolerance("ws1-block"), **kw)
+
+
+def _one_ulp_at(row: int):
+    """A q_norm override: the provider's q_norm plus one BF16 ulp on every element of packed row ``row`` (of every
+    batch item), added differentiably (``out + delta`` is exact: delta is one ulp of each element)."""
+    node = build_block_graph(load_config("tiny").config).node("q_norm")
+
+    def fn(ops, x, p):
+        out = node.fn(ops, x, p)
+        up = out.detach()[:, row].clone()
+        up.view(torch.int16).add_(1)
+        delta = torch.zeros_like(out)
+        delta[:, row] = up - out.detach()[:, row]
+        return out + delta
+
+    return fn
+
+
+def test_off_mode_is_the_provider_and_passes(small):
+    result = run_block_gate(_gate(small, "off"))
+    rep = result.report
+    assert result.verdict == "pass" and result.failing == []
+    assert all(n["binding"]["actual"] == "provider" and n["binding"]["label"] == "reference" for n in rep["nodes"])
+    assert all(n["chained"]["bitwise"] and n["isolated"]["bitwise"] for n in rep["nodes"])
+    assert rep["first_drift"] is None and rep["first_isolated_drift"] is None
+    assert rep["fallbacks"] == []
+    bw = rep["backward"]
+    assert set(bw["leaves"]) == {"hidden_states", "temb", *block_params.__globals__["BLOCK_PARAMS"]}
+    assert set(bw["nodes"]) == set(BLOCK_NODES)
+    assert bw["leaves"]["hidden_states"]["batch_row"]["bitwise"] is True
+    assert bw["nodes"]["adaln_projection"]["batch_row"] is None  # sums over the batch: no per-row check
+
+
+def _specs(monkeypatch, kernel_for) -> None:
+    """Replace the operator declarations: ``kernel_for(name, spec)`` is the kernel import path or None. Keeps these
+    tests independent of which Triton kernels exist (a stand-in "kernel" is the operator's reference)."""
+    real = registry.specs()
+    fake = {}
+    for name, spec in real.items():
+        kernel = kernel_for(name, spec)
+        fake[name] = spec.model_copy(update={"kernel": kernel, "kernel_id": None if kernel is None else f"test:{name}"})
+    monkeypatch.setattr(registry, "specs", lambda: fake)
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    _specs(monkeypatch, lambda name, spec: None)
+
+
+def test_audit_mode_reports_every_fallback_as_a_failing_finding(small, no_kernels):
+    result = run_block_gate(_gate(small, "audit", backward=False))
+    rep = result.report
+    fallback_nodes = {f["node"] for f in rep["fallbacks"]}
+    flagged = {c.split(".")[1] for c in result.failing if ".no_fallback" in c}
+    assert fallback_nodes == flagged
+    for node in rep["nodes"]:
+        assert node["binding"]["fallback"] == (node["name"] in fallback_nodes)
+        if node["binding"]["fallback"]:
+            assert node["binding"]["actual"] == "provider" and node["binding"]["label"] == "reference"
+    assert len(fallback_nodes) == 17 and result.verdict == "fail"
+    assert len(result.failing) == 17  # nothing but the fallbacks fails: the references are the provider
+    assert rep["backward"] is None
+
+
+def test_auto_mode_records_fallbacks_without_failing_on_them(small, no_kernels):
+    result = run_block_gate(_gate(small, "auto", backward=False))
+    assert result.verdict == "pass" and result.failing == []
+    assert {f["node"] for f in result.report["fallbacks"]} == set(BLOCK_NODES)
+
+
+def test_first_drift_localises_a_one_ulp_perturbation(small):
+    cfg, layout, *_ = small
+    row = int(layout.video_indices[3])
+    result = run_block_gate(_gate(small, "off", node_overrides={"q_norm": _one_ulp_at(row)}))
+    rep = result.report
+    assert rep["first_drift"] == {"node": "q_norm", "first_row": row, "first_modality": "video"}
+    assert rep["first_isolated_drift"] == {"node": "q_norm", "first_row": row, "first_modality": "video"}
+    nodes = {n["name"]: n for n in rep["nodes"]}
+    before = BLOCK_NODES[: BLOCK_NODES.index("q_norm")]
+    assert all(nodes[n]["chained"]["bitwise"] for n in before)
+    q = nodes["q_norm"]["chained"]
+    assert q["rows_differing"] == 1 and q["max_abs"] > 0
+    assert nodes["attention"]["chained"]["first_row"] == row  # attention output row r reads q row r only
+    # isolated: only the perturbed node differs; chained: the drift reaches the output through row `row`
+    assert [n for n in BLOCK_NODES if not nodes[n]["isolated"]["bitwise"]] == ["q_norm"]
+    assert nodes["k_norm"]["chained"]["bitwise"] and nodes["rope_k"]["chained"]["bitwise"]
+    assert nodes["rope_q"]["chained"]["first_row"] == row
+    assert not nodes["residual_mlp"]["chained"]["bitwise"]
+    # the perturbation is deterministic and per row: repeat and batch probes stay clean
+    assert rep["first_repeat_drift"] is None and rep["first_batch_drift"] is None
+    assert "forward.q_norm.isolated_bitwise (promised by the tolerance profile)" in result.failing
+    assert result.verdict == "fail"
+    bw = rep["backward"]
+    assert bw["first_grad_drift"] is not None and bw["first_grad_drift"]["first_row"] == row
+    assert bw["first_grad_repeat_drift"] is None and bw["first_grad_batch_drift"] is None
+
+
+def test_a_repeat_drift_is_found_and_fails(small):
+    calls = {"n": 0}
+    node = build_block_graph(load_config("tiny").config).node("swiglu")
+
+    def flaky(ops, x, p):  # differs on every call: what a nondeterministic kernel looks like
+        calls["n"] += 1
+        out = node.fn(ops, x, p)
+        return out + (calls["n"] % 2) * torch.finfo(torch.bfloat16).eps * out.detach().abs()
+
+    result = run_block_gate(_gate(small, "off", node_overrides={"swiglu": flaky}, backward=False))
+    assert result.report["first_repeat_drift"]["node"] == "swiglu"
+    assert any(c.startswith("forward.swiglu.repeat_bitwise") for c in result.failing)
+
+
+def test_unknown_node_in_the_tolerance_profile_is_an_input_error(small, tmp_path):
+    body = tolerance_path("ws1-block").read_text().replace("isolated_bitwise: [norm1,", "isolated_bitwise: [nrom1,")
+    (tmp_path / "typo.yaml").write_text(body)
+    gate = _gate(small, "off")
+    gate.tolerance = load_tolerance(tmp_path / "typo.yaml")
+    with pytest.raises(InputError, match="forward.isolated_bitwise: unknown node 'nrom1'"):
+        run_block_gate(gate)
+
+
+def test_tolerance_profile_breadcrumbs(tmp_path):
+    (tmp_path / "bad.yaml").write_text(tolerance_path("ws1-block").read_text().replace("error_factor: 1.25", "x: 1"))
+    with pytest.raises(InputError, match=r"bad\.yaml: forward\.error_factor: required field missing"):
+        load_tolerance(tmp_path / "bad.yaml")
+    with pytest.raises(InputError, match="tolerance profile 'nope': unknown"):
+        load_tolerance("nope")
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """``h3gate run ws1-block --mode audit --device cpu`` on the embedded default (tiny config, tiny layout).
+
+    Every operator is declared kernel-less here, so audit binds all 17 nodes to the reference and the run takes
+    seconds; the declared Triton kernels go through the gate in ``test_declared_kernels_through_the_gate``.
+    """
+    from h3gate.cli import main
+
+    root = tmp_path_factory.mktemp("ws1")
+    saved = root / "tensors"
+    with pytest.MonkeyPatch.context() as mp:
+        _specs(mp, lambda name, spec: None)
+        mp.setattr(run_cmd, "LOCAL_EVIDENCE", root / "evidence")
+        with pytest.raises(SystemExit) as exc:
+            main(["run", "ws1-block", "--mode", "audit", "--device", "cpu", "--save-tensors", str(saved)])
+    path = root / "evidence" / "ws1-block" / "tiny-tiny" / "ws1-block.json"
+    return exc.value.code, json.loads(path.read_text()), saved
+
+
+def test_default_run_exit_code_and_evidence(default_run):
+    code, doc, _ = default_run
+    assert code == 1 and doc["verdict"] == "fail"  # audit: every fallback is a failing finding
+    assert {f["node"] for f in doc["fallbacks"]} == set(BLOCK_NODES)
+    assert sorted(c.split(" ")[0] for c in doc["failing_checks"]) == sorted(
+        f"forward.{n}.no_fallback" for n in BLOCK_NODES
+    )
+    assert doc["config"]["name"] == "tiny" and doc["layout"]["name"] == "tiny" and doc["layout"]["seq_len"] == 264
+    assert doc["layout"]["rows"] == {"text": 120, "video": 128, "audio": 16}
+    assert doc["device"] == "cpu" and doc["mode"] == "audit" and doc["checkpoint"]["kind"] == "synthetic"
+    assert [n["name"] for n in doc["nodes"]] == list(BLOCK_NODES)
+    assert doc["tolerance"]["sha256"] == hashlib.sha256(tolerance_path("ws1-block").read_bytes()).hexdigest()
+    for node in doc["nodes"]:
+        b = node["binding"]
+        assert (b["requested"], b["actual"], b["label"], b["fallback"]) == ("triton", "provider", "reference", True)
+        assert node["chained"]["bitwise"] and node["isolated"]["bitwise"]
+        assert node["error"]["provider"]["rel_l2"] > 0  # the golden is a different execution
+    assert doc["first_drift"] is None and doc["first_repeat_drift"] is None and doc["first_batch_drift"] is None
+    assert len(doc["backward"]["leaves"]) == 14 and all(v["pass"] for v in doc["backward"]["leaves"].values())
+    assert doc["inputs"]["distinct_timesteps"] == 2 and doc["inputs"]["steps"] == 50
+    assert doc["timing"]["wall_s"] > 0
+    validate_document(doc, "ws1-block")
+
+
+def test_declared_kernels_through_the_gate(small, tmp_path):
+    """The operators' declared kernels (Triton, interpreted on CPU) through the whole gate, forward and backward."""
+    from h3gate.evidence.writer import write_evidence
+
+    cfg, layout, params, inputs = small
+    result = run_block_gate(_gate(small, "auto"))
+    rep = result.report
+    for node in rep["nodes"]:
+        declared = all(registry.spec(op).kernel is not None for op in node["ops"])
+        b = node["binding"]
+        assert b["actual"] == ("triton" if declared else "provider"), node["name"]
+        assert (b["label"] == "reference") == (b["actual"] == "provider")
+        assert [o["kernel_id"] for o in b["ops"]] == [
+            registry.spec(op).kernel_id if declared else f"provider:{registry.spec(op).reference}" for op in node["ops"]
+        ]
+        assert node["isolated_bitwise_promise"]["applies"] == (
+            node["name"] in load_tolerance("ws1-block").forward.isolated_bitwise
+            and all(o["actual"] == "provider" or registry.spec(o["op"]).contract.provider_bitwise for o in b["ops"])
+        )
+    assert (result.verdict == "pass") == (result.failing == []), result.failing
+    setup = run_cmd.Ws1BlockSetup(
+        config_name="tiny",
+        cfg=cfg,
+        layout=layout,
+        source=None,
+        checkpoint={"kind": "synthetic", "path": None, "seed": 0},
+        device="cpu",
+        params=params,
+        inputs=inputs,
+        manifests=[],
+    )
+    tol = load_tolerance("ws1-block")
+    body = run_cmd.build_body(setup, result, "auto", 0, tol, tolerance_path("ws1-block"))
+    write_evidence(tmp_path, "ws1-block.json", "ws1-block", body)  # validates against the schema
+
+
+def test_report_schema_rejects_inconsistent_documents(default_run):
+    _, doc, _ = default_run
+    bad = copy.deepcopy(doc)
+    bad["verdict"] = "pass" if doc["failing_checks"] else "fail"
+    with pytest.raises(InputError):
+        validate_document(bad, "ws1-block")
+    bad = copy.deepcopy(doc)
+    del bad["nodes"][0]["chained"]["first_row"]
+    with pytest.raises(InputError, match="first_row"):
+        validate_document(bad, "ws1-block")
+
+
+def test_saved_tensors_are_what_ran(default_run):
+    _, doc, saved = default_run
+    inputs = load_file(saved / "inputs.safetensors")
+    assert set(inputs) == {"hidden_states", "temb", "adaln_indices", "rope_cos", "rope_sin"}
+    for key, info in doc["inputs"]["tensors"].items():
+        assert tensor_sha256(inputs[key]) == info["sha256"]
+    for who in ("provider", "candidate", "golden"):
+        tensors = load_file(saved / f"{who}.safetensors")
+        assert set(tensors) == {*BLOCK_NODES, "output"}
+        assert torch.equal(tensors["output"], tensors["residual_mlp"])
+    provider = load_file(saved / "provider.safetensors")
+    for node in doc["nodes"]:
+        assert tensor_sha256(provider[node["name"]]) == node["sha256"]["provider"]
+    assert load_file(saved / "golden.safetensors")["output"].dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layout", "nope"], "layout 'nope': unknown"),
+        (["--config", "nope"], "config 'nope': unknown"),
+        (["--mode", "bogus"], "--mode 'bogus': must be one of strict, audit, auto, off"),
+        (["--tolerance", "nope"], "tolerance profile 'nope': unknown"),
+        (["--checkpoint", "/nonexistent/ckpt"], "no such checkpoint folder"),
+    ],
+)
+def test_bad_inputs_exit_2(run_cli, tmp_path, args, message):
+    code, _, err = run_cli("run", "ws1-block", "--device", "cpu", "--out", tmp_path / "ev", *args)
+    assert code == 2
+    assert message in err and err.startswith("h3gate: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "ev").exists()
+
+
+class _Drop:
+    def __init__(self, source, drop):
+        self.source, self.drop = source, drop
+
+    def names(self):
+        return [n for n in self.source.names() if n != self.drop]
+
+    def meta(self, name):
+        return self.source.meta(name)
+
+    def load(self, name, device="cpu", check_finite=False):
+        return self.source.load(name, device)
+
+    def config(self):
+        return self.source.config()
+
+
+def test_checkpoint_lacking_a_block0_tensor_exits_2(run_cli, tmp_path):
+    source = _Drop(SyntheticSource(load_config("tiny").config, 0), "transformer_blocks.0.ff.net.2.weight")
+    write_checkpoint(source, None, tmp_path / "ckpt")
+    args = ("--device", "cpu", "--mode", "off", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "ev")
+    code, _, err = run_cli("run", "ws1-block", *args)
+    assert code == 2
+    assert "transformer_blocks.0.ff.net.2.weight: missing" in err
+
+
+def test_sharded_checkpoint_equals_the_synthetic_weights_it_was_written_from(run_cli, tmp_path):
+    write_checkpoint(load_config("tiny").config, 0, tmp_path / "ckpt", shard_size=200_000)
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 1
+    common = ["run", "ws1-block", "--device", "cpu", "--mode", "off", "--no-backward", "--json"]
+    code_s, out_s, _ = run_cli(*common, "--out", tmp_path / "synthetic")
+    code_c, out_c, _ = run_cli(*common, "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "checkpoint")
+    synthetic, checkpoint = json.loads(out_s), json.loads(out_c)
+    assert code_s == code_c == 0
+    assert checkpoint["checkpoint"]["kind"] == "checkpoint" and checkpoint["config"]["name"] == "tiny"
+    assert [n["sha256"] for n in synthetic["nodes"]] == [n["sha256"] for n in checkpoint["nodes"]]
+    code, _, err = run_cli(*common, "--checkpoint", tmp_path / "ckpt", "--config", "real", "--out", tmp_path / "x")
+    assert code == 2 and "--config real: num_attention_heads 56 does not match" in err
+
+
+def test_strict_mode_with_a_missing_kernel_names_the_node(run_cli, tmp_path, monkeypatch):
+    # Every operator gets a stand-in "kernel" except h3_swiglu, so the test does not depend on which kernels exist.
+    _specs(monkeypatch, lambda name, spec: None if name == "h3_swiglu" else spec.reference)
+    code, _, err = run_cli("run", "ws1-block", "--device", "cpu", "--mode", "strict", "--out", tmp_path / "ev")
+    assert code == 2
+    assert "node swiglu: strict mode: operator h3_swiglu" in err and "refusing to fall back" in err
+    assert not (tmp_path / "ev").exists()
+
+
+def test_bench_needs_cuda():
+    from h3gate.bench.block import bench_block
+
+    with pytest.raises(InputError, match="bench needs --device cuda"):
+        bench_block("tiny", "tiny", "cpu", None, False)
+
+
+def test_agreement_is_bytes_rows_and_modalities():
+    from h3gate.gate.compare import agreement, error
+
+    a = torch.zeros(2, 4, 3, dtype=torch.bfloat16)
+    b = a.clone()
+    b[1, 2, 0] = -0.0  # equal values, different bytes
+    rec = agreement(b, a, 1, ["text", "text", "video", "audio"])
+    assert not rec["bitwise"] and rec["first_row"] == 2 and rec["first_modality"] == "video"
+    assert rec["rows_differing"] == 1 and rec["max_abs"] == 0.0
+    assert agreement(a, a.clone(), 1)["bitwise"]
+    assert not agreement(a.float(), a, 1)["bitwise"]  # a dtype change is never bitwise
+    assert error(torch.ones(3), torch.zeros(3)) == {"max_abs": 1.0, "rel_l2": None}  # no relative error against 0
+    assert error(torch.tensor([float("nan")]), torch.ones(1))["max_abs"] is None
+
+
+def test_leaf_bound_factor_and_ulp_allowance():
+    from h3gate.gate.tolerance import bf16_ulp, error_check, leaf_check
+
+    assert bf16_ulp(1.0) == 2**-7 and bf16_ulp(3.0) == 2**-6 and bf16_ulp(0.0) == 0.0
+    assert error_check({"rel_l2": 2.3e-3}, {"rel_l2": 1e-3}, "rel_l2", 1.25, 1e-3)["pass"] is False
+    assert error_check({"rel_l2": 2.2e-3}, {"rel_l2": 1e-3}, "rel_l2", 1.25, 1e-3)["pass"] is True
+    assert error_check({"rel_l2": None}, {"rel_l2": 1e-3}, "rel_l2", 1.25, 1e-3)["pass"] is False
+    cand, prov = {"rel_l2": 0.05, "max_abs": 0.05}, {"rel_l2": 0.01, "max_abs": 0.01}
+    by_ulp = leaf_check(cand, prov, 1.0, True, "rel_l2", 1.5, 5e-3, 6)  # 0.05 <= 0.01 + 6 * 2**-7
+    assert by_ulp["pass"] and by_ulp["passed_by"] == "ulp"
+    assert not leaf_check(cand, prov, 1.0, False, "rel_l2", 1.5, 5e-3, 6)["pass"]  # FP32 leaf: no ulp allowance
+    assert not leaf_check(cand, prov, 0.25, True, "rel_l2", 1.5, 5e-3, 6)["pass"]  # ulp at 0.25 is 2**-9
