@@ -148,11 +148,14 @@ def run_ws1_block(
     backward: Annotated[bool, typer.Option("--backward/--no-backward")] = True,
     tolerance: Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")] = "ws1-block",
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    save_tensors: Annotated[Path | None, typer.Option("--save-tensors")] = None,
+    save_tensors: Annotated[
+        Path | None,
+        typer.Option("--save-tensors", help="Write inputs/provider/candidate/golden .safetensors into this folder."),
+    ] = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP32 golden."""
+    """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP64 golden."""
     device = _interpret_if_cpu(device)
     from h3gate.commands.run_cmd import ws1_block_command
 

@@ -137,7 +137,9 @@ def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backw
     if spec.contract.provider_bitwise and not forward["provider_bitwise"]:
         failures.append(f"{op} S={rows}: promised provider-bitwise forward, kernel bytes differ from the provider")
     if not forward["accuracy_ok"]:
-        failures.append(f"{op} S={rows}: forward rel_l2 {forward['kernel_vs_golden']['rel_l2']} > {forward['bound_rel_l2']}")
+        failures.append(
+            f"{op} S={rows}: forward rel_l2 {forward['kernel_vs_golden']['rel_l2']} > {forward['bound_rel_l2']}"
+        )
     for g in grads:
         if not g["missing"] and not g["accuracy_ok"]:
             rel, bound = g["kernel_vs_golden"]["rel_l2"], g["bound_rel_l2"]

@@ -255,6 +255,14 @@ def judge(row: AblationRow, observed_result: str, observed_sig: dict | None, lay
     return []
 
 
+def param_drift(strict: dict, probe: dict, limit: int = 16) -> list[str]:
+    """Names of the parameters whose bytes differ between the arms (the weights a probe swapped), first ``limit``."""
+    if strict is probe:
+        return []
+    names = [n for n in strict if n not in probe or not (strict[n] is probe[n] or bitwise_equal(probe[n], strict[n]))]
+    return names[:limit]
+
+
 def stream_for(run: str, arm: Arm, ctx: Context) -> Stream:
     if run == "forward":
         return forward_stream(arm, ctx.graph, ctx.cfg, ctx.plan, ctx.device)
@@ -272,6 +280,8 @@ def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
     started = time.perf_counter()
     ctx = base.with_anchors(row.anchors)
     record: dict = {
+        "strict_notes": [],
+        "param_drift": [],
         "id": row_id,
         "section": row.section,
         "factor": row.factor,
@@ -296,7 +306,9 @@ def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
         else:
             strict_arm = probes.apply(row.strict, ctx, ctx.base_arm()) if row.strict else ctx.base_arm()
             probe_arm = probes.apply(row.probe, ctx, strict_arm)
-            record["notes"] += list(probe_arm.notes)
+            record["strict_notes"] = list(strict_arm.notes)
+            record["notes"] += list(probe_arm.notes)[len(strict_arm.notes) :]
+            record["param_drift"] = param_drift(strict_arm.params, probe_arm.params)
             comparison = compare_streams(
                 stream_for(row.run, strict_arm, ctx),
                 stream_for(row.run, probe_arm, ctx),
@@ -344,6 +356,30 @@ def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
     return record
 
 
+def device_synthetic_source(cfg: ModelConfig, seed: int, device: str):
+    """Synthetic weights drawn with ``device``'s own generator (same names, shapes, dtypes and init rules as
+    :class:`h3gate.synth.SyntheticSource`; the values differ from the CPU-seeded ones). A real-size model is drawn in
+    seconds on a GPU instead of minutes on a CPU; both arms of every row read the same tensors."""
+    from math import sqrt
+
+    from h3gate.synth import BIAS_STD, MOD_GAIN, NORM_STD, SyntheticSource, init_rule, tensor_seed
+
+    class DeviceSynthetic(SyntheticSource):
+        def load(self, name, target=None, check_finite=False):
+            spec = self.spec(name)
+            g = torch.Generator(device=device).manual_seed(tensor_seed(self.seed, name))
+            x = torch.randn(spec.shape, generator=g, dtype=torch.float32, device=device)
+            rule = init_rule(name, spec.shape)
+            if rule == "norm":
+                x = x.mul_(NORM_STD).add_(1.0)
+            else:
+                gain = MOD_GAIN if rule == "modulation" else 1.0
+                x = x.mul_(BIAS_STD if rule == "bias" else gain / sqrt(spec.shape[-1]))
+            return x.to(getattr(torch, spec.dtype)).to(target or device)
+
+    return DeviceSynthetic(cfg, seed)
+
+
 def build_context(
     config: str, layout: str, device: str, seed: int = 0, mode: str = "off", steps: int = 4, checkpoint=None
 ) -> Context:
@@ -362,12 +398,15 @@ def build_context(
     bindings = bind_graph(graph, mode, device)
     ops = provider_table() if mode == "off" else candidate_table(bindings)
     per_op = {b.op: b.record() for nb in bindings.values() for b in nb.bindings}
-    source = open_checkpoint(checkpoint) if checkpoint is not None else SyntheticSource(cfg, seed)
+    on_device = device != "cpu" and checkpoint is None
+    factory = (lambda s: device_synthetic_source(cfg, s, device)) if on_device else (lambda s: SyntheticSource(cfg, s))
+    source = open_checkpoint(checkpoint) if checkpoint is not None else factory(seed)
     params = load_model_params(source, cfg, device)
+    weights = f"synthetic seed {seed}" + (f" drawn on {device}'s generator" if on_device else " (CPU-seeded)")
     execution = {
         "mode": mode,
         "device": device,
-        "weights": f"checkpoint {checkpoint}" if checkpoint is not None else f"synthetic seed {seed}",
+        "weights": f"checkpoint {checkpoint}" if checkpoint is not None else weights,
         "ops": per_op,
         "triton_ops": sorted(op for op, rec in per_op.items() if rec["actual"] == "triton"),
         "provider_ops": sorted(op for op, rec in per_op.items() if rec["actual"] == "provider"),
@@ -386,7 +425,7 @@ def build_context(
         execution,
         config,
         None if checkpoint is None else str(checkpoint),
-        lambda s: SyntheticSource(cfg, s),
+        factory,
     )
     if sum(p.numel() for p in params.values()) > BIG_MODEL_PARAMS:  # H-C6 on a real-size model: bounded gradients
         last = f"transformer_blocks.{cfg.num_layers - 1}."

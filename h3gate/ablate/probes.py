@@ -419,28 +419,41 @@ def swapped_noise_formula(ctx, arm: Arm) -> Arm:
 # -- H-C3 ----------------------------------------------------------------------------------------------------------
 
 
-def canonical_order(values) -> torch.Tensor:
-    """Packed rows in a canonical logical order derived from the metadata: text, video, audio index tensors."""
-    return torch.cat([values["text_indices"], values["video_indices"], values["audio_indices"]])
+def canonical_order(values, condition_video_rows: int) -> torch.Tensor:
+    """Packed rows in the canonical layout's order, derived from the row metadata: ``[text | condition video |
+    audio | generated video]`` by index tensor (identity on a canonical layout, the inverse permutation otherwise)."""
+    video = values["video_indices"]
+    return torch.cat(
+        [values["text_indices"], video[:condition_video_rows], values["audio_indices"], video[condition_video_rows:]]
+    )
 
 
-def _canonical_attention(ops, values, params, node):
-    p = _prefix(node)
-    q, k = values[f"{p}.rope_q"], values[f"{p}.rope_k"]
-    v = values[f"{p}.v_proj"].unflatten(-1, (q.shape[2], -1))
-    order = canonical_order(values).to(q.device)
-    out = ops["h3_full_attention"](q[:, order], k[:, order], v[:, order])
-    return torch.empty_like(out).index_copy_(1, order, out)
+def canonical_attention_override(condition_video_rows: int) -> NodeOverride:
+    """Block attention that gathers q, k, v into canonical row order, attends, and scatters the rows back."""
+
+    def fn(ops, values, params, node):
+        p = _prefix(node)
+        q, k = values[f"{p}.rope_q"], values[f"{p}.rope_k"]
+        v = values[f"{p}.v_proj"].unflatten(-1, (q.shape[2], -1))
+        order = canonical_order(values, condition_video_rows).to(q.device)
+        out = ops["h3_full_attention"](q[:, order], k[:, order], v[:, order])
+        return torch.empty_like(out).index_copy_(1, order, out)
+
+    return NodeOverride(fn, label=CANONICAL)
 
 
-CANONICAL = NodeOverride(_canonical_attention, label="canonical-order attention")
+CANONICAL = "canonical-order attention"
 
 
 @probe
 def canonical_attention(ctx, arm: Arm) -> Arm:
     """H-C3 strict arm: block attention gathers rows into the metadata's canonical order, attends, scatters back."""
     return arm.with_notes(
-        "attention in canonical row order", overrides={**arm.overrides, "block.*.attention": CANONICAL}
+        "attention in canonical row order",
+        overrides={
+            **arm.overrides,
+            "block.*.attention": canonical_attention_override(arm.layout.num_condition_video_rows),
+        },
     )
 
 
@@ -451,11 +464,11 @@ def consistent_permutation(ctx, arm: Arm) -> Arm:
     perm = torch.randperm(arm.layout.seq_len, generator=g)
     layout = permuted_layout(arm.layout, perm)
     probe_arm = arm.with_notes("all rows permuted consistently (seeded)", layout=layout, row_perm=perm)
-    plain = {k: v for k, v in arm.overrides.items() if v is not CANONICAL}
+    plain = {k: v for k, v in arm.overrides.items() if v.label != CANONICAL}
     diagnostics = {
         # the same permutation with attention in packed order: how many rows a plain SDPA changes
         "packed_order_attention": (replace(arm, overrides=plain), replace(probe_arm, overrides=plain)),
-        # whether the canonical-order strict arm itself differs from the provider replay
+        # the canonical-order strict arm against the plain replay (identity order on a canonical layout)
         "canonical_strict_vs_provider": (replace(arm, overrides=plain), arm),
     }
     return replace(probe_arm, diagnostics=diagnostics)

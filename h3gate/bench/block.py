@@ -1,15 +1,15 @@
 """``h3gate bench ws1-block``: the strict block next to the provider block, forward and forward + backward.
 
 Both executions run in one process on the same inputs (synthetic weights of ``--config``, the ``--layout`` block
-inputs), interleaved iteration by iteration (provider, strict, provider, ...) after a warm-up, each iteration timed
-with a pair of CUDA events around the call and a device synchronisation after it; the report gives the median (and
-min / max) in milliseconds and the strict / provider ratio. Strict mode fails closed before anything is timed when
-a node has no strict kernel. TF32 is off for both.
+inputs) and are timed side by side by :func:`h3gate.bench.timing.side_by_side` (warm-up, then interleaved rounds,
+L2 flushed before each call, CUDA events per call); the report gives the median / min / max in milliseconds and the
+strict / provider ratio of the medians. Forward runs under ``no_grad``; forward + backward is one
+``out.backward(g)`` with a seeded cotangent into fresh leaves. Strict mode fails closed before anything is timed
+when a node has no strict kernel. TF32 is off for both.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from h3gate.bench.timing import side_by_side
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.evidence.writer import write_evidence
 from h3gate.graph.block import build_block_graph
@@ -28,35 +29,6 @@ from h3gate.paths import LOCAL_EVIDENCE, display
 KIND = "bench-ws1-block"
 WARMUP = 3
 ITERS = 20
-
-
-def _cuda_timer() -> Callable[[Callable[[], object]], float]:
-    """A timer in milliseconds from CUDA events (``h3gate.bench.timing`` when present, else this local one)."""
-    try:
-        from h3gate.bench.timing import cuda_ms  # type: ignore[attr-defined]
-
-        return cuda_ms
-    except (ImportError, AttributeError):
-        pass
-
-    def cuda_ms(fn: Callable[[], object]) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return float(start.elapsed_time(end))
-
-    return cuda_ms
-
-
-def _summary(samples: list[float]) -> dict:
-    return {
-        "median_ms": statistics.median(samples),
-        "min_ms": min(samples),
-        "max_ms": max(samples),
-        "iters": len(samples),
-    }
 
 
 def bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
@@ -96,26 +68,19 @@ def bench_block(layout: str, config: str, device: str, out: Path | None, json_: 
 
         return run
 
-    timer = _cuda_timer()
     results: dict[str, dict] = {}
     for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
-        fns = {who: make(t) for who, t in tables.items()}
-        for _ in range(WARMUP):
-            for fn in fns.values():
-                fn()
-        torch.cuda.synchronize()
-        samples: dict[str, list[float]] = {who: [] for who in fns}
-        for _ in range(ITERS):
-            for who, fn in fns.items():
-                samples[who].append(timer(fn))
-        stats = {who: _summary(s) for who, s in samples.items()}
+        stats = side_by_side({who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP)
         ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
         results[phase] = {**stats, "strict_over_provider": ratio}
     body = {
         "config": setup.config_name,
         "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
         "device": device,
-        "method": f"{WARMUP} warm-up then {ITERS} interleaved iterations; CUDA events per call; median",
+        "method": (
+            f"h3gate.bench.timing.side_by_side: {WARMUP} warm-up rounds, then {ITERS} interleaved rounds (provider, "
+            "strict), L2 flushed before each call, CUDA events per call; median / min / max"
+        ),
         "bindings": {name: nb.record() for name, nb in bindings.items()},
         "results": results,
     }

@@ -47,11 +47,15 @@ def select_rows(rows: dict[str, AblationRow], row: str | None, all_: bool) -> li
     if all_:
         return list(rows)
     if row is None:
-        raise InputError("ablate: give a ROW (e.g. H5), --all, or --list")
-    wanted = {r.upper(): r for r in rows}.get(row.upper())
-    if wanted is None:
-        raise InputError(f"ablation row {row!r}: unknown (known: {', '.join(ROW_IDS)})")
-    return [wanted]
+        raise InputError("ablate: give a ROW (e.g. H5, or A0,H5,H-C3), --all, or --list")
+    known = {r.upper(): r for r in rows}
+    selected = []
+    for item in (part.strip() for part in row.split(",")):
+        if item.upper() not in known:
+            raise InputError(f"ablation row {item!r}: unknown (known: {', '.join(ROW_IDS)})")
+        if known[item.upper()] not in selected:
+            selected.append(known[item.upper()])
+    return selected
 
 
 def _signature_text(sig: dict | None) -> str:

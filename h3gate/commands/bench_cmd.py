@@ -41,7 +41,7 @@ def bench_command(
 def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
     import torch
 
-    from h3gate.bench.ops import MEMORY_BOUND_MIN_BYTES, MIN_COPY_FRACTION, NOISE, bench_ops
+    from h3gate.bench.ops import bench_ops
     from h3gate.commands.ops_cmd import parse_layouts
     from h3gate.evidence.writer import write_evidence
     from h3gate.manifests.layouts import LAYOUTS_FILE
@@ -58,10 +58,40 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
     cfg = load_config(config)
     ((name, rows),) = parse_layouts(layout)
     copy_gbs, records = bench_ops(ops, rows, cfg.config, device)
-    body = {
+    body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
+    manifests = [
+        MANIFESTS / "configs" / f"{cfg.name}.yaml",
+        LAYOUTS_FILE,
+        *sorted((MANIFESTS / "operators").glob("*.yaml")),
+    ]
+    path = write_evidence(
+        out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
+        manifests=[p for p in manifests if p.is_file()], device=device,
+    )  # fmt: skip
+    if json_:
+        print(
+            json.dumps(
+                {
+                    "evidence": display(path),
+                    **{k: body[k] for k in ("verdict", "copy_bandwidth_gbs")},
+                    "operators": {r["op"]: r["forward"] | {"checks": r["checks"]} for r in records},
+                },
+                indent=1,
+            )
+        )
+    else:
+        _table(body, path)
+    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def bench_body(config: str, layout: str, rows: int, device: str, copy_gbs: float, records: list[dict]) -> dict:
+    """The ``bench`` evidence body (schema ``schemas/bench.schema.json``)."""
+    from h3gate.bench.ops import MEMORY_BOUND_MIN_BYTES, MIN_COPY_FRACTION, NOISE
+
+    return {
         "target": "ops",
-        "config": cfg.name,
-        "layout": {"name": name, "rows": rows},
+        "config": config,
+        "layout": {"name": layout, "rows": rows},
         "device": device,
         "copy_bandwidth_gbs": copy_gbs,
         "criteria": {
@@ -72,22 +102,12 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
         "operators": records,
         "verdict": "pass" if all(r["verdict"] == "pass" for r in records) else "fail",
     }
-    manifests = [MANIFESTS / "configs" / f"{cfg.name}.yaml", LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
-    path = write_evidence(
-        out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
-        manifests=[p for p in manifests if p.is_file()], device=device,
-    )  # fmt: skip
-    if json_:
-        print(json.dumps({"evidence": display(path), **{k: body[k] for k in ("verdict", "copy_bandwidth_gbs")},
-                          "operators": {r["op"]: r["forward"] | {"checks": r["checks"]} for r in records}}, indent=1))
-    else:
-        _table(body, path)
-    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
 
 
 def _table(body: dict, path: Path) -> None:
     console = Console()
-    title = f"bench --op @ {body['layout']['name']} (S={body['layout']['rows']}), copy {body['copy_bandwidth_gbs']:.0f} GB/s"
+    layout, copy = body["layout"], body["copy_bandwidth_gbs"]
+    title = f"bench --op @ {layout['name']} (S={layout['rows']}), copy {copy:.0f} GB/s"
     table = Table(title=f"{title}: {body['verdict'].upper()}")
     for col in ("operator", "kernel ms", "provider ms", "speedup", "kernel GB/s", "% copy", "fwd+bwd k/p ms", "ok"):
         table.add_column(col)

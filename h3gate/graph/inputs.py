@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -92,7 +92,6 @@ class BlockInputs:
     plan: dict
     modalities: list[str]
     seed: int
-    extra: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         return {

@@ -68,7 +68,21 @@ class AttnConfig:
 
 # (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
 ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
-    (128, "bfloat16"): AttnConfig(),
+    # Measured winner on the H200 (docs/measurements/gemm_attention-tuning-1.json).
+    (128, "bfloat16"): AttnConfig(
+        kv_n=128,
+        kv_m=64,
+        kv_warps=8,
+        kv_stages=3,
+        q_m=128,
+        q_n=64,
+        q_warps=8,
+        q_stages=3,
+        fwd_m=128,
+        fwd_n=64,
+        fwd_warps=8,
+        fwd_stages=3,
+    ),
     (128, "float32"): AttnConfig(64, 32, 4, 2, 64, 32, 4, 1, 64, 32, 4, 1),
 }
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from h3gate.errors import InputError
+
+T = TypeVar("T")
 
 # Triton's CPU interpreter computes tl.dot on bf16 operands wrongly; kernels upcast dot operands when this is set.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,13 +54,44 @@ def check_tensor(
 
 
 def check_indices(op: str, arg: str, idx: torch.Tensor, length: int | None, upper: int, device: torch.device) -> None:
-    """int64 1-D index tensor of the given length with every value in [0, upper)."""
+    """int64 1-D index tensor of the given length with every value in [0, upper).
+
+    The range check reads two values back to the host; it runs once per (tensor, in-place version, bound) - an index
+    tensor reused by every block (``adaln_indices``) or every bench iteration is checked the first time only."""
     check_tensor(op, arg, idx, (torch.int64,), ndim=1, device=device)
     if length is not None and idx.shape[0] != length:
         raise InputError(f"{op}: {arg}: length {idx.shape[0]}, expected {length}")
-    lo, hi = int(idx.min()), int(idx.max())
+
+    def bounds() -> tuple[int, int]:
+        return int(idx.min()), int(idx.max())
+
+    lo, hi = cached("index-bounds", (idx,), (), bounds)
     if lo < 0 or hi >= upper:
         raise InputError(f"{op}: {arg}: index out of range [{lo}, {hi}] for size {upper}")
+
+
+_CACHE: dict[tuple, tuple] = {}
+
+
+def cached(tag: str, tensors: Sequence[torch.Tensor], extra: tuple, compute: Callable[[], T]) -> T:
+    """``compute()`` memoised on the identity, storage and in-place version of ``tensors`` (plus ``extra``).
+
+    For host-side facts derived from index tensors (bounds, row maps, segment plans) that would otherwise cost a
+    device synchronisation per call. An entry is only reused for the very same tensor objects, unmodified since;
+    entries die with their tensors. Tensors without a version counter (inference mode) are never cached."""
+    try:
+        state = tuple((t._version, t.data_ptr()) for t in tensors)
+    except RuntimeError:
+        return compute()
+    key = (tag, *(id(t) for t in tensors), extra)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[1] == state and all(r() is t for r, t in zip(hit[0], tensors, strict=True)):
+        return hit[2]
+    value = compute()
+    _CACHE[key] = (tuple(weakref.ref(t) for t in tensors), state, value)
+    for t in tensors:
+        weakref.finalize(t, _CACHE.pop, key, None)
+    return value
 
 
 def check_table(

@@ -1,5 +1,6 @@
-"""Elementwise rows: ``timestep_mlp_silu``, ``adaln_silu_cast``, ``h3_swiglu``, ``adaln_gate_residual`` and
-``conditioning_noise_mix``. No reductions except the AdaLN gate-table gradient.
+"""Elementwise rows: ``timestep_mlp_silu``, ``adaln_silu_cast``, ``h3_swiglu``, ``adaln_gate_residual``,
+``conditioning_noise_mix`` and the token refiner's ungated ``residual_add``. No reductions except the AdaLN
+gate-table gradient.
 
 Every op computes in float32 and rounds once per PyTorch op, to that op's dtype, in the provider's order
 (``rnd`` = round to the tensor dtype and read back; float32 ops round in the float32 arithmetic itself; launches
@@ -10,10 +11,11 @@ forbid FMA contraction so no two ops fuse):
 * ``silu_cast(temb, dtype) = cast_dtype(rnd_temb(silu(temb)))`` (activation at temb precision, one cast after);
 * ``swiglu(h) = rnd(value * rnd(silu(gate)))`` with ``value, gate = h.chunk(2, -1)`` (first half value);
 * ``gate_residual(x, y, gate, idx) = rnd(x + rnd(gate[idx[s]] * y))`` (residual first);
+* ``residual_add(x, y) = rnd(x + y)``;
 * ``conditioning_noise_mix(s, t, n) = rnd(rnd(t * s) + rnd(rnd(1 - t) * n))`` with ``t`` cast to the sample dtype.
 
-Provider-bitwise where the op has no transcendental (gate_residual, noise mix) on every device; the SiLU rows use
-``exp`` and are bitwise only where the kernel's ``exp`` is PyTorch's (measured by ws1-ops on CUDA).
+Provider-bitwise where the op has no transcendental (gate_residual, residual_add, noise mix) on every device; the
+SiLU rows use ``exp`` and are bitwise only where the kernel's ``exp`` is PyTorch's (measured by ws1-ops on CUDA).
 
 Backward (float32, cast once, row-local): ``dsilu = sig * (1 + x * (1 - sig))``; swiglu ``dvalue = rnd(g * s)``,
 ``dgate = g * value * dsilu(gate)``; gate_residual ``dx = g``, ``dy = rnd(g * gate[idx])``, ``dgate`` = fixed-order
@@ -194,12 +196,14 @@ class _GateResidual(torch.autograd.Function):
     def forward(ctx, x, y, gate, idx):
         out = torch.empty_like(x)
         _gate_launch(x, y, gate, idx, out, bwd=False)
-        ctx.save_for_backward(y, gate, idx)
+        ctx.save_for_backward(y, gate)
+        ctx.idx = idx
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        y, gate, idx = ctx.saved_tensors
+        y, gate = ctx.saved_tensors
+        idx = ctx.idx
         g = grad.contiguous()
         dy = dgate = None
         if ctx.needs_input_grad[1]:
@@ -227,6 +231,38 @@ def gate_residual(x, y, gate, adaln_indices) -> torch.Tensor:
 
 
 @triton.jit
+def _add_kernel(x_ptr, y_ptr, out_ptr, N, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+    y = exact.f32(tl.load(y_ptr + offs, mask=m, other=0.0), INTERP)
+    tl.store(out_ptr + offs, exact.rne(x + y, out_ptr.dtype.element_ty, INTERP), mask=m)
+
+
+class _ResidualAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        out = torch.empty_like(x)
+        _add_kernel[_grid(x.numel())](x, y, out, x.numel(), BLOCK=BLOCK, INTERP=INTERPRET, **STRICT_LAUNCH)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``residual_add`` (token refiner, no gate): ``round(x + y)`` at the operands' dtype; backward ``(g, g)``."""
+    op = "residual_add"
+    check_tensor(op, "x", x, _DTYPES)
+    check_tensor(op, "y", y, _DTYPES, device=x.device)
+    check_dtype_as(op, "y", y, x.dtype, "x")
+    if y.shape != x.shape:
+        raise InputError(f"{op}: y: shape {tuple(y.shape)} differs from x {tuple(x.shape)}")
+    return _ResidualAdd.apply(x, y)
+
+
+@triton.jit
 def _mix_kernel(s_ptr, n_ptr, t_ptr, out_ptr, out2_ptr, N, inner, BWD: tl.constexpr, BLOCK: tl.constexpr,
                 INTERP: tl.constexpr):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -250,7 +286,16 @@ class _NoiseMix(torch.autograd.Function):
         out = torch.empty_like(sample)
         inner = sample.numel() // t.numel()
         _mix_kernel[_grid(sample.numel())](
-            sample, noise, t, out, out, sample.numel(), inner, BWD=False, BLOCK=BLOCK, INTERP=INTERPRET,
+            sample,
+            noise,
+            t,
+            out,
+            out,
+            sample.numel(),
+            inner,
+            BWD=False,
+            BLOCK=BLOCK,
+            INTERP=INTERPRET,
             **STRICT_LAUNCH,
         )
         ctx.save_for_backward(t)
@@ -262,7 +307,16 @@ class _NoiseMix(torch.autograd.Function):
         g = grad.contiguous()
         ds, dn = torch.empty_like(g), torch.empty_like(g)
         _mix_kernel[_grid(g.numel())](
-            g, g, t, ds, dn, g.numel(), g.numel() // t.numel(), BWD=True, BLOCK=BLOCK, INTERP=INTERPRET,
+            g,
+            g,
+            t,
+            ds,
+            dn,
+            g.numel(),
+            g.numel() // t.numel(),
+            BWD=True,
+            BLOCK=BLOCK,
+            INTERP=INTERPRET,
             **STRICT_LAUNCH,
         )
         return ds, None, dn

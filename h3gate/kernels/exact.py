@@ -41,7 +41,7 @@ def f32(x, INTERP: tl.constexpr):
 
 @helper
 def rne(x, DT: tl.constexpr, INTERP: tl.constexpr):
-    if DT == tl.bfloat16:
+    if DT == tl.bfloat16:  # noqa: SIM300 (a constexpr dtype, compared at compile time)
         if INTERP:
             bits = x.to(tl.uint32, bitcast=True)
             r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16

@@ -27,7 +27,15 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels import exact
-from h3gate.kernels.common import INTERPRET, ROW_SCALE, STRICT_LAUNCH, check_indices, check_table, next_pow2
+from h3gate.kernels.common import (
+    INTERPRET,
+    ROW_SCALE,
+    STRICT_LAUNCH,
+    cached,
+    check_indices,
+    check_table,
+    next_pow2,
+)
 
 CHUNK = 256
 SUB = 32  # rows per sub-tile of a chunk
@@ -71,7 +79,8 @@ def gather_rows(
     grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_c), nb)
     _gather_kernel[grid](
         s3, idx, out, n, c, s3.stride(0), s3.stride(1), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_C=block_c, CAST=out_dtype != src.dtype, SUM1=sum1, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+        BLOCK_N=block_n, BLOCK_C=block_c, CAST=out_dtype != src.dtype, SUM1=sum1, INTERP=INTERPRET, num_warps=4,
+        **STRICT_LAUNCH,
     )  # fmt: skip
     return out[0] if squeeze else out
 
@@ -202,21 +211,20 @@ def table_grad(
     h = contrib.shape[-1]
     a = contrib.reshape(1, -1, h)
     reps = a.shape[1] // idx.shape[0]
-    plan = segment_plan(idx.repeat(reps), rows)
+    plan = cached("table-plan", (idx,), (reps, rows), lambda: segment_plan(idx.repeat(reps), rows))
     return segment_sum(a, plan, dtype, None if other is None else other.reshape(1, -1, h))[0]
 
 
 class _AdalnRowGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, table: torch.Tensor, adaln_indices: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(adaln_indices)
+        ctx.idx = adaln_indices  # the same object, so the cached segment plan is found again
         ctx.rows, ctx.dtype = table.shape[0], table.dtype
         return gather_rows(table, adaln_indices)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (idx,) = ctx.saved_tensors
-        return table_grad(grad.contiguous(), idx, ctx.rows, ctx.dtype), None
+        return table_grad(grad.contiguous(), ctx.idx, ctx.rows, ctx.dtype), None
 
 
 def adaln_row_gather(table: torch.Tensor, adaln_indices: torch.Tensor) -> torch.Tensor:

@@ -16,12 +16,13 @@ Forward, per row (one row never reads another; rows per program fixed by H alone
 Not provider-bitwise in general: the provider's sum of squares is torch's own reduction (CPU cascade sum, CUDA
 reduce kernel) whose order differs; with exact-sum inputs (where order cannot matter) every rounding point matches.
 
-Backward (float32, deterministic, no atomics): ``dn = g * round(1 + scale[row])`` (or ``g``), ``dx = rstd * (dn * w -
-xhat * sum(dn * w * xhat) / H)`` per row (one ``tl.sum`` tree), cast once; ``dweight``: each program owns
-``BWD_ROWS = 32`` consecutive rows, taken as sub-tiles of the forward's ``BLOCK_M`` rows (fixed by H) in ascending
-order, each sub-tile's ``dn * xhat`` combined by one ``tl.sum`` tree over its rows and added to a float32 partial;
-partials are then summed in ascending program order (``gather.sum_rows``) and cast once; ``dshift``/``dscale`` tables: fixed-order
-segment sums of ``g`` / ``g * n`` over every row (``gather.table_grad``).
+Backward (float32, deterministic, no atomics): ``dn = g * round(1 + scale[row])`` (or ``g``),
+``dx = rstd * (dn * w - xhat * sum(dn * w * xhat) / H)`` per row (one ``tl.sum`` tree), cast once.
+``dweight``: each program owns ``max(BWD_ROWS, BLOCK_M)`` consecutive rows (``BWD_ROWS = 32``), taken as sub-tiles of
+the forward's ``BLOCK_M`` rows (fixed by H and the backend) in ascending order, each sub-tile's ``dn * xhat``
+combined by one ``tl.sum`` tree over its rows and added to a float32 partial; partials are summed in ascending
+program order (``gather.sum_rows``) and cast once. ``dshift``/``dscale`` tables: fixed-order segment sums of ``g`` /
+``g * n`` over every row (``gather.table_grad``).
 """
 
 from __future__ import annotations
@@ -180,14 +181,16 @@ class _RmsNorm(torch.autograd.Function):
             BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
             INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
         )  # fmt: skip
-        ctx.save_for_backward(x, weight, rstd, scale, idx)
+        ctx.save_for_backward(x, weight, rstd, scale)
+        ctx.idx = idx  # the same object, so cached segment plans are found again
         ctx.round_first = round_first
         ctx.table_rows = scale.shape[0] if modulate else 0
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, rstd, scale, idx = ctx.saved_tensors
+        x, weight, rstd, scale = ctx.saved_tensors
+        idx = ctx.idx
         modulate = idx is not None
         g = grad.contiguous()
         h = x.shape[-1]

@@ -23,7 +23,15 @@ import triton.language as tl
 
 from h3gate.errors import InputError
 from h3gate.kernels import exact
-from h3gate.kernels.common import INTERPRET, ROW_SCALE, STRICT_LAUNCH, check_indices, check_tensor, next_pow2
+from h3gate.kernels.common import (
+    INTERPRET,
+    ROW_SCALE,
+    STRICT_LAUNCH,
+    cached,
+    check_indices,
+    check_tensor,
+    next_pow2,
+)
 from h3gate.kernels.gather import gather_rows, segment_plan, segment_sum
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -86,41 +94,60 @@ def packed_index_copy(text, video, audio, text_indices, video_indices, audio_ind
     for name, t in (("video", video), ("audio", audio)):
         check_tensor(_COPY, name, t, _DTYPES, ndim=3, device=dev)
         if t.shape[0] != text.shape[0] or t.shape[2] != text.shape[2]:
-            raise InputError(f"{_COPY}: {name}: shape {tuple(t.shape)} does not match text (B, *, H) {tuple(text.shape)}")
+            raise InputError(
+                f"{_COPY}: {name}: shape {tuple(t.shape)} does not match text (B, *, H) {tuple(text.shape)}"
+            )
     if not isinstance(seq_len, int) or seq_len < 1:
         raise InputError(f"{_COPY}: seq_len: must be a positive integer, got {seq_len!r}")
     named = (("text_indices", text_indices, text), ("video_indices", video_indices, video))
     named += (("audio_indices", audio_indices, audio),)
+    for name, idx, t in named:
+        check_indices(_COPY, name, idx, t.shape[1], seq_len, dev)
+    indices = (text_indices, video_indices, audio_indices)
+    kind, src = cached("packed-row-map", indices, (seq_len,), lambda: _row_map(named, seq_len, dev))
+    return _IndexCopy.apply(text, video, audio, text_indices, video_indices, audio_indices, kind, src)
+
+
+def _row_map(named: tuple, seq_len: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """kind[p] (-1 none, 0 text, 1 video, 2 audio) and src[p] (row in that source); a row named twice is refused."""
     kind = torch.full((seq_len,), -1, dtype=torch.int32, device=dev)
     src = torch.zeros(seq_len, dtype=torch.int64, device=dev)
     seen = torch.zeros(seq_len, dtype=torch.int64, device=dev)
-    for code, (name, idx, t) in enumerate(named):
-        check_indices(_COPY, name, idx, t.shape[1], seq_len, dev)
+    for code, (name, idx, _) in enumerate(named):
         seen += torch.bincount(idx, minlength=seq_len)
         dup = torch.nonzero(seen > 1)
         if dup.numel():
             raise InputError(f"{_COPY}: {name}: row {int(dup[0, 0])} written twice (strict inputs are a partition)")
         kind[idx] = code
         src[idx] = torch.arange(idx.shape[0], device=dev)
-    return _IndexCopy.apply(text, video, audio, text_indices, video_indices, audio_indices, kind, src)
+    return kind, src
 
 
 class _IndexSelect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, indices):
-        ctx.save_for_backward(indices)
+        ctx.idx = indices  # kept as the same object so cached backward facts (inverse map, plan) are found again
         ctx.rows, ctx.dtype = x.shape[1], x.dtype
         return gather_rows(x, indices)
 
     @staticmethod
     def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
+        idx = ctx.idx
         g = grad.contiguous()
-        if int(torch.bincount(idx, minlength=ctx.rows).max()) <= 1:  # every segment has at most one term
-            inverse = torch.full((ctx.rows,), -1, dtype=torch.int64, device=idx.device)
-            inverse[idx] = torch.arange(idx.shape[0], device=idx.device)
+        inverse = cached("select-inverse", (idx,), (ctx.rows,), lambda: _inverse(idx, ctx.rows))
+        if inverse is not None:  # every segment has at most one term
             return gather_rows(g, inverse, ctx.dtype, sum1=True), None
-        return segment_sum(g, segment_plan(idx, ctx.rows), ctx.dtype), None
+        plan = cached("select-plan", (idx,), (ctx.rows,), lambda: segment_plan(idx, ctx.rows))
+        return segment_sum(g, plan, ctx.dtype), None
+
+
+def _inverse(idx: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """inverse[s] = n with idx[n] == s (-1 where none), or None when an index repeats."""
+    if int(torch.bincount(idx, minlength=rows).max()) > 1:
+        return None
+    inverse = torch.full((rows,), -1, dtype=torch.int64, device=idx.device)
+    inverse[idx] = torch.arange(idx.shape[0], device=idx.device)
+    return inverse
 
 
 def packed_index_select(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ Inputs: ``x`` (B, S, nh, 128) contiguous; ``cos``/``sin`` (S, R) float32 tables 
 
 ``c = cast(cos[s, j])``, ``sn = cast(sin[s, j])``, ``rot_j = -x[j+h] (j < h) | x[j-h] (j >= h)``,
 ``out_j = rnd(rnd(x_j * c) + rnd(rot_j * sn))``; channels ``j >= R`` are copied. No reduction, no transcendental:
-provider-bitwise on every device. One program per ``BLOCK_M`` (x, head) rows (fixed by D), row ``r -> s = (r // nh) % S``.
+provider-bitwise on every device. One program per ``BLOCK_M`` (x, head) rows (fixed by D and the backend), row
+``r -> s = (r // nh) % S``.
 
 Backward (float32, cast once, row-local): ``dx_j = g_j * c_j + (g_{j+h} * sn_{j+h} if j < h else -g_{j-h} * sn_{j-h})``
 for ``j < R``; ``dx_j = g_j`` otherwise. The tables take no gradient (they are position data): passing tables that
@@ -65,7 +66,19 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: bool) ->
     b, s, nh, d = x.shape
     m = b * s * nh
     _rope_kernel[(triton.cdiv(m, BLOCK_M),)](
-        x, cos, sin, out, m, s, nh, cos.shape[-1], BWD=bwd, BLOCK_M=BLOCK_M, D=d, INTERP=INTERPRET, num_warps=4,
+        x,
+        cos,
+        sin,
+        out,
+        m,
+        s,
+        nh,
+        cos.shape[-1],
+        BWD=bwd,
+        BLOCK_M=BLOCK_M,
+        D=d,
+        INTERP=INTERPRET,
+        num_warps=4,
         **STRICT_LAUNCH,
     )
     return out

@@ -63,7 +63,14 @@ class _Sinusoid(torch.autograd.Function):
         half = dim // 2
         out = torch.empty((timestep.shape[0], dim), dtype=torch.float32, device=timestep.device)
         _sinusoid_fwd_kernel[(timestep.shape[0],)](
-            timestep, out, half, float(half), _NEG_LOG, BLOCK=next_pow2(half), INTERP=INTERPRET, num_warps=4,
+            timestep,
+            out,
+            half,
+            float(half),
+            _NEG_LOG,
+            BLOCK=next_pow2(half),
+            INTERP=INTERPRET,
+            num_warps=4,
             **STRICT_LAUNCH,
         )
         ctx.save_for_backward(timestep)
@@ -77,7 +84,15 @@ class _Sinusoid(torch.autograd.Function):
         dt = torch.empty_like(timestep)
         half = ctx.half
         _sinusoid_bwd_kernel[(timestep.shape[0],)](
-            timestep, g, dt, half, float(half), _NEG_LOG, BLOCK=next_pow2(half), INTERP=INTERPRET, num_warps=4,
+            timestep,
+            g,
+            dt,
+            half,
+            float(half),
+            _NEG_LOG,
+            BLOCK=next_pow2(half),
+            INTERP=INTERPRET,
+            num_warps=4,
             **STRICT_LAUNCH,
         )
         return dt, None

@@ -14,7 +14,8 @@ Invariance probes need to know which dimensions are rows:
   only influences output row r along ``out_row_dim``). Probes mutate every other row and compare the kept rows.
   Operators that are not row-local (gathers, scatters, attention) give a ``mutate`` function instead, or nothing.
 
-``CASES`` (op -> builder) is merged on first access. Builders live in ``cases_rows`` (non-GEMM rows) and, when present, ``cases_gemm`` (GEMM and attention rows).
+``CASES`` (op -> builder) is merged on first access. Builders live in ``cases_rows`` (non-GEMM rows) and, when
+present, ``cases_gemm`` (GEMM and attention rows).
 """
 
 from __future__ import annotations

@@ -190,6 +190,16 @@ def _gate(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     )  # fmt: skip
 
 
+def _residual_add(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+    gen = _gen(seed)
+    h = cfg.hidden_size
+    x, y = randn((1, rows, h), BF16, device, gen), randn((1, rows, h), BF16, device, gen)
+    return OpCase(
+        "residual_add", (x, y), grad_args=(0, 1), batch_dims={0: 0, 1: 0}, out_batch_dim=0, row_dims={0: 1, 1: 1},
+        out_row_dim=1, bytes_moved=6 * rows * h, flops=rows * h, shape=f"S={rows} H={h} bfloat16",
+    )  # fmt: skip
+
+
 def _swiglu(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     f = cfg.ffn_dim
     h = randn((1, rows, 2 * f), BF16, device, _gen(seed))
@@ -276,6 +286,7 @@ CASES: dict[str, CaseBuilder] = {
     "h3_qk_rmsnorm_d128": _qk,
     "h3_mm_rope_3axis_partial": _rope,
     "adaln_gate_residual": _gate,
+    "residual_add": _residual_add,
     "h3_swiglu": _swiglu,
     "packed_index_copy": _index_copy,
     "packed_index_select": _index_select,

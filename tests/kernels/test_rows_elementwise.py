@@ -72,9 +72,15 @@ def test_noise_mix_bitwise(dtype):
     t = torch.tensor([0.25, 0.5, 0.9])
     check_backward(lambda a, b: E.conditioning_noise_mix(a, t, b), lambda a, b: R.conditioning_noise_mix(a, t, b),
                    (s, n), (0, 1))  # fmt: skip
-    batch_rows_invariant(
-        lambda a, tt, b: E.conditioning_noise_mix(a, tt, b), (s[:1], t[:1], n[:1]), (0, 1, 2), (0, 2)
-    )
+    batch_rows_invariant(lambda a, tt, b: E.conditioning_noise_mix(a, tt, b), (s[:1], t[:1], n[:1]), (0, 1, 2), (0, 2))
+
+
+def test_residual_add():
+    x, y = randn((2, 5, 64), BF16), randn((2, 5, 64), BF16, 1)
+    assert bits_equal(E.residual_add(x, y), R.residual_add(x, y))
+    check_backward(E.residual_add, R.residual_add, (x, y), (0, 1))
+    with pytest.raises(InputError, match=r"^residual_add: y: shape \(2, 4, 64\) differs from x \(2, 5, 64\)$"):
+        E.residual_add(x, y[:, :4])
 
 
 def test_invalid_inputs():
@@ -91,7 +97,9 @@ def test_invalid_inputs():
         E.gate_residual(x, x[:, :4], gate, idx)
     with pytest.raises(InputError, match=r"^adaln_gate_residual: gate: dtype float32 differs from x \(bfloat16\)"):
         E.gate_residual(x, x, gate.float(), idx)
-    with pytest.raises(InputError, match=r"^adaln_gate_residual: adaln_indices: index out of range \[-1, 0\] for size 6$"):
+    with pytest.raises(
+        InputError, match=r"^adaln_gate_residual: adaln_indices: index out of range \[-1, 0\] for size 6$"
+    ):
         E.gate_residual(x, x, gate, torch.tensor([0, 0, -1, 0, 0]))
     s = randn((2, 3), FP32)
     t = torch.tensor([0.5, 0.5], requires_grad=True)

@@ -88,7 +88,9 @@ def test_invalid_inputs():
         packed.packed_index_copy(text, video, audio, ti, dup, ai, s)
     with pytest.raises(InputError, match=r"^packed_index_copy: audio_indices: length 3, expected 4$"):
         packed.packed_index_copy(text, video, audio, ti, vi, ai[:3], s)
-    with pytest.raises(InputError, match=r"^packed_index_copy: text_indices: index out of range \[\d+, \d+\] for size 10$"):
+    with pytest.raises(
+        InputError, match=r"^packed_index_copy: text_indices: index out of range \[\d+, \d+\] for size 10$"
+    ):
         packed.packed_index_copy(text, video, audio, ti, vi, ai, 10)
     with pytest.raises(InputError, match=r"^packed_index_copy: video: shape \(1, 9, 4\) does not match text"):
         packed.packed_index_copy(text, video[..., :4].contiguous(), audio, ti, vi, ai, s)

@@ -47,7 +47,9 @@ def test_forward_bitwise_on_exact_sums(dtype, s):
     shift, scale = tables(h, dtype)[:2]
     idx = torch.randint(0, 6, (s,), generator=torch.Generator().manual_seed(s))
     assert bits_equal(norms.rmsnorm(x, w, EPS), R.rmsnorm(x, w, EPS))
-    assert bits_equal(norms.rmsnorm_modulate(x, w, shift, scale, idx, EPS), R.rmsnorm_modulate(x, w, shift, scale, idx, EPS))
+    assert bits_equal(
+        norms.rmsnorm_modulate(x, w, shift, scale, idx, EPS), R.rmsnorm_modulate(x, w, shift, scale, idx, EPS)
+    )
     fs, fc = randn((2, 2 * h), dtype, 5, 0.1).chunk(2, dim=-1)
     t_idx = idx % 2
     assert bits_equal(norms.final_adaln_out(x, w, fs, fc, t_idx, EPS), R.rmsnorm_modulate(x, w, fs, fc, t_idx, EPS))
@@ -126,7 +128,9 @@ def test_invalid_inputs():
     w = weight(h, BF16)
     shift, scale = tables(h, BF16)[:2]
     idx = torch.zeros(5, dtype=torch.int64)
-    with pytest.raises(InputError, match=r"^h3_rmsnorm: x: dtype float16 not supported \(expected float32, bfloat16\)$"):
+    with pytest.raises(
+        InputError, match=r"^h3_rmsnorm: x: dtype float16 not supported \(expected float32, bfloat16\)$"
+    ):
         norms.rmsnorm(x.half(), w, EPS)
     with pytest.raises(InputError, match=r"^h3_rmsnorm: weight: dtype float32 differs from x \(bfloat16\)"):
         norms.rmsnorm(x, w.float(), EPS)
@@ -136,7 +140,9 @@ def test_invalid_inputs():
         norms.rmsnorm(x[:, :0], w, EPS)
     with pytest.raises(InputError, match=r"^h3_rmsnorm: weight: on meta, expected cpu \(mixed devices\)$"):
         norms.rmsnorm(x, torch.empty(h, dtype=BF16, device="meta"), EPS)
-    with pytest.raises(InputError, match=r"^h3_rmsnorm_modulate: adaln_indices: index out of range \[0, 6\] for size 6$"):
+    with pytest.raises(
+        InputError, match=r"^h3_rmsnorm_modulate: adaln_indices: index out of range \[0, 6\] for size 6$"
+    ):
         norms.rmsnorm_modulate(x, w, shift, scale, torch.tensor([0, 1, 2, 3, 6]), EPS)
     with pytest.raises(InputError, match=r"^h3_rmsnorm_modulate: adaln_indices: length 4, expected 5$"):
         norms.rmsnorm_modulate(x, w, shift, scale, idx[:4], EPS)
@@ -144,7 +150,9 @@ def test_invalid_inputs():
         norms.rmsnorm_modulate(x, w, shift, scale, idx.int(), EPS)
     with pytest.raises(InputError, match=r"^h3_rmsnorm_modulate: scale: unsupported layout \(strides \(1, 6\)\)"):
         norms.rmsnorm_modulate(x, w, shift, torch.empty(h, 6, dtype=BF16).t(), idx, EPS)
-    with pytest.raises(InputError, match=r"^h3_qk_rmsnorm_d128: x: head dim 64 unsupported \(this kernel is D = 128 only\)$"):
+    with pytest.raises(
+        InputError, match=r"^h3_qk_rmsnorm_d128: x: head dim 64 unsupported \(this kernel is D = 128 only\)$"
+    ):
         norms.qk_rmsnorm(randn((1, 5, 128), BF16), weight(64, BF16), 2, EPS)
     with pytest.raises(InputError, match=r"^h3_rmsnorm: eps: must be a positive number, got 0$"):
         norms.rmsnorm(x, w, 0)

@@ -39,20 +39,28 @@ def test_rope_full_rotation_differs_from_partial():
     """Rotating all 128 channels (a plausible implementation error, RFC H5) changes the bytes."""
     x = randn((1, 5, 2, 128), FP32)
     cos, sin = tables(5)
-    full = rope.mm_rope(x, torch.cat([cos, cos[:, :32]], -1).contiguous(), torch.cat([sin, sin[:, :32]], -1).contiguous())
+    full = rope.mm_rope(
+        x, torch.cat([cos, cos[:, :32]], -1).contiguous(), torch.cat([sin, sin[:, :32]], -1).contiguous()
+    )
     assert not bits_equal(full, rope.mm_rope(x, cos, sin))
 
 
 def test_rope_invalid_inputs():
     cos, sin = tables(5)
     x = randn((1, 5, 2, 128), BF16)
-    with pytest.raises(InputError, match=r"^h3_mm_rope_3axis_partial: x: head dim 64 unsupported \(this kernel is D = 128"):
+    with pytest.raises(
+        InputError, match=r"^h3_mm_rope_3axis_partial: x: head dim 64 unsupported \(this kernel is D = 128"
+    ):
         rope.mm_rope(randn((1, 5, 2, 64), BF16), cos, sin)
     with pytest.raises(InputError, match=r"^h3_mm_rope_3axis_partial: cos: rotary width 130 unsupported"):
         rope.mm_rope(x, randn((5, 130), FP32), randn((5, 130), FP32))
-    with pytest.raises(InputError, match=r"^h3_mm_rope_3axis_partial: cos/sin: shapes \(4, 96\)/\(4, 96\) do not match"):
+    with pytest.raises(
+        InputError, match=r"^h3_mm_rope_3axis_partial: cos/sin: shapes \(4, 96\)/\(4, 96\) do not match"
+    ):
         rope.mm_rope(x, cos[:4], sin[:4])
-    with pytest.raises(InputError, match=r"^h3_mm_rope_3axis_partial: sin: dtype bfloat16 not supported \(expected float32\)$"):
+    with pytest.raises(
+        InputError, match=r"^h3_mm_rope_3axis_partial: sin: dtype bfloat16 not supported \(expected float32\)$"
+    ):
         rope.mm_rope(x, cos, sin.bfloat16())
     with pytest.raises(InputError, match=r"^h3_mm_rope_3axis_partial: cos: gradients w.r.t. the RoPE tables"):
         rope.mm_rope(x, cos.clone().requires_grad_(), sin)

@@ -1,0 +1,101 @@
+"""Compile every strict row kernel for sm_90 (H200) ahead of time, without a GPU: ``python -m tests.kernels.rows_aot``
+(must run with TRITON_INTERPRET unset, so the compiled code path - libdevice, ``cvt.rn``, no FMA - is the one built).
+
+Prints one JSON line per kernel variant: ``{"kernel", "ok", "error", "fma_free"}``. ``fma_free`` checks that no
+``fma`` instruction appears in the PTX outside libdevice's own transcendental routines (kernels without
+transcendentals must have none: strict launches disable contraction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("rows_aot: unset TRITON_INTERPRET (the compiled path is what this checks)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from h3gate.kernels import elementwise, gather, norms, packed, rope, timestep  # noqa: E402
+from h3gate.kernels.common import STRICT_LAUNCH  # noqa: E402
+
+B, F, I64, I32, PF = "*bf16", "*fp32", "*i64", "*i32", "fp32"
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def variants():
+    """(name, kernel, {arg: type}, {constexpr: value}, has_transcendental)."""
+    g, n, e = gather, norms, elementwise
+    seg = dict(a_ptr=B, c_ptr=B, order_ptr=I64, cstart_ptr=I64, cend_ptr=I64, part_ptr=F, H="i32", a_bs="i32",
+               a_rs="i32", c_bs="i32", c_rs="i32", part_bs="i32", n_sub="i32")  # fmt: skip
+    gat = dict(src_ptr=F, idx_ptr=I64, out_ptr=B, N="i32", C="i32", src_bs="i64", src_rs="i32", out_bs="i64",
+               out_rs="i32")  # fmt: skip
+    fwd = dict(x_ptr=B, w_ptr=B, out_ptr=B, rstd_ptr=F, shift_ptr=B, scale_ptr=B, idx_ptr=I64, M="i32", H="i32",
+               S="i32", shift_rs="i32", scale_rs="i32", h_f=PF, eps=PF)  # fmt: skip
+    bwd = dict(x_ptr=B, w_ptr=B, g_ptr=B, rstd_ptr=F, scale_ptr=B, idx_ptr=I64, dx_ptr=B, n_ptr=B, dwp_ptr=F,
+               M="i32", H="i32", S="i32", scale_rs="i32", h_f=PF)  # fmt: skip
+    yield "gather.cast", g._gather_kernel, gat, dict(BLOCK_N=2, BLOCK_C=1024, CAST=True, SUM1=False), False
+    yield (
+        "gather.sum1",
+        g._gather_kernel,
+        {**gat, "src_ptr": B},
+        dict(BLOCK_N=2, BLOCK_C=1024, CAST=False, SUM1=True),
+        False,
+    )
+    yield "segment.partial", g._segment_partial_kernel, seg, dict(SUB=32, BLOCK_H=128, PRODUCT=True), False
+    yield "segment.reduce", g._segment_reduce_kernel, dict(part_ptr=F, seg_cstart_ptr=I64, out_ptr=B, H="i32",
+          max_chunks="i32", part_bs="i32", out_bs="i32", out_rs="i32"), dict(BLOCK_H=128), False  # fmt: skip
+    for mod, rf in ((True, False), (False, True)):
+        yield f"rms.fwd.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=1, BLOCK_H=8192, MODULATE=mod,
+              ROUND_FIRST=rf, SAVE_RSTD=True), False  # fmt: skip
+        yield f"rms.bwd.mod{mod:d}", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=16, BLOCK_H=128, MODULATE=mod,
+              ROUND_FIRST=rf, NEED_N=mod), False  # fmt: skip
+    ts = dict(t_ptr=F, out_ptr=F, half="i32", half_f=PF, neg_log=PF)
+    yield "timestep.fwd", timestep._sinusoid_fwd_kernel, ts, dict(BLOCK=128), True
+    yield "timestep.bwd", timestep._sinusoid_bwd_kernel, dict(t_ptr=F, g_ptr=F, dt_ptr=F, half="i32", half_f=PF,
+          neg_log=PF), dict(BLOCK=128), True  # fmt: skip
+    for bwd_ in (False, True):
+        yield (
+            f"silu.bwd{bwd_:d}",
+            e._silu_kernel,
+            dict(x_ptr=F, out_ptr=B, g_ptr=F, N="i32"),
+            dict(MID=triton.language.float32, BWD=bwd_, BLOCK=1024),
+            True,
+        )
+        yield f"swiglu.bwd{bwd_:d}", e._swiglu_kernel, dict(h_ptr=B, out_ptr=B, g_ptr=B, dh_ptr=B, M="i32",
+              F="i32"), dict(BWD=bwd_, BLOCK_M=2, BLOCK_F=1024), True  # fmt: skip
+        yield f"gate.bwd{bwd_:d}", e._gate_kernel, dict(x_ptr=B, y_ptr=B, gate_ptr=B, idx_ptr=I64, out_ptr=B,
+              M="i32", H="i32", S="i32", gate_rs="i32"), dict(BWD=bwd_, BLOCK_M=2, BLOCK_H=1024), False  # fmt: skip
+        yield f"mix.bwd{bwd_:d}", e._mix_kernel, dict(s_ptr=F, n_ptr=F, t_ptr=F, out_ptr=F, out2_ptr=F, N="i32",
+              inner="i32"), dict(BWD=bwd_, BLOCK=1024), False  # fmt: skip
+        yield f"rope.bwd{bwd_:d}", rope._rope_kernel, dict(x_ptr=B, cos_ptr=F, sin_ptr=F, out_ptr=B, M="i32",
+              S="i32", NH="i32", R="i32"), dict(BWD=bwd_, BLOCK_M=16, D=128), False  # fmt: skip
+    yield "add", e._add_kernel, dict(x_ptr=B, y_ptr=B, out_ptr=B, N="i32"), dict(BLOCK=1024), False
+    sc = dict(t_ptr=B, v_ptr=F, a_ptr=F, kind_ptr=I32, src_ptr=I64, out_ptr=B, S="i32", H="i32", t_bs="i32",
+              v_bs="i32", a_bs="i32")  # fmt: skip
+    yield "packed.scatter", packed._scatter_kernel, sc, dict(BLOCK_M=2, BLOCK_H=1024), False
+
+
+def main() -> int:
+    failed = 0
+    for name, kernel, sig, const, transcendental in variants():
+        const = {**const, "INTERP": False}
+        signature = {**sig, **{k: "constexpr" for k in const}}
+        rec = {"kernel": name, "ok": False, "error": None, "fma_free": None}
+        try:
+            src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=const)
+            compiled = triton.compile(src, target=TARGET, options=dict(STRICT_LAUNCH))
+            ptx = compiled.asm["ptx"]
+            rec["ok"] = True
+            rec["fma_free"] = transcendental or not any(line.strip().startswith("fma") for line in ptx.splitlines())
+        except Exception as exc:  # noqa: BLE001 - report every compile failure by name
+            rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        failed += not (rec["ok"] and rec["fma_free"])
+        print(json.dumps(rec), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

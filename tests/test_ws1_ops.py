@@ -1,0 +1,132 @@
+"""``h3gate run ws1-ops`` and ``h3gate bench --op`` on CPU: evidence that validates, promises that can fail.
+
+The gate is exercised both ways: the real kernels pass; a kernel perturbed by one ulp breaks its provider-bitwise
+promise, and a kernel whose bytes depend on the batch size breaks batch-row invariance - each exits 1 with the
+failure named in the evidence.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from h3gate.evidence.schema import validate_document
+from h3gate.kernels import elementwise
+from h3gate.manifests.model_config import load_config
+
+FAST_OPS = ("adaln_row_gather", "conditioning_noise_mix", "h3_rmsnorm")
+
+
+def _evidence(folder) -> dict:
+    doc = json.loads((folder / "ws1-ops.json").read_text())
+    validate_document(doc, "ws1-ops")
+    return doc
+
+
+def test_ws1_ops_cli_tiny_cpu(run_cli, tmp_path):
+    args = ["run", "ws1-ops", "--device", "cpu", "--out", tmp_path]
+    for op in FAST_OPS:
+        args += ["--op", op]
+    code, out, err = run_cli(*args)
+    assert code == 0, out + err
+    doc = _evidence(tmp_path)
+    assert doc["verdict"] == "pass" and doc["failures"] == []
+    assert doc["layouts"] == [{"name": "tiny", "rows": 264}] and doc["config"] == "tiny"
+    assert doc["device_rules"]["rms_norm_rounding"]
+    by_op = {o["op"]: o for o in doc["operators"]}
+    assert sorted(by_op) == sorted(FAST_OPS)
+    for op, o in by_op.items():
+        assert o["binding"]["actual"] == "triton" and o["binding"]["label"] == "row"
+        assert o["binding"]["kernel_id"] == f"triton.{op}.v1"
+        (r,) = o["results"]
+        inv = r["invariance"]
+        assert inv["repeat"]["forward"] and inv["repeat"]["backward"]
+        assert len(inv["batch"]) == (0 if op == "adaln_row_gather" else 5)  # the table gather has no batch axis
+        assert all(p["forward"] and p["backward"] is not False for p in inv["batch"])
+        assert inv["mutation"]["forward"]
+        assert r["forward"]["accuracy_ok"] and r["tolerance_source"] == "contract"
+    assert by_op["conditioning_noise_mix"]["results"][0]["forward"]["provider_bitwise"]
+    assert by_op["adaln_row_gather"]["results"][0]["forward"]["kernel_vs_golden"]["rel_l2"] == 0.0
+
+
+def _patch_kernel(monkeypatch, fn):
+    monkeypatch.setattr(elementwise, "conditioning_noise_mix", fn)
+
+
+def test_broken_bitwise_promise_fails(monkeypatch, run_cli, tmp_path):
+    real = elementwise.conditioning_noise_mix
+
+    def one_ulp_off(sample, t, noise):
+        out = real(sample, t, noise)
+        return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    _patch_kernel(monkeypatch, one_ulp_off)
+    code, out, err = run_cli("run", "ws1-ops", "--device", "cpu", "--op", "conditioning_noise_mix", "--out", tmp_path)
+    assert code == 1
+    doc = _evidence(tmp_path)
+    assert doc["verdict"] == "fail"
+    assert any("promised provider-bitwise forward" in f for f in doc["failures"])
+    assert doc["operators"][0]["results"][0]["forward"]["accuracy_ok"]  # accurate, yet not the provider's bytes
+
+
+def test_batch_dependent_kernel_fails_invariance(monkeypatch, run_cli, tmp_path):
+    real = elementwise.conditioning_noise_mix
+
+    def batch_aware(sample, t, noise):
+        out = real(sample, t, noise)
+        return out if sample.shape[0] == 1 else out * (1 + 2**-20)
+
+    _patch_kernel(monkeypatch, batch_aware)
+    code, out, err = run_cli(
+        "run", "ws1-ops", "--device", "cpu", "--op", "conditioning_noise_mix", "--out", tmp_path, "--json"
+    )
+    assert code == 1
+    summary = json.loads(out)
+    assert summary["verdict"] == "fail"
+    assert any("invariance batch2@0.forward not bitwise" in f for f in summary["failures"])
+    assert not any("provider-bitwise" in f for f in summary["failures"])  # batch of 1 is still the provider's bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--op", "nope"], "h3gate: error: operator 'nope': not declared in manifests/operators/"),
+        (["--layouts", "huge"], "h3gate: error: layout 'huge': unknown"),
+        (["--config", "giant"], "h3gate: error: config 'giant': unknown"),
+    ],
+)
+def test_bad_input_exits_2(run_cli, tmp_path, args, message):
+    code, out, err = run_cli("run", "ws1-ops", "--device", "cpu", "--out", tmp_path, *args)
+    assert code == 2 and err.startswith(message), err
+    assert not (tmp_path / "ws1-ops.json").exists()
+
+
+def test_bench_needs_cuda(run_cli):
+    code, out, err = run_cli("bench", "--op", "h3_swiglu", "--device", "cpu")
+    assert code == 2 and err.strip() == "h3gate: error: bench needs --device cuda"
+
+
+def test_bench_record_shape_and_criteria(monkeypatch, tmp_path):
+    """bench_op's record and the bench body validate against the schema (timings faked: no GPU here); the
+    declared criteria decide the verdict."""
+    from h3gate.bench import ops as bench_ops
+    from h3gate.commands.bench_cmd import bench_body
+    from h3gate.evidence.writer import write_evidence
+
+    def fake(fns, iters=50, warmup=5):
+        for fn in fns.values():
+            fn()  # both executions really run (forward, or forward + backward)
+        ms = {"kernel": 1.0, "provider": 2.0}
+        return {k: {"median_ms": ms[k], "min_ms": ms[k], "max_ms": ms[k], "iters": iters} for k in fns}
+
+    monkeypatch.setattr(bench_ops, "side_by_side", fake)
+    cfg = load_config("tiny").config
+    rec = bench_ops.bench_op("h3_swiglu", 33, cfg, "cpu", copy_gbs=1.0)
+    assert rec["forward"]["speedup"] == 2.0 and rec["checks"] == {"not_slower": True, "bandwidth": None}
+    assert rec["verdict"] == "pass" and rec["forward_backward"] is not None
+    body = bench_body("tiny", "tiny", 33, "cuda", 1.0, [rec])
+    write_evidence(tmp_path, "bench-ops.json", "bench", body, command=["test"], device="cpu")
+    slow = dict(rec, checks={"not_slower": False, "bandwidth": None}, verdict="fail")
+    assert bench_body("tiny", "tiny", 33, "cuda", 1.0, [rec, slow])["verdict"] == "fail"
