@@ -59,10 +59,8 @@ class TpPlan:
 
 
 def cp_plan(seq_len: int, world: int) -> CpPlan:
-    if seq_len % world:
-        raise NotAvailable(f"CP{world}: packed length {seq_len} is not divisible by {world}")
-    n = seq_len // world
-    rows = tuple(tuple(range(r * n, (r + 1) * n)) for r in range(world))
+    """Contiguous near-equal row shards (``tensor_split``: the first ``S % world`` ranks hold one more row)."""
+    rows = tuple(tuple(int(i) for i in part) for part in torch.arange(seq_len).tensor_split(world))
     return CpPlan(world, rows, {name: rows for name in ROW_META})
 
 
@@ -74,7 +72,7 @@ def hidden_only_plan(seq_len: int, world: int) -> CpPlan:
 def misowned_plan(seq_len: int, world: int) -> CpPlan:
     """Rank 0's ``adaln_indices`` rows hold rank 1's first row instead of its own last row."""
     plan = cp_plan(seq_len, world)
-    n = seq_len // world
+    n = len(plan.hidden_rows[0])
     adaln = list(plan.hidden_rows)
     adaln[0] = (*adaln[0][:-1], n)
     adaln[1] = (n - 1, *adaln[1][1:])
@@ -201,6 +199,9 @@ def outcome(ctx, row, scenario: str):
         check_ownership(misowned_plan(s, WORLD), s)  # ... this one raises NonComparable
         return Outcome("PASS", None, notes=["ownership check accepted a mis-owned plan"])
     all_plans = plans(ctx.cfg, s)
+    for plan in all_plans.values():
+        if isinstance(plan, CpPlan):
+            check_ownership(plan, s)  # every CP plan that runs declares consistent (or no) metadata ownership
     results = run_scenarios(ctx)
     strict_arm = ctx.base_arm()
 
@@ -373,10 +374,14 @@ def _cp(cfg, graph, plan: CpPlan, rank: int, meta):
         local_meta = {name: meta[name][torch.tensor(plan.metadata_rows[name][rank])] for name in ROW_META}
     seq = meta["rope_cos"].shape[0]
 
+    longest = max(len(r) for r in rows)
+
     def gather_rows(t: torch.Tensor) -> torch.Tensor:
+        """Row shards of every rank (padded to one length for the collective, trimmed after) at their rows."""
+        padded = torch.cat([t, t.new_zeros((t.shape[0], longest - t.shape[1], *t.shape[2:]))], dim=1)
         full = t.new_empty((t.shape[0], seq, *t.shape[2:]))
-        for r, part in zip(rows, all_gather(t), strict=True):
-            full.index_copy_(1, r, part)
+        for r, part in zip(rows, all_gather(padded), strict=True):
+            full.index_copy_(1, r, part[:, : len(r)])
         return full
 
     def local_inputs(node, v):

@@ -28,7 +28,16 @@ from h3gate.errors import InputError
 from h3gate.gate.compare import tensor_sha256
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.graph.inputs import seeded_normal
-from h3gate.graph.model import OUTPUTS, NodeOverride, RawMetadata, derive_metadata, iter_graph, raw_metadata
+from h3gate.graph.model import (
+    METADATA,
+    OUTPUTS,
+    NodeOverride,
+    RawMetadata,
+    derive_metadata,
+    iter_graph,
+    metadata_nodes,
+    raw_metadata,
+)
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT, Schedule, build_schedule, euler_step, scale_noise, sigma_hash
@@ -169,6 +178,7 @@ def iter_trajectory(
     adaln_rule=None,
     start: int = 0,
     state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    emit_metadata: bool = False,
 ) -> Iterator[tuple[Node, torch.Tensor]]:
     """Yield every tensor of the trajectory in execution order (see the module docstring). ``start`` / ``state``
     resume at step ``start`` from ``(video_latents, audio_latents)`` - the only state a step hands to the next."""
@@ -196,6 +206,8 @@ def iter_trajectory(
             "text": request.text,
             **derive_metadata(raw, cfg, device, **derive),
         }
+        if emit_metadata:
+            yield from metadata_nodes({k: inputs[k] for k in METADATA}, i)
         outputs: dict[str, torch.Tensor] = {}
         for node, value in iter_graph(graph, inputs, params, ops, overrides):
             if node.name in OUTPUTS:

@@ -11,15 +11,21 @@ import torch
 import yaml
 
 from h3gate.ablate.checks import no_kv_cache
-from h3gate.ablate.engine import NonComparable, build_context, resolve_row, run_row
+from h3gate.ablate.engine import NonComparable, build_context, device_synthetic_source, resolve_row, run_row
+from h3gate.ablate.probes import canonical_order, permuted_layout
 from h3gate.commands import ablate_cmd
 from h3gate.distributed import check_ownership, cp_plan, hidden_only_plan, misowned_plan
 from h3gate.errors import InputError
 from h3gate.evidence.schema import validate_document
 from h3gate.graph.core import Graph
+from h3gate.graph.model import load_model_params
+from h3gate.layout import build_layout
 from h3gate.manifests.ablations import ABLATIONS_FILE, ROW_IDS, Signature, load_ablations
+from h3gate.manifests.layouts import LayoutSpec
+from h3gate.manifests.model_config import load_config
 
 ROWS = load_ablations()
+CFG_TINY = load_config("tiny").config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,6 +131,8 @@ def test_whole_matrix_on_tiny_cpu(matrix):
     # H-C3 is a PASS only through canonical-order attention; packed-order attention is reported honestly
     diag = by_id["H-C3"]["diagnostics"]["packed_order_attention"]["outputs"]["heads.video_select"]
     assert diag["bitwise"] is False and diag["rows_differing"] > 0
+    same = by_id["H-C3"]["diagnostics"]["canonical_strict_vs_provider"]["outputs"]
+    assert all(o["bitwise"] for o in same.values())  # canonical order is the identity on the canonical layout
     trajectory = json.loads((out / "trajectory.json").read_text())
     validate_document(trajectory, "trajectory")
     assert len(trajectory["steps"]) == 3
@@ -173,6 +181,11 @@ def test_ownership_check_rejects_misowned_metadata():
     check_ownership(hidden_only_plan(264, 2), 264)  # no ownership declared: nothing to reject (H17 drifts instead)
     with pytest.raises(NonComparable, match=r"rank 0: adaln_indices holds packed row\(s\) \[132\]"):
         check_ownership(misowned_plan(264, 2), 264)
+    uneven = cp_plan(925, 2)  # an odd packed length: near-equal contiguous shards
+    assert [len(r) for r in uneven.hidden_rows] == [463, 462]
+    check_ownership(uneven, 925)
+    with pytest.raises(NonComparable, match=r"rank 0: adaln_indices holds packed row\(s\) \[463\]"):
+        check_ownership(misowned_plan(925, 2), 925)
     plan = cp_plan(264, 2)
     broken = type(plan)(2, (plan.hidden_rows[0], plan.hidden_rows[0]), None)
     with pytest.raises(NonComparable, match="do not cover"):
@@ -193,11 +206,15 @@ def test_cli_list_unknown_row_and_usage_errors(run_cli):
     assert code == 2 and "not both" in err
     code, _, err = run_cli("ablate", "H9", "--steps", "2", "--device", "cpu")
     assert code == 2 and "--steps 2" in err
+    code, _, err = run_cli("ablate", "A0,H99", "--device", "cpu")
+    assert code == 2 and "ablation row 'H99': unknown" in err
+    code, _, err = run_cli("ablate", "A0", "--threads", "0", "--device", "cpu")
+    assert code == 2 and "--threads 0" in err
 
 
 def test_cli_one_row_and_a_failing_row_exit_codes(run_cli, tmp_path, monkeypatch):
-    code, out, _ = run_cli("ablate", "h-c0", "--device", "cpu", "--out", tmp_path / "ok")
-    assert code == 0 and "1/1 rows match" in out
+    code, out, _ = run_cli("ablate", "h-c0,H14", "--device", "cpu", "--out", tmp_path / "ok")
+    assert code == 0 and "2/2 rows match" in out
     wrong = ROWS["H2"].expected.model_copy(update={"signature": Signature(node="block.1.norm1")})
     monkeypatch.setattr(ablate_cmd, "load_ablations", lambda: {**ROWS, "H2": ROWS["H2"].model_copy(
         update={"expected": wrong})})  # fmt: skip
@@ -205,3 +222,26 @@ def test_cli_one_row_and_a_failing_row_exit_codes(run_cli, tmp_path, monkeypatch
     doc = json.loads((tmp_path / "bad" / "ablation.json").read_text())
     assert code == 1 and doc["verdict"] == "fail" and doc["summary"]["failed"] == ["H2"]
     assert doc["rows"][0]["mismatches"] == ["node: expected 'block.1.norm1', observed 'block.0.norm1'"]
+
+
+def test_canonical_order_is_identity_on_canonical_layouts_and_inverts_permutations():
+    spec = LayoutSpec(text_tokens=11, latent_frames=2, latent_height=4, latent_width=6, audio_latents=3,
+                      anchors=["first", "last"])  # fmt: skip
+    layout = build_layout(spec, "anchored")
+    nc = layout.num_condition_video_rows
+    assert torch.equal(canonical_order(layout.tensors(), nc), torch.arange(layout.seq_len))
+    perm = torch.randperm(layout.seq_len, generator=torch.Generator().manual_seed(3))
+    permuted = permuted_layout(layout, perm)
+    assert torch.equal(perm[canonical_order(permuted.tensors(), nc)], torch.arange(layout.seq_len))
+    assert torch.equal(permuted.position_ids, layout.position_ids[perm])
+    assert torch.equal(permuted_layout(layout, perm, keep_positions=True).position_ids, layout.position_ids)
+
+
+def test_device_synthetic_source_keeps_names_dtypes_and_init_rules():
+    source = device_synthetic_source(CFG_TINY, 0, "cpu")
+    params = load_model_params(source, CFG_TINY)  # shapes and dtypes checked against the inventory
+    norm, bias = params["transformer_blocks.0.norm1.weight"], params["proj_in.bias"]
+    assert norm.dtype == torch.bfloat16 and abs(float(norm.float().mean()) - 1.0) < 0.05
+    assert bias.dtype == torch.float32 and float(bias.abs().max()) < 0.2
+    again = device_synthetic_source(CFG_TINY, 0, "cpu").load("transformer_blocks.1.ff.net.2.weight")
+    assert torch.equal(again, params["transformer_blocks.1.ff.net.2.weight"])

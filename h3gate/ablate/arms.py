@@ -19,13 +19,13 @@ from torch.utils.checkpoint import checkpoint
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import (
-    METADATA,
     OUTPUTS,
     NodeOverride,
     RawMetadata,
     adaln_rule_h3,
     derive_metadata,
     iter_graph,
+    metadata_nodes,
     raw_metadata,
 )
 from h3gate.layout import PackedLayout
@@ -34,18 +34,6 @@ from h3gate.schedule import Schedule
 from h3gate.trajectory import Recipe, Request, initial_latents, iter_trajectory
 
 Stream = Iterator[tuple[Node, torch.Tensor]]
-META_ROWS = {
-    "timestep": ("timestep", None),
-    "timestep_indices": ("packed", None),
-    "adaln_indices": ("packed", None),
-    "rope_cos": ("packed", None),
-    "rope_sin": ("packed", None),
-    "text_indices": ("text", "row_ids"),
-    "video_indices": ("video", "row_ids"),
-    "audio_indices": ("audio", "row_ids"),
-    "video_select": ("video", "row_ids"),
-    "audio_select": ("audio", "row_ids"),
-}
 
 
 @dataclass(frozen=True)
@@ -80,18 +68,6 @@ def expand_overrides(graph: Graph, overrides: Mapping[str, NodeOverride]) -> dic
             raise ValueError(f"node override {pattern!r} matches no node of graph {graph.name}")
         out.update(dict.fromkeys(hits, override))
     return out
-
-
-def metadata_nodes(meta: Mapping[str, torch.Tensor], step: int | None) -> Stream:
-    for name in METADATA:
-        rows, values = META_ROWS[name]
-        node_meta = {"kind": "metadata", "rows": rows, "stage": "meta"}
-        if values:
-            node_meta["values"] = values
-        yield (
-            Node(f"meta.{name}", "packed_layout", (), (), lambda *a: None, row_dim=0, step=step, meta=node_meta),
-            meta[name],
-        )
 
 
 def schedule_nodes(video: Schedule, audio: Schedule) -> Stream:
@@ -130,7 +106,7 @@ def trajectory_stream(arm: Arm, graph: Graph, cfg: ModelConfig, device) -> Strea
     video, audio = arm.recipe.schedules()
     yield from schedule_nodes(video, audio)
     overrides = expand_overrides(graph, arm.overrides)
-    stream = iter_trajectory(
+    yield from iter_trajectory(
         graph,
         arm.params,
         arm.ops,
@@ -142,23 +118,8 @@ def trajectory_stream(arm: Arm, graph: Graph, cfg: ModelConfig, device) -> Strea
         overrides,
         arm.raw_hook,
         arm.adaln_rule,
+        emit_metadata=True,
     )
-    step = None
-    for node, value in stream:
-        if node.step is not None and node.step != step and not node.name.startswith("scheduler"):
-            step = node.step
-            yield from metadata_nodes(_step_metadata(arm, cfg, device, step), step)
-        yield node, value
-
-
-def _step_metadata(arm: Arm, cfg: ModelConfig, device, step: int) -> dict:
-    from h3gate.trajectory import row_timestep_plan
-
-    video, audio = arm.recipe.schedules()
-    ts, ti = row_timestep_plan(arm.layout, arm.recipe, video, audio)[step]
-    raw = raw_metadata(arm.layout, ts, ti)
-    raw = arm.raw_hook(raw) if arm.raw_hook is not None else raw
-    return derive_metadata(raw, cfg, device, arm.adaln_rule)
 
 
 def _stage_groups(graph: Graph) -> list[list[Node]]:

@@ -71,9 +71,15 @@ def ws1_ops_command(
         results = []
         for name, n in rows:
             console.print(f"[dim]{op} @ {name} (S={n})[/dim]")
-            res = opsgate.run_case(op, n, cfg_manifest.config, device, seed)
-            results.append({"layout": name, **res.record})
-            failures += [f"{f} [{name}]" for f in res.failures]
+            try:
+                res = opsgate.run_case(op, n, cfg_manifest.config, device, seed)
+            except torch.OutOfMemoryError as exc:  # e.g. a float64 golden too large for the device: recorded
+                message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+                results.append({"layout": name, "layout_rows": n, "error": message, "verdict": "fail"})
+                failures.append(f"{op} S={n}: out of device memory [{name}]")
+            else:
+                results.append({"layout": name, **res.record})
+                failures += [f"{f} [{name}]" for f in res.failures]
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
         verdict = "pass" if all(r["verdict"] == "pass" for r in results) else "fail"
@@ -127,6 +133,11 @@ def _table(operators: list[dict], path: Path, verdict: str, failures: list[str],
         table.add_column(col)
     for o in operators:
         for r in o["results"]:
+            if "error" in r:
+                table.add_row(
+                    escape(o["op"]), str(r["layout_rows"]), "", "", escape(r["error"][:40]), "", "[red]NO[/red]"
+                )
+                continue
             f = r["forward"]
             promised = "promised" if o["contract"]["provider_bitwise"] else "measured"
             bw = f"{_flag(f['provider_bitwise'])} ({promised})"

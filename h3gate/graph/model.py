@@ -418,6 +418,33 @@ def derive_metadata(
     }
 
 
+# -- metadata as pseudo-nodes (compared, and reported apart from the nodes, by the ablation engine) ----------------
+
+META_ROWS = {
+    "timestep": ("timestep", None),
+    "timestep_indices": ("packed", None),
+    "adaln_indices": ("packed", None),
+    "rope_cos": ("packed", None),
+    "rope_sin": ("packed", None),
+    "text_indices": ("text", "row_ids"),
+    "video_indices": ("video", "row_ids"),
+    "audio_indices": ("audio", "row_ids"),
+    "video_select": ("video", "row_ids"),
+    "audio_select": ("audio", "row_ids"),
+}
+
+
+def metadata_nodes(meta: Mapping[str, torch.Tensor], step: int | None) -> Iterator[tuple[Node, torch.Tensor]]:
+    """``meta.<name>`` pseudo-nodes (``meta["kind"] == "metadata"``) for every graph metadata input, in order."""
+    for name in METADATA:
+        rows, values = META_ROWS[name]
+        node_meta = {"kind": "metadata", "rows": rows, "stage": "meta"}
+        if values:
+            node_meta["values"] = values
+        node = Node(f"meta.{name}", "packed_layout", (), (), lambda *a: None, row_dim=0, step=step, meta=node_meta)
+        yield node, meta[name]
+
+
 # -- parameters ----------------------------------------------------------------------------------------------------
 
 

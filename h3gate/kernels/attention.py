@@ -12,6 +12,15 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   (log2 domain) for the backward.
 * cast points - ``p`` is rounded to the input dtype (RNE) before the PV MMA (identity for float32 inputs); the
   output once, at the end. exp2/log2 are libdevice ``__nv_exp2f``/``__nv_log2f`` (the non-FTZ CUDA functions).
+* declared forward variants (fields of the (D, dtype) config, so fixed per dtype and never chosen by S or B; the
+  defaults are the strict forms above): ``fwd_exp2="ex2ftz"`` evaluates the forward's two exp2 with the explicit
+  PTX instruction ``ex2.approx.ftz.f32`` (inline asm; subnormal results flush to +0, otherwise ``__nv_exp2f``'s
+  ``ex2.approx`` value), ``"ex2"`` with ``ex2.approx.f32``; ``fwd_fma=True`` forms the exponent with one explicit
+  ``fma``: ``m' = max(m, rowmax(q k^T) * c)`` (equal to the rowmax of the rounded products: rounding is monotonic)
+  and ``p = exp2(fma(q k^T, c, -m'))`` (one rounding instead of two; the row maximum's p is ``exp2`` of that
+  product's rounding error, not exactly 1). Both are written instructions, not compiler substitutions; the
+  launch keeps ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``. The
+  backward's recomputation always uses the strict forms.
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
   the fixed block order above; batch elements and heads are separate programs (batch-row invariant); the tiling
   is a function of (D, dtype) only, never of S or B. Repeat runs are bitwise equal. No split-KV, no atomics.
@@ -56,14 +65,25 @@ class AttnConfig:
     q_n: int = 64  # dQ kernel: KV rows per step of its ascending loop
     q_warps: int = 8
     q_stages: int = 2
+    fwd_exp2: str = "libdevice"  # forward exp2: "libdevice" (__nv_exp2f), "ex2" or "ex2ftz" (explicit PTX)
+    fwd_fma: bool = False  # forward exponent as one explicit fma(q k^T, c, -m') instead of (q k^T * c) - m'
 
     @property
     def tag(self) -> str:
+        math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         return (
-            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}_"
+            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
             f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}"
         )
+
+    @property
+    def exp2_code(self) -> int:
+        """The forward kernel's ``EXP2`` constexpr: 0 libdevice, 1 ``ex2.approx.f32``, 2 ``ex2.approx.ftz.f32``."""
+        codes = {"libdevice": 0, "ex2": 1, "ex2ftz": 2}
+        if self.fwd_exp2 not in codes:
+            raise InputError(f"{OP}: config fwd_exp2: {self.fwd_exp2!r} not one of {sorted(codes)}")
+        return codes[self.fwd_exp2]
 
 
 # (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
@@ -105,6 +125,21 @@ def exp2(x, INTERPRET: tl.constexpr):
 
 
 @helper
+def exp2_fwd(x, EXP2: tl.constexpr, INTERPRET: tl.constexpr):
+    """The forward's exp2: libdevice (EXP2=0) or the explicit, declared PTX ``ex2.approx[.ftz].f32`` (1, 2)."""
+    if INTERPRET:
+        return tl.exp2(x)
+    elif EXP2 == 2:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    elif EXP2 == 1:
+        return tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return libdevice.exp2(x)
+
+
+@helper
 def log2(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.log2(x)
@@ -115,7 +150,7 @@ def log2(x, INTERPRET: tl.constexpr):
 @helper
 def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
-               INTERPRET: tl.constexpr):  # fmt: skip
+               EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kv = base + offs_n[:, None] * stride_s + offs_d[None, :]
@@ -125,12 +160,19 @@ def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scal
     else:
         k = tl.load(k_ptr + kv)
         v = tl.load(v_ptr + kv)
-    s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
-    if MASK:
-        s = tl.where(offs_n[None, :] < S, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = exp2(s - m_new[:, None], INTERPRET)
-    alpha = exp2(m_i - m_new, INTERPRET)
+    if FMA:  # declared: one explicit fma per score (see the module docstring)
+        qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
+        if MASK:
+            qk = tl.where(offs_n[None, :] < S, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = exp2_fwd(tl.fma(qk, qk_scale, -m_new[:, None]), EXP2, INTERPRET)
+    else:
+        s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
+        if MASK:
+            s = tl.where(offs_n[None, :] < S, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = exp2_fwd(s - m_new[:, None], EXP2, INTERPRET)
+    alpha = exp2_fwd(m_i - m_new, EXP2, INTERPRET)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = mma(rne(p, v.dtype, INTERPRET), v, acc, INTERPRET)
@@ -139,8 +181,8 @@ def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scal
 
 @triton.jit
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, qk_scale, stride_b, stride_s,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INTERPRET: tl.constexpr):  # fmt: skip
+                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
+                     FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -155,10 +197,10 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, qk_scale, stride
     n_full = S // BLOCK_N
     for j in range(0, n_full):
         m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale,
-                                   BLOCK_M, BLOCK_N, D, False, INTERPRET)  # fmt: skip
+                                   BLOCK_M, BLOCK_N, D, False, EXP2, FMA, INTERPRET)  # fmt: skip
     if n_full * BLOCK_N < S:
         m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale,
-                                   BLOCK_M, BLOCK_N, D, True, INTERPRET)  # fmt: skip
+                                   BLOCK_M, BLOCK_N, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
     out = tl.div_rn(acc, l_i[:, None])
     tl.store(o_ptr + rows, rne(out, o_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
     tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, m_i + log2(l_i, INTERPRET), mask=mask_m)
@@ -184,7 +226,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) 
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, s, h, qk_scale(d), q.stride(0), q.stride(1),
-        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, INTERPRET=INTERPRET,
+        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, INTERPRET=INTERPRET,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse

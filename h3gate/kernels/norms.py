@@ -20,9 +20,9 @@ Backward (float32, deterministic, no atomics): ``dn = g * round(1 + scale[row])`
 ``dx = rstd * (dn * w - xhat * sum(dn * w * xhat) / H)`` per row (one ``tl.sum`` tree), cast once.
 ``dweight``: each program owns ``max(BWD_ROWS, BLOCK_M)`` consecutive rows (``BWD_ROWS = 32``), taken as sub-tiles of
 the forward's ``BLOCK_M`` rows (fixed by H and the backend) in ascending order, each sub-tile's ``dn * xhat``
-combined by one ``tl.sum`` tree over its rows and added to a float32 partial; partials are summed in ascending
-program order (``gather.sum_rows``) and cast once. ``dshift``/``dscale`` tables: fixed-order segment sums of ``g`` /
-``g * n`` over every row (``gather.table_grad``).
+combined by one ``tl.sum`` tree over its rows and added to a float32 partial; the partials are combined in the
+segment-sum order of ``gather.sum_rows`` (256-row chunks of 32-row sub-tiles, ascending) and cast once.
+``dshift``/``dscale`` tables: fixed-order segment sums of ``g`` / ``g * n`` over every row (``gather.table_grad``).
 """
 
 from __future__ import annotations

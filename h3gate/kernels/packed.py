@@ -9,10 +9,10 @@ depends on write order. Bitwise equal to the provider. Backward: gathers (``grad
 source's dtype) - no accumulation, so also bitwise.
 
 ``packed_index_select``: ``out[b, n] = x[b, idx[n]]`` (a gather, bitwise). Backward: ``index_add`` in the provider
-(atomics on CUDA); here a fixed-order float32 segment sum per batch item (``gather.segment_sum``: ascending output
-position ``n`` in chunks of 256, chunks in ascending order), cast once; duplicate indices allowed. When no index
-repeats, every segment has at most one term and the same sum (``0.0 + g``, or +0.0) is computed by an inverse-index
-gather (no sort, one pass).
+(atomics on CUDA); here a fixed-order float32 segment sum per batch item (``gather.segment_sum``: output positions
+sorted stably by source row, 256-position chunks of 32-position sub-tiles, chunks in ascending order), cast once;
+duplicate indices allowed. When no index repeats, every segment has at most one term and the same sum (``0.0 + g``,
+or +0.0) is computed by an inverse-index gather (no sort, one pass).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ BF16, FP32 = torch.bfloat16, torch.float32
 TOL = {BF16: 1e-2, FP32: 1e-5}
 # Many programs in every kernel (S = 70: 5 query blocks, 5 KV blocks, masked tails everywhere).
 SMALL = attn.AttnConfig(16, 16, 4, 2, 16, 32, 4, 1, 32, 16, 4, 1)
+# The declared forward variants (explicit ex2.approx.ftz / fma; tl.exp2 / tl.fma under the interpreter).
+FAST = attn.AttnConfig(16, 16, 4, 2, 16, 32, 4, 1, 32, 16, 4, 1, fwd_exp2="ex2ftz", fwd_fma=True)
 
 
 def qkv(b: int, s: int, h: int = 2, dtype: torch.dtype = BF16, seed: int = 0) -> list[torch.Tensor]:
@@ -41,7 +43,7 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("s", [17, 70])
-@pytest.mark.parametrize("cfg", [None, SMALL], ids=["default", "small"])
+@pytest.mark.parametrize("cfg", [None, SMALL, FAST], ids=["default", "small", "fast"])
 def test_forward_backward_accuracy_vs_float64(dtype, s, cfg) -> None:
     q, k, v = qkv(1, s, dtype=dtype)
     grad = torch.randn(1, s, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
@@ -69,6 +71,19 @@ def test_repeat_bitwise() -> None:
     first, second = fwd_bwd(q, k, v, grad), fwd_bwd(q, k, v, grad)
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
+
+
+def test_declared_fwd_variants_invariant_and_checked() -> None:
+    """The fma/ex2 forward is repeat-bitwise and batch-row invariant; an unknown exp2 variant fails closed."""
+    q, k, v = qkv(1, 37)
+    other = qkv(1, 37, seed=6)
+    alone, _ = attn.forward(q, k, v, FAST)
+    again, _ = attn.forward(q, k, v, FAST)
+    batched, _ = attn.forward(*(torch.cat([o, t]) for o, t in zip(other, (q, k, v), strict=True)), FAST)
+    assert torch.equal(alone, again) and torch.equal(alone[0], batched[1])
+    assert FAST.tag.startswith("fwd16x16w4s2_ex2ftz_fma_") and "_ex2" not in SMALL.tag
+    with pytest.raises(InputError, match="fwd_exp2: 'fast' not one of"):
+        attn.forward(q, k, v, attn.AttnConfig(fwd_exp2="fast"))
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])
