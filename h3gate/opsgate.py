@@ -3,13 +3,14 @@
 For one operator and one row count it runs, on the case's inputs (``h3gate.ops.cases``):
 
 * forward and backward of the provider reference, the strict kernel (``registry.bind(op, "strict", device)``) and
-  the golden (the reference on float64 copies; gradients of a seeded float64 output gradient);
+  the golden (the reference - or the case's ``golden_fn`` - on float64 copies; gradients of the same seeded output
+  gradient in float64);
 * ``provider_bitwise`` - measured, kernel bytes vs provider bytes (forward and each input gradient);
 * accuracy - ``rel_l2`` of kernel and provider against the golden; the kernel's must not exceed the bound the
   contract declares (``contract.accuracy``, keyed by the compared tensor's dtype; :data:`DEFAULT_ACCURACY` for an
   operator that declares none);
 * invariance, bitwise, forward and backward: a repeat; the case's item inside batches of 2 and 3 at every position
-  next to fresh random items; outputs rows kept while every unrelated input row is mutated.
+  next to fresh random items; the bytes of kept output rows while every unrelated input row is mutated.
 
 A result passes when every promise held: ``provider_bitwise`` where the contract promises it (forward), accuracy
 within the declared bound, every invariance probe bitwise. Tensors without a batch (or row) dimension that sum over
@@ -113,7 +114,7 @@ def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backw
     ref = registry.reference(op)
     spec = registry.spec(op)
     fwd_bounds, bwd_bounds, source = bounds(op)
-    gen = torch.Generator().manual_seed(seed + 7919)
+    gen = torch.Generator(device=device).manual_seed(seed + 7919)  # probe noise (output gradient, neighbours)
     failures: list[str] = []
 
     with torch.no_grad():

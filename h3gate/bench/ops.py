@@ -59,7 +59,7 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
     if case.grad_args:
         with torch.no_grad():
             out = case.call(ref)
-        gout = randn(out.shape, out.dtype, out.device, torch.Generator().manual_seed(1))
+        gout = randn(out.shape, out.dtype, out.device, torch.Generator(device=out.device).manual_seed(1))
         fb = side_by_side(
             {"kernel": _forward_backward(case, binding.fn, gout), "provider": _forward_backward(case, ref, gout)},
             iters=max(10, iters // 2),

@@ -78,7 +78,11 @@ def to_float64(value: Any) -> Any:
 
 
 def randn(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device, gen: torch.Generator, scale=1.0):
-    """Seeded normal values generated on the CPU in float32, scaled, then cast and moved (device-independent)."""
+    """Seeded normal values in float32, scaled, then cast. A CPU generator draws on the CPU and moves the result
+    (case inputs: the same bytes on every device); a device generator draws on its device (probe noise at 768p
+    sizes, where CPU generation would dominate the run)."""
+    if gen.device.type != "cpu":
+        return (torch.randn(tuple(shape), generator=gen, device=gen.device, dtype=torch.float32) * scale).to(dtype)
     return (torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * scale).to(dtype).to(device)
 
 
