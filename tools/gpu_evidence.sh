@@ -1,35 +1,42 @@
 #!/usr/bin/env bash
-# Produce the committed H200 evidence in one device call (run from the repository root on the GPU host).
-#   bash tools/gpu_evidence.sh [STAGE ...]     stages: ops block bench ablate (default: all)
-# Evidence lands in evidence/h200/<...>; a tarball of it is copied to $OUT so it comes back.
+# Produce the committed H200 evidence (run from the repository root on the GPU host, .whl carried).
+#   bash tools/gpu_evidence.sh STAGE [STAGE ...]
+# Stages: ops-rows ops-gemm block bench-block bench-ops ablate. Each stage runs under a time cap so one slow stage
+# cannot take the others' evidence with it; everything under evidence/h200 is tarred into $OUT at the end.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 H="python3 -m h3gate"
 E=evidence/h200
-stages=${*:-ops block bench ablate}
-mkdir -p "$E" "${OUT:-/tmp/out}"
-log() { echo "== $(date +%H:%M:%S) $*"; }
-for s in $stages; do
+OUTDIR=${OUT:-/tmp/out}
+mkdir -p "$E" "$OUTDIR"
+finish() { tar czf "$OUTDIR/evidence-h200.tgz" "$E" 2>/dev/null; }
+trap finish EXIT
+step() { local cap=$1; shift; echo "== $(date +%H:%M:%S) $*"; timeout "$cap" "$@"; echo "rc=$?"; }
+ROWS="--op timestep_sinusoid_h3 --op timestep_mlp_silu --op adaln_silu_cast --op adaln_row_gather --op h3_rmsnorm
+ --op h3_rmsnorm_modulate --op final_adaln_out --op h3_qk_rmsnorm_d128 --op h3_mm_rope_3axis_partial
+ --op adaln_gate_residual --op h3_swiglu --op residual_add --op packed_index_copy --op packed_index_select
+ --op conditioning_noise_mix"
+GEMM="--op h3_qkv_gemm --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3_ffn_down_gemm
+ --op adaln_projection_3mod --op text_context_projection --op video_input_projection_fp32
+ --op audio_input_projection_fp32 --op timestep_mlp_fp32 --op final_adaln_projection
+ --op video_output_projection_fp32 --op audio_output_projection_fp32 --op h3_full_attention"
+for s in "$@"; do
   case $s in
-    ops)
-      log ws1-ops; $H run ws1-ops --config real --layouts tiny,small,medium,768p --device cuda --out $E/ws1-ops; echo "rc=$?";;
-    block)
-      for L in tiny small medium; do
-        log ws1-block $L; $H run ws1-block --config real --layout $L --device cuda --mode strict --out $E/ws1-block-real-$L
-        echo "rc=$?"
-      done;;
-    bench)
-      log bench ops; $H bench --op h3_rmsnorm_modulate --op h3_qk_rmsnorm_d128 --op h3_mm_rope_3axis_partial \
-        --op adaln_gate_residual --op h3_swiglu --op packed_index_copy --op packed_index_select \
-        --config real --layout 768p --device cuda --out $E/bench-ops-768p; echo "rc=$?"
-      for L in medium 768p; do
-        log bench ws1-block $L; $H bench ws1-block --config real --layout $L --device cuda --out $E/bench-ws1-block-$L
-        echo "rc=$?"
-      done;;
-    ablate)
-      log ablate; $H ablate --all --config real --layout medium --device cuda --out $E/ablate-real-medium; echo "rc=$?";;
+    ops-rows) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium,768p $ROWS --out $E/ws1-ops-rows;;
+    ops-gemm) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium $GEMM --out $E/ws1-ops-gemm-attention;;
+    block) for L in tiny small medium; do
+             step 150 $H run ws1-block --config real --layout $L --device cuda --mode strict --out $E/ws1-block-real-$L
+           done;;
+    bench-block) for L in medium 768p; do
+             step 120 $H bench ws1-block --config real --layout $L --device cuda --out $E/bench-ws1-block-$L
+           done;;
+    bench-ops) step 150 $H bench --device cuda --config real --layout 768p $ROWS --out $E/bench-ops-rows-768p
+               step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium;;
+    ablate) step 200 $H ablate A0,A1,A2,A3,A4,A5,A6,A7,C1,C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-a
+            step 200 $H ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-h
+            step 200 $H ablate H9,H10,H11,H12,H13,H15,H-C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-traj
+            step 200 $H ablate H-C0,H-C1,H-C3,H-C7 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-controls;;
   esac
 done
-log seal; $H seal $E; echo "rc=$?"
-tar czf "${OUT:-/tmp/out}/evidence-h200.tgz" "$E"
+step 120 $H seal $E

@@ -88,7 +88,7 @@ class AttnConfig:
 
 # (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
 ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
-    # Measured winner on the H200 (docs/measurements/gemm_attention-tuning-1.json).
+    # Measured winner on the H200 (docs/measurements/gemm_attention-tuning-2.json): declared ex2.approx.ftz + FMA.
     (128, "bfloat16"): AttnConfig(
         kv_n=128,
         kv_m=64,
