@@ -2,7 +2,7 @@
 # Produce the committed H200 evidence (run from the repository root on the GPU host, .whl carried).
 #   bash tools/gpu_evidence.sh STAGE [STAGE ...]
 # Stages: ops-rows ops-gemm block bench-block bench-ops ablate. Each stage runs under a time cap so one slow stage
-# cannot take the others' evidence with it; everything under evidence/h200 is tarred into $OUT at the end.
+# cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal` seals it.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -10,8 +10,6 @@ H="python3 -m h3gate"
 E=evidence/h200
 OUTDIR=${OUT:-/tmp/out}
 mkdir -p "$E" "$OUTDIR"
-finish() { tar czf "$OUTDIR/evidence-h200.tgz" "$E" 2>/dev/null; }
-trap finish EXIT
 step() { local cap=$1; shift; echo "== $(date +%H:%M:%S) $*"; timeout "$cap" "$@"; echo "rc=$?"; }
 ROWS="--op timestep_sinusoid_h3 --op timestep_mlp_silu --op adaln_silu_cast --op adaln_row_gather --op h3_rmsnorm
  --op h3_rmsnorm_modulate --op final_adaln_out --op h3_qk_rmsnorm_d128 --op h3_mm_rope_3axis_partial
@@ -37,6 +35,7 @@ for s in "$@"; do
             step 200 $H ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-h
             step 200 $H ablate H9,H10,H11,H12,H13,H15,H-C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-traj
             step 200 $H ablate H-C0,H-C1,H-C3,H-C7 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-controls;;
+    seal) step 120 $H seal $E;;
+    tar) tar czf "$OUTDIR/evidence-h200.tgz" "$E"; echo "tarred $(du -sh "$OUTDIR/evidence-h200.tgz")";;
   esac
 done
-step 120 $H seal $E
