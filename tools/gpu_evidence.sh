@@ -4,7 +4,7 @@
 # Stages: ops-rows ops-gemm block bench-block bench-ops ablate. Each stage runs under a time cap so one slow stage
 # cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal` seals it.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 H="python3 -m h3gate"
 E=evidence/h200
