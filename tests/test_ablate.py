@@ -26,15 +26,7 @@ from h3gate.manifests.model_config import load_config
 
 ROWS = load_ablations()
 CFG_TINY = load_config("tiny").config
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as ``h3gate ablate`` runs on CPU (tiny shapes; no OpenMP spinning on shared cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,17 +30,13 @@ REAL = load_config("real").config
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "single"
-    write_checkpoint(TINY, 7, out)
-    return out
+def tiny_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("ckpt", "single", 7)
 
 
 @pytest.fixture(scope="module")
-def sharded_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt") / "sharded"
-    write_checkpoint(TINY, 7, out, shard_size=1_000_000)
-    return out
+def sharded_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("ckpt", "sharded", 7, shard_size=1_000_000)
 
 
 def test_synthetic_source_matches_inventory_and_protocol():

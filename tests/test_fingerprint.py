@@ -25,10 +25,8 @@ TINY = load_config("tiny").config
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fp") / "tiny"
-    write_checkpoint(TINY, 5, out)
-    return out
+def tiny_dir(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("fp", "tiny", 5)
 
 
 @pytest.fixture(scope="module")

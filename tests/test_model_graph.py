@@ -31,28 +31,19 @@ from h3gate.synth import SyntheticSource
 from h3gate.trajectory import Recipe, initial_latents, make_request
 
 CFG = load_config("tiny").config
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as ``h3gate ablate`` runs on CPU (tiny shapes; no OpenMP spinning on shared cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(tiny_params):
     layout = build_layout(load_layout("tiny"), "tiny")
-    params = load_model_params(SyntheticSource(CFG, 0), CFG)
     plan = TimestepPlan().resolve()
     ts, ti = layout.row_timesteps(plan["video_t"], plan["audio_t"], plan["cond_video_t"], plan["cond_audio_t"])
     request = make_request(layout, CFG, 0)
     _, video, audio = initial_latents(request, Recipe())
     inputs = {"video_rows": video[None], "audio_rows": audio[None], "text": request.text}
     inputs.update(derive_metadata(raw_metadata(layout, ts, ti), CFG, "cpu"))
-    return build_model_graph(CFG), inputs, params, layout
+    return build_model_graph(CFG), inputs, tiny_params, layout
 
 
 def test_stages_and_node_names_follow_the_forward(model):

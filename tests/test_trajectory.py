@@ -9,31 +9,21 @@ import torch
 from h3gate.errors import InputError
 from h3gate.gate.compare import tensor_sha256
 from h3gate.graph.executions import provider_table
-from h3gate.graph.model import OUTPUTS, build_model_graph, load_model_params
+from h3gate.graph.model import OUTPUTS, build_model_graph
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
-from h3gate.synth import SyntheticSource
 from h3gate.trajectory import Recipe, iter_trajectory, make_request, row_timestep_plan, run_trajectory
 
 CFG = load_config("tiny").config
+pytestmark = pytest.mark.usefixtures("one_thread")
 SPEC = LayoutSpec(text_tokens=29, latent_frames=2, latent_height=8, latent_width=10, audio_latents=6, anchors=["first"])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as ``h3gate ablate`` runs on CPU (tiny shapes; no OpenMP spinning on shared cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
-def setup():
+def setup(tiny_params):
     layout = build_layout(SPEC, "anchored")
-    params = load_model_params(SyntheticSource(CFG, 0), CFG)
-    return layout, params, build_model_graph(CFG), make_request(layout, CFG, 0)
+    return layout, tiny_params, build_model_graph(CFG), make_request(layout, CFG, 0)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ prefix of every larger M), repeat bitwise; failures are recorded, never fatal. T
 ``triton.testing.do_bench(..., return_mode="median")``. The parent merges the sections, picks the config per
 shape that maximises the worst ratio to its target, prints a table and paste-ready ``gemm_configs.TABLE`` lines,
 and writes one JSON (atomically). ``--smoke`` runs the same code on tiny shapes (CPU interpreter) to test plumbing.
+``--backward-only`` runs instead the two sections of ``tools/gpu_gemm_attention_bwd.py`` (dX/dW and attention
+backward candidates next to cuBLAS / cuDNN backward; under 3 minutes on an H200).
 """
 
 from __future__ import annotations
@@ -529,8 +531,9 @@ def paste(gemm_all: dict, summary: dict, att: dict, fwd_tag: str | None, bwd_tag
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gemm_attention.json"))
-    p.add_argument("--section", choices=sorted(SECTIONS), help="internal: run one section in this process")
+    p.add_argument("--section", choices=sorted(SECTIONS) + ["bwd_attention", "bwd_gemm"], help="internal")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (plumbing test)")
+    p.add_argument("--backward-only", action="store_true", help="only the backward sections (dX/dW, attention)")
     a = p.parse_args()
     if a.smoke:
         os.environ["H3_GPU_SMOKE"] = "1"
@@ -539,10 +542,15 @@ def main() -> int:
             return subprocess.call([sys.executable, *sys.argv])
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    import gpu_gemm_attention_bwd as bwd  # tools/ is sys.path[0] when this file runs as a script
+
+    sections = bwd.SECTIONS_BWD if a.backward_only else SECTIONS
     if a.section:
-        sec = Section(a.out, SECTIONS[a.section])
+        sec = Section(a.out, {**SECTIONS, **bwd.SECTIONS_BWD}[a.section])
         try:
-            if a.section == "attention":
+            if a.section in bwd.SECTIONS_BWD:
+                bwd.run_section(a.section, sec)
+            elif a.section == "attention":
                 section_attention(sec)
             else:
                 section_gemm(sec, tma=a.section == "gemm_tma")
@@ -562,7 +570,7 @@ def main() -> int:
     except Exception as exc:
         merged["meta"]["env_error"] = err(exc)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, limit in SECTIONS.items():
+        for name, limit in sections.items():
             part = os.path.join(tmp, f"{name}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--section", name, "--out", part]
             t = time.time()
@@ -579,7 +587,7 @@ def main() -> int:
             merged["meta"][f"{name}_status"] = status
             merged["meta"][f"{name}_s"] = round(time.time() - t, 1)
             print(f"section {name}: {status} ({time.time() - t:.0f}s)", flush=True)
-    merged["summary"] = summarize(merged)
+    merged["summary"] = bwd.summarize_bwd(merged) if a.backward_only else summarize(merged)
     merged["meta"]["runtime_s"] = round(time.time() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     tmp_out = a.out + ".tmp"

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from h3gate.errors import InputError
+from h3gate.graph.body_nodes import body_specs
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.inventory import expected_inventory
 from h3gate.manifests.model_config import ModelConfig
@@ -103,27 +104,11 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
 
         return fn
 
-    def gemm(op: str, source: str, weight: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops[op](x[source], p[weight])
-
-        return fn
-
-    def qk_norm(source: str, weight: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops["h3_qk_rmsnorm_d128"](x[source], p[weight], heads, qk_eps)
-
-        return fn
-
     def rope(source: str):
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
             return ops["h3_mm_rope_3axis_partial"](x[source], x["rope_cos"], x["rope_sin"])
 
         return fn
-
-    def attention(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        v = x["v_proj"].unflatten(-1, (heads, -1))
-        return ops["h3_full_attention"](x["rope_q"], x["rope_k"], v)
 
     def residual(source: str, branch: str, gate: int):
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
@@ -131,10 +116,13 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
 
         return fn
 
-    def swiglu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        return ops["h3_swiglu"](x["ffn_gate_up"])
+    body = body_specs(heads, qk_eps, "rope_q", "rope_k")
 
-    bf16 = "activation dtype (BF16)"
+    def shared(name: str, meta: dict[str, str]) -> Node:
+        op, inputs, fn = body[name]
+        return Node(name, op, (op,), inputs, fn, meta=meta)
+
+    bf16, acc = "activation dtype (BF16)", "accumulate wider, one rounding to BF16"
     mod = "(3T, H) AdaLN views of adaln_projection gathered by adaln_indices"
     nodes = (
         Node(
@@ -160,46 +148,11 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
                 bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(x) * (1 + scale) + shift; {mod}"
             ),
         ),
-        Node(
-            "q_proj",
-            "h3_qkv_gemm",
-            ("h3_qkv_gemm",),
-            ("norm1",),
-            gemm("h3_qkv_gemm", "norm1", "attn.to_q.weight"),
-            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n1 @ Wq.T, H -> nh*D"),
-        ),
-        Node(
-            "k_proj",
-            "h3_qkv_gemm",
-            ("h3_qkv_gemm",),
-            ("norm1",),
-            gemm("h3_qkv_gemm", "norm1", "attn.to_k.weight"),
-            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n1 @ Wk.T, H -> nh*D"),
-        ),
-        Node(
-            "v_proj",
-            "h3_qkv_gemm",
-            ("h3_qkv_gemm",),
-            ("norm1",),
-            gemm("h3_qkv_gemm", "norm1", "attn.to_v.weight"),
-            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n1 @ Wv.T, H -> nh*D"),
-        ),
-        Node(
-            "q_norm",
-            "h3_qk_rmsnorm_d128",
-            ("h3_qk_rmsnorm_d128",),
-            ("q_proj",),
-            qk_norm("q_proj", "attn.norm_q.weight"),
-            meta=_meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D"),
-        ),
-        Node(
-            "k_norm",
-            "h3_qk_rmsnorm_d128",
-            ("h3_qk_rmsnorm_d128",),
-            ("k_proj",),
-            qk_norm("k_proj", "attn.norm_k.weight"),
-            meta=_meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D"),
-        ),
+        shared("q_proj", _meta(bf16, acc, "n1 @ Wq.T, H -> nh*D")),
+        shared("k_proj", _meta(bf16, acc, "n1 @ Wk.T, H -> nh*D")),
+        shared("v_proj", _meta(bf16, acc, "n1 @ Wv.T, H -> nh*D")),
+        shared("q_norm", _meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D")),
+        shared("k_norm", _meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D")),
         Node(
             "rope_q",
             "h3_mm_rope_3axis_partial",
@@ -216,22 +169,11 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
             rope("k_norm"),
             meta=_meta(bf16, "FP32 cos/sin cast to BF16 first", "x*cos + rotate_half(x)*sin on R of D, rest copied"),
         ),
-        Node(
+        shared(
             "attention",
-            "h3_full_attention",
-            ("h3_full_attention",),
-            ("rope_q", "rope_k", "v_proj"),
-            attention,
-            meta=_meta(bf16, "the SDPA backend's own; output type_as(q)", "softmax(q k^T / sqrt(D)) v over all S rows"),
+            _meta(bf16, "the SDPA backend's own; output type_as(q)", "softmax(q k^T / sqrt(D)) v over all S rows"),
         ),
-        Node(
-            "o_proj",
-            "h3_attention_o_gemm",
-            ("h3_attention_o_gemm",),
-            ("attention",),
-            gemm("h3_attention_o_gemm", "attention", "attn.to_out.0.weight"),
-            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "a @ Wo.T, nh*D -> H"),
-        ),
+        shared("o_proj", _meta(bf16, acc, "a @ Wo.T, nh*D -> H")),
         Node(
             "residual_attn",
             "adaln_gate_residual",
@@ -250,30 +192,9 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
                 bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(h) * (1 + scale) + shift; {mod}"
             ),
         ),
-        Node(
-            "ffn_gate_up",
-            "h3_ffn_gate_up_gemm",
-            ("h3_ffn_gate_up_gemm",),
-            ("norm2",),
-            gemm("h3_ffn_gate_up_gemm", "norm2", "ff.net.0.proj.weight"),
-            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "n2 @ W1.T, H -> 2F (value | gate)"),
-        ),
-        Node(
-            "swiglu",
-            "h3_swiglu",
-            ("h3_swiglu",),
-            ("ffn_gate_up",),
-            swiglu,
-            meta=_meta(bf16, "none: silu and product each rounded to BF16", "u[:F] * silu(u[F:])"),
-        ),
-        Node(
-            "ffn_down",
-            "h3_ffn_down_gemm",
-            ("h3_ffn_down_gemm",),
-            ("swiglu",),
-            gemm("h3_ffn_down_gemm", "swiglu", "ff.net.2.weight"),
-            meta=_meta(bf16, "accumulate wider, one rounding to BF16", "s @ W2.T, F -> H"),
-        ),
+        shared("ffn_gate_up", _meta(bf16, acc, "n2 @ W1.T, H -> 2F (value | gate)")),
+        shared("swiglu", _meta(bf16, "none: silu and product each rounded to BF16", "u[:F] * silu(u[F:])")),
+        shared("ffn_down", _meta(bf16, acc, "s @ W2.T, F -> H")),
         Node(
             "residual_mlp",
             "adaln_gate_residual",

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
+from h3gate.graph.body_nodes import body_specs
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.registry import spec as spec_of
@@ -72,62 +73,27 @@ def build_refiner_graph(cfg: ModelConfig) -> Graph:
 
         return fn
 
-    def gemm(op: str, source: str, weight: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops[op](x[source], p[weight])
-
-        return fn
-
-    def qk_norm(source: str, weight: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops["h3_qk_rmsnorm_d128"](x[source], p[weight], heads, qk_eps)
-
-        return fn
-
-    def attention(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        return ops["h3_full_attention"](x["q_norm"], x["k_norm"], x["v_proj"].unflatten(-1, (heads, -1)))
-
     def add(source: str, branch: str):
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
             return ops["residual_add"](x[source], x[branch])
 
         return fn
 
-    def swiglu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        return ops["h3_swiglu"](x["ffn_gate_up"])
-
+    body = body_specs(heads, qk_eps, "q_norm", "k_norm")
     spec = (
         ("norm1", "h3_rmsnorm", ("hidden_states",), norm("hidden_states", "norm1.weight"), "rmsnorm(x)"),
-        ("q_proj", "h3_qkv_gemm", ("norm1",), gemm("h3_qkv_gemm", "norm1", "attn.to_q.weight"), "n1 @ Wq.T"),
-        ("k_proj", "h3_qkv_gemm", ("norm1",), gemm("h3_qkv_gemm", "norm1", "attn.to_k.weight"), "n1 @ Wk.T"),
-        ("v_proj", "h3_qkv_gemm", ("norm1",), gemm("h3_qkv_gemm", "norm1", "attn.to_v.weight"), "n1 @ Wv.T"),
-        ("q_norm", "h3_qk_rmsnorm_d128", ("q_proj",), qk_norm("q_proj", "attn.norm_q.weight"), "rmsnorm over D"),
-        ("k_norm", "h3_qk_rmsnorm_d128", ("k_proj",), qk_norm("k_proj", "attn.norm_k.weight"), "rmsnorm over D"),
-        ("attention", "h3_full_attention", ("q_norm", "k_norm", "v_proj"), attention, "SDPA over text rows"),
-        (
-            "o_proj",
-            "h3_attention_o_gemm",
-            ("attention",),
-            gemm("h3_attention_o_gemm", "attention", "attn.to_out.0.weight"),
-            "a @ Wo.T",
-        ),
+        ("q_proj", *body["q_proj"], "n1 @ Wq.T"),
+        ("k_proj", *body["k_proj"], "n1 @ Wk.T"),
+        ("v_proj", *body["v_proj"], "n1 @ Wv.T"),
+        ("q_norm", *body["q_norm"], "rmsnorm over D"),
+        ("k_norm", *body["k_norm"], "rmsnorm over D"),
+        ("attention", *body["attention"], "SDPA over text rows"),
+        ("o_proj", *body["o_proj"], "a @ Wo.T"),
         ("residual_attn", "residual_add", ("hidden_states", "o_proj"), add("hidden_states", "o_proj"), "x + o"),
         ("norm2", "h3_rmsnorm", ("residual_attn",), norm("residual_attn", "norm2.weight"), "rmsnorm(h)"),
-        (
-            "ffn_gate_up",
-            "h3_ffn_gate_up_gemm",
-            ("norm2",),
-            gemm("h3_ffn_gate_up_gemm", "norm2", "ff.net.0.proj.weight"),
-            "n2 @ W1.T",
-        ),
-        ("swiglu", "h3_swiglu", ("ffn_gate_up",), swiglu, "u[:F] * silu(u[F:])"),
-        (
-            "ffn_down",
-            "h3_ffn_down_gemm",
-            ("swiglu",),
-            gemm("h3_ffn_down_gemm", "swiglu", "ff.net.2.weight"),
-            "s @ W2.T",
-        ),
+        ("ffn_gate_up", *body["ffn_gate_up"], "n2 @ W1.T"),
+        ("swiglu", *body["swiglu"], "u[:F] * silu(u[F:])"),
+        ("ffn_down", *body["ffn_down"], "s @ W2.T"),
         ("residual_mlp", "residual_add", ("residual_attn", "ffn_down"), add("residual_attn", "ffn_down"), "h + d"),
     )
     nodes = tuple(

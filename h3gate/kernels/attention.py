@@ -19,8 +19,9 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   ``fma``: ``m' = max(m, rowmax(q k^T) * c)`` (equal to the rowmax of the rounded products: rounding is monotonic)
   and ``p = exp2(fma(q k^T, c, -m'))`` (one rounding instead of two; the row maximum's p is ``exp2`` of that
   product's rounding error, not exactly 1). Both are written instructions, not compiler substitutions; the
-  launch keeps ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``. The
-  backward's recomputation always uses the strict forms.
+  launch keeps ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``.
+  ``bwd_exp2`` / ``bwd_fma`` are the same declared options for the backward's recomputation of p (default: the
+  strict forms; see :mod:`h3gate.kernels.attention_bwd`).
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
   the fixed block order above; batch elements and heads are separate programs (batch-row invariant); the tiling
   is a function of (D, dtype) only, never of S or B. Repeat runs are bitwise equal. No split-KV, no atomics.
@@ -67,23 +68,35 @@ class AttnConfig:
     q_stages: int = 2
     fwd_exp2: str = "libdevice"  # forward exp2: "libdevice" (__nv_exp2f), "ex2" or "ex2ftz" (explicit PTX)
     fwd_fma: bool = False  # forward exponent as one explicit fma(q k^T, c, -m') instead of (q k^T * c) - m'
+    bwd_exp2: str = "libdevice"  # backward recomputation's exp2 (dK/dV and dQ kernels), same codes as fwd_exp2
+    bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
 
     @property
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
+        bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
         return (
             f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
-            f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}"
+            f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}{bmath}"
         )
 
     @property
     def exp2_code(self) -> int:
         """The forward kernel's ``EXP2`` constexpr: 0 libdevice, 1 ``ex2.approx.f32``, 2 ``ex2.approx.ftz.f32``."""
-        codes = {"libdevice": 0, "ex2": 1, "ex2ftz": 2}
-        if self.fwd_exp2 not in codes:
-            raise InputError(f"{OP}: config fwd_exp2: {self.fwd_exp2!r} not one of {sorted(codes)}")
-        return codes[self.fwd_exp2]
+        return _exp2_code("fwd_exp2", self.fwd_exp2)
+
+    @property
+    def bwd_exp2_code(self) -> int:
+        """The backward kernels' ``EXP2`` constexpr (same codes as :attr:`exp2_code`)."""
+        return _exp2_code("bwd_exp2", self.bwd_exp2)
+
+
+def _exp2_code(field: str, value: str) -> int:
+    codes = {"libdevice": 0, "ex2": 1, "ex2ftz": 2}
+    if value not in codes:
+        raise InputError(f"{OP}: config {field}: {value!r} not one of {sorted(codes)}")
+    return codes[value]
 
 
 # (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
@@ -128,7 +141,8 @@ def exp2(x, INTERPRET: tl.constexpr):
 
 @helper
 def exp2_fwd(x, EXP2: tl.constexpr, INTERPRET: tl.constexpr):
-    """The forward's exp2: libdevice (EXP2=0) or the explicit, declared PTX ``ex2.approx[.ftz].f32`` (1, 2)."""
+    """exp2 of the forward / backward recomputation: libdevice (EXP2=0) or the declared PTX
+    ``ex2.approx[.ftz].f32`` (1, 2)."""
     if INTERPRET:
         return tl.exp2(x)
     elif EXP2 == 2:

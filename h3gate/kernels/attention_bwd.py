@@ -10,6 +10,13 @@ recomputes ``p = exp2(s - lse2)`` exactly as the others do:
 3. dQ - one program per (query block of ``q_m`` rows, batch, head); it walks the KV blocks of ``q_n`` rows in
    ascending order: ``ds = p * (dout @ v^T - delta)``, ``dq += cast(ds) @ k``; at the end ``dq *= 1/sqrt(D)``.
 
+Declared options (fields of the (D, dtype) config, default strict): ``bwd_exp2`` evaluates every ``exp2`` above
+with libdevice ``__nv_exp2f`` (default), the explicit PTX ``ex2.approx.f32`` ("ex2") or ``ex2.approx.ftz.f32``
+("ex2ftz", subnormal results flush to +0); ``bwd_fma`` forms the exponent as one explicit ``fma(q k^T, c, -lse2)``
+(one rounding) instead of ``(q k^T) * c - lse2`` (two). Both kernels use the same option, so dK/dV and dQ see the
+same p. These are written instructions (inline asm / ``tl.fma``), never compiler fast-math: launches keep
+``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``.
+
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
 written by exactly one program, so dQ/dK/dV are repeat-bitwise and batch-row invariant.
@@ -23,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2, qk_scale
+from h3gate.kernels.attention import AttnConfig, exp2_fwd, qk_scale
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
 from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm import mma
@@ -45,7 +52,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, S, H, stride_b, stride_s, D: tl.cons
 @helper
 def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, start, S, stride_s, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
-                INTERPRET: tl.constexpr):  # fmt: skip
+                EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_m = start + tl.arange(0, BLOCK_M)
     rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
     if MASK:
@@ -58,8 +65,11 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, sta
         do = tl.load(do_ptr + rows)
         lse = tl.load(lse_ptr + stat + offs_m)
         dl = tl.load(delta_ptr + stat + offs_m)
-    s_t = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET) * qk_scale
-    p_t = exp2(s_t - lse[None, :], INTERPRET)
+    qk_t = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
+    if FMA:  # declared: one explicit fma per score (module docstring)
+        p_t = exp2_fwd(tl.fma(qk_t, qk_scale, -lse[None, :]), EXP2, INTERPRET)
+    else:
+        p_t = exp2_fwd(qk_t * qk_scale - lse[None, :], EXP2, INTERPRET)
     if MASK:
         p_t = tl.where(offs_m[None, :] < S, p_t, 0.0)
     dv = mma(rne(p_t, do.dtype, INTERPRET), do, dv, INTERPRET)
@@ -72,7 +82,7 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, sta
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, S, H, qk_scale, sm_scale,
                  stride_b, stride_s, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 INTERPRET: tl.constexpr):  # fmt: skip
+                 EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -87,10 +97,10 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     m_full = S // BLOCK_M
     for j in range(0, m_full):
         dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, j * BLOCK_M, S, stride_s,
-                             qk_scale, BLOCK_N, BLOCK_M, D, False, INTERPRET)  # fmt: skip
+                             qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2, FMA, INTERPRET)  # fmt: skip
     if m_full * BLOCK_M < S:
         dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, m_full * BLOCK_M, S,
-                             stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, INTERPRET)  # fmt: skip
+                             stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
     dk = dk * sm_scale
     tl.store(dk_ptr + rows, rne(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
     tl.store(dv_ptr + rows, rne(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
@@ -98,7 +108,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 @helper
 def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_scale, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr,
+              INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
     rows = base + offs_n[:, None] * stride_s + tl.arange(0, D)[None, :]
     if MASK:
@@ -107,8 +118,11 @@ def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_sca
     else:
         k = tl.load(k_ptr + rows)
         v = tl.load(v_ptr + rows)
-    s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
-    p = exp2(s - lse[:, None], INTERPRET)
+    qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
+    if FMA:  # declared: one explicit fma per score (module docstring)
+        p = exp2_fwd(tl.fma(qk, qk_scale, -lse[:, None]), EXP2, INTERPRET)
+    else:
+        p = exp2_fwd(qk * qk_scale - lse[:, None], EXP2, INTERPRET)
     if MASK:
         p = tl.where(offs_n[None, :] < S, p, 0.0)
     dp = mma(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
@@ -118,8 +132,8 @@ def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_sca
 
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, H, qk_scale, sm_scale, stride_b,
-               stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               INTERPRET: tl.constexpr):  # fmt: skip
+               stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
+               FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -135,10 +149,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, H, qk
     n_full = S // BLOCK_N
     for j in range(0, n_full):
         dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale, BLOCK_M, BLOCK_N,
-                       D, False, INTERPRET)  # fmt: skip
+                       D, False, EXP2, FMA, INTERPRET)  # fmt: skip
     if n_full * BLOCK_N < S:
         dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale, BLOCK_M,
-                       BLOCK_N, D, True, INTERPRET)  # fmt: skip
+                       BLOCK_N, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
     dq = dq * sm_scale
     tl.store(dq_ptr + rows, rne(dq, dq_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
 
@@ -165,12 +179,14 @@ def backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
         q, k, v, grad, lse, delta, dk, dv, s, h, c, sm_scale, stride_b, stride_s,
-        D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
+        D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, INTERPRET=INTERPRET,
+        num_warps=cfg.kv_warps,
         num_stages=cfg.kv_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
         q, k, v, grad, lse, delta, dq, s, h, c, sm_scale, stride_b, stride_s,
-        D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, INTERPRET=INTERPRET, num_warps=cfg.q_warps,
+        D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, INTERPRET=INTERPRET,
+        num_warps=cfg.q_warps,
         num_stages=cfg.q_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return dq, dk, dv

@@ -18,7 +18,9 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
 * backward - ``dX = dY @ W`` (reduction over N, ascending chunks, same row invariance), ``dW = dY^T @ X``
   (reduction over the M rows in one ascending order inside one program, no split, no atomics),
   ``db = sum_m dY[m]`` (rows in ascending BLOCK_R chunks, each chunk summed by a fixed tree), all FP32-accumulated
-  with one rounding to the parameter's dtype.
+  with one rounding to the parameter's dtype. Every operand (dY^T, W^T in the forward) is loaded as a tile of its
+  stored row-major layout (coalesced along the contiguous axis; TMA descriptors in the ``tma`` variant) and
+  transposed on chip; ``persistent``/``group_m`` only change which program owns a tile.
 * compilation - every launch uses :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no FTZ).
 """
 
@@ -91,7 +93,8 @@ def _gemm_kernel(
     """C (M, N) = A (M, R) @ B (R, N) [+ bias (N,)], A and B addressed through strides.
 
     ``A_TRANS``: A is stored as (R, M) row-major (stride_am == 1); ``B_TRANS``: B is stored as (N, R) row-major
-    (stride_br == 1). They only matter to the TMA variant (descriptors need a unit last stride).
+    (stride_br == 1). Both variants (pointer and TMA) load the tile of the stored layout, contiguous along its last
+    axis, and ``tl.trans`` it on chip: the MMA sees the same values, so the arithmetic is unchanged.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -130,17 +133,37 @@ def _gemm_kernel(
                     b = b_desc.load([off_k, pid_n * BLOCK_N])
                 acc = mma(a, b, acc, INTERPRET)
         else:
+            # Every operand is read as the tile of its *stored* layout (unit stride along the tile's last axis, so
+            # the loads coalesce along the contiguous dimension) and transposed in registers/shared memory.
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
-            b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
+            if A_TRANS:  # stored (R, M): load the (BLOCK_K, BLOCK_M) tile
+                a_ptrs = a_ptr + offs_k.to(tl.int64)[:, None] * stride_ar + offs_m[None, :] * stride_am
+            else:
+                a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
+            if B_TRANS:  # stored (N, R): load the (BLOCK_N, BLOCK_K) tile
+                b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
+            else:
+                b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
             for ki in range(k_tiles):
                 if EVEN_R:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+                    if A_TRANS:
+                        a = tl.trans(tl.load(a_ptrs, mask=mask_m[None, :], other=0.0))
+                    else:
+                        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                    if B_TRANS:
+                        b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None], other=0.0))
+                    else:
+                        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
                 else:
-                    rem = R - ki * BLOCK_K
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < rem), other=0.0)
-                    b = tl.load(b_ptrs, mask=(offs_k[:, None] < rem) & mask_n[None, :], other=0.0)
+                    in_k = offs_k < R - ki * BLOCK_K
+                    if A_TRANS:
+                        a = tl.trans(tl.load(a_ptrs, mask=in_k[:, None] & mask_m[None, :], other=0.0))
+                    else:
+                        a = tl.load(a_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+                    if B_TRANS:
+                        b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0))
+                    else:
+                        b = tl.load(b_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
                 acc = mma(a, b, acc, INTERPRET)
                 a_ptrs += BLOCK_K * stride_ar
                 b_ptrs += BLOCK_K * stride_br

@@ -14,8 +14,10 @@ BF16, FP32 = torch.bfloat16, torch.float32
 TOL = {BF16: 1e-2, FP32: 1e-5}
 # Many programs in every kernel (S = 70: 5 query blocks, 5 KV blocks, masked tails everywhere).
 SMALL = attn.AttnConfig(16, 16, 4, 2, 16, 32, 4, 1, 32, 16, 4, 1)
-# The declared forward variants (explicit ex2.approx.ftz / fma; tl.exp2 / tl.fma under the interpreter).
-FAST = attn.AttnConfig(16, 16, 4, 2, 16, 32, 4, 1, 32, 16, 4, 1, fwd_exp2="ex2ftz", fwd_fma=True)
+# The declared forward and backward variants (explicit ex2.approx.ftz / fma; tl.exp2 / tl.fma under the interpreter).
+FAST = attn.AttnConfig(
+    16, 16, 4, 2, 16, 32, 4, 1, 32, 16, 4, 1, fwd_exp2="ex2ftz", fwd_fma=True, bwd_exp2="ex2ftz", bwd_fma=True
+)
 
 
 def qkv(b: int, s: int, h: int = 2, dtype: torch.dtype = BF16, seed: int = 0) -> list[torch.Tensor]:
@@ -84,6 +86,22 @@ def test_declared_fwd_variants_invariant_and_checked() -> None:
     assert FAST.tag.startswith("fwd16x16w4s2_ex2ftz_fma_") and "_ex2" not in SMALL.tag
     with pytest.raises(InputError, match="fwd_exp2: 'fast' not one of"):
         attn.forward(q, k, v, attn.AttnConfig(fwd_exp2="fast"))
+
+
+def test_declared_bwd_variants_invariant_and_checked() -> None:
+    """The fma/ex2 backward is repeat-bitwise and batch-row invariant; an unknown exp2 variant fails closed."""
+    q, k, v = qkv(1, 37)
+    other = qkv(1, 37, seed=6)
+    grad = torch.randn(1, 37, 256, generator=torch.Generator().manual_seed(4)).to(BF16)
+    ograd = torch.randn(1, 37, 256, generator=torch.Generator().manual_seed(5)).to(BF16)
+    alone, again = fwd_bwd(q, k, v, grad, FAST), fwd_bwd(q, k, v, grad, FAST)
+    cat = [torch.cat([o, t]) for o, t in zip(other, (q, k, v), strict=True)]
+    batched = fwd_bwd(*cat, torch.cat([ograd, grad]), FAST)
+    for a, b, c in zip(alone, again, batched, strict=True):
+        assert torch.equal(a, b) and torch.equal(a[0], c[1])
+    assert FAST.tag.endswith("q32x16w4s1_ex2ftz_fma") and SMALL.tag.endswith("q32x16w4s1")
+    with pytest.raises(InputError, match="bwd_exp2: 'fast' not one of"):
+        fwd_bwd(q, k, v, grad, attn.AttnConfig(bwd_exp2="fast"))
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])

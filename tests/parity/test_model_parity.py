@@ -13,14 +13,13 @@ from diffusers import MiniMaxH3Transformer3DModel
 from h3gate.graph.core import run_chained
 from h3gate.graph.executions import provider_table
 from h3gate.graph.inputs import TimestepPlan
-from h3gate.graph.model import OUTPUTS, build_model_graph, derive_metadata, load_model_params, raw_metadata
+from h3gate.graph.model import OUTPUTS, build_model_graph, derive_metadata, raw_metadata
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import LayoutSpec, load_layout
 from h3gate.manifests.model_config import load_config
-from h3gate.synth import SyntheticSource
 from h3gate.trajectory import Recipe, initial_latents, make_request
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]
 CFG = load_config("tiny").config
 ANCHORED = LayoutSpec(
     text_tokens=37, latent_frames=2, latent_height=8, latent_width=12, audio_latents=5,
@@ -28,22 +27,12 @@ ANCHORED = LayoutSpec(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread, as ``h3gate ablate`` runs on CPU (tiny shapes; no OpenMP spinning on shared cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
-def weights():
-    params = load_model_params(SyntheticSource(CFG, 0), CFG)
+def weights(tiny_params):
     kwargs = {k: v for k, v in CFG.diffusers_config().items() if not k.startswith("_")}
     oracle = MiniMaxH3Transformer3DModel(**kwargs)
-    oracle.load_state_dict(params, strict=True, assign=True)
-    return params, oracle.eval()
+    oracle.load_state_dict(tiny_params, strict=True, assign=True)
+    return tiny_params, oracle.eval()
 
 
 @pytest.mark.parametrize(("name", "batch"), [("tiny", 1), ("anchored", 1), ("anchored", 2)])

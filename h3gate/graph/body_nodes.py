@@ -1,0 +1,66 @@
+"""The node functions the transformer block and the token-refiner block share, op for op (diffusers 0.42.1).
+
+Both blocks run the same attention and FFN body on their pre-norm output ``norm1`` / ``norm2``::
+
+    q/k/v_proj     q = n1 @ Wq.T (no bias)                 (B, S, nh*D)
+    q_norm/k_norm  rmsnorm over D per head, qk_norm_eps    (B, S, nh, D)
+    attention      SDPA(q, k, v_proj unflattened to (nh, D)), non-causal, unmasked, scale 1/sqrt(D)
+    o_proj         a @ Wo.T                                (B, S, H)
+    ffn_gate_up    u = n2 @ W1.T                           (B, S, 2F)
+    swiglu         s = u[..., :F] * silu(u[..., F:])       (B, S, F)
+    ffn_down       d = s @ W2.T                            (B, S, H)
+
+Only the attention's q and k sources differ: the transformer block rotates them first (``rope_q``/``rope_k``), the
+refiner reads ``q_norm``/``k_norm``. No cast anywhere: every op runs at its operands' dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from h3gate.graph.core import OpTable
+
+Inputs = Mapping[str, torch.Tensor]
+NodeFn = Callable[[OpTable, Inputs, Inputs], torch.Tensor]
+BodySpec = tuple[str, tuple[str, ...], NodeFn]  # (op, inputs, fn)
+
+
+def gemm(op: str, source: str, weight: str) -> NodeFn:
+    """``ops[op](x[source], p[weight])``: a bias-free linear."""
+
+    def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops[op](x[source], p[weight])
+
+    return fn
+
+
+def body_specs(heads: int, qk_eps: float, q: str, k: str) -> dict[str, BodySpec]:
+    """Node name -> (op, inputs, fn) for the shared body; ``attention`` reads its q and k from nodes ``q`` and ``k``."""
+
+    def qk_norm(source: str, weight: str) -> NodeFn:
+        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+            return ops["h3_qk_rmsnorm_d128"](x[source], p[weight], heads, qk_eps)
+
+        return fn
+
+    def attention(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["h3_full_attention"](x[q], x[k], x["v_proj"].unflatten(-1, (heads, -1)))
+
+    def swiglu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["h3_swiglu"](x["ffn_gate_up"])
+
+    qkv, o, up, down = "h3_qkv_gemm", "h3_attention_o_gemm", "h3_ffn_gate_up_gemm", "h3_ffn_down_gemm"
+    return {
+        "q_proj": (qkv, ("norm1",), gemm(qkv, "norm1", "attn.to_q.weight")),
+        "k_proj": (qkv, ("norm1",), gemm(qkv, "norm1", "attn.to_k.weight")),
+        "v_proj": (qkv, ("norm1",), gemm(qkv, "norm1", "attn.to_v.weight")),
+        "q_norm": ("h3_qk_rmsnorm_d128", ("q_proj",), qk_norm("q_proj", "attn.norm_q.weight")),
+        "k_norm": ("h3_qk_rmsnorm_d128", ("k_proj",), qk_norm("k_proj", "attn.norm_k.weight")),
+        "attention": ("h3_full_attention", (q, k, "v_proj"), attention),
+        "o_proj": (o, ("attention",), gemm(o, "attention", "attn.to_out.0.weight")),
+        "ffn_gate_up": (up, ("norm2",), gemm(up, "norm2", "ff.net.0.proj.weight")),
+        "swiglu": ("h3_swiglu", ("ffn_gate_up",), swiglu),
+        "ffn_down": (down, ("swiglu",), gemm(down, "swiglu", "ff.net.2.weight")),
+    }
