@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 
 from h3gate.errors import InputError
-from h3gate.graph.body_nodes import body_specs
+from h3gate.graph.body_nodes import BODY_PARAMS, body_specs
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.inventory import expected_inventory
 from h3gate.manifests.model_config import ModelConfig
@@ -60,16 +60,7 @@ BLOCK_NODES: tuple[str, ...] = (
     "residual_mlp",
 )
 BLOCK_PARAMS: tuple[str, ...] = (
-    "norm1.weight",
-    "attn.to_q.weight",
-    "attn.to_k.weight",
-    "attn.to_v.weight",
-    "attn.norm_q.weight",
-    "attn.norm_k.weight",
-    "attn.to_out.0.weight",
-    "norm2.weight",
-    "ff.net.0.proj.weight",
-    "ff.net.2.weight",
+    *BODY_PARAMS,
     "adaln_proj.linear.weight",
     "adaln_proj.linear.bias",
 )

@@ -25,6 +25,19 @@ from h3gate.graph.core import OpTable
 Inputs = Mapping[str, torch.Tensor]
 NodeFn = Callable[[OpTable, Inputs, Inputs], torch.Tensor]
 BodySpec = tuple[str, tuple[str, ...], NodeFn]  # (op, inputs, fn)
+# The body's parameters, block-relative diffusers names, in checkpoint order (both blocks start with these).
+BODY_PARAMS: tuple[str, ...] = (
+    "norm1.weight",
+    "attn.to_q.weight",
+    "attn.to_k.weight",
+    "attn.to_v.weight",
+    "attn.norm_q.weight",
+    "attn.norm_k.weight",
+    "attn.to_out.0.weight",
+    "norm2.weight",
+    "ff.net.0.proj.weight",
+    "ff.net.2.weight",
+)
 
 
 def gemm(op: str, source: str, weight: str) -> NodeFn:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from h3gate.graph.body_nodes import body_specs
+from h3gate.graph.body_nodes import BODY_PARAMS, body_specs
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.registry import spec as spec_of
@@ -47,18 +47,7 @@ REFINER_NODES: tuple[str, ...] = (
     "ffn_down",
     "residual_mlp",
 )
-REFINER_PARAMS: tuple[str, ...] = (
-    "norm1.weight",
-    "attn.to_q.weight",
-    "attn.to_k.weight",
-    "attn.to_v.weight",
-    "attn.norm_q.weight",
-    "attn.norm_k.weight",
-    "attn.to_out.0.weight",
-    "norm2.weight",
-    "ff.net.0.proj.weight",
-    "ff.net.2.weight",
-)
+REFINER_PARAMS: tuple[str, ...] = BODY_PARAMS
 
 Inputs = Mapping[str, torch.Tensor]
 

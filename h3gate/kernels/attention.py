@@ -101,22 +101,25 @@ def _exp2_code(field: str, value: str) -> int:
 
 # (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
 ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
-    # Measured winner on the H200 (docs/measurements/gemm_attention-tuning-2.json): declared ex2.approx.ftz + FMA.
+    # Measured winners on the H200 (docs/measurements/gemm_attention-tuning-2.json forward, -3-backward.json
+    # backward): declared ex2.approx.ftz + explicit FMA in the forward and in the backward's p recompute.
     (128, "bfloat16"): AttnConfig(
         kv_n=128,
         kv_m=64,
         kv_warps=8,
-        kv_stages=2,
+        kv_stages=3,
         q_m=128,
         q_n=64,
         q_warps=8,
-        q_stages=2,
+        q_stages=3,
         fwd_m=128,
         fwd_n=64,
         fwd_warps=8,
         fwd_stages=3,
         fwd_exp2="ex2ftz",
         fwd_fma=True,
+        bwd_exp2="ex2ftz",
+        bwd_fma=True,
     ),
     (128, "float32"): AttnConfig(64, 32, 4, 2, 64, 32, 4, 1, 64, 32, 4, 1),
 }

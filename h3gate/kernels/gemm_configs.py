@@ -69,7 +69,8 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     # one config per (role, N, K, dtype), chosen to maximise the worst ratio to cuBLAS over M in {264, 925, 3160,
     # 38974}; every candidate was checked row-invariant (M = 1, 7, prefix of each M) and repeat-bitwise there.
     # Where the two runs disagree, the config with the better worst-case ratio across both runs is kept (run 1 for
-    # o_proj, ffn_gate_up, ffn_down; run 2 for the skinny AdaLN/final projections and the dX/dW rows).
+    # o_proj, ffn_gate_up, ffn_down; run 2 for the skinny AdaLN/final projections). The block shapes' dX/dW rows are
+    # the winners of the backward-only run (docs/measurements/gemm_attention-tuning-3-backward.*).
     ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
     ("fwd", 5376, 7168, _BF16): GemmConfig(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
@@ -82,14 +83,14 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     ("fwd", 2688, 5376, _FP32): GemmConfig(16, 32, 128, 1, 4, 3, persistent=False, tma=False),
     ("fwd", 96, 5376, _FP32): GemmConfig(64, 64, 32, 8, 4, 3, persistent=False, tma=False),
     ("fwd", 32, 5376, _FP32): GemmConfig(64, 64, 32, 8, 4, 3, persistent=False, tma=False),
-    ("dx", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
-    ("dw", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=False, tma=False),
+    ("dx", 7168, 5376, _BF16): GemmConfig(128, 128, 64, 8, 8, 4, persistent=False, tma=False),
+    ("dw", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("dx", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
-    ("dw", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=False, tma=False),
-    ("dx", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
-    ("dw", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=False, tma=False),
+    ("dw", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    ("dx", 28672, 5376, _BF16): GemmConfig(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
+    ("dw", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("dx", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
-    ("dw", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=False, tma=False),
+    ("dw", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("dx", 96768, 2688, _BF16): GemmConfig(16, 32, 128, 1, 4, 4, persistent=False, tma=False),
     ("dw", 96768, 2688, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=False, tma=False),
     # Not in the tuning runs: skinny tilings for the rows-are-timesteps layers' dX.
