@@ -14,7 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_row_kernels_compile_for_sm90_without_fma():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.rows_aot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tests.triton_kernels.rows_aot"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(records) >= 22, proc.stderr[-2000:]

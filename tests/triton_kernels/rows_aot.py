@@ -1,4 +1,5 @@
-"""Compile every strict row kernel for sm_90 (H200) ahead of time, without a GPU: ``python -m tests.kernels.rows_aot``
+"""Compile every strict row kernel for sm_90 (H200) ahead of time, without a GPU:
+``python -m tests.triton_kernels.rows_aot``
 (must run with TRITON_INTERPRET unset, so the compiled code path - libdevice, ``cvt.rn``, no FMA - is the one built).
 
 Prints one JSON line per kernel variant: ``{"kernel", "ok", "error", "fma_free"}``. ``fma_free`` checks that no
