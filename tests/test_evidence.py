@@ -174,3 +174,21 @@ def test_check_schema_rejects_invalid_and_unresolved(tmp_path):
         schema.check_schema(bad)
     for path in sorted(SCHEMAS.glob("*.schema.json")):
         schema.check_schema(path)
+
+
+def test_git_revision_falls_back_to_the_stamp_file(tmp_path, monkeypatch) -> None:
+    from h3gate.evidence import provenance as prov
+
+    monkeypatch.setattr(prov, "_git", lambda *args: None)
+    monkeypatch.setattr(prov, "_CODE_ROOT", tmp_path)
+    prov.git_state.cache_clear()
+    try:
+        assert prov.git_state() == ("unknown", None)
+        prov.git_state.cache_clear()
+        (tmp_path / ".h3gate-revision").write_text("a" * 40 + "\n")
+        assert prov.git_state() == ("a" * 40, None)
+        prov.git_state.cache_clear()
+        (tmp_path / ".h3gate-revision").write_text("not-a-sha\n")
+        assert prov.git_state() == ("unknown", None)
+    finally:
+        prov.git_state.cache_clear()

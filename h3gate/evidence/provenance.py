@@ -45,10 +45,16 @@ def _git(*args: str) -> str | None:
 
 @cache
 def git_state() -> tuple[str, bool | None]:
-    """(revision, dirty) of the code checkout, once per process; ``("unknown", None)`` without git."""
+    """(revision, dirty) of the code checkout, once per process.
+
+    Without git (a tree copied to an offline GPU host), the revision stamped into ``.h3gate-revision`` by
+    ``tools/stamp_revision.sh`` before the copy is used, with dirty unknown (None); else ``("unknown", None)``.
+    """
     rev = _git("rev-parse", "HEAD")
     if rev is None or not rev.strip():
-        return "unknown", None
+        stamp = _CODE_ROOT / ".h3gate-revision"
+        text = stamp.read_text(encoding="utf-8").strip() if stamp.is_file() else ""
+        return (text, None) if len(text) == 40 and all(c in "0123456789abcdef" for c in text) else ("unknown", None)
     status = _git("status", "--porcelain")
     return rev.strip(), (None if status is None else bool(status.strip()))
 

@@ -166,6 +166,11 @@ def _fwd_config(h: int) -> tuple[int, int, int]:
     return block_h, block_m * ROW_SCALE, 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
 
 
+# Extra launch options of the modulated forward (scheduling only: a register cap changes occupancy, not arithmetic).
+# Set from the H200 measurement in docs/measurements/rmsnorm-modulate-probe.json.
+MODULATE_LAUNCH: dict = {}
+
+
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, shift, scale, idx, eps):
@@ -178,11 +183,12 @@ class _RmsNorm(torch.autograd.Function):
         out = torch.empty_like(x)
         rstd = torch.empty(m if save else 1, dtype=torch.float32, device=x.device)
         block_h, block_m, warps = _fwd_config(h)
+        extra = MODULATE_LAUNCH if modulate and not INTERPRET else {}
         _rms_fwd_kernel[(triton.cdiv(m, block_m),)](
             x, weight, out, rstd, shift if modulate else x, scale if modulate else x, idx if modulate else x,
             m, h, s, shift.stride(0) if modulate else 0, scale.stride(0) if modulate else 0, float(h), float(eps),
             BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
-            INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+            INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH, **extra,
         )  # fmt: skip
         ctx.save_for_backward(x, weight, rstd, scale)
         ctx.idx = idx  # the same object, so cached segment plans are found again
