@@ -1,6 +1,6 @@
 """H200 probe: modulated RMSNorm forward under register caps (occupancy only; outputs must stay bitwise equal).
 
-    PYTHONPATH=$PWD python3 tools/gpu_rmsnorm_probe.py --out $OUT/rmsnorm-modulate-probe.json
+PYTHONPATH=$PWD python3 tools/gpu_rmsnorm_probe.py --out $OUT/rmsnorm-modulate-probe.json
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ def main() -> None:
     copy_gbs = 2 * src.numel() / copy_ms / 1e6
     moved = 2 * x.numel() * 2 + h * 2 + s * 8  # x read, out written, weight, indices (table rows hit L2)
     results, base = {}, None
-    for name, opts in [("default", {}), ("maxnreg80", {"maxnreg": 80}), ("maxnreg72", {"maxnreg": 72}),
-                       ("maxnreg64", {"maxnreg": 64})]:
+    for name, opts in [
+        ("default", {}),
+        ("maxnreg80", {"maxnreg": 80}),
+        ("maxnreg72", {"maxnreg": 72}),
+        ("maxnreg64", {"maxnreg": 64}),
+    ]:
         norms.MODULATE_LAUNCH.clear()
         norms.MODULATE_LAUNCH.update(opts)
         fn = lambda: norms.rmsnorm_modulate(x, w, shift, scale, idx, 1e-5)  # noqa: E731
@@ -43,8 +47,12 @@ def main() -> None:
             torch.cuda.synchronize()
             base = out if base is None else base
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-            results[name] = {"ms": ms, "gbs": moved / ms / 1e6, "fraction_of_copy": moved / ms / 1e6 / copy_gbs,
-                             "bitwise_equal_default": bool(torch.equal(out, base))}
+            results[name] = {
+                "ms": ms,
+                "gbs": moved / ms / 1e6,
+                "fraction_of_copy": moved / ms / 1e6 / copy_gbs,
+                "bitwise_equal_default": bool(torch.equal(out, base)),
+            }
         except Exception as exc:  # noqa: BLE001 - a failing variant is recorded
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         print(name, results[name], flush=True)
