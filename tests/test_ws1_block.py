@@ -320,6 +320,30 @@ def test_checkpoint_lacking_a_block0_tensor_exits_2(run_cli, tmp_path):
     assert "transformer_blocks.0.ff.net.2.weight: missing" in err
 
 
+class _Poison(_Drop):
+    """A source whose one named tensor holds a NaN (written into the checkpoint as is)."""
+
+    def names(self):
+        return self.source.names()
+
+    def load(self, name, device="cpu", check_finite=False):
+        tensor = self.source.load(name, device)
+        if name == self.drop:
+            tensor = tensor.clone()
+            tensor.view(-1)[3] = float("nan")
+        return tensor
+
+
+def test_checkpoint_with_a_non_finite_block0_tensor_exits_2(run_cli, tmp_path):
+    source = _Poison(SyntheticSource(load_config("tiny").config, 0), "transformer_blocks.0.attn.to_k.weight")
+    write_checkpoint(source, None, tmp_path / "ckpt")
+    args = ("--device", "cpu", "--mode", "off", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "ev")
+    code, _, err = run_cli("run", "ws1-block", *args)
+    assert code == 2
+    assert err.strip() == "h3gate: error: transformer_blocks.0.attn.to_k.weight: non-finite values"
+    assert not (tmp_path / "ev").exists()
+
+
 def test_sharded_checkpoint_equals_the_synthetic_weights_it_was_written_from(run_cli, tmp_path):
     write_checkpoint(load_config("tiny").config, 0, tmp_path / "ckpt", shard_size=200_000)
     assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 1

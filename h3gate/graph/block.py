@@ -227,7 +227,7 @@ def block_params(source, layer: int = 0, device: str | torch.device = "cpu") -> 
     params: dict[str, torch.Tensor] = {}
     for key, (shape, dtype) in expected.items():
         name = f"transformer_blocks.{layer}.{key}"
-        tensor = source.load(name, device)
+        tensor = source.load(name, device, check_finite=True)
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != getattr(torch, dtype):
             raise InputError(
                 f"{origin}: {name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}, "

@@ -110,7 +110,7 @@ def timestep_embedding(source, timestep: torch.Tensor, cfg: ModelConfig, device:
     missing = [n for n in TIME_EMBEDDER if n not in have]
     if missing:
         raise InputError(f"weight source: {missing[0]}: missing (temb needs the FP32 time_embedder)")
-    w1, b1, w2, b2 = (source.load(n, device) for n in TIME_EMBEDDER)
+    w1, b1, w2, b2 = (source.load(n, device, check_finite=True) for n in TIME_EMBEDDER)
     for name, t in zip(TIME_EMBEDDER, (w1, b1, w2, b2), strict=True):
         if t.dtype != torch.float32:
             raise InputError(f"{name}: {str(t.dtype).replace('torch.', '')}, expected float32 (an FP32 module)")

@@ -457,7 +457,7 @@ def load_model_params(source, cfg: ModelConfig, device: str | torch.device = "cp
     for spec in expected_inventory(cfg):
         if spec.name not in have:
             raise InputError(f"weight source: {spec.name}: missing")
-        tensor = source.load(spec.name, device)
+        tensor = source.load(spec.name, device, check_finite=True)
         if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != getattr(torch, spec.dtype):
             raise InputError(
                 f"{spec.name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}, expected "
