@@ -70,7 +70,7 @@ class _Without:
     def names(self):
         return [n for n in self.source.names() if n != self.drop]
 
-    def load(self, name, device="cpu"):
+    def load(self, name, device="cpu", check_finite=False):
         return self.replace[name] if name in self.replace else self.source.load(name, device)
 
     def config(self):
