@@ -198,7 +198,8 @@ class CheckpointDir:
         self.path = Path(path)
         where = display(self.path)
         if not self.path.is_dir():
-            raise InputError(f"{where}: no such checkpoint folder")
+            what = "is a file, not a checkpoint folder" if self.path.exists() else "no such checkpoint folder"
+            raise InputError(f"{where}: {what}")
         cfg_file = self.path / CONFIG_NAME
         self.config_json: dict | None = None
         self._config: ModelConfig | None = None

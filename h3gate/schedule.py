@@ -50,6 +50,12 @@ def build_schedule(steps: int, shift: float) -> Schedule:
         raise InputError(f"--shift {shift}: must be a finite number > 0")
     base = torch.linspace(1.0, 0.0, steps, dtype=torch.float32)
     sigmas = torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+    finite = torch.isfinite(sigmas)
+    if not bool(finite.all()):
+        index = int((~finite).nonzero()[0, 0])
+        raise InputError(
+            f"--shift {shift}: sigma {index} of the float32 grid is not finite (the shift overflows float32)"
+        )
     return Schedule(shift=shift, steps=steps, sigmas=sigmas, timesteps=1.0 - sigmas[:-1])
 
 

@@ -204,6 +204,9 @@ def write_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{display(out)}: already exists and is not an empty folder")
     shards = plan_shards(source, shard_size)
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise InputError(f"{display(out)}: cannot create ({display(blocker)} is a file, not a folder)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -78,7 +79,10 @@ def test_provenance_fields_and_manifest_hashes(monkeypatch):
     assert p["python"] == ".".join(map(str, sys.version_info[:3]))
     assert p["time_utc"].endswith("Z")
     assert isinstance(p["allow_tf32_matmul"], bool) and isinstance(p["allow_tf32_cudnn"], bool)
-    assert p["git_revision"] == "unknown" or len(p["git_revision"]) == 40
+    if (prov._CODE_ROOT / ".git").exists():  # a checkout: the revision is the full 40-hex commit id
+        assert re.fullmatch(r"[0-9a-f]{40}", p["git_revision"]), p["git_revision"]
+    else:
+        assert p["git_revision"] == "unknown"
     assert prov.provenance()["command"] == sys.argv
 
 

@@ -57,6 +57,11 @@ def test_euler_step_is_the_data_ward_blend() -> None:
         (["--steps", "10", "--shift", "0"], "--shift 0.0: must be a finite number > 0"),
         (["--steps", "10", "--shift", "-2.5"], "--shift -2.5: must be a finite number > 0"),
         (["--steps", "10", "--shift", "inf"], "--shift inf: must be a finite number > 0"),
+        (["--steps", "10", "--shift", "nan"], "--shift nan: must be a finite number > 0"),
+        (
+            ["--steps", "10", "--shift", "1e308"],
+            "--shift 1e+308: sigma 0 of the float32 grid is not finite (the shift overflows float32)",
+        ),
         (["--steps", "10", "--save", "grid.pt"], "--save grid.pt: must end in .safetensors"),
     ],
 )

@@ -294,6 +294,30 @@ def test_bad_inputs_exit_2(run_cli, tmp_path, args, message):
     assert not (tmp_path / "ev").exists()
 
 
+def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, monkeypatch):
+    """768p at real widths on the CPU would hold tens of GiB: refused up front (exit 2), nothing written."""
+    monkeypatch.setattr(run_cmd, "available_memory_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(run_cmd, "block_params", lambda *a, **k: pytest.fail("weights loaded before the memory check"))
+    code, out, err = run_cli(
+        "run", "ws1-block", "--layout", "768p", "--config", "real", "--device", "cpu", "--mode", "off",
+        "--no-backward", "--out", tmp_path / "ev",
+    )  # fmt: skip
+    assert (code, out) == (2, "")
+    assert err == (
+        "h3gate: error: --layout 768p --config real --device cpu: needs at least 61.3 GiB (S=38974), "
+        "4.0 GiB available; use a smaller layout or --device cuda\n"
+    )
+    assert not (tmp_path / "ev").exists()
+
+
+def test_cpu_memory_lower_bound_counts_weights_and_kept_values():
+    cfg = load_config("tiny").config
+    h, nd, f = 192, 256, 384
+    assert run_cmd.cpu_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
+    kept = run_cmd.cpu_lower_bound_bytes(cfg, 264) - run_cmd.cpu_lower_bound_bytes(cfg, 0)
+    assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 12
+
+
 class _Drop:
     def __init__(self, source, drop):
         self.source, self.drop = source, drop

@@ -38,7 +38,8 @@ def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
     if path.suffix != ".safetensors":
         raise InputError(f"--save {path}: must end in .safetensors")
     if not path.parent.is_dir():
-        raise InputError(f"--save {path}: folder {path.parent} does not exist")
+        what = "is not a folder" if path.parent.exists() else "does not exist"
+        raise InputError(f"--save {path}: folder {path.parent} {what}")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

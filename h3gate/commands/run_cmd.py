@@ -73,6 +73,42 @@ def check_device(device: str) -> str:
     raise InputError(f"--device {device!r}: must be cpu or cuda")
 
 
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where the file or the field is absent)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cpu_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
+    """A lower bound on what a CPU ws1-block run holds at once (weights and activations only, no workspace).
+
+    Block weights (q/k/v/o: ``4 H (N D)``, feed-forward: ``3 H F``) in bf16 plus their float64 golden copy
+    (10 bytes each), and the forward values kept of every node for ``rows`` packed rows: six nodes ``H`` wide,
+    eight ``N D`` wide, gate-up ``2F`` and swiglu ``F``, at float64 (golden) + bf16 (provider) + bf16 (candidate).
+    """
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    weights = (4 * h * nd + 3 * h * f) * (2 + 8)
+    values = rows * (6 * h + 8 * nd + 3 * f) * (8 + 2 + 2)
+    return weights + values
+
+
+def check_cpu_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str) -> None:
+    """Refuse a CPU run whose lower-bound footprint exceeds the memory available (instead of swapping or OOM)."""
+    available = available_memory_bytes()
+    need = cpu_lower_bound_bytes(cfg, packed.seq_len)
+    if available is not None and need > available:
+        raise InputError(
+            f"--layout {layout} --config {config_name} --device cpu: needs at least {need / 2**30:.1f} GiB "
+            f"(S={packed.seq_len}), {available / 2**30:.1f} GiB available; use a smaller layout or --device cuda"
+        )
+
+
 def _config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[str, ModelConfig, object, dict, list]:
     from h3gate.checkpoint import open_checkpoint
     from h3gate.synth import SyntheticSource
@@ -112,6 +148,8 @@ def prepare_ws1_block(
     device = check_device(device)
     config_name, cfg, source, ckpt, manifests = _config_for(config, checkpoint, seed)
     packed = build_layout(load_layout(layout), layout)
+    if device == "cpu":
+        check_cpu_memory(cfg, packed, layout, config_name)
     bind_graph(build_block_graph(cfg, LAYER), mode, device)
     params = block_params(source, LAYER, device)
     inputs = build_block_inputs(packed, cfg, source, seed, device)
