@@ -237,3 +237,21 @@ def test_device_synthetic_source_keeps_names_dtypes_and_init_rules():
     assert bias.dtype == torch.float32 and float(bias.abs().max()) < 0.2
     again = device_synthetic_source(CFG_TINY, 0, "cpu").load("transformer_blocks.1.ff.net.2.weight")
     assert torch.equal(again, params["transformer_blocks.1.ff.net.2.weight"])
+
+
+def test_rows_with_the_strict_kernels_as_the_strict_arm(run_cli, tmp_path):
+    """The probes perturb the strict arm itself: every op bound to its Triton kernel (interpreted on CPU)."""
+    code, out, err = run_cli(
+        "ablate", "A0,H2,H5", "--mode", "strict", "--device", "cpu", "--out", tmp_path / "strict"
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads((tmp_path / "strict" / "ablation.json").read_text())
+    execution = doc["execution"]
+    assert execution["mode"] == "strict" and execution["provider_ops"] == []
+    assert {"h3_full_attention", "h3_qkv_gemm", "h3_rmsnorm_modulate"} <= set(execution["triton_ops"])
+    assert all(b["actual"] == "triton" and not b["fallback"] for b in execution["ops"].values())
+    by_id = {r["id"]: r for r in doc["rows"]}
+    assert by_id["A0"]["strict_sha256"] == by_id["A0"]["probe_sha256"]
+    assert by_id["H5"]["observed"]["signature"]["node"] == "block.0.rope_q"
+    assert by_id["H2"]["observed"]["signature"]["node"] == "block.0.norm1"
+    assert [r["verdict"] for r in doc["rows"]] == ["pass", "pass", "pass"]
