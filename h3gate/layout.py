@@ -20,7 +20,6 @@ The sequence is ``[text | keyframe conditions | target audio | target video]`` a
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from h3gate.errors import InputError
+from h3gate.hashing import tensor_sha256
 from h3gate.manifests.layouts import LayoutSpec
 
 PATCH = (1, 2, 2)
@@ -121,12 +121,6 @@ class PackedLayout:
     def tensor_hashes(self) -> dict[str, str]:
         """sha256 of each tensor's contiguous little-endian bytes."""
         return {key: tensor_sha256(value) for key, value in self.tensors().items()}
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's raw little-endian bytes (any dtype, bfloat16 included)."""
-    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 def _spatial_axis(size: int, patch: int, sqrt_area: np.float64) -> torch.Tensor:

@@ -68,10 +68,11 @@ def init_rule(name: str, shape: tuple[int, ...]) -> str:
     return "linear"
 
 
-def synth_tensor(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The float32 value of one synthetic tensor (before the cast to its stored dtype)."""
-    g = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, name))
-    x = torch.randn(shape, generator=g, dtype=torch.float32)
+def synth_tensor(seed: int, name: str, shape: tuple[int, ...], generator_device: str = "cpu") -> torch.Tensor:
+    """The float32 value of one synthetic tensor (before the cast to its stored dtype), drawn on
+    ``generator_device``'s own generator: values depend on that device's RNG, so only "cpu" is portable."""
+    g = torch.Generator(device=generator_device).manual_seed(tensor_seed(seed, name))
+    x = torch.randn(shape, generator=g, dtype=torch.float32, device=generator_device)
     rule = init_rule(name, shape)
     if rule == "norm":
         return x.mul_(NORM_STD).add_(1.0)
@@ -84,9 +85,12 @@ def synth_tensor(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
 class SyntheticSource:
     """Seeded weights for ``cfg`` with the inventory's names, shapes and dtypes, each generated on demand."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, precision: PrecisionMap = DEFAULT_PRECISION) -> None:
+    def __init__(
+        self, cfg: ModelConfig, seed: int, precision: PrecisionMap = DEFAULT_PRECISION, generator_device: str = "cpu"
+    ) -> None:
         self._cfg = cfg
         self.seed = int(seed)
+        self.generator_device = generator_device
         self.precision = precision
         self._specs: dict[str, TensorSpec] = {s.name: s for s in expected_inventory(cfg, precision)}
 
@@ -105,7 +109,7 @@ class SyntheticSource:
 
     def load(self, name: str, device: str | torch.device = "cpu", check_finite: bool = False) -> torch.Tensor:
         s = self.spec(name)
-        tensor = synth_tensor(self.seed, name, s.shape).to(getattr(torch, s.dtype)).to(device)
+        tensor = synth_tensor(self.seed, name, s.shape, self.generator_device).to(getattr(torch, s.dtype)).to(device)
         return ensure_finite(name, tensor) if check_finite else tensor
 
     def config(self) -> ModelConfig | None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h3gate.errors import InputError
+from h3gate.graph.block import BLOCK_NODES
 from h3gate.graph.core import run_chained
 from h3gate.graph.executions import provider_table
 from h3gate.graph.inputs import TimestepPlan
@@ -23,6 +24,7 @@ from h3gate.graph.model import (
     raw_metadata,
     stages,
 )
+from h3gate.graph.refiner import REFINER_NODES
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import load_layout
 from h3gate.manifests.model_config import load_config
@@ -52,7 +54,8 @@ def test_stages_and_node_names_follow_the_forward(model):
     per_block, per_refiner = 17, 14
     assert len(names) == 3 + per_refiner * CFG.num_refiner_layers + 1 + 1 + 4 + per_block * CFG.num_layers + 2 + 4
     assert names[:3] == ["embed.video", "embed.audio", "embed.text"]
-    assert names[3] == "refiner.0.norm1" and "refiner.final_norm" in names
+    assert names[3 : 3 + per_refiner] == [f"refiner.0.{n}" for n in REFINER_NODES] and "refiner.final_norm" in names
+    assert names[names.index("block.0.adaln_projection") :][:per_block] == [f"block.0.{n}" for n in BLOCK_NODES]
     assert names.index("embed.pack") < names.index("time.sinusoid") < names.index("block.0.adaln_projection")
     assert names[-4:] == ["heads.video_proj", "heads.video_select", "heads.audio_proj", "heads.audio_select"]
     assert stages(graph) == ["embed", "refiner.0", "refiner", "time", "block.0", "block.1", "final", "heads"]

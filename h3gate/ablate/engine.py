@@ -357,27 +357,12 @@ def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
 
 
 def device_synthetic_source(cfg: ModelConfig, seed: int, device: str):
-    """Synthetic weights drawn with ``device``'s own generator (same names, shapes, dtypes and init rules as
-    :class:`h3gate.synth.SyntheticSource`; the values differ from the CPU-seeded ones). A real-size model is drawn in
-    seconds on a GPU instead of minutes on a CPU; both arms of every row read the same tensors."""
-    from math import sqrt
+    """Synthetic weights drawn with ``device``'s own generator (same names, shapes, dtypes and init rules as the
+    CPU-seeded :class:`h3gate.synth.SyntheticSource`; the values differ). A real-size model is drawn in seconds on a
+    GPU instead of minutes on a CPU; both arms of every row read the same tensors."""
+    from h3gate.synth import SyntheticSource
 
-    from h3gate.synth import BIAS_STD, MOD_GAIN, NORM_STD, SyntheticSource, init_rule, tensor_seed
-
-    class DeviceSynthetic(SyntheticSource):
-        def load(self, name, target=None, check_finite=False):
-            spec = self.spec(name)
-            g = torch.Generator(device=device).manual_seed(tensor_seed(self.seed, name))
-            x = torch.randn(spec.shape, generator=g, dtype=torch.float32, device=device)
-            rule = init_rule(name, spec.shape)
-            if rule == "norm":
-                x = x.mul_(NORM_STD).add_(1.0)
-            else:
-                gain = MOD_GAIN if rule == "modulation" else 1.0
-                x = x.mul_(BIAS_STD if rule == "bias" else gain / sqrt(spec.shape[-1]))
-            return x.to(getattr(torch, spec.dtype)).to(target or device)
-
-    return DeviceSynthetic(cfg, seed)
+    return SyntheticSource(cfg, seed, generator_device=device)
 
 
 def build_context(

@@ -1,6 +1,5 @@
-"""CUDA-event timing: one call, interleaved side-by-side medians, and the device's measured copy bandwidth.
+"""CUDA-event timing: interleaved side-by-side medians, and the device's measured copy bandwidth.
 
-* :func:`cuda_ms` - one call bracketed by CUDA events, then a device synchronisation; milliseconds.
 * :func:`side_by_side` - several callables timed in one run: after ``warmup`` untimed rounds, ``iters`` rounds
   each call every callable once in turn (interleaved, so clock and thermal drift hit all alike), each timed call
   preceded by zeroing a 256 MiB buffer (the H200's L2 is 50 MiB), so inputs never sit in L2 - no input rotation
@@ -17,16 +16,6 @@ import torch
 
 FLUSH_BYTES = 256 << 20
 COPY_BYTES = 1 << 30
-
-
-def cuda_ms(fn: Callable[[], object]) -> float:
-    """Milliseconds of one call, from CUDA events around it (synchronised)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end))
 
 
 def side_by_side(fns: Mapping[str, Callable[[], object]], iters: int = 50, warmup: int = 5) -> dict[str, dict]:

@@ -9,11 +9,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 
 import torch
+
+from h3gate.hashing import tensor_sha256  # noqa: F401  (re-exported: reports hash through the gate)
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -24,12 +25,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
     return t.contiguous().view(_INT_VIEW[t.element_size()])
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of the tensor's contiguous little-endian bytes (row-major), independent of device."""
-    data = t.detach().contiguous().cpu().reshape(-1)
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

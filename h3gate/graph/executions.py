@@ -26,9 +26,6 @@ def provider_table(overrides: Mapping[str, Callable] | None = None) -> OpTable:
     return OpTable(registry.reference, overrides)
 
 
-golden_table = provider_table
-
-
 @dataclass(frozen=True)
 class NodeBinding:
     """Every op binding of one node, summarised the way evidence reports a node."""

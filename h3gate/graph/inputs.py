@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops import reference
 from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT, build_schedule
+from h3gate.synth import tensor_seed
 
 KEYFRAME_NOISE_AUG = 0.999
 AUDIO_REFERENCE_T = 1.0
@@ -37,8 +37,7 @@ TIME_EMBEDDER = (
 
 def seeded_normal(seed: int, tag: str, shape: tuple[int, ...]) -> torch.Tensor:
     """float32 ``N(0, 1)`` on the CPU from 63 bits of ``sha256(f"{seed}:{tag}")`` (device-independent values)."""
-    k = int.from_bytes(hashlib.sha256(f"{seed}:{tag}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-    g = torch.Generator(device="cpu").manual_seed(k)
+    g = torch.Generator(device="cpu").manual_seed(tensor_seed(seed, tag))
     return torch.randn(shape, generator=g, dtype=torch.float32)
 
 
