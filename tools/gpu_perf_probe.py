@@ -55,6 +55,23 @@ CANDIDATES = [
     C(64, 64, 64, 8, 4, 6, persistent=False),
     C(64, 128, 64, 1, 4, 4, persistent=True, tma=True),
 ]
+# Round 2 (after round 1 found every tile shape bitwise equal to production): tile-order groups (GROUP_M up to the
+# whole M so the weight streams from DRAM once) and deeper pipelines for the small-M tiles.
+ROUND2 = [
+    C(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    C(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    C(128, 256, 64, 32, 8, 3, persistent=True, tma=True),
+    C(128, 256, 64, 64, 8, 3, persistent=True, tma=True),
+    C(128, 256, 64, 32, 8, 3, persistent=True),
+    C(128, 256, 64, 32, 8, 3, persistent=False, tma=True),
+    C(128, 128, 64, 32, 8, 4, persistent=True, tma=True),
+    C(128, 128, 64, 32, 8, 5, persistent=True, tma=True),
+    C(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
+    C(64, 256, 64, 8, 4, 5, persistent=False, tma=True),
+    C(64, 256, 64, 8, 4, 3, persistent=True, tma=True),
+    C(64, 256, 64, 1, 4, 4, persistent=False, tma=True),
+    C(64, 128, 64, 8, 4, 6, persistent=False, tma=True),
+]
 
 
 def bench(fn) -> float:
@@ -65,7 +82,7 @@ def err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
 
 
-def gemm_section(deadline: float) -> dict:
+def gemm_section(deadline: float, candidates: list[GemmConfig]) -> dict:
     out: dict = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (k, n) in SHAPES.items():
@@ -79,7 +96,7 @@ def gemm_section(deadline: float) -> dict:
             cublas_ms = bench(lambda x=x, w=w: F.linear(x, w))
             cub = F.linear(x, w)
             rec = {"cublas_ms": cublas_ms, "production_bitwise_cublas": bool(torch.equal(ref, cub)), "cands": {}}
-            for cfg in CANDIDATES:
+            for cfg in candidates:
                 if time.time() > deadline:
                     rec["cands"][cfg.tag] = {"skipped": "deadline"}
                     continue
@@ -254,6 +271,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
+    ap.add_argument("--round", type=int, default=1, help="GEMM candidate list: 1 (tile shapes) or 2 (orders)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     body: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
@@ -261,7 +279,7 @@ def main() -> None:
         t0 = time.time()
         try:
             if sec == "gemm":
-                body[sec] = gemm_section(time.time() + args.gemm_seconds)
+                body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND2 if args.round == 2 else CANDIDATES)
             elif sec == "norm":
                 body[sec] = norm_section()
             elif sec == "launch":
