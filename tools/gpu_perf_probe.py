@@ -266,6 +266,57 @@ def launch_section() -> dict:
     return res
 
 
+SKINNY = {  # name: (N, K, dtype, Ms, candidates) - layers outside the block (no issue target), timed cold (L2 flushed)
+    "final_adaln_projection": (10752, 2688, torch.bfloat16, (1, 3), [
+        C(16, 128, 128, 1, 4, 4), C(16, 64, 128, 1, 4, 4), C(16, 32, 128, 1, 4, 4), C(16, 64, 128, 1, 4, 6),
+        C(16, 32, 128, 1, 2, 4), C(16, 16, 128, 1, 1, 4)]),
+    "adaln_projection_3mod": (96768, 2688, torch.bfloat16, (3,), [C(16, 64, 128, 1, 4, 4), C(16, 128, 128, 1, 4, 4)]),
+    "video_output_projection_fp32": (96, 5376, torch.float32, (3160, 38974), [
+        C(64, 64, 32, 8, 4, 3), C(16, 64, 32, 8, 4, 3), C(32, 32, 32, 8, 4, 3), C(16, 32, 32, 8, 2, 3),
+        C(32, 128, 32, 8, 4, 3), C(16, 128, 64, 8, 4, 3)]),
+    "audio_output_projection_fp32": (32, 5376, torch.float32, (3160, 38974), [
+        C(64, 64, 32, 8, 4, 3), C(16, 32, 32, 8, 2, 3), C(32, 32, 32, 8, 4, 3), C(16, 32, 64, 8, 4, 3)]),
+    "video_input_projection_fp32": (5376, 96, torch.float32, (3160, 38974), [
+        C(128, 128, 32, 8, 8, 2), C(64, 128, 32, 8, 4, 2), C(64, 64, 32, 8, 4, 2), C(128, 64, 32, 8, 4, 2),
+        C(32, 128, 32, 8, 4, 2)]),
+}  # fmt: skip
+
+
+def skinny_section() -> dict:
+    """Non-block projections: candidate tilings vs F.linear (bias), interleaved, L2 flushed; bytes vs production."""
+    from h3gate.bench.timing import side_by_side
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict = {}
+    for name, (n, k, dt, ms, cands) in SKINNY.items():
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(dt)
+        b = (0.1 * torch.randn(n, device="cuda", generator=g)).to(dt)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", generator=g).to(dt)
+            prod = gemm_config("fwd", n, k, dt, m)
+            ref = torch.empty(m, n, dtype=dt, device="cuda")
+            matmul(x, w, ref, b, prod, a_trans=False, b_trans=True)
+            fns = {"cublas": lambda x=x, w=w, b=b: F.linear(x, w, b)}
+            rec: dict = {"production": prod.tag, "cands": {}}
+            for cfg in cands:
+                y = torch.empty(m, n, dtype=dt, device="cuda")
+                try:
+                    matmul(x, w, y, b, cfg, a_trans=False, b_trans=True)
+                    torch.cuda.synchronize()
+                    rec["cands"][cfg.tag] = {"bitwise_production": bool(torch.equal(y, ref))}
+                    fns[cfg.tag] = lambda x=x, w=w, b=b, y=y, cfg=cfg: matmul(x, w, y, b, cfg, a_trans=False,
+                                                                             b_trans=True)  # fmt: skip
+                except Exception as exc:  # noqa: BLE001
+                    rec["cands"][cfg.tag] = {"error": err(exc)}
+            tm = side_by_side(fns, iters=30)
+            rec["cublas_ms"] = tm.pop("cublas")["median_ms"]
+            for tag, t in tm.items():
+                rec["cands"][tag].update(ms=t["median_ms"], ratio_to_cublas=rec["cublas_ms"] / t["median_ms"])
+            out[f"{name}@M{m}"] = rec
+            print(name, m, json.dumps(rec)[:600], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
@@ -282,6 +333,8 @@ def main() -> None:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND2 if args.round == 2 else CANDIDATES)
             elif sec == "norm":
                 body[sec] = norm_section()
+            elif sec == "skinny":
+                body[sec] = skinny_section()
             elif sec == "launch":
                 body[sec] = launch_section()
         except Exception:  # noqa: BLE001

@@ -9,10 +9,12 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
 * reduction order - one program owns one (BLOCK_M x BLOCK_N) output tile and walks the reduction dimension in
   ascending BLOCK_K chunks, ``acc = dot(a_chunk, b_chunk, acc)``; inside a chunk the order is the MMA's / FMA dot's
   fixed order for that block shape. No split-K, no Stream-K, no atomics; a masked K tail contributes exact zeros.
-* row invariance - the tiling comes from :func:`h3gate.kernels.gemm_configs.gemm_config` ``(role, N, K, dtype)``,
-  never from M, and M is never a compile-time constant (``do_not_specialize``): every M runs the same arithmetic
-  (Triton still specialises on pointer alignment, which changes load vectorisation, never the maths), so row r's
-  bytes do not depend on M, on its position, or on the other rows (they only share a program, never a sum).
+* row invariance - the K tiling (BLOCK_K, ascending) comes from :func:`h3gate.kernels.gemm_configs.gemm_config`
+  ``(role, N, K, dtype)``, never from M, and M is never a compile-time constant (``do_not_specialize``); the forward
+  of the block's layers picks its tile *shape/order* from an M bucket (``M < SMALL_M``), which leaves each element's
+  K walk unchanged (declared and measured in ``gemm_configs``). Triton still specialises on pointer alignment, which
+  changes load vectorisation, never the maths. So row r's bytes do not depend on M, on its position, or on the other
+  rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
   (``out = cast(acc + float(b))``; the bf16 rounding is round-to-nearest-even).
 * backward - ``dX = dY @ W`` (reduction over N, ascending chunks, same row invariance), ``dW = dY^T @ X``
@@ -314,7 +316,7 @@ class _Linear(torch.autograd.Function):
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-        matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype), a_trans=False, b_trans=True)
+        matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype, x2.shape[0]), a_trans=False, b_trans=True)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.op = op

@@ -1,4 +1,4 @@
-"""Tile configurations of the strict GEMM, keyed by ``(role, N, K, dtype)`` and NEVER by M.
+"""Tile configurations of the strict GEMM: the K tiling keyed by ``(role, N, K, dtype)`` alone, never by M.
 
 ``N`` and ``K`` are always the *forward* layer's ``out_features`` and ``in_features`` (the nn.Linear weight is
 (N, K)); ``role`` says which product of that layer runs:
@@ -7,12 +7,21 @@
 * ``dx``  - ``dX (M, K) = dY (M, N) @ W``, reduction over N;
 * ``dw``  - ``dW (N, K) = dY^T @ X``, reduction over the M rows.
 
-Why a row's bytes do not depend on M: the config (BLOCK_M/N/K, warps, stages, variant) is a function of
-``(role, N, K, dtype)`` alone and M is never a compile-time constant (``do_not_specialize``), so every M runs the
-same instruction sequence on a row (pointer-alignment specialisation only changes load vectorisation); the
-reduction dimension is walked in ascending BLOCK_K chunks by one program, and M only decides how many row tiles
-are launched and which rows are masked. Which program (or persistent iteration)
+Why a row's bytes do not depend on M: the reduction is walked in ascending BLOCK_K chunks by one program, and
+BLOCK_K is a function of ``(role, N, K, dtype)`` alone; M is never a compile-time constant (``do_not_specialize``),
+so it only decides how many tiles are launched and which rows are masked. Which program (or persistent iteration)
 computes a tile is launch geometry, not arithmetic.
+
+One more knob is M-dependent, declared here: for the forward of a layer in ``SMALL_M_TABLE``, a call with
+``M < SMALL_M`` takes that table's tile *shape and order* (BLOCK_M/N, GROUP_M, warps, stages, variant) instead of the
+large-M one. The two entries of a layer share BLOCK_K (checked at import), so the K chunking and its order are the
+same for every M; what changes is how many output rows/columns one program owns and the MMA instruction's M/N
+extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K] . b[k0:k0+BLOCK_K, n]`` over
+ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape probed
+(``docs/measurements/perf-probe-{1,2}.json``: 15 + 13 tilings, BLOCK_M 64..256, BLOCK_N 64..256, pointer/TMA,
+persistent or not) gave bytes identical to the production tiling at M = 264, 3160 and 38974 for the block's four
+shapes (and the production tiling's bytes equal cuBLAS's there); the ws1-ops batch/mutation probes and the
+ws1-block batch-row probe cross the bucket boundary on every run (M = 264 alone vs inside larger batches).
 
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
 dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
@@ -71,10 +80,12 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     # Where the two runs disagree, the config with the better worst-case ratio across both runs is kept (run 1 for
     # o_proj, ffn_gate_up, ffn_down; run 2 for the skinny AdaLN/final projections). The block shapes' dX/dW rows are
     # the winners of the backward-only run (docs/measurements/gemm_attention-tuning-3-backward.*).
-    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
-    ("fwd", 5376, 7168, _BF16): GemmConfig(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
-    ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
-    ("fwd", 5376, 14336, _BF16): GemmConfig(128, 128, 64, 8, 8, 4, persistent=True, tma=True),
+    # The block's four forward shapes at M >= SMALL_M: re-picked from the M = 3160 / 38974 columns of
+    # docs/measurements/perf-probe-{1,2}.json (same-run ratios to cuBLAS; GROUP_M by the better of the two runs).
+    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    ("fwd", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 32, 8, 3, persistent=True, tma=True),
+    ("fwd", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
     ("fwd", 96768, 2688, _BF16): GemmConfig(16, 64, 128, 1, 4, 4, persistent=False, tma=False),
     ("fwd", 10752, 2688, _BF16): GemmConfig(16, 128, 128, 1, 4, 4, persistent=False, tma=False),
     ("fwd", 5376, 96, _FP32): GemmConfig(128, 128, 32, 8, 8, 2, persistent=False, tma=False),
@@ -100,6 +111,31 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
 }
 
 
+# Forward rows below SMALL_M (the tiny layout's 264 packed rows; few row tiles, so wave quantisation rules) take
+# these tile shapes/orders - same BLOCK_K as the layer's TABLE entry. Winners of the M = 264 column of
+# docs/measurements/perf-probe-{1,2}.json.
+SMALL_M = 1024
+SMALL_M_TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
+    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
+    ("fwd", 5376, 7168, _BF16): GemmConfig(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
+    ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    ("fwd", 5376, 14336, _BF16): GemmConfig(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
+}
+
+
+def _check_small_m_table() -> None:
+    """Every small-M entry must keep its layer's K tiling (the only M-independent part that shapes arithmetic)."""
+    for key, small in SMALL_M_TABLE.items():
+        large = TABLE.get(key)
+        if large is None or large.block_k != small.block_k:
+            raise AssertionError(
+                f"gemm_configs.SMALL_M_TABLE{key}: BLOCK_K must equal TABLE's (K tiling fixed for every M)"
+            )
+
+
+_check_small_m_table()
+
+
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
     p = lo
     while p < n and p < hi:
@@ -120,12 +156,16 @@ def _tma_ok(role: str, n: int, k: int, dtype: torch.dtype) -> bool:
     return (n * size) % 16 == 0 and (k * size) % 16 == 0
 
 
-def gemm_config(role: str, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """The config for ``role`` of the layer with weight (N, K) at ``dtype``. Never depends on M."""
+def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = None) -> GemmConfig:
+    """The config for ``role`` of the layer with weight (N, K) at ``dtype`` with ``m`` output rows.
+
+    BLOCK_K never depends on ``m``; ``m < SMALL_M`` only selects the tile shape/order of ``SMALL_M_TABLE``."""
     if role not in ROLES:
         raise ValueError(f"gemm role {role!r}: expected one of {ROLES}")
     name = str(dtype).replace("torch.", "")
-    cfg = TABLE.get((role, n, k, name)) or default_config(role, n, k, dtype)
+    key = (role, n, k, name)
+    small = SMALL_M_TABLE.get(key) if m is not None and m < SMALL_M else None
+    cfg = small or TABLE.get(key) or default_config(role, n, k, dtype)
     if cfg.tma and not _tma_ok(role, n, k, dtype):
         cfg = replace(cfg, tma=False)
     return cfg

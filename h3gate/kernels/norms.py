@@ -3,15 +3,19 @@
 
 Forward, per row (one row never reads another; rows per program fixed by H alone, never by the row count):
 
-* ``ss = sum(x_f32 * x_f32)`` - float32, one ``tl.sum`` tree over the row's ``BLOCK_H`` lanes (fixed for a given
-  H, identical for every row and every row count);
+* ``ss = sum(x_f32 * x_f32)`` - float32. Rows up to ``CHUNK_H = 2048`` wide: one ``tl.sum`` tree over the row's
+  ``BLOCK_H = next_pow2(H)`` lanes. Wider rows (H = 5376): the row is cut into ``ceil(H / 2048)`` column chunks;
+  lane ``l`` accumulates ``x[c * 2048 + l]^2`` over chunks ``c = 0, 1, ...`` in ascending order (masked lanes add
+  exact zeros), then one ``tl.sum`` tree (4 warps) combines the 2048 lane sums. Both fixed by H and the backend,
+  identical for every row and every row count;
 * ``rstd = 1 / sqrt_rn(ss / H + eps)`` - IEEE division and square root;
 * ``n = round(x_f32 * rstd * w_f32)`` (one rounding, the torch>=2.9 ``_fused_rms_norm`` composite) or, when the
   provider rounds before the weight (``ROUND_FIRST``), ``round(round(x_f32 * rstd) * w)``. The rule is measured,
   not assumed: :func:`provider_rounds_first` runs the device's ``F.rms_norm`` on an exact-sum probe once per process
   and picks the order that reproduces it;
 * modulation at the provider's dtype, rounding after each op: ``round(round(n * round(1 + scale[row])) + shift[row])``
-  with ``row = idx[s]`` read straight from the (row-strided) table.
+  with ``row = idx[s]`` read straight from the (row-strided) table. Wide rows apply this in a second pass over the
+  same chunks (x re-read; it is still in L2).
 
 Not provider-bitwise in general: the provider's sum of squares is torch's own reduction (CPU cascade sum, CUDA
 reduce kernel) whose order differs; with exact-sum inputs (where order cannot matter) every rounding point matches.
@@ -49,6 +53,7 @@ from h3gate.kernels.common import (
 from h3gate.kernels.gather import sum_rows, table_grad
 
 BWD_ROWS = 32
+CHUNK_H = 2048  # forward column chunk of rows wider than this
 HEAD_DIM = 128
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -64,31 +69,57 @@ def _normed(xhat, w, DT: tl.constexpr, ROUND_FIRST: tl.constexpr, INTERP: tl.con
 @triton.jit
 def _rms_fwd_kernel(
     x_ptr, w_ptr, out_ptr, rstd_ptr, shift_ptr, scale_ptr, idx_ptr, M, H, S, shift_rs, scale_rs, h_f, eps,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODULATE: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    SAVE_RSTD: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, NCH: tl.constexpr, MODULATE: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, SAVE_RSTD: tl.constexpr, INTERP: tl.constexpr,
 ):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
     rm = rows < M
-    cm = cols < H
-    m = rm[:, None] & cm[None, :]
-    offs = rows[:, None] * H + cols[None, :]
-    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
-    if MODULATE:
-        # Issued before the reduction (they do not depend on it) so the index -> table-row load chain overlaps the
-        # x load instead of following the reduction's barriers; only the issue order changes, not the arithmetic.
-        j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
-        sc_raw = tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0)
-        sh_raw = tl.load(shift_ptr + j[:, None] * shift_rs + cols[None, :], mask=m, other=0.0)
-    w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)
-    ss = tl.sum(x * x, axis=1)
-    rstd = tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
-    n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
-    if MODULATE:
-        n = exact.rnd(n * exact.rnd(1.0 + exact.f32(sc_raw, INTERP), DT, INTERP), DT, INTERP)
-        n = exact.rnd(n + exact.f32(sh_raw, INTERP), DT, INTERP)
-    tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
+    if NCH == 1:  # the whole row in one register tile
+        cm = cols < H
+        m = rm[:, None] & cm[None, :]
+        offs = rows[:, None] * H + cols[None, :]
+        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+        if MODULATE:
+            # Issued before the reduction (they do not depend on it) so the index -> table-row load chain overlaps
+            # the x load instead of following the reduction's barriers; only the issue order changes.
+            j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
+            sc_raw = tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0)
+            sh_raw = tl.load(shift_ptr + j[:, None] * shift_rs + cols[None, :], mask=m, other=0.0)
+        w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)
+        ss = tl.sum(x * x, axis=1)
+        rstd = tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
+        n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
+        if MODULATE:
+            n = exact.rnd(n * exact.rnd(1.0 + exact.f32(sc_raw, INTERP), DT, INTERP), DT, INTERP)
+            n = exact.rnd(n + exact.f32(sh_raw, INTERP), DT, INTERP)
+        tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
+    else:  # wide rows: NCH column chunks of BLOCK_H, two passes (the second re-reads x, an L2 hit)
+        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        for c in tl.static_range(NCH):
+            cc = c * BLOCK_H + cols
+            m = rm[:, None] & (cc < H)[None, :]
+            x = exact.f32(tl.load(x_ptr + rows[:, None] * H + cc[None, :], mask=m, other=0.0), INTERP)
+            acc = acc + x * x
+        ss = tl.sum(acc, axis=1)
+        rstd = tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
+        if MODULATE:
+            j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
+        for c in tl.static_range(NCH):
+            cc = c * BLOCK_H + cols
+            cm = cc < H
+            m = rm[:, None] & cm[None, :]
+            offs = rows[:, None] * H + cc[None, :]
+            x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+            w = exact.f32(tl.load(w_ptr + cc, mask=cm, other=0.0), INTERP)
+            n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
+            if MODULATE:
+                sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cc[None, :], mask=m, other=0.0), INTERP)
+                sh = exact.f32(tl.load(shift_ptr + j[:, None] * shift_rs + cc[None, :], mask=m, other=0.0), INTERP)
+                n = exact.rnd(n * exact.rnd(1.0 + sc, DT, INTERP), DT, INTERP)
+                n = exact.rnd(n + sh, DT, INTERP)
+            tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
     if SAVE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=rm)
 
@@ -159,17 +190,25 @@ def rounding_rule(device: torch.device) -> str:
     return "round(x*rstd) then *w" if provider_rounds_first(device) else "round(x*rstd*w) once"
 
 
-def _fwd_config(h: int) -> tuple[int, int, int]:
+def _bwd_config(h: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_M, warps) of the backward: the whole row in one register tile."""
     block_h = next_pow2(h)
     block_m = max(1, min(16, 2048 // block_h))
     tile = block_m * block_h
     return block_h, block_m * ROW_SCALE, 4 if tile <= 2048 else (8 if tile <= 8192 else 16)
 
 
-# Extra launch options of the modulated forward (scheduling only: a register cap changes occupancy, not arithmetic),
-# probed by tools/gpu_rmsnorm_probe.py. Measured on the H200 (docs/measurements/rmsnorm-modulate-probe.json): caps of
-# 80 / 72 / 64 registers spill and run 1.5x / 2.0x / 3.3x slower than none, with bitwise-equal outputs; left empty.
-MODULATE_LAUNCH: dict = {}
+def _fwd_config(h: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_M, chunks, warps) of the forward, a function of H (and the backend) alone.
+
+    Rows up to CHUNK_H wide: as the backward (one register tile per row). Wider rows: CHUNK_H-wide chunks, one row
+    per program at 4 warps. The whole-row tile (next_pow2(5376) = 8192 lanes, ~94 registers per thread) held the
+    modulated norm to 2 blocks per SM and 57% of copy bandwidth at 768p; the chunked form measured 91%
+    (docs/measurements/perf-probe-1.json, ``chunk2048_w4``)."""
+    if next_pow2(h) <= CHUNK_H:
+        block_h, block_m, warps = _bwd_config(h)
+        return block_h, block_m, 1, warps
+    return CHUNK_H, ROW_SCALE, triton.cdiv(h, CHUNK_H), 4
 
 
 class _RmsNorm(torch.autograd.Function):
@@ -183,13 +222,12 @@ class _RmsNorm(torch.autograd.Function):
         save = any(ctx.needs_input_grad[:4])
         out = torch.empty_like(x)
         rstd = torch.empty(m if save else 1, dtype=torch.float32, device=x.device)
-        block_h, block_m, warps = _fwd_config(h)
-        extra = MODULATE_LAUNCH if modulate and not INTERPRET else {}
+        block_h, block_m, nch, warps = _fwd_config(h)
         _rms_fwd_kernel[(triton.cdiv(m, block_m),)](
             x, weight, out, rstd, shift if modulate else x, scale if modulate else x, idx if modulate else x,
             m, h, s, shift.stride(0) if modulate else 0, scale.stride(0) if modulate else 0, float(h), float(eps),
-            BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
-            INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH, **extra,
+            BLOCK_M=block_m, BLOCK_H=block_h, NCH=nch, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
+            INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
         )  # fmt: skip
         ctx.save_for_backward(x, weight, rstd, scale)
         ctx.idx = idx  # the same object, so cached segment plans are found again
@@ -208,7 +246,7 @@ class _RmsNorm(torch.autograd.Function):
         need_n = modulate and ctx.needs_input_grad[3]
         dx = torch.empty_like(x)
         n = torch.empty_like(x) if need_n else dx
-        block_h, block_m, warps = _fwd_config(h)
+        block_h, block_m, warps = _bwd_config(h)
         rows = max(BWD_ROWS, block_m)
         progs = triton.cdiv(m, rows)
         dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)

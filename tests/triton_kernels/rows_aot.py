@@ -49,8 +49,10 @@ def variants():
     yield "segment.reduce", g._segment_reduce_kernel, dict(part_ptr=F, seg_cstart_ptr=I64, out_ptr=B, H="i32",
           max_chunks="i32", part_bs="i32", out_bs="i32", out_rs="i32"), dict(BLOCK_H=128), False  # fmt: skip
     for mod, rf in ((True, False), (False, True)):
-        yield f"rms.fwd.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=1, BLOCK_H=8192, MODULATE=mod,
+        yield f"rms.fwd.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=16, BLOCK_H=128, NCH=1, MODULATE=mod,
               ROUND_FIRST=rf, SAVE_RSTD=True), False  # fmt: skip
+        yield f"rms.fwd.chunked.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=1, BLOCK_H=2048, NCH=3,
+              MODULATE=mod, ROUND_FIRST=rf, SAVE_RSTD=True), False  # fmt: skip
         yield f"rms.bwd.mod{mod:d}", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=16, BLOCK_H=128, MODULATE=mod,
               ROUND_FIRST=rf, NEED_N=mod), False  # fmt: skip
     ts = dict(t_ptr=F, out_ptr=F, half="i32", half_f=PF, neg_log=PF)

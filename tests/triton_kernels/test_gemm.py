@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from h3gate.errors import InputError
-from h3gate.kernels import gemm
+from h3gate.kernels import gemm, gemm_configs
 from h3gate.kernels.gemm_configs import BF16_SKINNY, GemmConfig, gemm_config
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import registry
@@ -136,7 +136,8 @@ def test_dbias_is_the_fixed_order_column_sum() -> None:
 
 
 def test_config_is_chosen_without_m(monkeypatch) -> None:
-    """Forward, dX and dW run with one config per role whatever M is (calls come as fwd, dx, dw per M)."""
+    """Forward, dX and dW run with one config per role whatever M is (calls come as fwd, dx, dw per M) for a layer
+    without a small-M entry."""
     seen: list[GemmConfig] = []
     real = gemm.matmul
 
@@ -153,6 +154,37 @@ def test_config_is_chosen_without_m(monkeypatch) -> None:
         assert seen[j::3] == [gemm_config(role, 96, 130, BF16)] * 3, role
     # The AdaLN projection keeps a GEMV-style tiling (one 16-row tile covers the timesteps; N/K/warps are tuned).
     assert gemm_config("fwd", 96768, 2688, BF16).block_m == BF16_SKINNY.block_m
+
+
+def test_small_m_bucket_changes_tile_shape_never_k_tiling_nor_bytes(monkeypatch) -> None:
+    """A layer with a SMALL_M_TABLE entry takes it below SMALL_M only; both share BLOCK_K; a row's bytes are the
+    same whichever bucket its call fell in (interpreter here; the H200 probe and ws1-ops check the compiled MMA)."""
+    large = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
+    small = GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, persistent=True)
+    key = ("fwd", 96, 130, "bfloat16")
+    monkeypatch.setitem(gemm_configs.TABLE, key, large)
+    monkeypatch.setitem(gemm_configs.SMALL_M_TABLE, key, small)
+    monkeypatch.setattr(gemm_configs, "SMALL_M", 8)
+    assert gemm_config("fwd", 96, 130, BF16, 7) == small
+    assert gemm_config("fwd", 96, 130, BF16, 8) == large and gemm_config("fwd", 96, 130, BF16) == large
+    assert gemm_config("dx", 96, 130, BF16, 7) == gemm_config("dx", 96, 130, BF16)  # buckets are forward-only
+    x, w, b = make(37, 130, 96, BF16)
+    y_large = gemm.linear(x, w, b)
+    y_small = gemm.linear(x[:5], w, b)
+    assert torch.equal(y_small, y_large[:5])
+    # The table check refuses a small-M entry that would change the K tiling.
+    monkeypatch.setitem(gemm_configs.SMALL_M_TABLE, key, GemmConfig(16, 64, 64))
+    with pytest.raises(AssertionError, match="BLOCK_K must equal"):
+        gemm_configs._check_small_m_table()
+
+
+def test_shipped_small_m_entries_keep_the_k_tiling() -> None:
+    assert gemm_configs.SMALL_M_TABLE, "the block's forward GEMMs have small-M tilings"
+    for key, cfg in gemm_configs.SMALL_M_TABLE.items():
+        role, n, k, _ = key
+        assert cfg.block_k == gemm_configs.TABLE[key].block_k, key
+        assert gemm_config(role, n, k, BF16, gemm_configs.SMALL_M - 1) == cfg
+        assert gemm_config(role, n, k, BF16, gemm_configs.SMALL_M) == gemm_configs.TABLE[key]
 
 
 def test_skinny_adaln_tiling_small_m() -> None:

@@ -111,3 +111,96 @@ def test_invalid_inputs():
         E.conditioning_noise_mix(s, torch.rand(3), s)
     with pytest.raises(InputError, match=r"^conditioning_noise_mix: t: on meta, expected cpu \(mixed devices\)$"):
         E.conditioning_noise_mix(s, torch.empty(2, device="meta"), s)
+
+
+def _mix_ts(dtype):
+    g = torch.Generator().manual_seed(5)
+    return (
+        0.3,
+        1,
+        torch.rand(3, generator=g),  # float32 (B,): a cast for bf16 samples, passed as is for fp32
+        torch.rand(3, generator=g).to(dtype),  # (B,) at the sample dtype: no copy
+        torch.rand(3, 1, 1, generator=g).to(dtype),  # broadcasting (B, 1, 1): no copy
+        torch.rand(3, 5, 1, generator=g).to(dtype),  # (B, S, 1): no copy
+        torch.rand(1, 5, generator=g).to(dtype),  # broadcasts over B: expanded copy
+        torch.rand(3, 1, 1, generator=g, dtype=torch.float64),  # float64: cast (RNE) first
+        torch.rand(3, 5, 9, generator=g).to(dtype)[:, :, ::2].contiguous()[..., :1],  # non-contiguous (B, S, 1)
+    )
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_noise_mix_fast_path_is_bitwise_the_autograd_path(dtype, monkeypatch):
+    s, n = randn((3, 5, 9), dtype), randn((3, 5, 9), dtype, 1)
+    taken = []
+    apply = E._NoiseMix.apply
+    monkeypatch.setattr(E._NoiseMix, "apply", lambda *a: taken.append(1) or apply(*a))
+    for t in _mix_ts(dtype):
+        ref = R.conditioning_noise_mix(s, t, n)
+        with torch.no_grad():
+            fast = E.conditioning_noise_mix(s, t, n)
+        plain = E.conditioning_noise_mix(s, t, n)  # grad mode on, nothing requires grad: also the direct launch
+        assert not taken and fast.grad_fn is None and plain.grad_fn is None
+        sg, ng = s.detach().requires_grad_(True), n.detach().requires_grad_(True)
+        slow = E.conditioning_noise_mix(sg, t, ng)
+        assert taken.pop() and slow.grad_fn is not None
+        assert bits_equal(fast, ref) and bits_equal(plain, ref) and bits_equal(slow.detach(), ref), t
+        gs, gn = torch.autograd.grad(slow, (sg, ng), torch.ones_like(slow))
+        tt = (t if isinstance(t, torch.Tensor) else torch.tensor(t)).to(dtype)
+        tt = tt.reshape(*tt.shape, *([1] * (s.ndim - tt.ndim)))
+        assert bits_equal(gs, tt.expand(s.shape).contiguous()) and bits_equal(gn, (1 - tt).expand(s.shape).contiguous())
+        only_noise = E.conditioning_noise_mix(s, t, ng)  # one input requiring grad is enough for the autograd path
+        assert taken.pop() and only_noise.grad_fn is not None
+
+
+def test_noise_mix_fast_path_never_calls_apply(monkeypatch):
+    def boom(*_):
+        raise AssertionError("autograd.Function.apply called without a graph to build")
+
+    monkeypatch.setattr(E._NoiseMix, "apply", boom)
+    s, n = randn((3, 5, 9), BF16), randn((3, 5, 9), BF16, 1)
+    with torch.no_grad():
+        E.conditioning_noise_mix(s.requires_grad_(True), 0.5, n)
+    with torch.inference_mode():
+        assert bits_equal(E.conditioning_noise_mix(s, 0.5, n), R.conditioning_noise_mix(s, 0.5, n))
+    with pytest.raises(AssertionError, match="apply called"):
+        E.conditioning_noise_mix(s, 0.5, n)
+
+
+def test_noise_mix_skips_no_op_copies_and_caches_number_t(monkeypatch):
+    seen = []
+    launch = E._mix_launch
+    monkeypatch.setattr(E, "_mix_launch", lambda s, t, n: seen.append(t) or launch(s, t, n))
+    s, n = randn((3, 5, 9), BF16), randn((3, 5, 9), BF16, 1)
+    for t in (torch.rand(3), torch.rand(3, 1, 1), torch.rand(3, 5), torch.tensor(0.5), torch.rand(1, 1)):
+        t = t.to(BF16)
+        E.conditioning_noise_mix(s, t, n)
+        assert seen.pop() is t  # passed as is: no cast, expand or copy
+    E.conditioning_noise_mix(s, torch.rand(1, 5).bfloat16(), n)
+    assert seen.pop().shape == (3, 5)  # a real broadcast is still materialised
+    E.conditioning_noise_mix(s, 0.3, n)
+    E.conditioning_noise_mix(s, 0.3, n)
+    first, second = seen
+    assert first is second and bits_equal(first.reshape(1), torch.tensor([0.3], dtype=BF16))
+    E.conditioning_noise_mix(s.float(), 0.3, n.float())
+    assert seen.pop().dtype == FP32  # keyed by dtype
+
+
+def test_noise_mix_number_cache_keeps_signed_zero():
+    """t = +0.0 and -0.0 compare (and hash) equal but differ in bytes: rnd(t * 1) + rnd(1 * -0.0) is +0.0 vs -0.0."""
+    s, n = torch.ones(2, 4), torch.full((2, 4), -0.0)
+    for t in (0.0, -0.0, 0.0):
+        got = E.conditioning_noise_mix(s, t, n)
+        assert bits_equal(got, R.conditioning_noise_mix(s, t, n))
+        assert bool(torch.signbit(got).all()) == (str(t) == "-0.0")
+
+
+def test_noise_mix_number_t_cached_in_inference_mode_serves_autograd():
+    """A number t first seen under inference mode is cached as a normal tensor, so a later autograd call can save it."""
+    s, n = randn((2, 3, 4), FP32), randn((2, 3, 4), FP32, 1)
+    with torch.inference_mode():
+        E.conditioning_noise_mix(s, 0.4375, n)
+    sg = s.detach().requires_grad_(True)
+    out = E.conditioning_noise_mix(sg, 0.4375, n)
+    (gs,) = torch.autograd.grad(out, (sg,), torch.ones_like(out))
+    assert bits_equal(out.detach(), R.conditioning_noise_mix(s, 0.4375, n))
+    assert bits_equal(gs, torch.full_like(s, 0.4375))

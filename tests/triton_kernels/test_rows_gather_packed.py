@@ -102,3 +102,30 @@ def test_invalid_inputs():
         check_table("adaln_row_gather", "table", randn((6, 8), BF16), (BF16,), 16, torch.device("cpu"))
     with pytest.raises(InputError, match=r"^adaln_row_gather: adaln_indices: index out of range \[0, 6\] for size 6$"):
         gather.adaln_row_gather(randn((6, 8), BF16), torch.tensor([0, 6]))
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_index_select_fast_path_is_bitwise_the_autograd_path(dtype, monkeypatch):
+    x = randn((2, 20, 33), dtype)
+    sel = torch.tensor([3, 5, 3, 19, 0, 5])
+    with torch.no_grad():
+        fast = packed.packed_index_select(x.requires_grad_(True), sel)
+    plain = packed.packed_index_select(x.detach(), sel)  # grad mode on, x needs no grad: also the direct launch
+    slow = packed.packed_index_select(x, sel)
+    assert fast.grad_fn is None and plain.grad_fn is None and slow.grad_fn is not None
+    assert (
+        bits_equal(fast, slow.detach()) and bits_equal(plain, fast) and bits_equal(fast, R.packed_index_select(x, sel))
+    )
+    (gx,) = torch.autograd.grad(slow, (x,), torch.ones_like(slow))
+    assert bits_equal(gx, torch.zeros_like(x).index_add_(1, sel, torch.ones_like(slow)))
+
+    def boom(*_):
+        raise AssertionError("autograd.Function.apply called without a graph to build")
+
+    monkeypatch.setattr(packed._IndexSelect, "apply", boom)
+    with torch.no_grad():
+        assert bits_equal(packed.packed_index_select(x, sel), fast)
+    with torch.inference_mode():
+        assert bits_equal(packed.packed_index_select(x.detach(), sel), fast)
+    with pytest.raises(AssertionError, match="apply called"):
+        packed.packed_index_select(x, sel)
