@@ -19,6 +19,7 @@ GEMM="--op h3_qkv_gemm --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3
  --op adaln_projection_3mod --op text_context_projection --op video_input_projection_fp32
  --op audio_input_projection_fp32 --op timestep_mlp_fp32 --op final_adaln_projection
  --op video_output_projection_fp32 --op audio_output_projection_fp32 --op h3_full_attention"
+BLOCK_GEMM="--op h3_qkv_gemm --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3_ffn_down_gemm"
 for s in "$@"; do
   case $s in
     ops-rows) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium,768p $ROWS --out $E/ws1-ops-rows;;
@@ -30,7 +31,9 @@ for s in "$@"; do
              step 120 $H bench ws1-block --config real --layout $L --device cuda --out $E/bench-ws1-block-$L
            done;;
     bench-ops) step 150 $H bench --device cuda --config real --layout 768p $ROWS --out $E/bench-ops-rows-768p
-               step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium;;
+               step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium
+               step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --out $E/bench-ops-gemm-tiny
+               step 150 $H bench --device cuda --config real --layout 768p $BLOCK_GEMM --out $E/bench-ops-gemm-768p;;
     ablate) step 200 $H ablate A0,A1,A2,A3,A4,A5,A6,A7,C1,C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-a
             step 200 $H ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-h
             step 200 $H ablate H9,H10,H11,H12,H13,H15,H-C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-traj
