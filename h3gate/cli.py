@@ -260,4 +260,12 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         print(f"h3gate: error: {exc.format_message()}", file=sys.stderr)
         sys.exit(EXIT_INPUT)
+    except (MemoryError, RuntimeError) as exc:
+        # A request too large for the machine (host or device memory) is a geometry the machine cannot run: one
+        # line, exit 2, like any other input it cannot take. Other runtime errors are bugs and keep their traceback.
+        if not isinstance(exc, MemoryError) and type(exc).__name__ != "OutOfMemoryError":
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"h3gate: error: out of memory ({type(exc).__name__}): {first[:300]}", file=sys.stderr)
+        sys.exit(EXIT_INPUT)
     sys.exit(code if isinstance(code, int) else 0)

@@ -117,3 +117,37 @@ def test_bad_inputs_are_one_line_exit_2(run_cli, tmp_path, config_json, args, me
     code, out, err = run_cli(*(a.format(**places) for a in args))
     assert (code, out) == (2, "")
     assert err.startswith("h3gate: error: ") and err.count("\n") == 1 and message.format(**places) in err, err
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        pytest.param(
+            lambda: __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 994 MiB\nmore"),
+            id="cuda",
+        ),
+        pytest.param(lambda: MemoryError("host"), id="host"),
+    ],
+)
+def test_out_of_memory_is_one_line_exit_2(run_cli, monkeypatch, exc):
+    """A request too large for the machine is refused in one line (no traceback), exit 2."""
+    from h3gate.commands import validate_cmd
+
+    def boom(json_: bool) -> int:
+        raise exc()
+
+    monkeypatch.setattr(validate_cmd, "validate_command", boom)
+    code, out, err = run_cli("validate")
+    assert code == 2 and out == ""
+    assert err.startswith("h3gate: error: out of memory (") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_other_runtime_errors_are_bugs_and_keep_their_traceback(run_cli, monkeypatch):
+    from h3gate.commands import validate_cmd
+
+    def boom(json_: bool) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(validate_cmd, "validate_command", boom)
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_cli("validate")

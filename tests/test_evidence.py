@@ -70,7 +70,8 @@ def test_provenance_fields_and_manifest_hashes(monkeypatch):
     manifest = ROOT / "manifests" / "configs" / "tiny.yaml"
     p = prov.provenance(command=["h3gate", "validate"], manifests=[manifest], device="cpu")
     required = json.loads((SCHEMAS / "common.schema.json").read_text())["$defs"]["provenance"]["required"]
-    assert sorted(p) == sorted(required)
+    assert sorted(p) == sorted([*required, "code_sha256"])
+    assert p["code_sha256"] == prov.code_sha256() and re.fullmatch(r"[0-9a-f]{64}", p["code_sha256"])
     assert p["h3gate_version"] == h3gate.__version__
     assert p["manifests"] == {"manifests/configs/tiny.yaml": hashlib.sha256(manifest.read_bytes()).hexdigest()}
     assert p["command"] == ["h3gate", "validate"]
@@ -196,3 +197,24 @@ def test_git_revision_falls_back_to_the_stamp_file(tmp_path, monkeypatch) -> Non
         assert prov.git_state() == ("unknown", None)
     finally:
         prov.git_state.cache_clear()
+
+
+def test_code_sha256_covers_code_manifests_and_schemas_only(tmp_path) -> None:
+    for rel, text in {
+        "h3gate/a.py": "x = 1\n",
+        "h3gate/sub/b.py": "y = 2\n",
+        "manifests/m.yaml": "k: 1\n",
+        "schemas/s.json": "{}\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    base = prov.code_sha256.__wrapped__(tmp_path)
+    (tmp_path / "h3gate/__pycache__").mkdir()
+    (tmp_path / "h3gate/__pycache__/a.cpython-312.pyc").write_bytes(b"\0")
+    (tmp_path / "README.md").write_text("docs do not count\n")
+    assert prov.code_sha256.__wrapped__(tmp_path) == base
+    (tmp_path / "manifests/m.yaml").write_text("k: 2\n")
+    changed = prov.code_sha256.__wrapped__(tmp_path)
+    assert changed != base
+    (tmp_path / "manifests/m.yaml").rename(tmp_path / "manifests/n.yaml")  # a rename changes it too
+    assert prov.code_sha256.__wrapped__(tmp_path) not in (base, changed)

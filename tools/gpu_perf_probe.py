@@ -216,7 +216,7 @@ def norm_section() -> dict:
     return res
 
 
-def launch_section() -> dict:
+def launch_section(ops: tuple[str, ...] = ("packed_index_select", "conditioning_noise_mix"), rows: int = 38974) -> dict:
     from h3gate.bench.timing import side_by_side
     from h3gate.kernels import gather
     from h3gate.manifests.model_config import load_config
@@ -225,8 +225,8 @@ def launch_section() -> dict:
 
     cfg = load_config("real").config
     res: dict = {}
-    for op in ("packed_index_select", "conditioning_noise_mix"):
-        case = build_case(op, 38974, cfg, "cuda", seed=0)
+    for op in ops:
+        case = build_case(op, rows, cfg, "cuda", seed=0)
         strict = registry.bind(op, "strict", "cuda").fn
         ref = registry.reference(op)
         fns = {
@@ -337,6 +337,9 @@ def main() -> None:
                 body[sec] = skinny_section()
             elif sec == "launch":
                 body[sec] = launch_section()
+            elif sec == "launch_gemm":
+                gemm_ops = ("timestep_mlp_fp32", "final_adaln_projection", "h3_qkv_gemm", "h3_ffn_down_gemm")
+                body[sec] = launch_section(gemm_ops, rows=264)
         except Exception:  # noqa: BLE001
             body[sec] = {"error": traceback.format_exc()[-2000:]}
         body.setdefault("seconds", {})[sec] = time.time() - t0

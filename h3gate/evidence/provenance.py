@@ -33,6 +33,22 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+CODE_GLOBS: tuple[str, ...] = ("h3gate/**/*.py", "manifests/**/*.yaml", "schemas/*.json")
+
+
+@cache
+def code_sha256(root: Path = _CODE_ROOT) -> str:
+    """sha256 over the code that runs: for every file matching :data:`CODE_GLOBS` under ``root``, in sorted
+    repository-relative POSIX path order, ``path`` NUL ``sha256(bytes)`` newline. Identifies the code without git
+    (the GPU host gets a copied tree whose ``.git`` may point at another commit); ``tools/code_sha256.py REV``
+    recomputes it for a commit."""
+    files = sorted({p for g in CODE_GLOBS for p in root.glob(g) if p.is_file() and "__pycache__" not in p.parts})
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + sha256_file(path).encode() + b"\n")
+    return digest.hexdigest()
+
+
 def _git(*args: str) -> str | None:
     try:
         done = subprocess.run(
@@ -98,6 +114,7 @@ def provenance(
         "h3gate_version": h3gate.__version__,
         "git_revision": revision,
         "git_dirty": dirty,
+        "code_sha256": code_sha256(),
         "python": platform.python_version(),
         "torch": torch_version,
         "triton": triton_version,

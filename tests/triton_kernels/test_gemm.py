@@ -243,3 +243,22 @@ def test_strict_binding_and_case_on_tiny_config(op) -> None:
     golden = case.golden_call(registry.reference(op))
     assert got.dtype == case.args[0].dtype and got.shape == golden.shape
     assert rel(got, golden) < TOL[got.dtype]
+
+
+def test_no_grad_calls_skip_autograd_but_not_the_kernel(monkeypatch) -> None:
+    """Without a graph to build, linear launches directly (no autograd.Function); same bytes as the autograd path."""
+    x, w, b = make(5, 130, 96, BF16)
+    with_graph = gemm.linear(x, w.clone().requires_grad_(), b)
+    assert with_graph.grad_fn is not None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("autograd.Function used without a graph to build")
+
+    monkeypatch.setattr(gemm._Linear, "apply", refuse)
+    direct = gemm.linear(x, w, b)
+    with torch.no_grad():
+        direct_ng = gemm.linear(x, w.clone().requires_grad_(), b)
+    assert direct.grad_fn is None and torch.equal(direct, with_graph.detach())
+    assert torch.equal(direct_ng, direct)
+    with pytest.raises(AssertionError, match="without a graph"):
+        gemm.linear(x.clone().requires_grad_(), w, b)
