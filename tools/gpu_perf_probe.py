@@ -317,6 +317,44 @@ def skinny_section() -> dict:
     return out
 
 
+def profile_section() -> dict:
+    """What is left of the GEMM gap: device-only time (CUDA graph replay, no host launch cost) vs eager time, at M
+    just below/at a BLOCK_M multiple (256 / 3072) and at the layouts' M (264 / 3160), for the production path
+    (``gemm.linear``, no grad) and cuBLAS; plus the tile count / wave arithmetic of the production tiling."""
+    from h3gate.kernels import gemm
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict = {"sms": sms, "shapes": {}}
+    for name, (k, n) in SHAPES.items():
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+        rec: dict = {}
+        for m in (256, 264, 3072, 3160):
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            cfg = gemm_config("fwd", n, k, torch.bfloat16, m)
+            with torch.no_grad():
+                ours = lambda x=x, w=w: gemm.linear(x, w)  # noqa: E731
+                cub = lambda x=x, w=w: F.linear(x, w)  # noqa: E731
+                r = {
+                    "config": cfg.tag,
+                    "tiles": triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),
+                    "eager_ours_ms": bench(ours),
+                    "eager_cublas_ms": bench(cub),
+                }
+                try:
+                    r["graph_ours_ms"] = float(triton.testing.do_bench_cudagraph(ours, rep=60, return_mode="median"))
+                    r["graph_cublas_ms"] = float(triton.testing.do_bench_cudagraph(cub, rep=60, return_mode="median"))
+                    r["graph_ratio"] = r["graph_cublas_ms"] / r["graph_ours_ms"]
+                except Exception as exc:  # noqa: BLE001
+                    r["graph_error"] = err(exc)
+            r["waves"] = r["tiles"] / sms
+            r["eager_ratio"] = r["eager_cublas_ms"] / r["eager_ours_ms"]
+            rec[str(m)] = r
+            print(name, m, json.dumps(r), flush=True)
+        out["shapes"][name] = rec
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
@@ -333,6 +371,8 @@ def main() -> None:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND2 if args.round == 2 else CANDIDATES)
             elif sec == "norm":
                 body[sec] = norm_section()
+            elif sec == "profile":
+                body[sec] = profile_section()
             elif sec == "skinny":
                 body[sec] = skinny_section()
             elif sec == "launch":
