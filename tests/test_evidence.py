@@ -218,3 +218,12 @@ def test_code_sha256_covers_code_manifests_and_schemas_only(tmp_path) -> None:
     assert changed != base
     (tmp_path / "manifests/m.yaml").rename(tmp_path / "manifests/n.yaml")  # a rename changes it too
     assert prov.code_sha256.__wrapped__(tmp_path) not in (base, changed)
+
+
+def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "code_sha256.py")], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert done.stdout.strip() == prov.code_sha256.__wrapped__(ROOT)
