@@ -195,7 +195,21 @@ def _invariance(case: OpCase, fn: Callable, out: torch.Tensor, grads: list, gout
             placements.append({"batch": size, "position": position, "forward": fwd_ok, "backward": bwd_ok})
     inv["batch"] = placements
     inv["mutation"] = _mutation(case, fn, out, grads, gout, gen)
+    inv["prefix"] = _prefix(case, fn, out)
     return inv
+
+
+def _prefix(case: OpCase, fn: Callable, out: torch.Tensor) -> dict | None:
+    """The first ``case.prefix_rows`` rows run alone (forward) must equal the same rows of the full call."""
+    if not case.prefix_rows or case.out_row_dim is None:
+        return None
+    p = case.prefix_rows
+    args = list(case.args)
+    for pos, dim in case.row_dims.items():
+        args[pos] = args[pos].narrow(dim, 0, p).contiguous()
+    with torch.no_grad():
+        o_p = fn(*args, **case.kwargs)
+    return {"rows": p, "forward": bitwise_equal(o_p, out.narrow(case.out_row_dim, 0, p))}
 
 
 def _mutation(case: OpCase, fn: Callable, out: torch.Tensor, grads: list, gout, gen: torch.Generator) -> dict | None:
@@ -233,6 +247,8 @@ def _flatten_invariance(inv: dict) -> list[tuple[str, bool | None]]:
         out += [(f"{tag}.forward", p["forward"]), (f"{tag}.backward", p["backward"])]
     if inv["mutation"] is not None:
         out += [("mutation.forward", inv["mutation"]["forward"]), ("mutation.backward", inv["mutation"]["backward"])]
+    if inv.get("prefix") is not None:
+        out.append(("prefix.forward", inv["prefix"]["forward"]))
     return out
 
 

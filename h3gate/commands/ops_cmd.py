@@ -150,6 +150,8 @@ def _table(operators: list[dict], path: Path, verdict: str, failures: list[str],
             flags += [p["forward"] for p in inv["batch"]] + [p["backward"] for p in inv["batch"]]
             if inv["mutation"] is not None:
                 flags += [inv["mutation"]["forward"], inv["mutation"]["backward"]]
+            if inv.get("prefix") is not None:
+                flags.append(inv["prefix"]["forward"])
             invariant = all(x is not False for x in flags)
             table.add_row(
                 escape(o["op"]), str(r["layout_rows"]), escape(o["binding"]["kernel_id"]), bw, acc,

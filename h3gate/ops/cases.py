@@ -11,7 +11,8 @@ Invariance probes need to know which dimensions are rows:
   Base cases have batch size 1 there; probes place the row inside batches of 2 and 3 at every position, next to
   fresh random rows, and compare bytes.
 * ``row_dims`` - argument position -> its packed-row dimension, for operators that are *row-local* (input row r
-  only influences output row r along ``out_row_dim``). Probes mutate every other row and compare the kept rows.
+  only influences output row r along ``out_row_dim``). Probes mutate every other row and compare the kept rows;
+  with ``prefix_rows`` they also run the first rows alone (a smaller M) and compare them.
   Operators that are not row-local (gathers, scatters, attention) give a ``mutate`` function instead, or nothing.
 
 ``CASES`` (op -> builder) is merged on first access. Builders live in ``cases_rows`` (non-GEMM rows) and, when
@@ -49,6 +50,10 @@ class OpCase:
     row_dims: dict[int, int] = field(default_factory=dict)
     out_row_dim: int | None = None
     mutate: Mutator | None = None
+    # Row-local operators whose only per-row arguments are those in ``row_dims`` may declare prefix rows: the
+    # probe calls the operator on just the first ``prefix_rows`` rows and compares them with the full call's (a
+    # different M: for the GEMM, a different M bucket of its tiling when the layout has >= SMALL_M rows).
+    prefix_rows: int = 0
     golden_kwargs: dict[str, Any] = field(default_factory=dict)  # kwargs replaced for the float64 golden
     # A float64 implementation of the reference's maths to use as the golden instead of the reference itself, for
     # references whose float64 run does not fit in memory (e.g. attention at 768p); same signature.

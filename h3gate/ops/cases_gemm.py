@@ -14,9 +14,14 @@ import torch
 
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.cases import CaseBuilder, OpCase, randn
+from h3gate.ops.golden import attention_fp64
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MAX_TIMESTEPS = 3
+# Above this many bytes of float64 scores the attention golden is the chunked float64 implementation (768p: 680 GB
+# dense); tiny ... medium keep the dense float64 reference.
+DENSE_ATTENTION_GOLDEN_BYTES = 16 << 30
+PREFIX_ROWS = 7  # rows run alone by the prefix probe: below SMALL_M, so layouts >= SMALL_M rows cross the M bucket
 
 
 def _linear_case(
@@ -38,6 +43,7 @@ def _linear_case(
         out_batch_dim=0 if packed else None,
         row_dims={0: row_dim},
         out_row_dim=row_dim,
+        prefix_rows=min(rows, PREFIX_ROWS),
         bytes_moved=size * (rows * k + n * k + rows * n + (n if bias else 0)),
         flops=2 * rows * n * k,
         shape=f"M={rows} K={k} N={n} {str(dtype).replace('torch.', '')}{' +bias' if bias else ''}",
@@ -57,7 +63,9 @@ def _attention(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     gen = torch.Generator().manual_seed(seed)
     h, d = cfg.num_attention_heads, cfg.attention_head_dim
     q, k, v = (randn((1, rows, h, d), BF16, device, gen) for _ in range(3))
+    dense = h * rows * rows * 8 <= DENSE_ATTENTION_GOLDEN_BYTES  # one float64 (nh, S, S) score matrix
     return OpCase(
+        golden_fn=None if dense else attention_fp64,
         op="h3_full_attention",
         args=(q, k, v),
         grad_args=(0, 1, 2),

@@ -155,3 +155,32 @@ def test_strict_binding_and_case() -> None:
     assert (bound.actual, bound.label, bound.kernel_id) == ("triton", "row", attn.KERNEL_ID)
     case = CASES["h3_full_attention"](19, load_config("tiny").config, "cpu", 0)
     assert rel(case.call(bound.fn), case.golden_call(registry.reference("h3_full_attention"))) < TOL[BF16]
+
+
+@pytest.mark.parametrize("chunk_bytes", [8 * 2 * 37 * 5, 1 << 30], ids=["5-row-chunks", "one-chunk"])
+def test_chunked_float64_golden_matches_the_dense_reference(monkeypatch, chunk_bytes) -> None:
+    """The 768p attention golden (query chunks, recomputed backward) equals the dense float64 reference to float64
+    rounding, forward and all three gradients, including a ragged last chunk."""
+    from h3gate.ops import golden
+
+    monkeypatch.setattr(golden, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 37, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    gout = torch.randn(1, 37, 32, generator=g, dtype=torch.float64)
+    got = golden.attention_fp64(q, k, v)
+    want = reference.attention(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), gout), torch.autograd.grad(want, (q, k, v), gout), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+
+
+def test_attention_case_switches_to_the_chunked_golden_only_when_dense_is_too_big(monkeypatch) -> None:
+    from h3gate.manifests.model_config import load_config
+    from h3gate.ops import cases_gemm, golden
+
+    real = load_config("real").config
+    # The real threshold: medium's dense float64 scores (56 x 3160^2 x 8 B = 4.5 GB) fit, 768p's (680 GB) do not.
+    assert 56 * 3160**2 * 8 <= cases_gemm.DENSE_ATTENTION_GOLDEN_BYTES < 56 * 38974**2 * 8
+    monkeypatch.setattr(cases_gemm, "DENSE_ATTENTION_GOLDEN_BYTES", 56 * 20 * 20 * 8)
+    assert cases_gemm.CASES["h3_full_attention"](20, real, "cpu", 0).golden_fn is None
+    assert cases_gemm.CASES["h3_full_attention"](21, real, "cpu", 0).golden_fn is golden.attention_fp64

@@ -262,3 +262,40 @@ def test_no_grad_calls_skip_autograd_but_not_the_kernel(monkeypatch) -> None:
     assert torch.equal(direct_ng, direct)
     with pytest.raises(AssertionError, match="without a graph"):
         gemm.linear(x.clone().requires_grad_(), w, b)
+
+
+def test_ws1_ops_prefix_probe_crosses_the_m_bucket(monkeypatch) -> None:
+    """ws1-ops runs a GEMM case's first rows alone (M = 7, the small-M bucket) against the full call (M >= SMALL_M
+    here): bitwise with the real kernel, and caught when a kernel's bytes depend on M."""
+    from h3gate import opsgate
+
+    monkeypatch.setattr(gemm_configs, "SMALL_M", 16)  # the tiny case's 20 rows take the large tiling
+    cfg = load_config("tiny").config
+    key = ("fwd", cfg.hidden_size, cfg.inner_dim, "bfloat16")  # the o projection: inner_dim -> hidden
+    large, small = GemmConfig(32, 32, 32, group_m=2, num_stages=2), GemmConfig(16, 64, 32, group_m=1, persistent=True)
+    monkeypatch.setitem(gemm_configs.TABLE, key, large)
+    monkeypatch.setitem(gemm_configs.SMALL_M_TABLE, key, small)
+    seen: list[tuple[int, GemmConfig]] = []
+    real_matmul = gemm.matmul
+
+    def spy(a, b, out, bias, cfg_, **kw):
+        seen.append((out.shape[0], cfg_))
+        return real_matmul(a, b, out, bias, cfg_, **kw)
+
+    monkeypatch.setattr(gemm, "matmul", spy)
+    op = "h3_attention_o_gemm"
+    result = opsgate.run_case(op, 20, cfg, "cpu", seed=1, backward=False)
+    prefix = result.record["invariance"]["prefix"]
+    assert prefix == {"rows": 7, "forward": True} and not result.failures
+    assert (20, large) in seen and (7, small) in seen  # the two calls really took the two tilings
+
+    real = gemm.linear
+
+    def m_dependent(x, weight, bias=None, *, op="linear"):
+        y = real(x, weight, bias, op=op)
+        return y if x.numel() // x.shape[-1] >= 16 else torch.nextafter(y, torch.full_like(y, float("inf")))
+
+    monkeypatch.setattr(gemm, "linear", m_dependent)
+    result = opsgate.run_case(op, 20, cfg, "cpu", seed=1, backward=False)
+    assert result.record["invariance"]["prefix"]["forward"] is False
+    assert any("invariance prefix.forward not bitwise" in f for f in result.failures)
