@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Produce the committed H200 evidence (run from the repository root on the GPU host, .whl carried).
 #   bash tools/gpu_evidence.sh STAGE [STAGE ...]
-# Stages: ops-rows ops-gemm block bench-block bench-ops ablate. Each stage runs under a time cap so one slow stage
+# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops ablate. Each stage runs under a time cap so one
 # cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal` seals it.
 # Stages ops-rows, ops-gemm and block may share the GPU; ablate (the 50-block model, ~70 GB) and the bench stages
 # need it to themselves (a concurrent ablate ran ops-rows out of memory once: evidence/h200/PROVENANCE.md).
@@ -26,6 +26,9 @@ for s in "$@"; do
   case $s in
     ops-rows) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium,768p $ROWS --out $E/ws1-ops-rows;;
     ops-gemm) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium $GEMM --out $E/ws1-ops-gemm-attention;;
+    ops-gemm-768p) step 150 $H run ws1-ops --device cuda --config real --layouts 768p $BLOCK_GEMM --out $E/ws1-ops-gemm-768p
+                   step 150 $H run ws1-ops --device cuda --config real --layouts 768p --op h3_full_attention \
+                     --out $E/ws1-ops-attention-768p;;
     block) for L in tiny small medium; do
              step 150 $H run ws1-block --config real --layout $L --device cuda --mode strict --out $E/ws1-block-real-$L
            done;;

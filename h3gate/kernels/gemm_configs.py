@@ -20,8 +20,9 @@ extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K]
 ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape probed
 (``docs/measurements/perf-probe-{1,2}.json``: 15 + 13 tilings, BLOCK_M 64..256, BLOCK_N 64..256, pointer/TMA,
 persistent or not) gave bytes identical to the production tiling at M = 264, 3160 and 38974 for the block's four
-shapes (and the production tiling's bytes equal cuBLAS's there); the ws1-ops batch/mutation probes and the
-ws1-block batch-row probe cross the bucket boundary on every run (M = 264 alone vs inside larger batches).
+shapes (and the production tiling's bytes equal cuBLAS's there). ws1-ops checks it on every run with its prefix
+probe: a case's first 7 rows run alone (small bucket) must equal the same rows of the full call (large bucket at
+layouts of >= SMALL_M rows). The committed H200 ws1-ops evidence predates that probe.
 
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
 dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
