@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Produce the committed H200 evidence (run from the repository root on the GPU host, .whl carried).
 #   bash tools/gpu_evidence.sh STAGE [STAGE ...]
-# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops ablate. Each stage runs under a time cap so one
+# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops bench-rest ablate. Each stage runs under a time cap so one
 # cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal` seals it.
 # Stages ops-rows, ops-gemm and block may share the GPU; ablate (the 50-block model, ~70 GB) and the bench stages
 # need it to themselves (a concurrent ablate ran ops-rows out of memory once: evidence/h200/PROVENANCE.md).
@@ -39,6 +39,9 @@ for s in "$@"; do
                step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium
                step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --out $E/bench-ops-gemm-tiny
                step 150 $H bench --device cuda --config real --layout 768p $BLOCK_GEMM --out $E/bench-ops-gemm-768p;;
+    bench-rest) step 60 $H bench --device cuda --config real --layout small $BLOCK_GEMM --out $E/bench-ops-gemm-small
+                step 150 $H bench --device cuda --config real --layout 768p --op h3_full_attention \
+                  --out $E/bench-ops-attention-768p;;
     ablate) step 200 $H ablate A0,A1,A2,A3,A4,A5,A6,A7,C1,C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-a
             step 200 $H ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-h
             step 200 $H ablate H9,H10,H11,H12,H13,H15,H-C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-traj
