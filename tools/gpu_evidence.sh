@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Produce the committed H200 evidence (run from the repository root on the GPU host, .whl carried).
 #   bash tools/gpu_evidence.sh STAGE [STAGE ...]
-# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops bench-rest ablate. Each stage runs under a time cap so one
-# cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal` seals it.
+# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops bench-rest ablate. Each stage runs under a
+# time cap so one cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal`
+# seals it.
 # Stages ops-rows, ops-gemm and block may share the GPU; ablate (the 50-block model, ~70 GB) and the bench stages
 # need it to themselves (a concurrent ablate ran ops-rows out of memory once: evidence/h200/PROVENANCE.md).
 set -uo pipefail
