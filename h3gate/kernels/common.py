@@ -113,6 +113,13 @@ def check_dtype_as(op: str, arg: str, t: torch.Tensor, dtype: torch.dtype, other
         raise InputError(f"{op}: {arg}: dtype {got} differs from {other} ({want}); strict kernels do not promote")
 
 
+def needs_graph(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call must go through its ``autograd.Function`` (grad mode on and some input requires grad).
+
+    Otherwise operators launch their forward directly: the same launch and bytes, less host time per call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -41,6 +41,7 @@ from h3gate.kernels.common import (
     check_indices,
     check_table,
     check_tensor,
+    needs_graph,
     next_pow2,
 )
 from h3gate.kernels.gather import table_grad
@@ -372,6 +373,6 @@ def conditioning_noise_mix(sample: torch.Tensor, t, noise: torch.Tensor) -> torc
         tt = _number_t(t, sample.dtype, sample.device)
     else:
         raise InputError(f"{op}: t: expected a number or a tensor, got {type(t).__name__}")
-    if torch.is_grad_enabled() and (sample.requires_grad or noise.requires_grad):
+    if needs_graph(sample, noise):
         return _NoiseMix.apply(sample, tt, noise)
     return _mix_launch(sample, tt, noise)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from h3gate.errors import InputError
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
@@ -363,9 +363,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Without an autograd graph to build (grad mode off, or no argument requiring grad) the forward is launched
     directly, skipping ``autograd.Function.apply``: the same launch and bytes, less host time per call."""
     _check(op, x, weight, bias)
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
+    if needs_graph(x, weight, bias):
         return _Linear.apply(x, weight, bias, op)
     return _forward(x, weight, bias)
 

@@ -30,6 +30,7 @@ from h3gate.kernels.common import (
     cached,
     check_indices,
     check_tensor,
+    needs_graph,
     next_pow2,
 )
 from h3gate.kernels.gather import gather_rows, segment_plan, segment_sum
@@ -157,6 +158,6 @@ def packed_index_select(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     skipping ``autograd.Function.apply``: the same launch (``gather_rows``) and bytes, less host time."""
     check_tensor(_SELECT, "x", x, _DTYPES, ndim=3)
     check_indices(_SELECT, "indices", indices, None, x.shape[1], x.device)
-    if x.requires_grad and torch.is_grad_enabled():
+    if needs_graph(x):
         return _IndexSelect.apply(x, indices)
     return gather_rows(x, indices)
