@@ -184,3 +184,22 @@ def test_attention_case_switches_to_the_chunked_golden_only_when_dense_is_too_bi
     monkeypatch.setattr(cases_gemm, "DENSE_ATTENTION_GOLDEN_BYTES", 56 * 20 * 20 * 8)
     assert cases_gemm.CASES["h3_full_attention"](20, real, "cpu", 0).golden_fn is None
     assert cases_gemm.CASES["h3_full_attention"](21, real, "cpu", 0).golden_fn is golden.attention_fp64
+
+
+def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> None:
+    """The 768p path end to end at a tiny size: ws1-ops judges the kernel (forward and all gradients) against the
+    chunked float64 golden, and passes."""
+    from h3gate import opsgate
+    from h3gate.manifests.model_config import load_config
+    from h3gate.ops import cases_gemm, golden
+
+    monkeypatch.setattr(cases_gemm, "DENSE_ATTENTION_GOLDEN_BYTES", 0)
+    monkeypatch.setattr(golden, "CHUNK_BYTES", 1 * 2 * 9 * 8 * 4)  # B=1, 2 heads, S=9, float64: 4-row chunks
+    calls = []
+    real = golden.attention_fp64
+    monkeypatch.setattr(cases_gemm, "attention_fp64", lambda *a: calls.append(1) or real(*a))
+    result = opsgate.run_case("h3_full_attention", 9, load_config("tiny").config, "cpu", seed=2)
+    assert calls and not result.failures, result.failures
+    rec = result.record
+    assert rec["forward"]["accuracy_ok"] and len(rec["backward"]) == 3
+    assert all(g["accuracy_ok"] for g in rec["backward"])
