@@ -66,6 +66,19 @@ def _normed(xhat, w, DT: tl.constexpr, ROUND_FIRST: tl.constexpr, INTERP: tl.con
         return exact.rnd(xhat * w, DT, INTERP)
 
 
+@exact.helper
+def _rstd(ss, h_f, eps):
+    """``1 / sqrt_rn(ss / H + eps)``: IEEE division and square root, float32."""
+    return tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
+
+
+@exact.helper
+def _modulated(n, sc_raw, sh_raw, DT: tl.constexpr, INTERP: tl.constexpr):
+    """``round(round(n * round(1 + scale)) + shift)`` at the output dtype, rounding after each op."""
+    n = exact.rnd(n * exact.rnd(1.0 + exact.f32(sc_raw, INTERP), DT, INTERP), DT, INTERP)
+    return exact.rnd(n + exact.f32(sh_raw, INTERP), DT, INTERP)
+
+
 @triton.jit
 def _rms_fwd_kernel(
     x_ptr, w_ptr, out_ptr, rstd_ptr, shift_ptr, scale_ptr, idx_ptr, M, H, S, shift_rs, scale_rs, h_f, eps,
@@ -88,12 +101,10 @@ def _rms_fwd_kernel(
             sc_raw = tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0)
             sh_raw = tl.load(shift_ptr + j[:, None] * shift_rs + cols[None, :], mask=m, other=0.0)
         w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)
-        ss = tl.sum(x * x, axis=1)
-        rstd = tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
+        rstd = _rstd(tl.sum(x * x, axis=1), h_f, eps)
         n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
         if MODULATE:
-            n = exact.rnd(n * exact.rnd(1.0 + exact.f32(sc_raw, INTERP), DT, INTERP), DT, INTERP)
-            n = exact.rnd(n + exact.f32(sh_raw, INTERP), DT, INTERP)
+            n = _modulated(n, sc_raw, sh_raw, DT, INTERP)
         tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
     else:  # wide rows: NCH column chunks of BLOCK_H, two passes (the second re-reads x, an L2 hit)
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -102,8 +113,7 @@ def _rms_fwd_kernel(
             m = rm[:, None] & (cc < H)[None, :]
             x = exact.f32(tl.load(x_ptr + rows[:, None] * H + cc[None, :], mask=m, other=0.0), INTERP)
             acc = acc + x * x
-        ss = tl.sum(acc, axis=1)
-        rstd = tl.div_rn(tl.full(ss.shape, 1.0, tl.float32), tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
+        rstd = _rstd(tl.sum(acc, axis=1), h_f, eps)
         if MODULATE:
             j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
         for c in tl.static_range(NCH):
@@ -115,10 +125,9 @@ def _rms_fwd_kernel(
             w = exact.f32(tl.load(w_ptr + cc, mask=cm, other=0.0), INTERP)
             n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
             if MODULATE:
-                sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cc[None, :], mask=m, other=0.0), INTERP)
-                sh = exact.f32(tl.load(shift_ptr + j[:, None] * shift_rs + cc[None, :], mask=m, other=0.0), INTERP)
-                n = exact.rnd(n * exact.rnd(1.0 + sc, DT, INTERP), DT, INTERP)
-                n = exact.rnd(n + sh, DT, INTERP)
+                sc_raw = tl.load(scale_ptr + j[:, None] * scale_rs + cc[None, :], mask=m, other=0.0)
+                sh_raw = tl.load(shift_ptr + j[:, None] * shift_rs + cc[None, :], mask=m, other=0.0)
+                n = _modulated(n, sc_raw, sh_raw, DT, INTERP)
             tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
     if SAVE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=rm)
