@@ -6,10 +6,11 @@
 * ``gemm``: for the block's four BF16 GEMM shapes at M in {264, 3160, 38974}, tile candidates that all keep the
   production K tiling (BLOCK_K = 64, ascending) timed next to cuBLAS (``F.linear``); every candidate's output is
   compared byte for byte with the production config's output at the same M (does the tile shape change the bytes?).
-* ``norm``: modulated RMSNorm at 768p rows (S = 38974, H = 5376): the production kernel, the same kernel at 16
-  warps, and a two-pass chunked kernel (sum of squares accumulated per lane over CHUNK-wide column chunks, one
-  tl.sum tree over CHUNK lanes, then a second pass that re-reads the row), each next to the provider; bytes
-  compared with the production kernel.
+* ``norm``: modulated RMSNorm at 768p rows (S = 38974, H = 5376): the production forward kernel at several launch
+  geometries - the whole-row tile (v1: BLOCK_H = 8192, 4/8/16 warps) and the chunked two-pass form (BLOCK_H =
+  1024/2048 column chunks, 4/8 warps; v2 ships 2048 at 4 warps) - each next to the provider; bytes compared with
+  the production output. (Run 1, ``perf-probe-1.json``, timed the chunked form as a standalone prototype kernel
+  before it moved into ``norms``.)
 * ``launch``: host overhead of the small ops (packed_index_select, conditioning_noise_mix): the registry binding,
   the autograd-free launch and the provider, timed as the bench times them, plus host-only microseconds per call,
   and gather tilings for C = 96.
@@ -28,9 +29,8 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from h3gate.kernels import exact, norms
+from h3gate.kernels import norms
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
 from h3gate.kernels.gemm import matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
@@ -122,35 +122,6 @@ def gemm_section(deadline: float, candidates: list[GemmConfig]) -> dict:
     return out
 
 
-@triton.jit
-def _mod_chunked(
-    x_ptr, w_ptr, out_ptr, shift_ptr, scale_ptr, idx_ptr, H, S, shift_rs, scale_rs, h_f, eps,
-    CHUNK: tl.constexpr, NCH: tl.constexpr, INTERP: tl.constexpr,
-):  # fmt: skip
-    DT: tl.constexpr = out_ptr.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
-    base = row * H
-    acc = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in tl.static_range(NCH):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        x = exact.f32(tl.load(x_ptr + base + cols, mask=cols < H, other=0.0), INTERP)
-        acc = acc + x * x
-    ss = tl.sum(acc, axis=0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(ss, h_f) + eps))
-    j = tl.load(idx_ptr + row % S).to(tl.int64)
-    for c in tl.static_range(NCH):
-        cols = c * CHUNK + tl.arange(0, CHUNK)
-        cm = cols < H
-        x = exact.f32(tl.load(x_ptr + base + cols, mask=cm, other=0.0), INTERP)
-        w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)
-        sc = exact.f32(tl.load(scale_ptr + j * scale_rs + cols, mask=cm, other=0.0), INTERP)
-        sh = exact.f32(tl.load(shift_ptr + j * shift_rs + cols, mask=cm, other=0.0), INTERP)
-        n = exact.rnd(x * rstd * w, DT, INTERP)
-        n = exact.rnd(n * exact.rnd(1.0 + sc, DT, INTERP), DT, INTERP)
-        n = exact.rnd(n + sh, DT, INTERP)
-        tl.store(out_ptr + base + cols, exact.rne(n, DT, INTERP), mask=cm)
-
-
 def norm_section() -> dict:
     from h3gate.bench.timing import copy_bandwidth_gbs, side_by_side
     from h3gate.ops import reference
@@ -168,33 +139,25 @@ def norm_section() -> dict:
     res: dict = {"copy_gbs": copy_gbs, "round_first": round_first, "variants": {}}
     base = norms.rmsnorm_modulate(x, w, shift, scale, idx, 1e-5)
 
-    def prod(warps: int):
+    def variant(block_h: int, warps: int):
+        """The production forward kernel at one launch geometry: BLOCK_H = 8192 is the whole-row tile (v1),
+        BLOCK_H < H the chunked form (v2 ships 2048 at 4 warps); each geometry is its own reduction tree."""
+
         def run():
             out = torch.empty_like(x)
             norms._rms_fwd_kernel[(s,)](
                 x, w, out, out, shift, scale, idx, s, h, s, shift.stride(0), scale.stride(0), float(h), 1e-5,
-                BLOCK_M=1, BLOCK_H=8192, MODULATE=True, ROUND_FIRST=round_first, SAVE_RSTD=False,
-                INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+                BLOCK_M=1, BLOCK_H=block_h, NCH=triton.cdiv(h, block_h), MODULATE=True, ROUND_FIRST=round_first,
+                SAVE_RSTD=False, INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
             )  # fmt: skip
             return out
 
         return run
 
-    def chunked(chunk: int, warps: int):
-        def run():
-            out = torch.empty_like(x)
-            _mod_chunked[(s,)](
-                x, w, out, shift, scale, idx, h, s, shift.stride(0), scale.stride(0), float(h), 1e-5,
-                CHUNK=chunk, NCH=triton.cdiv(h, chunk), INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
-            )  # fmt: skip
-            return out
-
-        return run
-
-    variants = {"prod_w8": prod(8), "prod_w16": prod(16), "prod_w4": prod(4)}
+    variants = {f"whole_row_w{wp}": variant(8192, wp) for wp in (4, 8, 16)}
     for chunk in (1024, 2048):
         for warps in (4, 8):
-            variants[f"chunk{chunk}_w{warps}"] = chunked(chunk, warps)
+            variants[f"chunk{chunk}_w{warps}"] = variant(chunk, warps)
     provider = lambda: reference.rmsnorm_modulate(x, w, shift, scale, idx, 1e-5)  # noqa: E731
     fns = {"provider": provider}
     for name, fn in variants.items():
@@ -202,8 +165,6 @@ def norm_section() -> dict:
             y = fn()
             torch.cuda.synchronize()
             res["variants"][name] = {"bitwise_production": bool(torch.equal(y, base))}
-            if not round_first:
-                res["variants"][name]["note"] = "chunked kernel assumes round-once (matches when round_first False)"
             fns[name] = fn
         except Exception as exc:  # noqa: BLE001
             res["variants"][name] = {"error": err(exc)}
