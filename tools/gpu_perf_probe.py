@@ -72,6 +72,20 @@ ROUND2 = [
     C(64, 256, 64, 1, 4, 4, persistent=False, tma=True),
     C(64, 128, 64, 8, 4, 6, persistent=False, tma=True),
 ]
+# Round 3: Triton 3.6's Hopper warp specialisation (``tl.range(warp_specialize=True)``; the compiler runs
+# ``add_hopper_warpspec`` for sm_90) next to the production tilings, timed eager and device-only (CUDA graph).
+ROUND3 = [
+    C(128, 256, 64, 8, 8, 3, persistent=True),
+    C(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    C(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
+    C(128, 256, 64, 8, 8, 3, persistent=True, tma=True, warp_spec=True),
+    C(128, 256, 64, 8, 4, 3, persistent=True, tma=True, warp_spec=True),
+    C(128, 128, 64, 8, 4, 4, persistent=True, tma=True, warp_spec=True),
+    C(128, 256, 64, 8, 8, 3, persistent=False, tma=True, warp_spec=True),
+    C(128, 128, 64, 8, 4, 4, persistent=False, tma=True, warp_spec=True),
+    C(64, 256, 64, 8, 4, 4, persistent=False, tma=True, warp_spec=True),
+    C(128, 256, 64, 8, 8, 3, persistent=False, warp_spec=True),
+]
 
 
 def bench(fn) -> float:
@@ -82,20 +96,26 @@ def err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
 
 
-def gemm_section(deadline: float, candidates: list[GemmConfig]) -> dict:
+def graph_bench(fn) -> float:
+    return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
+
+
+def gemm_section(deadline: float, candidates: list[GemmConfig], ms: tuple[int, ...] = MS, graph: bool = False) -> dict:
     out: dict = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (k, n) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
         prod = gemm_config("fwd", n, k, torch.bfloat16)
         out[name] = {"production": prod.tag, "by_m": {}}
-        for m in MS:
+        for m in ms:
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
             ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             matmul(x, w, ref, None, prod, a_trans=False, b_trans=True)
             cublas_ms = bench(lambda x=x, w=w: F.linear(x, w))
             cub = F.linear(x, w)
             rec = {"cublas_ms": cublas_ms, "production_bitwise_cublas": bool(torch.equal(ref, cub)), "cands": {}}
+            if graph:
+                rec["cublas_graph_ms"] = graph_bench(lambda x=x, w=w: F.linear(x, w))
             for cfg in candidates:
                 if time.time() > deadline:
                     rec["cands"][cfg.tag] = {"skipped": "deadline"}
@@ -110,8 +130,13 @@ def gemm_section(deadline: float, candidates: list[GemmConfig]) -> dict:
                         "ratio_to_cublas": cublas_ms / ms,
                         "bitwise_production": bool(torch.equal(y, ref)),
                     }
+                    if graph:
+                        gms = graph_bench(lambda x=x, w=w, y=y, cfg=cfg: matmul(x, w, y, None, cfg, a_trans=False,
+                                                                                b_trans=True))  # fmt: skip
+                        rec["cands"][cfg.tag].update(graph_ms=gms, graph_ratio=rec["cublas_graph_ms"] / gms)
                 except Exception as exc:  # noqa: BLE001 - recorded
                     rec["cands"][cfg.tag] = {"error": err(exc)}
+                print(" ", name, m, cfg.tag, json.dumps(rec["cands"][cfg.tag]), flush=True)
             good = {t: c for t, c in rec["cands"].items() if "ms" in c and c["bitwise_production"]}
             if good:
                 best = max(good, key=lambda t: good[t]["ratio_to_cublas"])
@@ -316,20 +341,78 @@ def profile_section() -> dict:
     return out
 
 
+def hostcost_section(calls: int = 300) -> dict:
+    """Where the host time of one strict GEMM call goes at M = 264 (qkv: pointer path, ffn_down: TMA path): each
+    stage of ``gemm.linear`` timed alone over back-to-back calls (no sync inside), plus a cProfile of the whole call."""
+    import cProfile
+    import io
+    import pstats
+
+    from h3gate.kernels import gemm
+
+    def per_call(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        dt = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        return dt
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict = {}
+    for name in ("qkv", "ffn_down"):
+        k, n = SHAPES[name]
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+        x = torch.randn(264, k, device="cuda", generator=g).bfloat16()
+        y = torch.empty(264, n, dtype=torch.bfloat16, device="cuda")
+        cfg = gemm_config("fwd", n, k, torch.bfloat16, 264)
+        with torch.no_grad():
+            rec = {
+                "config": cfg.tag,
+                "linear_us": per_call(lambda x=x, w=w: gemm.linear(x, w)),
+                "F.linear_us": per_call(lambda x=x, w=w: F.linear(x, w)),
+                "check_us": per_call(lambda x=x, w=w: gemm._check("op", x, w, None)),
+                "gemm_config_us": per_call(lambda n=n, k=k: gemm_config("fwd", n, k, torch.bfloat16, 264)),
+                "empty_us": per_call(lambda n=n: torch.empty((264, n), dtype=torch.bfloat16, device="cuda")),
+                "matmul_us": per_call(lambda x=x, w=w, y=y, cfg=cfg: matmul(x, w, y, None, cfg, a_trans=False,
+                                                                           b_trans=True)),
+                "set_allocator_us": per_call(lambda: triton.set_allocator(gemm._tma_allocator)),
+            }  # fmt: skip
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                gemm.linear(x, w)
+            prof.disable()
+            torch.cuda.synchronize()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            rec["cprofile_tottime"] = buf.getvalue()[-6000:]
+        out[name] = rec
+        print(name, json.dumps({k2: v for k2, v in rec.items() if k2 != "cprofile_tottime"}), flush=True)
+        print(rec["cprofile_tottime"][:3000], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
-    ap.add_argument("--round", type=int, default=1, help="GEMM candidate list: 1 (tile shapes) or 2 (orders)")
+    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 (tile shapes), 2 (orders), 3 (warp spec.)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     body: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     for sec in args.sections.split(","):
         t0 = time.time()
         try:
-            if sec == "gemm":
+            if sec == "gemm" and args.round == 3:
+                body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND3, ms=(264, 3160), graph=True)
+            elif sec == "gemm":
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND2 if args.round == 2 else CANDIDATES)
+            elif sec == "hostcost":
+                body[sec] = hostcost_section()
             elif sec == "norm":
                 body[sec] = norm_section()
             elif sec == "profile":

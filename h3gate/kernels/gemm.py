@@ -90,6 +90,8 @@ def _gemm_kernel(
     B_TRANS: tl.constexpr,
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
+    WS_TILES: tl.constexpr,
+    WS_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """C (M, N) = A (M, R) @ B (R, N) [+ bias (N,)], A and B addressed through strides.
@@ -114,7 +116,7 @@ def _gemm_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, BLOCK_N])
         c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
-    for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WS_TILES):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +125,7 @@ def _gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             # Out-of-bounds rows/columns are zero-filled by the TMA unit.
-            for ki in range(k_tiles):
+            for ki in tl.range(k_tiles, warp_specialize=WS_K):
                 off_k = ki * BLOCK_K
                 if A_TRANS:
                     a = tl.trans(a_desc.load([off_k, pid_m * BLOCK_M]))
@@ -146,7 +148,7 @@ def _gemm_kernel(
                 b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
             else:
                 b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
-            for ki in range(k_tiles):
+            for ki in tl.range(k_tiles, warp_specialize=WS_K):
                 if EVEN_R:
                     if A_TRANS:
                         a = tl.trans(tl.load(a_ptrs, mask=mask_m[None, :], other=0.0))
@@ -270,6 +272,8 @@ def matmul(
         B_TRANS=b_trans,
         USE_TMA=tma,
         FLATTEN=cfg.persistent,
+        WS_TILES=cfg.warp_spec and cfg.persistent,
+        WS_K=cfg.warp_spec and not cfg.persistent,
         INTERPRET=INTERPRET,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

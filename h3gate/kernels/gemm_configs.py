@@ -50,13 +50,16 @@ class GemmConfig:
     num_stages: int = 3
     persistent: bool = False  # grid = #SMs, each program walks tiles tile_id, tile_id + #SMs, ...
     tma: bool = False  # TMA tensor-descriptor loads/stores instead of pointer loads
+    # Triton's automatic warp specialisation of the tile loop (persistent) or the K loop: producer/consumer warps,
+    # same MMAs in the same K order. Probed on the H200 (tools/gpu_perf_probe.py --round 3), not used by any entry.
+    warp_spec: bool = False
 
     @property
     def tag(self) -> str:
         variant = ("tma" if self.tma else "ptr") + ("_pers" if self.persistent else "")
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_w{self.num_warps}_s{self.num_stages}_"
-            f"{variant}"
+            f"{variant}{'_ws' if self.warp_spec else ''}"
         )
 
 
