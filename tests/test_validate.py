@@ -55,6 +55,14 @@ def test_unknown_yaml_field_fails_with_breadcrumb(home):
     assert "h3gate: error: manifests/configs/tiny.yaml: config.hiden_sise: unknown field" in done.stderr
 
 
+def test_unknown_bench_baseline_fails_with_breadcrumb(home):
+    path = home / "manifests" / "operators" / "attention.yaml"
+    path.write_text(path.read_text().replace("baseline: sdpa_flash", "baseline: cudnn", 1))
+    done = _validate(home)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "manifests/operators/attention.yaml: operators.h3_full_attention.bench.baseline:" in done.stderr
+
+
 def test_malformed_yaml_fails_with_breadcrumb(home):
     path = home / "manifests" / "checkpoints" / "minimax-h3-42ed227.yaml"
     path.write_text(path.read_text() + "\nvariants: [unclosed\n")

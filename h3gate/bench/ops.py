@@ -6,7 +6,15 @@ side (:func:`h3gate.bench.timing.side_by_side`, interleaved, L2 flushed, medians
 forward + backward (gradients of every grad argument). The copy bandwidth of the same device is measured in the
 same run.
 
-Criteria, declared here before measuring (forward only; forward + backward is recorded, not gated):
+Criteria (forward only; forward + backward is recorded, not gated). An operator whose manifest entry declares a
+``bench`` target (:class:`h3gate.manifests.operators.BenchTarget`) is gated by that target alone:
+
+* ``target``: baseline median / kernel median >= the declared ``min_ratio`` (``small_rows.min_ratio`` when the case
+  has fewer than ``small_rows.below`` rows); the baseline is the provider, or a declared variant of it
+  (:mod:`h3gate.bench.baselines`) timed in the same interleaved run next to kernel and provider. ``kind: compute``
+  marks the copy-bandwidth check not applicable.
+
+Every other operator is gated by the defaults, declared here before measuring:
 
 * ``not_slower``: kernel median <= provider median * (1 + NOISE), NOISE = 0.05 (timing noise allowance);
 * ``bandwidth``: for operators whose case moves >= MEMORY_BOUND_MIN_BYTES (256 MiB, where launch latency is under a
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from h3gate.bench.baselines import BASELINES
 from h3gate.bench.timing import copy_bandwidth_gbs, side_by_side
 from h3gate.errors import InputError
 from h3gate.ops import registry
@@ -54,7 +63,11 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
     case = build_case(op, rows, cfg, device, seed=0)
     binding = registry.bind(op, "strict", device)
     ref = registry.reference(op)
-    fwd = side_by_side({"kernel": _forward(case, binding.fn), "provider": _forward(case, ref)}, iters=iters)
+    target = registry.spec(op).bench
+    fns = {"kernel": _forward(case, binding.fn), "provider": _forward(case, ref)}
+    if target is not None and target.baseline != "provider":
+        fns["baseline"] = _forward(case, BASELINES[target.baseline](ref))
+    fwd = side_by_side(fns, iters=iters)
     fb = None
     if case.grad_args:
         with torch.no_grad():
@@ -67,12 +80,26 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
     k_ms, p_ms = fwd["kernel"]["median_ms"], fwd["provider"]["median_ms"]
     k_gbs = case.bytes_moved / (k_ms * 1e-3) / 1e9 if case.bytes_moved else None
     p_gbs = case.bytes_moved / (p_ms * 1e-3) / 1e9 if case.bytes_moved else None
-    memory_bound = case.bytes_moved >= MEMORY_BOUND_MIN_BYTES
+    memory_bound = case.bytes_moved >= MEMORY_BOUND_MIN_BYTES if target is None else target.kind == "memory"
     fraction = None if k_gbs is None else k_gbs / copy_gbs
-    checks = {
-        "not_slower": k_ms <= p_ms * (1 + NOISE),
-        "bandwidth": (fraction is not None and fraction >= MIN_COPY_FRACTION) if memory_bound else None,
-    }
+    bandwidth_ok = (fraction is not None and fraction >= MIN_COPY_FRACTION) if memory_bound else None
+    if target is None:
+        checks = {"not_slower": k_ms <= p_ms * (1 + NOISE), "bandwidth": bandwidth_ok}
+        declared = None
+    else:
+        base_ms = fwd["baseline"]["median_ms"] if "baseline" in fwd else p_ms
+        small = target.small_rows is not None and rows < target.small_rows.below
+        min_ratio = target.small_rows.min_ratio if small else target.min_ratio
+        ratio = base_ms / k_ms if k_ms > 0 else 0.0
+        checks = {"not_slower": None, "bandwidth": bandwidth_ok, "target": ratio >= min_ratio}
+        declared = {
+            "baseline": target.baseline,
+            "baseline_timing": fwd.get("baseline", fwd["provider"]),
+            "ratio": ratio,
+            "min_ratio": min_ratio,
+            "rows_bucket": f"rows < {target.small_rows.below}" if small else "all rows",
+            "source": target.source,
+        }
     return {
         "op": op,
         "binding": binding.record(),
@@ -89,6 +116,7 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
             "fraction_of_copy": fraction,
         },
         "forward_backward": None if fb is None else {"kernel": fb["kernel"], "provider": fb["provider"]},
+        "target": declared,
         "checks": checks,
         "verdict": "pass" if all(v is not False for v in checks.values()) else "fail",
     }

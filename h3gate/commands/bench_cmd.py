@@ -74,7 +74,9 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
                 {
                     "evidence": display(path),
                     **{k: body[k] for k in ("verdict", "copy_bandwidth_gbs")},
-                    "operators": {r["op"]: r["forward"] | {"checks": r["checks"]} for r in records},
+                    "operators": {
+                        r["op"]: r["forward"] | {"checks": r["checks"], "target": r["target"]} for r in records
+                    },
                 },
                 indent=1,
             )
@@ -104,13 +106,21 @@ def bench_body(config: str, layout: str, rows: int, device: str, copy_gbs: float
     }
 
 
+def _target_cell(target: dict | None) -> str:
+    """``0.93x >= 0.95 (provider)``: the declared target's ratio and bound, or ``-`` under the default criteria."""
+    if target is None:
+        return "-"
+    return f"{target['ratio']:.2f}x >= {target['min_ratio']:g} ({target['baseline']})"
+
+
 def _table(body: dict, path: Path) -> None:
     console = Console()
     layout, copy = body["layout"], body["copy_bandwidth_gbs"]
     title = f"bench --op @ {layout['name']} (S={layout['rows']}), copy {copy:.0f} GB/s"
     table = Table(title=f"{title}: {body['verdict'].upper()}")
-    for col in ("operator", "kernel ms", "provider ms", "speedup", "kernel GB/s", "% copy", "fwd+bwd k/p ms", "ok"):
+    for col in ("operator", "kernel ms", "provider ms", "speedup", "target", "kernel GB/s", "% copy", "fwd+bwd k/p ms"):
         table.add_column(col)
+    table.add_column("ok")
     for r in body["operators"]:
         f = r["forward"]
         frac = "-" if f["fraction_of_copy"] is None else f"{100 * f['fraction_of_copy']:.0f}%"
@@ -120,7 +130,8 @@ def _table(body: dict, path: Path) -> None:
         fbs = "-" if fb is None else f"{fb['kernel']['median_ms']:.3f}/{fb['provider']['median_ms']:.3f}"
         table.add_row(
             escape(r["op"]), f"{f['kernel']['median_ms']:.4f}", f"{f['provider']['median_ms']:.4f}",
-            f"{f['speedup']:.2f}x", "-" if f["kernel_gbs"] is None else f"{f['kernel_gbs']:.0f}", frac, fbs,
+            f"{f['speedup']:.2f}x", _target_cell(r["target"]),
+            "-" if f["kernel_gbs"] is None else f"{f['kernel_gbs']:.0f}", frac, fbs,
             "yes" if r["verdict"] == "pass" else "[red]NO[/red]",
         )  # fmt: skip
     console.print(table)

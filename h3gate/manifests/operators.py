@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from h3gate.errors import InputError
 from h3gate.manifests.loader import read_yaml, validate
@@ -47,6 +47,29 @@ class Contract(Strict):
     accuracy: Accuracy | None = None
 
 
+class SmallRows(Strict):
+    """A second ratio for cases with fewer than ``below`` rows (e.g. the GEMM's small-M tile bucket)."""
+
+    below: PositiveInt
+    min_ratio: PositiveFloat
+
+
+class BenchTarget(Strict):
+    """The operator's speed target, declared before measuring and gated by ``h3gate bench --op``.
+
+    ratio = baseline median / kernel median, both timed side by side in one run. ``baseline``: ``provider`` (the
+    operator's reference, e.g. ``F.linear`` = cuBLAS) or ``sdpa_flash`` (the reference with PyTorch SDPA pinned to
+    its flash backend). ``kind: compute`` means the copy-bandwidth check does not apply. Without a declared target
+    an operator is gated by the default criteria of :mod:`h3gate.bench.ops` (not slower than the provider; copy
+    bandwidth when memory-bound)."""
+
+    kind: Literal["compute", "memory"]
+    baseline: Literal["provider", "sdpa_flash"] = "provider"
+    min_ratio: PositiveFloat
+    small_rows: SmallRows | None = None
+    source: str = Field(min_length=1)
+
+
 class OperatorSpec(Strict):
     rfc_row: str
     family: str
@@ -56,6 +79,7 @@ class OperatorSpec(Strict):
     kernel_id: str | None = None
     label: Literal["row", "interim"] = "row"
     contract: Contract
+    bench: BenchTarget | None = None
 
 
 class OperatorFile(Strict):
