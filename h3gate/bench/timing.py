@@ -1,6 +1,9 @@
 """CUDA-event timing: interleaved side-by-side medians, and the device's measured copy bandwidth.
 
-* :func:`side_by_side` - several callables timed in one run: after ``warmup`` untimed rounds, ``iters`` rounds
+* :func:`side_by_side` - several callables timed in one run: after untimed warm-up rounds (at least ``warmup`` of
+  them and at least ``warmup_s`` seconds of them, each after an L2 flush like the timed calls; added after the first
+  operator timed on a freshly started H200 host, the M = 264 QKV GEMM, read 0.106 ms against 0.063 ms in an earlier
+  run with 5 warm-up rounds, ``evidence/h200/PROVENANCE.md``), ``iters`` rounds
   each call every callable once in turn (interleaved, so clock and thermal drift hit all alike), each timed call
   preceded by zeroing a 256 MiB buffer (the H200's L2 is 50 MiB), so inputs never sit in L2 - no input rotation
   needed; per callable the median / min / max of its ``iters`` event timings.
@@ -10,6 +13,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Mapping
 
 import torch
@@ -18,13 +22,18 @@ FLUSH_BYTES = 256 << 20
 COPY_BYTES = 1 << 30
 
 
-def side_by_side(fns: Mapping[str, Callable[[], object]], iters: int = 50, warmup: int = 5) -> dict[str, dict]:
+def side_by_side(
+    fns: Mapping[str, Callable[[], object]], iters: int = 50, warmup: int = 5, warmup_s: float = 0.5
+) -> dict[str, dict]:
     """Interleaved CUDA-event timings of every callable (L2 flushed before each timed call)."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    for _ in range(warmup):
+    rounds, start_s = 0, time.perf_counter()
+    while rounds < warmup or time.perf_counter() - start_s < warmup_s:
         for fn in fns.values():
+            flush.zero_()
             fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        rounds += 1
     events = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
