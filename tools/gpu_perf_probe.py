@@ -403,6 +403,7 @@ def main() -> None:
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
     ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 (tile shapes), 2 (orders), 3 (warp spec.)")
+    ap.add_argument("--ms", default="", help="GEMM rows for rounds 1/2 (default 264,3160,38974)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="GEMM shapes to probe (qkv,o_proj,ffn_gate_up,ffn_down)")
     args = ap.parse_args()
     for name in set(SHAPES) - set(args.shapes.split(",")):
@@ -415,7 +416,9 @@ def main() -> None:
             if sec == "gemm" and args.round == 3:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND3, m_list=(264, 3160), graph=True)
             elif sec == "gemm":
-                body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND2 if args.round == 2 else CANDIDATES)
+                m_list = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS
+                cands = ROUND2 if args.round == 2 else CANDIDATES
+                body[sec] = gemm_section(time.time() + args.gemm_seconds, cands, m_list=m_list, graph=True)
             elif sec == "hostcost":
                 body[sec] = hostcost_section()
             elif sec == "norm":
