@@ -11,10 +11,10 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   fixed order for that block shape. No split-K, no Stream-K, no atomics; a masked K tail contributes exact zeros.
 * row invariance - the K tiling (BLOCK_K, ascending) comes from :func:`h3gate.kernels.gemm_configs.gemm_config`
   ``(role, N, K, dtype)``, never from M, and M is never a compile-time constant (``do_not_specialize``); the forward
-  of the block's layers picks its tile *shape/order* from an M bucket (``M < SMALL_M``), which leaves each element's
-  K walk unchanged (declared and measured in ``gemm_configs``). Triton still specialises on pointer alignment, which
-  changes load vectorisation, never the maths. So row r's bytes do not depend on M, on its position, or on the other
-  rows (they only share a program, never a sum).
+  of the block's layers picks its tile *shape/order* from an M bucket (``gemm_configs.M_BUCKETS``: M < 512,
+  M < 1024), which leaves each element's K walk unchanged (declared and measured in ``gemm_configs``). Triton still
+  specialises on pointer alignment, which changes load vectorisation, never the maths. So row r's bytes do not
+  depend on M, on its position, or on the other rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
   (``out = cast(acc + float(b))``; the bf16 rounding is round-to-nearest-even).
 * backward - ``dX = dY @ W`` (reduction over N, ascending chunks, same row invariance), ``dW = dY^T @ X``

@@ -12,17 +12,18 @@ BLOCK_K is a function of ``(role, N, K, dtype)`` alone; M is never a compile-tim
 so it only decides how many tiles are launched and which rows are masked. Which program (or persistent iteration)
 computes a tile is launch geometry, not arithmetic.
 
-One more knob is M-dependent, declared here: for the forward of a layer in ``SMALL_M_TABLE``, a call with
-``M < SMALL_M`` takes that table's tile *shape and order* (BLOCK_M/N, GROUP_M, warps, stages, variant) instead of the
-large-M one. The two entries of a layer share BLOCK_K (checked at import), so the K chunking and its order are the
-same for every M; what changes is how many output rows/columns one program owns and the MMA instruction's M/N
-extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K] . b[k0:k0+BLOCK_K, n]`` over
-ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape probed
-(``docs/measurements/perf-probe-{1,2}.json``: 15 + 13 tilings, BLOCK_M 64..256, BLOCK_N 64..256, pointer/TMA,
-persistent or not) gave bytes identical to the production tiling at M = 264, 3160 and 38974 for the block's four
-shapes (and the production tiling's bytes equal cuBLAS's there). ws1-ops checks it on every run with its prefix
-probe: a case's first 7 rows run alone (small bucket) must equal the same rows of the full call (large bucket at
-layouts of >= SMALL_M rows). The committed H200 ws1-ops evidence predates that probe.
+One more knob is M-dependent, declared here: the forward of a layer listed in ``M_BUCKETS`` takes, for a call with
+fewer rows than a bucket's bound (the first such bucket, in ascending order), that bucket's tile *shape and order*
+(BLOCK_M/N, GROUP_M, warps, stages, variant) instead of the large-M one; at ``M >= SMALL_M`` (the last bound) it takes
+``TABLE``'s. Every bucket's entry for a layer shares that layer's BLOCK_K (checked at import), so the K chunking and
+its order are the same for every M; what changes is how many output rows/columns one program owns and the MMA
+instruction's M/N extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K] .
+b[k0:k0+BLOCK_K, n]`` over ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape
+probed (``docs/measurements/perf-probe-{1,2,8,9}.json``: 15 + 13 tilings, BLOCK_M 64..256, BLOCK_N 64..256,
+pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974) gave bytes identical to the production tiling for the
+block's four shapes (and the production tiling's bytes equal cuBLAS's there). ws1-ops checks it on every run with its
+prefix probe: a case's first 7 rows run alone (the first bucket) must equal the same rows of the full call (another
+bucket, or the large tiling, at layouts of >= 512 rows): ``evidence/h200/ws1-ops-gemm-*``.
 
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
 dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
@@ -84,8 +85,8 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     # Where the two runs disagree, the config with the better worst-case ratio across both runs is kept (run 1 for
     # o_proj, ffn_gate_up, ffn_down; run 2 for the skinny AdaLN/final projections). The block shapes' dX/dW rows are
     # the winners of the backward-only run (docs/measurements/gemm_attention-tuning-3-backward.*).
-    # The block's four forward shapes at M >= SMALL_M: re-picked from the M = 3160 / 38974 columns of
-    # docs/measurements/perf-probe-{1,2}.json (same-run ratios to cuBLAS; GROUP_M by the better of the two runs).
+    # The block's four forward shapes at M >= SMALL_M (below it: M_BUCKETS): re-picked from the M = 3160 / 38974
+    # columns of docs/measurements/perf-probe-{1,2}.json (same-run ratios to cuBLAS; GROUP_M by the better of 2 runs).
     ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
     ("fwd", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 32, 8, 3, persistent=True, tma=True),
@@ -116,29 +117,47 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
 }
 
 
-# Forward rows below SMALL_M (the tiny layout's 264 packed rows; few row tiles, so wave quantisation rules) take
-# these tile shapes/orders - same BLOCK_K as the layer's TABLE entry. Winners of the M = 264 column of
-# docs/measurements/perf-probe-{1,2}.json.
-SMALL_M = 1024
-SMALL_M_TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
+# Forward tile shape/order by M bucket for the block's four layers (same BLOCK_K as the layer's TABLE entry):
+# (bound, table) in ascending bound order; a call with M < bound takes the first matching bucket's entry.
+# * M < 512 (the tiny layout's 264 rows; few row tiles, so wave quantisation rules): winners of the M = 264 column of
+#   docs/measurements/perf-probe-{1,2}.json.
+# * 512 <= M < 1024 (the small layout's 925 rows): winners of docs/measurements/perf-probe-{8,9}.json at M = 925,
+#   by device-only (CUDA graph) time; 128x128 TMA persistent for the o/down projections (0.80 / 0.79 of cuBLAS
+#   there against 0.72 / 0.75 for the M < 512 tiling), the M < 512 tiling kept for qkv and gate-up (0.90 / 0.89).
+_BUCKET_264: dict[tuple[str, int, int, str], GemmConfig] = {
     ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
     ("fwd", 5376, 7168, _BF16): GemmConfig(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
     ("fwd", 5376, 14336, _BF16): GemmConfig(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
 }
+_BUCKET_925: dict[tuple[str, int, int, str], GemmConfig] = {
+    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
+    ("fwd", 5376, 7168, _BF16): GemmConfig(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
+    ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    ("fwd", 5376, 14336, _BF16): GemmConfig(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
+}
+M_BUCKETS: tuple[tuple[int, dict[tuple[str, int, int, str], GemmConfig]], ...] = (
+    (512, _BUCKET_264),
+    (1024, _BUCKET_925),
+)
+SMALL_M = M_BUCKETS[-1][0]  # at M >= SMALL_M every layer takes TABLE
 
 
-def _check_small_m_table() -> None:
-    """Every small-M entry must keep its layer's K tiling (the only M-independent part that shapes arithmetic)."""
-    for key, small in SMALL_M_TABLE.items():
-        large = TABLE.get(key)
-        if large is None or large.block_k != small.block_k:
-            raise AssertionError(
-                f"gemm_configs.SMALL_M_TABLE{key}: BLOCK_K must equal TABLE's (K tiling fixed for every M)"
-            )
+def _check_m_buckets() -> None:
+    """Bounds ascend, and every bucket entry keeps its layer's K tiling (the only part that shapes arithmetic)."""
+    bounds = [bound for bound, _ in M_BUCKETS]
+    if bounds != sorted(set(bounds)):
+        raise AssertionError(f"gemm_configs.M_BUCKETS: bounds must strictly ascend, got {bounds}")
+    for bound, table in M_BUCKETS:
+        for key, small in table.items():
+            large = TABLE.get(key)
+            if large is None or large.block_k != small.block_k:
+                raise AssertionError(
+                    f"gemm_configs.M_BUCKETS[M < {bound}]{key}: BLOCK_K must equal TABLE's (K tiling fixed for every M)"
+                )
 
 
-_check_small_m_table()
+_check_m_buckets()
 
 
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
@@ -164,12 +183,14 @@ def _tma_ok(role: str, n: int, k: int, dtype: torch.dtype) -> bool:
 def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = None) -> GemmConfig:
     """The config for ``role`` of the layer with weight (N, K) at ``dtype`` with ``m`` output rows.
 
-    BLOCK_K never depends on ``m``; ``m < SMALL_M`` only selects the tile shape/order of ``SMALL_M_TABLE``."""
+    BLOCK_K never depends on ``m``; ``m`` only selects a tile shape/order from ``M_BUCKETS`` (forward, M < SMALL_M)."""
     if role not in ROLES:
         raise ValueError(f"gemm role {role!r}: expected one of {ROLES}")
     name = str(dtype).replace("torch.", "")
     key = (role, n, k, name)
-    small = SMALL_M_TABLE.get(key) if m is not None and m < SMALL_M else None
+    small = None
+    if m is not None:
+        small = next((table.get(key) for bound, table in M_BUCKETS if m < bound), None)
     cfg = small or TABLE.get(key) or default_config(role, n, k, dtype)
     if cfg.tma and not _tma_ok(role, n, k, dtype):
         cfg = replace(cfg, tma=False)

@@ -52,7 +52,7 @@ class OpCase:
     mutate: Mutator | None = None
     # Row-local operators whose only per-row arguments are those in ``row_dims`` may declare prefix rows: the
     # probe calls the operator on just the first ``prefix_rows`` rows and compares them with the full call's (a
-    # different M: for the GEMM, a different M bucket of its tiling when the layout has >= SMALL_M rows).
+    # different M: for the GEMM, a different M bucket of its tiling when the layout has >= 512 rows).
     prefix_rows: int = 0
     golden_kwargs: dict[str, Any] = field(default_factory=dict)  # kwargs replaced for the float64 golden
     # A float64 implementation of the reference's maths to use as the golden instead of the reference itself, for

@@ -21,7 +21,7 @@ MAX_TIMESTEPS = 3
 # Above this many bytes of float64 scores the attention golden is the chunked float64 implementation (768p: 680 GB
 # dense); tiny ... medium keep the dense float64 reference.
 DENSE_ATTENTION_GOLDEN_BYTES = 16 << 30
-PREFIX_ROWS = 7  # rows run alone by the prefix probe: below SMALL_M, so layouts >= SMALL_M rows cross the M bucket
+PREFIX_ROWS = 7  # rows run alone by the prefix probe: the first M bucket, so layouts of >= 512 rows cross a bucket
 
 
 def _linear_case(

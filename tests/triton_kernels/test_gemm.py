@@ -156,35 +156,44 @@ def test_config_is_chosen_without_m(monkeypatch) -> None:
     assert gemm_config("fwd", 96768, 2688, BF16).block_m == BF16_SKINNY.block_m
 
 
-def test_small_m_bucket_changes_tile_shape_never_k_tiling_nor_bytes(monkeypatch) -> None:
-    """A layer with a SMALL_M_TABLE entry takes it below SMALL_M only; both share BLOCK_K; a row's bytes are the
-    same whichever bucket its call fell in (interpreter here; the H200 probe and ws1-ops check the compiled MMA)."""
+def test_m_buckets_change_tile_shape_never_k_tiling_nor_bytes(monkeypatch) -> None:
+    """A layer listed in M_BUCKETS takes the first bucket whose bound exceeds M, TABLE from the last bound on; every
+    tiling shares BLOCK_K; a row's bytes are the same whichever bucket its call fell in (interpreter here; the H200
+    probe and ws1-ops check the compiled MMA)."""
     large = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
-    small = GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, persistent=True)
+    tiny = GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, persistent=True)
+    mid = GemmConfig(64, 16, 32, group_m=4, num_warps=4, num_stages=2, persistent=True)
     key = ("fwd", 96, 130, "bfloat16")
     monkeypatch.setitem(gemm_configs.TABLE, key, large)
-    monkeypatch.setitem(gemm_configs.SMALL_M_TABLE, key, small)
-    monkeypatch.setattr(gemm_configs, "SMALL_M", 8)
-    assert gemm_config("fwd", 96, 130, BF16, 7) == small
-    assert gemm_config("fwd", 96, 130, BF16, 8) == large and gemm_config("fwd", 96, 130, BF16) == large
+    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((8, {key: tiny}), (24, {key: mid})))
+    assert gemm_config("fwd", 96, 130, BF16, 7) == tiny
+    assert gemm_config("fwd", 96, 130, BF16, 8) == mid and gemm_config("fwd", 96, 130, BF16, 23) == mid
+    assert gemm_config("fwd", 96, 130, BF16, 24) == large and gemm_config("fwd", 96, 130, BF16) == large
     assert gemm_config("dx", 96, 130, BF16, 7) == gemm_config("dx", 96, 130, BF16)  # buckets are forward-only
     x, w, b = make(37, 130, 96, BF16)
     y_large = gemm.linear(x, w, b)
-    y_small = gemm.linear(x[:5], w, b)
-    assert torch.equal(y_small, y_large[:5])
-    # The table check refuses a small-M entry that would change the K tiling.
-    monkeypatch.setitem(gemm_configs.SMALL_M_TABLE, key, GemmConfig(16, 64, 64))
-    with pytest.raises(AssertionError, match="BLOCK_K must equal"):
-        gemm_configs._check_small_m_table()
+    assert torch.equal(gemm.linear(x[:5], w, b), y_large[:5])
+    assert torch.equal(gemm.linear(x[:17], w, b), y_large[:17])
+    # The import-time check refuses a bucket entry that would change the K tiling, and bounds out of order.
+    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((8, {key: tiny}), (24, {key: GemmConfig(16, 64, 64)})))
+    with pytest.raises(AssertionError, match=r"M_BUCKETS\[M < 24\].*BLOCK_K must equal"):
+        gemm_configs._check_m_buckets()
+    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((24, {key: mid}), (8, {key: tiny})))
+    with pytest.raises(AssertionError, match="bounds must strictly ascend"):
+        gemm_configs._check_m_buckets()
 
 
-def test_shipped_small_m_entries_keep_the_k_tiling() -> None:
-    assert gemm_configs.SMALL_M_TABLE, "the block's forward GEMMs have small-M tilings"
-    for key, cfg in gemm_configs.SMALL_M_TABLE.items():
-        role, n, k, _ = key
-        assert cfg.block_k == gemm_configs.TABLE[key].block_k, key
-        assert gemm_config(role, n, k, BF16, gemm_configs.SMALL_M - 1) == cfg
-        assert gemm_config(role, n, k, BF16, gemm_configs.SMALL_M) == gemm_configs.TABLE[key]
+def test_shipped_m_buckets_keep_the_k_tiling() -> None:
+    assert [bound for bound, _ in gemm_configs.M_BUCKETS] == [512, gemm_configs.SMALL_M]
+    lower = 0
+    for bound, table in gemm_configs.M_BUCKETS:
+        assert table, "the block's forward GEMMs have small-M tilings"
+        for key, cfg in table.items():
+            role, n, k, _ = key
+            assert cfg.block_k == gemm_configs.TABLE[key].block_k, key
+            assert gemm_config(role, n, k, BF16, lower) == cfg == gemm_config(role, n, k, BF16, bound - 1)
+            assert gemm_config(role, n, k, BF16, gemm_configs.SMALL_M) == gemm_configs.TABLE[key]
+        lower = bound
 
 
 def test_skinny_adaln_tiling_small_m() -> None:
@@ -265,16 +274,15 @@ def test_no_grad_calls_skip_autograd_but_not_the_kernel(monkeypatch) -> None:
 
 
 def test_ws1_ops_prefix_probe_crosses_the_m_bucket(monkeypatch) -> None:
-    """ws1-ops runs a GEMM case's first rows alone (M = 7, the small-M bucket) against the full call (M >= SMALL_M
+    """ws1-ops runs a GEMM case's first rows alone (M = 7, the first M bucket) against the full call (the large tiling
     here): bitwise with the real kernel, and caught when a kernel's bytes depend on M."""
     from h3gate import opsgate
 
-    monkeypatch.setattr(gemm_configs, "SMALL_M", 16)  # the tiny case's 20 rows take the large tiling
     cfg = load_config("tiny").config
     key = ("fwd", cfg.hidden_size, cfg.inner_dim, "bfloat16")  # the o projection: inner_dim -> hidden
     large, small = GemmConfig(32, 32, 32, group_m=2, num_stages=2), GemmConfig(16, 64, 32, group_m=1, persistent=True)
     monkeypatch.setitem(gemm_configs.TABLE, key, large)
-    monkeypatch.setitem(gemm_configs.SMALL_M_TABLE, key, small)
+    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((16, {key: small}),))  # the tiny case's 20 rows: large tiling
     seen: list[tuple[int, GemmConfig]] = []
     real_matmul = gemm.matmul
 
