@@ -28,6 +28,7 @@ from h3gate.paths import LOCAL_EVIDENCE, display
 
 KIND = "bench-ws1-block"
 WARMUP = 3
+WARMUP_S = 0.5
 ITERS = 20
 
 
@@ -70,7 +71,7 @@ def bench_block(layout: str, config: str, device: str, out: Path | None, json_: 
 
     results: dict[str, dict] = {}
     for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
-        stats = side_by_side({who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP)
+        stats = side_by_side({who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S)
         ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
         results[phase] = {**stats, "strict_over_provider": ratio}
     body = {
@@ -78,8 +79,9 @@ def bench_block(layout: str, config: str, device: str, out: Path | None, json_: 
         "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
         "device": device,
         "method": (
-            f"h3gate.bench.timing.side_by_side: {WARMUP} warm-up rounds, then {ITERS} interleaved rounds (provider, "
-            "strict), L2 flushed before each call, CUDA events per call; median / min / max"
+            f"h3gate.bench.timing.side_by_side: warm-up rounds (at least {WARMUP} and {WARMUP_S} s), then {ITERS} "
+            "interleaved rounds (provider, strict), L2 flushed before each call, CUDA events per call; "
+            "median / min / max"
         ),
         "bindings": {name: nb.record() for name, nb in bindings.items()},
         "results": results,
