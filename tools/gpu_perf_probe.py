@@ -95,6 +95,17 @@ def err(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
 
 
+# Round 4: tail tiles (GemmConfig.tail_block_n) for the persistent qkv forward at M = 3072 / 3160 (5.1 / 5.3 waves of
+# 256-wide tiles); gate-up (21 waves, where gemm_configs.tail_split declines) as the control.
+ROUND4 = [
+    C(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    C(128, 256, 64, 16, 8, 3, persistent=True, tma=True, tail_block_n=128),
+    C(128, 256, 64, 16, 8, 3, persistent=True, tma=True, tail_block_n=64),
+    C(128, 256, 64, 8, 8, 3, persistent=True),
+    C(128, 256, 64, 8, 8, 3, persistent=True, tail_block_n=128),
+]
+
+
 def graph_bench(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
@@ -402,7 +413,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
-    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 (tile shapes), 2 (orders), 3 (warp spec.)")
+    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 shapes, 2 orders, 3 warp spec., 4 tails")
     ap.add_argument("--ms", default="", help="GEMM rows for rounds 1/2 (default 264,3160,38974)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="GEMM shapes to probe (qkv,o_proj,ffn_gate_up,ffn_down)")
     args = ap.parse_args()
@@ -415,6 +426,8 @@ def main() -> None:
         try:
             if sec == "gemm" and args.round == 3:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND3, m_list=(264, 3160), graph=True)
+            elif sec == "gemm" and args.round == 4:
+                body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND4, m_list=(3072, 3160), graph=True)
             elif sec == "gemm":
                 m_list = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS
                 cands = ROUND2 if args.round == 2 else CANDIDATES

@@ -12,7 +12,9 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
 * row invariance - the K tiling (BLOCK_K, ascending) comes from :func:`h3gate.kernels.gemm_configs.gemm_config`
   ``(role, N, K, dtype)``, never from M, and M is never a compile-time constant (``do_not_specialize``); the forward
   of the block's layers picks its tile *shape/order* from an M bucket (``gemm_configs.M_BUCKETS``: M < 512,
-  M < 1024), which leaves each element's K walk unchanged (declared and measured in ``gemm_configs``). Triton still
+  M < 1024), and a persistent launch may cover its last columns with narrower tail tiles (``gemm_configs.tail_split``,
+  chosen from the tile counts and the SM count); both leave each element's K walk unchanged (declared and measured
+  in ``gemm_configs``). Triton still
   specialises on pointer alignment, which changes load vectorisation, never the maths. So row r's bytes do not
   depend on M, on its position, or on the other rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
@@ -37,7 +39,7 @@ import triton.language as tl
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import f32, helper, rne
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, tail_split
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -65,7 +67,80 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["M", "NUM_PROGS"])
+@helper
+def _tile(
+    a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, b_desc, c_desc, off_m, off_n, M, N, R,
+    stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_R: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, WS_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One (BLOCK_M x BLOCK_N) output tile at (off_m, off_n): the ascending BLOCK_K walk, bias, one rounding."""
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_TMA:
+        # Out-of-bounds rows/columns are zero-filled by the TMA unit.
+        for ki in tl.range(k_tiles, warp_specialize=WS_K):
+            off_k = ki * BLOCK_K
+            if A_TRANS:
+                a = tl.trans(a_desc.load([off_k, off_m]))
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_TRANS:
+                b = tl.trans(b_desc.load([off_n, off_k]))
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = mma(a, b, acc, INTERPRET)
+    else:
+        # Every operand is read as the tile of its *stored* layout (unit stride along the tile's last axis, so the
+        # loads coalesce along the contiguous dimension) and transposed in registers/shared memory.
+        offs_k = tl.arange(0, BLOCK_K)
+        if A_TRANS:  # stored (R, M): load the (BLOCK_K, BLOCK_M) tile
+            a_ptrs = a_ptr + offs_k.to(tl.int64)[:, None] * stride_ar + offs_m[None, :] * stride_am
+        else:
+            a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
+        if B_TRANS:  # stored (N, R): load the (BLOCK_N, BLOCK_K) tile
+            b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
+        else:
+            b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
+        for ki in tl.range(k_tiles, warp_specialize=WS_K):
+            if EVEN_R:
+                if A_TRANS:
+                    a = tl.trans(tl.load(a_ptrs, mask=mask_m[None, :], other=0.0))
+                else:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                if B_TRANS:
+                    b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None], other=0.0))
+                else:
+                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                in_k = offs_k < R - ki * BLOCK_K
+                if A_TRANS:
+                    a = tl.trans(tl.load(a_ptrs, mask=in_k[:, None] & mask_m[None, :], other=0.0))
+                else:
+                    a = tl.load(a_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+                if B_TRANS:
+                    b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0))
+                else:
+                    b = tl.load(b_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
+            acc = mma(a, b, acc, INTERPRET)
+            a_ptrs += BLOCK_K * stride_ar
+            b_ptrs += BLOCK_K * stride_br
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    out = rne(acc, c_ptr.dtype.element_ty, INTERPRET)
+    if USE_TMA:
+        c_desc.store([off_m, off_n], out)
+    else:
+        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "NUM_PROGS", "N_SPLIT"])
 def _gemm_kernel(
     a_ptr,
     b_ptr,
@@ -80,9 +155,11 @@ def _gemm_kernel(
     stride_bn,
     stride_cm,
     NUM_PROGS,
+    N_SPLIT,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TAIL_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_R: tl.constexpr,
@@ -99,13 +176,16 @@ def _gemm_kernel(
     ``A_TRANS``: A is stored as (R, M) row-major (stride_am == 1); ``B_TRANS``: B is stored as (N, R) row-major
     (stride_br == 1). Both variants (pointer and TMA) load the tile of the stored layout, contiguous along its last
     axis, and ``tl.trans`` it on chip: the MMA sees the same values, so the arithmetic is unchanged.
+
+    Columns [0, N_SPLIT) are covered by BLOCK_N-wide tiles; with ``TAIL_N > 0`` (persistent launches only) columns
+    [N_SPLIT, N) are then covered by TAIL_N-wide tiles, dealt out round robin from the program after the one that
+    took the last wide tile. Without a tail N_SPLIT == N. Either way each output element gets the same K walk.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N_SPLIT, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(R, BLOCK_K)
-    out_ty = c_ptr.dtype.element_ty
     if USE_TMA:
         if A_TRANS:
             a_desc = tl.make_tensor_descriptor(a_ptr, [R, M], [stride_ar, 1], [BLOCK_K, BLOCK_M])
@@ -116,70 +196,33 @@ def _gemm_kernel(
         else:
             b_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, BLOCK_N])
         c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
+    else:
+        a_desc, b_desc, c_desc = a_ptr, b_ptr, c_ptr  # unused: the pointer path
     for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WS_TILES):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        _tile(
+            a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, b_desc, c_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, R,
+            stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
+            EVEN_R, A_TRANS, B_TRANS, USE_TMA, WS_K, INTERPRET,
+        )  # fmt: skip
+    if TAIL_N > 0:
         if USE_TMA:
-            # Out-of-bounds rows/columns are zero-filled by the TMA unit.
-            for ki in tl.range(k_tiles, warp_specialize=WS_K):
-                off_k = ki * BLOCK_K
-                if A_TRANS:
-                    a = tl.trans(a_desc.load([off_k, pid_m * BLOCK_M]))
-                else:
-                    a = a_desc.load([pid_m * BLOCK_M, off_k])
-                if B_TRANS:
-                    b = tl.trans(b_desc.load([pid_n * BLOCK_N, off_k]))
-                else:
-                    b = b_desc.load([off_k, pid_n * BLOCK_N])
-                acc = mma(a, b, acc, INTERPRET)
-        else:
-            # Every operand is read as the tile of its *stored* layout (unit stride along the tile's last axis, so
-            # the loads coalesce along the contiguous dimension) and transposed in registers/shared memory.
-            offs_k = tl.arange(0, BLOCK_K)
-            if A_TRANS:  # stored (R, M): load the (BLOCK_K, BLOCK_M) tile
-                a_ptrs = a_ptr + offs_k.to(tl.int64)[:, None] * stride_ar + offs_m[None, :] * stride_am
+            if B_TRANS:
+                bt_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_bn, 1], [TAIL_N, BLOCK_K])
             else:
-                a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
-            if B_TRANS:  # stored (N, R): load the (BLOCK_N, BLOCK_K) tile
-                b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
-            else:
-                b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
-            for ki in tl.range(k_tiles, warp_specialize=WS_K):
-                if EVEN_R:
-                    if A_TRANS:
-                        a = tl.trans(tl.load(a_ptrs, mask=mask_m[None, :], other=0.0))
-                    else:
-                        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                    if B_TRANS:
-                        b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None], other=0.0))
-                    else:
-                        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-                else:
-                    in_k = offs_k < R - ki * BLOCK_K
-                    if A_TRANS:
-                        a = tl.trans(tl.load(a_ptrs, mask=in_k[:, None] & mask_m[None, :], other=0.0))
-                    else:
-                        a = tl.load(a_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-                    if B_TRANS:
-                        b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0))
-                    else:
-                        b = tl.load(b_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
-                acc = mma(a, b, acc, INTERPRET)
-                a_ptrs += BLOCK_K * stride_ar
-                b_ptrs += BLOCK_K * stride_br
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
-        out = rne(acc, out_ty, INTERPRET)
-        if USE_TMA:
-            c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out)
+                bt_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, TAIL_N])
+            ct_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, TAIL_N])
         else:
-            c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-            tl.store(c_ptrs, out, mask=mask_m[:, None] & mask_n[None, :])
+            bt_desc, ct_desc = b_ptr, c_ptr
+        num_pid_t = tl.cdiv(N - N_SPLIT, TAIL_N)
+        first = (pid + NUM_PROGS - num_tiles % NUM_PROGS) % NUM_PROGS
+        for tile_id in tl.range(first, num_pid_m * num_pid_t, NUM_PROGS, flatten=FLATTEN):
+            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_t, GROUP_M)
+            _tile(
+                a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, bt_desc, ct_desc, pid_m * BLOCK_M, N_SPLIT + pid_n * TAIL_N,
+                M, N, R, stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles, BLOCK_M, TAIL_N, BLOCK_K,
+                HAS_BIAS, EVEN_R, A_TRANS, B_TRANS, USE_TMA, WS_K, INTERPRET,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -245,8 +288,10 @@ def matmul(
     if tma:
         a, b = _aligned(a), _aligned(b)
         triton.set_allocator(_tma_allocator)  # a context variable: set on every launch (autograd threads too)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)  # ceil divisions (triton.cdiv is a jit wrapper: slower)
+    m_tiles = -(-m // cfg.block_m)  # ceil divisions (triton.cdiv is a jit wrapper: slower)
+    tiles = m_tiles * -(-n // cfg.block_n)
     progs = min(tiles, _num_sms(out.device)) if cfg.persistent else tiles
+    n_split = tail_split(m_tiles, n, cfg.block_n, cfg.tail_block_n, progs) if cfg.tail_block_n else None
     target = out if not tma or out.data_ptr() % 16 == 0 else torch.empty_like(out)
     _gemm_kernel[(progs,)](
         a,
@@ -262,9 +307,11 @@ def matmul(
         stride_bn,
         target.stride(0),
         progs,
+        n if n_split is None else n_split,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        TAIL_N=0 if n_split is None else cfg.tail_block_n,
         GROUP_M=cfg.group_m,
         HAS_BIAS=bias is not None,
         EVEN_R=r % cfg.block_k == 0,

@@ -32,6 +32,7 @@ dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :fun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,13 +55,20 @@ class GemmConfig:
     # Triton's automatic warp specialisation of the tile loop (persistent) or the K loop: producer/consumer warps,
     # same MMAs in the same K order. Probed on the H200 (tools/gpu_perf_probe.py --round 3), not used by any entry.
     warp_spec: bool = False
+    # Persistent launches only: when the BLOCK_N-wide tiles would leave the last wave partly idle, the last columns
+    # are covered by tail_block_n-wide tiles (see :func:`tail_split`); 0 = never. Scheduling, like the tile shape.
+    tail_block_n: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tail_block_n and (not self.persistent or self.block_n % self.tail_block_n):
+            raise ValueError(f"GemmConfig {self.tag}: tail_block_n needs a persistent launch and must divide block_n")
 
     @property
     def tag(self) -> str:
         variant = ("tma" if self.tma else "ptr") + ("_pers" if self.persistent else "")
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_w{self.num_warps}_s{self.num_stages}_"
-            f"{variant}{'_ws' if self.warp_spec else ''}"
+            f"{variant}{'_ws' if self.warp_spec else ''}{f'_t{self.tail_block_n}' if self.tail_block_n else ''}"
         )
 
 
@@ -87,7 +95,8 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     # the winners of the backward-only run (docs/measurements/gemm_attention-tuning-3-backward.*).
     # The block's four forward shapes at M >= SMALL_M (below it: M_BUCKETS): re-picked from the M = 3160 / 38974
     # columns of docs/measurements/perf-probe-{1,2}.json (same-run ratios to cuBLAS; GROUP_M by the better of 2 runs).
-    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    # qkv adds 128-wide tail tiles where the 256-wide ones leave the last wave part idle (M = 3160: 5.3 waves).
+    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True, tail_block_n=128),
     ("fwd", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 32, 8, 3, persistent=True, tma=True),
     ("fwd", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
@@ -195,3 +204,46 @@ def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = N
     if cfg.tma and not _tma_ok(role, n, k, dtype):
         cfg = replace(cfg, tma=False)
     return cfg
+
+
+# Tail split (persistent launches with ``tail_block_n``): a narrow tile costs this much more per output element than
+# a wide one (H200: 128x128 vs 128x256 tiles at M = 3160, docs/measurements/perf-probe-1.json), and a split must
+# shorten the modelled makespan by TAIL_MIN_GAIN to be used.
+TAIL_COST = 1.1
+TAIL_MIN_GAIN = 0.03
+TAIL_MAX_WAVES = 8
+
+
+@functools.cache
+def tail_split(m_tiles: int, n: int, block_n: int, tail_n: int, programs: int) -> int | None:
+    """The column N_SPLIT where narrow tail tiles take over, or None to launch wide tiles only.
+
+    Model: every wide tile costs 1, a tail tile ``TAIL_COST * tail_n / block_n``; wide tiles go round robin over the
+    ``programs`` persistent programs, then tail tiles continue the round robin from the next program (as the kernel
+    deals them). The makespan is the busiest program's cost. Wide-only costs ceil(tiles / programs); the split column
+    (a multiple of block_n) with the smallest makespan is used when it is at least TAIL_MIN_GAIN shorter. Only
+    between one and TAIL_MAX_WAVES waves of wide tiles, where the idle part of the last wave matters. Pure scheduling:
+    which tile shape covers a column never changes an element's K walk."""
+    if tail_n <= 0 or n % block_n:
+        return None
+    cols = n // block_n
+    tiles = m_tiles * cols
+    waves = tiles // programs
+    if waves < 1 or waves >= TAIL_MAX_WAVES or tiles % programs == 0:
+        return None
+    plain = -(-tiles // programs)
+    per_wide = block_n // tail_n
+    best, best_cost = None, plain * (1 - TAIL_MIN_GAIN)
+    for wide_cols in range(cols - 1, 0, -1):
+        t1 = m_tiles * wide_cols
+        t2 = m_tiles * (cols - wide_cols) * per_wide
+        start = t1 % programs
+        cost = 0.0
+        for p in range(programs):
+            n1 = t1 // programs + (1 if p < start else 0)
+            j0 = (p - start) % programs
+            n2 = -(-(t2 - j0) // programs) if j0 < t2 else 0
+            cost = max(cost, n1 + n2 * TAIL_COST / per_wide)
+        if cost < best_cost:
+            best, best_cost = wide_cols * block_n, cost
+    return best

@@ -1,4 +1,4 @@
-"""Compile every strict row kernel for sm_90 (H200) ahead of time, without a GPU:
+"""Compile every strict row kernel, and the GEMM's block-layer variants, for sm_90 (H200) ahead of time, without a GPU:
 ``python -m tests.triton_kernels.rows_aot``
 (must run with TRITON_INTERPRET unset, so the compiled code path - libdevice, ``cvt.rn``, no FMA - is the one built).
 
@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from h3gate.kernels import elementwise, gather, norms, packed, rope, timestep  # noqa: E402
+from h3gate.kernels import elementwise, gather, gemm, norms, packed, rope, timestep  # noqa: E402
 from h3gate.kernels.common import STRICT_LAUNCH  # noqa: E402
 
 B, F, I64, I32, PF = "*bf16", "*fp32", "*i64", "*i32", "fp32"
@@ -79,20 +79,35 @@ def variants():
     sc = dict(t_ptr=B, v_ptr=F, a_ptr=F, kind_ptr=I32, src_ptr=I64, out_ptr=B, S="i32", H="i32", t_bs="i32",
               v_bs="i32", a_bs="i32")  # fmt: skip
     yield "packed.scatter", packed._scatter_kernel, sc, dict(BLOCK_M=2, BLOCK_H=1024), False
+    # The GEMM (tensor-core MMAs, not FMAs): the block forward's persistent pointer / TMA variants, with and without
+    # the narrow tail tiles, and the dW layout (A stored transposed).
+    mm = dict(a_ptr=B, b_ptr=B, c_ptr=B, bias_ptr=B, M="i32", N="i32", R="i32", stride_am="i32", stride_ar="i32",
+              stride_br="i32", stride_bn="i32", stride_cm="i32", NUM_PROGS="i32", N_SPLIT="i32")  # fmt: skip
+    base = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TAIL_N=0, GROUP_M=16, HAS_BIAS=False, EVEN_R=True,
+                A_TRANS=False, B_TRANS=True, USE_TMA=True, FLATTEN=True, WS_TILES=False, WS_K=False,
+                INTERPRET=False)  # fmt: skip
+    opts = dict(num_warps=8, num_stages=3)
+    yield "gemm.fwd.tma", gemm._gemm_kernel, mm, base, False, opts
+    yield "gemm.fwd.tma.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128}, False, opts
+    yield "gemm.fwd.ptr.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128, "USE_TMA": False}, False, opts
+    yield "gemm.dw.tma", gemm._gemm_kernel, mm, {**base, "A_TRANS": True, "B_TRANS": False, "GROUP_M": 8}, False, opts
 
 
 def main() -> int:
     failed = 0
-    for name, kernel, sig, const, transcendental in variants():
-        const = {**const, "INTERP": False}
+    for name, kernel, sig, const, transcendental, *options in variants():
+        if "INTERP" in kernel.arg_names:
+            const = {**const, "INTERP": False}
         signature = {**sig, **{k: "constexpr" for k in const}}
         rec = {"kernel": name, "ok": False, "error": None, "fma_free": None}
         try:
             src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=const)
-            compiled = triton.compile(src, target=TARGET, options=dict(STRICT_LAUNCH))
+            compiled = triton.compile(src, target=TARGET, options={**STRICT_LAUNCH, **(options[0] if options else {})})
             ptx = compiled.asm["ptx"]
             rec["ok"] = True
             rec["fma_free"] = transcendental or not any(line.strip().startswith("fma") for line in ptx.splitlines())
+            if name.startswith("gemm."):
+                rec["wgmma"] = "wgmma.mma_async" in ptx  # Hopper's asynchronous warp-group MMA
         except Exception as exc:  # noqa: BLE001 - report every compile failure by name
             rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         failed += not (rec["ok"] and rec["fma_free"])

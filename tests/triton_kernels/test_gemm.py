@@ -196,6 +196,46 @@ def test_shipped_m_buckets_keep_the_k_tiling() -> None:
         lower = bound
 
 
+@pytest.mark.parametrize(
+    ("a_trans", "b_trans", "dtype"), [(False, True, BF16), (False, False, FP32), (True, False, BF16)]
+)
+def test_tail_split_covers_every_column_with_the_same_bytes(a_trans, b_trans, dtype) -> None:
+    """A persistent launch whose last columns go to narrower tail tiles writes every column, with the bytes of the
+    wide-only launch (forward, dX and dW operand layouts; odd K, so the masked K tail runs too)."""
+    wide = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2, persistent=True)
+    tailed = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2, persistent=True, tail_block_n=16)
+    m, k, n = 20, 70, 160  # 2 row tiles x 5 column tiles on the interpreter's 3 programs
+    assert gemm_configs.tail_split(2, n, 32, 16, 3) == 128  # columns 128..159 take the tail tiles
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(k, m, generator=g).to(dtype) if a_trans else torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, k, generator=g).to(dtype) if b_trans else torch.randn(k, n, generator=g).to(dtype)
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    outs = []
+    for cfg in (wide, tailed):
+        out = torch.full((m, n), float("nan"), dtype=dtype)
+        outs.append(gemm.matmul(a, b, out, bias, cfg, a_trans=a_trans, b_trans=b_trans))
+    assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
+    a64 = a.double().T if a_trans else a.double()
+    b64 = b.double().T if b_trans else b.double()
+    assert rel(outs[1], a64 @ b64 + bias.double()) < TOL[dtype]
+
+
+def test_tail_split_model() -> None:
+    """The split is used only between 1 and TAIL_MAX_WAVES waves of wide tiles with an idle part in the last wave,
+    and only where the modelled makespan shrinks; a tail needs a persistent launch and must divide BLOCK_N."""
+    tail_split = gemm_configs.tail_split
+    assert tail_split(25, 7168, 256, 128, 132) == 6656  # qkv at the medium layout: 700 wide tiles, 5.3 waves
+    assert tail_split(25, 5376, 256, 128, 132) is None  # o at medium: 525 tiles, 3.98 waves, little idle
+    assert tail_split(3, 7168, 256, 128, 132) is None  # below one wave
+    assert tail_split(305, 7168, 256, 128, 132) is None  # 64.7 waves
+    assert tail_split(33, 4 * 256, 256, 128, 132) is None  # exactly one wave
+    assert tail_split(25, 7168 + 8, 256, 128, 132) is None  # N not a multiple of BLOCK_N
+    with pytest.raises(ValueError, match="tail_block_n needs a persistent launch"):
+        GemmConfig(128, 256, 64, tail_block_n=128)
+    with pytest.raises(ValueError, match="must divide block_n"):
+        GemmConfig(128, 256, 64, persistent=True, tail_block_n=96)
+
+
 def test_skinny_adaln_tiling_small_m() -> None:
     x, w, b = make(3, 256, 200, BF16)
     full = run(x, w, b, BF16_SKINNY)

@@ -1,4 +1,5 @@
-"""Every strict row kernel compiles for sm_90 (the H200 path: libdevice, cvt.rn, no FMA contraction) without a GPU."""
+"""Every strict row kernel and the GEMM's block variants compile for sm_90 (the H200 path: libdevice, cvt.rn, no FMA
+contraction; the GEMM on wgmma, tail tiles included) without a GPU."""
 
 from __future__ import annotations
 
@@ -25,4 +26,6 @@ def test_row_kernels_compile_for_sm90_without_fma():
     assert len(records) >= 22, proc.stderr[-2000:]
     bad = [r for r in records if not (r["ok"] and r["fma_free"])]
     assert not bad, bad
+    gemm = [r for r in records if r["kernel"].startswith("gemm.")]
+    assert len(gemm) == 4 and all(r["wgmma"] for r in gemm), gemm
     assert proc.returncode == 0
