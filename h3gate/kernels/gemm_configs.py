@@ -25,6 +25,11 @@ block's four shapes (and the production tiling's bytes equal cuBLAS's there). ws
 prefix probe: a case's first 7 rows run alone (the first bucket) must equal the same rows of the full call (another
 bucket, or the large tiling, at layouts of >= 512 rows): ``evidence/h200/ws1-ops-gemm-*``.
 
+A persistent config may also name ``tail_block_n``: :func:`tail_split` then covers the last columns with narrower
+tiles where the wide tiles would leave the last wave part idle (qkv at M = 3160: 700 wide tiles on 132 SMs). Like the
+bucket, this picks which tile holds an element, never its K walk (bitwise in ``docs/measurements/perf-probe-10.json``
+and in ws1-ops / ws1-block at the medium layout).
+
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
 dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
 (deterministically, from N and K only) where the layer's widths do not allow it.
