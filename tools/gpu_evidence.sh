@@ -37,8 +37,10 @@ for s in "$@"; do
              step 120 $H bench ws1-block --config real --layout $L --device cuda --out $E/bench-ws1-block-$L
            done;;
     bench-ops) step 150 $H bench --device cuda --config real --layout 768p $ROWS --out $E/bench-ops-rows-768p;;
-    bench-gemm) step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --out $E/bench-ops-gemm-tiny
-                step 100 $H bench --device cuda --config real --layout small $BLOCK_GEMM --out $E/bench-ops-gemm-small
+    bench-gemm) step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --op h3_full_attention \
+                  --out $E/bench-ops-gemm-tiny
+                step 100 $H bench --device cuda --config real --layout small $BLOCK_GEMM --op h3_full_attention \
+                  --out $E/bench-ops-gemm-small
                 step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium
                 step 150 $H bench --device cuda --config real --layout 768p $BLOCK_GEMM --out $E/bench-ops-gemm-768p
                 step 150 $H bench --device cuda --config real --layout 768p --op h3_full_attention \
