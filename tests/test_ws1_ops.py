@@ -149,8 +149,9 @@ def _fake_timer(ms: dict[str, float]):
     [
         (264, 1.2, "rows < 1024", 0.8, "pass"),  # 0.83x cuBLAS: meets the small-M bound
         (264, 1.3, "rows < 1024", 0.8, "fail"),  # 0.77x
-        (3160, 1.04, "all rows", 0.95, "pass"),  # 0.96x: slower than cuBLAS yet meets the declared target
-        (3160, 1.06, "all rows", 0.95, "fail"),  # 0.94x
+        (1023, 1.2, "rows < 1024", 0.8, "pass"),  # the last row count of the small-M bucket
+        (1024, 1.04, "rows >= 1024", 0.95, "pass"),  # 0.96x: slower than cuBLAS yet meets the declared target
+        (3160, 1.06, "rows >= 1024", 0.95, "fail"),  # 0.94x
     ],
 )
 def test_bench_declared_gemm_target(monkeypatch, tmp_path, rows, kernel_ms, bucket, min_ratio, verdict):
@@ -172,6 +173,20 @@ def test_bench_declared_gemm_target(monkeypatch, tmp_path, rows, kernel_ms, buck
     assert rec["verdict"] == verdict and rec["memory_bound"] is False
     write_evidence(tmp_path, "bench-ops.json", "bench", bench_body("tiny", "t", rows, "cuda", 1.0, [rec]),
                    command=["test"], device="cpu")  # fmt: skip
+    # The schema ties the gate to the record: a target without its check, or no target and no not_slower, is invalid.
+    for bad in (dict(rec, checks={"not_slower": None, "bandwidth": None}), dict(rec, target=None)):
+        body = bench_body("tiny", "t", rows, "cuda", 1.0, [bad])
+        with pytest.raises(RuntimeError, match="fails its own schema"):
+            write_evidence(tmp_path / "bad", "bench-ops.json", "bench", body, command=["test"], device="cpu")
+    assert not (tmp_path / "bad" / "bench-ops.json").exists()
+
+
+def test_gemm_bench_row_bucket_is_the_tilings_small_m():
+    """The block GEMMs' bench bucket (0.8x below it) is the bound under which their tilings take the small-M buckets."""
+    from h3gate.kernels.gemm_configs import SMALL_M
+
+    for op in ("h3_qkv_gemm", "h3_attention_o_gemm", "h3_ffn_gate_up_gemm", "h3_ffn_down_gemm"):
+        assert registry.spec(op).bench.small_rows.below == SMALL_M, op
 
 
 def test_bench_attention_target_is_sdpa_flash(monkeypatch):
@@ -189,9 +204,24 @@ def test_bench_attention_target_is_sdpa_flash(monkeypatch):
     assert rec["checks"]["target"] is False and rec["verdict"] == "fail"  # faster than the provider, not than flash
 
 
+def test_baseline_names_declared_once_each_place_agrees():
+    """The manifest's baseline names, the bench's implementations and the evidence schema's enum are one set."""
+    import typing
+
+    from h3gate.bench.baselines import BASELINES
+    from h3gate.manifests.operators import BenchTarget
+    from h3gate.paths import ROOT
+
+    declared = set(typing.get_args(BenchTarget.model_fields["baseline"].annotation))
+    schema = json.loads((ROOT / "schemas" / "bench.schema.json").read_text())
+    enum = schema["$defs"]["operator"]["properties"]["target"]["oneOf"][1]["properties"]["baseline"]["enum"]
+    assert declared == set(BASELINES) | {"provider"} == set(enum)
+
+
 def test_sdpa_flash_baseline_runs_flash_only():
-    """The baseline wrapper pins SDPA to the flash backend: the math backend alone is never used in its place."""
-    from torch.nn.attention import SDPBackend
+    """The baseline wrapper pins SDPA to the flash backend: the math backend is disabled inside it, and a call flash
+    cannot run raises instead of silently taking another backend."""
+    import torch.nn.functional as F
 
     from h3gate.bench.baselines import sdpa_flash
     from h3gate.ops.reference import attention
@@ -205,4 +235,10 @@ def test_sdpa_flash_baseline_runs_flash_only():
 
     out = sdpa_flash(probe)(q, q, q)
     assert seen == [True] and torch.equal(out, attention(q, q, q))
-    assert SDPBackend.FLASH_ATTENTION is not None
+    assert torch._C._get_math_sdp_enabled()  # restored on exit
+
+    def with_dropout(q, k, v):  # flash has no dropout path: no kernel is left to run it
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    with pytest.raises(RuntimeError, match="No available kernel"):
+        sdpa_flash(with_dropout)(q, q, q)

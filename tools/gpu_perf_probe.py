@@ -72,19 +72,8 @@ ROUND2 = [
     C(64, 256, 64, 1, 4, 4, persistent=False, tma=True),
     C(64, 128, 64, 8, 4, 6, persistent=False, tma=True),
 ]
-# Round 3: Triton 3.6's Hopper warp specialisation (``tl.range(warp_specialize=True)``; the compiler runs
-# ``add_hopper_warpspec`` for sm_90) next to the production tilings, timed eager and device-only (CUDA graph).
-ROUND3 = [
-    C(128, 256, 64, 8, 8, 3, persistent=True),
-    C(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
-    C(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
-    C(128, 256, 64, 8, 8, 3, persistent=True, tma=True, warp_spec=True),
-    C(128, 128, 64, 8, 4, 4, persistent=True, tma=True, warp_spec=True),
-    C(128, 256, 64, 8, 8, 3, persistent=False, tma=True, warp_spec=True),
-    C(128, 128, 64, 8, 4, 4, persistent=False, tma=True, warp_spec=True),
-    C(64, 256, 64, 8, 4, 4, persistent=False, tma=True, warp_spec=True),
-    C(128, 256, 64, 8, 8, 3, persistent=False, warp_spec=True),
-]
+# Round 3 (Triton's Hopper warp specialisation, perf-probe-6/7) ran at commits 90e586c / fcffb56 with a
+# `warp_spec` knob in the kernel; it gave no device-side gain and the knob was removed (gemm-gap-profile.md).
 
 
 def bench(fn) -> float:
@@ -413,7 +402,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
-    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 shapes, 2 orders, 3 warp spec., 4 tails")
+    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 shapes, 2 orders, 4 tails")
     ap.add_argument("--ms", default="", help="GEMM rows for rounds 1/2 (default 264,3160,38974)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="GEMM shapes to probe (qkv,o_proj,ffn_gate_up,ffn_down)")
     args = ap.parse_args()
@@ -424,9 +413,7 @@ def main() -> None:
     for sec in args.sections.split(","):
         t0 = time.time()
         try:
-            if sec == "gemm" and args.round == 3:
-                body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND3, m_list=(264, 3160), graph=True)
-            elif sec == "gemm" and args.round == 4:
+            if sec == "gemm" and args.round == 4:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND4, m_list=(3072, 3160), graph=True)
             elif sec == "gemm":
                 m_list = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS

@@ -58,6 +58,13 @@ def _forward_backward(case: OpCase, fn, gout: torch.Tensor):
     return run
 
 
+def _bucket(target, small: bool) -> str:
+    """Which of the target's ratios applied: ``rows < B`` / ``rows >= B`` with a small-rows bound, else ``all rows``."""
+    if target.small_rows is None:
+        return "all rows"
+    return f"rows {'<' if small else '>='} {target.small_rows.below}"
+
+
 def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int = 50) -> dict:
     """One operator's record: forward (gated) and forward + backward (recorded) timings, achieved bandwidth."""
     case = build_case(op, rows, cfg, device, seed=0)
@@ -97,7 +104,7 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
             "baseline_timing": fwd.get("baseline", fwd["provider"]),
             "ratio": ratio,
             "min_ratio": min_ratio,
-            "rows_bucket": f"rows < {target.small_rows.below}" if small else "all rows",
+            "rows_bucket": _bucket(target, small),
             "source": target.source,
         }
     return {

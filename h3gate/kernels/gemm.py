@@ -72,8 +72,7 @@ def _tile(
     a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, b_desc, c_desc, off_m, off_n, M, N, R,
     stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_R: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, WS_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    EVEN_R: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One (BLOCK_M x BLOCK_N) output tile at (off_m, off_n): the ascending BLOCK_K walk, bias, one rounding."""
     offs_m = off_m + tl.arange(0, BLOCK_M)
@@ -83,7 +82,7 @@ def _tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         # Out-of-bounds rows/columns are zero-filled by the TMA unit.
-        for ki in tl.range(k_tiles, warp_specialize=WS_K):
+        for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             if A_TRANS:
                 a = tl.trans(a_desc.load([off_k, off_m]))
@@ -106,7 +105,7 @@ def _tile(
             b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
         else:
             b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
-        for ki in tl.range(k_tiles, warp_specialize=WS_K):
+        for ki in range(k_tiles):
             if EVEN_R:
                 if A_TRANS:
                     a = tl.trans(tl.load(a_ptrs, mask=mask_m[None, :], other=0.0))
@@ -167,8 +166,6 @@ def _gemm_kernel(
     B_TRANS: tl.constexpr,
     USE_TMA: tl.constexpr,
     FLATTEN: tl.constexpr,
-    WS_TILES: tl.constexpr,
-    WS_K: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """C (M, N) = A (M, R) @ B (R, N) [+ bias (N,)], A and B addressed through strides.
@@ -198,12 +195,12 @@ def _gemm_kernel(
         c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
     else:
         a_desc, b_desc, c_desc = a_ptr, b_ptr, c_ptr  # unused: the pointer path
-    for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN, warp_specialize=WS_TILES):
+    for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         _tile(
             a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, b_desc, c_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, R,
             stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
-            EVEN_R, A_TRANS, B_TRANS, USE_TMA, WS_K, INTERPRET,
+            EVEN_R, A_TRANS, B_TRANS, USE_TMA, INTERPRET,
         )  # fmt: skip
     if TAIL_N > 0:
         if USE_TMA:
@@ -221,7 +218,7 @@ def _gemm_kernel(
             _tile(
                 a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, bt_desc, ct_desc, pid_m * BLOCK_M, N_SPLIT + pid_n * TAIL_N,
                 M, N, R, stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles, BLOCK_M, TAIL_N, BLOCK_K,
-                HAS_BIAS, EVEN_R, A_TRANS, B_TRANS, USE_TMA, WS_K, INTERPRET,
+                HAS_BIAS, EVEN_R, A_TRANS, B_TRANS, USE_TMA, INTERPRET,
             )  # fmt: skip
 
 
@@ -319,8 +316,6 @@ def matmul(
         B_TRANS=b_trans,
         USE_TMA=tma,
         FLATTEN=cfg.persistent,
-        WS_TILES=cfg.warp_spec and cfg.persistent,
-        WS_K=cfg.warp_spec and not cfg.persistent,
         INTERPRET=INTERPRET,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -19,8 +19,9 @@ fewer rows than a bucket's bound (the first such bucket, in ascending order), th
 its order are the same for every M; what changes is how many output rows/columns one program owns and the MMA
 instruction's M/N extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K] .
 b[k0:k0+BLOCK_K, n]`` over ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape
-probed (``docs/measurements/perf-probe-{1,2,8,9}.json``: 15 + 13 tilings, BLOCK_M 64..256, BLOCK_N 64..256,
-pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974) gave bytes identical to the production tiling for the
+probed (``docs/measurements/perf-probe-{1,2,8,9}.json``: 25 tilings that compiled - 3 of the 28 candidates exceed
+shared memory -, BLOCK_M 64..256, BLOCK_N 64..256, pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974)
+gave bytes identical to the production tiling for the
 block's four shapes (and the production tiling's bytes equal cuBLAS's there). ws1-ops checks it on every run with its
 prefix probe: a case's first 7 rows run alone (the first bucket) must equal the same rows of the full call (another
 bucket, or the large tiling, at layouts of >= 512 rows): ``evidence/h200/ws1-ops-gemm-*``.
@@ -57,23 +58,24 @@ class GemmConfig:
     num_stages: int = 3
     persistent: bool = False  # grid = #SMs, each program walks tiles tile_id, tile_id + #SMs, ...
     tma: bool = False  # TMA tensor-descriptor loads/stores instead of pointer loads
-    # Triton's automatic warp specialisation of the tile loop (persistent) or the K loop: producer/consumer warps,
-    # same MMAs in the same K order. Probed on the H200 (tools/gpu_perf_probe.py --round 3), not used by any entry.
-    warp_spec: bool = False
     # Persistent launches only: when the BLOCK_N-wide tiles would leave the last wave partly idle, the last columns
     # are covered by tail_block_n-wide tiles (see :func:`tail_split`); 0 = never. Scheduling, like the tile shape.
     tail_block_n: int = 0
 
     def __post_init__(self) -> None:
-        if self.tail_block_n and (not self.persistent or self.block_n % self.tail_block_n):
-            raise ValueError(f"GemmConfig {self.tag}: tail_block_n needs a persistent launch and must divide block_n")
+        t = self.tail_block_n
+        if t and (not self.persistent or not 16 <= t < self.block_n or self.block_n % t):
+            raise ValueError(
+                f"GemmConfig {self.tag}: tail_block_n needs a persistent launch, 16 <= tail_block_n < block_n, "
+                "and must divide block_n"
+            )
 
     @property
     def tag(self) -> str:
         variant = ("tma" if self.tma else "ptr") + ("_pers" if self.persistent else "")
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_w{self.num_warps}_s{self.num_stages}_"
-            f"{variant}{'_ws' if self.warp_spec else ''}{f'_t{self.tail_block_n}' if self.tail_block_n else ''}"
+            f"{variant}{f'_t{self.tail_block_n}' if self.tail_block_n else ''}"
         )
 
 
@@ -158,10 +160,14 @@ SMALL_M = M_BUCKETS[-1][0]  # at M >= SMALL_M every layer takes TABLE
 
 
 def _check_m_buckets() -> None:
-    """Bounds ascend, and every bucket entry keeps its layer's K tiling (the only part that shapes arithmetic)."""
+    """Bounds ascend, every bucket lists the same layers (so a call never skips a bucket for a later one), and every
+    bucket entry keeps its layer's K tiling (the only part that shapes arithmetic)."""
     bounds = [bound for bound, _ in M_BUCKETS]
     if bounds != sorted(set(bounds)):
         raise AssertionError(f"gemm_configs.M_BUCKETS: bounds must strictly ascend, got {bounds}")
+    keys = {frozenset(table) for _, table in M_BUCKETS}
+    if len(keys) > 1:
+        raise AssertionError("gemm_configs.M_BUCKETS: every bucket must list the same layers")
     for bound, table in M_BUCKETS:
         for key, small in table.items():
             large = TABLE.get(key)
@@ -211,11 +217,14 @@ def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = N
     return cfg
 
 
-# Tail split (persistent launches with ``tail_block_n``): a narrow tile costs this much more per output element than
-# a wide one (H200: 128x128 vs 128x256 tiles at M = 3160, docs/measurements/perf-probe-1.json), and a split must
-# shorten the modelled makespan by TAIL_MIN_GAIN to be used.
-TAIL_COST = 1.1
-TAIL_MIN_GAIN = 0.03
+# Tail split (persistent launches with ``tail_block_n``): TAIL_COST is a narrow tile's cost per output element
+# relative to a wide one's, and a split must shorten the modelled makespan by TAIL_MIN_GAIN to be used. TAIL_COST is
+# fitted to the one measured point, qkv at M = 3160 on the H200 (docs/measurements/perf-probe-10.json: device time
+# 0.3888 -> 0.3824 ms with 128-wide tails, -1.7 %, which the model gives at TAIL_COST = 1.8). The first guess, 1.1
+# (128x128 vs 128x256 tiles at M = 3160 in perf-probe-1.json), modelled -7.5 % there: the narrow tail tiles, all
+# running at once at the end, are slower than alone.
+TAIL_COST = 1.8
+TAIL_MIN_GAIN = 0.01
 TAIL_MAX_WAVES = 8
 
 
@@ -226,15 +235,15 @@ def tail_split(m_tiles: int, n: int, block_n: int, tail_n: int, programs: int) -
     Model: every wide tile costs 1, a tail tile ``TAIL_COST * tail_n / block_n``; wide tiles go round robin over the
     ``programs`` persistent programs, then tail tiles continue the round robin from the next program (as the kernel
     deals them). The makespan is the busiest program's cost. Wide-only costs ceil(tiles / programs); the split column
-    (a multiple of block_n) with the smallest makespan is used when it is at least TAIL_MIN_GAIN shorter. Only
-    between one and TAIL_MAX_WAVES waves of wide tiles, where the idle part of the last wave matters. Pure scheduling:
-    which tile shape covers a column never changes an element's K walk."""
+    (a multiple of block_n) with the smallest makespan is used when it is at least TAIL_MIN_GAIN shorter. Only below
+    TAIL_MAX_WAVES waves of wide tiles, where the idle part of the last wave matters (``programs`` is at most the wide
+    tile count: the launch sizes its grid from it). Pure scheduling: which tile shape covers a column never changes
+    an element's K walk."""
     if tail_n <= 0 or n % block_n:
         return None
     cols = n // block_n
     tiles = m_tiles * cols
-    waves = tiles // programs
-    if waves < 1 or waves >= TAIL_MAX_WAVES or tiles % programs == 0:
+    if tiles // programs >= TAIL_MAX_WAVES or tiles % programs == 0:
         return None
     plain = -(-tiles // programs)
     per_wide = block_n // tail_n

@@ -48,7 +48,7 @@ class Contract(Strict):
 
 
 class SmallRows(Strict):
-    """A second ratio for cases with fewer than ``below`` rows (e.g. the GEMM's small-M tile bucket)."""
+    """A second ratio for cases with fewer than ``below`` rows (e.g. the GEMM's small-M tile buckets, M < SMALL_M)."""
 
     below: PositiveInt
     min_ratio: PositiveFloat

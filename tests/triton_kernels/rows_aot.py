@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -84,8 +85,7 @@ def variants():
     mm = dict(a_ptr=B, b_ptr=B, c_ptr=B, bias_ptr=B, M="i32", N="i32", R="i32", stride_am="i32", stride_ar="i32",
               stride_br="i32", stride_bn="i32", stride_cm="i32", NUM_PROGS="i32", N_SPLIT="i32")  # fmt: skip
     base = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TAIL_N=0, GROUP_M=16, HAS_BIAS=False, EVEN_R=True,
-                A_TRANS=False, B_TRANS=True, USE_TMA=True, FLATTEN=True, WS_TILES=False, WS_K=False,
-                INTERPRET=False)  # fmt: skip
+                A_TRANS=False, B_TRANS=True, USE_TMA=True, FLATTEN=True, INTERPRET=False)  # fmt: skip
     opts = dict(num_warps=8, num_stages=3)
     yield "gemm.fwd.tma", gemm._gemm_kernel, mm, base, False, opts
     yield "gemm.fwd.tma.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128}, False, opts
@@ -106,8 +106,8 @@ def main() -> int:
             ptx = compiled.asm["ptx"]
             rec["ok"] = True
             rec["fma_free"] = transcendental or not any(line.strip().startswith("fma") for line in ptx.splitlines())
-            if name.startswith("gemm."):
-                rec["wgmma"] = "wgmma.mma_async" in ptx  # Hopper's asynchronous warp-group MMA
+            if name.startswith("gemm."):  # Hopper's asynchronous warp-group MMA shapes (n128 = the tail tiles)
+                rec["wgmma"] = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
         except Exception as exc:  # noqa: BLE001 - report every compile failure by name
             rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         failed += not (rec["ok"] and rec["fma_free"])

@@ -181,6 +181,9 @@ def test_m_buckets_change_tile_shape_never_k_tiling_nor_bytes(monkeypatch) -> No
     monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((24, {key: mid}), (8, {key: tiny})))
     with pytest.raises(AssertionError, match="bounds must strictly ascend"):
         gemm_configs._check_m_buckets()
+    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((8, {}), (24, {key: mid})))  # M < 8 would skip to TABLE
+    with pytest.raises(AssertionError, match="every bucket must list the same layers"):
+        gemm_configs._check_m_buckets()
 
 
 def test_shipped_m_buckets_keep_the_k_tiling() -> None:
@@ -196,44 +199,72 @@ def test_shipped_m_buckets_keep_the_k_tiling() -> None:
         lower = bound
 
 
+class _LaunchSpy:
+    """Wraps ``_gemm_kernel`` and records each launch's TAIL_N (the kernel really runs)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.tails = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.tails.append(kwargs["TAIL_N"])
+            return launch(*args, **kwargs)
+
+        return run
+
+
 @pytest.mark.parametrize(
-    ("a_trans", "b_trans", "dtype"), [(False, True, BF16), (False, False, FP32), (True, False, BF16)]
+    ("a_trans", "b_trans", "dtype", "n", "split", "bias"),
+    [
+        (False, True, BF16, 160, 128, True),  # 2 x 5 wide tiles on 3 programs: columns 128..159 in tail tiles
+        (False, False, FP32, 160, 128, False),  # the dX operand layout, no bias
+        (True, False, BF16, 160, 128, True),  # the dW operand layout (A stored transposed)
+        (False, True, BF16, 64, 32, False),  # fewer wide tiles (2) than programs (3)
+    ],
 )
-def test_tail_split_covers_every_column_with_the_same_bytes(a_trans, b_trans, dtype) -> None:
+def test_tail_split_covers_every_column_with_the_same_bytes(monkeypatch, a_trans, b_trans, dtype, n, split, bias):
     """A persistent launch whose last columns go to narrower tail tiles writes every column, with the bytes of the
-    wide-only launch (forward, dX and dW operand layouts; odd K, so the masked K tail runs too)."""
+    wide-only launch; K = 70 is not a multiple of BLOCK_K, so the masked K tail runs too."""
     wide = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2, persistent=True)
     tailed = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2, persistent=True, tail_block_n=16)
-    m, k, n = 20, 70, 160  # 2 row tiles x 5 column tiles on the interpreter's 3 programs
-    assert gemm_configs.tail_split(2, n, 32, 16, 3) == 128  # columns 128..159 take the tail tiles
+    m, k = 20, 70  # 2 row tiles
+    assert gemm_configs.tail_split(2, n, 32, 16, 3) == split
+    spy = _LaunchSpy(gemm._gemm_kernel)
+    monkeypatch.setattr(gemm, "_gemm_kernel", spy)
     g = torch.Generator().manual_seed(3)
     a = torch.randn(k, m, generator=g).to(dtype) if a_trans else torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, k, generator=g).to(dtype) if b_trans else torch.randn(k, n, generator=g).to(dtype)
-    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    b_vec = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
     outs = []
     for cfg in (wide, tailed):
         out = torch.full((m, n), float("nan"), dtype=dtype)
-        outs.append(gemm.matmul(a, b, out, bias, cfg, a_trans=a_trans, b_trans=b_trans))
+        outs.append(gemm.matmul(a, b, out, b_vec, cfg, a_trans=a_trans, b_trans=b_trans))
+    assert spy.tails == [0, 16]  # the second launch really ran the tail phase
     assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
     a64 = a.double().T if a_trans else a.double()
     b64 = b.double().T if b_trans else b.double()
-    assert rel(outs[1], a64 @ b64 + bias.double()) < TOL[dtype]
+    ref = a64 @ b64 + (b_vec.double() if bias else 0)
+    assert rel(outs[1], ref) < TOL[dtype]
 
 
 def test_tail_split_model() -> None:
-    """The split is used only between 1 and TAIL_MAX_WAVES waves of wide tiles with an idle part in the last wave,
-    and only where the modelled makespan shrinks; a tail needs a persistent launch and must divide BLOCK_N."""
+    """The split is used only below TAIL_MAX_WAVES waves of wide tiles with an idle part in the last wave, and only
+    where the modelled makespan shrinks; a tail needs a persistent launch and 16 <= tail < BLOCK_N dividing it."""
     tail_split = gemm_configs.tail_split
     assert tail_split(25, 7168, 256, 128, 132) == 6656  # qkv at the medium layout: 700 wide tiles, 5.3 waves
+    assert tail_split(24, 7168, 256, 128, 132) == 6912  # M = 3072 (perf-probe-10 measured both)
     assert tail_split(25, 5376, 256, 128, 132) is None  # o at medium: 525 tiles, 3.98 waves, little idle
-    assert tail_split(3, 7168, 256, 128, 132) is None  # below one wave
-    assert tail_split(305, 7168, 256, 128, 132) is None  # 64.7 waves
+    assert tail_split(305, 7168, 256, 128, 132) is None  # 768p: 64.7 waves
     assert tail_split(33, 4 * 256, 256, 128, 132) is None  # exactly one wave
     assert tail_split(25, 7168 + 8, 256, 128, 132) is None  # N not a multiple of BLOCK_N
-    with pytest.raises(ValueError, match="tail_block_n needs a persistent launch"):
-        GemmConfig(128, 256, 64, tail_block_n=128)
-    with pytest.raises(ValueError, match="must divide block_n"):
-        GemmConfig(128, 256, 64, persistent=True, tail_block_n=96)
+    for bad in dict(tail_block_n=128), dict(tail_block_n=96, persistent=True), dict(tail_block_n=8, persistent=True):
+        with pytest.raises(ValueError, match="tail_block_n needs a persistent launch"):
+            GemmConfig(128, 256, 64, **bad)
+    for bad_tail in (-128, 256):
+        with pytest.raises(ValueError, match="16 <= tail_block_n < block_n"):
+            GemmConfig(128, 256, 64, persistent=True, tail_block_n=bad_tail)
 
 
 def test_skinny_adaln_tiling_small_m() -> None:
