@@ -47,20 +47,29 @@ def _validate(home: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_unknown_yaml_field_fails_with_breadcrumb(home):
-    path = home / "manifests" / "configs" / "tiny.yaml"
-    path.write_text(path.read_text().replace("  hidden_size:", "  hiden_sise: 3\n  hidden_size:", 1))
+@pytest.mark.parametrize(
+    ("file", "old", "new", "message"),
+    [
+        (
+            "configs/tiny.yaml",
+            "  hidden_size:",
+            "  hiden_sise: 3\n  hidden_size:",
+            "h3gate: error: manifests/configs/tiny.yaml: config.hiden_sise: unknown field",
+        ),
+        (
+            "operators/attention.yaml",
+            "baseline: sdpa_flash",
+            "baseline: cudnn",
+            "h3gate: error: manifests/operators/attention.yaml: operators.h3_full_attention.bench.baseline:",
+        ),
+    ],
+)
+def test_bad_yaml_field_fails_with_breadcrumb(home, file, old, new, message):
+    path = home / "manifests" / file
+    path.write_text(path.read_text().replace(old, new, 1))
     done = _validate(home)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "h3gate: error: manifests/configs/tiny.yaml: config.hiden_sise: unknown field" in done.stderr
-
-
-def test_unknown_bench_baseline_fails_with_breadcrumb(home):
-    path = home / "manifests" / "operators" / "attention.yaml"
-    path.write_text(path.read_text().replace("baseline: sdpa_flash", "baseline: cudnn", 1))
-    done = _validate(home)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "manifests/operators/attention.yaml: operators.h3_full_attention.bench.baseline:" in done.stderr
+    assert message in done.stderr
 
 
 def test_malformed_yaml_fails_with_breadcrumb(home):
