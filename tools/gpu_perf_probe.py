@@ -95,13 +95,35 @@ ROUND4 = [
 ]
 
 
+# Round 5: swapped operands for few rows (GemmConfig.swap_ab: Y^T = W @ X^T, a tile = block_n weight rows x a chunk of
+# block_m + tail_m tokens). M = 264 = 256 + 16 = 2 x (128 + 16) = 3 x (64 + 32) tokens; M = 925 <= 3 x (256 + 64),
+# 5 x (128 + 64), 4 x 256, 8 x 128. Each M also times its production bucket tiling.
+def _swaps(chunks: tuple[tuple[int, int], ...], tma: tuple[bool, ...]) -> list[GemmConfig]:
+    return [
+        C(bm, bn, 64, 1, w, st, swap_ab=True, tail_m=tm, tma=t)
+        for bm, tm in chunks
+        for bn, w, st in ((64, 4, 4), (128, 8, 3))
+        for t in tma
+    ]
+
+
+ROUND5 = {
+    264: _swaps(((256, 16), (128, 16), (64, 32)), (False, True)),
+    925: _swaps(((256, 64), (128, 64), (256, 0), (128, 0)), (True,)),
+}
+
+
 def graph_bench(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
 
 
 def gemm_section(
-    deadline: float, candidates: list[GemmConfig], m_list: tuple[int, ...] = MS, graph: bool = False
+    deadline: float,
+    candidates: list[GemmConfig] | dict[int, list[GemmConfig]],
+    m_list: tuple[int, ...] = MS,
+    graph: bool = False,
 ) -> dict:
+    """``candidates`` per M (a dict: the M's production bucket tiling is timed first) or one list for every M."""
     out: dict = {}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (k, n) in SHAPES.items():
@@ -117,7 +139,10 @@ def gemm_section(
             rec = {"cublas_ms": cublas_ms, "production_bitwise_cublas": bool(torch.equal(ref, cub)), "cands": {}}
             if graph:
                 rec["cublas_graph_ms"] = graph_bench(lambda x=x, w=w: F.linear(x, w))
-            for cfg in candidates:
+            cands = candidates
+            if isinstance(candidates, dict):
+                cands = [gemm_config("fwd", n, k, torch.bfloat16, m), *candidates[m]]
+            for cfg in cands:
                 if time.time() > deadline:
                     rec["cands"][cfg.tag] = {"skipped": "deadline"}
                     continue
@@ -402,7 +427,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "perf-probe.json"))
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
-    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 shapes, 2 orders, 4 tails")
+    ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 shapes, 2 orders, 4 tails, 5 swap")
     ap.add_argument("--ms", default="", help="GEMM rows for rounds 1/2 (default 264,3160,38974)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="GEMM shapes to probe (qkv,o_proj,ffn_gate_up,ffn_down)")
     args = ap.parse_args()
@@ -413,7 +438,9 @@ def main() -> None:
     for sec in args.sections.split(","):
         t0 = time.time()
         try:
-            if sec == "gemm" and args.round == 4:
+            if sec == "gemm" and args.round == 5:
+                body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND5, m_list=tuple(ROUND5), graph=True)
+            elif sec == "gemm" and args.round == 4:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, ROUND4, m_list=(3072, 3160), graph=True)
             elif sec == "gemm":
                 m_list = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS

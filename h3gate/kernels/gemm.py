@@ -14,7 +14,8 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   of the block's layers picks its tile *shape/order* from an M bucket (``gemm_configs.M_BUCKETS``: M < 512,
   M < 1024), and a persistent launch may cover its last columns with narrower tail tiles (``gemm_configs.tail_split``,
   chosen from the tile counts and the SM count); both leave each element's K walk unchanged (declared and measured
-  in ``gemm_configs``). Triton still
+  in ``gemm_configs``); a small-M bucket may also swap the operands (``Y^T = W @ X^T``,
+  :mod:`h3gate.kernels.gemm_swapped`), which moves an element to another tile position, not its K walk. Triton still
   specialises on pointer alignment, which changes load vectorisation, never the maths. So row r's bytes do not
   depend on M, on its position, or on the other rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
@@ -40,6 +41,7 @@ from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, tail_split
+from h3gate.kernels.gemm_swapped import matmul_swapped
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -285,6 +287,10 @@ def matmul(
     if tma:
         a, b = _aligned(a), _aligned(b)
         triton.set_allocator(_tma_allocator)  # a context variable: set on every launch (autograd threads too)
+    if cfg.swap_ab:
+        if a_trans or not b_trans:
+            raise ValueError(f"GemmConfig {cfg.tag}: swap_ab is a forward tiling (X (M, K) @ W (N, K)^T)")
+        return matmul_swapped(a, b, out, bias, cfg)
     m_tiles = -(-m // cfg.block_m)  # ceil divisions (triton.cdiv is a jit wrapper: slower)
     tiles = m_tiles * -(-n // cfg.block_n)
     progs = min(tiles, _num_sms(out.device)) if cfg.persistent else tiles

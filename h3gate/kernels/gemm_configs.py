@@ -61,6 +61,10 @@ class GemmConfig:
     # Persistent launches only: when the BLOCK_N-wide tiles would leave the last wave partly idle, the last columns
     # are covered by tail_block_n-wide tiles (see :func:`tail_split`); 0 = never. Scheduling, like the tile shape.
     tail_block_n: int = 0
+    # Forward only: run Y^T = W @ X^T (h3gate.kernels.gemm_swapped): a tile is block_n weight rows x a chunk of
+    # block_m + tail_m tokens (tail_m = 0 or a power of two in [16, block_m]), so a chunk need not be a power of two.
+    swap_ab: bool = False
+    tail_m: int = 0
 
     def __post_init__(self) -> None:
         t = self.tail_block_n
@@ -69,6 +73,11 @@ class GemmConfig:
                 f"GemmConfig {self.tag}: tail_block_n needs a persistent launch, 16 <= tail_block_n < block_n, "
                 "and must divide block_n"
             )
+        u = self.tail_m
+        if u and (not self.swap_ab or not 16 <= u <= self.block_m or u & (u - 1)):
+            raise ValueError(f"GemmConfig {self.tag}: tail_m needs swap_ab and a power of two in [16, block_m]")
+        if self.swap_ab and (self.persistent or t or self.group_m != 1):
+            raise ValueError(f"GemmConfig {self.tag}: swap_ab launches one program per tile (group_m 1, no tails)")
 
     @property
     def tag(self) -> str:
@@ -76,6 +85,7 @@ class GemmConfig:
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_w{self.num_warps}_s{self.num_stages}_"
             f"{variant}{f'_t{self.tail_block_n}' if self.tail_block_n else ''}"
+            f"{('_swap' + (str(self.tail_m) if self.tail_m else '')) if self.swap_ab else ''}"
         )
 
 

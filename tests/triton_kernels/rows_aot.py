@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from h3gate.kernels import elementwise, gather, gemm, norms, packed, rope, timestep  # noqa: E402
+from h3gate.kernels import elementwise, gather, gemm, gemm_swapped, norms, packed, rope, timestep  # noqa: E402
 from h3gate.kernels.common import STRICT_LAUNCH  # noqa: E402
 
 B, F, I64, I32, PF = "*bf16", "*fp32", "*i64", "*i32", "fp32"
@@ -91,6 +91,13 @@ def variants():
     yield "gemm.fwd.tma.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128}, False, opts
     yield "gemm.fwd.ptr.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128, "USE_TMA": False}, False, opts
     yield "gemm.dw.tma", gemm._gemm_kernel, mm, {**base, "A_TRANS": True, "B_TRANS": False, "GROUP_M": 8}, False, opts
+    # The swapped small-M forward (Y^T = W @ X^T): 128 weight rows x (256 + 16) tokens, TMA and pointer loads.
+    sw = dict(x_ptr=B, w_ptr=B, c_ptr=B, bias_ptr=B, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
+              stride_cm="i32")  # fmt: skip
+    swb = dict(BLOCK_N=128, BLOCK_M=256, TAIL_M=16, BLOCK_K=64, HAS_BIAS=True, EVEN_K=True, USE_TMA=True,
+               INTERPRET=False)  # fmt: skip
+    yield "gemm.swap.tma.tail16", gemm_swapped._gemm_swapped_kernel, sw, swb, False, opts
+    yield "gemm.swap.ptr.tail16", gemm_swapped._gemm_swapped_kernel, sw, {**swb, "USE_TMA": False}, False, opts
 
 
 def main() -> int:
