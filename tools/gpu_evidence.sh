@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Produce the committed H200 evidence (run from the repository root on the GPU host, .whl carried).
 #   bash tools/gpu_evidence.sh STAGE [STAGE ...]
-# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops bench-gemm ablate. Each stage runs under a
+# Stages: ops-rows ops-gemm ops-gemm-768p block bench-block bench-ops bench-gemm (bench-gemm-small-m: its tiny and
+# small layouts only) ablate. Each stage runs under a
 # time cap so one cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal`
 # seals it.
 # Stages ops-rows, ops-gemm and block may share the GPU; ablate (the 50-block model, ~70 GB) and the bench stages
@@ -37,11 +38,12 @@ for s in "$@"; do
              step 120 $H bench ws1-block --config real --layout $L --device cuda --out $E/bench-ws1-block-$L
            done;;
     bench-ops) step 150 $H bench --device cuda --config real --layout 768p $ROWS --out $E/bench-ops-rows-768p;;
-    bench-gemm) step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --op h3_full_attention \
+    bench-gemm-small-m|bench-gemm)
+                step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --op h3_full_attention \
                   --out $E/bench-ops-gemm-tiny
                 step 100 $H bench --device cuda --config real --layout small $BLOCK_GEMM --op h3_full_attention \
-                  --out $E/bench-ops-gemm-small
-                step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium
+                  --out $E/bench-ops-gemm-small;;&
+    bench-gemm) step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium
                 step 150 $H bench --device cuda --config real --layout 768p $BLOCK_GEMM --out $E/bench-ops-gemm-768p
                 step 150 $H bench --device cuda --config real --layout 768p --op h3_full_attention \
                   --out $E/bench-ops-attention-768p;;

@@ -26,6 +26,11 @@ block's four shapes (and the production tiling's bytes equal cuBLAS's there). ws
 prefix probe: a case's first 7 rows run alone (the first bucket) must equal the same rows of the full call (another
 bucket, or the large tiling, at layouts of >= 512 rows): ``evidence/h200/ws1-ops-gemm-*``.
 
+A small-M bucket entry may swap the operands (``swap_ab``: ``Y^T = W @ X^T``, :mod:`h3gate.kernels.gemm_swapped`):
+the tile is then ``block_n`` weight rows by ``block_m + tail_m`` tokens, the same BLOCK_K walk per element; every
+swapped tiling probed (88 runs at M = 264 / 925, ``docs/measurements/perf-probe-11.json``) gave bytes identical to the
+production tiling.
+
 A persistent config may also name ``tail_block_n``: :func:`tail_split` then covers the last columns with narrower
 tiles where the wide tiles would leave the last wave part idle (qkv at M = 3160: 700 wide tiles on 132 SMs). Like the
 bucket, this picks which tile holds an element, never its K walk (bitwise in ``docs/measurements/perf-probe-10.json``
@@ -146,21 +151,24 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
 # Forward tile shape/order by M bucket for the block's four layers (same BLOCK_K as the layer's TABLE entry):
 # (bound, table) in ascending bound order; a call with M < bound takes the first matching bucket's entry.
 # * M < 512 (the tiny layout's 264 rows; few row tiles, so wave quantisation rules): winners of the M = 264 column of
-#   docs/measurements/perf-probe-{1,2}.json.
-# * 512 <= M < 1024 (the small layout's 925 rows): winners of docs/measurements/perf-probe-{8,9}.json at M = 925,
-#   by device-only (CUDA graph) time; 128x128 TMA persistent for the o/down projections (0.80 / 0.79 of cuBLAS
-#   there against 0.72 / 0.75 for the M < 512 tiling), the M < 512 tiling kept for qkv and gate-up (0.90 / 0.89).
+#   docs/measurements/perf-probe-{1,2}.json, then of perf-probe-11.json (swapped operands, ``swap_ab``): qkv and
+#   gate-up take 64 weight rows x (256 + 16) tokens per program (device-only 0.86 / 0.81 of cuBLAS there against
+#   0.65 / 0.75 for the unswapped tiling); o/down keep 64x256 (no swapped tiling beat it: 0.73 vs 0.74, 0.77 vs 0.79).
+# * 512 <= M < 1024 (the small layout's 925 rows): winners of docs/measurements/perf-probe-{8,9,11}.json at M = 925,
+#   by device-only (CUDA graph) time: swapped 128 weight rows x 256 tokens for qkv (0.91 vs 0.89), x (256 + 64) tokens
+#   for o/down (0.90 / 0.91 against 0.80 / 0.81 for 128x128 TMA persistent); gate-up keeps 128x256 persistent (0.91;
+#   its best swapped tiling read 0.87).
 _BUCKET_264: dict[tuple[str, int, int, str], GemmConfig] = {
-    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
+    ("fwd", 7168, 5376, _BF16): GemmConfig(256, 64, 64, 1, 4, 4, tma=True, swap_ab=True, tail_m=16),
     ("fwd", 5376, 7168, _BF16): GemmConfig(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
-    ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
+    ("fwd", 28672, 5376, _BF16): GemmConfig(256, 64, 64, 1, 4, 4, tma=True, swap_ab=True, tail_m=16),
     ("fwd", 5376, 14336, _BF16): GemmConfig(64, 256, 64, 8, 4, 4, persistent=False, tma=True),
 }
 _BUCKET_925: dict[tuple[str, int, int, str], GemmConfig] = {
-    ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=False),
-    ("fwd", 5376, 7168, _BF16): GemmConfig(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
+    ("fwd", 7168, 5376, _BF16): GemmConfig(256, 128, 64, 1, 8, 3, tma=True, swap_ab=True),
+    ("fwd", 5376, 7168, _BF16): GemmConfig(256, 128, 64, 1, 8, 3, tma=True, swap_ab=True, tail_m=64),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
-    ("fwd", 5376, 14336, _BF16): GemmConfig(128, 128, 64, 8, 4, 4, persistent=True, tma=True),
+    ("fwd", 5376, 14336, _BF16): GemmConfig(256, 128, 64, 1, 8, 3, tma=True, swap_ab=True, tail_m=64),
 }
 M_BUCKETS: tuple[tuple[int, dict[tuple[str, int, int, str], GemmConfig]], ...] = (
     (512, _BUCKET_264),
