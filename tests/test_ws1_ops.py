@@ -118,7 +118,8 @@ def test_bench_record_shape_and_criteria(monkeypatch, tmp_path):
     from h3gate.commands.bench_cmd import bench_body
     from h3gate.evidence.writer import write_evidence
 
-    def fake(fns, iters=50, warmup=5):
+    def fake(fns, iters=50, warmup=5, head_start_us=0.0):
+        assert head_start_us == bench_ops.HEAD_START_US > 0  # the host's launch cost is never timed
         for fn in fns.values():
             fn()  # both executions really run (forward, or forward + backward)
         ms = {"kernel": 1.0, "provider": 2.0}
@@ -130,13 +131,14 @@ def test_bench_record_shape_and_criteria(monkeypatch, tmp_path):
     assert rec["forward"]["speedup"] == 2.0 and rec["checks"] == {"not_slower": True, "bandwidth": None}
     assert rec["verdict"] == "pass" and rec["forward_backward"] is not None
     body = bench_body("tiny", "tiny", 33, "cuda", 1.0, [rec])
+    assert body["timing"]["head_start_us"] == bench_ops.HEAD_START_US
     write_evidence(tmp_path, "bench-ops.json", "bench", body, command=["test"], device="cpu")
     slow = dict(rec, checks={"not_slower": False, "bandwidth": None}, verdict="fail")
     assert bench_body("tiny", "tiny", 33, "cuda", 1.0, [rec, slow])["verdict"] == "fail"
 
 
 def _fake_timer(ms: dict[str, float]):
-    def fake(fns, iters=50, warmup=5):
+    def fake(fns, iters=50, warmup=5, head_start_us=0.0):
         for fn in fns.values():
             fn()  # every execution (kernel, provider, baseline) really runs
         return {k: {"median_ms": ms[k], "min_ms": ms[k], "max_ms": ms[k], "iters": iters} for k in fns}
@@ -179,6 +181,45 @@ def test_bench_declared_gemm_target(monkeypatch, tmp_path, rows, kernel_ms, buck
         with pytest.raises(RuntimeError, match="fails its own schema"):
             write_evidence(tmp_path / "bad", "bench-ops.json", "bench", body, command=["test"], device="cpu")
     assert not (tmp_path / "bad" / "bench-ops.json").exists()
+
+
+def test_side_by_side_spins_the_device_before_each_timed_call(monkeypatch):
+    """With a head start, each timed call is flush -> calibrated device spin -> start event -> call -> end event, so
+    the device reaches the start event only after the host has enqueued the call (CUDA faked: the order is checked)."""
+    from h3gate.bench import timing
+
+    log: list = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            log.append("event")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0  # ms: the calibration's 1e6-cycle spin takes 2 ms -> 500 cycles per us
+
+    class Flush:
+        def zero_(self):
+            log.append("flush")
+
+    monkeypatch.setattr(timing.torch, "empty", lambda *a, **k: Flush())
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    stats = timing.side_by_side({"a": lambda: log.append("a"), "b": lambda: log.append("b")}, iters=3, warmup=1,
+                                warmup_s=0.0, head_start_us=300.0)  # fmt: skip
+    timed = log[log.index(("spin", 150_000)) - 1 :]  # from the first timed call's flush on
+    assert timed == ["flush", ("spin", 150_000), "event", "a", "event", "flush", ("spin", 150_000), "event", "b",
+                     "event"] * 3  # fmt: skip
+    assert stats["a"] == {"median_ms": 2.0, "min_ms": 2.0, "max_ms": 2.0, "iters": 3}
+    log.clear()
+    timing.side_by_side({"a": lambda: log.append("a")}, iters=1, warmup=1, warmup_s=0.0)  # no head start: no spin
+    assert not any(isinstance(entry, tuple) for entry in log)
 
 
 def test_gemm_bench_row_bucket_is_the_tilings_small_m():

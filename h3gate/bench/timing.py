@@ -6,7 +6,11 @@
   run with 5 warm-up rounds, ``evidence/h200/PROVENANCE.md``), ``iters`` rounds
   each call every callable once in turn (interleaved, so clock and thermal drift hit all alike), each timed call
   preceded by zeroing a 256 MiB buffer (the H200's L2 is 50 MiB), so inputs never sit in L2 - no input rotation
-  needed; per callable the median / min / max of its ``iters`` event timings.
+  needed; per callable the median / min / max of its ``iters`` event timings. With ``head_start_us`` the device
+  also spins that long (``torch.cuda._sleep``, calibrated once) between the flush and the start event, so the host
+  has enqueued the call before the device reaches it: the events then time the device's work, not a host that
+  launches slower than the device runs (for a ~50 us kernel a slow host showed as a bimodal median, e.g. the M = 264
+  QKV GEMM read min 0.059 / median 0.119 ms in ``bench-ops-gemm-tiny`` at ``7e52a4b``, docs/measurements).
 * :func:`copy_bandwidth_gbs` - a 1 GiB device-to-device ``copy_`` timed the same way: ``2 * bytes / median``.
 """
 
@@ -22,11 +26,29 @@ FLUSH_BYTES = 256 << 20
 COPY_BYTES = 1 << 30
 
 
+def spin_cycles(us: float) -> int:
+    """``torch.cuda._sleep`` cycles that keep the current device busy for about ``us`` microseconds (measured)."""
+    probe = 1_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)  # first call: module load, not timed
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return max(1, int(probe * us / (start.elapsed_time(end) * 1e3)))
+
+
 def side_by_side(
-    fns: Mapping[str, Callable[[], object]], iters: int = 50, warmup: int = 5, warmup_s: float = 0.5
+    fns: Mapping[str, Callable[[], object]],
+    iters: int = 50,
+    warmup: int = 5,
+    warmup_s: float = 0.5,
+    head_start_us: float = 0.0,
 ) -> dict[str, dict]:
-    """Interleaved CUDA-event timings of every callable (L2 flushed before each timed call)."""
+    """Interleaved CUDA-event timings of every callable (L2 flushed before each timed call; with ``head_start_us``
+    a device-side spin between the flush and the start event)."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    cycles = spin_cycles(head_start_us) if head_start_us > 0 else 0
     rounds, start_s = 0, time.perf_counter()
     while rounds < warmup or time.perf_counter() - start_s < warmup_s:
         for fn in fns.values():
@@ -38,6 +60,8 @@ def side_by_side(
     for _ in range(iters):
         for name, fn in fns.items():
             flush.zero_()
+            if cycles:
+                torch.cuda._sleep(cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

@@ -88,7 +88,7 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
 
 def bench_body(config: str, layout: str, rows: int, device: str, copy_gbs: float, records: list[dict]) -> dict:
     """The ``bench`` evidence body (schema ``schemas/bench.schema.json``)."""
-    from h3gate.bench.ops import MEMORY_BOUND_MIN_BYTES, MIN_COPY_FRACTION, NOISE
+    from h3gate.bench.ops import HEAD_START_US, MEMORY_BOUND_MIN_BYTES, MIN_COPY_FRACTION, NOISE
 
     return {
         "target": "ops",
@@ -96,6 +96,11 @@ def bench_body(config: str, layout: str, rows: int, device: str, copy_gbs: float
         "layout": {"name": layout, "rows": rows},
         "device": device,
         "copy_bandwidth_gbs": copy_gbs,
+        "timing": {
+            "method": "h3gate.bench.timing.side_by_side: interleaved CUDA-event medians, 256 MiB L2 flush, then a "
+            "device-side spin of head_start_us before each timed call (the host's launch cost is not timed)",
+            "head_start_us": HEAD_START_US,
+        },
         "criteria": {
             "min_fraction_of_copy": MIN_COPY_FRACTION,
             "memory_bound_min_bytes": MEMORY_BOUND_MIN_BYTES,
