@@ -11,6 +11,8 @@
   1024/2048 column chunks, 4/8 warps; v2 ships 2048 at 4 warps) - each next to the provider; bytes compared with
   the production output. (Run 1, ``perf-probe-1.json``, timed the chunked form as a standalone prototype kernel
   before it moved into ``norms``.)
+* ``attn``: attention forward query-block heights (same KV walk) at S = 264 / 925 / 3160, bitwise vs production,
+  timed next to SDPA-flash.
 * ``launch``: host overhead of the small ops (packed_index_select, conditioning_noise_mix): the registry binding,
   the autograd-free launch and the provider, timed as the bench times them, plus host-only microseconds per call,
   and gather tilings for C = 96.
@@ -421,6 +423,53 @@ def hostcost_section(calls: int = 300) -> dict:
     return out
 
 
+def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
+    """Attention forward query-block heights at small S: the production tiling and variants that keep its KV walk
+    (fwd_n = 64, same exp2/fma forms) but change BLOCK_M / warps / stages, each compared byte for byte with the
+    production output, timed side by side with the provider under SDPA-flash (h3gate.bench.timing, head start)."""
+    from dataclasses import replace
+
+    from h3gate.bench.baselines import sdpa_flash
+    from h3gate.bench.timing import side_by_side
+    from h3gate.kernels import attention
+    from h3gate.ops import reference
+
+    prod = attention.attn_config(128, torch.bfloat16)
+    cands = {
+        "production": prod,
+        "m128_w8_s2": replace(prod, fwd_stages=2),
+        "m64_w4_s3": replace(prod, fwd_m=64, fwd_warps=4, fwd_stages=3),
+        "m64_w4_s4": replace(prod, fwd_m=64, fwd_warps=4, fwd_stages=4),
+        "m64_w4_s2": replace(prod, fwd_m=64, fwd_warps=4, fwd_stages=2),
+        "m64_w8_s3": replace(prod, fwd_m=64, fwd_warps=8, fwd_stages=3),
+    }
+    flash = sdpa_flash(reference.attention)
+    out: dict = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for s in seqs:
+        q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+        ref = attention.forward(q, k, v, prod)[0]
+        rec: dict = {"cands": {}}
+        fns = {"sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
+        for name, cfg in cands.items():
+            try:
+                y = attention.forward(q, k, v, cfg)[0]
+                torch.cuda.synchronize()
+                rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref))}
+                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
+        stats = side_by_side(fns, iters=50, head_start_us=300.0)
+        rec["sdpa_flash_ms"] = stats["sdpa_flash"]["median_ms"]
+        for name in rec["cands"]:
+            if name in stats:
+                ms = stats[name]["median_ms"]
+                rec["cands"][name].update(ms=ms, min_ms=stats[name]["min_ms"], ratio_to_flash=rec["sdpa_flash_ms"] / ms)
+            print(" attn", s, name, json.dumps(rec["cands"][name]), flush=True)
+        out[str(s)] = rec
+    return out
+
+
 def main() -> None:
     """Run the requested sections, rewriting the JSON after each; ``--shapes`` restricts the GEMM sections."""
     ap = argparse.ArgumentParser()
@@ -446,6 +495,8 @@ def main() -> None:
                 m_list = tuple(int(m) for m in args.ms.split(",")) if args.ms else MS
                 cands = ROUND2 if args.round == 2 else CANDIDATES
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, cands, m_list=m_list, graph=True)
+            elif sec == "attn":
+                body[sec] = attn_section()
             elif sec == "hostcost":
                 body[sec] = hostcost_section()
             elif sec == "norm":
