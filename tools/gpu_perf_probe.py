@@ -477,7 +477,7 @@ def main() -> None:
     ap.add_argument("--sections", default="norm,launch,gemm")
     ap.add_argument("--gemm-seconds", type=float, default=300)
     ap.add_argument("--round", type=int, default=1, help="GEMM candidates: 1 shapes, 2 orders, 4 tails, 5 swap")
-    ap.add_argument("--ms", default="", help="GEMM rows for rounds 1/2 (default 264,3160,38974)")
+    ap.add_argument("--ms", default="", help="GEMM rows for rounds 1/2 (default 264,3160,38974); attn: S")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="GEMM shapes to probe (qkv,o_proj,ffn_gate_up,ffn_down)")
     args = ap.parse_args()
     for name in set(SHAPES) - set(args.shapes.split(",")):
@@ -496,7 +496,7 @@ def main() -> None:
                 cands = ROUND2 if args.round == 2 else CANDIDATES
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, cands, m_list=m_list, graph=True)
             elif sec == "attn":
-                body[sec] = attn_section()
+                body[sec] = attn_section(tuple(int(m) for m in args.ms.split(",")) if args.ms else (264, 925, 3160))
             elif sec == "hostcost":
                 body[sec] = hostcost_section()
             elif sec == "norm":
