@@ -23,15 +23,19 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   ``bwd_exp2`` / ``bwd_fma`` are the same declared options for the backward's recomputation of p (default: the
   strict forms; see :mod:`h3gate.kernels.attention_bwd`).
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
-  the fixed block order above; batch elements and heads are separate programs (batch-row invariant); the tiling
-  is a function of (D, dtype) only, never of S or B. Repeat runs are bitwise equal. No split-KV, no atomics.
+  the fixed block order above; batch elements and heads are separate programs (batch-row invariant); the KV walk
+  (fwd_n, exp2/fma forms) and the backward tilings are functions of (D, dtype) only, never of S or B. One knob
+  depends on S, declared in ``FWD_S_BUCKETS``: the forward's query-block height (BLOCK_M, warps, stages), which
+  only decides how many query rows one program owns - each row's scores, softmax and PV sums are the same (every
+  height probed was bitwise equal to the 128-row tiling at S = 264, 925, 3160 and 38974 on the H200,
+  ``docs/measurements/perf-probe-{12,13}.json``). Repeat runs are bitwise equal. No split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -125,13 +129,40 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 }
 
 
+# The forward's query-block height by sequence length, per (head_dim, dtype): ((bound, fwd_m, fwd_warps,
+# fwd_stages), ...) in ascending bound order; S < bound takes the first matching entry, S >= the last bound the
+# ATTN_TABLE entry. bfloat16 D = 128: 64-row blocks on 4 warps were 11 / 4 / 5 % faster than the 128-row ones at S =
+# 264 / 925 / 3160 and 2 % slower at 38974 (docs/measurements/perf-probe-{12,13}.json, timed next to SDPA-flash);
+# the bound 8192 lies between the measured lengths (a choice, not a measured crossover).
+FWD_S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
+    (128, "bfloat16"): ((8192, 64, 4, 3),),
+}
+
+
+def _check_fwd_s_buckets() -> None:
+    for key, buckets in FWD_S_BUCKETS.items():
+        bounds = [b[0] for b in buckets]
+        if key not in ATTN_TABLE or bounds != sorted(set(bounds)) or any(b[1] & (b[1] - 1) for b in buckets):
+            raise AssertionError(f"attention.FWD_S_BUCKETS{key}: known tiling, ascending bounds, power-of-two BLOCK_M")
+
+
+_check_fwd_s_buckets()
+
+
 def qk_scale(head_dim: int) -> float:
     """``log2(e) / sqrt(D)``: scores are kept in the log2 domain (one FP32 constant shared by every kernel)."""
     return LOG2E / math.sqrt(head_dim)
 
 
-def attn_config(head_dim: int, dtype: torch.dtype) -> AttnConfig:
-    return ATTN_TABLE[(head_dim, str(dtype).replace("torch.", ""))]
+def attn_config(head_dim: int, dtype: torch.dtype, seq_len: int | None = None) -> AttnConfig:
+    """The (D, dtype) tiling; with ``seq_len`` its forward query-block height from ``FWD_S_BUCKETS``."""
+    key = (head_dim, str(dtype).replace("torch.", ""))
+    cfg = ATTN_TABLE[key]
+    if seq_len is not None:
+        for bound, fwd_m, warps, stages in FWD_S_BUCKETS.get(key, ()):
+            if seq_len < bound:
+                return replace(cfg, fwd_m=fwd_m, fwd_warps=warps, fwd_stages=stages)
+    return cfg
 
 
 @helper
@@ -279,7 +310,7 @@ def attention_with(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnC
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Strict :func:`h3gate.ops.reference.attention`: (B, S, nh, D) x3 -> (B, S, nh*D), scale 1/sqrt(D)."""
     _check(q, k, v)
-    return _Attention.apply(q, k, v, attn_config(q.shape[3], q.dtype))
+    return _Attention.apply(q, k, v, attn_config(q.shape[3], q.dtype, q.shape[1]))
 
 
 h3_full_attention = attention
