@@ -91,13 +91,17 @@ def variants():
     yield "gemm.fwd.tma.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128}, False, opts
     yield "gemm.fwd.ptr.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128, "USE_TMA": False}, False, opts
     yield "gemm.dw.tma", gemm._gemm_kernel, mm, {**base, "A_TRANS": True, "B_TRANS": False, "GROUP_M": 8}, False, opts
-    # The swapped small-M forward (Y^T = W @ X^T): 128 weight rows x (256 + 16) tokens, TMA and pointer loads.
+    # The swapped small-M forward (Y^T = W @ X^T) as shipped: 64 weight rows x (256 + 16) tokens on 4 warps (M < 512),
+    # 128 weight rows x (256 + 64) tokens on 8 warps (512 <= M < 1024); TMA and pointer loads.
     sw = dict(x_ptr=B, w_ptr=B, c_ptr=B, bias_ptr=B, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
               stride_cm="i32")  # fmt: skip
-    swb = dict(BLOCK_N=128, BLOCK_M=256, TAIL_M=16, BLOCK_K=64, HAS_BIAS=True, EVEN_K=True, USE_TMA=True,
+    swb = dict(BLOCK_N=64, BLOCK_M=256, TAIL_M=16, BLOCK_K=64, HAS_BIAS=True, EVEN_K=True, USE_TMA=True,
                INTERPRET=False)  # fmt: skip
-    yield "gemm.swap.tma.tail16", gemm_swapped._gemm_swapped_kernel, sw, swb, False, opts
-    yield "gemm.swap.ptr.tail16", gemm_swapped._gemm_swapped_kernel, sw, {**swb, "USE_TMA": False}, False, opts
+    w4 = dict(num_warps=4, num_stages=4)
+    yield "gemm.swap.tma.tail16", gemm_swapped._gemm_swapped_kernel, sw, swb, False, w4
+    yield "gemm.swap.ptr.tail16", gemm_swapped._gemm_swapped_kernel, sw, {**swb, "USE_TMA": False}, False, w4
+    sw128 = {**swb, "BLOCK_N": 128, "TAIL_M": 64}
+    yield "gemm.swap.tma.tail64", gemm_swapped._gemm_swapped_kernel, sw, sw128, False, opts
 
 
 def main() -> int:

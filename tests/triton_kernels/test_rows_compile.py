@@ -1,5 +1,5 @@
 """Every strict row kernel and the GEMM's block variants compile for sm_90 (the H200 path: libdevice, cvt.rn, no FMA
-contraction; the GEMM on wgmma, tail tiles included) without a GPU."""
+contraction; the GEMM on wgmma, tail tiles and swapped operands included) without a GPU."""
 
 from __future__ import annotations
 
@@ -32,5 +32,9 @@ def test_row_kernels_compile_for_sm90_without_fma():
         "gemm.fwd.tma.tail128": ["m64n128k16", "m64n256k16"],  # the wide tiles, then the 128-wide tail tiles
         "gemm.fwd.ptr.tail128": ["m64n128k16", "m64n256k16"],
         "gemm.dw.tma": ["m64n256k16"],
+        # swapped operands: the token chunk is the MMA's N extent, main block and tail block as two instructions
+        "gemm.swap.tma.tail16": ["m64n16k16", "m64n256k16"],
+        "gemm.swap.ptr.tail16": ["m64n16k16", "m64n256k16"],
+        "gemm.swap.tma.tail64": ["m64n256k16", "m64n64k16"],
     }, gemm
     assert proc.returncode == 0
