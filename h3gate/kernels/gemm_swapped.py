@@ -3,8 +3,8 @@
 Why: at small M (the tiny layout's 264 rows) a tile of 64/128 *rows* leaves a mostly empty last row tile (264 =
 2 x 128 + 8), and every row tile streams the whole weight again. With the operands swapped the MMA's M extent is a
 block of weight rows (BLOCK_N output columns) and its N extent is a chunk of tokens, which the MMA allows in steps
-of 8; Triton tiles are powers of two, so a chunk is ``BLOCK_M + TAIL_M`` tokens run as two dots (264 = 256 + 16
-covers the rows with 3 % padding, and each weight tile is read once).
+of 8; Triton tiles are powers of two, so a chunk is ``BLOCK_M + TAIL_M`` tokens run as two dots (one chunk of
+256 + 16 covers the 264 rows with 3 % padding, so each weight tile is read once per call).
 
 Contract (the same as :mod:`h3gate.kernels.gemm`'s forward, so the bytes are too):
 
