@@ -35,8 +35,8 @@ from h3gate.ops.cases import OpCase, build_case, randn
 MIN_COPY_FRACTION = 0.70
 MEMORY_BOUND_MIN_BYTES = 256 << 20
 NOISE = 0.05
-# Device-side head start before each timed call (timing.side_by_side), from the tiny-layout bench at 7e52a4b on: the
-# host must not be timed (kernel and baselines alike). Recorded in every record's top-level ``timing``.
+# Device-side head start before each timed call (timing.side_by_side), added after the tiny-layout bench at 7e52a4b
+# timed the host: the host must not be timed (kernel and baselines alike). Recorded in the body's ``timing``.
 HEAD_START_US = 300.0
 
 
