@@ -91,7 +91,7 @@ def test_bucket_dispatches_swapped_forward_and_backward_stays_unswapped(monkeypa
     swapped = GemmConfig(16, 32, 32, 1, 4, 2, swap_ab=True, tail_m=16)
     monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((24, {key: swapped}),))
     monkeypatch.setitem(gemm_configs.TABLE, key, UNSWAPPED)
-    calls: list[GemmConfig] = []
+    calls: list[int] = []  # TAIL_M of each swapped launch
     real = gemm_swapped._gemm_swapped_kernel
 
     class Spy:
