@@ -1,20 +1,50 @@
-"""Where the repository's data lives: manifests, schemas and the default evidence folder."""
+"""Where h3gate's data lives: the manifests and schemas it ships, and the evidence folders.
+
+Manifests and schemas are package data, ``h3gate/data/manifests`` and ``h3gate/data/schemas``, found through
+:mod:`importlib.resources` (so a wheel carries them). ``H3GATE_HOME=DIR`` reads ``DIR/manifests`` and
+``DIR/schemas`` instead (and writes evidence under ``DIR/evidence``). Evidence defaults to ``<checkout>/evidence``
+when the code runs from a source checkout (editable install, or ``PYTHONPATH`` at the checkout) and to
+``./evidence`` in the current directory for an installed wheel, never into site-packages.
+"""
 
 from __future__ import annotations
 
 import os
+from importlib.resources import files
 from pathlib import Path
 
-ROOT = Path(os.environ.get("H3GATE_HOME", Path(__file__).resolve().parents[1]))
+
+def _package_data() -> Path:
+    """The shipped data tree, as a filesystem path (pip installs packages as files, never zipped)."""
+    data = files("h3gate") / "data"
+    if not isinstance(data, Path):
+        raise RuntimeError(f"h3gate package data {data!r} is not on the filesystem; install h3gate unzipped")
+    return data
+
+
+def _checkout() -> Path | None:
+    """The source checkout the code runs from, or None for an installed wheel (site-packages has no pyproject)."""
+    top = Path(__file__).resolve().parents[1]
+    return top if (top / "pyproject.toml").is_file() else None
+
+
+_HOME = os.environ.get("H3GATE_HOME")
+ROOT = Path(_HOME) if _HOME else _package_data()  # the data root: manifests/ and schemas/
 MANIFESTS = ROOT / "manifests"
 SCHEMAS = ROOT / "schemas"
-EVIDENCE = ROOT / "evidence"
+CHECKOUT = _checkout()
+EVIDENCE = ROOT / "evidence" if _HOME else (CHECKOUT / "evidence" if CHECKOUT else Path("evidence"))
 LOCAL_EVIDENCE = EVIDENCE / "local"
 
 
 def display(path: Path) -> str:
-    """A path as the user should read it in messages: relative to the repository when inside it."""
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
+    """A path as the user should read it in messages: ``manifests/...`` and ``schemas/...`` relative to the data
+    root, other paths of the checkout relative to it, anything else as given."""
+    resolved = Path(path).resolve()
+    for base in (ROOT, CHECKOUT):
+        if base is not None:
+            try:
+                return str(resolved.relative_to(base.resolve()))
+            except ValueError:
+                pass
+    return str(path)

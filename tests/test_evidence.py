@@ -17,7 +17,7 @@ from h3gate.errors import InputError
 from h3gate.evidence import provenance as prov
 from h3gate.evidence import schema
 from h3gate.evidence.writer import to_json, write_evidence
-from h3gate.paths import ROOT, SCHEMAS
+from h3gate.paths import CHECKOUT, ROOT, SCHEMAS
 
 PROBE = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -203,8 +203,8 @@ def test_code_sha256_covers_code_manifests_and_schemas_only(tmp_path) -> None:
     for rel, text in {
         "h3gate/a.py": "x = 1\n",
         "h3gate/sub/b.py": "y = 2\n",
-        "manifests/m.yaml": "k: 1\n",
-        "schemas/s.json": "{}\n",
+        "h3gate/data/manifests/m.yaml": "k: 1\n",
+        "h3gate/data/schemas/s.json": "{}\n",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
@@ -212,11 +212,17 @@ def test_code_sha256_covers_code_manifests_and_schemas_only(tmp_path) -> None:
     (tmp_path / "h3gate/__pycache__").mkdir()
     (tmp_path / "h3gate/__pycache__/a.cpython-312.pyc").write_bytes(b"\0")
     (tmp_path / "README.md").write_text("docs do not count\n")
+    (tmp_path / "manifests").mkdir()
+    (tmp_path / "manifests/old.yaml").write_text("k: 0\n")  # the pre-package layout counts only for old commits
     assert prov.code_sha256.__wrapped__(tmp_path) == base
-    (tmp_path / "manifests/m.yaml").write_text("k: 2\n")
+    assert prov.code_sha256.__wrapped__(tmp_path, prov.LEGACY_CODE_GLOBS) != base
+    data = tmp_path / "h3gate/data"
+    (data / "manifests/m.yaml").write_text("k: 2\n")
     changed = prov.code_sha256.__wrapped__(tmp_path)
     assert changed != base
-    (tmp_path / "manifests/m.yaml").rename(tmp_path / "manifests/n.yaml")  # a rename changes it too
+    (data / "manifests/m.yaml").rename(data / "manifests/n.yaml")  # a rename changes it too
+    assert prov.code_sha256.__wrapped__(tmp_path) not in (base, changed)
+    (data / "schemas/s.json").write_text("{ }\n")
     assert prov.code_sha256.__wrapped__(tmp_path) not in (base, changed)
 
 
@@ -224,6 +230,18 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "code_sha256.py")], capture_output=True, text=True, check=True, cwd=ROOT
+        [sys.executable, str(CHECKOUT / "tools" / "code_sha256.py")], capture_output=True, text=True, check=True
     )
-    assert done.stdout.strip() == prov.code_sha256.__wrapped__(ROOT)
+    assert done.stdout.strip() == prov.code_sha256.__wrapped__(CHECKOUT)
+
+
+def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence() -> None:
+    """e20ba97 had manifests/ and schemas/ at the top level; the evidence it wrote on the H200 names its hash."""
+    import subprocess
+
+    if subprocess.run(["git", "-C", str(CHECKOUT), "cat-file", "-e", "e20ba97^{commit}"], check=False).returncode:
+        pytest.skip("not a git checkout holding e20ba97 (a shallow clone)")
+    tool = str(CHECKOUT / "tools" / "code_sha256.py")
+    done = subprocess.run([sys.executable, tool, "e20ba97"], capture_output=True, text=True, check=True)
+    doc = json.loads((CHECKOUT / "evidence/h200/ws1-block-real-medium/ws1-block.json").read_text())
+    assert done.stdout.strip() == doc["provenance"]["code_sha256"]

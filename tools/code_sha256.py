@@ -4,6 +4,8 @@
     python3 tools/code_sha256.py [REV]
 
 Evidence written on the GPU host records ``code_sha256``; this recomputes it from git to name the commit it ran.
+Commits from before the data moved into the package (top-level ``manifests/`` and ``schemas/``) are hashed with
+the globs of their own layout, so the hashes that old evidence names are reproduced.
 """
 
 from __future__ import annotations
@@ -13,23 +15,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-from h3gate.evidence.provenance import code_sha256
+from h3gate.evidence.provenance import CODE_GLOBS, LEGACY_CODE_GLOBS, code_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        print(code_sha256(ROOT))
-        return
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True).stdout
+
+
+def commit_sha256(rev: str) -> str:
+    """``code_sha256`` of the tree at ``rev``, in the layout that commit had."""
+    top = set(_git("ls-tree", "--name-only", rev).decode().split())
+    legacy = "manifests" in top
+    parts, globs = (["h3gate", "manifests", "schemas"], LEGACY_CODE_GLOBS) if legacy else (["h3gate"], CODE_GLOBS)
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT), "archive", sys.argv[1], "h3gate", "manifests", "schemas"],
-            check=True,
-            capture_output=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        print(code_sha256(Path(tmp)))
+        subprocess.run(["tar", "-x", "-C", tmp], input=_git("archive", rev, *parts), check=True)
+        return code_sha256(Path(tmp), globs)
+
+
+def main() -> None:
+    print(commit_sha256(sys.argv[1]) if len(sys.argv) > 1 else code_sha256(ROOT))
 
 
 if __name__ == "__main__":

@@ -33,16 +33,18 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-CODE_GLOBS: tuple[str, ...] = ("h3gate/**/*.py", "manifests/**/*.yaml", "schemas/*.json")
+CODE_GLOBS: tuple[str, ...] = ("h3gate/**/*.py", "h3gate/data/manifests/**/*.yaml", "h3gate/data/schemas/*.json")
+# Before the data moved into the package (commits up to e8fc078) manifests/ and schemas/ sat at the top level.
+LEGACY_CODE_GLOBS: tuple[str, ...] = ("h3gate/**/*.py", "manifests/**/*.yaml", "schemas/*.json")
 
 
 @cache
-def code_sha256(root: Path = _CODE_ROOT) -> str:
-    """sha256 over the code that runs: for every file matching :data:`CODE_GLOBS` under ``root``, in sorted
-    repository-relative POSIX path order, ``path`` NUL ``sha256(bytes)`` newline. Identifies the code without git
-    (the GPU host gets a copied tree whose ``.git`` may point at another commit); ``tools/code_sha256.py REV``
-    recomputes it for a commit."""
-    files = sorted({p for g in CODE_GLOBS for p in root.glob(g) if p.is_file() and "__pycache__" not in p.parts})
+def code_sha256(root: Path = _CODE_ROOT, globs: tuple[str, ...] = CODE_GLOBS) -> str:
+    """sha256 over the code that runs: for every file matching ``globs`` (:data:`CODE_GLOBS`) under ``root``, in
+    sorted repository-relative POSIX path order, ``path`` NUL ``sha256(bytes)`` newline. Identifies the code without
+    git (the GPU host gets a copied tree whose ``.git`` may point at another commit); ``tools/code_sha256.py REV``
+    recomputes it for a commit. ``root`` is the checkout, or site-packages for an installed wheel (same hash)."""
+    files = sorted({p for g in globs for p in root.glob(g) if p.is_file() and "__pycache__" not in p.parts})
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + sha256_file(path).encode() + b"\n")
