@@ -125,12 +125,30 @@ def fingerprint(
 @app.command()
 def seal(
     folder: Annotated[Path, typer.Argument(help="Evidence folder.")],
-    verify: Annotated[bool, typer.Option("--verify", help="Re-check schemas and hashes against the seal.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Re-check schemas, file hashes, SEAL.json's own hash and signature.")
+    ] = False,
+    key: Annotated[
+        Path | None, typer.Option("--key", help="Sign the seal with this Ed25519 private key (h3gate keygen).")
+    ] = None,
+    pubkey: Annotated[
+        Path | None, typer.Option("--pubkey", help="With --verify: require a valid signature by this public key.")
+    ] = None,
 ) -> None:
     """Schema-validate every evidence JSON under FOLDER and seal it (or verify an existing seal)."""
     from h3gate.commands.seal_cmd import seal_command
 
-    _done(seal_command(folder, verify))
+    _done(seal_command(folder, verify, key, pubkey))
+
+
+@app.command()
+def keygen(
+    out: Annotated[Path, typer.Option("--out", help="Private key file to write (KEY.pub is written next to it).")],
+) -> None:
+    """Write a new Ed25519 key for signing seals: KEY (PEM PKCS8, mode 0600) and KEY.pub; never overwrites."""
+    from h3gate.commands.keygen_cmd import keygen_command
+
+    _done(keygen_command(out))
 
 
 @run_app.command("ws1-block")

@@ -1,4 +1,4 @@
-"""``h3gate seal FOLDER [--verify]``: seal an evidence folder, or verify it against its SEAL.json."""
+"""``h3gate seal FOLDER [--key KEY]``: seal (and sign) an evidence folder; ``--verify [--pubkey PUB]``: verify it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.errors import EXIT_FAIL, EXIT_PASS
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.seal import SEAL_NAME, SealReport, seal_folder, verify_folder
 from h3gate.paths import display
 
@@ -20,40 +20,85 @@ def _status(report: SealReport, rel: str, schema: dict[str, str]) -> str:
     return "; ".join(parts) or "ok"
 
 
-def seal_command(folder: Path, verify: bool) -> int:
-    """0: sealed / seal verified; 1: verification failed (each finding listed); bad input raises InputError (2)."""
-    console = Console()
-    if not verify:
-        seal = seal_folder(folder)
-        table = Table(title=escape(f"sealed {display(folder)}/{SEAL_NAME}"))
-        table.add_column("file", overflow="fold")
-        table.add_column("kind")
-        table.add_column("bytes", justify="right")
-        table.add_column("sha256")
-        for e in seal["files"]:
-            table.add_row(escape(e["path"]), escape(e["kind"] or "-"), str(e["bytes"]), e["sha256"][:16])
-        console.print(table)
-        console.print(f"root {seal['root']}", soft_wrap=True)
-        return EXIT_PASS
-    report = verify_folder(folder)
+def _print_sealed(console: Console, folder: Path, seal: dict) -> None:
+    table = Table(title=escape(f"sealed {display(folder)}/{SEAL_NAME}"))
+    table.add_column("file", overflow="fold")
+    table.add_column("kind")
+    table.add_column("bytes", justify="right")
+    table.add_column("sha256")
+    for e in seal["files"]:
+        table.add_row(escape(e["path"]), escape(e["kind"] or "-"), str(e["bytes"]), e["sha256"][:16])
+    console.print(table)
+    console.print(f"root {seal['root']}", soft_wrap=True)
+    console.print(f"seal_sha256 {seal['seal_sha256']}", soft_wrap=True)
+    if seal["signer"] is None:
+        console.print("unsigned (integrity only; sign with --key KEY from `h3gate keygen` to prove origin)")
+    else:
+        console.print(f"signed: ed25519 key sha256 {seal['signer']['fingerprint']}", soft_wrap=True)
+
+
+def _signature_line(report: SealReport) -> str:
+    """One line on SEAL.json's signature and what it proves."""
+    if report.signature == "unsigned":
+        return "signature: none (unsigned seal: integrity only, origin not proven)"
+    if report.signature == "invalid":
+        return "signature: [red]INVALID[/red]"
+    key = f"ed25519 key sha256 {report.signer}"
+    if report.origin_ok is None:
+        return (
+            f"signature: valid, by the {key} that SEAL.json itself names; origin NOT proven without "
+            "--pubkey (a public key obtained out of band)"
+        )
+    if report.origin_ok:
+        return f"signature: valid, by --pubkey ({key}): origin proven"
+    return f"signature: valid, but by [red]another key[/red] ({key})"
+
+
+def _print_verify(console: Console, folder: Path, report: SealReport) -> None:
     # schema_errors read "<relpath>: <json path>: <message>"
     schema = dict(msg.split(": ", 1) if ": " in msg else (msg, msg) for msg in report.schema_errors)
     table = Table(title=escape(f"verify {display(folder)}/{SEAL_NAME}"))
     table.add_column("file", overflow="fold")
     table.add_column("status", overflow="fold")
     for rel in report.files:
-        status = _status(report, rel, schema)
+        status = _status(report, rel, schema) if report.seal_sha256 else "unchecked (no valid seal)"
         table.add_row(escape(rel), escape(status) if status == "ok" else f"[red]{escape(status)}[/red]")
     console.print(table)
+    if not report.seal_sha256:  # SEAL.json unreadable as a seal: nothing else to report
+        return
     if report.root_ok:
         console.print(f"root ok {report.root}", soft_wrap=True)
     else:
         console.print(f"[red]root mismatch[/red]: sealed {report.root}, now {report.actual_root}", soft_wrap=True)
+    if report.seal_ok:
+        console.print(f"seal_sha256 ok {report.seal_sha256}", soft_wrap=True)
+    else:
+        console.print("[red]seal_sha256 mismatch[/red] (SEAL.json edited)", soft_wrap=True)
+    console.print(_signature_line(report), soft_wrap=True, highlight=False)
+
+
+def seal_command(folder: Path, verify: bool, key: Path | None = None, pubkey: Path | None = None) -> int:
+    """0: sealed / seal verified; 1: verification failed (each finding listed); bad input raises InputError (2).
+
+    ``key`` (sealing) signs the seal with an Ed25519 private key; ``pubkey`` (verifying) requires the seal to be
+    signed by that public key.
+    """
+    if verify and key is not None:
+        raise InputError("--key: only used when sealing (verify takes --pubkey PUB)")
+    if not verify and pubkey is not None:
+        raise InputError("--pubkey: only used with --verify (sealing takes --key KEY)")
+    console = Console()
+    if not verify:
+        _print_sealed(console, folder, seal_folder(folder, key))
+        return EXIT_PASS
+    report = verify_folder(folder, pubkey)
+    _print_verify(console, folder, report)
     if report.ok:
-        console.print("[green]seal verified[/green]")
+        scope = "integrity and origin" if report.origin_ok else "integrity"
+        console.print(f"[green]seal verified[/green] ({scope})")
         return EXIT_PASS
     findings = [("changed", report.changed), ("added", report.added), ("removed", report.removed)]
-    findings.append(("schema error", report.schema_errors))
+    findings += [("schema error", report.schema_errors), ("seal", report.seal_errors)]
     for name, items in findings:
         for item in items:
             console.print(f"[red]{name}[/red]: {escape(item)}", soft_wrap=True, highlight=False)

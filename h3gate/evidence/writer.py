@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -52,11 +53,25 @@ def to_json(value: Any, where: str = "$") -> Any:
     raise RuntimeError(f"evidence {where}: {type(value).__name__} is not JSON data")
 
 
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the process umask (0o644 under the usual 022).
+
+    ``tempfile.mkstemp`` creates 0600 files whatever the umask; atomic writers chmod their temp file to this.
+    """
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``; nothing half-written."""
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``; nothing half-written.
+
+    The file gets the mode of any new file under the umask (:func:`new_file_mode`), not mkstemp's 0600.
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -85,11 +100,14 @@ def write_evidence(
     command: list[str] | None = None,
     manifests: list[Path] | None = None,
     device: str | None = None,
+    finalize: Callable[[dict], dict] | None = None,
 ) -> Path:
     """Write ``{"kind", "schema_version": 1, "provenance", **body}`` to ``folder/filename`` and return its path.
 
-    The document is validated against ``schemas/<kind>.schema.json`` first; our own output failing its schema
-    is a bug and raises :class:`RuntimeError`. An unusable ``folder`` (user input) is an :class:`InputError`.
+    ``finalize`` maps the complete plain-JSON document (provenance stamped) to the one written: the seal uses it to
+    add its self-hash and signature. The document is validated against ``schemas/<kind>.schema.json`` first; our
+    own output failing its schema is a bug and raises :class:`RuntimeError`. An unusable ``folder`` (user input)
+    is an :class:`InputError`.
     """
     rel = PurePosixPath(filename)
     if rel.is_absolute() or ".." in rel.parts or rel.suffix != ".json" or not rel.name:
@@ -105,6 +123,8 @@ def write_evidence(
             **body,
         }
     )
+    if finalize is not None:
+        doc = finalize(doc)
     try:
         validate_document(doc, kind, source=f"evidence {filename}")
     except InputError as exc:

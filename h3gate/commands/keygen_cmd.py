@@ -1,0 +1,18 @@
+"""``h3gate keygen --out KEY``: a new Ed25519 key for signing seals (KEY, mode 0600, and KEY.pub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from h3gate.errors import EXIT_PASS
+from h3gate.evidence.signing import fingerprint, write_keypair
+from h3gate.paths import display
+
+
+def keygen_command(out: Path) -> int:
+    """Write the key pair (refusing to overwrite either file: InputError, exit 2); 0 when written."""
+    pub, public = write_keypair(out)
+    print(f"private key {display(out)} (mode 0600: keep it secret, never inside an evidence folder)")
+    print(f"public key  {display(pub)} (give it to verifiers out of band)")
+    print(f"key sha256  {fingerprint(public)}")
+    return EXIT_PASS
