@@ -9,9 +9,11 @@ checkpoint writing live in :mod:`h3gate.synth` (re-exported here lazily).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from math import prod
@@ -191,12 +193,33 @@ def parse_diffusers_config(body: Any, source: str) -> ModelConfig:
     return validate({k: v for k, v in body.items() if not k.startswith("_")}, ModelConfig, source)
 
 
+def real_path(path: Path) -> Path:
+    """``path`` with every symbolic link resolved; a link loop or a dangling link is an input error naming it."""
+    try:
+        return Path(path).resolve(strict=True)
+    except RuntimeError:  # Python < 3.13 reports a loop this way
+        raise InputError(f"{display(path)}: symbolic link loop") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InputError(f"{display(path)}: symbolic link loop") from None
+        if Path(path).is_symlink():
+            raise InputError(f"{display(path)}: dangling symbolic link (its target does not exist)") from None
+        raise InputError(f"{display(path)}: cannot resolve ({exc.strerror or exc})") from None
+
+
 class CheckpointDir:
-    """A diffusers transformer folder: ``config.json`` plus one safetensors file or an index and its shards."""
+    """A diffusers transformer folder: ``config.json`` plus one safetensors file or an index and its shards.
+
+    Weight files may be symbolic links (the Hugging Face cache links into its blob store): each one's real path is
+    kept in ``real_files``; those whose real path lies outside the (resolved) folder are listed in ``outside`` and
+    announced by one ``h3gate: warning:`` line on stderr when the folder is opened, never followed silently.
+    """
 
     def __init__(self, path: Path, require_config: bool = True) -> None:
         self.path = Path(path)
         where = display(self.path)
+        if self.path.is_symlink() or self.path.exists():
+            self.real_path = real_path(self.path)
         if not self.path.is_dir():
             what = "is a file, not a checkpoint folder" if self.path.exists() else "no such checkpoint folder"
             raise InputError(f"{where}: {what}")
@@ -216,7 +239,13 @@ class CheckpointDir:
         elif single.is_file():
             self.files, self.weight_map = [single], None
         else:
+            for link in (p for p in (index_file, single) if p.is_symlink()):
+                real_path(link)  # a loop or dangling link says so
             raise InputError(f"{where}: neither {WEIGHTS_NAME} nor {INDEX_NAME} found")
+        self.real_files = {f.name: real_path(f) for f in self.files}
+        self.outside = [n for n, real in self.real_files.items() if not real.is_relative_to(self.real_path)]
+        if self.outside:
+            self._warn_outside()
         self._entries: dict[str, StoredTensor] = {}
         self.metadata: dict[str, dict[str, str]] = {}
         for f in self.files:
@@ -228,6 +257,16 @@ class CheckpointDir:
         for name, shard in (self.weight_map or {}).items():
             if self._entries.get(name) is None or self._entries[name].file.name != shard:
                 raise InputError(f"{display(index_file)}: tensor {name}: not in its shard {shard}")
+
+    def _warn_outside(self) -> None:
+        """One stderr line naming the weight files whose real path lies outside the checkpoint folder."""
+        links = ", ".join(f"{n} -> {self.real_files[n]}" for n in self.outside)
+        count = "1 weight file resolves" if len(self.outside) == 1 else f"{len(self.outside)} weight files resolve"
+        print(
+            f"h3gate: warning: {display(self.path)}: {count} outside the checkpoint folder ({links}); "
+            "read anyway, recorded as outside_folder in fingerprint evidence",
+            file=sys.stderr,
+        )
 
     def _read_index(self, index_file: Path) -> tuple[list[Path], dict[str, str]]:
         where = display(index_file)
@@ -275,12 +314,15 @@ class CheckpointDir:
 
     # -- Header-only facts -----------------------------------------------------------------------------------------
     def shards(self) -> list[dict[str, Any]]:
-        """Every weight file with its size in bytes and tensor count."""
+        """Every weight file with its size in bytes, tensor count, real path (symbolic links resolved) and whether
+        that real path lies outside the checkpoint folder."""
         return [
             {
                 "file": f.name,
                 "bytes": f.stat().st_size,
                 "tensors": sum(1 for e in self._entries.values() if e.file == f),
+                "real_path": str(self.real_files[f.name]),
+                "outside_folder": f.name in self.outside,
             }
             for f in self.files
         ]

@@ -155,7 +155,9 @@ def check_checkpoint(
         if v != config_body(manifest.config)[k]
     ]
     report: dict[str, Any] = {
-        "path": display(ckpt.path),
+        "path": str(ckpt.path),  # as given; real_path resolves every symbolic link
+        "real_path": str(ckpt.real_path),
+        "outside_folder": list(ckpt.outside),
         "config_source": config_source,
         "config": config_body(cfg),
         "config_matches_manifest": not differences,

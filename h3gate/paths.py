@@ -39,8 +39,12 @@ LOCAL_EVIDENCE = EVIDENCE / "local"
 
 def display(path: Path) -> str:
     """A path as the user should read it in messages: ``manifests/...`` and ``schemas/...`` relative to the data
-    root, other paths of the checkout relative to it, anything else as given."""
-    resolved = Path(path).resolve()
+    root, other paths of the checkout relative to it, anything else as given (also when it cannot be resolved: a
+    symbolic link loop, an unreadable parent)."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13); OSError: ELOOP and friends
+        return str(path)
     for base in (ROOT, CHECKOUT):
         if base is not None:
             try:

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from h3gate.errors import EXIT_PASS, InputError
+from h3gate.evidence.writer import new_file_mode
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LayoutSpec, load_layout
 from h3gate.manifests.loader import describe_validation_error
@@ -44,6 +45,7 @@ def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dic
     os.close(fd)
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, new_file_mode())  # save_file leaves 0600 whatever the umask
         os.replace(tmp, path)
     except OSError as exc:
         raise InputError(f"--save {path}: cannot write ({exc.strerror or exc})") from None

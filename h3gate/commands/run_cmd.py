@@ -24,7 +24,7 @@ from rich.table import Table
 
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import write_evidence
+from h3gate.evidence.writer import new_file_mode, write_evidence
 from h3gate.graph.block import block_params, build_block_graph
 from h3gate.graph.executions import bind_graph
 from h3gate.graph.inputs import BlockInputs, build_block_inputs
@@ -202,6 +202,7 @@ def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], m
             os.close(fd)
             temps[name] = tmp
             save_file(tensors, tmp, metadata=metadata)
+            os.chmod(tmp, new_file_mode())  # save_file leaves 0600 whatever the umask
         for name, tmp in temps.items():
             os.replace(tmp, folder / f"{name}.safetensors")
     except OSError as exc:
