@@ -47,14 +47,36 @@ def _done(code: int) -> None:
     raise typer.Exit(code)
 
 
+@app.callback()
+def _global_options(
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress lines on stderr (results and errors still print).")
+    ] = False,
+) -> None:
+    """Options that apply to every verb (given before it: ``h3gate --quiet run ws1-block``)."""
+    from h3gate.commands.console import set_quiet
+
+    set_quiet(quiet)
+
+
 @app.command()
 def layout(
     name: Annotated[str | None, typer.Argument(help="A layout of manifests/layouts.yaml (default: tiny).")] = None,
-    text_tokens: Annotated[int | None, typer.Option("--text-tokens")] = None,
-    latent_frames: Annotated[int | None, typer.Option("--latent-frames")] = None,
-    latent_height: Annotated[int | None, typer.Option("--latent-height")] = None,
-    latent_width: Annotated[int | None, typer.Option("--latent-width")] = None,
-    audio_latents: Annotated[int | None, typer.Option("--audio-latents")] = None,
+    text_tokens: Annotated[
+        int | None, typer.Option("--text-tokens", help="Text tokens (overrides the named layout).")
+    ] = None,
+    latent_frames: Annotated[
+        int | None, typer.Option("--latent-frames", help="Video latent frames (overrides the named layout).")
+    ] = None,
+    latent_height: Annotated[
+        int | None, typer.Option("--latent-height", help="Video latent height (overrides the named layout).")
+    ] = None,
+    latent_width: Annotated[
+        int | None, typer.Option("--latent-width", help="Video latent width (overrides the named layout).")
+    ] = None,
+    audio_latents: Annotated[
+        int | None, typer.Option("--audio-latents", help="Audio latent rows (overrides the named layout).")
+    ] = None,
     anchor: Annotated[list[str] | None, typer.Option("--anchor", help="first | last (repeatable).")] = None,
     text_vision_rows: Annotated[
         list[str] | None, typer.Option("--text-vision-rows", help="START:END text rows tagged video (repeatable).")
@@ -84,8 +106,10 @@ def layout(
 @app.command()
 def schedule(
     steps: Annotated[int, typer.Option("--steps", help="Sigma grid points, terminal 0 included.")],
-    shift: Annotated[float, typer.Option("--shift")] = 12.0,
-    save: Annotated[Path | None, typer.Option("--save")] = None,
+    shift: Annotated[float, typer.Option("--shift", help="Timestep shift of the sigma grid.")] = 12.0,
+    save: Annotated[
+        Path | None, typer.Option("--save", help="Write the sigmas and timesteps to FILE.safetensors.")
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Sigmas and timesteps bitwise equal to MiniMaxH3Scheduler.set_timesteps."""
@@ -98,7 +122,7 @@ def schedule(
 def synth_checkpoint(
     out: Annotated[Path, typer.Option("--out", help="Checkpoint folder to write.")],
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml")] = "tiny",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights.")] = 0,
     shard_size: Annotated[int | None, typer.Option("--shard-size", help="Shard above this many bytes.")] = None,
 ) -> None:
     """Write a seeded diffusers-layout checkpoint (config.json + safetensors, sharded with an index)."""
@@ -109,10 +133,16 @@ def synth_checkpoint(
 
 @app.command()
 def fingerprint(
-    manifest: Annotated[str, typer.Option("--manifest")] = "minimax-h3-42ed227",
-    checkpoint: Annotated[Path | None, typer.Option("--checkpoint")] = None,
+    manifest: Annotated[
+        str, typer.Option("--manifest", help="Checkpoint manifest name or PATH.yaml.")
+    ] = "minimax-h3-42ed227",
+    checkpoint: Annotated[
+        Path | None, typer.Option("--checkpoint", help="diffusers transformer folder to check (headers only).")
+    ] = None,
     config: Annotated[str, typer.Option("--config", help="NAME | PATH | auto (read config.json)")] = "auto",
-    hash_tensors: Annotated[bool, typer.Option("--hash-tensors")] = False,
+    hash_tensors: Annotated[
+        bool, typer.Option("--hash-tensors", help="Also stream every tensor and record its sha256 (reads all data).")
+    ] = False,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -163,9 +193,11 @@ def run_ws1_block(
     ] = None,
     device: DeviceOpt = "auto",
     mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")] = "strict",
-    backward: Annotated[bool, typer.Option("--backward/--no-backward")] = True,
+    backward: Annotated[
+        bool, typer.Option("--backward/--no-backward", help="Also gate the backward pass (gradients).")
+    ] = True,
     tolerance: Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")] = "ws1-block",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
     save_tensors: Annotated[
         Path | None,
         typer.Option("--save-tensors", help="Write inputs/provider/candidate/golden .safetensors into this folder."),
@@ -186,9 +218,9 @@ def run_ws1_block(
 def run_ws1_ops(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,
     layouts: Annotated[str, typer.Option("--layouts", help="Comma-separated layouts giving row counts.")] = "tiny",
-    config: Annotated[str, typer.Option("--config")] = "tiny",
+    config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "tiny",
     device: DeviceOpt = "auto",
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -203,8 +235,8 @@ def run_ws1_ops(
 def bench(
     target: Annotated[str | None, typer.Argument(help="ws1-block, or leave empty and pass --op.")] = None,
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable).")] = None,
-    layout: Annotated[str, typer.Option("--layout")] = "medium",
-    config: Annotated[str, typer.Option("--config")] = "real",
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml (row count).")] = "medium",
+    config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "real",
     device: DeviceOpt = "cuda",
     out: OutOpt = None,
     json_: JsonOpt = False,
@@ -221,12 +253,12 @@ def ablate(
     row: Annotated[str | None, typer.Argument(help="An ablation row id (A0, H5, H-C3, ...).")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Run every row.")] = False,
     list_: Annotated[bool, typer.Option("--list", help="List the rows and exit.")] = False,
-    layout: Annotated[str, typer.Option("--layout")] = "tiny",
-    config: Annotated[str, typer.Option("--config")] = "tiny",
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "tiny",
+    config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml")] = "tiny",
     device: DeviceOpt = "auto",
     mode: Annotated[str, typer.Option("--mode", help="off (provider ops) | strict | audit | auto")] = "off",
     steps: Annotated[int, typer.Option("--steps", help="Sigma grid points of trajectory rows.")] = 4,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Real weights (default: synthetic).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="Intra-op CPU threads (default: 1 on cpu).")] = None,
     out: OutOpt = None,

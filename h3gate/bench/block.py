@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from h3gate.bench.timing import side_by_side
+from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.evidence.writer import write_evidence
 from h3gate.graph.block import build_block_graph
@@ -32,8 +32,13 @@ WARMUP_S = 0.5
 ITERS = 20
 
 
-def bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
-    """Time the strict block and the provider block side by side; write ``bench-ws1-block.json``."""
+def bench_block(
+    layout: str, config: str, device: str, out: Path | None, json_: bool, progress: Callable[[str], None] | None = None
+) -> int:
+    """Time the strict block and the provider block side by side; write ``bench-ws1-block.json``.
+
+    ``progress(label)`` is called before each timed phase.
+    """
     from h3gate.commands.run_cmd import LAYER, prepare_ws1_block
 
     if not device.startswith("cuda"):
@@ -71,6 +76,8 @@ def bench_block(layout: str, config: str, device: str, out: Path | None, json_: 
 
     results: dict[str, dict] = {}
     for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
+        if progress is not None:
+            progress(f"{phase} (provider and strict, {ITERS} rounds)")
         stats = side_by_side({who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S)
         ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
         results[phase] = {**stats, "strict_over_provider": ratio}
@@ -101,7 +108,7 @@ def bench_block(layout: str, config: str, device: str, out: Path | None, json_: 
             f"{r['strict']['median_ms']:.3f}",
             f"{r['strict_over_provider']:.2f}x",
         )
-    console = Console()
+    console = stdout_console()
     console.print(table)
     console.print(f"evidence: {display(path)}")
     return EXIT_PASS

@@ -24,6 +24,8 @@ Every other operator is gated by the defaults, declared here before measuring:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from h3gate.bench.baselines import BASELINES
@@ -134,8 +136,13 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
     }
 
 
-def bench_ops(ops: list[str], rows: int, cfg, device: str) -> tuple[float, list[dict]]:
-    """Copy bandwidth and one record per operator (strict binds checked before anything is timed)."""
+def bench_ops(
+    ops: list[str], rows: int, cfg, device: str, progress: Callable[[str], None] | None = None
+) -> tuple[float, list[dict]]:
+    """Copy bandwidth and one record per operator (strict binds checked before anything is timed).
+
+    ``progress(label)`` is called before each operator is timed.
+    """
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")
     for op in ops:
@@ -145,6 +152,8 @@ def bench_ops(ops: list[str], rows: int, cfg, device: str) -> tuple[float, list[
     copy_gbs = copy_bandwidth_gbs(device)
     records = []
     for op in ops:
+        if progress is not None:
+            progress(f"--op {op} (rows {rows})")
         records.append(bench_op(op, rows, cfg, device, copy_gbs))
         torch.cuda.empty_cache()
     return copy_gbs, records

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.manifests.ablations import ABLATIONS_FILE, ROW_IDS, AblationRow, load_ablations
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
@@ -78,7 +78,7 @@ def _list(rows: dict[str, AblationRow], json_: bool) -> int:
     for row_id, row in rows.items():
         sig = row.expected.signature.model_dump(exclude_none=True) if row.expected.signature else None
         table.add_row(row_id, escape(row.factor), row.run, row.probe, row.expected.result, escape(_signature_text(sig)))
-    Console().print(table)
+    stdout_console().print(table)
     return EXIT_PASS
 
 
@@ -101,7 +101,7 @@ def _render(records: list[dict], wall: float, title: str) -> None:
             f"[{colour}]{rec['verdict']}[/{colour}]",
             f"{rec['wall_s']:.1f}",
         )
-    console = Console()
+    console = stdout_console()
     console.print(table)
     passed = sum(r["verdict"] == "pass" for r in records)
     console.print(f"{passed}/{len(records)} rows match their expectation in {wall:.1f} s")
@@ -159,7 +159,11 @@ def ablate_command(
         started = time.perf_counter()
         ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
         ctx.execution["threads"] = torch.get_num_threads()
-        records = [run_row(row_id, rows[row_id], ctx) for row_id in selected]
+        with progress("ablate", len(selected), started) as step:
+            records = []
+            for row_id in selected:
+                step(f"row {row_id} ({rows[row_id].run})")
+                records.append(run_row(row_id, rows[row_id], ctx))
         wall = time.perf_counter() - started
         trajectory = _trajectory_record(ctx) if any(rows[r].run == "trajectory" for r in selected) else None
     finally:
@@ -194,5 +198,5 @@ def ablate_command(
         print(json.dumps({"evidence": display(path), **body["summary"], "verdict": body["verdict"]}, indent=1))
     else:
         _render(records, wall, f"h3gate ablate: config {config}, layout {ctx.layout.name}, {device}, mode {mode}")
-        Console().print(f"evidence: {escape(display(path))}")
+        stdout_console().print(f"evidence: {escape(display(path))}")
     return EXIT_PASS if ok else EXIT_FAIL

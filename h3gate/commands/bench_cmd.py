@@ -10,10 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
@@ -30,7 +30,8 @@ def bench_command(
             raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")
         from h3gate.bench.block import bench_block
 
-        return bench_block(layout, config, device, out, json_)
+        with progress("bench ws1-block", 2) as step:
+            return bench_block(layout, config, device, out, json_, progress=step)
     if target is not None:
         raise InputError(f"bench {target!r}: unknown target (ws1-block, or none with --op NAME)")
     if not ops:
@@ -57,7 +58,8 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
             raise InputError(f"--op {op}: no case builder (known: {', '.join(sorted(CASES))})")
     cfg = load_config(config)
     ((name, rows),) = parse_layouts(layout)
-    copy_gbs, records = bench_ops(ops, rows, cfg.config, device)
+    with progress("bench", len(ops)) as step:
+        copy_gbs, records = bench_ops(ops, rows, cfg.config, device, progress=step)
     body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
     manifests = [
         MANIFESTS / "configs" / f"{cfg.name}.yaml",
@@ -119,7 +121,7 @@ def _target_cell(target: dict | None) -> str:
 
 
 def _table(body: dict, path: Path) -> None:
-    console = Console()
+    console = stdout_console()
     layout, copy = body["layout"], body["copy_bandwidth_gbs"]
     title = f"bench --op @ {layout['name']} (S={layout['rows']}), copy {copy:.0f} GB/s"
     table = Table(title=f"{title}: {body['verdict'].upper()}")

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.manifests.checkpoint_manifest import CheckpointManifest
 from h3gate.manifests.loader import load_yaml, resolve
@@ -36,7 +37,7 @@ def synth_command(config: str, seed: int, out: Path, shard_size: int | None) -> 
 
     cfg = load_config(config).config
     summary = write_checkpoint(cfg, seed, out, shard_size)
-    console = Console()
+    console = stdout_console()
     table = Table(title=f"synthetic checkpoint {summary['path']} (config {config}, seed {seed})")
     for col in ("file", "tensors", "bytes"):
         table.add_column(col, justify="left" if col == "file" else "right")
@@ -78,7 +79,7 @@ def fingerprint_command(
     if json_:
         print(json.dumps({**body, "evidence": str(path)}, indent=2))
         return code
-    _print(Console(), fp, report, path)
+    _print(stdout_console(), fp, report, path)
     return code
 
 

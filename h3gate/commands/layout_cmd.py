@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 from pydantic import ValidationError
-from rich.console import Console
 from rich.table import Table
 
+from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.evidence.writer import new_file_mode
 from h3gate.layout import PackedLayout, build_layout
@@ -150,7 +150,7 @@ def layout_command(
     table.add_row("text", str(summary["rows"]["text"]), "-", str(by_tag["text(1)"]))
     table.add_row("video", str(summary["rows"]["video"]), str(layout.num_condition_video_rows), str(by_tag["video(0)"]))
     table.add_row("audio", str(summary["rows"]["audio"]), str(layout.num_condition_audio_rows), str(by_tag["audio(2)"]))
-    console = Console()
+    console = stdout_console()
     console.print(table)
     if save is not None:
         console.print(f"saved {', '.join(layout.tensors())} to {save}")

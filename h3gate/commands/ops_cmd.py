@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.writer import write_evidence
 from h3gate.layout import build_layout
@@ -63,27 +63,27 @@ def ws1_ops_command(
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    console = Console(stderr=True, quiet=json_)
     failures: list[str] = []
     operators = []
     started = time.monotonic()
-    for op in selected:
-        results = []
-        for name, n in rows:
-            console.print(f"[dim]{op} @ {name} (S={n})[/dim]")
-            try:
-                res = opsgate.run_case(op, n, cfg_manifest.config, device, seed)
-            except torch.OutOfMemoryError as exc:  # e.g. a float64 golden too large for the device: recorded
-                message = str(exc).splitlines()[0] if str(exc) else "out of memory"
-                results.append({"layout": name, "layout_rows": n, "error": message, "verdict": "fail"})
-                failures.append(f"{op} S={n}: out of device memory [{name}]")
-            else:
-                results.append({"layout": name, **res.record})
-                failures += [f"{f} [{name}]" for f in res.failures]
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-        verdict = "pass" if all(r["verdict"] == "pass" for r in results) else "fail"
-        operators.append({**headers[op], "results": results, "verdict": verdict})
+    with progress(KIND, len(selected) * len(rows)) as step:
+        for op in selected:
+            results = []
+            for name, n in rows:
+                step(f"{op} @ {name} (S={n})")
+                try:
+                    res = opsgate.run_case(op, n, cfg_manifest.config, device, seed)
+                except torch.OutOfMemoryError as exc:  # e.g. a float64 golden too large for the device: recorded
+                    message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+                    results.append({"layout": name, "layout_rows": n, "error": message, "verdict": "fail"})
+                    failures.append(f"{op} S={n}: out of device memory [{name}]")
+                else:
+                    results.append({"layout": name, **res.record})
+                    failures += [f"{f} [{name}]" for f in res.failures]
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            verdict = "pass" if all(r["verdict"] == "pass" for r in results) else "fail"
+            operators.append({**headers[op], "results": results, "verdict": verdict})
 
     rules = {}
     if any(registry_family(op) == "norm" for op in selected):
@@ -127,7 +127,7 @@ def _flag(value: bool | None) -> str:
 
 
 def _table(operators: list[dict], path: Path, verdict: str, failures: list[str], elapsed: float) -> None:
-    console = Console()
+    console = stdout_console()
     table = Table(title=f"ws1-ops: {verdict.upper()} ({elapsed:.1f} s)")
     for col in ("operator", "rows", "kernel id", "bitwise (promised)", "fwd rel_l2 (bound)", "bwd worst", "invariant"):
         table.add_column(col)

@@ -6,22 +6,18 @@ mode meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import new_file_mode, write_evidence
@@ -157,33 +153,6 @@ def prepare_ws1_block(
     return Ws1BlockSetup(config_name, cfg, packed, source, ckpt, device, params, inputs, manifests)
 
 
-@contextlib.contextmanager
-def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr advancing once per execution; a no-op callback when disabled."""
-    if not enabled:
-        yield lambda label: None
-        return
-    console = Console(stderr=True)
-    with Progress(
-        TextColumn("[bold]ws1-block[/]"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.description}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("", total=total)
-        done = [0]
-
-        def step(label: str) -> None:
-            bar.update(task, completed=done[0], description=label)
-            done[0] += 1
-
-        yield step
-        bar.update(task, completed=total)
-
-
 def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     """Write ``<name>.safetensors`` for every entry: all temp files first, then ``os.replace`` each."""
     from safetensors.torch import save_file
@@ -234,7 +203,7 @@ def _drift(d: dict | None) -> str:
 
 
 def print_table(doc: dict, path: Path) -> None:
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = stdout_console()
     layout = doc["layout"]
     table = Table(
         title=f"ws1-block {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
@@ -336,7 +305,7 @@ def ws1_block_command(
     folder = Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}"
     steps = forward_steps() + (backward_steps() if backward else [])
     setup_s = time.perf_counter() - started
-    with progress_bar(len(steps), enabled=not json_ and sys.stderr.isatty()) as step:
+    with progress(KIND, len(steps), started) as step:
         gate = BlockGate(graph, setup.inputs, setup.params, setup.device, mode, tol, backward, progress=step)
         result = run_block_gate(gate)
     body = build_body(setup, result, mode, seed, tol, tol_file)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from h3gate.commands.console import stdout_console
 from h3gate.commands.layout_cmd import save_safetensors
 from h3gate.errors import EXIT_PASS
 from h3gate.schedule import Schedule, build_schedule, sigma_hash
@@ -48,7 +48,7 @@ def schedule_command(steps: int, shift: float, save: Path | None, json_: bool) -
     for index, sigma in enumerate(summary["sigmas"]):
         timestep = summary["timesteps"][index] if index < schedule.num_evaluations else None
         table.add_row(str(index), f"{sigma:.9g}", "-" if timestep is None else f"{timestep:.9g}")
-    console = Console()
+    console = stdout_console()
     console.print(table)
     console.print(f"sigma sha256 {summary['sigma_sha256']}")
     if save is not None:

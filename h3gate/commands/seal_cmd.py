@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.seal import SEAL_NAME, SealReport, seal_folder, verify_folder
 from h3gate.paths import display
@@ -87,7 +88,7 @@ def seal_command(folder: Path, verify: bool, key: Path | None = None, pubkey: Pa
         raise InputError("--key: only used when sealing (verify takes --pubkey PUB)")
     if not verify and pubkey is not None:
         raise InputError("--pubkey: only used with --verify (sealing takes --key KEY)")
-    console = Console()
+    console = stdout_console()
     if not verify:
         _print_sealed(console, folder, seal_folder(folder, key))
         return EXIT_PASS

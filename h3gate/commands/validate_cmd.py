@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.paths import MANIFESTS, SCHEMAS, display
 
@@ -189,7 +189,7 @@ def _render(checks: list[Check], json_: bool, ok: bool) -> None:
         colour = "green" if c.status == "ok" else "yellow" if c.status == "not present" else "red"
         entries = "-" if c.entries is None else str(c.entries)
         table.add_row(c.kind, escape(c.file), entries, f"[{colour}]{escape(c.status)}[/{colour}]")
-    Console().print(table)
+    stdout_console().print(table)
 
 
 def validate_command(json_: bool) -> int:

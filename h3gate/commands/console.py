@@ -1,0 +1,102 @@
+"""Terminal manners shared by every verb: one stdout console for tables, one progress reporter on stderr.
+
+* :func:`stdout_console` renders at the terminal's width on a TTY; when stdout is piped or redirected it renders at
+  a wide fixed width (:data:`PIPE_WIDTH`), so tables keep their natural width and no cell is folded mid-word
+  (``h3gate ablate --list | head`` shows whole words). ``--json`` remains the format for machines.
+* :func:`progress` yields the ``progress(label)`` callback that engines accept. On a TTY it drives a transient rich
+  bar; otherwise it prints plain lines such as ``h3gate: ws1-block: forward: candidate (3/14, 12.3 s)`` on stderr,
+  so a piped run is never silent until the end. The global ``h3gate --quiet`` (:func:`set_quiet`) silences both.
+
+Engines never print; the commands layer owns the reporter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+PIPE_WIDTH = 1000  # wider than any table h3gate draws: tables keep their natural width, cells never fold
+Step = Callable[[str], None]
+
+_state = {"quiet": False}
+
+
+def set_quiet(quiet: bool) -> None:
+    """Silence (or restore) progress output for this process (``h3gate --quiet``)."""
+    _state["quiet"] = quiet
+
+
+def is_quiet() -> bool:
+    """Whether ``--quiet`` is in force."""
+    return _state["quiet"]
+
+
+def stdout_console() -> Console:
+    """The console every verb prints its tables and summary lines to (see the module docstring)."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=PIPE_WIDTH)
+
+
+class LineReporter:
+    """Plain progress lines on stderr: ``h3gate: <verb>: <label> (<i>/<n>, <t> s)``.
+
+    ``every_s`` throttles long loops: a line is printed only when that many seconds passed since the previous one
+    (the first step always prints). ``started`` is the ``time.perf_counter()`` the elapsed time counts from.
+    """
+
+    def __init__(self, verb: str, total: int | None, started: float | None = None, every_s: float = 0.0) -> None:
+        self.verb, self.total, self.every_s = verb, total, every_s
+        self.started = time.perf_counter() if started is None else started
+        self.done = 0
+        self.last: float | None = None
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.last is not None and now - self.last < self.every_s:
+            return
+        self.last = now
+        count = f"{self.done}/{self.total}, " if self.total else ""
+        print(f"h3gate: {self.verb}: {label} ({count}{now - self.started:.1f} s)", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _bar(verb: str, total: int | None) -> Iterator[Step]:
+    """A transient rich progress bar on the stderr terminal, advancing once per step."""
+    with Progress(
+        TextColumn(f"[bold]{verb}[/]"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("", total=total)
+        done = [0]
+
+        def step(label: str) -> None:
+            bar.update(task, completed=done[0], description=label)
+            done[0] += 1
+
+        yield step
+        if total is not None:
+            bar.update(task, completed=total)
+
+
+@contextlib.contextmanager
+def progress(verb: str, total: int | None = None, started: float | None = None, every_s: float = 0.0) -> Iterator[Step]:
+    """The progress callback for one run of ``verb`` (``total`` steps when known); a no-op under ``--quiet``."""
+    if is_quiet():
+        yield lambda label: None
+    elif sys.stderr.isatty():
+        with _bar(verb, total) as step:
+            yield step
+    else:
+        yield LineReporter(verb, total, started, every_s)

@@ -1,0 +1,104 @@
+"""CLI manners: piped tables keep whole words, every option has help, progress lines on stderr (and ``--quiet``),
+and fingerprint says which config fields differ from the manifest and why the checkpoint still matches."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from h3gate.commands import console
+from h3gate.manifests.ablations import load_ablations
+
+PROGRESS = re.compile(r"^h3gate: (?P<verb>[\w -]+): (?P<label>.+) \((?:(?P<i>\d+)/(?P<n>\d+), )?\d+\.\d s\)$")
+
+
+def _walk(command, path: str = "h3gate") -> Iterator[tuple[str, object]]:
+    """Every (command path, parameter) of the click tree Typer builds, groups included."""
+    for param in command.params:
+        yield path, param
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from _walk(sub, f"{path} {name}")
+
+
+def test_every_option_and_argument_has_help():
+    import typer
+
+    from h3gate.cli import app
+
+    tree = typer.main.get_command(app)
+    params = list(_walk(tree))
+    assert len(params) > 50 and any(p.name == "quiet" for _, p in params)
+    missing = [f"{path}: {p.opts[0] if p.opts else p.name}" for path, p in params if not (p.help or "").strip()]
+    assert missing == [], "options / arguments without help text:\n" + "\n".join(missing)
+
+
+def test_ablate_list_piped_keeps_whole_words(run_cli):
+    """Not a TTY (captured): the table renders at its natural width; no cell is folded mid-word."""
+    code, out, err = run_cli("ablate", "--list")
+    assert (code, err) == (0, "")
+    rows = load_ablations()
+    lines = out.splitlines()
+    for row_id, row in rows.items():
+        line = next((ln for ln in lines if ln.startswith(f"│ {row_id} ")), None)
+        assert line is not None, f"row {row_id} is not on a line of its own"
+        for cell in (row.factor, row.run, row.probe, row.expected.result):
+            assert f" {cell} " in line, (row_id, cell, line)
+    assert "EXPECTED_DRIFT" in out and "EXPECTED_DRI " not in out
+    assert max(len(ln) for ln in lines) > 80  # wider than the 80 columns rich assumes for a pipe
+
+
+def test_stdout_console_is_wide_when_piped(monkeypatch):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    assert console.stdout_console().width == console.PIPE_WIDTH
+
+
+def _progress_lines(err: str) -> list[re.Match]:
+    matches = [PROGRESS.match(line) for line in err.splitlines()]
+    assert all(matches), err
+    return matches
+
+
+@pytest.mark.parametrize(
+    ("args", "verb", "first"),
+    [
+        (["run", "ws1-ops", "--device", "cpu", "--op", "conditioning_noise_mix"], "ws1-ops", "conditioning_noise_mix"),
+        (["ablate", "A0"], "ablate", "row A0 (forward)"),
+    ],
+)
+def test_progress_lines_on_stderr_and_quiet(run_cli, tmp_path, args, verb, first):
+    code, out, err = run_cli(*args, "--out", tmp_path / "a")
+    assert code == 0, out + err
+    (m,) = _progress_lines(err)
+    assert (m["verb"], m["i"], m["n"]) == (verb, "1", "1") and m["label"].startswith(first), err
+    code, out, err = run_cli("--quiet", *args, "--out", tmp_path / "b", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["verdict"] == "pass"
+    code, _, err = run_cli(*args, "--out", tmp_path / "c", "--json")  # progress is stderr: --json keeps it
+    assert code == 0 and len(_progress_lines(err)) == 1
+
+
+def test_line_reporter_counts_and_throttles(capsys):
+    step = console.LineReporter("ws1-block", 3)
+    for label in ("forward: provider", "forward: candidate", "backward: candidate"):
+        step(label)
+    lines = capsys.readouterr().err.splitlines()
+    assert [PROGRESS.match(ln)["i"] for ln in lines] == ["1", "2", "3"]
+    assert lines[1].startswith("h3gate: ws1-block: forward: candidate (2/3, ")
+    throttled = console.LineReporter("fingerprint", None, every_s=3600)
+    for i in range(5):
+        throttled(f"sha256 t{i}")
+    (line,) = capsys.readouterr().err.splitlines()  # the first step prints; the next ones fall in its hour
+    assert PROGRESS.match(line) and line.startswith("h3gate: fingerprint: sha256 t0 (")
+
+
+def test_quiet_silences_the_reporter(capsys):
+    console.set_quiet(True)
+    try:
+        with console.progress("ws1-block", 2) as step:
+            step("forward: provider")
+    finally:
+        console.set_quiet(False)
+    assert capsys.readouterr().err == ""
