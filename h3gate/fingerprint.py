@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,17 +103,41 @@ def resolve_config(config: str | Path, ckpt: CheckpointDir) -> tuple[ModelConfig
     return load_config(config).config, str(config)
 
 
+def config_differences(cfg: ModelConfig, manifest_cfg: ModelConfig) -> list[dict[str, Any]]:
+    """Config fields whose value differs from the manifest's: ``{field, checkpoint, manifest}`` each."""
+    released = config_body(manifest_cfg)
+    return [
+        {"field": k, "checkpoint": v, "manifest": released[k]} for k, v in config_body(cfg).items() if v != released[k]
+    ]
+
+
+def config_note(differences: list[dict[str, Any]], config_source: str) -> str | None:
+    """Why a checkpoint whose config differs from the manifest's can still match (None when nothing differs)."""
+    if not differences:
+        return None
+    fields = ", ".join(d["field"] for d in differences)
+    return (
+        f"{len(differences)} config field(s) differ from the manifest ({fields}). The expected inventory is computed "
+        f"from the config the checkpoint is checked with ({config_source}), not from the manifest's, so tensor "
+        "names, shapes and dtypes (and the manifest's FP32 boundary) can all match; the manifest fixes the "
+        "released sizes. A match means a consistent checkpoint of that config, not the released model."
+    )
+
+
 def check_checkpoint(
     path: str | Path,
     config: str | Path = "auto",
     manifest: CheckpointManifest | None = None,
     hash_tensors: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Compare a checkpoint's stored tensors (headers only) with the inventory its config implies.
 
     ``mismatched`` lists every expected tensor whose shape or dtype differs; ``precision_boundary.violations`` is
     the subset that crosses the FP32 boundary (an FP32-module tensor not stored float32, or another tensor stored
-    float32). ``match`` is true when nothing is missing, unexpected or mismatched.
+    float32). ``match`` is true when nothing is missing, unexpected or mismatched. ``config_differences`` and
+    ``config_note`` say how the config differs from the manifest's and why that does not decide ``match``.
+    ``progress(label)`` is called before each tensor is hashed.
     """
     if manifest is None:
         raise InputError("check_checkpoint: a checkpoint manifest is required")
@@ -149,11 +174,7 @@ def check_checkpoint(
             )
 
     fp32_names = [s.name for s in specs if s.dtype == precision.fp32_dtype]
-    differences = [
-        {"field": k, "checkpoint": v, "manifest": config_body(manifest.config)[k]}
-        for k, v in config_body(cfg).items()
-        if v != config_body(manifest.config)[k]
-    ]
+    differences = config_differences(cfg, manifest.config)
     report: dict[str, Any] = {
         "path": str(ckpt.path),  # as given; real_path resolves every symbolic link
         "real_path": str(ckpt.real_path),
@@ -162,6 +183,7 @@ def check_checkpoint(
         "config": config_body(cfg),
         "config_matches_manifest": not differences,
         "config_differences": differences,
+        "config_note": config_note(differences, config_source),
         "layout": "sharded" if ckpt.weight_map is not None else "single",
         "shards": ckpt.shards(),
         "expected": {"tensors": len(specs), "parameters": sum(s.numel for s in specs)},
@@ -180,9 +202,17 @@ def check_checkpoint(
         "match": not (missing or unexpected or mismatched or violations),
     }
     if hash_tensors:
-        hashes = {n: ckpt.tensor_sha256(n) for n in sorted(found)}
-        report["tensor_sha256"] = {
-            "tensors": hashes,
-            "combined": canonical_sha256(hashes),
-        }
+        report["tensor_sha256"] = hash_stored_tensors(ckpt, sorted(found), progress)
     return report
+
+
+def hash_stored_tensors(
+    ckpt: CheckpointDir, names: list[str], progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """``{tensors: {name: sha256}, combined}``: each tensor's raw bytes streamed through sha256, in ``names`` order."""
+    hashes = {}
+    for name in names:
+        if progress is not None:
+            progress(f"sha256 {name}")
+        hashes[name] = ckpt.tensor_sha256(name)
+    return {"tensors": hashes, "combined": canonical_sha256(hashes)}

@@ -102,3 +102,26 @@ def test_quiet_silences_the_reporter(capsys):
     finally:
         console.set_quiet(False)
     assert capsys.readouterr().err == ""
+
+
+def test_fingerprint_reports_differing_config_fields(run_cli, tmp_path, tiny_checkpoint):
+    ckpt = tiny_checkpoint("manners", "ck", 0)
+    code, out, _ = run_cli("fingerprint", "--checkpoint", ckpt, "--out", tmp_path / "ev")
+    assert code == 0
+    assert "config differs from the manifest" in out and "MATCH" in out
+    section = out[out.index("config fields that differ from the manifest") :].split("└")[0]
+    table = {m[1]: (m[2], m[3]) for m in re.finditer(r"│ (\w+) +│ +(\S+) │ +(\S+) │", section)}
+    assert table["hidden_size"] == ("5376", "192") and table["num_layers"] == ("50", "2")
+    assert "The expected inventory is computed from the config the checkpoint is checked with" in out
+    assert "the manifest fixes the released sizes" in out
+    code, out, _ = run_cli("fingerprint", "--checkpoint", ckpt, "--out", tmp_path / "ev", "--json")
+    r = json.loads(out)["checkpoint"]
+    diffs = {d["field"]: (d["manifest"], d["checkpoint"]) for d in r["config_differences"]}
+    assert diffs["hidden_size"] == (5376, 192) and set(diffs) == set(table)
+    assert r["config_note"].startswith(f"{len(diffs)} config field(s) differ from the manifest (")
+    assert "config.json" in r["config_note"]
+    evidence = json.loads((tmp_path / "ev" / "fingerprint.json").read_text(encoding="utf-8"))
+    assert evidence["checkpoint"]["config_note"] == r["config_note"]
+    code, out, _ = run_cli("fingerprint", "--checkpoint", ckpt, "--config", "real", "--out", tmp_path / "x", "--json")
+    r = json.loads(out)["checkpoint"]
+    assert code == 1 and r["config_differences"] == [] and r["config_note"] is None

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.manifests.checkpoint_manifest import CheckpointManifest
 from h3gate.manifests.loader import load_yaml, resolve
@@ -66,7 +66,10 @@ def fingerprint_command(
     cfg_manifest = _config_manifest(config)
     manifests = [manifest_path] + ([cfg_manifest] if cfg_manifest is not None else [])
     fp = manifest_fingerprint(loaded)
-    report = None if checkpoint is None else check_checkpoint(checkpoint, config, loaded, hash_tensors)
+    report = None
+    if checkpoint is not None:
+        with progress("fingerprint", every_s=2.0) as step:
+            report = check_checkpoint(checkpoint, config, loaded, hash_tensors, progress=step if hash_tensors else None)
     body: dict[str, Any] = {
         "mode": "manifest" if report is None else "checkpoint",
         "manifest": fp,
@@ -101,6 +104,19 @@ def _print(console: Console, fp: dict, report: dict | None, path: Path) -> None:
     console.print(f"evidence: {path}")
 
 
+def _print_config_differences(console: Console, r: dict) -> None:
+    """Which config fields differ from the manifest (name, manifest value, checkpoint value), and why that is fine."""
+    if not r["config_differences"]:
+        return
+    table = Table(title="config fields that differ from the manifest")
+    for col in ("field", "manifest", "checkpoint"):
+        table.add_column(col, justify="left" if col == "field" else "right")
+    for d in r["config_differences"]:
+        table.add_row(d["field"], escape(str(d["manifest"])), escape(str(d["checkpoint"])))
+    console.print(table)
+    console.print(escape(r["config_note"]))
+
+
 def _print_report(console: Console, r: dict) -> None:
     shards = Table(title=escape(f"checkpoint {r['path']} ({r['layout']}, config from {r['config_source']})"))
     for col in ("file", "tensors", "bytes"):
@@ -114,6 +130,7 @@ def _print_report(console: Console, r: dict) -> None:
         + ("matches" if r["config_matches_manifest"] else "differs from")
         + " the manifest"
     )
+    _print_config_differences(console, r)
     problems = Table(title="problems")
     for col in ("kind", "tensor", "expected", "found"):
         problems.add_column(col)
