@@ -125,7 +125,10 @@ def _segment_reduce_kernel(
     for i in range(0, max_chunks):
         k = first + i
         valid = k < last
-        v = tl.load(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, mask=cm & valid, other=0.0)
+        # The chunk test compared per lane (not a scalar broadcast into the mask: Triton 3.9's interpreter loads only
+        # under a boolean mask, and a broadcast scalar comparison is not one there).
+        live = cm & (k + tl.zeros_like(cols) < last)
+        v = tl.load(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, mask=live, other=0.0)
         acc = tl.where(valid, acc + v, acc)
     out = exact.rne(acc, out_ptr.dtype.element_ty, INTERP)
     tl.store(out_ptr + b * out_bs + j.to(tl.int64) * out_rs + cols, out, mask=cm)
