@@ -1,23 +1,47 @@
 # h3gate: two commands on a fresh machine.
-#   make demo   install into .venv and run the one-block gate on the embedded default (tiny, CPU when no GPU)
-#   make test   install the test extra into .venv and run lint + the whole test suite
+#   make demo          install into .venv and run the one-block gate on the embedded default (tiny, CPU when no GPU)
+#   make test          install the test extra into .venv and run lint + the whole test suite
+# and, for CI and the GPU host:
+#   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
+#   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere
+#   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks (README, offline GPU host)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.h3gate-installed
 TSTAMP  := $(VENV)/.h3gate-test-installed
-# On a machine without an NVIDIA driver pin the CPU wheel of torch first, so that no open range pulls a CUDA build.
-TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "torch==2.13.0 triton==3.6.0")
+NVENV   ?= .venv-newest
+NBIN    := $(NVENV)/bin
+NSTAMP  := $(NVENV)/.h3gate-test-installed
 PYTEST_ARGS ?= -n 2
 
-.PHONY: install install-test demo test lint format clean
+# Torch on a machine without an NVIDIA driver (tools/install_torch.sh): the CPU build of torch $(TORCH_VERSION) from
+# torch's CPU index with triton $(TRITON) (the GPU host's), tried alone and failing within seconds when the index
+# does not answer; otherwise the pair PyPI resolves, torch $(TORCH_VERSION) with triton $(TRITON_PYPI) (PyPI's
+# torch 2.13.0 is the CUDA build, pinned to triton 3.7.1; it runs on the CPU). With a driver, pip's choice.
+# test-newest: triton $(TRITON_NEWEST) beside the CPU torch (the +cpu wheel pins no triton; PyPI's CUDA torch 2.13.0
+# would refuse it, so that target needs the CPU index or a local CPU wheel of torch, as CI has).
+export TORCH_VERSION ?= 2.13.0
+export TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+export TRITON ?= 3.6.0
+export TRITON_PYPI ?= 3.7.1
+TRITON_NEWEST ?= 3.9.0
+NO_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 1)
+
+# make wheelhouse: the target host's Python and platform tags, and WITH_DIFFUSERS=1 for the parity oracle.
+WHEEL_PY        ?= 3.12
+WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+WITH_DIFFUSERS  ?=
+HOST_HAS        ?= tools/gpu-host-packages.txt
+
+.PHONY: install install-test demo test lint format test-newest wheel-smoke wheelhouse clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	@if [ -n "$(TORCH_PIN)" ]; then $(BIN)/python -m pip install -q $(TORCH_PIN); fi
+	@if [ -n "$(NO_GPU)" ]; then tools/install_torch.sh $(BIN)/python $(TRITON) $(TRITON_PYPI); fi
 	$(BIN)/python -m pip install -q -e .
 	@touch $@
 
@@ -42,5 +66,24 @@ format: $(TSTAMP)
 test: lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+$(NSTAMP): pyproject.toml
+	$(PY) -m venv $(NVENV)
+	$(NBIN)/python -m pip install -q --upgrade pip
+	@if [ -n "$(NO_GPU)" ]; then tools/install_torch.sh $(NBIN)/python $(TRITON_NEWEST) $(TRITON_NEWEST); fi
+	$(NBIN)/python -m pip install -q -e ".[test]" triton==$(TRITON_NEWEST)
+	@touch $@
+
+test-newest: $(NSTAMP)
+	$(NBIN)/python -c "import triton; v = triton.__version__; assert v == '$(TRITON_NEWEST)', v; print('triton', v)"
+	$(NBIN)/h3gate run ws1-block --out evidence/local/ws1-block-newest
+	TRITON_INTERPRET=1 $(NBIN)/python -m pytest -q $(PYTEST_ARGS) tests/triton_kernels
+
+wheel-smoke:
+	PY=$(PY) tools/wheel_smoke.sh
+
+wheelhouse:
+	$(PY) tools/wheelhouse.py --python-version $(WHEEL_PY) $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) \
+	  --host-has "$(HOST_HAS)" $(if $(WITH_DIFFUSERS),--with-diffusers)
+
 clean:
-	rm -rf $(VENV) evidence/local .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(NVENV) evidence/local .pytest_cache .ruff_cache .hypothesis build dist

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Prepare an offline install of h3gate for a GPU host: the wheels it needs there, beyond torch and triton.
+
+    python3 tools/wheelhouse.py [--python-version 3.12] [--platform TAG ...] [--with-diffusers]
+                                [--host-has tools/gpu-host-packages.txt] [--dest .whl]
+
+1. resolves h3gate's ``[project].dependencies`` without torch and triton (the host has its own CUDA builds), plus
+   the test extra's ``diffusers`` pin with ``--with-diffusers`` (the parity oracle), for the target Python and
+   platforms (``pip install --dry-run --report``: nothing is installed);
+2. leaves out every distribution named in ``--host-has`` (default: the GPU host image's list; ``--host-has ''``
+   keeps everything);
+3. downloads the rest as binary wheels and builds h3gate's own wheel, into ``--dest`` (its old wheels removed first,
+   so that it holds one version of each).
+
+On the host: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+HOST_PROVIDES = ("torch", "triton")  # always the host's own (CUDA) builds
+
+
+def norm(name: str) -> str:
+    """PEP 503 normalised distribution name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_name(req: str) -> str:
+    return norm(re.split(r"[<>=!~;\[\s]", req.strip(), maxsplit=1)[0])
+
+
+def requirements(with_diffusers: bool) -> list[str]:
+    """h3gate's runtime requirements (torch/triton excluded), and the test extra's diffusers pin on request."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    reqs = [r for r in project["dependencies"] if requirement_name(r) not in HOST_PROVIDES]
+    if with_diffusers:
+        reqs += [r for r in project["optional-dependencies"]["test"] if requirement_name(r) == "diffusers"]
+    return reqs
+
+
+def target_args(python_version: str, platforms: list[str]) -> list[str]:
+    args = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp"]
+    for tag in platforms:
+        args += ["--platform", tag]
+    return args
+
+
+def resolve(reqs: list[str], target: list[str]) -> list[tuple[str, str]]:
+    """(name, version) of every distribution pip would install for ``reqs`` on the target, dependencies included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-"]
+        done = subprocess.run([*cmd, *target, "--target", tmp, *reqs], capture_output=True, text=True, check=False)
+    if done.returncode:
+        sys.exit(f"wheelhouse: pip could not resolve {reqs} for {target}:\n{done.stderr.strip()}")
+    report = json.loads(done.stdout)
+    return sorted((norm(i["metadata"]["name"]), i["metadata"]["version"]) for i in report["install"])
+
+
+def host_has(path: str) -> set[str]:
+    if not path:
+        return set()
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return {norm(line.strip()) for line in lines if line.strip() and not line.startswith("#")}
+
+
+def build_own_wheel(dest: Path) -> None:
+    """h3gate's wheel, built from a copy of the source tree (a stale ``build/`` in the checkout cannot leak in)."""
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=False,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        if listed.returncode == 0:
+            for rel in filter(None, listed.stdout.decode().split("\0")):
+                if (ROOT / rel).is_file():
+                    (src / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ROOT / rel, src / rel)
+        else:  # a copied tree without git
+            junk = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "evidence", ".whl*")
+            shutil.copytree(ROOT, src, ignore=junk)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), str(src)], check=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python-version", default="3.12", help="the host's Python, e.g. 3.12 (the H200 image) or 3.11")
+    ap.add_argument("--platform", action="append", help=f"wheel platform tag, repeatable (default: {PLATFORMS})")
+    ap.add_argument("--with-diffusers", action="store_true", help="add diffusers (the parity oracle) and its needs")
+    ap.add_argument("--host-has", default=str(ROOT / "tools" / "gpu-host-packages.txt"), help="names to leave out")
+    ap.add_argument("--dest", default=str(ROOT / ".whl"), help="output folder (default ./.whl)")
+    args = ap.parse_args()
+    target = target_args(args.python_version, args.platform or list(PLATFORMS))
+    dest = Path(args.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("*.whl"):
+        old.unlink()
+    resolved = resolve(requirements(args.with_diffusers), target)
+    skip = host_has(args.host_has) | set(HOST_PROVIDES)
+    wanted = [f"{name}=={version}" for name, version in resolved if name not in skip]
+    kept = [name for name, _ in resolved if name in skip]
+    print(f"wheelhouse: {len(wanted)} to carry, {len(kept)} on the host already: {' '.join(kept)}")
+    pip = [sys.executable, "-m", "pip"]
+    if wanted:
+        subprocess.run([*pip, "download", "-q", "--no-deps", *target, "-d", str(dest), *wanted], check=True)
+    build_own_wheel(dest)
+    wheels = sorted(p.name for p in dest.glob("*.whl"))
+    names = [norm(w.split("-")[0]) for w in wheels]
+    if len(set(names)) != len(names):
+        sys.exit(f"wheelhouse: two versions of one distribution in {dest}: {wheels}")
+    size = sum(p.stat().st_size for p in dest.glob("*.whl")) / 2**20
+    print("\n".join(wheels))
+    print(f"wheelhouse: {len(wheels)} wheels, {size:.1f} MiB in {dest} (python {args.python_version})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
