@@ -142,5 +142,42 @@ def _interpreter_index_shim() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpreter_exact_dot() -> None:
+    """The interpreter runs ``tl.dot`` as ``np.matmul`` at float32, whose summation order inside one tile follows
+    OpenBLAS's kernel for that tile's shape: the same row then gets other bits under another M bucket (measured:
+    o_proj / ffn_gate_up rows in a batch of 2 vs alone), which the GPU's fixed K walk never does. For float32
+    operands (the kernels upcast BF16 dot operands in the interpreter) compute each tile's dot in float64 and round
+    it once to float32: BF16 x BF16 products are exact there and a tile's sum is exact or within float64 rounding,
+    so the float32 result no longer depends on the tile's shape. The accumulator add stays the kernel's own.
+    Interpreter-only: nothing changes on CUDA."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_h3gate_shim", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype == b.data.dtype == d.data.dtype == np.float32:
+            tile = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+            return interpreter.TensorHandle(tile + d.data, d.dtype.scalar)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._h3gate_shim = True
+    builder.create_dot = create_dot
+
+
+def _single_threaded_blas() -> None:
+    """Pin numpy's BLAS to one thread for the whole process: the interpreter runs ``tl.dot`` as a numpy matmul, and
+    a multi-threaded OpenBLAS splits a matmul by its shape and thread count, so the bytes of one row would depend on
+    how many rows share the launch (measured: q_proj's row 92 drifts by one ulp in a batch of 3 with 2 threads)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
+
+
 if INTERPRET:
     _interpreter_index_shim()
+    _interpreter_exact_dot()
+    _single_threaded_blas()
