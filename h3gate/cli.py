@@ -1,27 +1,37 @@
-"""The command line: thin verbs that parse options, call one function, and return 0 / 1 / 2.
+"""The command line: thin verbs that parse options, call one function, and return an exit code.
+
+Exit codes: 0 gate passed, 1 gate failed (evidence still written), 2 bad input or usage (one line naming the
+thing), 3 internal error (one line; the traceback goes to a file, or to stderr with ``--debug``).
 
 This is the only module that knows about Typer, and :func:`main` is the one error boundary: an
-:class:`~h3gate.errors.InputError` anywhere below becomes one line on stderr and exit code 2.
+:class:`~h3gate.errors.InputError` anywhere below becomes one line on stderr and exit code 2; any other exception
+becomes exit 3, never 1.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import click
 import typer
 
-from h3gate.errors import EXIT_INPUT, InputError
+from h3gate.errors import EXIT_INPUT, EXIT_INTERNAL, InputError, crash_folder
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="h3gate: evidence and gates proving two MiniMax-H3 executions run the same arithmetic.",
+    help=(
+        "h3gate: evidence and gates proving two MiniMax-H3 executions run the same arithmetic. Exit codes: 0 gate "
+        "passed, 1 gate failed (evidence written), 2 bad input or usage, 3 internal error (traceback in a file)."
+    ),
 )
+_DEBUG = [False]
 run_app = typer.Typer(no_args_is_help=True, help="Run a gate: strict kernels vs the provider replay and a golden.")
 app.add_typer(run_app, name="run")
 
@@ -40,6 +50,11 @@ def _interpret_if_cpu(device: str) -> str:
         raise InputError(f"--device {device!r}: must be cpu, cuda or auto")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available on this machine")
     return device
 
 
@@ -52,11 +67,15 @@ def _global_options(
     quiet: Annotated[
         bool, typer.Option("--quiet", "-q", help="No progress lines on stderr (results and errors still print).")
     ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="On an internal error (exit 3), print the traceback to stderr.")
+    ] = False,
 ) -> None:
     """Options that apply to every verb (given before it: ``h3gate --quiet run ws1-block``)."""
     from h3gate.commands.console import set_quiet
 
     set_quiet(quiet)
+    _DEBUG[0] = debug
 
 
 @app.command()
@@ -202,6 +221,22 @@ def run_ws1_block(
         Path | None,
         typer.Option("--save-tensors", help="Write inputs/provider/candidate/golden .safetensors into this folder."),
     ] = None,
+    fault_matrix: Annotated[
+        bool,
+        typer.Option(
+            "--fault-matrix",
+            help="Also prove the gate catches one wrong packed row: every node, forward and backward, first and last "
+            "tile, scaled by 1 + 2^-6 and last 16 columns zeroed; exit 1 unless every fault is caught and located.",
+        ),
+    ] = False,
+    fault: Annotated[
+        str | None,
+        typer.Option(
+            "--fault",
+            help="Negative control: corrupt one packed row of one node's candidate, NODE:ROW[:scale|zero_tail]"
+            "[:forward|backward] (the gate must fail, exit 1).",
+        ),
+    ] = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -210,7 +245,21 @@ def run_ws1_block(
     from h3gate.commands.run_cmd import ws1_block_command
 
     _done(
-        ws1_block_command(layout, config, checkpoint, device, mode, backward, tolerance, seed, save_tensors, out, json_)
+        ws1_block_command(
+            layout,
+            config,
+            checkpoint,
+            device,
+            mode,
+            backward,
+            tolerance,
+            seed,
+            save_tensors,
+            out,
+            json_,
+            fault_matrix=fault_matrix,
+            fault=fault,
+        )  # fmt: skip
     )
 
 
@@ -310,12 +359,47 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         print(f"h3gate: error: {exc.format_message()}", file=sys.stderr)
         sys.exit(EXIT_INPUT)
-    except (MemoryError, RuntimeError) as exc:
-        # A request too large for the machine (host or device memory) is a geometry the machine cannot run: one
-        # line, exit 2, like any other input it cannot take. Other runtime errors are bugs and keep their traceback.
-        if not isinstance(exc, MemoryError) and type(exc).__name__ != "OutOfMemoryError":
-            raise
-        first = (str(exc).strip().splitlines() or [""])[0]
-        print(f"h3gate: error: out of memory ({type(exc).__name__}): {first[:300]}", file=sys.stderr)
-        sys.exit(EXIT_INPUT)
+    except Exception as exc:  # noqa: BLE001 - the one boundary: every other exception is exit 2 (memory) or 3
+        if _out_of_memory(exc):
+            # A request too large for the machine that slipped past the estimates: one line, exit 2.
+            print(f"h3gate: error: out of memory ({type(exc).__name__}): {_first_line(exc)}", file=sys.stderr)
+            sys.exit(EXIT_INPUT)
+        where = _save_traceback()
+        print(f"h3gate: internal error: {type(exc).__name__}: {_first_line(exc)} ({where})", file=sys.stderr)
+        sys.exit(EXIT_INTERNAL)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Host or device allocation failures (torch raises RuntimeError / OutOfMemoryError for them)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def _save_traceback() -> str:
+    """Write the active exception's traceback (to stderr with --debug, else to --out or a temp file)."""
+    text = traceback.format_exc()
+    if _DEBUG[0]:
+        sys.stderr.write(text)
+        return "traceback above"
+    folder = crash_folder()
+    try:
+        if folder is not None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            path = Path(folder) / "h3gate-traceback.txt"
+            path.write_text(text, encoding="utf-8")
+        else:
+            fd, name = tempfile.mkstemp(prefix="h3gate-traceback-", suffix=".txt")
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            path = Path(name)
+    except OSError:
+        sys.stderr.write(text)
+        return "traceback above: it could not be written to a file"
+    return f"traceback in {path}"

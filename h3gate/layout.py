@@ -29,6 +29,7 @@ import torch
 from h3gate.errors import InputError
 from h3gate.hashing import tensor_sha256
 from h3gate.manifests.layouts import LayoutSpec
+from h3gate.memory import require
 
 PATCH = (1, 2, 2)
 AUDIO_CHANNELS = 2
@@ -164,6 +165,8 @@ def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:
     audio_start = cond_start + n_cond
     video_start = audio_start + n_audio
     seq = video_start + n_video
+    # Per packed row: float64 positions (3), int64 index / tag tensors and their intermediates (~12 x 8 bytes).
+    require(128 * seq, f"layout {name} (S={seq})", hint="ask for a smaller layout")
     origin = float(text)
 
     sqrt_area = np.sqrt(spec.latent_height * spec.latent_width)

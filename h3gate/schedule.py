@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.errors import InputError
+from h3gate.memory import require
 from h3gate.ops.reference import conditioning_noise_mix
 
 VIDEO_SHIFT = 12.0
@@ -45,6 +46,8 @@ def build_schedule(steps: int, shift: float) -> Schedule:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 2:
         raise InputError(f"--steps {steps}: must be an integer >= 2 (the grid includes the terminal sigma 0)")
     steps = int(steps)
+    # linspace, the shifted grid, its unique copy and the timesteps: four float32 tensors of ``steps`` values.
+    require(16 * steps, f"--steps {steps}", hint="ask for fewer steps")
     shift = float(shift)
     if not math.isfinite(shift) or shift <= 0:
         raise InputError(f"--shift {shift}: must be a finite number > 0")

@@ -142,12 +142,15 @@ def test_out_of_memory_is_one_line_exit_2(run_cli, monkeypatch, exc):
     assert err.startswith("h3gate: error: out of memory (") and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_other_runtime_errors_are_bugs_and_keep_their_traceback(run_cli, monkeypatch):
+def test_other_runtime_errors_are_bugs_exit_3_with_their_traceback_in_a_file(run_cli, monkeypatch):
     from h3gate.commands import validate_cmd
 
     def boom(json_: bool) -> int:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(validate_cmd, "validate_command", boom)
-    with pytest.raises(RuntimeError, match="a bug"):
-        run_cli("validate")
+    code, out, err = run_cli("validate")
+    assert code == 3 and out == "" and err.count("\n") == 1
+    assert err.startswith("h3gate: internal error: RuntimeError: a bug (traceback in ")
+    traceback_file = err.strip().split("traceback in ", 1)[1].rstrip(")")
+    assert "RuntimeError: a bug" in open(traceback_file, encoding="utf-8").read()

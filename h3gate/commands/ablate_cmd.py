@@ -136,7 +136,7 @@ def ablate_command(
     threads: int | None = None,
 ) -> int:
     from h3gate.ablate.engine import build_context, run_row
-    from h3gate.evidence.writer import write_evidence
+    from h3gate.evidence.writer import prepare_out, write_evidence
 
     rows = load_ablations()
     check_probe_names(rows)
@@ -145,6 +145,8 @@ def ablate_command(
             raise InputError("ablate: --list takes no ROW and no --all")
         return _list(rows, json_)
     selected = select_rows(rows, row, all_)
+    if out is not None:
+        prepare_out(out)
     if steps < 3:
         raise InputError(f"--steps {steps}: must be >= 3 (two model evaluations: trajectory rows compare steps)")
     if threads is not None and threads < 1:

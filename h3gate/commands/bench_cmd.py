@@ -25,6 +25,10 @@ def bench_command(
 ) -> int:
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")
+    if out is not None:
+        from h3gate.evidence.writer import prepare_out
+
+        prepare_out(out)
     if target == "ws1-block":
         if ops:
             raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")

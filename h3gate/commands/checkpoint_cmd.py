@@ -54,8 +54,11 @@ def synth_command(config: str, seed: int, out: Path, shard_size: int | None) -> 
 def fingerprint_command(
     manifest: str, checkpoint: Path | None, config: str, hash_tensors: bool, out: Path | None, json_: bool
 ) -> int:
-    from h3gate.evidence.writer import write_evidence
+    from h3gate.evidence.writer import prepare_out, write_evidence
     from h3gate.fingerprint import check_checkpoint, manifest_fingerprint
+
+    if out is not None:
+        prepare_out(out)
 
     manifest_path = resolve(manifest, MANIFESTS / "checkpoints", "checkpoint manifest")
     loaded = load_yaml(manifest_path, CheckpointManifest)

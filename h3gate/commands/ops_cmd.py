@@ -20,7 +20,7 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
-from h3gate.evidence.writer import write_evidence
+from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
 from h3gate.manifests.model_config import load_config
@@ -51,6 +51,8 @@ def ws1_ops_command(
     from h3gate.ops.cases import CASES
 
     device = _device(device)
+    if out is not None:
+        prepare_out(out)
     cfg_manifest = load_config(config)
     rows = parse_layouts(layouts)
     known = sorted(CASES)

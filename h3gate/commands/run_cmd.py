@@ -20,7 +20,8 @@ from rich.table import Table
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import new_file_mode, write_evidence
+from h3gate.evidence.writer import new_file_mode, prepare_out, write_evidence
+from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.graph.block import block_params, build_block_graph
 from h3gate.graph.executions import bind_graph
 from h3gate.graph.inputs import BlockInputs, build_block_inputs
@@ -28,8 +29,10 @@ from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
 from h3gate.manifests.model_config import ModelConfig, config_names, load_config
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
+from h3gate.memory import host_available_bytes as available_memory_bytes
 from h3gate.ops.registry import MODES
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+from h3gate.runs.block_rows import value_row_dims
 from h3gate.runs.ws1_block import (
     BlockGate,
     BlockGateResult,
@@ -59,6 +62,25 @@ class Ws1BlockSetup:
     manifests: list[Path]
 
 
+def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
+    """``NODE:ROW[:KIND][:DIRECTION]`` -> a :class:`RowFault` (bad specs are InputErrors naming the part)."""
+    parts = spec.split(":")
+    names = [n.name for n in graph.nodes]
+    if len(parts) < 2 or len(parts) > 4:
+        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail][:forward|backward]")
+    node, row, *rest = parts
+    kind = next((p for p in rest if p in KINDS), "scale")
+    direction = next((p for p in rest if p in DIRECTIONS), "forward")
+    unknown = [p for p in rest if p not in KINDS and p not in DIRECTIONS]
+    if node not in names:
+        raise InputError(f"--fault {spec!r}: unknown node {node!r} (known: {', '.join(names)})")
+    if unknown:
+        raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
+    if not row.isdigit() or int(row) >= seq_len:
+        raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {seq_len})")
+    return RowFault(node, int(row), kind, direction)
+
+
 def check_device(device: str) -> str:
     if device == "cpu":
         return device
@@ -67,18 +89,6 @@ def check_device(device: str) -> str:
             raise InputError(f"--device {device}: CUDA is not available on this machine")
         return device
     raise InputError(f"--device {device!r}: must be cpu or cuda")
-
-
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where the file or the field is absent)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def cpu_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
@@ -196,6 +206,10 @@ def _where(agree: dict) -> str:
     return f"row {agree['first_row']} {agree['first_modality'] or ''}".rstrip()
 
 
+def _ratio(rows: dict) -> str:
+    return " / ".join("-" if rows[v]["ratio"] is None else f"{rows[v]['ratio']:.2f}" for v in ("isolated", "chained"))
+
+
 def _drift(d: dict | None) -> str:
     if d is None:
         return "none"
@@ -209,7 +223,9 @@ def print_table(doc: dict, path: Path) -> None:
         title=f"ws1-block {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
         f"mode {doc['mode']}"
     )
-    for col in ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov", "ok"):
+    cols = ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov",
+            "worst row / bound", "ok")  # fmt: skip
+    for col in cols:
         table.add_column(col, no_wrap=True)
     for n in doc["nodes"]:
         b = n["binding"]
@@ -223,10 +239,17 @@ def print_table(doc: dict, path: Path) -> None:
             _where(n["chained"]),
             iso,
             f"{_fmt(n['error']['candidate']['rel_l2'])} / {_fmt(n['error']['provider']['rel_l2'])}",
+            _ratio(n["rows"]),
             _mark(n["pass"]),
         )
     console.print(table)
     console.print("* = isolated bitwise promised by the tolerance profile; errors are rel_l2 vs the FP64 golden")
+    rule = doc["row_rule"]
+    console.print(
+        f"row rule: each packed row <= {rule['factor']} x provider-variant envelope ({rule['scope']}) + "
+        f"{rule['floor_ulps']} ulp; worst row / bound shown isolated, chained; variants: "
+        f"{', '.join(rule['variants_run'])}"
+    )
     for key in ("first_drift", "first_isolated_drift", "first_repeat_drift", "first_batch_drift"):
         console.print(f"{key}: {escape(_drift(doc[key]))}")
     bw = doc["backward"]
@@ -235,6 +258,19 @@ def print_table(doc: dict, path: Path) -> None:
             console.print(f"{key}: {escape(_drift(bw[key]))}")
         leaves_ok = sum(1 for v in bw["leaves"].values() if v and v["pass"])
         console.print(f"leaf gradients passing: {leaves_ok}/{len(bw['leaves'])}")
+    failure = doc["first_row_failure"]
+    if failure is not None:
+        console.print(
+            f"first_row_failure: {failure['where']} {failure['node']} ({failure['view']}), row {failure['row']}, "
+            f"{failure['modality'] or '-'}"
+        )
+    matrix = doc.get("fault_matrix")
+    if matrix is not None:
+        console.print(
+            f"fault matrix: {matrix['caught']}/{matrix['total']} one-row faults caught, {matrix['located']} located"
+        )
+    if doc.get("injected_fault"):
+        console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
     if doc["fallbacks"]:
         console.print(
             f"[yellow]fallbacks ({doc['mode']} mode): {len(doc['fallbacks'])} op bindings ran the provider[/]"
@@ -291,8 +327,14 @@ def ws1_block_command(
     save_tensors: Path | None,
     out: Path | None,
     json_: bool,
+    fault_matrix: bool = False,
+    fault: str | None = None,
 ) -> int:
-    """Run the one-block gate and write ``ws1-block.json``; returns 0 pass / 1 fail (InputError -> 2)."""
+    """Run the one-block gate and write ``ws1-block.json``; returns 0 pass / 1 fail (InputError -> 2).
+
+    ``fault_matrix`` adds the one-row fault matrix (:mod:`h3gate.runs.fault_matrix`); ``fault`` injects one
+    deliberate fault (``NODE:ROW[:scale|zero_tail][:forward|backward]``) into the candidate, a negative control
+    the gate must fail on (exit 1), recorded in the evidence."""
     started = time.perf_counter()
     if mode not in MODES:
         raise InputError(f"--mode {mode!r}: must be one of {', '.join(MODES)}")
@@ -300,15 +342,25 @@ def ws1_block_command(
     tol = load_tolerance(tol_file)
     if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
         raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
+    if out is not None:
+        prepare_out(out)
     setup = prepare_ws1_block(layout, config, checkpoint, device, seed, mode)
     graph = build_block_graph(setup.cfg, LAYER)
-    folder = Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}"
-    steps = forward_steps() + (backward_steps() if backward else [])
+    injected = parse_fault(fault, graph, setup.layout.seq_len) if fault is not None else None
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+    steps = forward_steps() + (backward_steps() if backward else []) + (["fault matrix"] if fault_matrix else [])
     setup_s = time.perf_counter() - started
     with progress(KIND, len(steps), started) as step:
-        gate = BlockGate(graph, setup.inputs, setup.params, setup.device, mode, tol, backward, progress=step)
+        overrides = (
+            None
+            if injected is None
+            else {injected.node: injected.override(graph.node(injected.node), value_row_dims(graph))}
+        )
+        gate = BlockGate(graph, setup.inputs, setup.params, setup.device, mode, tol, backward, overrides,
+                         progress=step, fault_matrix=fault_matrix)  # fmt: skip
         result = run_block_gate(gate)
     body = build_body(setup, result, mode, seed, tol, tol_file)
+    body["injected_fault"] = None if injected is None else injected.label()
     body["timing"]["setup_s"] = round(setup_s, 4)
     body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
     if save_tensors is not None:

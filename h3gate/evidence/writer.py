@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from h3gate.errors import InputError
+from h3gate.errors import InputError, set_crash_folder
 from h3gate.evidence.provenance import provenance
 from h3gate.evidence.schema import validate_document
 from h3gate.paths import display
@@ -90,6 +90,31 @@ def _make_folder(folder: Path) -> None:
         raise InputError(f"{display(folder)}: exists and is not a folder") from None
     except OSError as exc:
         raise InputError(f"{display(folder)}: cannot create evidence folder ({exc.strerror or exc})") from None
+
+
+def prepare_out(folder: Path, flag: str = "--out") -> Path:
+    """Validate an evidence folder before any work, leaving nothing behind: an existing folder must take a new file
+    (probed with a temp file, removed); a missing one must be creatable (its missing parents are created and
+    removed again). It becomes the folder a crash's traceback goes to. An existing file, or a place that cannot be
+    written, is an :class:`InputError` naming the folder."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{flag} {display(folder)}: exists and is not a folder")
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        for path in reversed(missing):
+            path.mkdir()
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".h3gate-write-probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"{flag} {display(folder)}: cannot write there ({exc.strerror or exc})") from None
+    finally:
+        for path in missing:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+    set_crash_folder(folder)
+    return folder
 
 
 def write_evidence(

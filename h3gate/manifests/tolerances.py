@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, field_validator
 
 from h3gate.manifests.loader import load_yaml, resolve
 from h3gate.manifests.model_config import Strict
@@ -18,6 +18,10 @@ from h3gate.paths import MANIFESTS
 
 TOLERANCES = MANIFESTS / "tolerances"
 Metric = Literal["rel_l2", "max_abs"]
+# Provider variants a row rule may name (run by ``h3gate.gate.variants``).
+CPU_VARIANTS = ("threads-1", "mkldnn-off")
+CUDA_VARIANTS = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "blas-cublas", "blas-cublaslt")
+PROVIDER_VARIANTS = ("default", *CPU_VARIANTS, *CUDA_VARIANTS)
 
 
 class ForwardBounds(Strict):
@@ -28,6 +32,9 @@ class ForwardBounds(Strict):
     # Nodes promising bitwise equality with the provider on the provider's own inputs. A promise applies only when
     # every op of the node runs the reference or a kernel whose contract declares provider_bitwise: true.
     isolated_bitwise: list[str] = []
+    # Per device kind (cpu / cuda): nodes promising isolated bitwise equality there whatever their kernel's
+    # contract says (e.g. the GEMMs, bitwise with cuBLAS on the H200 as measured by ws1-ops).
+    isolated_bitwise_on: dict[Literal["cpu", "cuda"], list[str]] = {}
     error_metric: Metric = "rel_l2"
     error_factor: PositiveFloat
     error_floor: NonNegativeFloat
@@ -49,6 +56,28 @@ class BackwardBounds(Strict):
     node_floor: NonNegativeFloat
 
 
+class RowRule(Strict):
+    """Row-resolved acceptance (``h3gate.gate.rows``): each packed row's error against the golden is at most
+    ``factor`` x the provider-variant envelope over ``scope`` + ``floor_ulps`` ulps of the tensor's dtype at 1.0."""
+
+    metric: Literal["row_rel_l2"] = "row_rel_l2"
+    scope: Literal["row", "modality", "tensor"]
+    factor: PositiveFloat
+    floor_ulps: NonNegativeFloat
+    # Provider variants run to build the envelope (``h3gate.gate.variants``); those a device cannot run are skipped
+    # and reported. ``default`` always runs.
+    variants: list[str] = Field(min_length=1)
+    calibration: str = Field(min_length=1)
+
+    @field_validator("variants")
+    @classmethod
+    def _known(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in PROVIDER_VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown provider variant {unknown[0]!r} (known: {', '.join(PROVIDER_VARIANTS)})")
+        return names
+
+
 class HistoryEntry(Strict):
     date: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
     change: str = Field(min_length=1)
@@ -60,6 +89,7 @@ class ToleranceProfile(Strict):
     description: str
     forward: ForwardBounds
     backward: BackwardBounds
+    row_rule: RowRule
     history: list[HistoryEntry] = Field(min_length=1)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -28,14 +27,26 @@ from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.drift import first_drift
 from h3gate.gate.invariance import GRAD_PLACEMENTS, PLACEMENTS, batch_records, place, repeat_records, slices
+from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated, to_float64
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import BlockInputs, stand_in
 from h3gate.manifests.tolerances import ToleranceProfile
+from h3gate.runs.block_rows import (
+    RowContext,
+    failure_line,
+    first_row_failure,
+    forward_rows,
+    grad_rows,
+    vjp_rows,
+)
+from h3gate.runs.fault_matrix import run_fault_matrix
 
 FORWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "candidate isolated", "golden")
 BACKWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "golden")
+ROW_STEP_FORWARD = "provider variants and node-local goldens (row rule)"
+ROW_STEP_BACKWARD = "provider variants and node VJPs (row rule)"
 NOTES = (
     "Audit mode reports every fallback (an op that ran the provider reference instead of its strict kernel) as a "
     "failing finding: an audit run with fallbacks is not a pass of the strict gate. Auto mode records fallbacks "
@@ -58,12 +69,12 @@ NOTES = (
 
 def forward_steps() -> list[str]:
     batch = [f"{who} batch {size}" for who in ("candidate", "provider") for size, _ in PLACEMENTS[1:]]
-    return [f"forward: {s}" for s in (*FORWARD_STEPS, *batch)]
+    return [f"forward: {s}" for s in (*FORWARD_STEPS, *batch, ROW_STEP_FORWARD)]
 
 
 def backward_steps() -> list[str]:
     batch = [f"{who} batch {size}" for who in ("candidate", "provider") for size, _ in GRAD_PLACEMENTS[1:]]
-    return [f"backward: {s}" for s in (*BACKWARD_STEPS, *batch)]
+    return [f"backward: {s}" for s in (*BACKWARD_STEPS, *batch, ROW_STEP_BACKWARD)]
 
 
 @dataclass
@@ -80,6 +91,7 @@ class BlockGate:
     node_overrides: Mapping[str, Callable] | None = None
     op_overrides: Mapping[str, Callable] | None = None
     progress: Callable[[str], None] | None = None
+    fault_matrix: bool = False  # also run the one-row fault matrix (h3gate.runs.fault_matrix) on this run
 
 
 @dataclass
@@ -121,6 +133,11 @@ class _Executions:
         with torch.no_grad():
             return run_chained(self.gate.graph, x, p, self.tables[who], self._overrides(who))
 
+    def plain(self, who: str) -> Values:
+        """A chained forward without progress (the provider under a variant)."""
+        x, p = self._inputs(who, None)
+        return run_chained(self.gate.graph, x, p, self.tables[who], self._overrides(who))
+
     def isolated(self, feed: Values) -> Values:
         self.step("forward: candidate isolated")
         with torch.no_grad():
@@ -129,10 +146,12 @@ class _Executions:
             )
 
     def grads(
-        self, who: str, label: str, cotangent: torch.Tensor, hidden: torch.Tensor | None = None
+        self, who: str, label: str | None, cotangent: torch.Tensor, hidden: torch.Tensor | None = None
     ) -> tuple[Values, Values, Values]:
-        """(leaf gradients, node-output gradients, node outputs) of ``<output, cotangent>``."""
-        self.step(f"backward: {label}")
+        """(leaf gradients, node-output gradients, node outputs) of ``<output, cotangent>`` (no progress step
+        when ``label`` is None)."""
+        if label is not None:
+            self.step(f"backward: {label}")
         x, p = self._inputs(who, hidden)
         x = dict(x)
         leaves = {k: x[k].detach().clone().requires_grad_(True) for k in ("hidden_states", "temb")}
@@ -200,6 +219,11 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
             del values
     cand_batch = batch_records(names, cand, batch["candidate"], row_dims, modalities)
     prov_batch = batch_records(names, prov, batch["provider"], row_dims, modalities)
+    ctx = RowContext.build(tol.row_rule, graph, gate.device, modalities, keep=gate.fault_matrix)
+    ex.step(f"forward: {ROW_STEP_FORWARD}")
+    rows = forward_rows(ctx, graph, lambda: ex.plain("provider"), gate.params, ex.golden_params, prov, cand, iso, gold)
+    device_kind = "cuda" if gate.device.startswith("cuda") else "cpu"
+    device_promised = set(tol.forward.isolated_bitwise_on.get(device_kind, []))
     forward_s = time.perf_counter() - t0
 
     nodes = []
@@ -210,8 +234,8 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         chained[n] = agreement(cand[n], prov[n], node.row_dim, modalities)
         isolated[n] = agreement(iso[n], prov[n], node.row_dim, modalities)
         err_c, err_p = error(cand[n], gold[n]), error(prov[n], gold[n])
-        listed = n in tol.forward.isolated_bitwise
-        promised = listed and nb.provider_bitwise
+        listed = n in tol.forward.isolated_bitwise or n in device_promised
+        promised = listed and (nb.provider_bitwise or n in device_promised)
         checks = []
         if tol.forward.repeat_bitwise:
             checks.append(_check("repeat_bitwise", cand_rep[n]["bitwise"]))
@@ -223,6 +247,10 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         checks.append(
             _check("error_bound", bound["pass"], f"{bound['metric']} {bound['candidate']} <= {bound['bound']}")
         )
+        for view in ("isolated", "chained"):
+            check = rows[n][view]
+            detail = "" if check["pass"] else describe(check, modalities)
+            checks.append(_check(f"row_bound_{view}", check["pass"], detail))
         if gate.mode == "audit" and nb.fallback:
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
             checks.append(_check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
@@ -243,6 +271,8 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
                     "reason": (
                         "not listed in the tolerance profile"
                         if not listed
+                        else f"listed for {device_kind} devices (isolated_bitwise_on)"
+                        if n in device_promised
                         else "listed; every op runs the reference or a provider_bitwise kernel"
                         if promised
                         else "listed, but a kernel's contract declares provider_bitwise: false"
@@ -255,6 +285,7 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
                 "chained": chained[n],
                 "isolated": isolated[n],
                 "error": {"candidate": err_c, "provider": err_p, "bound": bound},
+                "rows": rows[n],
                 "sha256": {"provider": tensor_sha256(prov[n]), "candidate": tensor_sha256(cand[n])},
                 "checks": checks,
                 "pass": all(c["pass"] for c in checks),
@@ -265,9 +296,15 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
     backward_report, backward_s = None, 0.0
     if gate.backward:
         t1 = time.perf_counter()
-        backward_report = _backward(gate, ex, cand, failing, modalities, row_dims, batch_dims)
+        backward_report = _backward(gate, ex, cand, prov, ctx, failing, row_dims, batch_dims)
         backward_s = time.perf_counter() - t1
 
+    matrix = None
+    if gate.fault_matrix:
+        ex.step("fault matrix")
+        matrix = run_fault_matrix(graph, ctx, ex.tables["candidate"], prov, gate.params)
+        failing += [f"fault_matrix.{r['fault']}.not_located" for r in matrix["faults"] if not r["located"]]
+        ctx.kept.clear()
     fallbacks = [
         {"node": n, "op": b.op, "reason": b.reason} for n, nb in bindings.items() for b in nb.bindings if b.fallback
     ]
@@ -283,6 +320,9 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
             "first_batch_drift": first_drift(names, prov_batch),
         },
         "backward": backward_report,
+        "row_rule": ctx.record(),
+        "fault_matrix": matrix,
+        "first_row_failure": first_row_failure(nodes, backward_report, modalities),
         "fallbacks": fallbacks,
         "verdict": verdict,
         "failing_checks": failing,
@@ -300,13 +340,15 @@ def _backward(
     gate: BlockGate,
     ex: _Executions,
     no_grad_values: Values,
+    prov: Values,
+    ctx: RowContext,
     failing: list[str],
-    modalities: list[str],
     row_dims: dict[str, int | None],
     batch_dims: dict[str, int | None],
 ) -> dict:
     """Gradient executions and their records; appends failing checks to ``failing``."""
     graph, tol = gate.graph, gate.tolerance.backward
+    modalities = ctx.modalities
     names = [n.name for n in graph.nodes]
     h = gate.inputs.tensors["hidden_states"]
     cot = stand_in(gate.inputs.seed, "cotangent", 0, h.shape[1], h.shape[2], h.device)
@@ -315,6 +357,18 @@ def _backward(
     c_leaf, c_node, c_out = ex.grads("candidate", "candidate", cot)
     cr_leaf, cr_node, _ = ex.grads("candidate", "candidate repeat", cot)
     g_leaf, g_node, _ = ex.grads("golden", "golden", cot.double())
+    ex.step(f"backward: {ROW_STEP_BACKWARD}")
+    chained_rows = grad_rows(
+        ctx, lambda: ex.grads("provider", None, cot)[:2], {**c_leaf, **c_node}, {**g_leaf, **g_node},
+        {**p_leaf, **p_node},
+    )  # fmt: skip
+    vjps = vjp_rows(
+        ctx, graph, ex.tables["candidate"], gate.node_overrides, gate.params, ex.golden_params, prov, p_node
+    )
+    for key, rec in vjps.items():
+        rec["pass"] = rec["rows"]["pass"]
+        if not rec["pass"]:
+            failing.append(failure_line(f"backward.vjp.{key}", rec["rows"], modalities))
     autograd_fwd = {n: agreement(c_out[n], no_grad_values[n], row_dims[n], modalities) for n in names}
     if tol.autograd_forward_bitwise:
         failing.extend(f"backward.autograd_forward.{n}.bitwise" for n in names if not autograd_fwd[n]["bitwise"])
@@ -371,6 +425,10 @@ def _backward(
             checks.append(
                 _check("error_bound", bound["pass"], f"{bound['metric']} {bound['candidate']} <= {bound['bound']}")
             )
+            row = chained_rows.get(k)
+            if row is not None:
+                detail = "" if row["pass"] else describe(row, modalities)
+                checks.append(_check("row_bound", row["pass"], detail))
             kind = "leaf" if leaf else "node"
             failing.extend(_failure(f"backward.{kind}.{k}", ch) for ch in checks if not ch["pass"])
             out[k] = {
@@ -382,6 +440,7 @@ def _backward(
                 "provider_batch_row_bitwise": None if k not in prov_batch else prov_batch[k]["bitwise"],
                 "chained": agreement(c[k], p[k], all_rows.get(k), modalities),
                 "error": {"candidate": err_c, "provider": err_p, "bound": bound},
+                "rows": row,
                 "sha256": {"provider": tensor_sha256(p[k]), "candidate": tensor_sha256(c[k])},
                 "checks": checks,
                 "pass": all(ch["pass"] for ch in checks),
@@ -404,6 +463,7 @@ def _backward(
         "order": "backward execution order: node gradients from residual_mlp back to adaln_projection, then leaves",
         "leaves": leaves,
         "nodes": node_recs,
+        "vjp": vjps,
         "autograd_forward": autograd_fwd,
         "first_autograd_forward_drift": first_drift(names, autograd_fwd),
         "first_grad_drift": drift("chained"),
@@ -437,10 +497,3 @@ def tensors_to_save(result: BlockGateResult, graph: Graph, inputs: BlockInputs) 
         nodes["output"] = nodes[graph.output].clone()
         out[who] = nodes
     return out
-
-
-def save_path_check(folder: Path) -> Path:
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise InputError(f"--save-tensors {folder}: exists and is not a folder")
-    return folder

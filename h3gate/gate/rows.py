@@ -1,0 +1,162 @@
+"""Row-resolved acceptance: every packed row of every tensor against a bound calibrated from provider variants.
+
+A whole-tensor error dilutes one bad row by ``sqrt(rows)``; this rule judges each row on its own.
+
+* Row error (float64): ``e_r = ||c_r - g_r||_2 / ||g_r||_2`` over the row's elements (the slice along the
+  tensor's row axis, every other axis flattened); a row whose golden is all zero has ``e_r = 0`` when the
+  candidate's row is zero too and ``inf`` otherwise. Non-finite candidate values give ``inf``.
+* Envelope: ``E_r = max_v e_r(provider variant v)`` over the provider variants that ran (the default provider
+  included), then widened over the rule's scope: ``row`` keeps ``E_r``; ``modality`` takes the max over the rows of
+  the same modality (text / video / audio; rows without a modality form one group); ``tensor`` the max over all.
+* Bound: ``B_r = factor * E_r + floor_ulps * ulp(dtype)``, ``ulp`` being the spacing of the tensor's dtype at 1.0
+  (bf16 ``2^-7``, fp32 ``2^-23``). A row passes when ``e_r <= B_r``; the record names the worst row by
+  ``e_r / B_r``, and the first row over its bound.
+* Calibration spread (from provider variants only): for each variant, its row errors against the envelope of the
+  *other* variants (leave-one-out), worst ratio over rows. A ``factor`` above the spread leaves room for a sound
+  candidate that differs from the provider the way the provider's own variants differ from each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+ULP_AT_ONE: dict[torch.dtype, float] = {
+    torch.bfloat16: 2.0**-7,
+    torch.float16: 2.0**-10,
+    torch.float32: 2.0**-23,
+    torch.float64: 2.0**-52,
+}
+GROUP_NAMES = ("text", "video", "audio")
+
+
+def as_rows(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+    """(R, -1) float64 view of ``t``: rows along ``row_dim`` (batch folded away: it must be 1); 0-d / 1-d / no row
+    axis -> rows along dim 0 for 2-d+ tensors, one row otherwise."""
+    t = t.detach()
+    if row_dim is None:
+        row_dim = 0 if t.ndim >= 2 else None
+    if row_dim is None:
+        return t.reshape(1, -1).to(torch.float64)
+    if row_dim > 0 and math.prod(t.shape[:row_dim]) != 1:
+        t = t.movedim(row_dim, 0)
+        return t.reshape(t.shape[0], -1).to(torch.float64)
+    return t.reshape(t.shape[row_dim], -1).to(torch.float64)
+
+
+def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+    """Per-row relative L2 error of ``candidate`` against ``golden`` (float64, on the CPU); see the module doc."""
+    if candidate.shape != golden.shape:
+        raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(golden.shape)}")
+    c = as_rows(candidate, row_dim)
+    g = as_rows(golden.to(candidate.device), row_dim)
+    num = torch.linalg.vector_norm(c - g, dim=1)
+    den = torch.linalg.vector_norm(g, dim=1)
+    err = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), torch.where(num > 0, math.inf, 0.0))
+    err = torch.where(torch.isfinite(c).all(dim=1), err, math.inf)
+    return torch.where(torch.isnan(err), math.inf, err).cpu()
+
+
+def group_ids(rows: int, modalities: Sequence[str] | None, scope: str) -> torch.Tensor:
+    """Group index per row for an envelope scope: one group per row, per modality, or one for the tensor."""
+    if scope == "row":
+        return torch.arange(rows)
+    if scope == "tensor" or modalities is None or len(modalities) != rows:
+        return torch.zeros(rows, dtype=torch.long)
+    names = {m: i for i, m in enumerate(GROUP_NAMES)}
+    return torch.tensor([names.get(m, len(names)) for m in modalities], dtype=torch.long)
+
+
+def widen(errors: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Each row's value replaced by the max over its group."""
+    top = torch.full((int(groups.max()) + 1,), -math.inf, dtype=errors.dtype).scatter_reduce(
+        0, groups, errors, reduce="amax"
+    )
+    return top[groups]
+
+
+def envelope(variants: Sequence[torch.Tensor], groups: torch.Tensor) -> torch.Tensor:
+    """``max_v e_r(v)`` widened over the scope's groups."""
+    return widen(torch.stack(list(variants)).amax(dim=0), groups)
+
+
+def dtype_floor(dtype: torch.dtype, floor_ulps: float) -> float:
+    return floor_ulps * ULP_AT_ONE.get(dtype, 0.0)
+
+
+def _row_name(row: int | None, modalities: Sequence[str] | None) -> str:
+    if row is None:
+        return "-"
+    mod = modalities[row] if modalities is not None and row < len(modalities) else None
+    return f"row {row}" + (f" {mod}" if mod else "")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def row_check(
+    errors: torch.Tensor,
+    envelope_rows: torch.Tensor,
+    factor: float,
+    floor: float,
+    modalities: Sequence[str] | None,
+) -> dict:
+    """The ``row_check`` evidence record: worst row by error / bound, first row over, count over, pass."""
+    bound = factor * envelope_rows + floor
+    ratio = torch.where(bound > 0, errors / torch.where(bound > 0, bound, 1.0), torch.where(errors > 0, math.inf, 0.0))
+    over = torch.nonzero(~(errors <= bound)).flatten()
+    worst = int(torch.argmax(torch.where(torch.isnan(ratio), math.inf, ratio)))
+    first = int(over[0]) if over.numel() else None
+    mods = modalities if modalities is not None and len(modalities) == errors.numel() else None
+    return {
+        "rows": int(errors.numel()),
+        "worst_row": worst,
+        "worst_modality": None if mods is None else mods[worst],
+        "error": _finite(float(errors[worst])),
+        "bound": _finite(float(bound[worst])),
+        "ratio": _finite(float(ratio[worst])),
+        "rows_over": int(over.numel()),
+        "first_over_row": first,
+        "first_over_modality": None if mods is None or first is None else mods[first],
+        "pass": over.numel() == 0,
+    }
+
+
+def describe(check: dict, modalities: Sequence[str] | None = None) -> str:
+    """One line for a failing-check detail: where, error, bound."""
+    row = check["first_over_row"] if check["first_over_row"] is not None else check["worst_row"]
+    mods = modalities if modalities is not None and len(modalities) == check["rows"] else None
+    err, bound = check["error"], check["bound"]
+    return (
+        f"{_row_name(row, mods)}: {check['rows_over']} of {check['rows']} rows over the row bound; worst "
+        f"{_row_name(check['worst_row'], mods)} {_num(err)} > {_num(bound)}"
+    )
+
+
+def _num(x: float | None) -> str:
+    return "inf" if x is None else f"{x:.3e}"
+
+
+def spread(variants: Mapping[str, torch.Tensor], groups: torch.Tensor) -> dict[str, float | None]:
+    """Leave-one-out calibration: per variant, ``max_r e_r(v) / E_r(other variants)`` (None without others)."""
+    out: dict[str, float | None] = {}
+    for name, errs in variants.items():
+        others = [e for k, e in variants.items() if k != name]
+        if not others:
+            out[name] = None
+            continue
+        env = envelope(others, groups)
+        ratio = torch.where(env > 0, errs / torch.where(env > 0, env, 1.0), torch.where(errs > 0, math.inf, 1.0))
+        out[name] = _finite(float(ratio.max()))
+    return out
+
+
+def rule_sha256(rule: Mapping) -> str:
+    """sha256 of the rule's canonical JSON (sorted keys, no whitespace): hashed into every gate's evidence."""
+    text = json.dumps(rule, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()

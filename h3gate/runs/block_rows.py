@@ -1,0 +1,274 @@
+"""Row-resolved acceptance of a graph gate (the row rule of :mod:`h3gate.gate.rows`), forward and backward.
+
+Four views, each judged row by row against an envelope built from the provider under every variant
+(:mod:`h3gate.gate.variants`) that this device can run:
+
+* forward chained  - candidate chained vs the chained FP64 golden (drift the candidate accumulated);
+* forward isolated - the candidate's node on the provider's inputs vs the node-local FP64 golden (the provider's
+  inputs upcast): the node's own error, with nothing inherited, so a fault is located at its node;
+* backward chained - every node-output and leaf gradient vs the golden's;
+* backward isolated (``vjp``) - each node's backward alone: fed the provider's forward inputs and the provider's
+  gradient of its output, the gradient it returns for each floating input and parameter
+  (``"<node>:d<input>"``), vs the same VJP in FP64.
+
+Local goldens and variant values are computed one node at a time and reduced to per-row error vectors at once,
+so memory stays at one node's tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from h3gate.gate.rows import describe, dtype_floor, envelope, group_ids, row_check, row_errors, rule_sha256, spread
+from h3gate.gate.variants import Variant, provider_variants
+from h3gate.graph.core import Graph, Node, OpTable, Values
+from h3gate.graph.executions import provider_table
+from h3gate.manifests.tolerances import RowRule
+
+LEAF_INPUTS = ("hidden_states", "temb")
+
+
+def value_row_dims(graph: Graph) -> dict[str, int | None]:
+    """The row axis of every value of the block graph: node outputs and the two leaf inputs."""
+    return {**{n.name: n.row_dim for n in graph.nodes}, "hidden_states": 1, "temb": None}
+
+
+@dataclass
+class RowContext:
+    """The rule, the variants that run, and the row geometry of every value of the graph."""
+
+    rule: RowRule
+    variants: list[Variant]
+    skipped: list[dict]
+    modalities: list[str]
+    row_dims: dict[str, int | None]
+    # With ``keep``, the envelopes and goldens of the isolated views are kept (``kept``) so that a fault matrix can
+    # re-judge one faulted node without re-running the provider (``h3gate.runs.fault_matrix``).
+    keep: bool = False
+    kept: dict[str, dict] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, rule: RowRule, graph: Graph, device: str, modalities: list[str], keep: bool = False) -> RowContext:
+        variants, skipped = provider_variants(list(rule.variants), device)
+        return cls(rule, variants, skipped, modalities, value_row_dims(graph), keep)
+
+    def mods_for(self, rows: int) -> list[str] | None:
+        return self.modalities if rows == len(self.modalities) else None
+
+    def judge(self, candidate: torch.Tensor, variant_errors: Mapping[str, torch.Tensor], golden: torch.Tensor,
+              row_dim: int | None) -> dict:  # fmt: skip
+        """Row check of ``candidate`` vs ``golden`` under the envelope of ``variant_errors``, with the spread."""
+        errs = row_errors(candidate, golden, row_dim)
+        mods = self.mods_for(errs.numel())
+        groups = group_ids(errs.numel(), mods, self.rule.scope)
+        env = envelope(list(variant_errors.values()), groups)
+        floor = dtype_floor(candidate.dtype, self.rule.floor_ulps)
+        return {**row_check(errs, env, self.rule.factor, floor, mods), "spread": spread(variant_errors, groups)}
+
+    def record(self) -> dict:
+        rule = self.rule.model_dump(mode="json")
+        return {
+            **rule,
+            "sha256": rule_sha256(rule),
+            "variants_run": [v.name for v in self.variants],
+            "variants_skipped": list(self.skipped),
+        }
+
+
+def failure_line(where: str, check: dict, modalities: Sequence[str]) -> str:
+    return f"{where}.row_bound ({describe(check, modalities)})"
+
+
+def _run_variant(variant: Variant, fn: Callable[[], object], skipped: list[dict]) -> object | None:
+    """``fn()`` under ``variant``; a backend that refuses at run time is recorded as skipped (None)."""
+    try:
+        with variant.enter():
+            return fn()
+    except RuntimeError as exc:
+        skipped.append({"name": variant.name, "reason": f"refused at run time: {str(exc).splitlines()[0][:200]}"})
+        return None
+
+
+def _node_inputs(node: Node, feed: Values, upcast: bool) -> dict[str, torch.Tensor]:
+    return {k: (feed[k].detach().double() if upcast and feed[k].is_floating_point() else feed[k]) for k in node.inputs}
+
+
+def forward_rows(
+    ctx: RowContext,
+    graph: Graph,
+    run_provider: Callable[[], Values],
+    params: Mapping[str, torch.Tensor],
+    golden_params: Mapping[str, torch.Tensor],
+    prov: Values,
+    cand: Values,
+    iso: Values,
+    gold: Values,
+) -> dict[str, dict]:
+    """Per node ``{"chained": check, "isolated": check}`` (see the module docstring)."""
+    names = [n.name for n in graph.nodes]
+    table = provider_table()
+    chained: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    isolated: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    local_gold: dict[str, torch.Tensor] = {}
+    for node in graph.nodes:
+        with torch.no_grad():
+            g = node.fn(table, _node_inputs(node, prov, upcast=True), golden_params)
+        local_gold[node.name] = g
+        chained[node.name]["default"] = row_errors(prov[node.name], gold[node.name], node.row_dim)
+        isolated[node.name]["default"] = row_errors(prov[node.name], g, node.row_dim)
+    for variant in ctx.variants[1:]:
+
+        def both() -> tuple[dict, dict]:
+            with torch.no_grad():
+                values = run_provider()
+                c = {n.name: row_errors(values[n.name], gold[n.name], n.row_dim) for n in graph.nodes}
+                del values
+                i = {}
+                for node in graph.nodes:
+                    out = node.fn(table, _node_inputs(node, prov, upcast=False), params)
+                    i[node.name] = row_errors(out, local_gold[node.name], node.row_dim)
+            return c, i
+
+        got = _run_variant(variant, both, ctx.skipped)
+        if got is not None:
+            for n in names:
+                chained[n][variant.name] = got[0][n]
+                isolated[n][variant.name] = got[1][n]
+    if ctx.keep:
+        ctx.kept["forward"] = {n: (local_gold[n], isolated[n]) for n in names}
+    out = {}
+    for node in graph.nodes:
+        n = node.name
+        out[n] = {
+            "chained": ctx.judge(cand[n], chained[n], gold[n], node.row_dim),
+            "isolated": ctx.judge(iso[n], isolated[n], local_gold[n], node.row_dim),
+        }
+    return out
+
+
+def _vjp(
+    node: Node,
+    table: OpTable,
+    feed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    cotangent: torch.Tensor,
+    wrt_inputs: Sequence[str],
+    override: Callable | None = None,
+) -> dict[str, torch.Tensor]:
+    """The gradients ``node``'s backward returns for ``wrt_inputs`` and its parameters, given ``cotangent``."""
+    x = {k: (v.detach().clone().requires_grad_(True) if k in wrt_inputs else v) for k, v in feed.items()}
+    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    fn = override or node.fn
+    with torch.enable_grad():
+        out = fn(table, x, p)
+        leaves = [*(x[k] for k in wrt_inputs), *p.values()]
+        grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype), allow_unused=True)
+    keys = [*wrt_inputs, *p]
+    return {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
+
+
+def vjp_rows(
+    ctx: RowContext,
+    graph: Graph,
+    candidate_table: OpTable,
+    overrides: Mapping[str, Callable] | None,
+    params: Mapping[str, torch.Tensor],
+    golden_params: Mapping[str, torch.Tensor],
+    prov: Values,
+    prov_grads: Mapping[str, torch.Tensor | None],
+) -> dict[str, dict]:
+    """Per ``"<node>:d<input>"``: the row check of the candidate's node VJP vs the FP64 VJP (module docstring)."""
+    table = provider_table()
+    node_names = {n.name for n in graph.nodes}
+    out: dict[str, dict] = {}
+    for node in reversed(graph.nodes):
+        cot = prov_grads.get(node.name)
+        if cot is None:
+            continue
+        wrt = [k for k in node.inputs if (k in node_names or k in LEAF_INPUTS) and prov[k].is_floating_point()]
+        feed = _node_inputs(node, prov, upcast=False)
+        gold = _vjp(node, table, _node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
+        cand = _vjp(node, candidate_table, feed, params, cot, wrt, (overrides or {}).get(node.name))
+        errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in gold}
+        dims = {k: _grad_row_dim(ctx, k) for k in gold}
+        for variant in ctx.variants:
+            provider_vjp = functools.partial(_vjp, node, table, feed, params, cot, wrt)
+            got = _run_variant(variant, provider_vjp, ctx.skipped)
+            if got is not None:
+                for k in gold:
+                    errs[k][variant.name] = row_errors(got[k], gold[k], dims[k])
+        if ctx.keep:
+            ctx.kept.setdefault("vjp", {})[node.name] = {"feed": feed, "cot": cot, "wrt": wrt, "gold": gold,
+                                                          "errs": errs, "dims": dims}  # fmt: skip
+        for k in gold:
+            check = ctx.judge(cand[k], errs[k], gold[k], dims[k])
+            out[k] = {"node": node.name, "wrt": k.split(":d", 1)[1], "shape": list(cand[k].shape),
+                      "dtype": str(cand[k].dtype).removeprefix("torch."), "rows": check}  # fmt: skip
+        del cand
+    return out
+
+
+def _grad_row_dim(ctx: RowContext, key: str) -> int | None:
+    """Row axis of a VJP output: the input's own row axis; parameters by output channel (dim 0)."""
+    wrt = key.split(":d", 1)[1]
+    return ctx.row_dims.get(wrt)
+
+
+def grad_rows(
+    ctx: RowContext,
+    run_provider_grads: Callable[[], tuple[Values, Values]],
+    candidate: Mapping[str, torch.Tensor | None],
+    golden: Mapping[str, torch.Tensor | None],
+    default: Mapping[str, torch.Tensor | None],
+) -> dict[str, dict]:
+    """Per gradient name (node outputs and leaves): the row check of the candidate's chained gradient."""
+    keys = [k for k in candidate if candidate[k] is not None and golden.get(k) is not None]
+    dims = {k: ctx.row_dims.get(k) for k in keys}
+    errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in keys}
+    for k in keys:
+        if default.get(k) is not None:
+            errs[k]["default"] = row_errors(default[k], golden[k], dims[k])
+    for variant in ctx.variants[1:]:
+        got = _run_variant(variant, run_provider_grads, ctx.skipped)
+        if got is None:
+            continue
+        merged = {**got[0], **got[1]}
+        for k in keys:
+            if merged.get(k) is not None:
+                errs[k][variant.name] = row_errors(merged[k], golden[k], dims[k])
+        del got, merged
+    return {k: ctx.judge(candidate[k], errs[k], golden[k], dims[k]) for k in keys if errs[k]}
+
+
+def first_row_failure(nodes: list[dict], backward: dict | None, modalities: list[str]) -> dict | None:
+    """The first row-rule failure in execution order: forward nodes (isolated, then chained), then the backward
+    (node VJPs from the last node back, node-output gradients, leaves). ``{"where", "node", "view", "row",
+    "modality", "ratio"}`` or None."""
+    found: list[tuple[str, str, str, dict]] = []
+    for n in nodes:
+        found += [("forward", n["name"], view, n["rows"][view]) for view in ("isolated", "chained")]
+    if backward is not None:
+        found += [("backward", rec["node"], f"vjp d{rec['wrt']}", rec["rows"]) for rec in backward["vjp"].values()]
+        for group in ("nodes", "leaves"):
+            found += [
+                ("backward", k, f"{group[:-1]} gradient", v["rows"])
+                for k, v in backward[group].items()
+                if v is not None and v.get("rows") is not None
+            ]
+    for where, node, view, check in found:
+        if not check["pass"]:
+            row = check["first_over_row"]
+            mods = modalities if check["rows"] == len(modalities) else None
+            return {
+                "where": where,
+                "node": node,
+                "view": view,
+                "row": row,
+                "modality": None if mods is None or row is None else mods[row],
+                "ratio": check["ratio"],
+            }
+    return None

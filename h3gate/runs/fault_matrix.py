@@ -1,0 +1,90 @@
+"""The fault matrix: does the gate catch, and locate, one wrong packed row of any node, forward or backward?
+
+For every node, direction (``forward``: the node's output; ``backward``: the gradient its backward returns for
+its first input), fault kind (``scale`` by 1 + 2^-6, ``zero_tail``: last 16 columns zeroed) and row position
+(row 1, inside the first tile of any tiling, and the last row, in the last partial tile), the faulted node is
+re-run on the provider's inputs - only that node's candidate is recomputed - and judged by the gate's own isolated
+row check (:meth:`h3gate.runs.block_rows.RowContext.judge`) against the envelope and golden of the run it
+belongs to. A fault is *caught* when that check fails (so the gate's verdict is ``fail``) and *located* when the
+first row over the bound is the faulted row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.gate.rows import as_rows
+from h3gate.graph.core import Graph, Node, OpTable, Values
+from h3gate.runs.block_rows import RowContext, _node_inputs, _vjp
+
+
+def fault_rows(count: int) -> list[int]:
+    """Row 1 (inside the first tile) and the last row (inside the last, partial tile); row 0 when only one."""
+    return sorted({min(1, count - 1), count - 1})
+
+
+def _judge_forward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable, prov: Values,
+                   params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
+    gold, errs = ctx.kept["forward"][node.name]
+    with torch.no_grad():
+        out = fault.override(node, ctx.row_dims)(table, _node_inputs(node, prov, upcast=False), params)
+    return ctx.judge(out, errs, gold, node.row_dim)
+
+
+def _judge_backward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable,
+                    params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
+    kept = ctx.kept["vjp"][node.name]
+    key = f"{node.name}:d{node.inputs[0]}"
+    cand = _vjp(node, table, kept["feed"], params, kept["cot"], kept["wrt"], fault.override(node, ctx.row_dims))
+    return ctx.judge(cand[key], kept["errs"][key], kept["gold"][key], kept["dims"][key])
+
+
+def _row_count(node: Node, direction: str, ctx: RowContext, prov: Values) -> int:
+    if direction == "forward":
+        return as_rows(prov[node.name][:1] if node.row_dim else prov[node.name], node.row_dim).shape[0]
+    source = node.inputs[0]
+    return as_rows(prov[source], ctx.row_dims.get(source)).shape[0]
+
+
+def run_fault_matrix(
+    graph: Graph,
+    ctx: RowContext,
+    table: OpTable,
+    prov: Values,
+    params: Mapping[str, torch.Tensor],
+    kinds: Sequence[str] = KINDS,
+    directions: Sequence[str] = DIRECTIONS,
+) -> dict:
+    """The ``fault_matrix`` evidence section: one record per fault, and the counts caught / located."""
+    records = []
+    for node in graph.nodes:
+        for direction in directions:
+            if direction == "backward" and node.name not in ctx.kept.get("vjp", {}):
+                continue
+            for row in fault_rows(_row_count(node, direction, ctx, prov)):
+                for kind in kinds:
+                    fault = RowFault(node.name, row, kind, direction)
+                    if direction == "forward":
+                        check = _judge_forward(node, fault, ctx, table, prov, params)
+                        view = "isolated"
+                    else:
+                        check = _judge_backward(node, fault, ctx, table, params)
+                        view = f"vjp d{node.inputs[0]}"
+                    caught = not check["pass"]
+                    located = caught and check["first_over_row"] == row
+                    modality = check["first_over_modality"] if located else None
+                    records.append({"fault": fault.label(), "node": node.name, "direction": direction,
+                                    "kind": kind, "row": row, "view": view, "caught": caught, "located": located,
+                                    "located_modality": modality, "ratio": check["ratio"],
+                                    "rows_over": check["rows_over"]})  # fmt: skip
+    return {
+        "method": __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
+        "total": len(records),
+        "caught": sum(r["caught"] for r in records),
+        "located": sum(r["located"] for r in records),
+        "faults": records,
+        "pass": all(r["located"] for r in records),
+    }

@@ -1,0 +1,155 @@
+"""Gate trust: the real default command passes, one wrong packed row fails it (located), crashes are exit 3.
+
+The default ``h3gate run ws1-block`` runs here as a user runs it: strict Triton kernels under the CPU interpreter,
+tiny config, tiny layout, forward and backward, plus the fault matrix (every node x forward/backward x first/last
+tile x scale/zero-tail, judged by the gate's own row check). End-to-end negative controls then inject single faults
+into a whole gate run and require exit 1 with the failing check naming the node, the row and the modality.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3gate.graph.block import BLOCK_NODES
+
+H3GATE = [sys.executable, "-m", "h3gate"]
+
+
+def _run(args: list[str], tmp: Path, **env) -> subprocess.CompletedProcess:
+    import os
+
+    environ = {**os.environ, "TRITON_INTERPRET": "1", **env}
+    return subprocess.run([*H3GATE, *args], capture_output=True, text=True, cwd=tmp, env=environ, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def default_with_matrix(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default")
+    done = _run(["--quiet", "run", "ws1-block", "--fault-matrix", "--out", str(out / "ev")], out)
+    doc = json.loads((out / "ev" / "ws1-block.json").read_text(encoding="utf-8"))
+    return done, doc
+
+
+def test_the_real_default_command_passes_with_strict_kernels(default_with_matrix):
+    done, doc = default_with_matrix
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert doc["verdict"] == "pass" and doc["failing_checks"] == []
+    assert all(n["binding"]["actual"] == "triton" and not n["binding"]["fallback"] for n in doc["nodes"])
+    assert doc["first_row_failure"] is None
+    assert doc["row_rule"]["variants_run"][0] == "default" and len(doc["row_rule"]["variants_run"]) >= 2
+    for node in doc["nodes"]:
+        for view in ("isolated", "chained"):
+            rows = node["rows"][view]
+            assert (
+                rows["pass"]
+                and rows["ratio"] < 1.0
+                and rows["rows"] == doc["layout"]["seq_len"]
+                or (node["name"] == "adaln_projection")
+            )
+    assert len(doc["backward"]["vjp"]) >= 30 and all(v["pass"] for v in doc["backward"]["vjp"].values())
+
+
+def test_the_fault_matrix_catches_and_locates_every_one_row_fault(default_with_matrix):
+    _, doc = default_with_matrix
+    matrix = doc["fault_matrix"]
+    faults = matrix["faults"]
+    assert {f["node"] for f in faults} == set(BLOCK_NODES)
+    for node in BLOCK_NODES:
+        mine = [f for f in faults if f["node"] == node]
+        assert {f["direction"] for f in mine} == {"forward", "backward"}
+        assert {f["kind"] for f in mine} == {"scale", "zero_tail"}
+        assert len({f["row"] for f in mine if f["direction"] == "forward"}) == (1 if node == "adaln_projection" else 2)
+    missed = [f["fault"] for f in faults if not f["located"]]
+    assert missed == [] and matrix["pass"] and matrix["caught"] == matrix["located"] == matrix["total"]
+    last = doc["layout"]["seq_len"] - 1
+    assert any(f["row"] == last and f["located_modality"] == "video" for f in faults)
+
+
+@pytest.mark.parametrize(
+    ("spec", "failing", "row", "modality"),
+    [
+        ("swiglu:5", "forward.swiglu.row_bound_isolated", 5, "text"),
+        ("norm1:263:zero_tail", "forward.norm1.row_bound_isolated", 263, "video"),
+        ("ffn_down:200:scale:backward", "backward.vjp.ffn_down:dswiglu.row_bound", 200, "video"),
+    ],
+)
+def test_an_injected_one_row_fault_fails_the_whole_gate(spec, failing, row, modality, tmp_path):
+    done = _run(["--quiet", "run", "ws1-block", "--fault", spec, "--out", str(tmp_path / "ev")], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "ev" / "ws1-block.json").read_text(encoding="utf-8"))
+    assert doc["verdict"] == "fail" and doc["injected_fault"].startswith(("forward", "backward"))
+    assert any(c.startswith(failing) and f"row {row} {modality}" in c for c in doc["failing_checks"]), doc[
+        "failing_checks"
+    ][:5]
+    first = doc["first_row_failure"]
+    assert (first["node"], first["row"], first["modality"]) == (spec.split(":")[0], row, modality)
+    assert f"first_row_failure: {first['where']} {first['node']}" in done.stdout
+
+
+def test_a_crash_is_exit_3_with_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
+    from h3gate import cli
+    from h3gate.commands import schedule_cmd
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated bug\nsecond line")
+
+    monkeypatch.setattr(schedule_cmd, "build_schedule", boom)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["schedule", "--steps", "4"])
+    assert exc.value.code == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("h3gate: internal error: RuntimeError: simulated bug (traceback in ")
+    path = Path(err[0].split("traceback in ", 1)[1].rstrip(")"))
+    assert "simulated bug" in path.read_text(encoding="utf-8") and "Traceback" in path.read_text(encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--debug", "schedule", "--steps", "4"])
+    assert exc.value.code == 3 and "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["schedule", "--steps", "2000000000000"], "--steps 2000000000000: needs at least"),
+        (
+            [
+                "layout",
+                "--text-tokens",
+                "1",
+                "--latent-frames",
+                "7",
+                "--latent-height",
+                "400000",
+                "--latent-width",
+                "400000",
+                "--audio-latents",
+                "1",
+            ],
+            "needs at least",
+        ),  # fmt: skip
+        (["ablate", "H5", "--device", "cuda"], "--device cuda: CUDA is not available on this machine"),
+        (["run", "ws1-ops", "--device", "cuda"], "--device cuda: CUDA is not available on this machine"),
+    ],
+)
+def test_requests_the_machine_cannot_hold_are_exit_2_before_allocating(args, message, tmp_path):
+    done = _run(args, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("h3gate: error: ") and message in lines[0]
+
+
+@pytest.mark.parametrize("verb", [["run", "ws1-block"], ["run", "ws1-ops"], ["fingerprint"], ["ablate", "A0"]])
+def test_a_bad_out_is_refused_before_any_work(verb, tmp_path):
+    existing = tmp_path / "a-file"
+    existing.write_text("x", encoding="utf-8")
+    done = _run([*verb, "--out", str(existing)], tmp_path)
+    assert (
+        done.returncode == 2 and done.stderr.strip() == f"h3gate: error: --out {existing}: exists and is not a folder"
+    )
+    done = _run([*verb, "--out", "/proc/h3gate-cannot-be-here"], tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("h3gate: error: --out /proc/h3gate-cannot-be-here: cannot write there")
+    assert len(done.stderr.strip().splitlines()) == 1  # refused before any work: no progress line, nothing run
