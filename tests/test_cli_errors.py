@@ -153,4 +153,4 @@ def test_other_runtime_errors_are_bugs_exit_3_with_their_traceback_in_a_file(run
     assert code == 3 and out == "" and err.count("\n") == 1
     assert err.startswith("h3gate: internal error: RuntimeError: a bug (traceback in ")
     traceback_file = err.strip().split("traceback in ", 1)[1].rstrip(")")
-    assert "RuntimeError: a bug" in open(traceback_file, encoding="utf-8").read()
+    assert "RuntimeError: a bug" in Path(traceback_file).read_text(encoding="utf-8")

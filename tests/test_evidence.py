@@ -70,7 +70,7 @@ def test_provenance_fields_and_manifest_hashes(monkeypatch):
     manifest = ROOT / "manifests" / "configs" / "tiny.yaml"
     p = prov.provenance(command=["h3gate", "validate"], manifests=[manifest], device="cpu")
     required = json.loads((SCHEMAS / "common.schema.json").read_text())["$defs"]["provenance"]["required"]
-    assert sorted(p) == sorted([*required, "code_sha256"])
+    assert sorted(p) == sorted([*required, "code_sha256", "revision_source", "dirty_files"])
     assert p["code_sha256"] == prov.code_sha256() and re.fullmatch(r"[0-9a-f]{64}", p["code_sha256"])
     assert p["h3gate_version"] == h3gate.__version__
     assert p["manifests"] == {"manifests/configs/tiny.yaml": hashlib.sha256(manifest.read_bytes()).hexdigest()}
@@ -188,13 +188,38 @@ def test_git_revision_falls_back_to_the_stamp_file(tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(prov, "_CODE_ROOT", tmp_path)
     prov.git_state.cache_clear()
     try:
-        assert prov.git_state() == ("unknown", None)
+        assert prov.git_state() == ("unknown", None, "none", ())
         prov.git_state.cache_clear()
         (tmp_path / ".h3gate-revision").write_text("a" * 40 + "\n")
-        assert prov.git_state() == ("a" * 40, None)
+        assert prov.git_state() == ("a" * 40, None, "stamp", ())
         prov.git_state.cache_clear()
         (tmp_path / ".h3gate-revision").write_text("not-a-sha\n")
-        assert prov.git_state() == ("unknown", None)
+        assert prov.git_state() == ("unknown", None, "none", ())
+    finally:
+        prov.git_state.cache_clear()
+
+
+def test_a_matching_stamp_wins_over_a_foreign_git_and_a_stale_one_is_ignored(tmp_path, monkeypatch) -> None:
+    """A tree copied to a GPU host may carry a .git at another commit: the stamp made from the source names the
+    revision while the code still hashes the same; after any code edit it is ignored (git says dirty)."""
+    import json
+
+    from h3gate.evidence import provenance as prov
+
+    (tmp_path / "h3gate").mkdir()
+    (tmp_path / "h3gate" / "x.py").write_text("a = 1\n")
+    monkeypatch.setattr(prov, "_CODE_ROOT", tmp_path)
+    answers = {"rev-parse": "b" * 40 + "\n", "status": " M h3gate/x.py\n?? other.txt\n"}
+    monkeypatch.setattr(prov, "_git", lambda *args: answers[args[0]])
+    stamp = {"revision": "c" * 40, "code_sha256": prov.code_sha256.__wrapped__(tmp_path), "dirty_files": []}
+    (tmp_path / ".h3gate-revision").write_text(json.dumps(stamp))
+    prov.git_state.cache_clear()
+    try:
+        assert prov.git_state() == ("c" * 40, False, "stamp", ())
+        (tmp_path / "h3gate" / "x.py").write_text("a = 2\n")
+        prov.git_state.cache_clear()
+        monkeypatch.setattr(prov, "code_sha256", prov.code_sha256.__wrapped__)
+        assert prov.git_state() == ("b" * 40, True, "git", ("h3gate/x.py", "other.txt"))
     finally:
         prov.git_state.cache_clear()
 

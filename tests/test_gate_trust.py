@@ -151,5 +151,6 @@ def test_a_bad_out_is_refused_before_any_work(verb, tmp_path):
         done.returncode == 2 and done.stderr.strip() == f"h3gate: error: --out {existing}: exists and is not a folder"
     )
     done = _run([*verb, "--out", "/proc/h3gate-cannot-be-here"], tmp_path)
-    assert done.returncode == 2 and done.stderr.startswith("h3gate: error: --out /proc/h3gate-cannot-be-here: cannot write there")
+    assert done.returncode == 2
+    assert done.stderr.startswith("h3gate: error: --out /proc/h3gate-cannot-be-here: cannot write there")
     assert len(done.stderr.strip().splitlines()) == 1  # refused before any work: no progress line, nothing run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import socket
@@ -61,20 +62,56 @@ def _git(*args: str) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-@cache
-def git_state() -> tuple[str, bool | None]:
-    """(revision, dirty) of the code checkout, once per process.
+STAMP = ".h3gate-revision"
+MAX_DIRTY_FILES = 50
 
-    Without git (a tree copied to an offline GPU host), the revision stamped into ``.h3gate-revision`` by
-    ``tools/stamp_revision.sh`` before the copy is used, with dirty unknown (None); else ``("unknown", None)``.
+
+def _is_sha(text: str) -> bool:
+    return len(text) == 40 and all(c in "0123456789abcdef" for c in text)
+
+
+def read_stamp(root: Path) -> dict | None:
+    """``.h3gate-revision`` written by ``tools/stamp_revision.py`` before a tree is copied to another host:
+    ``{"revision", "code_sha256", "dirty_files"}`` (JSON), or a bare 40-hex revision (older stamps)."""
+    path = root / STAMP
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8").strip()
+    if _is_sha(text):
+        return {"revision": text, "code_sha256": None, "dirty_files": None}
+    try:
+        stamp = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(stamp, dict) or not _is_sha(str(stamp.get("revision", ""))):
+        return None
+    return stamp
+
+
+@cache
+def git_state() -> tuple[str, bool | None, str, tuple[str, ...]]:
+    """(revision, dirty, source, files that differ from the revision) of the running code, once per process.
+
+    * ``stamp``: a stamp whose ``code_sha256`` equals the running code's names the revision it was made from, and
+      the files that then differed from it (a tree copied to a GPU host carries it; that copy's own ``.git`` may
+      point at another commit, so a matching stamp wins over git);
+    * ``git``: ``HEAD`` of the checkout and ``git status --porcelain``;
+    * a bare-revision stamp (older tools) only without git, dirty unknown; else ``("unknown", None, "none", ())``.
     """
+    stamp = read_stamp(_CODE_ROOT)
+    if stamp is not None and stamp.get("code_sha256") == code_sha256(_CODE_ROOT):
+        files = tuple(str(f) for f in stamp.get("dirty_files") or [])[:MAX_DIRTY_FILES]
+        return stamp["revision"], bool(files), "stamp", files
     rev = _git("rev-parse", "HEAD")
     if rev is None or not rev.strip():
-        stamp = _CODE_ROOT / ".h3gate-revision"
-        text = stamp.read_text(encoding="utf-8").strip() if stamp.is_file() else ""
-        return (text, None) if len(text) == 40 and all(c in "0123456789abcdef" for c in text) else ("unknown", None)
+        if stamp is not None and stamp.get("code_sha256") is None:
+            return stamp["revision"], None, "stamp", ()
+        return "unknown", None, "none", ()
     status = _git("status", "--porcelain")
-    return rev.strip(), (None if status is None else bool(status.strip()))
+    if status is None:
+        return rev.strip(), None, "git", ()
+    files = tuple(line[3:] for line in status.splitlines() if line.strip())[:MAX_DIRTY_FILES]
+    return rev.strip(), bool(files), "git", files
 
 
 def _versions() -> tuple[str, str | None]:
@@ -108,7 +145,7 @@ def provenance(
     import torch
 
     torch_version, triton_version = _versions()
-    revision, dirty = git_state()
+    revision, dirty, source, dirty_files = git_state()
     hashes: dict[str, str] = {}
     for path in manifests or []:
         hashes[display(Path(path))] = sha256_file(Path(path))
@@ -116,6 +153,8 @@ def provenance(
         "h3gate_version": h3gate.__version__,
         "git_revision": revision,
         "git_dirty": dirty,
+        "revision_source": source,
+        "dirty_files": list(dirty_files),
         "code_sha256": code_sha256(),
         "python": platform.python_version(),
         "torch": torch_version,

@@ -74,8 +74,8 @@ class RowContext:
         return {
             **rule,
             "sha256": rule_sha256(rule),
-            "variants_run": [v.name for v in self.variants],
-            "variants_skipped": list(self.skipped),
+            "variants_run": [v.name for v in self.variants if v.name not in {d["name"] for d in self.skipped}],
+            "variants_skipped": [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in self.skipped)],
         }
 
 
@@ -108,45 +108,41 @@ def forward_rows(
     iso: Values,
     gold: Values,
 ) -> dict[str, dict]:
-    """Per node ``{"chained": check, "isolated": check}`` (see the module docstring)."""
-    names = [n.name for n in graph.nodes]
+    """Per node ``{"chained": check, "isolated": check}`` (see the module docstring). The chained view runs the
+    whole provider once per variant; the isolated view runs one node at a time, holding one node-local golden."""
     table = provider_table()
-    chained: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
-    isolated: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
-    local_gold: dict[str, torch.Tensor] = {}
-    for node in graph.nodes:
-        with torch.no_grad():
-            g = node.fn(table, _node_inputs(node, prov, upcast=True), golden_params)
-        local_gold[node.name] = g
-        chained[node.name]["default"] = row_errors(prov[node.name], gold[node.name], node.row_dim)
-        isolated[node.name]["default"] = row_errors(prov[node.name], g, node.row_dim)
+    chained = {n.name: {"default": row_errors(prov[n.name], gold[n.name], n.row_dim)} for n in graph.nodes}
     for variant in ctx.variants[1:]:
 
-        def both() -> tuple[dict, dict]:
+        def variant_errors() -> dict[str, torch.Tensor]:
             with torch.no_grad():
                 values = run_provider()
-                c = {n.name: row_errors(values[n.name], gold[n.name], n.row_dim) for n in graph.nodes}
-                del values
-                i = {}
-                for node in graph.nodes:
-                    out = node.fn(table, _node_inputs(node, prov, upcast=False), params)
-                    i[node.name] = row_errors(out, local_gold[node.name], node.row_dim)
-            return c, i
+                return {n.name: row_errors(values[n.name], gold[n.name], n.row_dim) for n in graph.nodes}
 
-        got = _run_variant(variant, both, ctx.skipped)
-        if got is not None:
-            for n in names:
-                chained[n][variant.name] = got[0][n]
-                isolated[n][variant.name] = got[1][n]
-    if ctx.keep:
-        ctx.kept["forward"] = {n: (local_gold[n], isolated[n]) for n in names}
+        got = _run_variant(variant, variant_errors, ctx.skipped)
+        for name, errs in (got or {}).items():
+            chained[name][variant.name] = errs
     out = {}
     for node in graph.nodes:
-        n = node.name
-        out[n] = {
-            "chained": ctx.judge(cand[n], chained[n], gold[n], node.row_dim),
-            "isolated": ctx.judge(iso[n], isolated[n], local_gold[n], node.row_dim),
+        with torch.no_grad():
+            local = node.fn(table, _node_inputs(node, prov, upcast=True), golden_params)
+        isolated = {"default": row_errors(prov[node.name], local, node.row_dim)}
+        for variant in ctx.variants[1:]:
+
+            def node_errors(node: Node = node, local: torch.Tensor = local) -> torch.Tensor:
+                with torch.no_grad():
+                    return row_errors(node.fn(table, _node_inputs(node, prov, False), params), local, node.row_dim)
+
+            got = _run_variant(variant, node_errors, ctx.skipped)
+            if got is not None:
+                isolated[variant.name] = got
+        out[node.name] = {
+            "chained": ctx.judge(cand[node.name], chained[node.name], gold[node.name], node.row_dim),
+            "isolated": ctx.judge(iso[node.name], isolated, local, node.row_dim),
         }
+        if ctx.keep:
+            ctx.kept.setdefault("forward", {})[node.name] = (local, isolated)
+        del local
     return out
 
 
