@@ -26,6 +26,14 @@ def provider_table(overrides: Mapping[str, Callable] | None = None) -> OpTable:
     return OpTable(registry.reference, overrides)
 
 
+def golden_table() -> OpTable:
+    """The provider references for float64 tensors, attention chunked over queries where the dense float64 score
+    matrix would not fit (``h3gate.ops.golden.attention_golden``; same maths, float64 rounding apart)."""
+    from h3gate.ops.golden import attention_golden
+
+    return provider_table({"h3_full_attention": attention_golden})
+
+
 @dataclass(frozen=True)
 class NodeBinding:
     """Every op binding of one node, summarised the way evidence reports a node."""

@@ -14,13 +14,12 @@ import torch
 
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.cases import CaseBuilder, OpCase, randn
-from h3gate.ops.golden import attention_fp64
+from h3gate.ops.golden import DENSE_ATTENTION_GOLDEN_BYTES, attention_fp64
 
 BF16, FP32 = torch.bfloat16, torch.float32
 MAX_TIMESTEPS = 3
 # Above this many bytes of float64 scores the attention golden is the chunked float64 implementation (768p: 680 GB
 # dense); tiny ... medium keep the dense float64 reference.
-DENSE_ATTENTION_GOLDEN_BYTES = 16 << 30
 PREFIX_ROWS = 7  # rows run alone by the prefix probe: the first M bucket, so layouts of >= 512 rows cross a bucket
 
 

@@ -71,3 +71,18 @@ class _ChunkedAttention(torch.autograd.Function):
 def attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """(B, S, nh, D) float64 x3 -> (B, S, nh*D): chunked float64 attention with a chunked backward."""
     return _ChunkedAttention.apply(q, k, v)
+
+
+# Above this many bytes for one float64 (B, nh, S, S) score matrix the golden attention runs chunked.
+DENSE_ATTENTION_GOLDEN_BYTES = 16 << 30
+
+
+def attention_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The golden table's attention: the dense reference while its float64 score matrix fits
+    :data:`DENSE_ATTENTION_GOLDEN_BYTES`, else :func:`attention_fp64` (same maths, query chunks)."""
+    from h3gate.ops import reference
+
+    b, s, nh, _ = q.shape
+    if q.dtype != torch.float64 or b * nh * s * s * 8 <= DENSE_ATTENTION_GOLDEN_BYTES:
+        return reference.attention(q, k, v)
+    return attention_fp64(q, k, v)

@@ -26,7 +26,7 @@ import torch
 from h3gate.gate.rows import describe, dtype_floor, envelope, group_ids, row_check, row_errors, rule_sha256, spread
 from h3gate.gate.variants import Variant, provider_variants
 from h3gate.graph.core import Graph, Node, OpTable, Values
-from h3gate.graph.executions import provider_table
+from h3gate.graph.executions import golden_table, provider_table
 from h3gate.manifests.tolerances import RowRule
 
 LEAF_INPUTS = ("hidden_states", "temb")
@@ -110,7 +110,7 @@ def forward_rows(
 ) -> dict[str, dict]:
     """Per node ``{"chained": check, "isolated": check}`` (see the module docstring). The chained view runs the
     whole provider once per variant; the isolated view runs one node at a time, holding one node-local golden."""
-    table = provider_table()
+    table, golden = provider_table(), golden_table()
     chained = {n.name: {"default": row_errors(prov[n.name], gold[n.name], n.row_dim)} for n in graph.nodes}
     for variant in ctx.variants[1:]:
 
@@ -125,7 +125,7 @@ def forward_rows(
     out = {}
     for node in graph.nodes:
         with torch.no_grad():
-            local = node.fn(table, _node_inputs(node, prov, upcast=True), golden_params)
+            local = node.fn(golden, _node_inputs(node, prov, upcast=True), golden_params)
         isolated = {"default": row_errors(prov[node.name], local, node.row_dim)}
         for variant in ctx.variants[1:]:
 
@@ -178,7 +178,7 @@ def vjp_rows(
     prov_grads: Mapping[str, torch.Tensor | None],
 ) -> dict[str, dict]:
     """Per ``"<node>:d<input>"``: the row check of the candidate's node VJP vs the FP64 VJP (module docstring)."""
-    table = provider_table()
+    table, golden = provider_table(), golden_table()
     node_names = {n.name for n in graph.nodes}
     out: dict[str, dict] = {}
     for node in reversed(graph.nodes):
@@ -187,7 +187,7 @@ def vjp_rows(
             continue
         wrt = [k for k in node.inputs if (k in node_names or k in LEAF_INPUTS) and prov[k].is_floating_point()]
         feed = _node_inputs(node, prov, upcast=False)
-        gold = _vjp(node, table, _node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
+        gold = _vjp(node, golden, _node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
         cand = _vjp(node, candidate_table, feed, params, cot, wrt, (overrides or {}).get(node.name))
         errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in gold}
         dims = {k: _grad_row_dim(ctx, k) for k in gold}

@@ -30,7 +30,7 @@ from h3gate.gate.invariance import GRAD_PLACEMENTS, PLACEMENTS, batch_records, p
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated, to_float64
-from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
+from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs, stand_in
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_rows import (
@@ -110,7 +110,7 @@ class _Executions:
         self.tables: dict[str, OpTable] = {
             "provider": provider_table(),
             "candidate": candidate_table(bindings, gate.op_overrides),
-            "golden": provider_table(),
+            "golden": golden_table(),
         }
         self.base = gate.inputs.tensors
         self.golden_params = to_float64(gate.params)
