@@ -156,6 +156,15 @@ def prepare_ws1_block(
     packed = build_layout(load_layout(layout), layout)
     if device == "cpu":
         check_cpu_memory(cfg, packed, layout, config_name)
+    else:  # the same lower bound against the GPU's free memory, before any weight is placed there
+        from h3gate.memory import require
+
+        require(
+            cpu_lower_bound_bytes(cfg, packed.seq_len),
+            f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})",
+            device,
+            hint="use a smaller layout",
+        )
     bind_graph(build_block_graph(cfg, LAYER), mode, device)
     params = block_params(source, LAYER, device)
     inputs = build_block_inputs(packed, cfg, source, seed, device)

@@ -65,12 +65,34 @@ def batch_records(
     are the probed item's slices (:func:`slices`). Each placement record is the agreement of its slice with the
     reference, bitwise.
     """
+    per_placement = [
+        placement_records(names, reference, size, pos, values, row_dims, modalities) for size, pos, values in placements
+    ]
+    return merge_placements(names, per_placement)
+
+
+def placement_records(
+    names: Sequence[str],
+    reference: Mapping[str, torch.Tensor],
+    size: int,
+    position: int,
+    values: Mapping[str, torch.Tensor],
+    row_dims: Mapping[str, int | None],
+    modalities: Sequence[str] | None,
+) -> dict[str, dict]:
+    """Per name: one placement's record (its slice against the batch-of-1 reference), so that a caller can drop
+    the batch's values right after (at 768p one batch of 3 holds tens of GB)."""
+    return {
+        n: {"batch": size, "position": position, **agreement(values[n], reference[n], row_dims.get(n), modalities)}
+        for n in names
+    }
+
+
+def merge_placements(names: Sequence[str], per_placement: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
+    """The :func:`batch_records` result from per-placement records."""
     out: dict[str, dict] = {}
     for n in names:
-        recs = []
-        for size, pos, values in placements:
-            rec = agreement(values[n], reference[n], row_dims.get(n), modalities)
-            recs.append({"batch": size, "position": pos, **rec})
+        recs = [p[n] for p in per_placement]
         bad = next((p for p in recs if not p["bitwise"]), None)
         out[n] = {
             "bitwise": bad is None,

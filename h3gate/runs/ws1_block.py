@@ -26,7 +26,16 @@ import torch
 from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.drift import first_drift
-from h3gate.gate.invariance import GRAD_PLACEMENTS, PLACEMENTS, batch_records, place, repeat_records, slices
+from h3gate.gate.invariance import (
+    GRAD_PLACEMENTS,
+    PLACEMENTS,
+    batch_records,
+    merge_placements,
+    place,
+    placement_records,
+    repeat_records,
+    slices,
+)
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated, to_float64
@@ -212,13 +221,15 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
     x0 = gate.inputs.tensors["hidden_states"]
     others = _unrelated(gate, "hidden_states")
     batch: dict[str, list] = {"candidate": [], "provider": []}
-    for who in ("candidate", "provider"):
+    for who, reference in (("candidate", cand), ("provider", prov)):
         for size, pos in PLACEMENTS[1:]:
             values = ex.forward(who, f"{who} batch {size}", place(x0, others, size, pos))
-            batch[who].append((size, pos, slices({k: values[k] for k in names}, batch_dims, pos)))
+            picked = slices({k: values[k] for k in names}, batch_dims, pos)
             del values
-    cand_batch = batch_records(names, cand, batch["candidate"], row_dims, modalities)
-    prov_batch = batch_records(names, prov, batch["provider"], row_dims, modalities)
+            batch[who].append(placement_records(names, reference, size, pos, picked, row_dims, modalities))
+            del picked
+    cand_batch = merge_placements(names, batch["candidate"])
+    prov_batch = merge_placements(names, batch["provider"])
     ctx = RowContext.build(tol.row_rule, graph, gate.device, modalities, keep=gate.fault_matrix)
     ex.step(f"forward: {ROW_STEP_FORWARD}")
     rows = forward_rows(ctx, graph, lambda: ex.plain("provider"), gate.params, ex.golden_params, prov, cand, iso, gold)
