@@ -14,7 +14,7 @@ step() { printf '== wheel_smoke: %s\n' "$*"; }
 
 step "build the wheel from a copy of the working tree (no stale build/ can leak into it)"
 mkdir -p "$work/src" "$work/dist" "$work/run"
-(cd "$repo" && git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - --ignore-failed-read) |
+(cd "$repo" && git ls-files -z --cached --others --exclude-standard | tar --null -T - --ignore-failed-read -cf -) |
   tar -xf - -C "$work/src"
 "$py" -m pip wheel -v --no-deps -w "$work/dist" "$work/src" >"$work/build.log" 2>&1 || { tail -40 "$work/build.log"; exit 1; }
 if grep -E "[A-Za-z]*Warning:|is deprecated|absent from the .packages." "$work/build.log"; then
