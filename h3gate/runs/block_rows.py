@@ -97,6 +97,30 @@ def _node_inputs(node: Node, feed: Values, upcast: bool) -> dict[str, torch.Tens
     return {k: (feed[k].detach().double() if upcast and feed[k].is_floating_point() else feed[k]) for k in node.inputs}
 
 
+def isolated_envelope(
+    ctx: RowContext,
+    node: Node,
+    prov: Values,
+    params: Mapping[str, torch.Tensor],
+    golden_params: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(node-local FP64 golden, per-variant row errors of the provider's node on the provider's inputs)."""
+    table, golden = provider_table(), golden_table()
+    with torch.no_grad():
+        local = node.fn(golden, _node_inputs(node, prov, upcast=True), golden_params)
+    isolated = {"default": row_errors(prov[node.name], local, node.row_dim)}
+    for variant in ctx.variants[1:]:
+
+        def node_errors() -> torch.Tensor:
+            with torch.no_grad():
+                return row_errors(node.fn(table, _node_inputs(node, prov, False), params), local, node.row_dim)
+
+        got = _run_variant(variant, node_errors, ctx.skipped)
+        if got is not None:
+            isolated[variant.name] = got
+    return local, isolated
+
+
 def forward_rows(
     ctx: RowContext,
     graph: Graph,
@@ -110,7 +134,6 @@ def forward_rows(
 ) -> dict[str, dict]:
     """Per node ``{"chained": check, "isolated": check}`` (see the module docstring). The chained view runs the
     whole provider once per variant; the isolated view runs one node at a time, holding one node-local golden."""
-    table, golden = provider_table(), golden_table()
     chained = {n.name: {"default": row_errors(prov[n.name], gold[n.name], n.row_dim)} for n in graph.nodes}
     for variant in ctx.variants[1:]:
 
@@ -124,18 +147,7 @@ def forward_rows(
             chained[name][variant.name] = errs
     out = {}
     for node in graph.nodes:
-        with torch.no_grad():
-            local = node.fn(golden, _node_inputs(node, prov, upcast=True), golden_params)
-        isolated = {"default": row_errors(prov[node.name], local, node.row_dim)}
-        for variant in ctx.variants[1:]:
-
-            def node_errors(node: Node = node, local: torch.Tensor = local) -> torch.Tensor:
-                with torch.no_grad():
-                    return row_errors(node.fn(table, _node_inputs(node, prov, False), params), local, node.row_dim)
-
-            got = _run_variant(variant, node_errors, ctx.skipped)
-            if got is not None:
-                isolated[variant.name] = got
+        local, isolated = isolated_envelope(ctx, node, prov, params, golden_params)
         out[node.name] = {
             "chained": ctx.judge(cand[node.name], chained[node.name], gold[node.name], node.row_dim),
             "isolated": ctx.judge(iso[node.name], isolated, local, node.row_dim),
@@ -176,14 +188,16 @@ def vjp_rows(
     golden_params: Mapping[str, torch.Tensor],
     prov: Values,
     prov_grads: Mapping[str, torch.Tensor | None],
+    only: Sequence[str] | None = None,
 ) -> dict[str, dict]:
-    """Per ``"<node>:d<input>"``: the row check of the candidate's node VJP vs the FP64 VJP (module docstring)."""
+    """Per ``"<node>:d<input>"``: the row check of the candidate's node VJP vs the FP64 VJP (module docstring);
+    ``only`` restricts it to some nodes."""
     table, golden = provider_table(), golden_table()
     node_names = {n.name for n in graph.nodes}
     out: dict[str, dict] = {}
     for node in reversed(graph.nodes):
         cot = prov_grads.get(node.name)
-        if cot is None:
+        if cot is None or (only is not None and node.name not in only):
             continue
         wrt = [k for k in node.inputs if (k in node_names or k in LEAF_INPUTS) and prov[k].is_floating_point()]
         feed = _node_inputs(node, prov, upcast=False)

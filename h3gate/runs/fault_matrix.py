@@ -58,9 +58,12 @@ def run_fault_matrix(
     kinds: Sequence[str] = KINDS,
     directions: Sequence[str] = DIRECTIONS,
 ) -> dict:
-    """The ``fault_matrix`` evidence section: one record per fault, and the counts caught / located."""
+    """The ``fault_matrix`` evidence section: one record per fault, and the counts caught / located. Nodes whose
+    isolated state ``ctx.kept`` lacks are not faulted (a sample: see ``tests/test_fault_matrix_layouts.py``)."""
     records = []
     for node in graph.nodes:
+        if node.name not in ctx.kept.get("forward", {}):
+            continue
         for direction in directions:
             if direction == "backward" and node.name not in ctx.kept.get("vjp", {}):
                 continue
