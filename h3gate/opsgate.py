@@ -12,8 +12,13 @@ For one operator and one row count it runs, on the case's inputs (``h3gate.ops.c
 * invariance, bitwise, forward and backward: a repeat; the case's item inside batches of 2 and 3 at every position
   next to fresh random items; the bytes of kept output rows while every unrelated input row is mutated.
 
+* rows - the row rule of the ``ws1-block`` tolerance profile (:mod:`h3gate.gate.rows`): every row of the output
+  and of each gradient against the golden, bounded by the provider's own row errors under every provider variant the
+  device offers (``forward.rows``, ``backward[i].rows``), so one wrong row fails however long the tensor.
+
 A result passes when every promise held: ``provider_bitwise`` where the contract promises it (forward), accuracy
-within the declared bound, every invariance probe bitwise. Tensors without a batch (or row) dimension that sum over
+within the declared bound, every row within the row rule, every invariance probe bitwise. Tensors without a batch
+(or row) dimension that sum over
 it (parameter and table gradients) are compared on repeat only.
 """
 
@@ -26,9 +31,13 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, bitwise_equal, error
+from h3gate.gate.rows import describe, row_errors
+from h3gate.gate.variants import provider_variants
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.manifests.tolerances import load_tolerance
 from h3gate.ops import registry
 from h3gate.ops.cases import OpCase, build_case, in_batch, mutate_rows, randn, to_float64
+from h3gate.runs.block_rows import RowContext, run_variant
 
 DEFAULT_ACCURACY = {
     "forward": {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-3},
@@ -107,10 +116,56 @@ class OpResult:
     failures: list[str]
 
 
-def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backward: bool = True) -> OpResult:
-    """Everything ws1-ops records for one operator at one row count."""
+def row_context(device: str) -> RowContext:
+    """The row rule ws1-ops judges by (the ``ws1-block`` profile's), with this device's provider variants."""
+    rule = load_tolerance("ws1-block").row_rule
+    variants, skipped = provider_variants(list(rule.variants), device)
+    return RowContext(rule, variants, skipped, [], {})
+
+
+def _row_checks(
+    ctx: RowContext, case: OpCase, ref: Callable, gout, outs: tuple, row_dims: list, declared: tuple[dict, dict]
+) -> list[dict]:
+    """Row checks of the kernel's output and gradients (``outs``: kernel, provider and golden (output, grads)).
+
+    A row's bound is the row rule's, raised to the operator contract's declared rel_l2 for the tensor's dtype
+    (``declared``: forward and backward bounds), applied per row: an FP32 operator whose provider is exact to the
+    last bit keeps the accuracy its contract declares, and a wrong row still fails."""
+    (k_out, k_grads), (p_out, p_grads), (g_out, g_grads) = outs
+    tensors = [(k_out, p_out, g_out, case.out_row_dim)]
+    tensors += [(k, p, g, d) for k, p, g, d in zip(k_grads, p_grads, g_grads, row_dims, strict=True)]
+    errs = [{"default": row_errors(p, g, d)} if None not in (p, g) else {} for _, p, g, d in tensors]
+    for variant in ctx.variants[1:]:
+        got = run_variant(variant, lambda: _run(case, ref, case.args, gout), ctx.skipped)
+        if got is None:
+            continue
+        for i, t in enumerate([got[0], *got[1]]):
+            if t is not None and tensors[i][2] is not None:
+                errs[i][variant.name] = row_errors(t, tensors[i][2], tensors[i][3])
+        del got
+    fwd, bwd = declared
+    least = [fwd.get(dtype_name(k)) if i == 0 else bwd.get(dtype_name(k)) if k is not None else None
+             for i, (k, _, _, _) in enumerate(tensors)]  # fmt: skip
+    return [
+        ctx.judge(k, e, g, d, at_least=m or 0.0) if k is not None and e else None
+        for (k, _, g, d), e, m in zip(tensors, errs, least, strict=True)
+    ]
+
+
+def run_case(
+    op: str,
+    rows: int,
+    cfg: ModelConfig,
+    device: str,
+    seed: int,
+    backward: bool = True,
+    kernel: Callable | None = None,
+) -> OpResult:
+    """Everything ws1-ops records for one operator at one row count. ``kernel`` replaces the bound strict kernel
+    (a negative control: a deliberately wrong kernel must fail)."""
     case = build_case(op, rows, cfg, device, seed)
     binding = registry.bind(op, "strict", device)
+    kernel_fn = kernel or binding.fn
     ref = registry.reference(op)
     spec = registry.spec(op)
     fwd_bounds, bwd_bounds, source = bounds(op)
@@ -121,22 +176,27 @@ def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backw
         probe_out = case.call(ref)
     gout = randn(probe_out.shape, probe_out.dtype, probe_out.device, gen) if backward and case.grad_args else None
     del probe_out
-    k_out, k_grads = _run(case, binding.fn, case.args, gout)  # kernel first: a bad input fails before the rest
+    k_out, k_grads = _run(case, kernel_fn, case.args, gout)  # kernel first: a bad input fails before the rest
     p_out, p_grads = _run(case, ref, case.args, gout)
     g_out, g_grads = _run(case, ref, case.args, gout, golden=True)
+    ctx = row_context(device)
+    grad_dims = [case.row_dims.get(pos) for pos in case.grad_args[: len(k_grads)]]
+    outs = ((k_out, k_grads), (p_out, p_grads), (g_out, g_grads))
+    row_checks = _row_checks(ctx, case, ref, gout, outs, grad_dims, (fwd_bounds, bwd_bounds))
 
     forward = _acc_check(k_out, p_out, g_out, fwd_bounds)
     forward["kernel_vs_provider"] = agreement(k_out, p_out, case.out_row_dim)
+    forward["rows"] = row_checks[0]
     grads = []
-    for pos, kg, pg, gg in zip(case.grad_args, k_grads, p_grads, g_grads, strict=False):
+    for pos, kg, pg, gg, rc in zip(case.grad_args, k_grads, p_grads, g_grads, row_checks[1:], strict=False):
         if kg is None or pg is None or gg is None:
             grads.append({"arg": pos, "missing": True})
             failures.append(f"{op} S={rows}: gradient of arg {pos} missing")
             continue
-        grads.append({"arg": pos, "missing": False, **_acc_check(kg, pg, gg, bwd_bounds)})
+        grads.append({"arg": pos, "missing": False, **_acc_check(kg, pg, gg, bwd_bounds), "rows": rc})
     del p_out, g_out, p_grads, g_grads  # the invariance probes below need the device memory (768p, float64 golden)
 
-    inv = _invariance(case, binding.fn, k_out, k_grads, gout, gen)
+    inv = _invariance(case, kernel_fn, k_out, k_grads, gout, gen)
 
     if spec.contract.provider_bitwise and not forward["provider_bitwise"]:
         failures.append(f"{op} S={rows}: promised provider-bitwise forward, kernel bytes differ from the provider")
@@ -148,6 +208,9 @@ def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backw
         if not g["missing"] and not g["accuracy_ok"]:
             rel, bound = g["kernel_vs_golden"]["rel_l2"], g["bound_rel_l2"]
             failures.append(f"{op} S={rows}: grad of arg {g['arg']} rel_l2 {rel} > {bound}")
+    for where, rc in [("forward", forward["rows"]), *((f"grad of arg {g['arg']}", g.get("rows")) for g in grads)]:
+        if rc is not None and not rc["pass"]:
+            failures.append(f"{op} S={rows}: {where} row rule: {describe(rc)}")
     for name, ok in _flatten_invariance(inv):
         if ok is False:
             failures.append(f"{op} S={rows}: invariance {name} not bitwise")
@@ -159,6 +222,7 @@ def run_case(op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backw
         "backward": grads if gout is not None else None,
         "invariance": inv,
         "tolerance_source": source,
+        "row_rule": ctx.record(),
         "verdict": "pass" if not failures else "fail",
     }
     return OpResult(record, failures)

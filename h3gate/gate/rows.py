@@ -105,9 +105,11 @@ def row_check(
     factor: float,
     floor: float,
     modalities: Sequence[str] | None,
+    at_least: float = 0.0,
 ) -> dict:
-    """The ``row_check`` evidence record: worst row by error / bound, first row over, count over, pass."""
-    bound = factor * envelope_rows + floor
+    """The ``row_check`` evidence record: worst row by error / bound, first row over, count over, pass. ``at_least``
+    raises every row's bound to a declared accuracy (ws1-ops: the operator contract's rel_l2 bound, per row)."""
+    bound = (factor * envelope_rows + floor).clamp(min=at_least)
     ratio = torch.where(bound > 0, errors / torch.where(bound > 0, bound, 1.0), torch.where(errors > 0, math.inf, 0.0))
     over = torch.nonzero(~(errors <= bound)).flatten()
     worst = int(torch.argmax(torch.where(torch.isnan(ratio), math.inf, ratio)))

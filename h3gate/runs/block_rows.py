@@ -59,15 +59,22 @@ class RowContext:
     def mods_for(self, rows: int) -> list[str] | None:
         return self.modalities if rows == len(self.modalities) else None
 
-    def judge(self, candidate: torch.Tensor, variant_errors: Mapping[str, torch.Tensor], golden: torch.Tensor,
-              row_dim: int | None) -> dict:  # fmt: skip
+    def judge(
+        self,
+        candidate: torch.Tensor,
+        variant_errors: Mapping[str, torch.Tensor],
+        golden: torch.Tensor,
+        row_dim: int | None,
+        at_least: float = 0.0,
+    ) -> dict:
         """Row check of ``candidate`` vs ``golden`` under the envelope of ``variant_errors``, with the spread."""
         errs = row_errors(candidate, golden, row_dim)
         mods = self.mods_for(errs.numel())
         groups = group_ids(errs.numel(), mods, self.rule.scope)
         env = envelope(list(variant_errors.values()), groups)
         floor = dtype_floor(candidate.dtype, self.rule.floor_ulps)
-        return {**row_check(errs, env, self.rule.factor, floor, mods), "spread": spread(variant_errors, groups)}
+        check = row_check(errs, env, self.rule.factor, floor, mods, at_least)
+        return {**check, "spread": spread(variant_errors, groups)}
 
     def record(self) -> dict:
         rule = self.rule.model_dump(mode="json")
@@ -83,7 +90,7 @@ def failure_line(where: str, check: dict, modalities: Sequence[str]) -> str:
     return f"{where}.row_bound ({describe(check, modalities)})"
 
 
-def _run_variant(variant: Variant, fn: Callable[[], object], skipped: list[dict]) -> object | None:
+def run_variant(variant: Variant, fn: Callable[[], object], skipped: list[dict]) -> object | None:
     """``fn()`` under ``variant``; a backend that refuses at run time is recorded as skipped (None)."""
     try:
         with variant.enter():
@@ -115,7 +122,7 @@ def isolated_envelope(
             with torch.no_grad():
                 return row_errors(node.fn(table, _node_inputs(node, prov, False), params), local, node.row_dim)
 
-        got = _run_variant(variant, node_errors, ctx.skipped)
+        got = run_variant(variant, node_errors, ctx.skipped)
         if got is not None:
             isolated[variant.name] = got
     return local, isolated
@@ -142,7 +149,7 @@ def forward_rows(
                 values = run_provider()
                 return {n.name: row_errors(values[n.name], gold[n.name], n.row_dim) for n in graph.nodes}
 
-        got = _run_variant(variant, variant_errors, ctx.skipped)
+        got = run_variant(variant, variant_errors, ctx.skipped)
         for name, errs in (got or {}).items():
             chained[name][variant.name] = errs
     out = {}
@@ -207,7 +214,7 @@ def vjp_rows(
         dims = {k: _grad_row_dim(ctx, k) for k in gold}
         for variant in ctx.variants:
             provider_vjp = functools.partial(_vjp, node, table, feed, params, cot, wrt)
-            got = _run_variant(variant, provider_vjp, ctx.skipped)
+            got = run_variant(variant, provider_vjp, ctx.skipped)
             if got is not None:
                 for k in gold:
                     errs[k][variant.name] = row_errors(got[k], gold[k], dims[k])
@@ -243,7 +250,7 @@ def grad_rows(
         if default.get(k) is not None:
             errs[k]["default"] = row_errors(default[k], golden[k], dims[k])
     for variant in ctx.variants[1:]:
-        got = _run_variant(variant, run_provider_grads, ctx.skipped)
+        got = run_variant(variant, run_provider_grads, ctx.skipped)
         if got is None:
             continue
         merged = {**got[0], **got[1]}
