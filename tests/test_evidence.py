@@ -260,13 +260,24 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
     assert done.stdout.strip() == prov.code_sha256.__wrapped__(CHECKOUT)
 
 
-def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence() -> None:
-    """e20ba97 had manifests/ and schemas/ at the top level; the evidence it wrote on the H200 names its hash."""
+@pytest.mark.parametrize(
+    ("commit", "evidence"),
+    [
+        ("e20ba97", "evidence/h200/ws1-ops-gemm-attention/ws1-ops.json"),  # manifests/, schemas/ at the top level
+        ("2addd63", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # h3gate/data/, from a stamped copy
+        ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
+    ],
+)
+def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence(commit: str, evidence: str) -> None:
+    """The code hash committed evidence names is the one ``tools/code_sha256.py COMMIT`` computes from git, in the
+    layout of each commit; the stamped revision is that commit."""
     import subprocess
 
-    if subprocess.run(["git", "-C", str(CHECKOUT), "cat-file", "-e", "e20ba97^{commit}"], check=False).returncode:
-        pytest.skip("not a git checkout holding e20ba97 (a shallow clone)")
+    if subprocess.run(["git", "-C", str(CHECKOUT), "cat-file", "-e", f"{commit}^{{commit}}"], check=False).returncode:
+        pytest.skip(f"not a git checkout holding {commit} (a shallow clone)")
     tool = str(CHECKOUT / "tools" / "code_sha256.py")
-    done = subprocess.run([sys.executable, tool, "e20ba97"], capture_output=True, text=True, check=True)
-    doc = json.loads((CHECKOUT / "evidence/h200/ws1-block-real-medium/ws1-block.json").read_text())
+    done = subprocess.run([sys.executable, tool, commit], capture_output=True, text=True, check=True)
+    doc = json.loads((CHECKOUT / evidence).read_text())
     assert done.stdout.strip() == doc["provenance"]["code_sha256"]
+    if doc["provenance"].get("revision_source") == "stamp":
+        assert doc["provenance"]["git_revision"].startswith(commit) and doc["provenance"]["dirty_files"] == []
