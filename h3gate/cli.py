@@ -21,6 +21,7 @@ import click
 import typer
 
 from h3gate.errors import EXIT_INPUT, EXIT_INTERNAL, InputError, crash_folder
+from h3gate.numerics import resolve_device
 
 app = typer.Typer(
     add_completion=False,
@@ -38,24 +39,6 @@ app.add_typer(run_app, name="run")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
 OutOpt = Annotated[Path | None, typer.Option("--out", help="Evidence folder (default: evidence/local/<verb>).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda | auto (cuda when available).")]
-
-
-def _interpret_if_cpu(device: str) -> str:
-    """Resolve ``auto`` and switch Triton to its interpreter for CPU runs (must happen before triton is imported)."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise InputError(f"--device {device!r}: must be cpu, cuda or auto")
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: CUDA is not available on this machine")
-    return device
 
 
 def _done(code: int) -> None:
@@ -241,7 +224,7 @@ def run_ws1_block(
     json_: JsonOpt = False,
 ) -> None:
     """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP64 golden."""
-    device = _interpret_if_cpu(device)
+    device = resolve_device(device)
     from h3gate.commands.run_cmd import ws1_block_command
 
     _done(
@@ -274,7 +257,7 @@ def run_ws1_ops(
     json_: JsonOpt = False,
 ) -> None:
     """Per-operator evidence: accuracy vs FP32/FP64, invariance, provider-bitwise flag, kernel id."""
-    device = _interpret_if_cpu(device)
+    device = resolve_device(device)
     from h3gate.commands.ops_cmd import ws1_ops_command
 
     _done(ws1_ops_command(op or [], layouts, config, device, seed, out, json_))
@@ -291,7 +274,7 @@ def bench(
     json_: JsonOpt = False,
 ) -> None:
     """Time strict kernels next to the provider in one run (median of CUDA-event timings)."""
-    device = _interpret_if_cpu(device)
+    device = resolve_device(device)
     from h3gate.commands.bench_cmd import bench_command
 
     _done(bench_command(target, op or [], layout, config, device, out, json_))
@@ -314,7 +297,7 @@ def ablate(
     json_: JsonOpt = False,
 ) -> None:
     """Run RFC section 6 ablation rows and assert each one's first-drift signature."""
-    device = _interpret_if_cpu(device)
+    device = resolve_device(device)
     from h3gate.commands.ablate_cmd import ablate_command
 
     _done(ablate_command(row, all_, list_, layout, config, device, out, json_, mode, steps, seed, checkpoint, threads))

@@ -201,7 +201,7 @@ def norm_section() -> dict:
             norms._rms_fwd_kernel[(s,)](
                 x, w, out, out, shift, scale, idx, s, h, s, shift.stride(0), scale.stride(0), float(h), 1e-5,
                 BLOCK_M=1, BLOCK_H=block_h, NCH=triton.cdiv(h, block_h), MODULATE=True, ROUND_FIRST=round_first,
-                SAVE_RSTD=False, INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+                SAVE_RSTD=False, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
             )  # fmt: skip
             return out
 
@@ -256,7 +256,7 @@ def launch_section(ops: tuple[str, ...] = ("packed_index_select", "conditioning_
                     out = torch.empty((x.shape[0], idx.shape[0], x.shape[2]), dtype=x.dtype, device="cuda")
                     gather._gather_kernel[(triton.cdiv(idx.shape[0], bn), 1, x.shape[0])](
                         x, idx, out, idx.shape[0], x.shape[2], x.stride(0), x.stride(1), out.stride(0),
-                        out.stride(1), BLOCK_N=bn, BLOCK_C=128, CAST=False, SUM1=False, INTERP=False, num_warps=4,
+                        out.stride(1), BLOCK_N=bn, BLOCK_C=128, CAST=False, SUM1=False, INTERPRET=False, num_warps=4,
                         **STRICT_LAUNCH,
                     )  # fmt: skip
                     return out

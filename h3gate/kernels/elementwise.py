@@ -56,16 +56,16 @@ def _grid(n: int) -> tuple[int]:
 
 @triton.jit
 def _silu_kernel(x_ptr, out_ptr, g_ptr, N, MID: tl.constexpr, BWD: tl.constexpr, BLOCK: tl.constexpr,
-                 INTERP: tl.constexpr):  # fmt: skip
+                 INTERPRET: tl.constexpr):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
     if BWD:
-        g = exact.f32(tl.load(g_ptr + offs, mask=m, other=0.0), INTERP)
-        y = g * exact.dsilu(x, INTERP)
+        g = exact.f32(tl.load(g_ptr + offs, mask=m, other=0.0), INTERPRET)
+        y = g * exact.dsilu(x, INTERPRET)
     else:
-        y = exact.rnd(exact.silu(x, INTERP), MID, INTERP)
-    tl.store(out_ptr + offs, exact.rne(y, out_ptr.dtype.element_ty, INTERP), mask=m)
+        y = exact.rnd(exact.silu(x, INTERPRET), MID, INTERPRET)
+    tl.store(out_ptr + offs, exact.rne(y, out_ptr.dtype.element_ty, INTERPRET), mask=m)
 
 
 class _Silu(torch.autograd.Function):
@@ -74,7 +74,7 @@ class _Silu(torch.autograd.Function):
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
         mid = tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float32
         _silu_kernel[_grid(x.numel())](
-            x, out, x, x.numel(), MID=mid, BWD=False, BLOCK=BLOCK, INTERP=INTERPRET, **STRICT_LAUNCH
+            x, out, x, x.numel(), MID=mid, BWD=False, BLOCK=BLOCK, INTERPRET=INTERPRET, **STRICT_LAUNCH
         )
         ctx.save_for_backward(x)
         return out
@@ -85,7 +85,7 @@ class _Silu(torch.autograd.Function):
         dx = torch.empty_like(x)
         g = grad.contiguous()
         _silu_kernel[_grid(x.numel())](
-            x, dx, g, x.numel(), MID=tl.float32, BWD=True, BLOCK=BLOCK, INTERP=INTERPRET, **STRICT_LAUNCH
+            x, dx, g, x.numel(), MID=tl.float32, BWD=True, BLOCK=BLOCK, INTERPRET=INTERPRET, **STRICT_LAUNCH
         )
         return dx, None
 
@@ -107,7 +107,7 @@ def silu_cast(temb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @triton.jit
 def _swiglu_kernel(
     h_ptr, out_ptr, g_ptr, dh_ptr, M, F,
-    BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INTERP: tl.constexpr,
+    BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -115,16 +115,16 @@ def _swiglu_kernel(
     DT: tl.constexpr = h_ptr.dtype.element_ty
     hv = rows[:, None] * 2 * F + cols[None, :]
     ho = rows[:, None] * F + cols[None, :]
-    value = exact.f32(tl.load(h_ptr + hv, mask=m, other=0.0), INTERP)
-    gate = exact.f32(tl.load(h_ptr + hv + F, mask=m, other=0.0), INTERP)
-    s = exact.rnd(exact.silu(gate, INTERP), DT, INTERP)
+    value = exact.f32(tl.load(h_ptr + hv, mask=m, other=0.0), INTERPRET)
+    gate = exact.f32(tl.load(h_ptr + hv + F, mask=m, other=0.0), INTERPRET)
+    s = exact.rnd(exact.silu(gate, INTERPRET), DT, INTERPRET)
     if BWD:
-        g = exact.f32(tl.load(g_ptr + ho, mask=m, other=0.0), INTERP)
-        tl.store(dh_ptr + hv, exact.rne(g * s, DT, INTERP), mask=m)
-        dgate = g * value * exact.dsilu(gate, INTERP)
-        tl.store(dh_ptr + hv + F, exact.rne(dgate, DT, INTERP), mask=m)
+        g = exact.f32(tl.load(g_ptr + ho, mask=m, other=0.0), INTERPRET)
+        tl.store(dh_ptr + hv, exact.rne(g * s, DT, INTERPRET), mask=m)
+        dgate = g * value * exact.dsilu(gate, INTERPRET)
+        tl.store(dh_ptr + hv + F, exact.rne(dgate, DT, INTERPRET), mask=m)
     else:
-        tl.store(out_ptr + ho, exact.rne(value * s, DT, INTERP), mask=m)
+        tl.store(out_ptr + ho, exact.rne(value * s, DT, INTERPRET), mask=m)
 
 
 def _swiglu_launch(h: torch.Tensor, out: torch.Tensor, g: torch.Tensor, dh: torch.Tensor, bwd: bool) -> None:
@@ -133,7 +133,7 @@ def _swiglu_launch(h: torch.Tensor, out: torch.Tensor, g: torch.Tensor, dh: torc
     block_f = min(1024, next_pow2(f))
     block_m = max(1, 2048 // block_f) * ROW_SCALE
     _swiglu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(f, block_f))](
-        h, out, g, dh, rows, f, BWD=bwd, BLOCK_M=block_m, BLOCK_F=block_f, INTERP=INTERPRET, **STRICT_LAUNCH
+        h, out, g, dh, rows, f, BWD=bwd, BLOCK_M=block_m, BLOCK_F=block_f, INTERPRET=INTERPRET, **STRICT_LAUNCH
     )
 
 
@@ -164,7 +164,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _gate_kernel(
     x_ptr, y_ptr, gate_ptr, idx_ptr, out_ptr, M, H, S, gate_rs,
-    BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    BWD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,14 +173,14 @@ def _gate_kernel(
     m = rm[:, None] & (cols < H)[None, :]
     offs = rows[:, None] * H + cols[None, :]
     j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
-    gate = exact.f32(tl.load(gate_ptr + j[:, None] * gate_rs + cols[None, :], mask=m, other=0.0), INTERP)
-    y = exact.f32(tl.load(y_ptr + offs, mask=m, other=0.0), INTERP)  # BWD: y_ptr holds the output gradient
+    gate = exact.f32(tl.load(gate_ptr + j[:, None] * gate_rs + cols[None, :], mask=m, other=0.0), INTERPRET)
+    y = exact.f32(tl.load(y_ptr + offs, mask=m, other=0.0), INTERPRET)  # BWD: y_ptr holds the output gradient
     if BWD:
         out = gate * y
     else:
-        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
-        out = x + exact.rnd(gate * y, DT, INTERP)
-    tl.store(out_ptr + offs, exact.rne(out, DT, INTERP), mask=m)
+        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
+        out = x + exact.rnd(gate * y, DT, INTERPRET)
+    tl.store(out_ptr + offs, exact.rne(out, DT, INTERPRET), mask=m)
 
 
 def _gate_launch(x, y, gate, idx, out, bwd: bool) -> None:
@@ -191,7 +191,7 @@ def _gate_launch(x, y, gate, idx, out, bwd: bool) -> None:
     grid = (triton.cdiv(m, block_m), triton.cdiv(h, block_h))
     _gate_kernel[grid](
         x, y, gate, idx, out, m, h, idx.shape[0], gate.stride(0),
-        BWD=bwd, BLOCK_M=block_m, BLOCK_H=block_h, INTERP=INTERPRET, **STRICT_LAUNCH,
+        BWD=bwd, BLOCK_M=block_m, BLOCK_H=block_h, INTERPRET=INTERPRET, **STRICT_LAUNCH,
     )  # fmt: skip
 
 
@@ -235,19 +235,19 @@ def gate_residual(x, y, gate, adaln_indices) -> torch.Tensor:
 
 
 @triton.jit
-def _add_kernel(x_ptr, y_ptr, out_ptr, N, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+def _add_kernel(x_ptr, y_ptr, out_ptr, N, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
-    y = exact.f32(tl.load(y_ptr + offs, mask=m, other=0.0), INTERP)
-    tl.store(out_ptr + offs, exact.rne(x + y, out_ptr.dtype.element_ty, INTERP), mask=m)
+    x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
+    y = exact.f32(tl.load(y_ptr + offs, mask=m, other=0.0), INTERPRET)
+    tl.store(out_ptr + offs, exact.rne(x + y, out_ptr.dtype.element_ty, INTERPRET), mask=m)
 
 
 class _ResidualAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y):
         out = torch.empty_like(x)
-        _add_kernel[_grid(x.numel())](x, y, out, x.numel(), BLOCK=BLOCK, INTERP=INTERPRET, **STRICT_LAUNCH)
+        _add_kernel[_grid(x.numel())](x, y, out, x.numel(), BLOCK=BLOCK, INTERPRET=INTERPRET, **STRICT_LAUNCH)
         return out
 
     @staticmethod
@@ -268,20 +268,20 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _mix_kernel(s_ptr, n_ptr, t_ptr, out_ptr, out2_ptr, N, inner, BWD: tl.constexpr, BLOCK: tl.constexpr,
-                INTERP: tl.constexpr):  # fmt: skip
+                INTERPRET: tl.constexpr):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    t = exact.f32(tl.load(t_ptr + offs // inner, mask=m, other=0.0), INTERP)
-    a = exact.f32(tl.load(s_ptr + offs, mask=m, other=0.0), INTERP)  # BWD: s_ptr holds the output gradient
-    one_minus = exact.rnd(1.0 - t, DT, INTERP)
+    t = exact.f32(tl.load(t_ptr + offs // inner, mask=m, other=0.0), INTERPRET)
+    a = exact.f32(tl.load(s_ptr + offs, mask=m, other=0.0), INTERPRET)  # BWD: s_ptr holds the output gradient
+    one_minus = exact.rnd(1.0 - t, DT, INTERPRET)
     if BWD:
-        tl.store(out_ptr + offs, exact.rne(a * t, DT, INTERP), mask=m)
-        tl.store(out2_ptr + offs, exact.rne(a * one_minus, DT, INTERP), mask=m)
+        tl.store(out_ptr + offs, exact.rne(a * t, DT, INTERPRET), mask=m)
+        tl.store(out2_ptr + offs, exact.rne(a * one_minus, DT, INTERPRET), mask=m)
     else:
-        noise = exact.f32(tl.load(n_ptr + offs, mask=m, other=0.0), INTERP)
-        out = exact.rnd(a * t, DT, INTERP) + exact.rnd(one_minus * noise, DT, INTERP)
-        tl.store(out_ptr + offs, exact.rne(out, DT, INTERP), mask=m)
+        noise = exact.f32(tl.load(n_ptr + offs, mask=m, other=0.0), INTERPRET)
+        out = exact.rnd(a * t, DT, INTERPRET) + exact.rnd(one_minus * noise, DT, INTERPRET)
+        tl.store(out_ptr + offs, exact.rne(out, DT, INTERPRET), mask=m)
 
 
 def _mix_launch(sample: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -290,7 +290,7 @@ def _mix_launch(sample: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> t
     out = torch.empty_like(sample)
     n = sample.numel()
     _mix_kernel[_grid(n)](
-        sample, noise, t, out, out, n, n // t.numel(), BWD=False, BLOCK=BLOCK, INTERP=INTERPRET, **STRICT_LAUNCH
+        sample, noise, t, out, out, n, n // t.numel(), BWD=False, BLOCK=BLOCK, INTERPRET=INTERPRET, **STRICT_LAUNCH
     )
     return out
 
@@ -307,7 +307,7 @@ class _NoiseMix(torch.autograd.Function):
         g = grad.contiguous()
         ds, dn = torch.empty_like(g), torch.empty_like(g)
         _mix_kernel[_grid(g.numel())](
-            g, g, t, ds, dn, g.numel(), g.numel() // t.numel(), BWD=True, BLOCK=BLOCK, INTERP=INTERPRET,
+            g, g, t, ds, dn, g.numel(), g.numel() // t.numel(), BWD=True, BLOCK=BLOCK, INTERPRET=INTERPRET,
             **STRICT_LAUNCH,
         )  # fmt: skip
         return ds, None, dn

@@ -1,7 +1,7 @@
 """IEEE-exact building blocks shared by the strict kernels (Triton ``@jit`` helpers).
 
-* ``f32(x, INTERP)`` - exact upcast of a loaded float32/bfloat16 value to float32.
-* ``rne(x, DT, INTERP)`` - one round-to-nearest-even cast of a float32 value to ``DT`` (float32: no-op). On CUDA this
+* ``f32(x, INTERPRET)`` - exact upcast of a loaded float32/bfloat16 value to float32.
+* ``rne(x, DT, INTERPRET)`` - one round-to-nearest-even cast of a float32 value to ``DT`` (float32: no-op). On CUDA this
   is ``cvt.rn``; under the interpreter (whose float32 -> bfloat16 cast rounds half away and drops carries) it is the
   integer form ``(bits + 0x7FFF + lsb) >> 16`` that PyTorch's ``c10::BFloat16`` uses.
 * ``exp/sin/cos`` - on CUDA libdevice's ``__nv_expf/__nv_sinf/__nv_cosf`` (the functions nvcc links for PyTorch's
@@ -29,9 +29,9 @@ def helper(fn):
 
 
 @helper
-def f32(x, INTERP: tl.constexpr):
+def f32(x, INTERPRET: tl.constexpr):
     if x.dtype == tl.bfloat16:
-        if INTERP:
+        if INTERPRET:
             return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
         else:
             return x.to(tl.float32)
@@ -40,9 +40,9 @@ def f32(x, INTERP: tl.constexpr):
 
 
 @helper
-def rne(x, DT: tl.constexpr, INTERP: tl.constexpr):
+def rne(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
     if DT == tl.bfloat16:  # noqa: SIM300 (a constexpr dtype, compared at compile time)
-        if INTERP:
+        if INTERPRET:
             bits = x.to(tl.uint32, bitcast=True)
             r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
             r = tl.where(x != x, 0x7FC0, r)
@@ -54,43 +54,43 @@ def rne(x, DT: tl.constexpr, INTERP: tl.constexpr):
 
 
 @helper
-def exp(x, INTERP: tl.constexpr):
-    if INTERP:
+def exp(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
         return tl.exp(x)
     else:
         return libdevice.exp(x)
 
 
 @helper
-def sin(x, INTERP: tl.constexpr):
-    if INTERP:
+def sin(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
         return tl.sin(x)
     else:
         return libdevice.sin(x)
 
 
 @helper
-def cos(x, INTERP: tl.constexpr):
-    if INTERP:
+def cos(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
         return tl.cos(x)
     else:
         return libdevice.cos(x)
 
 
 @helper
-def silu(x, INTERP: tl.constexpr):
+def silu(x, INTERPRET: tl.constexpr):
     """float32 ``x / (1 + exp(-x))`` (one IEEE division)."""
-    return tl.div_rn(x, 1.0 + exp(-x, INTERP))
+    return tl.div_rn(x, 1.0 + exp(-x, INTERPRET))
 
 
 @helper
-def dsilu(x, INTERP: tl.constexpr):
+def dsilu(x, INTERPRET: tl.constexpr):
     """float32 derivative of SiLU: ``sig * (1 + x * (1 - sig))`` with ``sig = 1 / (1 + exp(-x))``."""
-    sig = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp(-x, INTERP))
+    sig = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), 1.0 + exp(-x, INTERPRET))
     return sig * (1.0 + x * (1.0 - sig))
 
 
 @helper
-def rnd(x, DT: tl.constexpr, INTERP: tl.constexpr):
+def rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``x`` rounded once to ``DT`` and read back as float32 (what a PyTorch op at dtype ``DT`` returns)."""
-    return f32(rne(x, DT, INTERP), INTERP)
+    return f32(rne(x, DT, INTERPRET), INTERPRET)

@@ -45,7 +45,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @triton.jit
 def _gather_kernel(
     src_ptr, idx_ptr, out_ptr, N, C, src_bs, src_rs, out_bs, out_rs,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, CAST: tl.constexpr, SUM1: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, CAST: tl.constexpr, SUM1: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -56,9 +56,9 @@ def _gather_kernel(
     ml = m & (src_rows >= 0)[:, None]  # source row -1: nothing to read, the output is +0.0
     v = tl.load(src_ptr + b * src_bs + src_rows[:, None] * src_rs + cols[None, :], mask=ml, other=0.0)
     if SUM1:  # a one-term float32 sum (0.0 + v), as a segment sum or index_add into zeros computes it
-        v = exact.rne(0.0 + exact.f32(v, INTERP), out_ptr.dtype.element_ty, INTERP)
+        v = exact.rne(0.0 + exact.f32(v, INTERPRET), out_ptr.dtype.element_ty, INTERPRET)
     elif CAST:
-        v = exact.rne(exact.f32(v, INTERP), out_ptr.dtype.element_ty, INTERP)
+        v = exact.rne(exact.f32(v, INTERPRET), out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + b * out_bs + rows.to(tl.int64)[:, None] * out_rs + cols[None, :], v, mask=m)
 
 
@@ -79,7 +79,7 @@ def gather_rows(
     grid = (triton.cdiv(n, block_n), triton.cdiv(c, block_c), nb)
     _gather_kernel[grid](
         s3, idx, out, n, c, s3.stride(0), s3.stride(1), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_C=block_c, CAST=out_dtype != src.dtype, SUM1=sum1, INTERP=INTERPRET, num_warps=4,
+        BLOCK_N=block_n, BLOCK_C=block_c, CAST=out_dtype != src.dtype, SUM1=sum1, INTERPRET=INTERPRET, num_warps=4,
         **STRICT_LAUNCH,
     )  # fmt: skip
     return out[0] if squeeze else out
@@ -88,7 +88,7 @@ def gather_rows(
 @triton.jit
 def _segment_partial_kernel(
     a_ptr, c_ptr, order_ptr, cstart_ptr, cend_ptr, part_ptr, H, a_bs, a_rs, c_bs, c_rs, part_bs, n_sub,
-    SUB: tl.constexpr, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr, INTERP: tl.constexpr,
+    SUB: tl.constexpr, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     k = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -102,10 +102,10 @@ def _segment_partial_kernel(
         valid = p < end
         r = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int64)
         m = valid[:, None] & cm[None, :]
-        v = exact.f32(tl.load(a_ptr + b * a_bs + r[:, None] * a_rs + cols[None, :], mask=m, other=0.0), INTERP)
+        v = exact.f32(tl.load(a_ptr + b * a_bs + r[:, None] * a_rs + cols[None, :], mask=m, other=0.0), INTERPRET)
         if PRODUCT:
             cv = tl.load(c_ptr + b * c_bs + r[:, None] * c_rs + cols[None, :], mask=m, other=0.0)
-            v = v * exact.f32(cv, INTERP)
+            v = v * exact.f32(cv, INTERPRET)
         acc = acc + tl.sum(v, axis=0)
     tl.store(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, acc, mask=cm)
 
@@ -113,7 +113,7 @@ def _segment_partial_kernel(
 @triton.jit
 def _segment_reduce_kernel(
     part_ptr, seg_cstart_ptr, out_ptr, H, max_chunks, part_bs, out_bs, out_rs,
-    BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     j = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -130,7 +130,7 @@ def _segment_reduce_kernel(
         live = cm & (k + tl.zeros_like(cols) < last)
         v = tl.load(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, mask=live, other=0.0)
         acc = tl.where(valid, acc + v, acc)
-    out = exact.rne(acc, out_ptr.dtype.element_ty, INTERP)
+    out = exact.rne(acc, out_ptr.dtype.element_ty, INTERPRET)
     tl.store(out_ptr + b * out_bs + j.to(tl.int64) * out_rs + cols, out, mask=cm)
 
 
@@ -180,12 +180,12 @@ def segment_sum(
         _segment_partial_kernel[(plan.num_chunks, triton.cdiv(h, block_h), nb)](
             a, cc, plan.order, plan.chunk_start, plan.chunk_end, part, h,
             a.stride(0), a.stride(1), cc.stride(0), cc.stride(1), part.stride(0), triton.cdiv(plan.max_len, SUB),
-            SUB=SUB, BLOCK_H=block_h, PRODUCT=c is not None, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+            SUB=SUB, BLOCK_H=block_h, PRODUCT=c is not None, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
         )  # fmt: skip
     out = torch.empty((nb, plan.num_segments, h), dtype=out_dtype, device=a.device)
     _segment_reduce_kernel[(plan.num_segments, triton.cdiv(h, block_h), nb)](
         part, plan.seg_chunk_start, out, h, plan.max_chunks, part.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+        BLOCK_H=block_h, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
     )  # fmt: skip
     return out
 

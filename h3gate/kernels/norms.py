@@ -59,11 +59,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 @exact.helper
-def _normed(xhat, w, DT: tl.constexpr, ROUND_FIRST: tl.constexpr, INTERP: tl.constexpr):
+def _normed(xhat, w, DT: tl.constexpr, ROUND_FIRST: tl.constexpr, INTERPRET: tl.constexpr):
     if ROUND_FIRST:
-        return exact.rnd(exact.rnd(xhat, DT, INTERP) * w, DT, INTERP)
+        return exact.rnd(exact.rnd(xhat, DT, INTERPRET) * w, DT, INTERPRET)
     else:
-        return exact.rnd(xhat * w, DT, INTERP)
+        return exact.rnd(xhat * w, DT, INTERPRET)
 
 
 @exact.helper
@@ -73,17 +73,17 @@ def _rstd(ss, h_f, eps):
 
 
 @exact.helper
-def _modulated(n, sc_raw, sh_raw, DT: tl.constexpr, INTERP: tl.constexpr):
+def _modulated(n, sc_raw, sh_raw, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """``round(round(n * round(1 + scale)) + shift)`` at the output dtype, rounding after each op."""
-    n = exact.rnd(n * exact.rnd(1.0 + exact.f32(sc_raw, INTERP), DT, INTERP), DT, INTERP)
-    return exact.rnd(n + exact.f32(sh_raw, INTERP), DT, INTERP)
+    n = exact.rnd(n * exact.rnd(1.0 + exact.f32(sc_raw, INTERPRET), DT, INTERPRET), DT, INTERPRET)
+    return exact.rnd(n + exact.f32(sh_raw, INTERPRET), DT, INTERPRET)
 
 
 @triton.jit
 def _rms_fwd_kernel(
     x_ptr, w_ptr, out_ptr, rstd_ptr, shift_ptr, scale_ptr, idx_ptr, M, H, S, shift_rs, scale_rs, h_f, eps,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, NCH: tl.constexpr, MODULATE: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, SAVE_RSTD: tl.constexpr, INTERP: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, SAVE_RSTD: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -93,25 +93,25 @@ def _rms_fwd_kernel(
         cm = cols < H
         m = rm[:, None] & cm[None, :]
         offs = rows[:, None] * H + cols[None, :]
-        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
+        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
         if MODULATE:
             # Issued before the reduction (they do not depend on it) so the index -> table-row load chain overlaps
             # the x load instead of following the reduction's barriers; only the issue order changes.
             j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
             sc_raw = tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0)
             sh_raw = tl.load(shift_ptr + j[:, None] * shift_rs + cols[None, :], mask=m, other=0.0)
-        w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)
+        w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERPRET)
         rstd = _rstd(tl.sum(x * x, axis=1), h_f, eps)
-        n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
+        n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERPRET)
         if MODULATE:
-            n = _modulated(n, sc_raw, sh_raw, DT, INTERP)
-        tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
+            n = _modulated(n, sc_raw, sh_raw, DT, INTERPRET)
+        tl.store(out_ptr + offs, exact.rne(n, DT, INTERPRET), mask=m)
     else:  # wide rows: NCH column chunks of BLOCK_H, two passes (the second re-reads x, an L2 hit)
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         for c in tl.static_range(NCH):
             cc = c * BLOCK_H + cols
             m = rm[:, None] & (cc < H)[None, :]
-            x = exact.f32(tl.load(x_ptr + rows[:, None] * H + cc[None, :], mask=m, other=0.0), INTERP)
+            x = exact.f32(tl.load(x_ptr + rows[:, None] * H + cc[None, :], mask=m, other=0.0), INTERPRET)
             acc = acc + x * x
         rstd = _rstd(tl.sum(acc, axis=1), h_f, eps)
         if MODULATE:
@@ -121,14 +121,14 @@ def _rms_fwd_kernel(
             cm = cc < H
             m = rm[:, None] & cm[None, :]
             offs = rows[:, None] * H + cc[None, :]
-            x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
-            w = exact.f32(tl.load(w_ptr + cc, mask=cm, other=0.0), INTERP)
-            n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERP)
+            x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
+            w = exact.f32(tl.load(w_ptr + cc, mask=cm, other=0.0), INTERPRET)
+            n = _normed(x * rstd[:, None], w[None, :], DT, ROUND_FIRST, INTERPRET)
             if MODULATE:
                 sc_raw = tl.load(scale_ptr + j[:, None] * scale_rs + cc[None, :], mask=m, other=0.0)
                 sh_raw = tl.load(shift_ptr + j[:, None] * shift_rs + cc[None, :], mask=m, other=0.0)
-                n = _modulated(n, sc_raw, sh_raw, DT, INTERP)
-            tl.store(out_ptr + offs, exact.rne(n, DT, INTERP), mask=m)
+                n = _modulated(n, sc_raw, sh_raw, DT, INTERPRET)
+            tl.store(out_ptr + offs, exact.rne(n, DT, INTERPRET), mask=m)
     if SAVE_RSTD:
         tl.store(rstd_ptr + rows, rstd, mask=rm)
 
@@ -137,36 +137,36 @@ def _rms_fwd_kernel(
 def _rms_bwd_kernel(
     x_ptr, w_ptr, g_ptr, rstd_ptr, scale_ptr, idx_ptr, dx_ptr, n_ptr, dwp_ptr, M, H, S, scale_rs, h_f,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODULATE: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, INTERP: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     DT: tl.constexpr = dx_ptr.dtype.element_ty
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cm = cols < H
-    w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERP)[None, :]
+    w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERPRET)[None, :]
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
     for i in range(0, ROWS // BLOCK_M):
         rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
         rm = rows < M
         m = rm[:, None] & cm[None, :]
         offs = rows[:, None] * H + cols[None, :]
-        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERP)
-        g = exact.f32(tl.load(g_ptr + offs, mask=m, other=0.0), INTERP)
+        x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
+        g = exact.f32(tl.load(g_ptr + offs, mask=m, other=0.0), INTERPRET)
         rstd = tl.load(rstd_ptr + rows, mask=rm, other=0.0)[:, None]
         xhat = x * rstd
         if MODULATE:
             j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
-            sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0), INTERP)
-            dn = g * exact.rnd(1.0 + sc, DT, INTERP)
+            sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0), INTERPRET)
+            dn = g * exact.rnd(1.0 + sc, DT, INTERPRET)
             if NEED_N:
-                tl.store(n_ptr + offs, exact.rne(_normed(xhat, w, DT, ROUND_FIRST, INTERP), DT, INTERP), mask=m)
+                tl.store(n_ptr + offs, exact.rne(_normed(xhat, w, DT, ROUND_FIRST, INTERPRET), DT, INTERPRET), mask=m)
         else:
             dn = g
         dw = dw + tl.sum(dn * xhat, axis=0)
         dxhat = dn * w
         c = tl.div_rn(tl.sum(dxhat * xhat, axis=1), h_f)[:, None]
         dx = rstd * (dxhat - xhat * c)
-        tl.store(dx_ptr + offs, exact.rne(dx, DT, INTERP), mask=m)
+        tl.store(dx_ptr + offs, exact.rne(dx, DT, INTERPRET), mask=m)
     tl.store(dwp_ptr + pid * H + cols, dw, mask=cm)
 
 
@@ -236,7 +236,7 @@ class _RmsNorm(torch.autograd.Function):
             x, weight, out, rstd, shift if modulate else x, scale if modulate else x, idx if modulate else x,
             m, h, s, shift.stride(0) if modulate else 0, scale.stride(0) if modulate else 0, float(h), float(eps),
             BLOCK_M=block_m, BLOCK_H=block_h, NCH=nch, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
-            INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+            INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
         )  # fmt: skip
         ctx.save_for_backward(x, weight, rstd, scale)
         ctx.idx = idx  # the same object, so cached segment plans are found again
@@ -263,7 +263,7 @@ class _RmsNorm(torch.autograd.Function):
             x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
             m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
             ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=ctx.round_first,
-            NEED_N=need_n, INTERP=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+            NEED_N=need_n, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
         )  # fmt: skip
         dweight = sum_rows(dwp, weight.dtype) if ctx.needs_input_grad[1] else None
         dshift = dscale = None

@@ -43,7 +43,7 @@ _SELECT = "packed_index_select"
 @triton.jit
 def _scatter_kernel(
     t_ptr, v_ptr, a_ptr, kind_ptr, src_ptr, out_ptr, S, H, t_bs, v_bs, a_bs,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -53,12 +53,12 @@ def _scatter_kernel(
     cm = (cols < H)[None, :]
     kind = tl.load(kind_ptr + rows, mask=rm, other=-1)[:, None]
     src = tl.load(src_ptr + rows, mask=rm, other=0).to(tl.int64)[:, None] * H + cols[None, :]
-    tv = exact.f32(tl.load(t_ptr + b * t_bs + src, mask=cm & (kind == 0), other=0.0), INTERP)
-    vv = exact.f32(tl.load(v_ptr + b * v_bs + src, mask=cm & (kind == 1), other=0.0), INTERP)
-    av = exact.f32(tl.load(a_ptr + b * a_bs + src, mask=cm & (kind == 2), other=0.0), INTERP)
+    tv = exact.f32(tl.load(t_ptr + b * t_bs + src, mask=cm & (kind == 0), other=0.0), INTERPRET)
+    vv = exact.f32(tl.load(v_ptr + b * v_bs + src, mask=cm & (kind == 1), other=0.0), INTERPRET)
+    av = exact.f32(tl.load(a_ptr + b * a_bs + src, mask=cm & (kind == 2), other=0.0), INTERPRET)
     val = tl.where(kind == 0, tv, tl.where(kind == 1, vv, tl.where(kind == 2, av, 0.0)))
     out_offs = b * S * H + rows[:, None] * H + cols[None, :]
-    tl.store(out_ptr + out_offs, exact.rne(val, DT, INTERP), mask=rm[:, None] & cm)
+    tl.store(out_ptr + out_offs, exact.rne(val, DT, INTERPRET), mask=rm[:, None] & cm)
 
 
 class _IndexCopy(torch.autograd.Function):
@@ -72,7 +72,7 @@ class _IndexCopy(torch.autograd.Function):
         grid = (triton.cdiv(s, block_m), triton.cdiv(h, block_h), nb)
         _scatter_kernel[grid](
             text, video, audio, kind, src, out, s, h, text.stride(0), video.stride(0), audio.stride(0),
-            BLOCK_M=block_m, BLOCK_H=block_h, INTERP=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+            BLOCK_M=block_m, BLOCK_H=block_h, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
         )  # fmt: skip
         ctx.save_for_backward(ti, vi, ai)
         ctx.dtypes = (text.dtype, video.dtype, audio.dtype)

@@ -32,7 +32,7 @@ BLOCK_M = 16 * ROW_SCALE
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, M, S, NH, R,
-    BWD: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr,
+    BWD: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     DT: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -45,20 +45,20 @@ def _rope_kernel(
     s = (rows // NH) % S
     m = rm[:, None] & (cols < D)[None, :]
     mr = rm[:, None] & rot[None, :]
-    x = exact.f32(tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=m, other=0.0), INTERP)
+    x = exact.f32(tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=m, other=0.0), INTERPRET)
     if BWD:  # x_ptr holds the output gradient; the rotation pairs read the partner channel's table entry
-        xp = exact.f32(tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=mr, other=0.0), INTERP)
-        c = exact.rnd(tl.load(cos_ptr + s[:, None] * R + cols[None, :], mask=mr, other=0.0), DT, INTERP)
-        snp = exact.rnd(tl.load(sin_ptr + s[:, None] * R + partner[None, :], mask=mr, other=0.0), DT, INTERP)
+        xp = exact.f32(tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=mr, other=0.0), INTERPRET)
+        c = exact.rnd(tl.load(cos_ptr + s[:, None] * R + cols[None, :], mask=mr, other=0.0), DT, INTERPRET)
+        snp = exact.rnd(tl.load(sin_ptr + s[:, None] * R + partner[None, :], mask=mr, other=0.0), DT, INTERPRET)
         y = x * c + tl.where(first[None, :], xp * snp, -(xp * snp))
     else:
-        xp = exact.f32(tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=mr, other=0.0), INTERP)
-        c = exact.rnd(tl.load(cos_ptr + s[:, None] * R + cols[None, :], mask=mr, other=0.0), DT, INTERP)
-        sn = exact.rnd(tl.load(sin_ptr + s[:, None] * R + cols[None, :], mask=mr, other=0.0), DT, INTERP)
+        xp = exact.f32(tl.load(x_ptr + rows[:, None] * D + partner[None, :], mask=mr, other=0.0), INTERPRET)
+        c = exact.rnd(tl.load(cos_ptr + s[:, None] * R + cols[None, :], mask=mr, other=0.0), DT, INTERPRET)
+        sn = exact.rnd(tl.load(sin_ptr + s[:, None] * R + cols[None, :], mask=mr, other=0.0), DT, INTERPRET)
         rot_x = tl.where(first[None, :], -xp, xp)
-        y = exact.rnd(exact.rnd(x * c, DT, INTERP) + exact.rnd(rot_x * sn, DT, INTERP), DT, INTERP)
+        y = exact.rnd(exact.rnd(x * c, DT, INTERPRET) + exact.rnd(rot_x * sn, DT, INTERPRET), DT, INTERPRET)
     y = tl.where(rot[None, :], y, x)
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], exact.rne(y, DT, INTERP), mask=m)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], exact.rne(y, DT, INTERPRET), mask=m)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: bool) -> torch.Tensor:
@@ -77,7 +77,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: bool) ->
         BWD=bwd,
         BLOCK_M=BLOCK_M,
         D=d,
-        INTERP=INTERPRET,
+        INTERPRET=INTERPRET,
         num_warps=4,
         **STRICT_LAUNCH,
     )

@@ -28,33 +28,33 @@ _NEG_LOG = -math.log(10000)
 
 
 @exact.helper
-def _angles(t_ptr, ti, half, half_f, neg_log, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+def _angles(t_ptr, ti, half, half_f, neg_log, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    f = exact.exp(tl.div_rn(i.to(tl.float32) * neg_log, half_f), INTERP)
-    t = exact.f32(tl.load(t_ptr + ti), INTERP)
+    f = exact.exp(tl.div_rn(i.to(tl.float32) * neg_log, half_f), INTERPRET)
+    t = exact.f32(tl.load(t_ptr + ti), INTERPRET)
     return i, f, t * f
 
 
 @triton.jit
-def _sinusoid_fwd_kernel(t_ptr, out_ptr, half, half_f, neg_log, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+def _sinusoid_fwd_kernel(t_ptr, out_ptr, half, half_f, neg_log, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     ti = tl.program_id(0).to(tl.int64)
-    i, f, a = _angles(t_ptr, ti, half, half_f, neg_log, BLOCK, INTERP)
+    i, f, a = _angles(t_ptr, ti, half, half_f, neg_log, BLOCK, INTERPRET)
     m = i < half
-    tl.store(out_ptr + ti * 2 * half + i, exact.cos(a, INTERP), mask=m)
-    tl.store(out_ptr + ti * 2 * half + half + i, exact.sin(a, INTERP), mask=m)
+    tl.store(out_ptr + ti * 2 * half + i, exact.cos(a, INTERPRET), mask=m)
+    tl.store(out_ptr + ti * 2 * half + half + i, exact.sin(a, INTERPRET), mask=m)
 
 
 @triton.jit
-def _sinusoid_bwd_kernel(t_ptr, g_ptr, dt_ptr, half, half_f, neg_log, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+def _sinusoid_bwd_kernel(t_ptr, g_ptr, dt_ptr, half, half_f, neg_log, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     ti = tl.program_id(0).to(tl.int64)
-    i, f, a = _angles(t_ptr, ti, half, half_f, neg_log, BLOCK, INTERP)
+    i, f, a = _angles(t_ptr, ti, half, half_f, neg_log, BLOCK, INTERPRET)
     m = i < half
     g_cos = tl.load(g_ptr + ti * 2 * half + i, mask=m, other=0.0)
     g_sin = tl.load(g_ptr + ti * 2 * half + half + i, mask=m, other=0.0)
-    d = f * (g_sin * exact.cos(a, INTERP) - g_cos * exact.sin(a, INTERP))
+    d = f * (g_sin * exact.cos(a, INTERPRET) - g_cos * exact.sin(a, INTERPRET))
     d = tl.where(m, d, 0.0)
     dt = tl.sum(d, axis=0)
-    tl.store(dt_ptr + ti, exact.rne(dt, dt_ptr.dtype.element_ty, INTERP))
+    tl.store(dt_ptr + ti, exact.rne(dt, dt_ptr.dtype.element_ty, INTERPRET))
 
 
 class _Sinusoid(torch.autograd.Function):
@@ -69,7 +69,7 @@ class _Sinusoid(torch.autograd.Function):
             float(half),
             _NEG_LOG,
             BLOCK=next_pow2(half),
-            INTERP=INTERPRET,
+            INTERPRET=INTERPRET,
             num_warps=4,
             **STRICT_LAUNCH,
         )
@@ -91,7 +91,7 @@ class _Sinusoid(torch.autograd.Function):
             float(half),
             _NEG_LOG,
             BLOCK=next_pow2(half),
-            INTERP=INTERPRET,
+            INTERPRET=INTERPRET,
             num_warps=4,
             **STRICT_LAUNCH,
         )

@@ -107,8 +107,8 @@ def variants():
 def main() -> int:
     failed = 0
     for name, kernel, sig, const, transcendental, *options in variants():
-        if "INTERP" in kernel.arg_names:
-            const = {**const, "INTERP": False}
+        if "INTERPRET" in kernel.arg_names:
+            const = {**const, "INTERPRET": False}
         signature = {**sig, **{k: "constexpr" for k in const}}
         rec = {"kernel": name, "ok": False, "error": None, "fma_free": None}
         try:

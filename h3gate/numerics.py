@@ -1,0 +1,82 @@
+"""The one numerics switch every engine runs under: no TF32, Triton's interpreter on CPU, a fixed thread count.
+
+``with strict_numerics(device, threads=None):`` turns TF32 off for CUDA matmuls and cuDNN
+(``torch.backends.cuda.matmul.allow_tf32`` / ``torch.backends.cudnn.allow_tf32``), sets the intra-op thread
+count when ``threads`` is given, and restores both on exit (nested switches restore to the enclosing state).
+
+Triton's interpreter is the exception: Triton decides between compiling and interpreting when a kernel is
+decorated, i.e. when ``h3gate.kernels`` is first imported, so ``TRITON_INTERPRET=1`` must be in the environment
+before that (:func:`select_interpreter`, called by the CLI before it imports a command) and is never unset.
+``h3gate.kernels.common.INTERPRET`` records what the kernels saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from h3gate.errors import InputError
+
+
+def select_interpreter(device: str) -> None:
+    """CPU runs need Triton's interpreter: set ``TRITON_INTERPRET=1`` (unless already set) for a CPU device."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available else ``cpu``; check the name and CUDA; select the interpreter for CPU.
+
+    Must run before Triton is imported for the interpreter to take effect (the CLI calls it first).
+    """
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise InputError(f"--device {device!r}: must be cpu, cuda or auto")
+    if device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {device}: CUDA is not available on this machine")
+    select_interpreter(device)
+    return device
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (``None``: unchanged), restoring the count on exit."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def strict_numerics(device: str, threads: int | None = None) -> Iterator[None]:
+    """TF32 off (matmul and cuDNN), the interpreter selected for CPU, ``threads`` intra-op threads; restored on exit.
+
+    The interpreter selection only helps when Triton has not been imported yet (see the module docstring).
+    """
+    import torch
+
+    select_interpreter(device)
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with _threads(threads):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+_threads = threads
