@@ -28,7 +28,7 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.hashing import tensor_sha256
-from h3gate.manifests.layouts import LayoutSpec
+from h3gate.manifests.layouts import LayoutSpec, load_layout
 from h3gate.memory import require
 
 PATCH = (1, 2, 2)
@@ -151,6 +151,25 @@ def _anchor_time(anchor: str, num_frames: int, origin: float) -> float:
         pairwise = float(np.sum(np.asarray(_frame_spans(num_frames), dtype=np.float64)))
         return origin + pairwise - FRAME_RESCALE
     raise InputError(f"anchor {anchor!r}: must be 'first' or 'last'")
+
+
+def packed_rows(spec: LayoutSpec, name: str = "custom") -> int:
+    """S, the packed sequence length of ``spec``, without building the layout: text + condition frames + audio
+    rows (``audio_latents x AUDIO_CHANNELS``) + video rows; a declared ``seq_len`` must match."""
+    _, patch_h, patch_w = PATCH
+    per_frame = (spec.latent_height // patch_h) * (spec.latent_width // patch_w)
+    seq = spec.text_tokens + (len(spec.anchors) + spec.latent_frames) * per_frame + spec.audio_latents * AUDIO_CHANNELS
+    if spec.seq_len is not None and spec.seq_len != seq:
+        raise InputError(f"layout {name!r}: seq_len: declared {spec.seq_len} but the built layout has {seq}")
+    return seq
+
+
+def parse_layouts(layouts: str) -> list[tuple[str, int]]:
+    """``"tiny,small"`` -> [(name, seq_len)] of layouts in ``manifests/layouts.yaml`` (no layout is built)."""
+    names = [n.strip() for n in layouts.split(",") if n.strip()]
+    if not names:
+        raise InputError("--layouts: give at least one layout name")
+    return [(n, packed_rows(load_layout(n), n)) for n in names]
 
 
 def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:

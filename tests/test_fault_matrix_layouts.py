@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3gate.commands.run_cmd import prepare_ws1_block
-from h3gate.graph.block import build_block_graph
 from h3gate.graph.core import run_chained, to_float64
-from h3gate.graph.executions import bind_graph, candidate_table, provider_table
+from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.manifests.tolerances import load_tolerance
 from h3gate.runs.block_rows import RowContext, isolated_envelope, vjp_rows
 from h3gate.runs.fault_matrix import run_fault_matrix
+from h3gate.runs.setup import prepare as prepare_ws1_block
 from h3gate.runs.ws1_block import BlockGate, _Executions
 
 # Per layout: at small a norm, a GEMM, attention, SwiGLU and a gated residual; at medium (12x the rows, every kernel
@@ -35,11 +34,11 @@ pytestmark = pytest.mark.slow
 def test_a_sample_of_the_fault_matrix_is_caught_and_located(layout):
     sample = SAMPLES[layout]
     setup = prepare_ws1_block(layout, None, None, "cpu", 0, "strict")
-    graph = build_block_graph(setup.cfg)
+    graph = setup.graph
     tol = load_tolerance("ws1-block")
     ctx = RowContext.build(tol.row_rule, graph, "cpu", setup.inputs.modalities, keep=True)
     params, golden_params = setup.params, to_float64(setup.params)
-    table = candidate_table(bind_graph(graph, "strict", "cpu"))
+    table = candidate_table(setup.bindings)
     with torch.no_grad():
         prov = run_chained(graph, setup.inputs.tensors, params, provider_table())
     for name in sample:
@@ -52,7 +51,7 @@ def test_a_sample_of_the_fault_matrix_is_caught_and_located(layout):
     gate = BlockGate(graph, setup.inputs, params, "cpu", "strict", tol)
     h = setup.inputs.tensors["hidden_states"]
     cot = torch.randn(h.shape, generator=torch.Generator().manual_seed(1)).to(h.dtype)
-    _, prov_grads, _ = _Executions(gate, bind_graph(graph, "strict", "cpu")).grads("provider", None, cot)
+    _, prov_grads, _ = _Executions(gate, setup.bindings).grads("provider", None, cot)
     vjps = vjp_rows(ctx, graph, table, None, params, golden_params, prov, prov_grads, only=sample)
     assert vjps and all(v["rows"]["pass"] for v in vjps.values()), [k for k, v in vjps.items() if not v["rows"]["pass"]]
 

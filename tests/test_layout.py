@@ -211,3 +211,14 @@ def test_failed_save_leaves_nothing(run_cli, tmp_path: Path) -> None:
     assert code == 2 and err.startswith(f"h3gate: error: --save {folder}: cannot write")
     assert [p.name for p in tmp_path.iterdir()] == ["taken.safetensors"]
     assert list(folder.iterdir()) == []
+
+
+def test_packed_rows_counts_what_build_layout_builds():
+    """``parse_layouts`` reads S without building a layout: the count equals the built layout's."""
+    from h3gate.layout import packed_rows, parse_layouts
+    from h3gate.manifests.layouts import load_layouts
+
+    for name, spec in load_layouts().items():
+        if name != "768p":  # 38974 rows: the declared seq_len is the check
+            assert packed_rows(spec, name) == build_layout(spec, name).seq_len, name
+    assert parse_layouts("tiny, 768p") == [("tiny", 264), ("768p", 38974)]

@@ -21,6 +21,7 @@ from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
 from h3gate.manifests.tolerances import load_tolerance, tolerance_path
 from h3gate.ops import registry
+from h3gate.runs import setup as run_setup
 from h3gate.runs.ws1_block import BlockGate, run_block_gate
 from h3gate.synth import SyntheticSource, write_checkpoint
 
@@ -233,7 +234,7 @@ def test_declared_kernels_through_the_gate(small, tmp_path):
             and all(o["actual"] == "provider" or registry.spec(o["op"]).contract.provider_bitwise for o in b["ops"])
         )
     assert (result.verdict == "pass") == (result.failing == []), result.failing
-    setup = run_cmd.Ws1BlockSetup(
+    setup = run_setup.Ws1BlockSetup(
         config_name="tiny",
         cfg=cfg,
         layout=layout,
@@ -296,8 +297,10 @@ def test_bad_inputs_exit_2(run_cli, tmp_path, args, message):
 
 def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, monkeypatch):
     """768p at real widths on the CPU would hold tens of GiB: refused up front (exit 2), nothing written."""
-    monkeypatch.setattr(run_cmd, "available_memory_bytes", lambda: 4 * 2**30)
-    monkeypatch.setattr(run_cmd, "block_params", lambda *a, **k: pytest.fail("weights loaded before the memory check"))
+    monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(
+        run_setup, "block_params", lambda *a, **k: pytest.fail("weights loaded before the memory check")
+    )
     code, out, err = run_cli(
         "run", "ws1-block", "--layout", "768p", "--config", "real", "--device", "cpu", "--mode", "off",
         "--no-backward", "--out", tmp_path / "ev",
@@ -313,8 +316,8 @@ def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, 
 def test_cpu_memory_lower_bound_counts_weights_and_kept_values():
     cfg = load_config("tiny").config
     h, nd, f = 192, 256, 384
-    assert run_cmd.cpu_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
-    kept = run_cmd.cpu_lower_bound_bytes(cfg, 264) - run_cmd.cpu_lower_bound_bytes(cfg, 0)
+    assert run_setup.cpu_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
+    kept = run_setup.cpu_lower_bound_bytes(cfg, 264) - run_setup.cpu_lower_bound_bytes(cfg, 0)
     assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 12
 
 
@@ -395,7 +398,7 @@ def test_bench_needs_cuda():
     from h3gate.bench.block import bench_block
 
     with pytest.raises(InputError, match="bench needs --device cuda"):
-        bench_block("tiny", "tiny", "cpu", None, False)
+        bench_block("tiny", "tiny", "cpu")
 
 
 def test_agreement_is_bytes_rows_and_modalities():

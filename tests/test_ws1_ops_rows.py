@@ -13,7 +13,7 @@ from h3gate.gate.faults import _GradFault, corrupt
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import registry
 from h3gate.ops.cases import build_case
-from h3gate.opsgate import run_case
+from h3gate.runs.ws1_ops import run_case
 
 CFG = load_config("tiny").config
 ROWS = 40

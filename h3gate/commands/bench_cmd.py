@@ -15,6 +15,7 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "bench"
@@ -32,10 +33,7 @@ def bench_command(
     if target == "ws1-block":
         if ops:
             raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")
-        from h3gate.bench.block import bench_block
-
-        with progress("bench ws1-block", 2) as step:
-            return bench_block(layout, config, device, out, json_, progress=step)
+        return _bench_block(layout, config, device, out, json_)
     if target is not None:
         raise InputError(f"bench {target!r}: unknown target (ws1-block, or none with --op NAME)")
     if not ops:
@@ -43,12 +41,43 @@ def bench_command(
     return _bench_ops(list(dict.fromkeys(ops)), layout, config, device, out, json_)
 
 
+def _bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+    """Time the strict block next to the provider block; write ``bench-ws1-block.json`` and print it."""
+    from h3gate.bench.block import KIND as BLOCK_KIND
+    from h3gate.bench.block import bench_block
+    from h3gate.evidence.writer import write_evidence
+
+    with strict_numerics(device):
+        with progress("bench ws1-block", 2) as step:
+            body, manifests = bench_block(layout, config, device, progress=step)
+        folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
+        path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+        return EXIT_PASS
+    lay = body["layout"]
+    table = Table(title=f"bench ws1-block {body['config']} / {layout} (S={lay['seq_len']}) on {device}")
+    for col in ("phase", "provider ms", "strict ms", "strict / provider"):
+        table.add_column(col)
+    for phase, r in body["results"].items():
+        table.add_row(
+            phase,
+            f"{r['provider']['median_ms']:.3f}",
+            f"{r['strict']['median_ms']:.3f}",
+            f"{r['strict_over_provider']:.2f}x",
+        )
+    console = stdout_console()
+    console.print(table)
+    console.print(f"evidence: {display(path)}")
+    return EXIT_PASS
+
+
 def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
     import torch
 
     from h3gate.bench.ops import bench_ops
-    from h3gate.commands.ops_cmd import parse_layouts
     from h3gate.evidence.writer import write_evidence
+    from h3gate.layout import parse_layouts
     from h3gate.manifests.layouts import LAYOUTS_FILE
     from h3gate.manifests.model_config import load_config
     from h3gate.ops import registry
@@ -62,18 +91,19 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
             raise InputError(f"--op {op}: no case builder (known: {', '.join(sorted(CASES))})")
     cfg = load_config(config)
     ((name, rows),) = parse_layouts(layout)
-    with progress("bench", len(ops)) as step:
-        copy_gbs, records = bench_ops(ops, rows, cfg.config, device, progress=step)
-    body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
     manifests = [
         MANIFESTS / "configs" / f"{cfg.name}.yaml",
         LAYOUTS_FILE,
         *sorted((MANIFESTS / "operators").glob("*.yaml")),
     ]
-    path = write_evidence(
-        out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
-        manifests=[p for p in manifests if p.is_file()], device=device,
-    )  # fmt: skip
+    with strict_numerics(device):
+        with progress("bench", len(ops)) as step:
+            copy_gbs, records = bench_ops(ops, rows, cfg.config, device, progress=step)
+        body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
+        path = write_evidence(
+            out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
+            manifests=[p for p in manifests if p.is_file()], device=device,
+        )  # fmt: skip
     if json_:
         print(
             json.dumps(

@@ -1,5 +1,5 @@
 """``h3gate run ws1-ops``: per-operator evidence (``ws1-ops.json``) for the strict kernels; engine in
-:mod:`h3gate.opsgate`.
+:mod:`h3gate.runs.ws1_ops`.
 
 Rows come from the named layouts' sequence lengths (tiny 264, small 925, medium 3160, 768p 38974), widths and dtypes
 from ``--config``. Without ``--op`` every operator that declares a strict kernel and has a case builder runs; the
@@ -21,20 +21,13 @@ from rich.table import Table
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.layout import build_layout
-from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
+from h3gate.layout import parse_layouts
+from h3gate.manifests.layouts import LAYOUTS_FILE
 from h3gate.manifests.model_config import load_config
+from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "ws1-ops"
-
-
-def parse_layouts(layouts: str) -> list[tuple[str, int]]:
-    """``"tiny,small"`` -> [(name, seq_len)] built from ``manifests/layouts.yaml``."""
-    names = [n.strip() for n in layouts.split(",") if n.strip()]
-    if not names:
-        raise InputError("--layouts: give at least one layout name")
-    return [(n, build_layout(load_layout(n), n).seq_len) for n in names]
 
 
 def _device(device: str) -> str:
@@ -46,9 +39,8 @@ def _device(device: str) -> str:
 def ws1_ops_command(
     ops: list[str], layouts: str, config: str, device: str, seed: int, out: Path | None, json_: bool
 ) -> int:
-    from h3gate import opsgate
-    from h3gate.kernels.norms import rounding_rule
     from h3gate.ops.cases import CASES
+    from h3gate.runs import ws1_ops as opsgate
 
     device = _device(device)
     if out is not None:
@@ -63,8 +55,25 @@ def ws1_ops_command(
         selected, not_run = opsgate.default_ops(known)
     headers = {op: opsgate.operator_header(op, device) for op in selected}  # strict binds first: fail before running
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    with strict_numerics(device):
+        return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, out, json_)
+
+
+def _run_and_write(
+    selected: list[str],
+    not_run: list[dict],
+    headers: dict[str, dict],
+    rows: list[tuple[str, int]],
+    cfg_manifest,
+    device: str,
+    seed: int,
+    out: Path | None,
+    json_: bool,
+) -> int:
+    """Run every selected operator at every row count, then write ``ws1-ops.json`` and print it."""
+    from h3gate.kernels.norms import rounding_rule
+    from h3gate.runs import ws1_ops as opsgate
+
     failures: list[str] = []
     operators = []
     started = time.monotonic()

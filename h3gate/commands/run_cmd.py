@@ -10,7 +10,6 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,17 +21,12 @@ from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import new_file_mode, prepare_out, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
-from h3gate.graph.block import block_params, build_block_graph
-from h3gate.graph.executions import bind_graph
-from h3gate.graph.inputs import BlockInputs, build_block_inputs
-from h3gate.layout import PackedLayout, build_layout
-from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
-from h3gate.manifests.model_config import ModelConfig, config_names, load_config
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
-from h3gate.memory import host_available_bytes as available_memory_bytes
-from h3gate.ops.registry import MODES
-from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+from h3gate.numerics import strict_numerics
+from h3gate.ops.registry import check_mode
+from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.block_rows import value_row_dims
+from h3gate.runs.setup import LAYER, Ws1BlockSetup, prepare
 from h3gate.runs.ws1_block import (
     BlockGate,
     BlockGateResult,
@@ -44,22 +38,6 @@ from h3gate.runs.ws1_block import (
 )
 
 KIND = "ws1-block"
-LAYER = 0
-
-
-@dataclass
-class Ws1BlockSetup:
-    """Everything a ws1-block run needs, resolved and checked (shared by the gate, the bench and tests)."""
-
-    config_name: str
-    cfg: ModelConfig
-    layout: PackedLayout
-    source: object
-    checkpoint: dict
-    device: str
-    params: dict[str, torch.Tensor]
-    inputs: BlockInputs
-    manifests: list[Path]
 
 
 def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
@@ -79,97 +57,6 @@ def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
     if not row.isdigit() or int(row) >= seq_len:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {seq_len})")
     return RowFault(node, int(row), kind, direction)
-
-
-def check_device(device: str) -> str:
-    if device == "cpu":
-        return device
-    if device == "cuda" or device.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: CUDA is not available on this machine")
-        return device
-    raise InputError(f"--device {device!r}: must be cpu or cuda")
-
-
-def cpu_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
-    """A lower bound on what a CPU ws1-block run holds at once (weights and activations only, no workspace).
-
-    Block weights (q/k/v/o: ``4 H (N D)``, feed-forward: ``3 H F``) in bf16 plus their float64 golden copy
-    (10 bytes each), and the forward values kept of every node for ``rows`` packed rows: six nodes ``H`` wide,
-    eight ``N D`` wide, gate-up ``2F`` and swiglu ``F``, at float64 (golden) + bf16 (provider) + bf16 (candidate).
-    """
-    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
-    weights = (4 * h * nd + 3 * h * f) * (2 + 8)
-    values = rows * (6 * h + 8 * nd + 3 * f) * (8 + 2 + 2)
-    return weights + values
-
-
-def check_cpu_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str) -> None:
-    """Refuse a CPU run whose lower-bound footprint exceeds the memory available (instead of swapping or OOM)."""
-    available = available_memory_bytes()
-    need = cpu_lower_bound_bytes(cfg, packed.seq_len)
-    if available is not None and need > available:
-        raise InputError(
-            f"--layout {layout} --config {config_name} --device cpu: needs at least {need / 2**30:.1f} GiB "
-            f"(S={packed.seq_len}), {available / 2**30:.1f} GiB available; use a smaller layout or --device cuda"
-        )
-
-
-def _config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[str, ModelConfig, object, dict, list]:
-    from h3gate.checkpoint import open_checkpoint
-    from h3gate.synth import SyntheticSource
-
-    manifests: list[Path] = []
-    named = None
-    if config is not None:
-        named = load_config(config)
-        path = Path(config) if Path(config).suffix in (".yaml", ".yml") else MANIFESTS / "configs" / f"{config}.yaml"
-        manifests.append(path)
-    if checkpoint is None:
-        manifest = named or load_config("tiny")
-        if named is None:
-            manifests.append(MANIFESTS / "configs" / "tiny.yaml")
-        source = SyntheticSource(manifest.config, seed)
-        return manifest.name, manifest.config, source, {"kind": "synthetic", "path": None, "seed": seed}, manifests
-    source = open_checkpoint(checkpoint)
-    cfg = source.config()
-    if named is not None and named.config != cfg:
-        diff = next(k for k in type(cfg).model_fields if getattr(cfg, k) != getattr(named.config, k))
-        raise InputError(
-            f"--config {config}: {diff} {getattr(named.config, diff)} does not match the checkpoint's "
-            f"config.json ({getattr(cfg, diff)})"
-        )
-    name = named.name if named is not None else next((n for n in config_names() if load_config(n).config == cfg), None)
-    return name or "checkpoint", cfg, source, {"kind": "checkpoint", "path": str(checkpoint), "seed": None}, manifests
-
-
-def prepare_ws1_block(
-    layout: str, config: str | None, checkpoint: Path | None, device: str, seed: int, mode: str = "off"
-) -> Ws1BlockSetup:
-    """Resolve config, weights, layout, block-0 parameters and the block inputs (every bad input -> InputError).
-
-    The cheap checks run first; ``mode`` is bound for every node before any weight is read, so strict mode fails
-    closed (naming the node) without loading anything.
-    """
-    device = check_device(device)
-    config_name, cfg, source, ckpt, manifests = _config_for(config, checkpoint, seed)
-    packed = build_layout(load_layout(layout), layout)
-    if device == "cpu":
-        check_cpu_memory(cfg, packed, layout, config_name)
-    else:  # the same lower bound against the GPU's free memory, before any weight is placed there
-        from h3gate.memory import require
-
-        require(
-            cpu_lower_bound_bytes(cfg, packed.seq_len),
-            f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})",
-            device,
-            hint="use a smaller layout",
-        )
-    bind_graph(build_block_graph(cfg, LAYER), mode, device)
-    params = block_params(source, LAYER, device)
-    inputs = build_block_inputs(packed, cfg, source, seed, device)
-    manifests += [LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
-    return Ws1BlockSetup(config_name, cfg, packed, source, ckpt, device, params, inputs, manifests)
 
 
 def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
@@ -345,18 +232,49 @@ def ws1_block_command(
     deliberate fault (``NODE:ROW[:scale|zero_tail][:forward|backward]``) into the candidate, a negative control
     the gate must fail on (exit 1), recorded in the evidence."""
     started = time.perf_counter()
-    if mode not in MODES:
-        raise InputError(f"--mode {mode!r}: must be one of {', '.join(MODES)}")
+    check_mode(mode)
     tol_file = tolerance_path(tolerance)
     tol = load_tolerance(tol_file)
     if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
         raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
     if out is not None:
         prepare_out(out)
-    setup = prepare_ws1_block(layout, config, checkpoint, device, seed, mode)
-    graph = build_block_graph(setup.cfg, LAYER)
-    injected = parse_fault(fault, graph, setup.layout.seq_len) if fault is not None else None
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+    with strict_numerics(device):
+        setup = prepare(layout, config, checkpoint, device, seed, mode)
+        injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
+        folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+        result = _run(setup, tol, backward, injected, fault_matrix, started)
+        body = build_body(setup, result, mode, seed, tol, tol_file)
+        body["injected_fault"] = None if injected is None else injected.label()
+        body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
+        if save_tensors is not None:
+            meta = {
+                "config": setup.config_name,
+                "layout": layout,
+                "mode": mode,
+                "seed": str(seed),
+                "device": setup.device,
+            }
+            save_tensor_files(Path(save_tensors), tensors_to_save(result, setup.graph, setup.inputs), meta)
+            body["saved_tensors"] = display(Path(save_tensors))
+        path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=[*setup.manifests, tol_file], device=device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+    else:
+        print_table(json.loads(path.read_text(encoding="utf-8")), path)
+    return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
+
+
+def _run(
+    setup: Ws1BlockSetup,
+    tol: ToleranceProfile,
+    backward: bool,
+    injected: RowFault | None,
+    fault_matrix: bool,
+    started: float,
+) -> BlockGateResult:
+    """The gate on the prepared setup (its bindings passed down), with progress lines; records ``setup_s``."""
+    graph = setup.graph
     steps = forward_steps() + (backward_steps() if backward else []) + (["fault matrix"] if fault_matrix else [])
     setup_s = time.perf_counter() - started
     with progress(KIND, len(steps), started) as step:
@@ -365,20 +283,8 @@ def ws1_block_command(
             if injected is None
             else {injected.node: injected.override(graph.node(injected.node), value_row_dims(graph))}
         )
-        gate = BlockGate(graph, setup.inputs, setup.params, setup.device, mode, tol, backward, overrides,
-                         progress=step, fault_matrix=fault_matrix)  # fmt: skip
+        gate = BlockGate(graph, setup.inputs, setup.params, setup.device, setup.mode, tol, backward, overrides,
+                         progress=step, fault_matrix=fault_matrix, bindings=setup.bindings)  # fmt: skip
         result = run_block_gate(gate)
-    body = build_body(setup, result, mode, seed, tol, tol_file)
-    body["injected_fault"] = None if injected is None else injected.label()
-    body["timing"]["setup_s"] = round(setup_s, 4)
-    body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
-    if save_tensors is not None:
-        meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": setup.device}
-        save_tensor_files(Path(save_tensors), tensors_to_save(result, graph, setup.inputs), meta)
-        body["saved_tensors"] = display(Path(save_tensors))
-    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=[*setup.manifests, tol_file], device=device)
-    if json_:
-        print(path.read_text(encoding="utf-8"), end="")
-    else:
-        print_table(json.loads(path.read_text(encoding="utf-8")), path)
-    return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
+    result.report["timing"]["setup_s"] = round(setup_s, 4)
+    return result

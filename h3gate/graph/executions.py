@@ -84,8 +84,7 @@ class NodeBinding:
 def bind_graph(graph: Graph, mode: str, device: str) -> dict[str, NodeBinding]:
     """Bind every op of every node for ``mode`` on ``device``; strict mode raises naming the first node that would
     run anything but its declared strict kernel."""
-    if mode not in registry.MODES:
-        raise InputError(f"--mode {mode!r}: must be one of {', '.join(registry.MODES)}")
+    registry.check_mode(mode)
     out: dict[str, NodeBinding] = {}
     for node in graph.nodes:
         bound = []

@@ -92,9 +92,15 @@ def kernel_runnable(device: str) -> tuple[bool, str]:
     return False, f"device {device} needs TRITON_INTERPRET=1 for Triton kernels"
 
 
-def bind(name: str, mode: str, device: str) -> Binding:
+def check_mode(mode: str) -> str:
+    """The one check of ``--mode`` (strict, audit, auto or off)."""
     if mode not in MODES:
         raise InputError(f"--mode {mode!r}: must be one of {', '.join(MODES)}")
+    return mode
+
+
+def bind(name: str, mode: str, device: str) -> Binding:
+    check_mode(mode)
     s = spec(name)
     ref_id = f"provider:{s.reference}"
     if mode == "off":

@@ -42,6 +42,7 @@ from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated,
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs, stand_in
 from h3gate.manifests.tolerances import ToleranceProfile
+from h3gate.numerics import strict_numerics
 from h3gate.runs.block_rows import (
     RowContext,
     failure_line,
@@ -101,6 +102,7 @@ class BlockGate:
     op_overrides: Mapping[str, Callable] | None = None
     progress: Callable[[str], None] | None = None
     fault_matrix: bool = False  # also run the one-row fault matrix (h3gate.runs.fault_matrix) on this run
+    bindings: Mapping[str, NodeBinding] | None = None  # from h3gate.runs.setup.prepare; None: bound here
 
 
 @dataclass
@@ -194,16 +196,21 @@ def _failure(where: str, check: dict) -> str:
 
 
 def run_block_gate(gate: BlockGate) -> BlockGateResult:
-    """Run every execution of the one-block gate and evaluate the tolerance profile; see the module docstring."""
+    """Run every execution of the one-block gate and evaluate the tolerance profile; see the module docstring.
+
+    Runs under :func:`h3gate.numerics.strict_numerics`; binds the graph only when the gate carries no bindings."""
+    with strict_numerics(gate.device):
+        return _run_block_gate(gate)
+
+
+def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     started = time.perf_counter()
     graph, tol = gate.graph, gate.tolerance
     names = [n.name for n in graph.nodes]
     unknown = [n for n in tol.forward.isolated_bitwise if n not in names]
     if unknown:
         raise InputError(f"tolerance {tol.name}: forward.isolated_bitwise: unknown node {unknown[0]!r}")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    bindings = bind_graph(graph, gate.mode, gate.device)
+    bindings = gate.bindings if gate.bindings is not None else bind_graph(graph, gate.mode, gate.device)
     ex = _Executions(gate, bindings)
     modalities = gate.inputs.modalities
     row_dims = {n.name: n.row_dim for n in graph.nodes}

@@ -189,9 +189,9 @@ def test_attention_case_switches_to_the_chunked_golden_only_when_dense_is_too_bi
 def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> None:
     """The 768p path end to end at a tiny size: ws1-ops judges the kernel (forward and all gradients) against the
     chunked float64 golden, and passes."""
-    from h3gate import opsgate
     from h3gate.manifests.model_config import load_config
     from h3gate.ops import cases_gemm, golden
+    from h3gate.runs import ws1_ops as opsgate
 
     monkeypatch.setattr(cases_gemm, "DENSE_ATTENTION_GOLDEN_BYTES", 0)
     monkeypatch.setattr(golden, "CHUNK_BYTES", 1 * 2 * 9 * 8 * 4)  # B=1, 2 heads, S=9, float64: 4-row chunks

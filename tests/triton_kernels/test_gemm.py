@@ -347,7 +347,7 @@ def test_no_grad_calls_skip_autograd_but_not_the_kernel(monkeypatch) -> None:
 def test_ws1_ops_prefix_probe_crosses_the_m_bucket(monkeypatch) -> None:
     """ws1-ops runs a GEMM case's first rows alone (M = 7, the first M bucket) against the full call (the large tiling
     here): bitwise with the real kernel, and caught when a kernel's bytes depend on M."""
-    from h3gate import opsgate
+    from h3gate.runs import ws1_ops as opsgate
 
     cfg = load_config("tiny").config
     key = ("fwd", cfg.hidden_size, cfg.inner_dim, "bfloat16")  # the o projection: inner_dim -> hidden

@@ -9,7 +9,7 @@ import pytest
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import cases_rows, registry
 from h3gate.ops.cases import CASES
-from h3gate.opsgate import run_case
+from h3gate.runs.ws1_ops import run_case
 
 CFG = load_config("tiny").config
 
