@@ -4,7 +4,7 @@ A :class:`WeightSource` names its tensors, gives each one's shape and dtype with
 tensor on demand. :class:`CheckpointDir` parses every safetensors header itself (8-byte little-endian header
 length, JSON header, contiguous ``data_offsets`` that must fit the file), so fingerprinting a 66 GB checkpoint reads
 a few kilobytes; :meth:`CheckpointDir.load` reads one tensor through ``safetensors.safe_open``. Synthetic weights and
-checkpoint writing live in :mod:`h3gate.synth` (re-exported here lazily).
+checkpoint writing live in :mod:`h3gate.synth`, which builds on this module (``open_weights`` is there).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from h3gate.errors import InputError
-from h3gate.manifests.checkpoint_manifest import PrecisionMap
 from h3gate.manifests.loader import validate
 from h3gate.manifests.model_config import ARCHITECTURE, ModelConfig
 from h3gate.paths import display
@@ -362,27 +361,6 @@ def open_checkpoint(path: str | Path, subfolder: str | None = None, require_conf
     return CheckpointDir(path, require_config=require_config)
 
 
-def open_weights(
-    checkpoint: str | Path | None, cfg: ModelConfig | None = None, seed: int = 0, precision: PrecisionMap | None = None
-) -> WeightSource:
-    """A checkpoint folder when given, otherwise seeded synthetic weights for ``cfg``."""
-    if checkpoint is not None:
-        return open_checkpoint(checkpoint)
-    if cfg is None:
-        raise InputError("open_weights: a config is needed for synthetic weights when no checkpoint is given")
-    from h3gate.synth import SyntheticSource
-
-    return SyntheticSource(cfg, seed) if precision is None else SyntheticSource(cfg, seed, precision)
-
-
 def materialize(source: WeightSource, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of ``source`` (for tiny configs and tests: this holds the whole model in memory)."""
     return {name: source.load(name, device) for name in source.names()}
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("SyntheticSource", "write_checkpoint"):
-        from h3gate import synth
-
-        return getattr(synth, name)
-    raise AttributeError(name)

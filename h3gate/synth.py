@@ -38,6 +38,7 @@ from h3gate.checkpoint import (
     WEIGHTS_NAME,
     WeightSource,
     ensure_finite,
+    open_checkpoint,
 )
 from h3gate.errors import InputError
 from h3gate.inventory import DEFAULT_PRECISION, TensorSpec, expected_inventory
@@ -254,3 +255,14 @@ def write_checkpoint(
         "tensor_bytes": sum(_nbytes(source, n) for n in names),
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def open_weights(
+    checkpoint: str | Path | None, cfg: ModelConfig | None = None, seed: int = 0, precision: PrecisionMap | None = None
+) -> WeightSource:
+    """A checkpoint folder when given, otherwise seeded synthetic weights for ``cfg``."""
+    if checkpoint is not None:
+        return open_checkpoint(checkpoint)
+    if cfg is None:
+        raise InputError("open_weights: a config is needed for synthetic weights when no checkpoint is given")
+    return SyntheticSource(cfg, seed) if precision is None else SyntheticSource(cfg, seed, precision)

@@ -17,13 +17,12 @@ from h3gate.checkpoint import (
     CheckpointDir,
     WeightSource,
     open_checkpoint,
-    open_weights,
     read_safetensors_header,
 )
 from h3gate.errors import InputError
 from h3gate.inventory import block_tensor_names, expected_inventory
 from h3gate.manifests.model_config import load_config
-from h3gate.synth import SyntheticSource, plan_shards, synth_tensor, tensor_seed, write_checkpoint
+from h3gate.synth import SyntheticSource, open_weights, plan_shards, synth_tensor, tensor_seed, write_checkpoint
 
 TINY = load_config("tiny").config
 REAL = load_config("real").config
