@@ -11,18 +11,20 @@ import torch
 import yaml
 
 from h3gate.ablate.checks import no_kv_cache
-from h3gate.ablate.engine import NonComparable, build_context, device_synthetic_source, resolve_row, run_row
+from h3gate.ablate.engine import build_context, device_synthetic_source, resolve_packed_row
 from h3gate.ablate.probes import canonical_order, permuted_layout
+from h3gate.ablate.registry import check_names
+from h3gate.ablate.runner import run_ablation
 from h3gate.commands import ablate_cmd
-from h3gate.distributed import check_ownership, cp_plan, hidden_only_plan, misowned_plan
 from h3gate.errors import InputError
 from h3gate.evidence.schema import validate_document
 from h3gate.graph.core import Graph
 from h3gate.graph.model import load_model_params
 from h3gate.layout import build_layout
-from h3gate.manifests.ablations import ABLATIONS_FILE, ROW_IDS, Signature, load_ablations
+from h3gate.manifests.ablations import ABLATIONS_FILE, Signature, load_ablations
 from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
+from h3gate.parallel.plans import OwnershipError, check_ownership, cp_plan, hidden_only_plan, misowned_plan
 
 ROWS = load_ablations()
 CFG_TINY = load_config("tiny").config
@@ -43,9 +45,9 @@ def matrix(tmp_path_factory):
 
 
 def test_manifest_holds_every_rfc_row_with_its_expectation():
-    assert list(ROWS) == list(ROW_IDS) and len(ROWS) == 36
+    assert len(ROWS) == 36 and list(ROWS)[:2] == ["A0", "A1"] and list(ROWS)[-1] == "H-C7"
     assert [ROWS[r].section for r in ("A4", "C2", "H17", "H-C7")] == ["6.1", "6.1", "6.2", "6.3"]
-    ablate_cmd.check_probe_names(ROWS)
+    assert check_names(ROWS) == 36
     for row_id, row in ROWS.items():
         if row.expected.result in ("NA", "REJECTED"):
             assert row.expected.reason, row_id
@@ -72,7 +74,7 @@ def _corrupt(tmp_path: Path, edit) -> Path:
         (lambda r: r["H2"]["expected"]["signature"].update(row="video[x]"), "rows.H2.expected.signature.row: "),
         (lambda r: r["H9"]["expected"].update(result="DRIFT"), "rows.H9.expected.result: must be one of"),
         (lambda r: r["A0"]["expected"].update(signature={"node": "x"}), "rows.A0.expected: signature: only"),
-        (lambda r: r.pop("H-C7"), "rows: missing RFC section 6 rows: H-C7"),
+        (lambda r: r.update(h5=r.pop("H5")), "rows: ablation id 'h5': expected capitals"),
         (lambda r: r["H4"].update(ranks=2), "rows.H4: ranks: only a distributed row"),
     ],
 )
@@ -84,18 +86,25 @@ def test_malformed_manifest_is_a_breadcrumb_error(tmp_path, edit, message):
 def test_unknown_probe_and_row_symbols_are_input_errors(ctx):
     rows = {**ROWS, "H5": ROWS["H5"].model_copy(update={"probe": "nope"})}
     with pytest.raises(InputError, match="rows.H5.probe: 'nope' is not an arm probe"):
-        ablate_cmd.check_probe_names(rows)
-    assert resolve_row(ctx.layout, "video_target[0]") == 136 and resolve_row(ctx.layout, "media[0]") == 120
-    assert resolve_row(ctx.layout, "audio[-1]") == 135 and resolve_row(ctx.layout, 7) == 7
+        check_names(rows)
+    with pytest.raises(InputError, match=r"rows.H-C4.probe: 'tp2' is not a parallel plan \(known: cp, cp_hidden_only"):
+        check_names({"H-C4": ROWS["H-C4"].model_copy(update={"probe": "tp2"})})
+    with pytest.raises(InputError, match="rows.C0.strict: 'identity' is not a parallel plan of a distributed row"):
+        check_names({"C0": ROWS["C0"].model_copy(update={"strict": "identity"})})
+    with pytest.raises(InputError, match="rows.A5.strict: a check row has no strict arm"):
+        check_names({"A5": ROWS["A5"].model_copy(update={"strict": "identity"})})
+    assert resolve_packed_row(ctx.layout, "video_target[0]") == 136
+    assert resolve_packed_row(ctx.layout, "media[0]") == 120
+    assert resolve_packed_row(ctx.layout, "audio[-1]") == 135 and resolve_packed_row(ctx.layout, 7) == 7
     with pytest.raises(InputError, match="has 16 audio rows"):
-        resolve_row(ctx.layout, "audio[16]")
+        resolve_packed_row(ctx.layout, "audio[16]")
 
 
 def test_whole_matrix_on_tiny_cpu(matrix):
     code, out, doc = matrix
     validate_document(doc, "ablation")
     by_id = {r["id"]: r for r in doc["rows"]}
-    assert code == 0 and doc["verdict"] == "pass" and list(by_id) == list(ROW_IDS)
+    assert code == 0 and doc["verdict"] == "pass" and list(by_id) == list(ROWS)
     assert all(r["verdict"] == "pass" and not r["mismatches"] for r in doc["rows"])
     assert doc["execution"]["mode"] == "off" and doc["execution"]["triton_ops"] == []
     for r in doc["rows"]:
@@ -117,9 +126,9 @@ def test_whole_matrix_on_tiny_cpu(matrix):
     steps = {(h["node"], h["step"]) for h in by_id["H-C2"]["hashed"]["strict"]}
     assert {("scheduler.video_step", s) for s in range(3)} <= steps and ("heads.audio_select", 2) in steps
     # the multi-rank rows really sharded: rank 0 held one of two heads / half of the rows
-    plans = by_id["H-C4"]["diagnostics"]["plans"]["tp2"]
+    plans = by_id["H-C4"]["diagnostics"]["plans"]["tp"]
     assert plans["overridden_nodes"] > 0 and plans["rank0_local_shapes"]["block.0.q_proj"][-1] == 128
-    assert by_id["H-C5"]["diagnostics"]["plans"]["cp2"]["rank0_local_shapes"]["block.0.norm1"][1] == 132
+    assert by_id["H-C5"]["diagnostics"]["plans"]["cp"]["rank0_local_shapes"]["block.0.norm1"][1] == 132
     # H-C3 is a PASS only through canonical-order attention; packed-order attention is reported honestly
     diag = by_id["H-C3"]["diagnostics"]["packed_order_attention"]["outputs"]["heads.video_select"]
     assert diag["bitwise"] is False and diag["rows_differing"] > 0
@@ -134,13 +143,13 @@ def test_whole_matrix_on_tiny_cpu(matrix):
 
 
 def test_identity_probe_fails_a_row_that_expects_drift(ctx):
-    record = run_row("H5", ROWS["H5"].model_copy(update={"probe": "identity"}), ctx)
+    record = run_ablation("H5", ROWS["H5"].model_copy(update={"probe": "identity"}), ctx)
     assert record["verdict"] == "fail"
     assert record["mismatches"] == ["result: expected EXPECTED_DRIFT, observed PASS"]
 
 
 def test_drift_at_the_wrong_node_fails_its_row(ctx):
-    record = run_row("H5", ROWS["H5"].model_copy(update={"probe": "causal_mask"}), ctx)
+    record = run_ablation("H5", ROWS["H5"].model_copy(update={"probe": "causal_mask"}), ctx)
     assert record["observed"]["result"] == "EXPECTED_DRIFT" and record["verdict"] == "fail"
     assert "node: expected 'block.0.rope_q', observed 'refiner.0.attention'" in record["mismatches"]
 
@@ -149,7 +158,7 @@ def test_drift_at_the_wrong_row_fails_its_row(ctx):
     expected = ROWS["H2"].expected.model_copy(
         update={"signature": Signature(node="block.0.norm1", layer=0, row="text[0]", modality="text")}
     )
-    record = run_row("H2", ROWS["H2"].model_copy(update={"expected": expected}), ctx)
+    record = run_ablation("H2", ROWS["H2"].model_copy(update={"expected": expected}), ctx)
     assert record["verdict"] == "fail"
     assert record["mismatches"] == [
         "modality: expected 'text', observed 'video'",
@@ -158,7 +167,7 @@ def test_drift_at_the_wrong_row_fails_its_row(ctx):
 
 
 def test_drift_fails_a_pass_row(ctx):
-    record = run_row("H-C0", ROWS["H-C0"].model_copy(update={"probe": "flip_one_tag"}), ctx)
+    record = run_ablation("H-C0", ROWS["H-C0"].model_copy(update={"probe": "flip_one_tag"}), ctx)
     assert record["verdict"] == "fail" and record["observed"]["signature"]["node"] == "block.0.norm1"
 
 
@@ -171,16 +180,16 @@ def test_na_is_not_reported_when_its_check_fails(ctx):
 def test_ownership_check_rejects_misowned_metadata():
     check_ownership(cp_plan(264, 2), 264)
     check_ownership(hidden_only_plan(264, 2), 264)  # no ownership declared: nothing to reject (H17 drifts instead)
-    with pytest.raises(NonComparable, match=r"rank 0: adaln_indices holds packed row\(s\) \[132\]"):
+    with pytest.raises(OwnershipError, match=r"rank 0: adaln_indices holds packed row\(s\) \[132\]"):
         check_ownership(misowned_plan(264, 2), 264)
     uneven = cp_plan(925, 2)  # an odd packed length: near-equal contiguous shards
     assert [len(r) for r in uneven.hidden_rows] == [463, 462]
     check_ownership(uneven, 925)
-    with pytest.raises(NonComparable, match=r"rank 0: adaln_indices holds packed row\(s\) \[463\]"):
+    with pytest.raises(OwnershipError, match=r"rank 0: adaln_indices holds packed row\(s\) \[463\]"):
         check_ownership(misowned_plan(925, 2), 925)
     plan = cp_plan(264, 2)
     broken = type(plan)(2, (plan.hidden_rows[0], plan.hidden_rows[0]), None)
-    with pytest.raises(NonComparable, match="do not cover"):
+    with pytest.raises(OwnershipError, match="do not cover"):
         check_ownership(broken, 264)
 
 
@@ -189,7 +198,7 @@ def test_ownership_check_rejects_misowned_metadata():
 
 def test_cli_list_unknown_row_and_usage_errors(run_cli):
     code, out, _ = run_cli("ablate", "--list", "--json")
-    assert code == 0 and list(json.loads(out)) == list(ROW_IDS)
+    assert code == 0 and list(json.loads(out)) == list(ROWS)
     code, _, err = run_cli("ablate", "H99", "--device", "cpu")
     assert code == 2 and "ablation row 'H99': unknown" in err
     code, _, err = run_cli("ablate", "--device", "cpu")

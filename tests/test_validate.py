@@ -108,3 +108,12 @@ def test_cross_checks_fail(home):
     done = _validate(home)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "h3gate: error: schemas/seal.schema.json: $ref 'common.schema.json#/$defs/sha265' does not" in done.stderr
+
+
+def test_ablation_row_naming_an_unregistered_probe_fails(home):
+    """``validate`` checks every ablation row's probe against the registry of its run (not only ``ablate``)."""
+    path = home / "manifests" / "ablations.yaml"
+    path.write_text(path.read_text().replace("probe: causal_mask\n", "probe: causal_masks\n", 1))
+    done = _validate(home)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "h3gate: error: manifests/ablations.yaml: rows.H8.probe: 'causal_masks' is not an arm probe" in done.stderr

@@ -76,7 +76,8 @@ def schedule_nodes(video: Schedule, audio: Schedule) -> Stream:
         yield Node(name, "h3_sigma_schedule", (), (), lambda *a: None, row_dim=None, meta=node_meta), schedule.sigmas
 
 
-def _forward_inputs(arm: Arm, cfg: ModelConfig, plan: dict, device) -> tuple[dict, dict]:
+def forward_inputs(arm: Arm, cfg: ModelConfig, plan: dict, device) -> tuple[dict, dict]:
+    """The arm's request tensors (first latents, text) and derived row metadata at the one-step plan ``plan``."""
     ts, ti = arm.layout.row_timesteps(plan["video_t"], plan["audio_t"], plan["cond_video_t"], plan["cond_audio_t"])
     raw = raw_metadata(arm.layout, ts, ti)
     raw = arm.raw_hook(raw) if arm.raw_hook is not None else raw
@@ -95,7 +96,7 @@ def _forward_inputs(arm: Arm, cfg: ModelConfig, plan: dict, device) -> tuple[dic
 @torch.no_grad()
 def forward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device) -> Stream:
     """Metadata, then one model call at the one-step plan ``plan`` (``TimestepPlan.resolve()``)."""
-    request, meta = _forward_inputs(arm, cfg, plan, device)
+    request, meta = forward_inputs(arm, cfg, plan, device)
     yield from metadata_nodes(meta, None)
     yield from iter_graph(graph, {**request, **meta}, arm.params, arm.ops, expand_overrides(graph, arm.overrides))
 
@@ -138,7 +139,7 @@ def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device
     says so, non-reentrant), yielding every stage's outputs; then ``loss = sum(v * cv) + sum(a * ca)`` with seeded
     FP32 cotangents, and the gradients of the request inputs and of ``grad_params`` (default: all), last layer
     first (backward execution order)."""
-    request, meta = _forward_inputs(arm, cfg, plan, device)
+    request, meta = forward_inputs(arm, cfg, plan, device)
     yield from metadata_nodes(meta, None)
     names = list(arm.params) if grad_params is None else list(grad_params)
     params = dict(arm.params)

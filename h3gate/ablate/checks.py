@@ -1,5 +1,6 @@
-"""Rows whose observation is a check rather than one strict/probe pair: N/A justifications (A5, C2), repeated
-preprocessing (H-C7) and the multi-rank rows (A4, C0, H17, H-C4, H-C5), which run :mod:`h3gate.distributed`.
+"""Ablation rows whose observation is a check rather than one strict/probe pair (``run: check``): N/A
+justifications (A5, C2) and repeated preprocessing (H-C7). A check is ``fn(ctx, ablation) -> Outcome``, registered
+by name in :data:`CHECKS` (the name a row's ``probe`` gives).
 
 An N/A is only reported when the check that justifies it passes; when it fails the row observes a drift (and so
 fails its N/A expectation) with what the check saw.
@@ -8,24 +9,25 @@ fails its N/A expectation) with what the check saw.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from h3gate.ablate.arms import forward_stream
-from h3gate.ablate.engine import NonComparable, compare_streams
-from h3gate.ablate.probes import Outcome, special
+from h3gate.ablate.engine import compare_streams
+from h3gate.ablate.outcome import Outcome
 from h3gate.gate.compare import bitwise_equal, tensor_sha256
 from h3gate.graph.model import derive_metadata, raw_metadata
 from h3gate.layout import build_layout
+from h3gate.manifests.ablations import AblationRow
 from h3gate.trajectory import iter_trajectory
 
 STATE_WORDS = ("cache", "past", "kv_")
 BIG_MODEL_PARAMS = 2_000_000_000  # above this, H-C7 hashes the boundary tensors and the first/last block only
 
 
-@special
-def no_kv_cache(ctx, row) -> Outcome:
+def no_kv_cache(ctx, ablation: AblationRow) -> Outcome:
     """A5: no KV-cache state: no cache-like input or node; a call after an unrelated call equals a fresh one."""
     names = [*ctx.graph.inputs, *(n.name for n in ctx.graph.nodes)]
     stateful = [n for n in names if any(w in n.lower() for w in STATE_WORDS)]
@@ -47,15 +49,14 @@ def no_kv_cache(ctx, row) -> Outcome:
         return Outcome("EXPECTED_DRIFT", "cache semantics detected: a call after an unrelated call differs from a "
                        "fresh one", comparison.first_drift, comparison, evidence=evidence)  # fmt: skip
     reason = (
-        f"{row.expected.reason} Checked: the graph's {len(ctx.graph.inputs)} inputs and {len(ctx.graph.nodes)} "
+        f"{ablation.expected.reason} Checked: the graph's {len(ctx.graph.inputs)} inputs and {len(ctx.graph.nodes)} "
         "nodes carry no cache/past/kv state, and a call made after an unrelated call is byte-equal to a fresh "
         "call."
     )
     return Outcome("NA", reason, None, comparison, evidence=evidence)
 
 
-@special
-def no_decode_handoff(ctx, row) -> Outcome:
+def no_decode_handoff(ctx, ablation: AblationRow) -> Outcome:
     """C2: nothing but the latents passes between steps: resuming from step 1's latents reproduces every later step."""
     arm = ctx.base_arm()
     args = (ctx.graph, arm.params, arm.ops, ctx.cfg, ctx.layout, arm.requests[0], arm.recipe, ctx.device)
@@ -83,7 +84,7 @@ def no_decode_handoff(ctx, row) -> Outcome:
             evidence=evidence,
         )
     reason = (
-        f"{row.expected.reason} Checked: resuming at step 1 from the step-0 latents alone reproduces all "
+        f"{ablation.expected.reason} Checked: resuming at step 1 from the step-0 latents alone reproduces all "
         f"{len(resumed)} later scheduler updates byte for byte (no cache or other handoff state)."
     )
     return Outcome("NA", reason, evidence=evidence)
@@ -93,8 +94,7 @@ def _digest(entries: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{k}:{v};" for k, v in sorted(entries.items())).encode()).hexdigest()
 
 
-@special
-def repeated_preprocessing(ctx, row) -> Outcome:
+def repeated_preprocessing(ctx, ablation: AblationRow) -> Outcome:
     """H-C7: the packed layout, its derived metadata and the weight components built twice hash identically."""
     runs = []
     for _ in range(2):
@@ -141,45 +141,8 @@ def repeated_preprocessing(ctx, row) -> Outcome:
     )
 
 
-# -- multi-rank rows -----------------------------------------------------------------------------------------------
-
-
-def _distributed(ctx, row, scenario: str) -> Outcome:
-    from h3gate import distributed
-
-    try:
-        return distributed.outcome(ctx, row, scenario)
-    except NonComparable:
-        raise
-    except distributed.NotAvailable as exc:
-        return Outcome("NA", f"not run: {exc}")
-
-
-@special
-def tp2_permuted_head_owners(ctx, row) -> Outcome:
-    """C0: TP2 with the head/channel owners swapped between ranks, merged in logical order, vs TP2 in rank order."""
-    return _distributed(ctx, row, "c0")
-
-
-@special
-def tp1_vs_tp2(ctx, row) -> Outcome:
-    """H-C4: the single-process strict replay vs TP2 over gloo (heads, FFN and AdaLN channels sharded)."""
-    return _distributed(ctx, row, "hc4")
-
-
-@special
-def cp1_vs_cp2(ctx, row) -> Outcome:
-    """H-C5: the single-process strict replay vs CP2 over gloo (packed rows and all row metadata co-sharded)."""
-    return _distributed(ctx, row, "hc5")
-
-
-@special
-def cp2_hidden_only(ctx, row) -> Outcome:
-    """H17: CP2 with only the hidden rows sharded; each rank reads metadata rows by local position."""
-    return _distributed(ctx, row, "h17")
-
-
-@special
-def misowned_metadata(ctx, row) -> Outcome:
-    """A4: a CP2 plan in which rank 0 holds an AdaLN metadata row that rank 1 owns; the ownership check rejects it."""
-    return _distributed(ctx, row, "a4")
+CHECKS: dict[str, Callable[..., Outcome]] = {
+    "no_kv_cache": no_kv_cache,
+    "no_decode_handoff": no_decode_handoff,
+    "repeated_preprocessing": repeated_preprocessing,
+}

@@ -1,4 +1,5 @@
-"""The ablation engine: run a row's strict arm and probe arm, localise the first drift, judge it against the row.
+"""The ablation engine: the shared context, the lockstep comparison of two arms' streams (first drift) and the
+verdict against an ablation row (:mod:`h3gate.ablate.runner` runs a row).
 
 First drift is the first tensor, in execution order, whose probe bytes differ from the strict bytes: over steps
 (trajectory), stages and layers, nodes, then the first differing packed row and its modality. Before comparison the
@@ -15,14 +16,13 @@ and absent fields are recorded, not checked.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
 import torch
 
-from h3gate.ablate.arms import Arm, Stream, backward_stream, forward_stream, trajectory_stream
+from h3gate.ablate.arms import Arm, Stream
 from h3gate.errors import InputError
 from h3gate.gate.compare import bitwise_equal, differing_rows, error, tensor_sha256
 from h3gate.graph.core import Graph, Node, OpTable
@@ -74,8 +74,8 @@ class Context:
     def base_arm(self) -> Arm:
         return Arm(self.layout, self.params, self.ops, (self.request(0),), self.recipe)
 
-    def resolve_row(self, row: int | str) -> int:
-        return resolve_row(self.layout, row)
+    def resolve_packed_row(self, row: int | str) -> int:
+        return resolve_packed_row(self.layout, row)
 
     def with_anchors(self, anchors: list[str]) -> Context:
         """The same context on this layout with ``anchors`` (for rows that need condition rows), cached."""
@@ -104,7 +104,7 @@ class Context:
         return self.cache[key]
 
 
-def resolve_row(layout: PackedLayout, row: int | str) -> int:
+def resolve_packed_row(layout: PackedLayout, row: int | str) -> int:
     """A packed row: an integer, or ``<group>[k]`` against ``layout``'s index tensors (``*_target`` skip conditions)."""
     if isinstance(row, int):
         return row
@@ -240,18 +240,18 @@ def signature_mismatches(expected: Signature, observed: dict, layout: PackedLayo
         if want is not None and want != ANY and observed.get(name) != want:
             problems.append(f"{name}: expected {want!r}, observed {observed.get(name)!r}")
     if expected.row is not None and expected.row != ANY:
-        want = resolve_row(layout, expected.row)
+        want = resolve_packed_row(layout, expected.row)
         if observed.get("row") != want:
             problems.append(f"row: expected {expected.row} = packed row {want}, observed {observed.get('row')!r}")
     return problems
 
 
-def judge(row: AblationRow, observed_result: str, observed_sig: dict | None, layout: PackedLayout) -> list[str]:
+def judge(ablation: AblationRow, observed_result: str, observed_sig: dict | None, layout: PackedLayout) -> list[str]:
     """Every way the observation misses the row's expectation (empty: the row passes)."""
-    if observed_result != row.expected.result:
-        return [f"result: expected {row.expected.result}, observed {observed_result}"]
-    if observed_result == "EXPECTED_DRIFT" and row.expected.signature is not None:
-        return signature_mismatches(row.expected.signature, observed_sig or {}, layout)
+    if observed_result != ablation.expected.result:
+        return [f"result: expected {ablation.expected.result}, observed {observed_result}"]
+    if observed_result == "EXPECTED_DRIFT" and ablation.expected.signature is not None:
+        return signature_mismatches(ablation.expected.signature, observed_sig or {}, layout)
     return []
 
 
@@ -261,99 +261,6 @@ def param_drift(strict: dict, probe: dict, limit: int = 16) -> list[str]:
         return []
     names = [n for n in strict if n not in probe or not (strict[n] is probe[n] or bitwise_equal(probe[n], strict[n]))]
     return names[:limit]
-
-
-def stream_for(run: str, arm: Arm, ctx: Context) -> Stream:
-    if run == "forward":
-        return forward_stream(arm, ctx.graph, ctx.cfg, ctx.plan, ctx.device)
-    if run == "trajectory":
-        return trajectory_stream(arm, ctx.graph, ctx.cfg, ctx.device)
-    if run == "backward":
-        return backward_stream(arm, ctx.graph, ctx.cfg, ctx.plan, ctx.device, ctx.cache.get("grad_params"))
-    raise ValueError(f"run {run!r} has no arm stream")
-
-
-def run_row(row_id: str, row: AblationRow, base: Context) -> dict:
-    """Run one row and return its evidence record (``verdict`` pass/fail against the row's expectation)."""
-    from h3gate.ablate import probes
-
-    started = time.perf_counter()
-    ctx = base.with_anchors(row.anchors)
-    record: dict = {
-        "strict_notes": [],
-        "param_drift": [],
-        "id": row_id,
-        "section": row.section,
-        "factor": row.factor,
-        "run": row.run,
-        "probe": row.probe,
-        "strict": row.strict,
-        "layout": ctx.layout.name,
-        "expected": row.expected.model_dump(mode="json"),
-        "notes": [],
-        "diagnostics": {},
-    }
-    record["probe_doc"] = probes.describe(row.probe)
-    observed_sig = None
-    comparison = None
-    try:
-        if row.run in ("check", "distributed"):
-            outcome = probes.run_special(row.probe, ctx, row)
-            observed, reason = outcome.result, outcome.reason
-            observed_sig, comparison = outcome.signature, outcome.comparison
-            record["notes"] += outcome.notes
-            record["diagnostics"].update(outcome.evidence)
-        else:
-            strict_arm = probes.apply(row.strict, ctx, ctx.base_arm()) if row.strict else ctx.base_arm()
-            probe_arm = probes.apply(row.probe, ctx, strict_arm)
-            record["strict_notes"] = list(strict_arm.notes)
-            record["notes"] += list(probe_arm.notes)[len(strict_arm.notes) :]
-            record["param_drift"] = param_drift(strict_arm.params, probe_arm.params)
-            comparison = compare_streams(
-                stream_for(row.run, strict_arm, ctx),
-                stream_for(row.run, probe_arm, ctx),
-                strict_arm,
-                probe_arm,
-                ctx.layout,
-            )
-            for name, (s_arm, p_arm) in probe_arm.diagnostics.items():
-                diag = compare_streams(
-                    stream_for(row.run, s_arm, ctx), stream_for(row.run, p_arm, ctx), s_arm, p_arm, ctx.layout
-                )
-                record["diagnostics"][name] = {"first_drift": diag.first_drift, "outputs": diag.outputs}
-            observed_sig = comparison.first_drift
-            observed = "PASS" if observed_sig is None else "EXPECTED_DRIFT"
-            reason = None
-    except NonComparable as exc:
-        observed, reason = "REJECTED", str(exc)
-    except torch.OutOfMemoryError as exc:  # a device limit, not a verdict: recorded, and the row fails
-        observed, reason = "NA", f"not run: out of memory on {ctx.device} ({str(exc).splitlines()[0]})"
-    if comparison is not None:
-        record.update(
-            strict_sha256=comparison.arm_sha256("strict"),
-            probe_sha256=comparison.arm_sha256("probe"),
-            nodes_compared=comparison.nodes_compared,
-            nodes_drifting=comparison.nodes_drifting,
-            metadata_drift=comparison.metadata_drift[:16],
-            outputs=comparison.outputs,
-            hashed=comparison.hashes,
-        )
-    else:
-        record.update(
-            strict_sha256=None,
-            probe_sha256=None,
-            nodes_compared=0,
-            nodes_drifting=0,
-            metadata_drift=[],
-            outputs={},
-            hashed={"strict": [], "probe": []},
-        )
-    record["observed"] = {"result": observed, "reason": reason, "signature": observed_sig}
-    problems = judge(row, observed, observed_sig, ctx.layout)
-    record["mismatches"] = problems
-    record["verdict"] = "pass" if not problems else "fail"
-    record["wall_s"] = round(time.perf_counter() - started, 3)
-    return record
 
 
 def device_synthetic_source(cfg: ModelConfig, seed: int, device: str):

@@ -3,77 +3,27 @@
 An arm probe ``fn(ctx, arm) -> Arm`` changes one factor: metadata (``raw_hook``, ``adaln_rule``, layout
 permutation), an operator (``OpTable.with_overrides`` wrapping the arm's own binding, so a probe perturbs whatever
 execution runs), a node (:class:`~h3gate.graph.model.NodeOverride`), the weights, the batch, or the sampler
-(:class:`~h3gate.trajectory.Recipe`). Check and distributed rows name functions registered in
-:mod:`h3gate.ablate.checks` that return an :class:`Outcome` directly.
+(:class:`~h3gate.trajectory.Recipe`). Registered by name in :data:`ARM_PROBES` (the name a row's ``probe`` or
+``strict`` gives); check rows name :data:`h3gate.ablate.checks.CHECKS`, multi-rank rows
+:data:`h3gate.ablate.multirank.PLANS`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from h3gate.ablate.arms import Arm
-from h3gate.errors import InputError
 from h3gate.graph.model import NodeOverride, RawMetadata
 from h3gate.layout import AUDIO_TAG, PackedLayout
 from h3gate.schedule import Schedule, euler_step, scale_noise
 
-ARM_PROBES: dict[str, Callable] = {}
-SPECIAL: dict[str, Callable] = {}
-
 QK_EPS_PROBE = 1e-3  # A2: the Q/K RMSNorm epsilon the probe uses instead of the config's 1e-5
 KV_BLOCKS = 4  # A7: KV blocks of the split-KV plan
-
-
-@dataclass
-class Outcome:
-    """What a check or distributed row observed."""
-
-    result: str
-    reason: str | None = None
-    signature: dict | None = None
-    comparison: object | None = None
-    notes: list[str] = field(default_factory=list)
-    evidence: dict = field(default_factory=dict)
-
-
-def probe(fn: Callable) -> Callable:
-    ARM_PROBES[fn.__name__] = fn
-    return fn
-
-
-def special(fn: Callable) -> Callable:
-    SPECIAL[fn.__name__] = fn
-    return fn
-
-
-def names() -> list[str]:
-    from h3gate.ablate import checks  # noqa: F401  (registers the check/distributed functions)
-
-    return sorted({*ARM_PROBES, *SPECIAL})
-
-
-def describe(name: str) -> str:
-    names()
-    fn = ARM_PROBES.get(name) or SPECIAL.get(name)
-    return (fn.__doc__ or "").strip().splitlines()[0] if fn is not None else ""
-
-
-def apply(name: str, ctx, arm: Arm) -> Arm:
-    if name not in ARM_PROBES:
-        raise InputError(f"probe {name!r}: not an arm probe (known: {', '.join(sorted(ARM_PROBES))})")
-    return ARM_PROBES[name](ctx, arm)
-
-
-def run_special(name: str, ctx, row) -> Outcome:
-    names()
-    if name not in SPECIAL:
-        raise InputError(f"probe {name!r}: not a check or distributed probe (known: {', '.join(sorted(SPECIAL))})")
-    return SPECIAL[name](ctx, row)
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------
@@ -136,16 +86,14 @@ def _raw(fn: Callable[[RawMetadata], RawMetadata], previous) -> Callable[[RawMet
 # -- 6.1 / 6.3 forward probes --------------------------------------------------------------------------------------
 
 
-@probe
 def identity(ctx, arm: Arm) -> Arm:
     """Change nothing: the same arm replayed from fresh state (repeat-run control)."""
     return arm.with_notes("probe arm = strict arm, executed again")
 
 
-@probe
 def shift_one_position(ctx, arm: Arm) -> Arm:
     """A1: the h coordinate of the first generated video row's position id + 1 (RoPE tables rebuilt from it)."""
-    r = ctx.resolve_row("video_target[0]")
+    r = ctx.resolve_packed_row("video_target[0]")
 
     def hook(raw: RawMetadata) -> RawMetadata:
         pos = raw.position_ids.clone()
@@ -155,7 +103,6 @@ def shift_one_position(ctx, arm: Arm) -> Arm:
     return arm.with_notes(f"position_ids[{r}, h] + 1", raw_hook=_raw(hook, arm.raw_hook))
 
 
-@probe
 def qk_norm_epsilon(ctx, arm: Arm) -> Arm:
     """A2: Q/K RMSNorm epsilon 1e-5 -> 1e-3 (every Q/K norm, refiner included)."""
     base = arm.ops["h3_qk_rmsnorm_d128"]
@@ -163,7 +110,6 @@ def qk_norm_epsilon(ctx, arm: Arm) -> Arm:
     return arm.with_notes(f"h3_qk_rmsnorm_d128 eps -> {QK_EPS_PROBE}", ops=ops)
 
 
-@probe
 def split_document(ctx, arm: Arm) -> Arm:
     """A3: the packed document split into two attention documents at row S // 2 (block-diagonal mask)."""
 
@@ -180,14 +126,12 @@ def split_document(ctx, arm: Arm) -> Arm:
     )
 
 
-@probe
 def adaln_cast_before_silu(ctx, arm: Arm) -> Arm:
     """A6: the AdaLN activation cast to BF16 before SiLU instead of after (cast point moved)."""
     ops = arm.ops.with_overrides({"adaln_silu_cast": lambda temb, dtype: F.silu(temb.to(dtype))})
     return arm.with_notes("adaln_silu_cast = silu(temb.to(bf16))", ops=ops)
 
 
-@probe
 def kv_split_merge_forward(ctx, arm: Arm) -> Arm:
     """A7 strict arm: every attention as a 4-block split-KV plan merged in block order 0, 1, 2, 3."""
     order = tuple(range(KV_BLOCKS))
@@ -195,7 +139,6 @@ def kv_split_merge_forward(ctx, arm: Arm) -> Arm:
     return arm.with_notes(f"split-KV attention, merge order {order}", ops=ops)
 
 
-@probe
 def kv_split_merge_reversed(ctx, arm: Arm) -> Arm:
     """A7 probe: the same split-KV plan merged in reversed block order 3, 2, 1, 0."""
     order = tuple(reversed(range(KV_BLOCKS)))
@@ -209,13 +152,11 @@ def _batch(ctx, arm: Arm, size: int, position: int, tag: str) -> Arm:
     return arm.with_notes(f"{tag}: batch of {size}, the request at item {position}", requests=items, batch_row=position)
 
 
-@probe
 def batch_position(ctx, arm: Arm) -> Arm:
     """C1: the request packed as item 2 of a batch of 3 (unrelated requests at items 0 and 1)."""
     return _batch(ctx, arm, 3, 2, "C1")
 
 
-@probe
 def batch_with_other_request(ctx, arm: Arm) -> Arm:
     """H-C1: the request as item 0 of a batch of 2 next to an unrelated request."""
     return _batch(ctx, arm, 2, 0, "H-C1")
@@ -224,7 +165,6 @@ def batch_with_other_request(ctx, arm: Arm) -> Arm:
 # -- 6.2 mismatch probes -------------------------------------------------------------------------------------------
 
 
-@probe
 def permute_rows_leave_positions(ctx, arm: Arm) -> Arm:
     """H1: media rows packed in reverse order with tags and indices permuted, position_ids left unpermuted."""
     n_text, s = arm.layout.text_indices.numel(), arm.layout.seq_len
@@ -233,10 +173,9 @@ def permute_rows_leave_positions(ctx, arm: Arm) -> Arm:
     return arm.with_notes("media rows reversed; position_ids not permuted", layout=layout, row_perm=perm)
 
 
-@probe
 def flip_one_tag(ctx, arm: Arm) -> Arm:
     """H2: the first generated video row's modality tag flipped video (0) -> audio (2)."""
-    r = ctx.resolve_row("video_target[0]")
+    r = ctx.resolve_packed_row("video_target[0]")
 
     def hook(raw: RawMetadata) -> RawMetadata:
         tags = raw.token_tags.clone()
@@ -246,10 +185,9 @@ def flip_one_tag(ctx, arm: Arm) -> Arm:
     return arm.with_notes(f"token_tags[{r}] = {AUDIO_TAG}", raw_hook=_raw(hook, arm.raw_hook))
 
 
-@probe
 def offset_one_timestep_index(ctx, arm: Arm) -> Arm:
     """H3: the first generated video row's timestep index offset by one (mod T)."""
-    r = ctx.resolve_row("video_target[0]")
+    r = ctx.resolve_packed_row("video_target[0]")
 
     def hook(raw: RawMetadata) -> RawMetadata:
         ti = raw.timestep_indices.clone()
@@ -259,7 +197,6 @@ def offset_one_timestep_index(ctx, arm: Arm) -> Arm:
     return arm.with_notes(f"timestep_indices[{r}] + 1", raw_hook=_raw(hook, arm.raw_hook))
 
 
-@probe
 def modality_major_adaln(ctx, arm: Arm) -> Arm:
     """H4: AdaLN rows addressed modality-major (tag * T + t) against the timestep-major table."""
     return arm.with_notes(
@@ -267,7 +204,6 @@ def modality_major_adaln(ctx, arm: Arm) -> Arm:
     )
 
 
-@probe
 def rope_axis_order(ctx, arm: Arm) -> Arm:
     """H5: MM-RoPE angle blocks concatenated [w | h | t] instead of [t | h | w] (wrong axis concatenation)."""
     f = ctx.cfg.rope_freq_dim
@@ -282,7 +218,6 @@ def rope_axis_order(ctx, arm: Arm) -> Arm:
     return arm.with_notes("rope tables reordered [w|h|t]", ops=ops)
 
 
-@probe
 def rope_before_qk_norm(ctx, arm: Arm) -> Arm:
     """H6: every block applies MM-RoPE to Q/K first and the per-head RMSNorm after (order swapped)."""
     heads, eps = ctx.cfg.num_attention_heads, ctx.cfg.qk_norm_eps
@@ -309,7 +244,6 @@ def rope_before_qk_norm(ctx, arm: Arm) -> Arm:
     return arm.with_notes("block q/k: rope then rmsnorm", overrides=overrides)
 
 
-@probe
 def video_input_bf16(ctx, arm: Arm) -> Arm:
     """H7: the video rows cast to BF16 before the FP32 video input projection (FP32 path rounded early)."""
 
@@ -324,7 +258,6 @@ def video_input_bf16(ctx, arm: Arm) -> Arm:
     )
 
 
-@probe
 def causal_mask(ctx, arm: Arm) -> Arm:
     """H8: every attention (refiner included) causal instead of one non-causal document."""
     return arm.with_notes(
@@ -333,7 +266,6 @@ def causal_mask(ctx, arm: Arm) -> Arm:
     )
 
 
-@probe
 def stale_video_selection(ctx, arm: Arm) -> Arm:
     """H14: the video output selection reads an index one row stale (video_indices - 1); packing is unchanged."""
 
@@ -343,7 +275,6 @@ def stale_video_selection(ctx, arm: Arm) -> Arm:
     return arm.with_notes("video_select = video_indices - 1", raw_hook=_raw(hook, arm.raw_hook))
 
 
-@probe
 def mixed_variant_block(ctx, arm: Arm) -> Arm:
     """H16: transformer block 0 read from the other variant's weights (transformer_ref/ stand-in: seed + 1)."""
     other = ctx.variant_source(ctx.seed + 1)
@@ -380,37 +311,31 @@ def swapped_noise_mix(sample, t, noise):
     return scale_noise(noise, t, sample)
 
 
-@probe
 def velocity_sign(ctx, arm: Arm) -> Arm:
     """H9: x0 = xt - sigma * v (velocity subtracted) in both Euler updates."""
     return arm.with_notes("euler: velocity subtracted", recipe=replace(arm.recipe, euler=euler_subtract))
 
 
-@probe
 def t_equals_sigma(ctx, arm: Arm) -> Arm:
     """H10: the model (and the steps) take t = sigma instead of t = 1 - sigma."""
     return arm.with_notes("t = sigma", recipe=replace(arm.recipe, timesteps_of=lambda s: s.sigmas[:-1]))
 
 
-@probe
 def generic_sigma_grid(ctx, arm: Arm) -> Arm:
     """H11: both schedules built on a generic flow-matching grid instead of H3's shifted linspace(1, 0)."""
     return arm.with_notes("generic flow-matching grid", recipe=replace(arm.recipe, grid=generic_flow_grid))
 
 
-@probe
 def shared_schedule(ctx, arm: Arm) -> Arm:
     """H12: the audio rows stepped on the video grid and index (one scheduler owns both modalities)."""
     return arm.with_notes("audio uses the video schedule", recipe=replace(arm.recipe, share_schedule=True))
 
 
-@probe
 def reordered_euler(ctx, arm: Arm) -> Arm:
     """H13: Euler update evaluated as x + (sigma - sigma_next) * v instead of the declared FP32 blend."""
     return arm.with_notes("euler: reordered expression", recipe=replace(arm.recipe, euler=euler_reordered))
 
 
-@probe
 def swapped_noise_formula(ctx, arm: Arm) -> Arm:
     """H15: conditioning rows mixed as (1 - t) * x0 + t * noise instead of t * x0 + (1 - t) * noise."""
     return arm.with_notes("condition mix formula swapped", recipe=replace(arm.recipe, condition_mix=swapped_noise_mix))
@@ -445,7 +370,6 @@ def canonical_attention_override(condition_video_rows: int) -> NodeOverride:
 CANONICAL = "canonical-order attention"
 
 
-@probe
 def canonical_attention(ctx, arm: Arm) -> Arm:
     """H-C3 strict arm: block attention gathers rows into the metadata's canonical order, attends, scatters back."""
     return arm.with_notes(
@@ -457,7 +381,6 @@ def canonical_attention(ctx, arm: Arm) -> Arm:
     )
 
 
-@probe
 def consistent_permutation(ctx, arm: Arm) -> Arm:
     """H-C3 probe: a seeded permutation of every packed row with positions, tags and indices permuted alike."""
     g = torch.Generator().manual_seed(ctx.seed)
@@ -474,10 +397,41 @@ def consistent_permutation(ctx, arm: Arm) -> Arm:
     return replace(probe_arm, diagnostics=diagnostics)
 
 
-@probe
 def gradient_checkpointing(ctx, arm: Arm) -> Arm:
     """H-C6 probe: every refiner and transformer block under torch.utils.checkpoint (non-reentrant recompute)."""
     notes = ["torch.utils.checkpoint around each refiner/transformer block"]
     if ctx.cache.get("grad_params") is not None:
         notes.append(f"gradients of {len(ctx.cache['grad_params'])} parameters (boundary + first/last block)")
     return arm.with_notes(*notes, checkpointing=True)
+
+
+ARM_PROBES: dict[str, Callable[..., Arm]] = {
+    "identity": identity,
+    "shift_one_position": shift_one_position,
+    "qk_norm_epsilon": qk_norm_epsilon,
+    "split_document": split_document,
+    "adaln_cast_before_silu": adaln_cast_before_silu,
+    "kv_split_merge_forward": kv_split_merge_forward,
+    "kv_split_merge_reversed": kv_split_merge_reversed,
+    "batch_position": batch_position,
+    "batch_with_other_request": batch_with_other_request,
+    "permute_rows_leave_positions": permute_rows_leave_positions,
+    "flip_one_tag": flip_one_tag,
+    "offset_one_timestep_index": offset_one_timestep_index,
+    "modality_major_adaln": modality_major_adaln,
+    "rope_axis_order": rope_axis_order,
+    "rope_before_qk_norm": rope_before_qk_norm,
+    "video_input_bf16": video_input_bf16,
+    "causal_mask": causal_mask,
+    "stale_video_selection": stale_video_selection,
+    "mixed_variant_block": mixed_variant_block,
+    "velocity_sign": velocity_sign,
+    "t_equals_sigma": t_equals_sigma,
+    "generic_sigma_grid": generic_sigma_grid,
+    "shared_schedule": shared_schedule,
+    "reordered_euler": reordered_euler,
+    "swapped_noise_formula": swapped_noise_formula,
+    "canonical_attention": canonical_attention,
+    "consistent_permutation": consistent_permutation,
+    "gradient_checkpointing": gradient_checkpointing,
+}

@@ -19,26 +19,8 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
-from h3gate.manifests.ablations import ABLATIONS_FILE, ROW_IDS, AblationRow, load_ablations
+from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablations
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
-
-ARM_RUNS = ("forward", "trajectory", "backward")
-
-
-def check_probe_names(rows: dict[str, AblationRow], source: str = display(ABLATIONS_FILE)) -> None:
-    """Every ``probe`` / ``strict`` names a registered function of the right kind (breadcrumb error otherwise)."""
-    from h3gate.ablate import probes
-
-    probes.names()
-    for row_id, row in rows.items():
-        table = probes.ARM_PROBES if row.run in ARM_RUNS else probes.SPECIAL
-        kind = "an arm probe" if row.run in ARM_RUNS else "a check/distributed function"
-        if row.probe not in table:
-            raise InputError(
-                f"{source}: rows.{row_id}.probe: {row.probe!r} is not {kind} (known: {', '.join(sorted(table))})"
-            )
-        if row.strict is not None and (row.run not in ARM_RUNS or row.strict not in probes.ARM_PROBES):
-            raise InputError(f"{source}: rows.{row_id}.strict: {row.strict!r} is not an arm probe of a {row.run} row")
 
 
 def select_rows(rows: dict[str, AblationRow], row: str | None, all_: bool) -> list[str]:
@@ -52,7 +34,7 @@ def select_rows(rows: dict[str, AblationRow], row: str | None, all_: bool) -> li
     selected = []
     for item in (part.strip() for part in row.split(",")):
         if item.upper() not in known:
-            raise InputError(f"ablation row {item!r}: unknown (known: {', '.join(ROW_IDS)})")
+            raise InputError(f"ablation row {item!r}: unknown (known: {', '.join(rows)})")
         if known[item.upper()] not in selected:
             selected.append(known[item.upper()])
     return selected
@@ -75,9 +57,11 @@ def _list(rows: dict[str, AblationRow], json_: bool) -> int:
     table = Table(title=f"RFC section 6 ablation rows ({display(ABLATIONS_FILE)})")
     for col in ("row", "factor", "run", "probe", "expected", "expected first drift"):
         table.add_column(col, overflow="fold")
-    for row_id, row in rows.items():
+    for ablation_id, row in rows.items():
         sig = row.expected.signature.model_dump(exclude_none=True) if row.expected.signature else None
-        table.add_row(row_id, escape(row.factor), row.run, row.probe, row.expected.result, escape(_signature_text(sig)))
+        table.add_row(
+            ablation_id, escape(row.factor), row.run, row.probe, row.expected.result, escape(_signature_text(sig))
+        )
     stdout_console().print(table)
     return EXIT_PASS
 
@@ -135,11 +119,14 @@ def ablate_command(
     checkpoint: Path | None = None,
     threads: int | None = None,
 ) -> int:
-    from h3gate.ablate.engine import build_context, run_row
+    from h3gate.ablate import multirank
+    from h3gate.ablate.engine import build_context
+    from h3gate.ablate.registry import check_names
+    from h3gate.ablate.runner import run_ablation
     from h3gate.evidence.writer import prepare_out, write_evidence
 
     rows = load_ablations()
-    check_probe_names(rows)
+    check_names(rows)
     if list_:
         if row is not None or all_:
             raise InputError("ablate: --list takes no ROW and no --all")
@@ -161,11 +148,12 @@ def ablate_command(
         started = time.perf_counter()
         ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
         ctx.execution["threads"] = torch.get_num_threads()
+        multirank.want(ctx, (rows[a] for a in selected))  # one spawn runs the plans of every selected row
         with progress("ablate", len(selected), started) as step:
             records = []
-            for row_id in selected:
-                step(f"row {row_id} ({rows[row_id].run})")
-                records.append(run_row(row_id, rows[row_id], ctx))
+            for ablation_id in selected:
+                step(f"row {ablation_id} ({rows[ablation_id].run})")
+                records.append(run_ablation(ablation_id, rows[ablation_id], ctx))
         wall = time.perf_counter() - started
         trajectory = _trajectory_record(ctx) if any(rows[r].run == "trajectory" for r in selected) else None
     finally:

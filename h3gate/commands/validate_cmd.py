@@ -2,11 +2,10 @@
 
 Checked, in order: model configs (name = file stem), checkpoint manifests (name = file stem, config equal to
 ``configs/real.yaml``), operator declarations (unique names; every ``reference``/``kernel`` import path resolves to
-a callable), layouts (each one built, declared ``seq_len`` checked), tolerance profiles, ablation rows, and the
-schemas (valid 2020-12, ``$id`` = file name, every ``$ref`` resolves). A manifest kind whose loader module is not
-in this checkout is reported "not present" and skipped. The first invalid item stops the run: its breadcrumb is
-the error (exit 2).
-"""
+a callable), layouts (each one built, declared ``seq_len`` checked), tolerance profiles, ablation rows (each row's
+``probe``/``strict`` registered for its run), and the schemas (valid 2020-12, ``$id`` = file name, every ``$ref``
+resolves). A manifest kind whose loader module is not in this checkout is reported "not present" and skipped. The
+first invalid item stops the run: its breadcrumb is the error (exit 2)."""
 
 from __future__ import annotations
 
@@ -159,7 +158,13 @@ def _ablation_steps() -> Iterator[Step]:
     if module is None:
         yield "ablations", "h3gate.manifests.ablations", lambda: None
         return
-    yield "ablations", "ablation rows", lambda: _count(_loader(module, "load_ablations")())
+
+    def run() -> int:
+        from h3gate.ablate.registry import check_names
+
+        return check_names(_loader(module, "load_ablations")())  # each row's probe/strict names a registered one
+
+    yield "ablations", "ablation rows", run
 
 
 def _schema_steps() -> Iterator[Step]:

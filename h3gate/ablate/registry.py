@@ -1,0 +1,55 @@
+"""The ablation registries: what a row's ``probe`` / ``strict`` names, by the row's ``run``.
+
+* ``forward`` / ``trajectory`` / ``backward`` rows name arm probes, ``fn(ctx, arm) -> Arm``
+  (:data:`h3gate.ablate.probes.ARM_PROBES`);
+* ``check`` rows name checks, ``fn(ctx, ablation) -> Outcome`` (:data:`h3gate.ablate.checks.CHECKS`; no ``strict``);
+* ``distributed`` rows name parallel plans, ``fn(cfg, seq_len, world) -> Plan``
+  (:data:`h3gate.ablate.multirank.PLANS`; ``strict`` absent = the single-process replay, ``ranks`` = the world).
+
+Adding a row: its YAML entry, plus one registered function when it needs a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from h3gate.ablate.checks import CHECKS
+from h3gate.ablate.multirank import PLANS
+from h3gate.ablate.probes import ARM_PROBES
+from h3gate.errors import InputError
+from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow
+from h3gate.paths import display
+
+ARM_RUNS = ("forward", "trajectory", "backward")
+
+
+def registry_for(run: str) -> tuple[str, Mapping]:
+    """``(what the names are, the registry)`` for a row's ``run``."""
+    if run in ARM_RUNS:
+        return "an arm probe", ARM_PROBES
+    if run == "check":
+        return "a check", CHECKS
+    return "a parallel plan", PLANS
+
+
+def check_names(rows: Mapping[str, AblationRow], source: str | None = None) -> int:
+    """Every row's ``probe`` / ``strict`` names a registered function of its run's kind (breadcrumb error otherwise);
+    returns the number of rows checked."""
+    source = source or display(ABLATIONS_FILE)
+    for ablation_id, row in rows.items():
+        kind, table = registry_for(row.run)
+        if row.probe not in table:
+            raise InputError(
+                f"{source}: rows.{ablation_id}.probe: {row.probe!r} is not {kind} (known: {', '.join(sorted(table))})"
+            )
+        if row.strict is not None and row.run == "check":
+            raise InputError(f"{source}: rows.{ablation_id}.strict: a check row has no strict arm ({row.strict!r})")
+        if row.strict is not None and row.strict not in table:
+            raise InputError(f"{source}: rows.{ablation_id}.strict: {row.strict!r} is not {kind} of a {row.run} row")
+    return len(rows)
+
+
+def describe(name: str, run: str) -> str:
+    """The first docstring line of the function ``name`` names for a ``run`` row ("" if unknown)."""
+    fn = registry_for(run)[1].get(name)
+    return (fn.__doc__ or "").strip().splitlines()[0] if fn is not None else ""
