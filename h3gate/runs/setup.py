@@ -146,6 +146,3 @@ def prepare(
     return Ws1BlockSetup(
         config_name, cfg, packed, source, ckpt, device, params, inputs, manifests, graph, bindings, mode
     )
-
-
-prepare_ws1_block = prepare
