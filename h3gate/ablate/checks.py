@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from h3gate.ablate.arms import forward_stream
-from h3gate.ablate.engine import compare_streams
+from h3gate.ablate.engine import BIG_MODEL_PARAMS, compare_streams
 from h3gate.ablate.outcome import Outcome
 from h3gate.gate.compare import bitwise_equal, tensor_sha256
 from h3gate.graph.model import derive_metadata, raw_metadata
@@ -24,7 +24,6 @@ from h3gate.manifests.ablations import AblationRow
 from h3gate.trajectory import iter_trajectory
 
 STATE_WORDS = ("cache", "past", "kv_")
-BIG_MODEL_PARAMS = 2_000_000_000  # above this, H-C7 hashes the boundary tensors and the first/last block only
 
 
 def no_kv_cache(ctx, ablation: AblationRow) -> Outcome:
@@ -105,7 +104,7 @@ def repeated_preprocessing(ctx, ablation: AblationRow) -> Outcome:
         meta = derive_metadata(raw_metadata(layout, ts, ti), ctx.cfg, ctx.device)
         source = ctx.variant_source(ctx.seed)
         names = source.names()
-        if sum(torch.Size(source.meta(n)[0]).numel() for n in names) > BIG_MODEL_PARAMS:
+        if sum(torch.Size(source.meta(n)[0]).numel() for n in names) > BIG_MODEL_PARAMS:  # first/last block only
             last = ctx.cfg.num_layers - 1
             names = [
                 n

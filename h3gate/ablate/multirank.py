@@ -69,12 +69,13 @@ PLANS: dict[str, PlanFactory] = {
 }
 
 
-def want(ctx, rows: Iterable[AblationRow]) -> None:
+def want(ctx, ablations: Iterable[AblationRow]) -> None:
     """Declare the plans ``rows`` will run, so that one spawn per world runs them all (results cached on ``ctx``)."""
     wanted = ctx.cache.setdefault("parallel_wanted", {})
-    for row in rows:
-        if row.run == "distributed":
-            wanted.setdefault(row.ranks, {}).update(dict.fromkeys(n for n in (row.strict, row.probe) if n))
+    for ablation in ablations:
+        if ablation.run == "distributed":
+            names = (n for n in (ablation.strict, ablation.probe) if n)
+            wanted.setdefault(ablation.ranks, {}).update(dict.fromkeys(names))
 
 
 def _results(ctx, plans: dict[str, Plan], world: int) -> dict[str, PlanResult]:
@@ -108,9 +109,9 @@ def _runnable(ctx, world: int, names: list[str]) -> dict[str, Plan]:
     return out
 
 
-def _observe(ctx, row: AblationRow) -> Outcome:
-    s, world = ctx.layout.seq_len, row.ranks
-    names = [n for n in (row.strict, row.probe) if n]
+def _observe(ctx, ablation: AblationRow) -> Outcome:
+    s, world = ctx.layout.seq_len, ablation.ranks
+    names = [n for n in (ablation.strict, ablation.probe) if n]
     plans = {n: PLANS[n](ctx.cfg, s, world) for n in names}
     for plan in plans.values():
         if isinstance(plan, CpPlan):
@@ -125,11 +126,11 @@ def _observe(ctx, row: AblationRow) -> Outcome:
     def replay(name: str):
         return replay_stream(ctx.graph, results[name].values, meta)
 
-    if row.strict is None:
+    if ablation.strict is None:
         strict = forward_stream(strict_arm, ctx.graph, ctx.cfg, ctx.plan, ctx.device)
     else:
-        strict = replay(row.strict)
-    comparison = compare_streams(strict, replay(row.probe), strict_arm, strict_arm, ctx.layout)
+        strict = replay(ablation.strict)
+    comparison = compare_streams(strict, replay(ablation.probe), strict_arm, strict_arm, ctx.layout)
     result = "PASS" if comparison.first_drift is None else "EXPECTED_DRIFT"
     describe = {}
     for name, plan in plans.items():
@@ -143,17 +144,17 @@ def _observe(ctx, row: AblationRow) -> Outcome:
         "backend": BACKEND,
         "world": world,
         "merge": MERGE,
-        "strict_arm": row.strict or "single-process replay",
-        "probe_arm": row.probe,
+        "strict_arm": ablation.strict or "single-process replay",
+        "probe_arm": ablation.probe,
         "plans": describe,
     }
     return Outcome(result, None, comparison.first_drift, comparison, evidence=evidence)
 
 
-def observe(ctx, row: AblationRow) -> Outcome:
+def observe(ctx, ablation: AblationRow) -> Outcome:
     """The observation of one multi-rank row: REJECTED (raised), N/A when the harness cannot run it, else the
     comparison of the strict arm with the probe plan's gathered values."""
     try:
-        return _observe(ctx, row)
+        return _observe(ctx, ablation)
     except NotAvailable as exc:
         return Outcome("NA", f"not run: {exc}")

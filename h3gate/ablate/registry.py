@@ -36,16 +36,15 @@ def check_names(rows: Mapping[str, AblationRow], source: str | None = None) -> i
     """Every row's ``probe`` / ``strict`` names a registered function of its run's kind (breadcrumb error otherwise);
     returns the number of rows checked."""
     source = source or display(ABLATIONS_FILE)
-    for ablation_id, row in rows.items():
-        kind, table = registry_for(row.run)
-        if row.probe not in table:
-            raise InputError(
-                f"{source}: rows.{ablation_id}.probe: {row.probe!r} is not {kind} (known: {', '.join(sorted(table))})"
-            )
-        if row.strict is not None and row.run == "check":
-            raise InputError(f"{source}: rows.{ablation_id}.strict: a check row has no strict arm ({row.strict!r})")
-        if row.strict is not None and row.strict not in table:
-            raise InputError(f"{source}: rows.{ablation_id}.strict: {row.strict!r} is not {kind} of a {row.run} row")
+    for ablation_id, ablation in rows.items():
+        kind, table = registry_for(ablation.run)
+        where, probe, strict = f"{source}: rows.{ablation_id}", ablation.probe, ablation.strict
+        if probe not in table:
+            raise InputError(f"{where}.probe: {probe!r} is not {kind} (known: {', '.join(sorted(table))})")
+        if strict is not None and ablation.run == "check":
+            raise InputError(f"{where}.strict: a check row has no strict arm ({strict!r})")
+        if strict is not None and strict not in table:
+            raise InputError(f"{where}.strict: {strict!r} is not {kind} of a {ablation.run} row")
     return len(rows)
 
 

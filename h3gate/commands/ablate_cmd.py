@@ -23,7 +23,7 @@ from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablatio
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 
-def select_rows(rows: dict[str, AblationRow], row: str | None, all_: bool) -> list[str]:
+def select_ablations(rows: dict[str, AblationRow], row: str | None, all_: bool) -> list[str]:
     if row is not None and all_:
         raise InputError("ablate: give one ROW or --all, not both")
     if all_:
@@ -131,7 +131,7 @@ def ablate_command(
         if row is not None or all_:
             raise InputError("ablate: --list takes no ROW and no --all")
         return _list(rows, json_)
-    selected = select_rows(rows, row, all_)
+    selected = select_ablations(rows, row, all_)
     if out is not None:
         prepare_out(out)
     if steps < 3:
@@ -177,7 +177,7 @@ def ablate_command(
         "verdict": "pass" if ok else "fail",
     }
     folder = Path(out) if out is not None else LOCAL_EVIDENCE / "ablate"
-    manifests = [ABLATIONS_FILE, MANIFESTS / "layouts.yaml"]
+    manifests = [ABLATIONS_FILE, MANIFESTS / "layouts.yaml", *sorted((MANIFESTS / "operators").glob("*.yaml"))]
     manifests += (
         [MANIFESTS / "configs" / f"{config}.yaml"] if (MANIFESTS / "configs" / f"{config}.yaml").is_file() else []
     )
