@@ -177,6 +177,13 @@ def test_na_is_not_reported_when_its_check_fails(ctx):
     assert outcome.result == "EXPECTED_DRIFT" and "kv_cache" in outcome.reason
 
 
+def test_a_rows_ranks_is_its_plans_world(ctx):
+    """``ranks`` is read: H-C4 on three ranks asks for TP3, which the tiny config's two heads cannot split (N/A)."""
+    record = run_ablation("H-C4", ROWS["H-C4"].model_copy(update={"ranks": 3}), ctx)
+    assert record["observed"]["result"] == "NA" and record["verdict"] == "fail"
+    assert record["observed"]["reason"] == "not run: TP3: 2 heads are not divisible by 3"
+
+
 def test_ownership_check_rejects_misowned_metadata():
     check_ownership(cp_plan(264, 2), 264)
     check_ownership(hidden_only_plan(264, 2), 264)  # no ownership declared: nothing to reject (H17 drifts instead)
