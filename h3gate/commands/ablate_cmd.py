@@ -20,6 +20,7 @@ from rich.table import Table
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablations
+from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 
@@ -104,6 +105,28 @@ def _trajectory_record(ctx) -> dict:
     }
 
 
+def _body(ctx, config: str, device: str, seed: int, records: list[dict], wall: float) -> dict:
+    """The ``ablation`` evidence body: the shared execution, every row's record, the summary and the verdict."""
+    ok = all(r["verdict"] == "pass" for r in records)
+    return {
+        "config": config,
+        "layout": ctx.layout.name,
+        "device": device,
+        "seed": seed,
+        "execution": ctx.execution,
+        "one_step_plan": ctx.plan,
+        "recipe": ctx.recipe.record(),
+        "rows": records,
+        "summary": {
+            "requested": len(records),
+            "passed": sum(r["verdict"] == "pass" for r in records),
+            "failed": [r["id"] for r in records if r["verdict"] != "pass"],
+            "wall_s": round(wall, 3),
+        },
+        "verdict": "pass" if ok else "fail",
+    }
+
+
 def ablate_command(
     row: str | None,
     all_: bool,
@@ -138,13 +161,9 @@ def ablate_command(
         raise InputError(f"--steps {steps}: must be >= 3 (two model evaluations: trajectory rows compare steps)")
     if threads is not None and threads < 1:
         raise InputError(f"--threads {threads}: must be >= 1")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    previous = torch.get_num_threads()
     # CPU: one intra-op thread unless told otherwise (the tiny shapes gain nothing from more, and idle OpenMP
     # workers spin on a shared machine); every arm, and every gloo rank, runs with the same count.
-    torch.set_num_threads(threads or (1 if device == "cpu" else previous))
-    try:
+    with strict_numerics(device, threads or (1 if device == "cpu" else None)):
         started = time.perf_counter()
         ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
         ctx.execution["threads"] = torch.get_num_threads()
@@ -156,26 +175,7 @@ def ablate_command(
                 records.append(run_ablation(ablation_id, rows[ablation_id], ctx))
         wall = time.perf_counter() - started
         trajectory = _trajectory_record(ctx) if any(rows[r].run == "trajectory" for r in selected) else None
-    finally:
-        torch.set_num_threads(previous)
-    ok = all(r["verdict"] == "pass" for r in records)
-    body = {
-        "config": config,
-        "layout": ctx.layout.name,
-        "device": device,
-        "seed": seed,
-        "execution": ctx.execution,
-        "one_step_plan": ctx.plan,
-        "recipe": ctx.recipe.record(),
-        "rows": records,
-        "summary": {
-            "requested": len(records),
-            "passed": sum(r["verdict"] == "pass" for r in records),
-            "failed": [r["id"] for r in records if r["verdict"] != "pass"],
-            "wall_s": round(wall, 3),
-        },
-        "verdict": "pass" if ok else "fail",
-    }
+    body = _body(ctx, config, device, seed, records, wall)
     folder = Path(out) if out is not None else LOCAL_EVIDENCE / "ablate"
     manifests = [ABLATIONS_FILE, MANIFESTS / "layouts.yaml", *sorted((MANIFESTS / "operators").glob("*.yaml"))]
     manifests += (
@@ -184,6 +184,7 @@ def ablate_command(
     path = write_evidence(folder, "ablation.json", "ablation", body, manifests=manifests, device=device)
     if trajectory is not None:
         write_evidence(folder, "trajectory.json", "trajectory", trajectory, manifests=manifests, device=device)
+    ok = body["verdict"] == "pass"
     if json_:
         print(json.dumps({"evidence": display(path), **body["summary"], "verdict": body["verdict"]}, indent=1))
     else:

@@ -20,6 +20,19 @@ import torch
 from h3gate.graph.model import NodeOverride
 from h3gate.parallel.plans import ROW_META, CpPlan, Plan, TpPlan
 
+# TP: the dimension along which each node's value holds the rank's heads (gathered and merged by head id)
+HEADS_DIM = {
+    "q_proj": -1,
+    "k_proj": -1,
+    "v_proj": -1,
+    "q_norm": 2,
+    "k_norm": 2,
+    "rope_q": 2,
+    "rope_k": 2,
+    "attention": -1,
+    "swiglu": -1,
+}
+
 
 def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``t`` in rank order, moved as raw bytes (exact for any dtype; gloo lacks some float types)."""
@@ -46,7 +59,8 @@ def _merge_chunks(parts: list[torch.Tensor], owners, count: int, dim: int) -> to
     return torch.cat([by_id[c] for c in range(count)], dim=dim)
 
 
-def _tp(cfg, graph, plan: TpPlan, rank: int, meta):
+def _tp_node_fns(cfg, plan: TpPlan, rank: int) -> dict:
+    """The rank's function for each sharded node kind of a refiner/transformer block (by the node's local name)."""
     nh, owned = cfg.num_attention_heads, plan.owners[rank]
     k, eps = len(owned), cfg.qk_norm_eps
 
@@ -95,7 +109,7 @@ def _tp(cfg, graph, plan: TpPlan, rank: int, meta):
         half = _chunks(w.shape[0] // 2, owned, nh)
         return ops["h3_ffn_gate_up_gemm"](v[pre + ".norm2"], w[torch.cat([half, half + w.shape[0] // 2])])
 
-    table = {
+    return {
         "adaln_projection": fn_adaln,
         "q_proj": fn_proj("q"),
         "k_proj": fn_proj("k"),
@@ -107,17 +121,14 @@ def _tp(cfg, graph, plan: TpPlan, rank: int, meta):
         "ffn_gate_up": fn_gate_up,
         "ffn_down": fn_out("swiglu", "h3_ffn_down_gemm", "ff.net.2.weight"),
     }
-    heads_dim = {
-        "q_proj": -1,
-        "k_proj": -1,
-        "v_proj": -1,
-        "q_norm": 2,
-        "k_norm": 2,
-        "rope_q": 2,
-        "rope_k": 2,
-        "attention": -1,
-        "swiglu": -1,
-    }
+
+
+def _tp(cfg, graph, plan: TpPlan, rank: int, meta):
+    nh, table = cfg.num_attention_heads, _tp_node_fns(cfg, plan, rank)
+
+    def merge(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return _merge_chunks(all_gather(t), plan.owners, nh, dim)
+
     overrides, dims = {}, {}
     for node in graph.nodes:
         stage, _, local = node.name.rpartition(".")
@@ -125,8 +136,8 @@ def _tp(cfg, graph, plan: TpPlan, rank: int, meta):
             continue
         if local in table:
             overrides[node.name] = NodeOverride(table[local], label=f"TP{plan.world} {local}")
-        if local in heads_dim or local == "ffn_gate_up":
-            dims[node.name] = heads_dim.get(local, "pairs")
+        if local in HEADS_DIM or local == "ffn_gate_up":
+            dims[node.name] = HEADS_DIM.get(local, "pairs")
 
     def report(node, value):
         how = dims.get(node.name)
