@@ -7,7 +7,8 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.graph.block import BLOCK_NODES, BLOCK_PARAMS, GRAPH_INPUTS, block_params, build_block_graph
-from h3gate.graph.core import run_chained, run_isolated, to_float64
+from h3gate.graph.core import to_float64
+from h3gate.graph.execute import run_chained, run_isolated
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import TimestepPlan, build_block_inputs
 from h3gate.inventory import block_tensor_names

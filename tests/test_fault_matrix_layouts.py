@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3gate.graph.core import run_chained, to_float64
+from h3gate.graph.core import to_float64
+from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.manifests.tolerances import load_tolerance
 from h3gate.runs.block_rows import RowContext, isolated_envelope, vjp_rows

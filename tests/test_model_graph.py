@@ -9,7 +9,7 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.graph.block import BLOCK_NODES
-from h3gate.graph.core import run_chained
+from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import provider_table
 from h3gate.graph.inputs import TimestepPlan
 from h3gate.graph.model import (

@@ -17,7 +17,8 @@ import torch
 
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
-from h3gate.graph.core import OpTable, run_chained
+from h3gate.graph.core import OpTable
+from h3gate.graph.execute import run_backward, run_chained
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.graph.inputs import stand_in
 from h3gate.numerics import strict_numerics
@@ -62,8 +63,7 @@ def bench_block(
                 temb = x["temb"].detach().clone().requires_grad_(True)
                 for p in leaves.values():
                     p.grad = None
-                out = run_chained(graph, {**x, "hidden_states": hs, "temb": temb}, leaves, table)[graph.output]
-                out.backward(cot)
+                run_backward(graph, {**x, "hidden_states": hs, "temb": temb}, leaves, table, cot)
                 return hs.grad
 
             return run

@@ -1,4 +1,4 @@
-"""Nodes, op tables and the two ways to execute a graph.
+"""Nodes, graphs and op tables (the executor is :mod:`h3gate.graph.execute`).
 
 A :class:`Node` does not know which execution runs it, and an execution does not know which node it runs: a node's
 ``fn`` receives an :class:`OpTable` (operator name -> callable) and its input values; the execution decides what
@@ -8,8 +8,8 @@ the table holds:
 * candidate - ``registry.bind(op, mode, device).fn`` (strict kernels, or recorded fallbacks);
 * golden    - the provider references on float64 copies of every floating input and parameter.
 
-``run_chained`` feeds each node its own upstream; ``run_isolated`` feeds each node the values another execution
-produced (normally the provider's), which separates a node's own drift from drift it inherited.
+``h3gate.graph.execute.run_chained`` feeds each node its own upstream; ``run_isolated`` feeds each node the values
+another execution produced (normally the provider's), which separates a node's own drift from drift it inherited.
 """
 
 from __future__ import annotations
@@ -83,38 +83,6 @@ class Graph:
             if n.name == name:
                 return n
         raise KeyError(name)
-
-
-def run_chained(
-    graph: Graph,
-    inputs: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    ops: OpTable,
-    node_overrides: Mapping[str, Callable] | None = None,
-) -> Values:
-    """Execute every node on its own upstream. Returns graph inputs plus every node output, by name."""
-    values: Values = dict(inputs)
-    overrides = node_overrides or {}
-    for node in graph.nodes:
-        fn = overrides.get(node.name, node.fn)
-        values[node.name] = fn(ops, {k: values[k] for k in node.inputs}, params)
-    return values
-
-
-def run_isolated(
-    graph: Graph,
-    feed: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    ops: OpTable,
-    node_overrides: Mapping[str, Callable] | None = None,
-) -> Values:
-    """Execute every node on ``feed``'s values of its inputs (e.g. the provider's), independently of each other."""
-    values: Values = {}
-    overrides = node_overrides or {}
-    for node in graph.nodes:
-        fn = overrides.get(node.name, node.fn)
-        values[node.name] = fn(ops, {k: feed[k] for k in node.inputs}, params)
-    return values
 
 
 def to_float64(values: Mapping[str, torch.Tensor]) -> Values:

@@ -34,9 +34,9 @@ import torch
 from h3gate.errors import InputError
 from h3gate.graph.block import build_block_graph
 from h3gate.graph.core import Graph, Node, OpTable
+from h3gate.graph.execute import NodeOverride as NodeOverride  # re-exported
+from h3gate.graph.execute import iter_graph as iter_graph  # re-exported
 from h3gate.graph.refiner import build_refiner_graph
-from h3gate.graph.stream import NodeOverride as NodeOverride  # re-exported
-from h3gate.graph.stream import iter_graph as iter_graph  # re-exported
 from h3gate.inventory import expected_inventory
 from h3gate.manifests.model_config import MODALITY_NUM, ModelConfig
 from h3gate.ops import reference

@@ -38,7 +38,8 @@ from h3gate.gate.invariance import (
 )
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check, leaf_check
-from h3gate.graph.core import Graph, OpTable, Values, run_chained, run_isolated, to_float64
+from h3gate.graph.core import Graph, OpTable, Values, to_float64
+from h3gate.graph.execute import run_backward, run_chained, run_isolated
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs, stand_in
 from h3gate.manifests.tolerances import ToleranceProfile
@@ -168,13 +169,8 @@ class _Executions:
         leaves = {k: x[k].detach().clone().requires_grad_(True) for k in ("hidden_states", "temb")}
         x.update(leaves)
         params = {k: v.detach().clone().requires_grad_(True) for k, v in p.items()}
-        with torch.enable_grad():
-            values = run_chained(self.gate.graph, x, params, self.tables[who], self._overrides(who))
-            for node in self.gate.graph.nodes:
-                if values[node.name].requires_grad:
-                    values[node.name].retain_grad()
-            out = values[self.gate.graph.output]
-            out.backward(cotangent.to(out.dtype))
+        graph = self.gate.graph
+        values = run_backward(graph, x, params, self.tables[who], cotangent, self._overrides(who), True)
         leaf_grads = {k: v.grad for k, v in {**leaves, **params}.items()}
         node_grads = {n.name: values[n.name].grad for n in self.gate.graph.nodes}
         outputs = {n.name: values[n.name].detach() for n in self.gate.graph.nodes}

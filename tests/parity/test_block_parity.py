@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transf
 
 from h3gate.gate.compare import bitwise_equal
 from h3gate.graph.block import BLOCK_NODES, BLOCK_PARAMS, block_params, build_block_graph
-from h3gate.graph.core import run_chained
+from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import provider_table
 from h3gate.graph.inputs import build_block_inputs, stand_in
 from h3gate.layout import build_layout

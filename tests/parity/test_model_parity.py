@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
-from h3gate.graph.core import run_chained
+from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import provider_table
 from h3gate.graph.inputs import TimestepPlan
 from h3gate.graph.model import OUTPUTS, build_model_graph, derive_metadata, raw_metadata

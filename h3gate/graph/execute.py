@@ -1,0 +1,135 @@
+"""The one graph executor: every engine runs a :class:`~h3gate.graph.core.Graph` through these functions.
+
+* :func:`run_node` - the shared core: one node on the values computed so far, or its override;
+* :func:`run_chained` - every node on its own upstream (all values kept);
+* :func:`run_isolated` - every node on ``feed``'s values of its inputs (normally the provider's), which separates a
+  node's own drift from drift it inherited;
+* :func:`iter_graph` - streaming: node by node, each output dropped after its last consumer (a 50-layer model on a
+  GPU), with overrides that may read any earlier value;
+* :func:`run_backward` - a chained forward under autograd on the caller's leaves, then ``out.backward(g)``.
+
+Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
+own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
+every value computed so far (the ablation probes and the parallel harness's rank-local nodes). A stage runner that
+groups nodes itself (``ablate.arms.backward_stream`` under activation checkpointing) calls :func:`run_node` per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.graph.core import Graph, Node, OpTable, Values
+
+
+@dataclass(frozen=True)
+class NodeOverride:
+    """Replaces one node's function: ``fn(ops, values, params, node)`` sees every value computed so far (graph
+    inputs included) and the full parameter mapping; ``reads`` names the earlier node outputs it needs beyond the
+    node's own inputs, so that streaming execution keeps them alive."""
+
+    fn: Callable[[OpTable, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Node], torch.Tensor]
+    reads: tuple[str, ...] = ()
+    label: str = ""
+
+
+Override = Callable | NodeOverride
+
+
+def run_node(
+    node: Node,
+    ops: OpTable,
+    values: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    override: Override | None = None,
+) -> torch.Tensor:
+    """``node``'s output from ``values`` (which hold at least its inputs), through ``override`` when given."""
+    if isinstance(override, NodeOverride):
+        return override.fn(ops, values, params, node)
+    fn = node.fn if override is None else override
+    return fn(ops, {k: values[k] for k in node.inputs}, params)
+
+
+def run_chained(
+    graph: Graph,
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops: OpTable,
+    node_overrides: Mapping[str, Override] | None = None,
+) -> Values:
+    """Execute every node on its own upstream. Returns graph inputs plus every node output, by name."""
+    values: Values = dict(inputs)
+    overrides = node_overrides or {}
+    for node in graph.nodes:
+        values[node.name] = run_node(node, ops, values, params, overrides.get(node.name))
+    return values
+
+
+def run_isolated(
+    graph: Graph,
+    feed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops: OpTable,
+    node_overrides: Mapping[str, Override] | None = None,
+) -> Values:
+    """Execute every node on ``feed``'s values of its inputs (e.g. the provider's), independently of each other."""
+    values: Values = {}
+    overrides = node_overrides or {}
+    for node in graph.nodes:
+        values[node.name] = run_node(node, ops, feed, params, overrides.get(node.name))
+    return values
+
+
+def iter_graph(
+    graph: Graph,
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops: OpTable,
+    overrides: Mapping[str, Override] | None = None,
+) -> Iterator[tuple[Node, torch.Tensor]]:
+    """Run ``graph`` node by node, yielding ``(node, output)``; an output is dropped after its last consumer, so
+    memory stays at the live set (what a 50-layer model needs on a GPU)."""
+    overrides = overrides or {}
+    missing = [k for k in graph.inputs if k not in inputs]
+    if missing:
+        raise InputError(f"graph {graph.name}: input {missing[0]} missing")
+    last_use: dict[str, int] = {}
+    for k, node in enumerate(graph.nodes):
+        extra = getattr(overrides.get(node.name), "reads", ())
+        for name in (*node.inputs, *extra):
+            last_use[name] = k
+    values: dict[str, torch.Tensor] = dict(inputs)
+    for k, node in enumerate(graph.nodes):
+        out = run_node(node, ops, values, params, overrides.get(node.name))
+        values[node.name] = out
+        yield node, out
+        for name in [n for n, last in last_use.items() if last == k and n not in graph.inputs]:
+            values.pop(name, None)
+            del last_use[name]
+
+
+def run_backward(
+    graph: Graph,
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops: OpTable,
+    cotangent: torch.Tensor,
+    node_overrides: Mapping[str, Override] | None = None,
+    retain_node_grads: bool = False,
+) -> Values:
+    """The gradient of ``<output, cotangent>``: a chained forward under autograd, then
+    ``out.backward(cotangent.to(out.dtype))``. The caller owns the leaves (inputs and parameters it made
+    ``requires_grad``) and reads their ``.grad``; with ``retain_node_grads`` every node output that requires grad
+    keeps its ``.grad`` too. Returns the forward values."""
+    with torch.enable_grad():
+        values = run_chained(graph, inputs, params, ops, node_overrides)
+        if retain_node_grads:
+            for node in graph.nodes:
+                if values[node.name].requires_grad:
+                    values[node.name].retain_grad()
+        out = values[graph.output]
+        out.backward(cotangent.to(out.dtype))
+    return values
