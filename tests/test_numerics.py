@@ -13,8 +13,6 @@ from h3gate.numerics import strict_numerics
 from h3gate.runs import ws1_block, ws1_ops
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3gate"
-# Issue 14 part B moves this one onto the switch (the ablation command's TF32 and thread count).
-TF32_SITES_LEFT = {"commands/ablate_cmd.py"}
 
 
 def _tf32() -> tuple[bool, bool]:
@@ -68,4 +66,4 @@ def test_no_module_flips_tf32_but_the_switch():
         for p in PACKAGE.rglob("*.py")
         if re.search(r"allow_tf32\s*=", p.read_text(encoding="utf-8"))
     }
-    assert sites - TF32_SITES_LEFT == {"numerics.py"}
+    assert sites == {"numerics.py"}
