@@ -16,7 +16,18 @@ PACKAGE = Path(__file__).resolve().parents[1] / "h3gate"
 
 # (room, module prefixes), lowest first: a room may import itself and the rooms above it in this list.
 ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("h3gate", "h3gate.errors", "h3gate.paths", "h3gate.hashing", "h3gate.memory", "h3gate.numerics")),
+    (
+        "base",
+        (
+            "h3gate",
+            "h3gate.errors",
+            "h3gate.paths",
+            "h3gate.hashing",
+            "h3gate.dtypes",
+            "h3gate.memory",
+            "h3gate.numerics",
+        ),
+    ),
     ("evidence", ("h3gate.evidence",)),
     ("manifests", ("h3gate.manifests",)),
     ("inventory", ("h3gate.inventory",)),

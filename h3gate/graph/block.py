@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.graph.body_nodes import BODY_PARAMS, body_specs
 from h3gate.graph.core import Graph, Node, OpTable
@@ -230,8 +231,7 @@ def block_params(source, layer: int = 0, device: str | torch.device = "cpu") -> 
         tensor = source.load(name, device, check_finite=True)
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != getattr(torch, dtype):
             raise InputError(
-                f"{origin}: {name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}, "
-                f"expected {tuple(shape)} {dtype}"
+                f"{origin}: {name}: {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {tuple(shape)} {dtype}"
             )
         params[key] = tensor
     return params

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
@@ -112,7 +113,7 @@ def timestep_embedding(source, timestep: torch.Tensor, cfg: ModelConfig, device:
     w1, b1, w2, b2 = (source.load(n, device, check_finite=True) for n in TIME_EMBEDDER)
     for name, t in zip(TIME_EMBEDDER, (w1, b1, w2, b2), strict=True):
         if t.dtype != torch.float32:
-            raise InputError(f"{name}: {str(t.dtype).replace('torch.', '')}, expected float32 (an FP32 module)")
+            raise InputError(f"{name}: {dtype_name(t.dtype)}, expected float32 (an FP32 module)")
     sinusoid = reference.timestep_sinusoid(timestep.to(device), cfg.freq_dim)
     return reference.timestep_mlp(sinusoid, w1, b1, w2, b2)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.graph.block import build_block_graph
 from h3gate.graph.core import Graph, Node, OpTable
@@ -460,7 +461,7 @@ def load_model_params(source, cfg: ModelConfig, device: str | torch.device = "cp
         tensor = source.load(spec.name, device, check_finite=True)
         if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != getattr(torch, spec.dtype):
             raise InputError(
-                f"{spec.name}: {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}, expected "
+                f"{spec.name}: {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected "
                 f"{tuple(spec.shape)} {spec.dtype}"
             )
         params[spec.name] = tensor

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
 from h3gate.kernels.exact import helper, rne
@@ -156,7 +157,7 @@ def qk_scale(head_dim: int) -> float:
 
 def attn_config(head_dim: int, dtype: torch.dtype, seq_len: int | None = None) -> AttnConfig:
     """The (D, dtype) tiling; with ``seq_len`` its forward query-block height from ``FWD_S_BUCKETS``."""
-    key = (head_dim, str(dtype).replace("torch.", ""))
+    key = (head_dim, dtype_name(dtype))
     cfg = ATTN_TABLE[key]
     if seq_len is not None:
         for bound, fwd_m, warps, stages in FWD_S_BUCKETS.get(key, ()):

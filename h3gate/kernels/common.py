@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 
 T = TypeVar("T")
@@ -41,8 +42,8 @@ def check_tensor(
     if t.numel() == 0:
         raise InputError(f"{op}: {arg}: empty tensor {tuple(t.shape)}")
     if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise InputError(f"{op}: {arg}: dtype {str(t.dtype).replace('torch.', '')} not supported (expected {names})")
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise InputError(f"{op}: {arg}: dtype {dtype_name(t.dtype)} not supported (expected {names})")
     if ndim is not None and t.ndim != ndim:
         raise InputError(f"{op}: {arg}: expected {ndim} dims, got shape {tuple(t.shape)}")
     if device is not None and t.device != device:
@@ -109,7 +110,7 @@ def check_table(
 def check_dtype_as(op: str, arg: str, t: torch.Tensor, dtype: torch.dtype, other: str) -> None:
     """``t`` must have the dtype of argument ``other`` (strict kernels do not promote types)."""
     if t.dtype != dtype:
-        got, want = str(t.dtype).replace("torch.", ""), str(dtype).replace("torch.", "")
+        got, want = dtype_name(t.dtype), dtype_name(dtype)
         raise InputError(f"{op}: {arg}: dtype {got} differs from {other} ({want}); strict kernels do not promote")
 
 

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import f32, helper, rne
@@ -352,7 +353,7 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise InputError(f"{op}: x: expected at least 1 dim, got a scalar")
     check_tensor(op, "weight", weight, _DTYPES, ndim=2, device=x.device)
     if weight.dtype != x.dtype:
-        raise InputError(f"{op}: weight: dtype {_name(weight.dtype)} does not match x dtype {_name(x.dtype)}")
+        raise InputError(f"{op}: weight: dtype {dtype_name(weight.dtype)} does not match x dtype {dtype_name(x.dtype)}")
     if weight.shape[1] != x.shape[-1]:
         raise InputError(
             f"{op}: weight: in_features {weight.shape[1]} != x last dim {x.shape[-1]} "
@@ -361,13 +362,9 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if bias is not None:
         check_tensor(op, "bias", bias, _DTYPES, ndim=1, device=x.device)
         if bias.dtype != x.dtype:
-            raise InputError(f"{op}: bias: dtype {_name(bias.dtype)} does not match x dtype {_name(x.dtype)}")
+            raise InputError(f"{op}: bias: dtype {dtype_name(bias.dtype)} does not match x dtype {dtype_name(x.dtype)}")
         if bias.shape[0] != weight.shape[0]:
             raise InputError(f"{op}: bias: length {bias.shape[0]} != out_features {weight.shape[0]}")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -393,7 +390,9 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         n, k = weight.shape
         if gy.dtype != x.dtype:
-            raise InputError(f"{ctx.op}: grad_output: dtype {_name(gy.dtype)} != output dtype {_name(x.dtype)}")
+            raise InputError(
+                f"{ctx.op}: grad_output: dtype {dtype_name(gy.dtype)} != output dtype {dtype_name(x.dtype)}"
+            )
         g2 = gy.reshape(-1, n).contiguous()  # a contiguous copy changes layout, never values
         x2 = x.reshape(-1, k)
         dx = dw = db = None

@@ -48,6 +48,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from h3gate.dtypes import dtype_name
+
 ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
 
 
@@ -224,7 +226,7 @@ def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = N
     BLOCK_K never depends on ``m``; ``m`` only selects a tile shape/order from ``M_BUCKETS`` (forward, M < SMALL_M)."""
     if role not in ROLES:
         raise ValueError(f"gemm role {role!r}: expected one of {ROLES}")
-    name = str(dtype).replace("torch.", "")
+    name = dtype_name(dtype)
     key = (role, n, k, name)
     small = None
     if m is not None:

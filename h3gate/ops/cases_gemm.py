@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.cases import CaseBuilder, OpCase, randn
 from h3gate.ops.golden import DENSE_ATTENTION_GOLDEN_BYTES, attention_fp64
@@ -45,7 +46,7 @@ def _linear_case(
         prefix_rows=min(rows, PREFIX_ROWS),
         bytes_moved=size * (rows * k + n * k + rows * n + (n if bias else 0)),
         flops=2 * rows * n * k,
-        shape=f"M={rows} K={k} N={n} {str(dtype).replace('torch.', '')}{' +bias' if bias else ''}",
+        shape=f"M={rows} K={k} N={n} {dtype_name(dtype)}{' +bias' if bias else ''}",
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.drift import first_drift
@@ -277,7 +278,7 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
                 "inputs": list(node.inputs),
                 "meta": dict(node.meta),
                 "shape": list(prov[n].shape),
-                "dtype": str(prov[n].dtype).replace("torch.", ""),
+                "dtype": dtype_name(prov[n].dtype),
                 "binding": nb.record(),
                 "isolated_bitwise_promise": {
                     "listed": listed,
@@ -447,7 +448,7 @@ def _backward(
             failing.extend(_failure(f"backward.{kind}.{k}", ch) for ch in checks if not ch["pass"])
             out[k] = {
                 "shape": list(c[k].shape),
-                "dtype": str(c[k].dtype).replace("torch.", ""),
+                "dtype": dtype_name(c[k].dtype),
                 "repeat": rep[k],
                 "batch_row": cand_batch.get(k),
                 "provider_repeat_bitwise": prep[k]["bitwise"],
@@ -495,7 +496,7 @@ def input_record(inputs: BlockInputs) -> dict:
     return {
         **inputs.record(),
         "tensors": {
-            k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", ""), "sha256": tensor_sha256(v)}
+            k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype), "sha256": tensor_sha256(v)}
             for k, v in inputs.tensors.items()
         },
     }

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.gate.compare import agreement, bitwise_equal, error
 from h3gate.gate.rows import describe, row_errors
@@ -45,10 +46,6 @@ DEFAULT_ACCURACY = {
     "backward": {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3},
 }
 PLACEMENTS: tuple[tuple[int, int], ...] = ((2, 0), (2, 1), (3, 0), (3, 1), (3, 2))
-
-
-def dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
 
 
 def bounds(op: str) -> tuple[dict, dict, str]:
@@ -91,7 +88,7 @@ def _widen(t: torch.Tensor, dim: int, size: int, position: int, gen: torch.Gener
 
 
 def _acc_check(kernel: torch.Tensor, provider: torch.Tensor, golden: torch.Tensor, table: dict) -> dict:
-    dt = dtype_name(kernel)
+    dt = dtype_name(kernel.dtype)
     bound = table.get(dt)
     k, p = error(kernel, golden), error(provider, golden)
     ok = bound is not None and k["rel_l2"] is not None and k["rel_l2"] <= bound
@@ -145,7 +142,7 @@ def _row_checks(
                 errs[i][variant.name] = row_errors(t, tensors[i][2], tensors[i][3])
         del got
     fwd, bwd = declared
-    least = [fwd.get(dtype_name(k)) if i == 0 else bwd.get(dtype_name(k)) if k is not None else None
+    least = [fwd.get(dtype_name(k.dtype)) if i == 0 else bwd.get(dtype_name(k.dtype)) if k is not None else None
              for i, (k, _, _, _) in enumerate(tensors)]  # fmt: skip
     return [
         ctx.judge(k, e, g, d, at_least=m or 0.0) if k is not None and e else None
