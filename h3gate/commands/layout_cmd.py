@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -13,7 +11,7 @@ from rich.table import Table
 
 from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_PASS, InputError
-from h3gate.evidence.writer import new_file_mode
+from h3gate.evidence.writer import atomic_write_safetensors
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LayoutSpec, load_layout
 from h3gate.manifests.loader import describe_validation_error
@@ -33,25 +31,14 @@ GEOMETRY = ("text_tokens", "latent_frames", "latent_height", "latent_width", "au
 
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write ``tensors`` to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     if path.suffix != ".safetensors":
         raise InputError(f"--save {path}: must end in .safetensors")
     if not path.parent.is_dir():
         what = "is not a folder" if path.parent.exists() else "does not exist"
         raise InputError(f"--save {path}: folder {path.parent} {what}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, new_file_mode())  # save_file leaves 0600 whatever the umask
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise InputError(f"--save {path}: cannot write ({exc.strerror or exc})") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    atomic_write_safetensors({path: tensors}, metadata, f"--save {path}")
 
 
 def parse_vision_rows(values: list[str]) -> list[tuple[int, int]]:

@@ -7,8 +7,6 @@ mode meeting a node without its strict kernel: nothing runs).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from rich.table import Table
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import new_file_mode, prepare_out, write_evidence
+from h3gate.evidence.writer import atomic_write_safetensors, prepare_out, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
 from h3gate.numerics import strict_numerics
@@ -61,8 +59,6 @@ def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
 
 def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     """Write ``<name>.safetensors`` for every entry: all temp files first, then ``os.replace`` each."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise InputError(f"--save-tensors {display(folder)}: exists and is not a folder")
@@ -70,22 +66,8 @@ def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], m
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"--save-tensors {display(folder)}: cannot create ({exc.strerror or exc})") from None
-    temps: dict[str, str] = {}
-    try:
-        for name, tensors in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-            os.close(fd)
-            temps[name] = tmp
-            save_file(tensors, tmp, metadata=metadata)
-            os.chmod(tmp, new_file_mode())  # save_file leaves 0600 whatever the umask
-        for name, tmp in temps.items():
-            os.replace(tmp, folder / f"{name}.safetensors")
-    except OSError as exc:
-        raise InputError(f"--save-tensors {display(folder)}: cannot write ({exc.strerror or exc})") from None
-    finally:
-        for tmp in temps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    paths = {folder / f"{name}.safetensors": tensors for name, tensors in files.items()}
+    atomic_write_safetensors(paths, metadata, f"--save-tensors {display(folder)}")
 
 
 def _fmt(x: float | None) -> str:

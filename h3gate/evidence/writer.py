@@ -63,6 +63,30 @@ def new_file_mode() -> int:
     return 0o666 & ~umask
 
 
+def atomic_write_safetensors(files: dict[Path, dict], metadata: dict[str, str], label: str) -> None:
+    """Write each ``path -> {name: tensor}`` as safetensors: every temp file first (in its target folder, chmod to
+    :func:`new_file_mode`: ``save_file`` leaves 0600 whatever the umask), then ``os.replace`` each; nothing
+    half-written. An ``OSError`` becomes ``InputError("<label>: cannot write (...)")``."""
+    from safetensors.torch import save_file
+
+    temps: dict[Path, str] = {}
+    try:
+        for path, tensors in files.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            temps[path] = tmp
+            save_file(tensors, tmp, metadata=metadata)
+            os.chmod(tmp, new_file_mode())
+        for path, tmp in temps.items():
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise InputError(f"{label}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        for tmp in temps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``; nothing half-written.
 
