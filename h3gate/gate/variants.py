@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3gate import numerics
 from h3gate.manifests.tolerances import CPU_VARIANTS, CUDA_VARIANTS
 
 
@@ -29,16 +30,6 @@ from h3gate.manifests.tolerances import CPU_VARIANTS, CUDA_VARIANTS
 class Variant:
     name: str
     enter: Callable[[], contextlib.AbstractContextManager]
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -88,7 +79,7 @@ def _make(name: str, device: str) -> Variant | str:
     if name in CUDA_VARIANTS and not cuda:
         return "a CUDA variant; this run is on the CPU"
     if name == "threads-1":
-        return Variant(name, lambda: _threads(1))
+        return Variant(name, lambda: numerics.threads(1))
     if name == "mkldnn-off":
         if not torch.backends.mkldnn.is_available():
             return "oneDNN is not available in this torch build"
