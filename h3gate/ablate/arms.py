@@ -17,17 +17,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from h3gate.graph.core import Graph, Node, OpTable
+from h3gate.graph.execute import NodeOverride, iter_graph, run_node
 from h3gate.graph.inputs import seeded_normal
-from h3gate.graph.model import (
-    OUTPUTS,
-    NodeOverride,
-    RawMetadata,
-    adaln_rule_h3,
-    derive_metadata,
-    iter_graph,
-    metadata_nodes,
-    raw_metadata,
-)
+from h3gate.graph.model import OUTPUTS, RawMetadata, adaln_rule_h3, derive_metadata, metadata_nodes, raw_metadata
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.schedule import Schedule
@@ -162,7 +154,7 @@ def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device
         def run(*ext, _group=group, _external=external, _keep=keep):
             local = dict(zip(_external, ext, strict=True))
             for n in _group:
-                local[n.name] = n.fn(ops, {i: local[i] for i in n.inputs}, params)
+                local[n.name] = run_node(n, ops, local, params)
             return tuple(local[k] for k in _keep)
 
         stage = group[0].meta["stage"]

@@ -15,12 +15,13 @@ from dataclasses import replace
 import torch
 
 from h3gate.ablate.arms import forward_stream
-from h3gate.ablate.engine import BIG_MODEL_PARAMS, compare_streams
+from h3gate.ablate.engine import compare_streams
 from h3gate.ablate.outcome import Outcome
 from h3gate.gate.compare import bitwise_equal, tensor_sha256
 from h3gate.graph.model import derive_metadata, raw_metadata
 from h3gate.layout import build_layout
 from h3gate.manifests.ablations import AblationRow
+from h3gate.memory import BIG_MODEL_PARAMS
 from h3gate.trajectory import iter_trajectory
 
 STATE_WORDS = ("cache", "past", "kv_")

@@ -30,9 +30,9 @@ from h3gate.graph.model import OUTPUTS
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.ablations import ANY, ROW_SYMBOL, AblationRow, Signature
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.memory import BIG_MODEL_PARAMS
 from h3gate.trajectory import Recipe, Request, make_request
 
-BIG_MODEL_PARAMS = 2_000_000_000  # above this, H-C6 and H-C7 bound their work to the first and last block
 HASHED = (*OUTPUTS, "scheduler.video_step", "scheduler.audio_step", "init.condition_rows")
 
 

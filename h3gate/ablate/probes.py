@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from h3gate.ablate.arms import Arm
-from h3gate.graph.model import NodeOverride, RawMetadata
+from h3gate.graph.execute import NodeOverride
+from h3gate.graph.model import RawMetadata
 from h3gate.layout import AUDIO_TAG, PackedLayout
 from h3gate.schedule import Schedule, euler_step, scale_noise
 

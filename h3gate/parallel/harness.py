@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from h3gate.memory import BIG_MODEL_PARAMS as MAX_PARAMS  # CPU ranks each hold the whole model
 from h3gate.parallel.plans import NotAvailable, Plan, plan_record
 
-MAX_PARAMS = 2_000_000_000  # CPU ranks each hold the whole model
 TIMEOUT_S = 300
 BACKEND = "gloo, CPU, spawned worker processes"
 MERGE = "all_gather of raw bytes, concatenated by logical head/channel/row id (no arithmetic)"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from h3gate.graph.model import NodeOverride
+from h3gate.graph.execute import NodeOverride
 from h3gate.parallel.plans import ROW_META, CpPlan, Plan, TpPlan
 
 # TP: the dimension along which each node's value holds the rank's heads (gathered and merged by head id)

@@ -22,8 +22,9 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file, save_file
 
+    from h3gate.graph.execute import iter_graph
     from h3gate.graph.executions import bind_graph, candidate_table, provider_table
-    from h3gate.graph.model import build_model_graph, iter_graph, load_model_params
+    from h3gate.graph.model import build_model_graph, load_model_params
     from h3gate.manifests.model_config import load_config
     from h3gate.synth import SyntheticSource
 
