@@ -11,6 +11,10 @@ A signature field that is absent is not checked; ``any`` says the RFC promises o
 engine records whichever it observes. ``row`` is a packed row: an integer, or ``<group>[k]`` resolved against the
 layout (``text``, ``video``, ``audio`` index tensors; ``video_target`` / ``audio_target`` skip condition rows;
 ``media[k]`` is packed row ``text_tokens + k``, the k-th row after the text block).
+
+Rows are keyed by ablation id (``A0``, ``H17``, ``H-C4``) and kept in file order. What a row's ``probe`` / ``strict``
+name is checked against the registries of :mod:`h3gate.ablate.registry` (by ``ablate`` and ``validate``); ``ranks``
+is a distributed row's world size.
 """
 
 from __future__ import annotations
