@@ -30,7 +30,6 @@ from h3gate.gate.drift import first_drift
 from h3gate.gate.invariance import (
     GRAD_PLACEMENTS,
     PLACEMENTS,
-    batch_records,
     merge_placements,
     place,
     placement_records,
@@ -38,27 +37,25 @@ from h3gate.gate.invariance import (
     slices,
 )
 from h3gate.gate.rows import describe
-from h3gate.gate.tolerance import error_check, leaf_check
+from h3gate.gate.tolerance import error_check
 from h3gate.graph.core import Graph, OpTable, Values, to_float64
 from h3gate.graph.execute import run_backward, run_chained, run_isolated
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
-from h3gate.graph.inputs import BlockInputs, stand_in
+from h3gate.graph.inputs import BlockInputs
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.numerics import strict_numerics
+from h3gate.runs.block_backward import ROW_STEP_BACKWARD, backward
+from h3gate.runs.block_records import bound_check, check, failure, unrelated, value_record
 from h3gate.runs.block_rows import (
     RowContext,
-    failure_line,
     first_row_failure,
     forward_rows,
-    grad_rows,
-    vjp_rows,
 )
 from h3gate.runs.fault_matrix import run_fault_matrix
 
 FORWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "candidate isolated", "golden")
 BACKWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "golden")
 ROW_STEP_FORWARD = "provider variants and node-local goldens (row rule)"
-ROW_STEP_BACKWARD = "provider variants and node VJPs (row rule)"
 NOTES = (
     "Audit mode reports every fallback (an op that ran the provider reference instead of its strict kernel) as a "
     "failing finding: an audit run with fallbacks is not a pass of the strict gate. Auto mode records fallbacks "
@@ -178,26 +175,31 @@ class _Executions:
         return leaf_grads, node_grads, outputs
 
 
-def _unrelated(gate: BlockGate, tag: str) -> list[torch.Tensor]:
-    h = gate.inputs.tensors["hidden_states"]
-    n = max(size for size, _ in (*PLACEMENTS, *GRAD_PLACEMENTS)) - 1
-    return [stand_in(gate.inputs.seed, tag, i, h.shape[1], h.shape[2], h.device) for i in range(1, n + 1)]
-
-
-def _check(name: str, ok: bool, detail: str = "") -> dict:
-    return {"check": name, "pass": bool(ok), "detail": detail}
-
-
-def _failure(where: str, check: dict) -> str:
-    return f"{where}.{check['check']}" + (f" ({check['detail']})" if check["detail"] else "")
-
-
 def run_block_gate(gate: BlockGate) -> BlockGateResult:
     """Run every execution of the one-block gate and evaluate the tolerance profile; see the module docstring.
 
     Runs under :func:`h3gate.numerics.strict_numerics`; binds the graph only when the gate carries no bindings."""
     with strict_numerics(gate.device):
         return _run_block_gate(gate)
+
+
+@dataclass
+class _Forward:
+    """The forward executions of one gate run and their invariance and row records."""
+
+    prov: Values
+    cand: Values
+    iso: Values
+    gold: Values
+    prov_rep: dict[str, dict]
+    cand_rep: dict[str, dict]
+    prov_batch: dict[str, dict]
+    cand_batch: dict[str, dict]
+    ctx: RowContext
+    rows: dict[str, dict]
+    device_kind: str
+    device_promised: set[str]
+    seconds: float
 
 
 def _run_block_gate(gate: BlockGate) -> BlockGateResult:
@@ -212,9 +214,61 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     modalities = gate.inputs.modalities
     row_dims = {n.name: n.row_dim for n in graph.nodes}
     batch_dims = {n.name: (0 if n.row_dim is not None else None) for n in graph.nodes}
-    failing: list[str] = []
+    fw = _forward(gate, ex, names, row_dims, batch_dims)
+    nodes, chained, isolated, failing = _node_records(gate, bindings, fw)
+    backward_report, backward_s = None, 0.0
+    if gate.backward:
+        t1 = time.perf_counter()
+        backward_report, backward_failing = backward(gate, ex, fw.cand, fw.prov, fw.ctx, row_dims, batch_dims)
+        failing += backward_failing
+        backward_s = time.perf_counter() - t1
+    matrix = None
+    if gate.fault_matrix:
+        ex.step("fault matrix")
+        matrix = run_fault_matrix(graph, fw.ctx, ex.tables["candidate"], fw.prov, gate.params)
+        failing += [f"fault_matrix.{r['fault']}.not_located" for r in matrix["faults"] if not r["located"]]
+        fw.ctx.kept.clear()
+    fallbacks = [
+        {"node": n, "op": b.op, "reason": b.reason} for n, nb in bindings.items() for b in nb.bindings if b.fallback
+    ]
+    verdict = "pass" if not failing else "fail"
+    report = {
+        "nodes": nodes,
+        "first_drift": first_drift(names, chained),
+        "first_isolated_drift": first_drift(names, isolated),
+        "first_repeat_drift": first_drift(names, fw.cand_rep),
+        "first_batch_drift": first_drift(names, fw.cand_batch),
+        "provider_self": {
+            "first_repeat_drift": first_drift(names, fw.prov_rep),
+            "first_batch_drift": first_drift(names, fw.prov_batch),
+        },
+        "backward": backward_report,
+        "row_rule": fw.ctx.record(),
+        "fault_matrix": matrix,
+        "first_row_failure": first_row_failure(nodes, backward_report, modalities),
+        "fallbacks": fallbacks,
+        "verdict": verdict,
+        "failing_checks": failing,
+        "notes": list(NOTES),
+        "timing": {
+            "forward_s": round(fw.seconds, 4),
+            "backward_s": round(backward_s, 4),
+            "total_s": round(time.perf_counter() - started, 4),
+        },
+    }
+    values = {"provider": fw.prov, "candidate": fw.cand, "golden": fw.gold}
+    return BlockGateResult(report, verdict, failing, values)
 
-    # ---- forward ---------------------------------------------------------------------------------------------
+
+def _forward(
+    gate: BlockGate,
+    ex: _Executions,
+    names: list[str],
+    row_dims: dict[str, int | None],
+    batch_dims: dict[str, int | None],
+) -> _Forward:
+    """Provider, candidate (chained, repeated, isolated), golden, the batch placements and the forward row rule."""
+    graph, tol, modalities = gate.graph, gate.tolerance, gate.inputs.modalities
     t0 = time.perf_counter()
     prov = ex.forward("provider", "provider")
     prov_rep = repeat_records(names, prov, ex.forward("provider", "provider repeat"), row_dims, modalities)
@@ -223,7 +277,7 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     iso = ex.isolated(prov)
     gold = ex.forward("golden", "golden")
     x0 = gate.inputs.tensors["hidden_states"]
-    others = _unrelated(gate, "hidden_states")
+    others = unrelated(gate.inputs, "hidden_states")
     batch: dict[str, list] = {"candidate": [], "provider": []}
     for who, reference in (("candidate", cand), ("provider", prov)):
         for size, pos in PLACEMENTS[1:]:
@@ -239,256 +293,76 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     rows = forward_rows(ctx, graph, lambda: ex.plain("provider"), gate.params, ex.golden_params, prov, cand, iso, gold)
     device_kind = "cuda" if gate.device.startswith("cuda") else "cpu"
     device_promised = set(tol.forward.isolated_bitwise_on.get(device_kind, []))
-    forward_s = time.perf_counter() - t0
+    return _Forward(
+        prov, cand, iso, gold, prov_rep, cand_rep, prov_batch, cand_batch, ctx, rows, device_kind, device_promised,
+        time.perf_counter() - t0,
+    )  # fmt: skip
 
-    nodes = []
+
+def _node_records(
+    gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: _Forward
+) -> tuple[list[dict], dict[str, dict], dict[str, dict], list[str]]:
+    """One record per node (checks of the tolerance profile's forward section): (records, chained agreements,
+    isolated agreements, failing checks)."""
+    tol, modalities = gate.tolerance.forward, gate.inputs.modalities
+    nodes, failing = [], []
     chained, isolated = {}, {}
-    for node in graph.nodes:
+    for node in gate.graph.nodes:
         n = node.name
         nb = bindings[n]
-        chained[n] = agreement(cand[n], prov[n], node.row_dim, modalities)
-        isolated[n] = agreement(iso[n], prov[n], node.row_dim, modalities)
-        err_c, err_p = error(cand[n], gold[n]), error(prov[n], gold[n])
-        listed = n in tol.forward.isolated_bitwise or n in device_promised
-        promised = listed and (nb.provider_bitwise or n in device_promised)
+        chained[n] = agreement(fw.cand[n], fw.prov[n], node.row_dim, modalities)
+        isolated[n] = agreement(fw.iso[n], fw.prov[n], node.row_dim, modalities)
+        err_c, err_p = error(fw.cand[n], fw.gold[n]), error(fw.prov[n], fw.gold[n])
+        listed = n in tol.isolated_bitwise or n in fw.device_promised
+        promised = listed and (nb.provider_bitwise or n in fw.device_promised)
         checks = []
-        if tol.forward.repeat_bitwise:
-            checks.append(_check("repeat_bitwise", cand_rep[n]["bitwise"]))
-        if tol.forward.batch_row_bitwise:
-            checks.append(_check("batch_row_bitwise", cand_batch[n]["bitwise"]))
+        if tol.repeat_bitwise:
+            checks.append(check("repeat_bitwise", fw.cand_rep[n]["bitwise"]))
+        if tol.batch_row_bitwise:
+            checks.append(check("batch_row_bitwise", fw.cand_batch[n]["bitwise"]))
         if promised:
-            checks.append(_check("isolated_bitwise", isolated[n]["bitwise"], "promised by the tolerance profile"))
-        bound = error_check(err_c, err_p, tol.forward.error_metric, tol.forward.error_factor, tol.forward.error_floor)
-        checks.append(
-            _check("error_bound", bound["pass"], f"{bound['metric']} {bound['candidate']} <= {bound['bound']}")
-        )
+            checks.append(check("isolated_bitwise", isolated[n]["bitwise"], "promised by the tolerance profile"))
+        bound = error_check(err_c, err_p, tol.error_metric, tol.error_factor, tol.error_floor)
+        checks.append(bound_check(bound))
         for view in ("isolated", "chained"):
-            check = rows[n][view]
-            detail = "" if check["pass"] else describe(check, modalities)
-            checks.append(_check(f"row_bound_{view}", check["pass"], detail))
+            row = fw.rows[n][view]
+            checks.append(check(f"row_bound_{view}", row["pass"], "" if row["pass"] else describe(row, modalities)))
         if gate.mode == "audit" and nb.fallback:
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
-            checks.append(_check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
-        failing += [_failure(f"forward.{n}", c) for c in checks if not c["pass"]]
+            checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
+        failing += [failure(f"forward.{n}", c) for c in checks if not c["pass"]]
+        promise = {"listed": listed, "applies": promised, "reason": _promise_reason(n, listed, promised, fw)}
+        head = {"name": n, "owner_row": node.owner_row, "ops": list(node.ops), "inputs": list(node.inputs),
+                "meta": dict(node.meta)}  # fmt: skip
         nodes.append(
-            {
-                "name": n,
-                "owner_row": node.owner_row,
-                "ops": list(node.ops),
-                "inputs": list(node.inputs),
-                "meta": dict(node.meta),
-                "shape": list(prov[n].shape),
-                "dtype": dtype_name(prov[n].dtype),
-                "binding": nb.record(),
-                "isolated_bitwise_promise": {
-                    "listed": listed,
-                    "applies": promised,
-                    "reason": (
-                        "not listed in the tolerance profile"
-                        if not listed
-                        else f"listed for {device_kind} devices (isolated_bitwise_on)"
-                        if n in device_promised
-                        else "listed; every op runs the reference or a provider_bitwise kernel"
-                        if promised
-                        else "listed, but a kernel's contract declares provider_bitwise: false"
-                    ),
-                },
-                "repeat": cand_rep[n],
-                "batch_row": cand_batch[n],
-                "provider_repeat_bitwise": prov_rep[n]["bitwise"],
-                "provider_batch_row_bitwise": prov_batch[n]["bitwise"],
-                "chained": chained[n],
-                "isolated": isolated[n],
-                "error": {"candidate": err_c, "provider": err_p, "bound": bound},
-                "rows": rows[n],
-                "sha256": {"provider": tensor_sha256(prov[n]), "candidate": tensor_sha256(cand[n])},
-                "checks": checks,
-                "pass": all(c["pass"] for c in checks),
-            }
+            value_record(
+                fw.prov[n],
+                fw.cand[n],
+                fw.prov[n],
+                head=head,
+                after_dtype={"binding": nb.record(), "isolated_bitwise_promise": promise},
+                repeat=fw.cand_rep[n],
+                batch_row=fw.cand_batch[n],
+                provider_repeat_bitwise=fw.prov_rep[n]["bitwise"],
+                provider_batch_row_bitwise=fw.prov_batch[n]["bitwise"],
+                chained=chained[n],
+                after_chained={"isolated": isolated[n]},
+                error={"candidate": err_c, "provider": err_p, "bound": bound},
+                rows=fw.rows[n],
+                checks=checks,
+            )  # fmt: skip
         )
-
-    # ---- backward --------------------------------------------------------------------------------------------
-    backward_report, backward_s = None, 0.0
-    if gate.backward:
-        t1 = time.perf_counter()
-        backward_report = _backward(gate, ex, cand, prov, ctx, failing, row_dims, batch_dims)
-        backward_s = time.perf_counter() - t1
-
-    matrix = None
-    if gate.fault_matrix:
-        ex.step("fault matrix")
-        matrix = run_fault_matrix(graph, ctx, ex.tables["candidate"], prov, gate.params)
-        failing += [f"fault_matrix.{r['fault']}.not_located" for r in matrix["faults"] if not r["located"]]
-        ctx.kept.clear()
-    fallbacks = [
-        {"node": n, "op": b.op, "reason": b.reason} for n, nb in bindings.items() for b in nb.bindings if b.fallback
-    ]
-    verdict = "pass" if not failing else "fail"
-    report = {
-        "nodes": nodes,
-        "first_drift": first_drift(names, chained),
-        "first_isolated_drift": first_drift(names, isolated),
-        "first_repeat_drift": first_drift(names, cand_rep),
-        "first_batch_drift": first_drift(names, cand_batch),
-        "provider_self": {
-            "first_repeat_drift": first_drift(names, prov_rep),
-            "first_batch_drift": first_drift(names, prov_batch),
-        },
-        "backward": backward_report,
-        "row_rule": ctx.record(),
-        "fault_matrix": matrix,
-        "first_row_failure": first_row_failure(nodes, backward_report, modalities),
-        "fallbacks": fallbacks,
-        "verdict": verdict,
-        "failing_checks": failing,
-        "notes": list(NOTES),
-        "timing": {
-            "forward_s": round(forward_s, 4),
-            "backward_s": round(backward_s, 4),
-            "total_s": round(time.perf_counter() - started, 4),
-        },
-    }
-    return BlockGateResult(report, verdict, failing, {"provider": prov, "candidate": cand, "golden": gold})
+    return nodes, chained, isolated, failing
 
 
-def _backward(
-    gate: BlockGate,
-    ex: _Executions,
-    no_grad_values: Values,
-    prov: Values,
-    ctx: RowContext,
-    failing: list[str],
-    row_dims: dict[str, int | None],
-    batch_dims: dict[str, int | None],
-) -> dict:
-    """Gradient executions and their records; appends failing checks to ``failing``."""
-    graph, tol = gate.graph, gate.tolerance.backward
-    modalities = ctx.modalities
-    names = [n.name for n in graph.nodes]
-    h = gate.inputs.tensors["hidden_states"]
-    cot = stand_in(gate.inputs.seed, "cotangent", 0, h.shape[1], h.shape[2], h.device)
-    p_leaf, p_node, _ = ex.grads("provider", "provider", cot)
-    pr_leaf, pr_node, _ = ex.grads("provider", "provider repeat", cot)
-    c_leaf, c_node, c_out = ex.grads("candidate", "candidate", cot)
-    cr_leaf, cr_node, _ = ex.grads("candidate", "candidate repeat", cot)
-    g_leaf, g_node, _ = ex.grads("golden", "golden", cot.double())
-    ex.step(f"backward: {ROW_STEP_BACKWARD}")
-    chained_rows = grad_rows(
-        ctx, lambda: ex.grads("provider", None, cot)[:2], {**c_leaf, **c_node}, {**g_leaf, **g_node},
-        {**p_leaf, **p_node},
-    )  # fmt: skip
-    vjps = vjp_rows(
-        ctx, graph, ex.tables["candidate"], gate.node_overrides, gate.params, ex.golden_params, prov, p_node
-    )
-    for key, rec in vjps.items():
-        rec["pass"] = rec["rows"]["pass"]
-        if not rec["pass"]:
-            failing.append(failure_line(f"backward.vjp.{key}", rec["rows"], modalities))
-    autograd_fwd = {n: agreement(c_out[n], no_grad_values[n], row_dims[n], modalities) for n in names}
-    if tol.autograd_forward_bitwise:
-        failing.extend(f"backward.autograd_forward.{n}.bitwise" for n in names if not autograd_fwd[n]["bitwise"])
-    del c_out
-    leaf_names = list(c_leaf)
-    leaf_rows = {k: (1 if k == "hidden_states" else None) for k in leaf_names}
-    leaf_batch = {k: (0 if k == "hidden_states" else None) for k in leaf_names}
-    all_rows = {**row_dims, **leaf_rows}
-    all_batch = {**batch_dims, **leaf_batch}
-
-    others = _unrelated(gate, "hidden_states")
-    cots = _unrelated(gate, "cotangent")
-    per_row = ["hidden_states", *[n for n in names if batch_dims[n] is not None]]
-    runs: dict[str, list] = {"candidate": [], "provider": []}
-    for who in ("candidate", "provider"):
-        for size, pos in GRAD_PLACEMENTS[1:]:
-            lg, ng, _ = ex.grads(who, f"{who} batch {size}", place(cot, cots, size, pos), place(h, others, size, pos))
-            picked = {k: v for k, v in {**lg, **ng}.items() if k in per_row}
-            runs[who].append((size, pos, slices(picked, all_batch, pos)))
-            del lg, ng
-    per_row = [k for k in per_row if all(k in values for _, _, values in runs["candidate"] + runs["provider"])]
-    cand_batch = batch_records(per_row, {**c_leaf, **c_node}, runs["candidate"], all_rows, modalities)
-    prov_batch = batch_records(per_row, {**p_leaf, **p_node}, runs["provider"], all_rows, modalities)
-
-    def present(values: Values, keys: list[str]) -> list[str]:
-        return [k for k in keys if values.get(k) is not None]
-
-    prov_rep: dict[str, dict] = {}
-
-    def records(keys: list[str], c: Values, cr: Values, p: Values, pr: Values, g: Values, leaf: bool) -> dict:
-        out = {}
-        rep = repeat_records(present(c, keys), c, cr, all_rows, modalities)
-        prep = repeat_records(present(p, keys), p, pr, all_rows, modalities)
-        prov_rep.update(prep)
-        for k in keys:
-            if c.get(k) is None or p.get(k) is None or g.get(k) is None:
-                out[k] = None
-                failing.append(f"backward.{k}.gradient_missing")
-                continue
-            err_c, err_p = error(c[k], g[k]), error(p[k], g[k])
-            if leaf:
-                gmax = float(g[k].abs().max())
-                bound = leaf_check(
-                    err_c, err_p, gmax, c[k].dtype == torch.bfloat16, tol.error_metric, tol.leaf_factor,
-                    tol.leaf_floor, tol.bf16_ulp_allowance,
-                )  # fmt: skip
-            else:
-                bound = error_check(err_c, err_p, tol.error_metric, tol.node_factor, tol.node_floor)
-            checks = []
-            if tol.repeat_bitwise:
-                checks.append(_check("repeat_bitwise", rep[k]["bitwise"]))
-            if tol.batch_row_bitwise and k in cand_batch:
-                checks.append(_check("batch_row_bitwise", cand_batch[k]["bitwise"]))
-            checks.append(
-                _check("error_bound", bound["pass"], f"{bound['metric']} {bound['candidate']} <= {bound['bound']}")
-            )
-            row = chained_rows.get(k)
-            if row is not None:
-                detail = "" if row["pass"] else describe(row, modalities)
-                checks.append(_check("row_bound", row["pass"], detail))
-            kind = "leaf" if leaf else "node"
-            failing.extend(_failure(f"backward.{kind}.{k}", ch) for ch in checks if not ch["pass"])
-            out[k] = {
-                "shape": list(c[k].shape),
-                "dtype": dtype_name(c[k].dtype),
-                "repeat": rep[k],
-                "batch_row": cand_batch.get(k),
-                "provider_repeat_bitwise": prep[k]["bitwise"],
-                "provider_batch_row_bitwise": None if k not in prov_batch else prov_batch[k]["bitwise"],
-                "chained": agreement(c[k], p[k], all_rows.get(k), modalities),
-                "error": {"candidate": err_c, "provider": err_p, "bound": bound},
-                "rows": row,
-                "sha256": {"provider": tensor_sha256(p[k]), "candidate": tensor_sha256(c[k])},
-                "checks": checks,
-                "pass": all(ch["pass"] for ch in checks),
-            }
-        return out
-
-    leaves = records(leaf_names, c_leaf, cr_leaf, p_leaf, pr_leaf, g_leaf, leaf=True)
-    node_recs = records(names, c_node, cr_node, p_node, pr_node, g_node, leaf=False)
-    order = [*reversed(names), *leaf_names]
-    merged = {**node_recs, **leaves}
-
-    def drift(key: str) -> dict | None:
-        found = first_drift(order, {k: (None if v is None else v[key]) for k, v in merged.items()})
-        if found is not None:
-            found["kind"] = "leaf" if found["node"] in leaves else "node"
-        return found
-
-    return {
-        "cotangent": "stand-in: N(0, 1) float32 from sha256(seed:cotangent:item), rounded once to bf16",
-        "order": "backward execution order: node gradients from residual_mlp back to adaln_projection, then leaves",
-        "leaves": leaves,
-        "nodes": node_recs,
-        "vjp": vjps,
-        "autograd_forward": autograd_fwd,
-        "first_autograd_forward_drift": first_drift(names, autograd_fwd),
-        "first_grad_drift": drift("chained"),
-        "first_grad_repeat_drift": drift("repeat"),
-        "first_grad_batch_drift": drift("batch_row"),
-        "provider_self": {
-            "first_grad_repeat_drift": first_drift(order, prov_rep),
-            "first_grad_batch_drift": first_drift(order, prov_batch),
-        },
-    }
+def _promise_reason(n: str, listed: bool, promised: bool, fw: _Forward) -> str:
+    if not listed:
+        return "not listed in the tolerance profile"
+    if n in fw.device_promised:
+        return f"listed for {fw.device_kind} devices (isolated_bitwise_on)"
+    if promised:
+        return "listed; every op runs the reference or a provider_bitwise kernel"
+    return "listed, but a kernel's contract declares provider_bitwise: false"
 
 
 def input_record(inputs: BlockInputs) -> dict:
