@@ -4,7 +4,9 @@
 #   block:   ws1-block, released widths, strict: tiny / small / medium forward + backward with the one-row fault
 #            matrix; two injected one-row faults at medium (negative controls: must exit 1, located);
 #   768p:    ws1-block 768p forward;
-#   reruns:  the row operators' ws1-ops and 768p bench and the four medium ablation sets, at the current code.
+#   reruns:  the row operators' ws1-ops and 768p bench and the four medium ablation sets, at the current code;
+#   rooms:   after a refactor: ws1-block medium (compare its hashes with the committed run), ws1-ops GEMM/attention
+#            and row operators under the row rule, the block bench at medium.
 #   usage: tools/gpu_gate_trust.sh SECTION...
 # Evidence folders go to $OUT/ev (packed as $OUT/evidence.tgz), one log per run, a summary on stdout.
 set -u
@@ -47,6 +49,18 @@ for section in "$@"; do
     run ablate-real-medium-controls 0 ablate H-C0,H-C1,H-C3,H-C7 "${common[@]}" --layout medium
     run ablate-real-medium-h 0 ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 "${common[@]}" --layout medium
     run ablate-real-medium-traj 0 ablate H9,H10,H11,H12,H13,H15,H-C2 "${common[@]}" --layout medium
+    ;;
+  rooms)  # after the rooms refactor: the same gate at medium (node hashes compared with the committed run), the
+    # GEMM/attention operators under the row rule, the block bench
+    run ws1-block-real-medium 0 run ws1-block "${common[@]}" --layout medium --fault-matrix
+    gemm_ops=(h3_qkv_gemm h3_attention_o_gemm h3_ffn_gate_up_gemm h3_ffn_down_gemm adaln_projection_3mod
+      text_context_projection video_input_projection_fp32 audio_input_projection_fp32 timestep_mlp_fp32
+      final_adaln_projection video_output_projection_fp32 audio_output_projection_fp32 h3_full_attention)
+    gemm_args=()
+    for op in "${gemm_ops[@]}"; do gemm_args+=(--op "$op"); done
+    run ws1-ops-gemm-attention 0 run ws1-ops --device cuda --config real --layouts tiny,small,medium "${gemm_args[@]}"
+    run ws1-ops-rows 0 run ws1-ops --device cuda --config real --layouts tiny,small,medium,768p "${op_args[@]}"
+    run bench-ws1-block-medium 0 bench ws1-block --config real --layout medium --device cuda
     ;;
   *) echo "unknown section $section" >&2 ;;
   esac
