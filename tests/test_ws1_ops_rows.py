@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from h3gate.gate.faults import _GradFault, corrupt
+from h3gate.gate.faults import corrupt, grad_fault
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import registry
 from h3gate.ops.cases import build_case
@@ -25,7 +25,7 @@ def _faulty(op: str, row: int, kind: str, direction: str):
     if direction == "forward":
         return lambda *a, **k: corrupt(fn(*a, **k), row, case.out_row_dim, kind)
     dim = case.row_dims.get(0)
-    return lambda x, *a, **k: fn(_GradFault.apply(x, row, dim, kind) if x.requires_grad else x, *a, **k)
+    return lambda x, *a, **k: fn(grad_fault(x, row, dim, kind) if x.requires_grad else x, *a, **k)
 
 
 @pytest.mark.parametrize("op", ["h3_swiglu", "h3_rmsnorm_modulate"])

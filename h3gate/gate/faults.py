@@ -56,6 +56,11 @@ class _GradFault(torch.autograd.Function):
         return corrupt(grad, row, row_dim, kind), None, None, None
 
 
+def grad_fault(x: torch.Tensor, row: int, row_dim: int | None, kind: str) -> torch.Tensor:
+    """``x`` unchanged forward; in the backward, the gradient reaching ``x`` corrupted on ``row``."""
+    return _GradFault.apply(x, row, row_dim, kind)
+
+
 @dataclass(frozen=True)
 class RowFault:
     """Corrupt packed row ``row`` of ``node`` (``forward``: its output; ``backward``: its input gradient)."""
@@ -90,7 +95,7 @@ class RowFault:
         def faulted_grad(ops: OpTable, x: Mapping[str, torch.Tensor], p: Mapping[str, torch.Tensor]) -> torch.Tensor:
             x = dict(x)
             if x[source].requires_grad:
-                x[source] = _GradFault.apply(x[source], row, source_dim, kind)
+                x[source] = grad_fault(x[source], row, source_dim, kind)
             return fn(ops, x, p)
 
         return faulted_grad

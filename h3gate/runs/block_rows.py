@@ -100,7 +100,7 @@ def run_variant(variant: Variant, fn: Callable[[], object], skipped: list[dict])
         return None
 
 
-def _node_inputs(node: Node, feed: Values, upcast: bool) -> dict[str, torch.Tensor]:
+def node_inputs(node: Node, feed: Values, upcast: bool) -> dict[str, torch.Tensor]:
     return {k: (feed[k].detach().double() if upcast and feed[k].is_floating_point() else feed[k]) for k in node.inputs}
 
 
@@ -114,13 +114,13 @@ def isolated_envelope(
     """(node-local FP64 golden, per-variant row errors of the provider's node on the provider's inputs)."""
     table, golden = provider_table(), golden_table()
     with torch.no_grad():
-        local = node.fn(golden, _node_inputs(node, prov, upcast=True), golden_params)
+        local = node.fn(golden, node_inputs(node, prov, upcast=True), golden_params)
     isolated = {"default": row_errors(prov[node.name], local, node.row_dim)}
     for variant in ctx.variants[1:]:
 
         def node_errors() -> torch.Tensor:
             with torch.no_grad():
-                return row_errors(node.fn(table, _node_inputs(node, prov, False), params), local, node.row_dim)
+                return row_errors(node.fn(table, node_inputs(node, prov, False), params), local, node.row_dim)
 
         got = run_variant(variant, node_errors, ctx.skipped)
         if got is not None:
@@ -165,7 +165,7 @@ def forward_rows(
     return out
 
 
-def _vjp(
+def node_vjp(
     node: Node,
     table: OpTable,
     feed: Mapping[str, torch.Tensor],
@@ -207,13 +207,13 @@ def vjp_rows(
         if cot is None or (only is not None and node.name not in only):
             continue
         wrt = [k for k in node.inputs if (k in node_names or k in LEAF_INPUTS) and prov[k].is_floating_point()]
-        feed = _node_inputs(node, prov, upcast=False)
-        gold = _vjp(node, golden, _node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
-        cand = _vjp(node, candidate_table, feed, params, cot, wrt, (overrides or {}).get(node.name))
+        feed = node_inputs(node, prov, upcast=False)
+        gold = node_vjp(node, golden, node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
+        cand = node_vjp(node, candidate_table, feed, params, cot, wrt, (overrides or {}).get(node.name))
         errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in gold}
         dims = {k: _grad_row_dim(ctx, k) for k in gold}
         for variant in ctx.variants:
-            provider_vjp = functools.partial(_vjp, node, table, feed, params, cot, wrt)
+            provider_vjp = functools.partial(node_vjp, node, table, feed, params, cot, wrt)
             got = run_variant(variant, provider_vjp, ctx.skipped)
             if got is not None:
                 for k in gold:

@@ -18,7 +18,7 @@ import torch
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.rows import as_rows
 from h3gate.graph.core import Graph, Node, OpTable, Values
-from h3gate.runs.block_rows import RowContext, _node_inputs, _vjp
+from h3gate.runs.block_rows import RowContext, node_inputs, node_vjp
 
 
 def fault_rows(count: int) -> list[int]:
@@ -30,7 +30,7 @@ def _judge_forward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable,
                    params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
     gold, errs = ctx.kept["forward"][node.name]
     with torch.no_grad():
-        out = fault.override(node, ctx.row_dims)(table, _node_inputs(node, prov, upcast=False), params)
+        out = fault.override(node, ctx.row_dims)(table, node_inputs(node, prov, upcast=False), params)
     return ctx.judge(out, errs, gold, node.row_dim)
 
 
@@ -38,7 +38,7 @@ def _judge_backward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable
                     params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
     kept = ctx.kept["vjp"][node.name]
     key = f"{node.name}:d{node.inputs[0]}"
-    cand = _vjp(node, table, kept["feed"], params, kept["cot"], kept["wrt"], fault.override(node, ctx.row_dims))
+    cand = node_vjp(node, table, kept["feed"], params, kept["cot"], kept["wrt"], fault.override(node, ctx.row_dims))
     return ctx.judge(cand[key], kept["errs"][key], kept["gold"][key], kept["dims"][key])
 
 
