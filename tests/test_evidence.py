@@ -263,9 +263,10 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
 @pytest.mark.parametrize(
     ("commit", "evidence"),
     [
-        ("e20ba97", "evidence/h200/ws1-ops-gemm-attention/ws1-ops.json"),  # manifests/, schemas/ at the top level
-        ("2addd63", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # h3gate/data/, from a stamped copy
+        ("e20ba97", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # manifests/, schemas/ at the top level
+        ("2addd63", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # h3gate/data/, from a stamped copy
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
+        ("ae11aaf", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # after the rooms refactor
     ],
 )
 def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence(commit: str, evidence: str) -> None:
