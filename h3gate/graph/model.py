@@ -61,6 +61,7 @@ METADATA: tuple[str, ...] = MODEL_INPUTS[3:]
 OUTPUTS: tuple[str, str] = ("heads.video_select", "heads.audio_select")
 
 Inputs = Mapping[str, torch.Tensor]
+NodeFn = Callable[[OpTable, Inputs, Inputs], torch.Tensor]
 
 
 class PrefixParams(Mapping):
@@ -101,107 +102,84 @@ def _node(name, owner, ops, inputs, fn, rows, row_dim=1, maths="", stage=None) -
 
 
 def build_model_graph(cfg: ModelConfig) -> Graph:
-    """Every node of the forward, in diffusers' execution order (rope tables and adaln indices are metadata)."""
+    """Every node of the forward, in diffusers' execution order (rope tables and adaln indices are metadata):
+    the input embeddings, the text refiner and its final norm, the packing, the time embedding, the transformer
+    blocks, then the final AdaLN and both heads."""
+    nodes = _embedding_nodes()
+    refined, text = _refiner_nodes(cfg, "embed.text")
+    nodes += refined
+    nodes.append(_pack_node(text))
+    nodes += _time_nodes(cfg)
+    blocks, hidden = _block_nodes(cfg, "embed.pack")
+    nodes += blocks
+    nodes += _head_nodes(cfg, hidden)
+    return Graph("model", tuple(nodes), MODEL_INPUTS, OUTPUTS[1])
+
+
+def _proj(op: str, source: str, prefix: str) -> NodeFn:
+    """``op(x[source].to(W.dtype), W, b)`` with ``W``, ``b`` = ``prefix.weight``, ``prefix.bias``."""
+
+    def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        w = p[f"{prefix}.weight"]
+        return ops[op](x[source].to(w.dtype), w, p[f"{prefix}.bias"])
+
+    return fn
+
+
+def _embedding_nodes() -> list[Node]:
+    """proj_in (video, FP32), audio_proj_in (audio, FP32), context_embedder (text, BF16)."""
+    specs = (
+        ("embed.video", "video_input_projection_fp32", "video_rows", "proj_in", "video", "proj_in, FP32"),
+        ("embed.audio", "audio_input_projection_fp32", "audio_rows", "audio_proj_in", "audio", "audio_proj_in, FP32"),
+        ("embed.text", "text_context_projection", "text", "context_embedder", "text", "context_embedder, BF16"),
+    )
+    return [
+        _node(name, op, (op,), (source,), _proj(op, source, prefix), rows, maths=maths)
+        for name, op, source, prefix, rows, maths in specs
+    ]
+
+
+def _refiner_nodes(cfg: ModelConfig, stream: str) -> tuple[list[Node], str]:
+    """The refiner blocks on the text stream, then its final RMSNorm; (nodes, name of the refined text)."""
     nodes: list[Node] = []
-
-    def proj(op: str, source: str, prefix: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            w = p[f"{prefix}.weight"]
-            return ops[op](x[source].to(w.dtype), w, p[f"{prefix}.bias"])
-
-        return fn
-
-    nodes.append(
-        _node(
-            "embed.video",
-            "video_input_projection_fp32",
-            ("video_input_projection_fp32",),
-            ("video_rows",),
-            proj("video_input_projection_fp32", "video_rows", "proj_in"),
-            "video",
-            maths="proj_in, FP32",
-        )
-    )
-    nodes.append(
-        _node(
-            "embed.audio",
-            "audio_input_projection_fp32",
-            ("audio_input_projection_fp32",),
-            ("audio_rows",),
-            proj("audio_input_projection_fp32", "audio_rows", "audio_proj_in"),
-            "audio",
-            maths="audio_proj_in, FP32",
-        )
-    )
-    nodes.append(
-        _node(
-            "embed.text",
-            "text_context_projection",
-            ("text_context_projection",),
-            ("text",),
-            proj("text_context_projection", "text", "context_embedder"),
-            "text",
-            maths="context_embedder, BF16",
-        )
-    )
-    stream = "embed.text"
     refiner = build_refiner_graph(cfg)
     for i in range(cfg.num_refiner_layers):
         prefix = f"refiner.{i}."
         nodes += _embed(refiner, prefix, f"token_refiner.refiner_blocks.{i}.", {"hidden_states": stream}, None, "text")
         stream = prefix + refiner.output
+    source = stream
 
     def final_norm(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        return ops["h3_rmsnorm"](x[stream], p["token_refiner.final_norm.weight"], cfg.final_norm_eps)
+        return ops["h3_rmsnorm"](x[source], p["token_refiner.final_norm.weight"], cfg.final_norm_eps)
 
     nodes.append(
-        _node(
-            "refiner.final_norm",
-            "h3_rmsnorm",
-            ("h3_rmsnorm",),
-            (stream,),
-            final_norm,
-            "text",
-            maths="rmsnorm(final_norm_eps)",
-        )
-    )
+        _node("refiner.final_norm", "h3_rmsnorm", ("h3_rmsnorm",), (source,), final_norm, "text",
+              maths="rmsnorm(final_norm_eps)")
+    )  # fmt: skip
+    return nodes, "refiner.final_norm"
+
+
+def _pack_node(text: str) -> Node:
+    """zeros at the text dtype, then index_copy of text, video and audio rows into the packed sequence."""
+    pack_in = (text, "embed.video", "embed.audio", "text_indices", "video_indices", "audio_indices", "rope_cos")
 
     def pack(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["packed_index_copy"](
-            x["refiner.final_norm"],
-            x["embed.video"],
-            x["embed.audio"],
-            x["text_indices"],
-            x["video_indices"],
-            x["audio_indices"],
+            x[text], x["embed.video"], x["embed.audio"], x["text_indices"], x["video_indices"], x["audio_indices"],
             x["rope_cos"].shape[0],
-        )
+        )  # fmt: skip
 
-    pack_in = (
-        "refiner.final_norm",
-        "embed.video",
-        "embed.audio",
-        "text_indices",
-        "video_indices",
-        "audio_indices",
-        "rope_cos",
-    )
-    nodes.append(
-        _node(
-            "embed.pack",
-            "packed_index_copy",
-            ("packed_index_copy",),
-            pack_in,
-            pack,
-            "packed",
-            maths="zeros at text dtype; index_copy text, video, audio",
-        )
-    )
+    return _node("embed.pack", "packed_index_copy", ("packed_index_copy",), pack_in, pack, "packed",
+                 maths="zeros at text dtype; index_copy text, video, audio")  # fmt: skip
+
+
+def _time_nodes(cfg: ModelConfig) -> list[Node]:
+    """timestep sinusoid (cos first, FP32), linear_1, SiLU, linear_2 (the FP32 time embedder)."""
 
     def sinusoid(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["timestep_sinusoid_h3"](x["timestep"], cfg.freq_dim)
 
-    def t_linear(source: str, k: int):
+    def t_linear(source: str, k: int) -> NodeFn:
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
             w = p[f"time_embedder.linear_{k}.weight"]
             return ops["timestep_mlp_fp32"](x[source].to(w.dtype), w, p[f"time_embedder.linear_{k}.bias"])
@@ -211,43 +189,21 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
     def t_silu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["timestep_mlp_silu"](x["time.linear_1"])
 
-    nodes += [
-        _node(
-            "time.sinusoid",
-            "timestep_sinusoid_h3",
-            ("timestep_sinusoid_h3",),
-            ("timestep",),
-            sinusoid,
-            "timestep",
-            row_dim=0,
-            maths="cos first, FP32",
-        ),
-        _node(
-            "time.linear_1",
-            "timestep_mlp_fp32",
-            ("timestep_mlp_fp32",),
-            ("time.sinusoid",),
-            t_linear("time.sinusoid", 1),
-            "timestep",
-            row_dim=0,
-            maths="FP32",
-        ),
-        _node(
-            "time.silu", "timestep_mlp_fp32", ("timestep_mlp_silu",), ("time.linear_1",), t_silu, "timestep", row_dim=0
-        ),
-        _node(
-            "time.linear_2",
-            "timestep_mlp_fp32",
-            ("timestep_mlp_fp32",),
-            ("time.silu",),
-            t_linear("time.silu", 2),
-            "timestep",
-            row_dim=0,
-            maths="FP32",
-        ),
-    ]
+    mlp = "timestep_mlp_fp32"
+    return [
+        _node("time.sinusoid", "timestep_sinusoid_h3", ("timestep_sinusoid_h3",), ("timestep",), sinusoid,
+              "timestep", row_dim=0, maths="cos first, FP32"),
+        _node("time.linear_1", mlp, (mlp,), ("time.sinusoid",), t_linear("time.sinusoid", 1), "timestep",
+              row_dim=0, maths="FP32"),
+        _node("time.silu", mlp, ("timestep_mlp_silu",), ("time.linear_1",), t_silu, "timestep", row_dim=0),
+        _node("time.linear_2", mlp, (mlp,), ("time.silu",), t_linear("time.silu", 2), "timestep",
+              row_dim=0, maths="FP32"),
+    ]  # fmt: skip
 
-    hidden = "embed.pack"
+
+def _block_nodes(cfg: ModelConfig, hidden: str) -> tuple[list[Node], str]:
+    """The transformer blocks on the packed stream; (nodes, name of the last block's output)."""
+    nodes: list[Node] = []
     for i in range(cfg.num_layers):
         block = build_block_graph(cfg, i)
         rename = {
@@ -259,6 +215,12 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
         }
         nodes += _embed(block, f"block.{i}.", f"transformer_blocks.{i}.", rename, i, "packed")
         hidden = f"block.{i}.{block.output}"
+    return nodes, hidden
+
+
+def _head_nodes(cfg: ModelConfig, hidden: str) -> list[Node]:
+    """final AdaLN (projection of silu(temb) -> shift | scale, modulated RMSNorm), the FP32 heads over every packed
+    row, then the video and audio row selections."""
 
     def final_projection(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         w = p["norm_out.linear.weight"]
@@ -272,77 +234,28 @@ def build_model_graph(cfg: ModelConfig) -> Graph:
             x[hidden], p["norm_out.norm.weight"], shift, scale, x["timestep_indices"], cfg.final_norm_eps
         )
 
-    def head(op: str, prefix: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            w = p[f"{prefix}.weight"]
-            return ops[op](x["final.norm_out"].to(w.dtype), w, p[f"{prefix}.bias"])
-
-        return fn
-
-    def select(source: str, index: str):
+    def select(source: str, index: str) -> NodeFn:
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
             return ops["packed_index_select"](x[source], x[index])
 
         return fn
 
-    nodes += [
-        _node(
-            "final.projection",
-            "final_adaln_out",
-            ("adaln_silu_cast", "final_adaln_projection"),
-            ("time.linear_2",),
-            final_projection,
-            "timestep",
-            row_dim=0,
-            maths="linear(silu(temb).to(W.dtype)) -> shift | scale",
-        ),
-        _node(
-            "final.norm_out",
-            "final_adaln_out",
-            ("final_adaln_out",),
-            (hidden, "final.projection", "timestep_indices"),
-            norm_out,
-            "packed",
-            maths="rmsnorm(x) * (1 + scale[t_idx]) + shift[t_idx]",
-        ),
-        _node(
-            "heads.video_proj",
-            "video_output_projection_fp32",
-            ("video_output_projection_fp32",),
-            ("final.norm_out",),
-            head("video_output_projection_fp32", "proj_out"),
-            "packed",
-            maths="proj_out over every row, FP32",
-        ),
-        _node(
-            "heads.video_select",
-            "packed_index_select",
-            ("packed_index_select",),
-            ("heads.video_proj", "video_select"),
-            select("heads.video_proj", "video_select"),
-            "video",
-            stage="heads",
-        ),
-        _node(
-            "heads.audio_proj",
-            "audio_output_projection_fp32",
-            ("audio_output_projection_fp32",),
-            ("final.norm_out",),
-            head("audio_output_projection_fp32", "audio_proj_out"),
-            "packed",
-            maths="audio_proj_out, FP32",
-        ),
-        _node(
-            "heads.audio_select",
-            "packed_index_select",
-            ("packed_index_select",),
-            ("heads.audio_proj", "audio_select"),
-            select("heads.audio_proj", "audio_select"),
-            "audio",
-            stage="heads",
-        ),
-    ]
-    return Graph("model", tuple(nodes), MODEL_INPUTS, OUTPUTS[1])
+    video, audio, sel = "video_output_projection_fp32", "audio_output_projection_fp32", "packed_index_select"
+    return [
+        _node("final.projection", "final_adaln_out", ("adaln_silu_cast", "final_adaln_projection"),
+              ("time.linear_2",), final_projection, "timestep", row_dim=0,
+              maths="linear(silu(temb).to(W.dtype)) -> shift | scale"),
+        _node("final.norm_out", "final_adaln_out", ("final_adaln_out",), (hidden, "final.projection",
+              "timestep_indices"), norm_out, "packed", maths="rmsnorm(x) * (1 + scale[t_idx]) + shift[t_idx]"),
+        _node("heads.video_proj", video, (video,), ("final.norm_out",), _proj(video, "final.norm_out", "proj_out"),
+              "packed", maths="proj_out over every row, FP32"),
+        _node("heads.video_select", sel, (sel,), ("heads.video_proj", "video_select"),
+              select("heads.video_proj", "video_select"), "video", stage="heads"),
+        _node("heads.audio_proj", audio, (audio,), ("final.norm_out",),
+              _proj(audio, "final.norm_out", "audio_proj_out"), "packed", maths="audio_proj_out, FP32"),
+        _node("heads.audio_select", sel, (sel,), ("heads.audio_proj", "audio_select"),
+              select("heads.audio_proj", "audio_select"), "audio", stage="heads"),
+    ]  # fmt: skip
 
 
 def stages(graph: Graph) -> list[str]:
