@@ -316,8 +316,8 @@ def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, 
 def test_cpu_memory_lower_bound_counts_weights_and_kept_values():
     cfg = load_config("tiny").config
     h, nd, f = 192, 256, 384
-    assert run_setup.cpu_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
-    kept = run_setup.cpu_lower_bound_bytes(cfg, 264) - run_setup.cpu_lower_bound_bytes(cfg, 0)
+    assert run_setup.block_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
+    kept = run_setup.block_lower_bound_bytes(cfg, 264) - run_setup.block_lower_bound_bytes(cfg, 0)
     assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 12
 
 

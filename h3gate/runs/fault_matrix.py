@@ -44,7 +44,7 @@ def _judge_backward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable
 
 def _row_count(node: Node, direction: str, ctx: RowContext, prov: Values) -> int:
     if direction == "forward":
-        return as_rows(prov[node.name][:1] if node.row_dim else prov[node.name], node.row_dim).shape[0]
+        return as_rows(prov[node.name], node.row_dim).shape[0]
     source = node.inputs[0]
     return as_rows(prov[source], ctx.row_dims.get(source)).shape[0]
 

@@ -56,8 +56,8 @@ def check_device(device: str) -> str:
     raise InputError(f"--device {device!r}: must be cpu or cuda")
 
 
-def cpu_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
-    """A lower bound on what a CPU ws1-block run holds at once (weights and activations only, no workspace).
+def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
+    """A lower bound on what a ws1-block run holds at once, on the CPU or a GPU (weights and activations only).
 
     Block weights (q/k/v/o: ``4 H (N D)``, feed-forward: ``3 H F``) in bf16 plus their float64 golden copy
     (10 bytes each), and the forward values kept of every node for ``rows`` packed rows: six nodes ``H`` wide,
@@ -72,7 +72,7 @@ def cpu_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
 def check_cpu_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str) -> None:
     """Refuse a CPU run whose lower-bound footprint exceeds the memory available (instead of swapping or OOM)."""
     available = available_memory_bytes()
-    need = cpu_lower_bound_bytes(cfg, packed.seq_len)
+    need = block_lower_bound_bytes(cfg, packed.seq_len)
     if available is not None and need > available:
         raise InputError(
             f"--layout {layout} --config {config_name} --device cpu: needs at least {need / 2**30:.1f} GiB "
@@ -88,7 +88,7 @@ def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_nam
     from h3gate.memory import require
 
     require(
-        cpu_lower_bound_bytes(cfg, packed.seq_len),
+        block_lower_bound_bytes(cfg, packed.seq_len),
         f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})",
         device,
         hint="use a smaller layout",
