@@ -101,16 +101,17 @@ def _node(name, owner, ops, inputs, fn, rows, row_dim=1, maths="", stage=None) -
     return Node(name, owner, ops, inputs, fn, row_dim=row_dim, meta={"rows": rows, "maths": maths, "stage": stage})
 
 
-def build_model_graph(cfg: ModelConfig) -> Graph:
+def build_model_graph(cfg: ModelConfig, layers: tuple[int, int] | None = None) -> Graph:
     """Every node of the forward, in diffusers' execution order (rope tables and adaln indices are metadata):
     the input embeddings, the text refiner and its final norm, the packing, the time embedding, the transformer
-    blocks, then the final AdaLN and both heads."""
+    blocks, then the final AdaLN and both heads. ``layers=(a, b)`` keeps transformer blocks ``a .. b-1`` only
+    (their own names and weights; the final AdaLN reads block ``b-1``): a truncated model, never the default."""
     nodes = _embedding_nodes()
     refined, text = _refiner_nodes(cfg, "embed.text")
     nodes += refined
     nodes.append(_pack_node(text))
     nodes += _time_nodes(cfg)
-    blocks, hidden = _block_nodes(cfg, "embed.pack")
+    blocks, hidden = _block_nodes(cfg, "embed.pack", layers or (0, cfg.num_layers))
     nodes += blocks
     nodes += _head_nodes(cfg, hidden)
     return Graph("model", tuple(nodes), MODEL_INPUTS, OUTPUTS[1])
@@ -201,10 +202,13 @@ def _time_nodes(cfg: ModelConfig) -> list[Node]:
     ]  # fmt: skip
 
 
-def _block_nodes(cfg: ModelConfig, hidden: str) -> tuple[list[Node], str]:
-    """The transformer blocks on the packed stream; (nodes, name of the last block's output)."""
+def _block_nodes(cfg: ModelConfig, hidden: str, layers: tuple[int, int]) -> tuple[list[Node], str]:
+    """The transformer blocks ``layers[0] .. layers[1]-1`` on the packed stream; (nodes, last block's output)."""
+    a, b = layers
+    if not 0 <= a < b <= cfg.num_layers:
+        raise InputError(f"--layers {a}:{b}: must satisfy 0 <= A < B <= {cfg.num_layers} (the model's blocks)")
     nodes: list[Node] = []
-    for i in range(cfg.num_layers):
+    for i in range(a, b):
         block = build_block_graph(cfg, i)
         rename = {
             "hidden_states": hidden,

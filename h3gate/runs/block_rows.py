@@ -66,10 +66,13 @@ class RowContext:
         golden: torch.Tensor,
         row_dim: int | None,
         at_least: float = 0.0,
+        mods: list[str] | None = None,
     ) -> dict:
-        """Row check of ``candidate`` vs ``golden`` under the envelope of ``variant_errors``, with the spread."""
+        """Row check of ``candidate`` vs ``golden`` under the envelope of ``variant_errors``, with the spread;
+        ``mods`` names each row's modality (default: the packed modalities when the row counts match)."""
         errs = row_errors(candidate, golden, row_dim)
-        mods = self.mods_for(errs.numel())
+        if mods is None or len(mods) != errs.numel():
+            mods = self.mods_for(errs.numel())
         groups = group_ids(errs.numel(), mods, self.rule.scope)
         env = envelope(list(variant_errors.values()), groups)
         floor = dtype_floor(candidate.dtype, self.rule.floor_ulps)

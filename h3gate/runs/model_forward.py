@@ -1,0 +1,224 @@
+"""The forward half of the whole-model gate (:mod:`h3gate.runs.ws1_model`), one stage at a time.
+
+Per stage, in this order (each lane's stage values dropped as soon as they are reduced): the FP64 golden chained;
+the provider chained under every variant (row errors against the golden: the chained envelope); the candidate
+chained, its repeat and its batch placements (bitwise against the candidate); then node by node the candidate on
+the provider's inputs (isolated) against the node-local FP64 golden, under the envelope of the provider's node
+under every variant. Every node gets the checks of the tolerance profile's ``forward`` section and the row rule.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from h3gate.gate.compare import agreement, error, tensor_sha256
+from h3gate.gate.rows import describe, row_errors
+from h3gate.gate.tolerance import error_check
+from h3gate.graph.core import Node, Values, to_float64
+from h3gate.graph.execute import run_node
+from h3gate.runs.block_records import bound_check, check, failure
+from h3gate.runs.block_rows import RowContext, isolated_envelope
+from h3gate.runs.model_lanes import Lane, last_readers, merged, row_labels, select_item
+from h3gate.runs.model_stages import Stage
+
+if TYPE_CHECKING:
+    from h3gate.runs.ws1_model import ModelGate
+
+
+@dataclass
+class Lanes:
+    golden: Lane
+    providers: list[Lane]  # the default provider first, then one lane per variant
+    candidate: Lane
+    repeat: Lane
+    batches: list[Lane]
+
+    @property
+    def provider(self) -> Lane:
+        return self.providers[0]
+
+    def all(self) -> list[Lane]:
+        return [self.golden, *self.providers, self.candidate, self.repeat, *self.batches]
+
+
+@dataclass
+class Findings:
+    """What both halves collect in execution order: failing checks, the first row failure, first drifts."""
+
+    failing: list[str] = field(default_factory=list)
+    first_row_failure: dict | None = None
+    first_failure: dict | None = None
+    drift: dict[str, dict | None] = field(default_factory=dict)
+
+    def note_drift(self, key: str, where: dict, agree: dict) -> None:
+        if self.drift.get(key) is None and not agree["bitwise"]:
+            self.drift[key] = {**where, "row": agree.get("first_row"), "modality": agree.get("first_modality")}
+
+    def note_failures(self, where: dict, checks: list[dict], rows: Mapping[str, dict]) -> None:
+        label = ".".join(str(where[k]) for k in ("direction", "node") if where.get(k) is not None)
+        self.failing += [failure(label, c) for c in checks if not c["pass"]]
+        if self.first_failure is None:
+            bad = next((c for c in checks if not c["pass"]), None)
+            if bad is not None:
+                self.first_failure = {**where, "check": bad["check"], "detail": bad["detail"]}
+        if self.first_row_failure is None:
+            for view, rec in rows.items():
+                if rec is not None and not rec["pass"]:
+                    row = rec["first_over_row"]
+                    self.first_row_failure = {
+                        **where, "view": view, "row": row, "modality": rec["first_over_modality"],
+                        "ratio": rec["ratio"],
+                    }  # fmt: skip
+                    break
+
+
+def forward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) -> tuple[list[dict], list[dict]]:
+    """Run every stage through every lane; (node records, stage records)."""
+    nodes: list[dict] = []
+    stage_records: list[dict] = []
+    drop = last_readers(gate.stages)
+    for i, stage in enumerate(gate.stages):
+        gate.step(f"forward: {stage.label}")
+        t0 = time.perf_counter()
+        params = gate.weights.load(stage)
+        gparams = to_float64(params)
+        recs, outputs = _stage(gate, ctx, lanes, stage, params, gparams, findings)
+        nodes += recs
+        stage_records.append({
+            "stage": stage.label, "layer": stage.layer, "nodes": len(stage.nodes), "parameters": len(params),
+            "outputs": outputs, "forward_s": round(time.perf_counter() - t0, 4),
+        })  # fmt: skip
+        for lane in lanes.all():
+            lane.release(drop.get(i, []))
+        del params, gparams
+    return nodes, stage_records
+
+
+def _stage(
+    gate: ModelGate,
+    ctx: RowContext,
+    lanes: Lanes,
+    stage: Stage,
+    params: Mapping[str, torch.Tensor],
+    gparams: Mapping[str, torch.Tensor],
+    findings: Findings,
+) -> tuple[list[dict], dict]:
+    feed = {k: lanes.provider.values[k] for k in stage.external}
+    gold = lanes.golden.run(stage, gparams)
+    prov = lanes.provider.run(stage, params)
+    chained_env = {n.name: {"default": row_errors(prov[n.name], gold[n.name], n.row_dim)} for n in stage.nodes}
+    for lane in lanes.providers[1:]:
+        out = lane.run(stage, params)
+        if out is None:
+            continue
+        for n in stage.nodes:
+            chained_env[n.name][lane.variant.name] = row_errors(out[n.name], gold[n.name], n.row_dim)
+        del out
+    cand = lanes.candidate.run(stage, params)
+    mods = {n.name: row_labels(n.meta["rows"], cand[n.name], n.row_dim, gate.modalities) for n in stage.nodes}
+    again = lanes.repeat.run(stage, params)
+    repeat = {n.name: agreement(again[n.name], cand[n.name], n.row_dim, mods[n.name]) for n in stage.nodes}
+    del again
+    batch = _placements(stage, lanes.batches, params, cand, mods)
+    feed.update(prov)
+    if gate.keep_values:
+        for who, values in (("provider", prov), ("candidate", cand), ("golden", gold)):
+            gate.kept.setdefault(who, {}).update({k: v.detach().cpu().clone() for k, v in values.items()})
+    records = []
+    for node in stage.nodes:
+        judged = _node(gate, ctx, node, feed, params, gparams, prov, cand, gold, chained_env, mods[node.name])
+        rec = _record(gate, node, judged, repeat[node.name], batch[node.name], prov, cand, mods[node.name])
+        where = {"direction": "forward", "stage": stage.label, "layer": node.layer, "node": node.name}
+        findings.note_failures(where, rec["checks"], rec["rows"])
+        for key, agree in (("chained", rec["chained"]), ("repeat", repeat[node.name]), ("batch", batch[node.name])):
+            findings.note_drift(f"forward_{key}", where, agree)
+        findings.note_drift("forward_isolated", where, rec["isolated"])
+        records.append(rec)
+    outputs = {k: {"provider": tensor_sha256(prov[k]), "candidate": tensor_sha256(cand[k])} for k in stage.outputs}
+    return records, outputs
+
+
+def _placements(stage: Stage, lanes: list[Lane], params, cand: Values, mods: Mapping) -> dict[str, dict]:
+    """Per node: the candidate's item in every batch placement, bitwise against the batch-of-1 candidate."""
+    per: dict[str, list[dict]] = {n.name: [] for n in stage.nodes}
+    for lane in lanes:
+        out = lane.run(stage, params)
+        size, pos = lane.batch
+        for n in stage.nodes:
+            got = select_item(out[n.name], n.row_dim, pos)
+            per[n.name].append(
+                {"batch": size, "position": pos, **agreement(got, cand[n.name], n.row_dim, mods[n.name])}
+            )
+        del out
+    return {name: merged(recs) for name, recs in per.items()}
+
+
+@dataclass
+class _Judged:
+    isolated: torch.Tensor
+    rows: dict[str, dict]
+    error: dict
+
+
+def _node(gate, ctx, node: Node, feed, params, gparams, prov, cand, gold, chained_env, mods) -> _Judged:
+    """The node alone on the provider's inputs, and the row rule's chained and isolated views."""
+    override = (gate.node_overrides or {}).get(node.name)
+    with torch.no_grad():
+        iso = run_node(node, gate.tables["candidate"], feed, params, override)
+    local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
+    rows = {
+        "isolated": ctx.judge(iso, iso_env, local, node.row_dim, mods=mods),
+        "chained": ctx.judge(cand[node.name], chained_env[node.name], gold[node.name], node.row_dim, mods=mods),
+    }
+    del local
+    tol = gate.tolerance.forward
+    err_c, err_p = error(cand[node.name], gold[node.name]), error(prov[node.name], gold[node.name])
+    bound = error_check(err_c, err_p, tol.error_metric, tol.error_factor, tol.error_floor)
+    return _Judged(iso, rows, {"candidate": err_c, "provider": err_p, "bound": bound})
+
+
+def promised(gate: ModelGate, node: Node) -> tuple[bool, bool]:
+    """(listed, applies) of the isolated-bitwise promise: profile entries are node-name patterns
+    (``block.*.norm1``); a device-kind entry applies whatever the kernel contract says."""
+    tol = gate.tolerance.forward
+    kind = "cuda" if gate.device.startswith("cuda") else "cpu"
+    on_device = any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise_on.get(kind, []))
+    listed = on_device or any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise)
+    return listed, on_device or (listed and gate.bindings[node.name].provider_bitwise)
+
+
+def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, cand, mods) -> dict:
+    tol = gate.tolerance.forward
+    nb = gate.bindings[node.name]
+    isolated = agreement(judged.isolated, prov[node.name], node.row_dim, mods)
+    listed, applies = promised(gate, node)
+    checks = []
+    if tol.repeat_bitwise:
+        checks.append(check("repeat_bitwise", repeat["bitwise"]))
+    if tol.batch_row_bitwise:
+        checks.append(check("batch_row_bitwise", batch["bitwise"]))
+    if applies:
+        checks.append(check("isolated_bitwise", isolated["bitwise"], "promised by the tolerance profile"))
+    checks.append(bound_check(judged.error["bound"]))
+    for view in ("isolated", "chained"):
+        row = judged.rows[view]
+        checks.append(check(f"row_bound_{view}", row["pass"], "" if row["pass"] else describe(row, mods)))
+    if gate.mode == "audit" and nb.fallback:
+        why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
+        checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
+    return {
+        "name": node.name, "stage": node.meta["stage"], "layer": node.layer, "rows_of": node.meta["rows"],
+        "ops": list(node.ops), "shape": list(cand[node.name].shape),
+        "dtype": str(cand[node.name].dtype).removeprefix("torch."), "binding": nb.record(),
+        "isolated_bitwise_promise": {"listed": listed, "applies": applies},
+        "repeat": repeat, "batch_row": batch,
+        "chained": agreement(cand[node.name], prov[node.name], node.row_dim, mods), "isolated": isolated,
+        "error": judged.error, "rows": judged.rows, "checks": checks,
+        "pass": all(c["pass"] for c in checks),
+    }  # fmt: skip

@@ -1,0 +1,113 @@
+"""Lanes: the executions of the whole-model gate, advanced together one stage at a time.
+
+A :class:`Lane` is one execution of the model (the FP64 golden, the provider under one variant, the candidate, its
+repeat, the candidate with the request placed in a batch) carrying the values later stages read. Every lane runs a
+stage before the next stage starts, so the gate holds one stage's parameters and activations (per lane) at a time,
+not the model's. With ``save`` a lane keeps each stage's inputs for the backward's per-stage recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from h3gate.gate.variants import Variant
+from h3gate.graph.core import OpTable, Values
+from h3gate.graph.execute import Override
+from h3gate.graph.model import OUTPUTS
+from h3gate.runs.model_stages import Stage, run_stage
+
+ROW_KINDS = ("packed", "text", "video", "audio")
+
+
+@dataclass
+class Lane:
+    """One execution. ``batch = (size, position)``: the request is item ``position`` of a batch of ``size``."""
+
+    name: str
+    kind: str  # "golden", "provider" or "candidate"
+    table: OpTable
+    values: Values
+    variant: Variant | None = None
+    overrides: Mapping[str, Override] | None = None
+    batch: tuple[int, int] | None = None
+    save: bool = False
+    saved: dict[str, Values] = field(default_factory=dict)
+    refused: str | None = None
+
+    @property
+    def golden(self) -> bool:
+        return self.kind == "golden"
+
+    def params(self, params: Mapping[str, torch.Tensor], golden: Mapping[str, torch.Tensor]):
+        return golden if self.golden else params
+
+    def entered(self) -> contextlib.AbstractContextManager:
+        return self.variant.enter() if self.variant is not None else contextlib.nullcontext()
+
+    def run(self, stage: Stage, params: Mapping[str, torch.Tensor]) -> Values | None:
+        """The stage's node outputs on this lane's values (None once a variant was refused at run time); the
+        stage's outputs are kept for later stages."""
+        if self.refused is not None:
+            return None
+        if self.save:
+            self.saved[stage.label] = {k: self.values[k] for k in stage.external}
+        try:
+            with self.entered(), torch.no_grad():
+                out = run_stage(stage, self.values, params, self.table, self.overrides)
+        except RuntimeError as exc:
+            if self.variant is None:
+                raise
+            self.refused = f"refused at run time: {str(exc).splitlines()[0][:200]}"
+            self.saved.clear()
+            return None
+        for k in stage.outputs:
+            self.values[k] = out[k]
+        return out
+
+    def release(self, names: list[str]) -> None:
+        for k in names:
+            if k not in OUTPUTS:
+                self.values.pop(k, None)
+
+
+def last_readers(stages: list[Stage]) -> dict[int, list[str]]:
+    """Stage index -> the values (stage outputs) no stage after it reads: what lanes may drop after that stage."""
+    last: dict[str, int] = {}
+    for i, stage in enumerate(stages):
+        for k in stage.external:
+            last[k] = i
+    out: dict[int, list[str]] = {}
+    for k, i in last.items():
+        out.setdefault(i, []).append(k)
+    return out
+
+
+def row_labels(kind: str, tensor: torch.Tensor, row_dim: int | None, packed: list[str]) -> list[str] | None:
+    """The modality of each row of a value whose rows are ``kind`` (``packed``: the layout's per-row modality)."""
+    if row_dim is None or kind not in ROW_KINDS:
+        return None
+    rows = tensor.shape[row_dim]
+    if kind == "packed":
+        return packed if len(packed) == rows else None
+    return [kind] * rows
+
+
+def select_item(t: torch.Tensor, row_dim: int | None, position: int) -> torch.Tensor:
+    """Item ``position`` of a batched value: values with packed/text/video/audio rows (``row_dim == 1``) carry the
+    batch on dim 0; timestep-space values (the time embedding, AdaLN tables) are shared by the batch."""
+    return t.narrow(0, position, 1) if row_dim == 1 else t
+
+
+def merged(recs: list[dict]) -> dict:
+    """One value's batch-row record from its placements' agreements: bitwise when every placement is."""
+    bad = next((r for r in recs if not r["bitwise"]), None)
+    return {
+        "bitwise": bad is None,
+        "first_row": None if bad is None else bad["first_row"],
+        "first_modality": None if bad is None else bad["first_modality"],
+        "placements": [{k: r[k] for k in ("batch", "position", "bitwise", "first_row")} for r in recs],
+    }

@@ -1,0 +1,239 @@
+"""The whole-model gate (RFC WS1 exit: "the two-layer text refiner and full 50-layer transformer pass"; "gradient
+validation covers input latents, text conditions, all trainable model parameters"): provider replay vs strict
+candidate vs FP64 golden, every node of every stage, forward and the complete backward.
+
+Executions (lanes, :mod:`h3gate.runs.model_lanes`), advanced one stage at a time so that one GPU holds one stage's
+weights and activations: the FP64 golden; the provider under every row-rule variant this device runs; the
+candidate chained, its repeat, and the request placed in batches (first of 2, last of 3; second of 2 with its own
+cotangent for the gradients); the candidate isolated (each node on the provider's inputs, forward; each stage on
+the provider's inputs and incoming gradients, backward). Backward: the declared loss
+(:data:`~h3gate.runs.model_stages.LOSS`) by per-stage recomputation (:data:`~h3gate.runs.model_stages.RECOMPUTATION`).
+
+Checks (tolerance profile ``ws1-model``): every node and gradient repeats bitwise and is batch-row bitwise; promised
+nodes are isolated-bitwise; whole-tensor error vs golden <= factor x provider + floor; the row rule on every packed
+row of every node output, node-output gradient, parameter gradient (output channels) and request gradient, chained
+and isolated; the autograd forward equals the no_grad forward. ``first_drift`` / ``first_failure`` name the
+direction, stage, layer, node (or parameter), packed row and modality, in execution order (forward, then backward).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from h3gate.gate.variants import provider_variants
+from h3gate.graph.core import OpTable, Values, to_float64
+from h3gate.graph.executions import NodeBinding, candidate_table, golden_table, provider_table
+from h3gate.manifests.tolerances import ToleranceProfile
+from h3gate.numerics import strict_numerics
+from h3gate.runs.block_rows import RowContext
+from h3gate.runs.model_backward import backward
+from h3gate.runs.model_forward import Findings, Lanes, forward
+from h3gate.runs.model_lanes import Lane
+from h3gate.runs.model_setup import ModelSetup
+from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, Stage, StageWeights
+
+# Batch placements of the request: last of 3 (forward), and second of 2 with its own cotangent (forward and
+# backward); without the backward, first of 2 takes the second's place.
+FORWARD_PLACEMENTS = ((3, 2),)
+GRAD_PLACEMENT = (2, 1)
+FORWARD_ONLY_PLACEMENT = (2, 0)
+NOTES = (
+    "Isolation is per node in the forward (each node on the provider's inputs, against the node-local FP64 golden) "
+    "and per stage in the backward (each stage's backward on the provider's saved inputs and incoming gradients, "
+    "against the same stage backward in FP64).",
+    "Parameter gradients are judged as one row each (as in ws1-block): their output-channel rows sum over every "
+    "packed row and many cancel to near zero, where a relative row error is rounding noise. They sum over the batch "
+    "and have no batch-row check. The request's and every node output's gradients are row-resolved and batch-row "
+    "checked.",
+    "The autograd-forward check compares each stage's outputs recomputed under autograd (training) with the no_grad "
+    "forward (rollout), bitwise.",
+    "Audit mode reports every fallback as a failing finding; off mode binds every node to the provider, so the "
+    "candidate equals the provider by construction (a calibration run of the provider variants).",
+    "sha256 digests are recorded for every stage's outputs (provider and candidate); node values are compared on "
+    "the device and not hashed.",
+)
+
+
+@dataclass
+class ModelGate:
+    setup: ModelSetup
+    tolerance: ToleranceProfile
+    seed: int = 0
+    backward: bool = True
+    node_overrides: Mapping[str, Callable] | None = None
+    progress: Callable[[str], None] | None = None
+    keep_values: bool = False  # --save-tensors: every lane's node values on the CPU
+    tables: dict[str, OpTable] = field(default_factory=dict)
+    kept: dict[str, Values] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self.setup.stages
+
+    @property
+    def weights(self) -> StageWeights:
+        return self.setup.weights
+
+    @property
+    def device(self) -> str:
+        return self.setup.device
+
+    @property
+    def mode(self) -> str:
+        return self.setup.mode
+
+    @property
+    def bindings(self) -> Mapping[str, NodeBinding]:
+        return self.setup.bindings
+
+    @property
+    def modalities(self) -> list[str]:
+        return list(self.setup.layout.row_modalities())
+
+    def step(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(label)
+
+
+@dataclass
+class ModelGateResult:
+    report: dict
+    verdict: str
+    failing: list[str]
+    values: dict[str, Values] = field(default_factory=dict)
+
+
+def steps(setup: ModelSetup, backward_on: bool) -> list[str]:
+    labels = [f"forward: {s.label}" for s in setup.stages]
+    return labels + ([f"backward: {s.label}" for s in reversed(setup.stages)] if backward_on else [])
+
+
+def _placed(setup: ModelSetup, size: int, pos: int) -> Values:
+    """The graph inputs with the request as item ``pos`` of a batch of ``size`` (unrelated requests around it)."""
+    x = dict(setup.inputs)
+    for k in LEAVES:
+        others = [u[k] for u in setup.unrelated[: size - 1]]
+        x[k] = torch.cat([*others[:pos], setup.inputs[k], *others[pos:]])
+    return x
+
+
+def make_lanes(gate: ModelGate, ctx: RowContext) -> Lanes:
+    setup, save = gate.setup, gate.backward
+    base = setup.inputs
+    golden = Lane("golden", "golden", gate.tables["golden"], to_float64(base), save=save)
+    providers = [
+        Lane("provider" if v.name == "default" else f"provider {v.name}", "provider", gate.tables["provider"],
+             dict(base), variant=None if v.name == "default" else v, save=save)
+        for v in ctx.variants
+    ]  # fmt: skip
+    cand = gate.tables["candidate"]
+    over = gate.node_overrides
+    candidate = Lane("candidate", "candidate", cand, dict(base), overrides=over, save=save)
+    repeat = Lane("candidate repeat", "candidate", cand, dict(base), overrides=over, save=save)
+    placements = [(p, False) for p in FORWARD_PLACEMENTS]
+    placements.append((GRAD_PLACEMENT, True) if save else (FORWARD_ONLY_PLACEMENT, False))
+    batches = [
+        Lane(f"candidate batch {size}@{pos}", "candidate", cand, _placed(setup, size, pos), overrides=over,
+             batch=(size, pos), save=keep)
+        for (size, pos), keep in placements
+    ]  # fmt: skip
+    return Lanes(golden, providers, candidate, repeat, batches)
+
+
+def run_model_gate(gate: ModelGate) -> ModelGateResult:
+    """Every lane through every stage, forward then backward; see the module docstring."""
+    with strict_numerics(gate.device):
+        return _run(gate)
+
+
+def _run(gate: ModelGate) -> ModelGateResult:
+    started = time.perf_counter()
+    gate.tables = {
+        "provider": provider_table(),
+        "candidate": candidate_table(gate.bindings),
+        "golden": golden_table(),
+    }
+    rule = gate.tolerance.row_rule
+    variants, skipped = provider_variants(list(rule.variants), gate.device)
+    ctx = RowContext(rule, variants, skipped, gate.modalities, {})
+    lanes = make_lanes(gate, ctx)
+    findings = Findings()
+    nodes, stage_records = forward(gate, ctx, lanes, findings)
+    forward_s = time.perf_counter() - started
+    bw = None
+    if gate.backward:
+        bw = backward(gate, ctx, lanes, findings)
+    for lane in lanes.providers:
+        if lane.refused is not None:
+            ctx.skipped.append({"name": lane.variant.name, "reason": lane.refused})
+    report = _report(gate, ctx, lanes, nodes, stage_records, bw, findings)
+    report["timing"] = {
+        "forward_s": round(forward_s, 4),
+        "backward_s": round(time.perf_counter() - started - forward_s, 4),
+        "total_s": round(time.perf_counter() - started, 4),
+    }
+    return ModelGateResult(report, report["verdict"], findings.failing, gate.kept)
+
+
+def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records, bw, findings: Findings) -> dict:
+    fallbacks = [
+        {"node": n, "op": b.op, "reason": b.reason}
+        for n, nb in gate.bindings.items()
+        for b in nb.bindings
+        if b.fallback
+    ]
+    judged = list(nodes) + ([] if bw is None else [*bw["gradients"].values(), *bw["leaves"].values()])
+    failing_tensors = [r["name"] for r in judged if not r["pass"]]
+    worst = max(
+        ((v["ratio"], r["name"], view) for r in judged for view, v in r["rows"].items() if v["ratio"] is not None),
+        default=(None, None, None),
+    )
+    order = ("forward_chained", "backward_chained")
+    first = next((findings.drift[k] for k in order if findings.drift.get(k) is not None), None)
+    verdict = "pass" if not findings.failing else "fail"
+    return {
+        "model": {
+            "stages": [s.label for s in gate.stages],
+            "nodes": len(nodes),
+            "parameters": sum(r["parameters"] for r in stage_records),
+            "layers": list(gate.setup.layers),
+            "complete": gate.setup.complete,
+        },
+        "loss": LOSS if gate.backward else None,
+        "recomputation": RECOMPUTATION if gate.backward else None,
+        "lanes": [
+            {
+                "name": lane.name,
+                "kind": lane.kind,
+                "batch": None if lane.batch is None else list(lane.batch),
+                "saved_for_backward": lane.save,
+                "refused": lane.refused,
+            }
+            for lane in lanes.all()
+        ],  # fmt: skip
+        "nodes": nodes,
+        "stages": stage_records,
+        "backward": bw,
+        "row_rule": ctx.record(),
+        "first_drift": first,
+        "drifts": {k: findings.drift.get(k) for k in sorted(findings.drift)},
+        "first_failure": findings.first_failure,
+        "first_row_failure": findings.first_row_failure,
+        "summary": {
+            "tensors_judged": len(judged),
+            "forward_nodes": len(nodes),
+            "gradients": 0 if bw is None else len(bw["gradients"]) + len(bw["leaves"]),
+            "failing_tensors": len(failing_tensors),
+            "first_failing_tensors": failing_tensors[:20],
+            "worst_ratio": worst[0],
+            "worst_ratio_at": None if worst[1] is None else {"name": worst[1], "view": worst[2]},
+        },
+        "fallbacks": fallbacks,
+        "verdict": verdict,
+        "failing_checks": findings.failing,
+        "notes": list(NOTES),
+    }
