@@ -265,7 +265,7 @@ def run_ws1_ops(
 
 @app.command()
 def bench(
-    target: Annotated[str | None, typer.Argument(help="ws1-block, or leave empty and pass --op.")] = None,
+    target: Annotated[str | None, typer.Argument(help="ws1-block | ws1-model, or leave empty and pass --op.")] = None,
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable).")] = None,
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml (row count).")] = "medium",
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "real",
@@ -273,7 +273,8 @@ def bench(
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Time strict kernels next to the provider in one run (median of CUDA-event timings)."""
+    """Time strict kernels next to the provider in one run (median of CUDA-event timings): operators (--op), the
+    block (ws1-block), or the whole model forward and forward + backward (ws1-model)."""
     device = resolve_device(device)
     from h3gate.commands.bench_cmd import bench_command
 

@@ -1,6 +1,7 @@
 """``h3gate bench``: ``--op NAME`` times strict kernels next to their provider ops (:mod:`h3gate.bench.ops`);
-``ws1-block`` times the strict block next to the provider block (:mod:`h3gate.bench.block`). CUDA only: on CPU the
-verb exits 2 ("bench needs --device cuda"). Exit 0 when every declared criterion held, 1 otherwise (evidence
+``ws1-block`` times the strict block next to the provider block (:mod:`h3gate.bench.block`); ``ws1-model`` the whole
+strict model next to its provider replay, forward and forward + backward (:mod:`h3gate.bench.model`). CUDA only: on
+CPU the verb exits 2 ("bench needs --device cuda"). Exit 0 when every declared criterion held, 1 otherwise (evidence
 written), 2 for bad input.
 """
 
@@ -34,10 +35,14 @@ def bench_command(
         if ops:
             raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")
         return _bench_block(layout, config, device, out, json_)
+    if target == "ws1-model":
+        if ops:
+            raise InputError("bench ws1-model: --op does not apply (time one operator with `bench --op NAME`)")
+        return _bench_model(layout, config, device, out, json_)
     if target is not None:
-        raise InputError(f"bench {target!r}: unknown target (ws1-block, or none with --op NAME)")
+        raise InputError(f"bench {target!r}: unknown target (ws1-block, ws1-model, or none with --op NAME)")
     if not ops:
-        raise InputError("bench: give a target (ws1-block) or at least one --op NAME")
+        raise InputError("bench: give a target (ws1-block, ws1-model) or at least one --op NAME")
     return _bench_ops(list(dict.fromkeys(ops)), layout, config, device, out, json_)
 
 
@@ -52,20 +57,46 @@ def _bench_block(layout: str, config: str, device: str, out: Path | None, json_:
             body, manifests = bench_block(layout, config, device, progress=step)
         folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
         path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
+    return _print_phases("ws1-block", body, path, json_)
+
+
+def _bench_model(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+    """Time the strict model next to the provider model; write ``bench-ws1-model.json`` and print it."""
+    from h3gate.bench.model import KIND as MODEL_KIND
+    from h3gate.bench.model import bench_model
+    from h3gate.evidence.writer import write_evidence
+
+    with strict_numerics(device):
+        with progress("bench ws1-model", 3) as step:
+            body, manifests = bench_model(layout, config, device, progress=step)
+        folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-model-{body['config']}-{layout}"
+        path = write_evidence(
+            folder, f"{MODEL_KIND}.json", MODEL_KIND, body, command=["h3gate", *sys.argv[1:]], manifests=manifests,
+            device=device,
+        )  # fmt: skip
+    return _print_phases("ws1-model", body, path, json_)
+
+
+def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
+    """The evidence document (``--json``) or a table of the phases' medians (and peak memory when recorded)."""
     if json_:
         print(path.read_text(encoding="utf-8"), end="")
         return EXIT_PASS
     lay = body["layout"]
-    table = Table(title=f"bench ws1-block {body['config']} / {layout} (S={lay['seq_len']}) on {device}")
+    title = f"bench {target} {body['config']} / {lay['name']} (S={lay['seq_len']}) on {body['device']}"
+    table = Table(title=title)
+    memory = all("max_memory_allocated_bytes" in r for r in body["results"].values())
     for col in ("phase", "provider ms", "strict ms", "strict / provider"):
         table.add_column(col)
+    if memory:
+        table.add_column("peak GiB provider / strict")
     for phase, r in body["results"].items():
-        table.add_row(
-            phase,
-            f"{r['provider']['median_ms']:.3f}",
-            f"{r['strict']['median_ms']:.3f}",
-            f"{r['strict_over_provider']:.2f}x",
-        )
+        cells = [phase, f"{r['provider']['median_ms']:.3f}", f"{r['strict']['median_ms']:.3f}"]
+        cells.append(f"{r['strict_over_provider']:.2f}x")
+        if memory:
+            peak = r["max_memory_allocated_bytes"]
+            cells.append(f"{peak['provider'] / 2**30:.1f} / {peak['strict'] / 2**30:.1f}")
+        table.add_row(*cells)
     console = stdout_console()
     console.print(table)
     console.print(f"evidence: {display(path)}")

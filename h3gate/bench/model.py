@@ -1,0 +1,286 @@
+"""``h3gate bench ws1-model``: the whole MiniMax-H3 transformer, strict next to provider replay, forward and
+forward + backward.
+
+Both executions run in one process on the same inputs and the same parameters: every parameter of ``--config``
+(synthetic, seed 0, generated on the device) is placed on the device once and shared by both arms; the inputs are
+request 0 of ``--layout`` (:func:`h3gate.runs.model_stages.model_inputs`). The provider arm runs the torch
+references (``provider_table``), the strict arm the bound Triton kernels (``candidate_table`` of
+``bind_graph(graph, "strict", device)``, which fails closed, naming the node, before any weight is read).
+
+What is timed, per arm (:func:`h3gate.bench.timing.side_by_side`: warm-up, then interleaved rounds, L2 flushed
+before each call, CUDA events per call; median / min / max ms and the strict / provider ratio of the medians):
+
+* ``forward`` - under ``no_grad``, stage by stage (:func:`h3gate.runs.model_stages.run_stage`), each value dropped
+  after the last stage that reads it; returns ``(video, audio)`` = ``heads.video_select``, ``heads.audio_select``.
+* ``forward_backward`` - the gradient of the declared loss (:data:`~h3gate.runs.model_stages.LOSS`)
+  ``L = sum(video.float() * c_v) + sum(audio.float() * c_a)`` by per-stage recomputation
+  (:data:`~h3gate.runs.model_stages.RECOMPUTATION`): a ``no_grad`` forward that saves each stage's external
+  inputs, then in reverse stage order ``g = stage_vjp(stage, saved, params_stage, table, incoming)`` - the stage
+  recomputed under autograd and back-propagated from the gradients its outputs received - and
+  ``incoming += g.inputs`` (:func:`~h3gate.runs.model_stages.accumulate`). Parameter gradients are computed per
+  stage and released (:data:`PARAM_GRADS`); the seeded cotangents are drawn once, before timing. Returns
+  ``dL/d video_rows``.
+
+The peak of ``torch.cuda.max_memory_allocated()`` is recorded per arm and phase on its first (warm-up) call:
+parameters, inputs and the 256 MiB L2-flush buffer included. TF32 is off for both arms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from h3gate.bench.timing import side_by_side
+from h3gate.errors import InputError
+from h3gate.graph.core import OpTable
+from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
+from h3gate.graph.model import OUTPUTS, build_model_graph
+from h3gate.runs.model_stages import (
+    LEAVES,
+    LOSS,
+    RECOMPUTATION,
+    Stage,
+    accumulate,
+    model_cotangents,
+    model_inputs,
+    model_stages,
+    run_stage,
+    stage_vjp,
+)
+
+KIND = "bench-ws1-model"
+WARMUP = 1
+WARMUP_S = 0.0
+SMALL_ROWS = 10_000  # layouts with fewer packed rows get ITERS_SMALL rounds, the others ITERS_LARGE
+ITERS_SMALL = 5
+ITERS_LARGE = 3
+SEED = 0
+PARAM_GRADS = (
+    "parameter gradients computed per stage and released, as a streamed optimizer step or a reduce-scatter would"
+)
+
+Tensors = dict[str, torch.Tensor]
+
+
+def iters_for(seq_len: int) -> int:
+    """Timed rounds per arm: 5 below :data:`SMALL_ROWS` packed rows, else 3 (a median of at least 3)."""
+    return ITERS_SMALL if seq_len < SMALL_ROWS else ITERS_LARGE
+
+
+def stage_params(stages: Sequence[Stage], params: Mapping[str, torch.Tensor]) -> dict[str, Tensors]:
+    """Stage label -> the parameters that stage reads (views of ``params``, nothing copied)."""
+    names = list(params)
+    return {s.label: {n: params[n] for n in s.param_names(names)} for s in stages}
+
+
+def last_readers(stages: Sequence[Stage]) -> dict[str, int]:
+    """Value name -> index of the last stage that reads it (graph inputs and stage outputs alike)."""
+    last: dict[str, int] = {}
+    for i, stage in enumerate(stages):
+        for name in stage.external:
+            last[name] = i
+    return last
+
+
+def model_forward(
+    stages: Sequence[Stage],
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    table: OpTable,
+    saved: dict[str, Tensors] | None = None,
+) -> Tensors:
+    """The two velocity outputs, stage by stage; a value is dropped after the last stage that reads it. With
+    ``saved``, each stage's external inputs are kept under its label (what the backward recomputes from)."""
+    last = last_readers(stages)
+    values: Tensors = dict(inputs)
+    for i, stage in enumerate(stages):
+        if saved is not None:
+            saved[stage.label] = {k: values[k] for k in stage.external}
+        out = run_stage(stage, values, params, table)
+        values.update({k: out[k] for k in stage.outputs})
+        del out
+        for name in [k for k in values if last.get(k, -1) <= i and k not in OUTPUTS]:
+            del values[name]
+    return {k: values[k] for k in OUTPUTS}
+
+
+def model_backward(
+    stages: Sequence[Stage],
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    table: OpTable,
+    cotangents: Mapping[str, torch.Tensor] | None = None,
+    per_stage: Mapping[str, Tensors] | None = None,
+    param_grads: dict[str, torch.Tensor] | None = None,
+) -> Tensors:
+    """Gradients of the declared loss w.r.t. ``video_rows``, ``audio_rows`` and ``text`` by per-stage
+    recomputation (module docstring). ``cotangents`` default to ``model_cotangents(SEED, outputs)``;
+    ``per_stage`` to :func:`stage_params`. Parameter gradients are dropped after each stage unless ``param_grads``
+    is given (a test), which then receives them."""
+    per_stage = per_stage if per_stage is not None else stage_params(stages, params)
+    saved: dict[str, Tensors] = {}
+    with torch.no_grad():
+        outputs = model_forward(stages, inputs, params, table, saved)
+    incoming: Tensors = dict(cotangents if cotangents is not None else model_cotangents(SEED, outputs))
+    del outputs
+    for stage in reversed(stages):
+        g = stage_vjp(stage, saved.pop(stage.label), per_stage[stage.label], table, incoming)
+        for name in stage.outputs:
+            incoming.pop(name, None)
+        accumulate(incoming, g.inputs)
+        if param_grads is not None:
+            param_grads.update(g.params)
+        del g
+    return {k: incoming[k] for k in LEAVES if k in incoming}
+
+
+def forward_arm(
+    stages: Sequence[Stage], inputs: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], table: OpTable
+) -> Callable[[], Tensors]:
+    """The timed forward: :func:`model_forward` under ``no_grad``."""
+
+    def run() -> Tensors:
+        with torch.no_grad():
+            return model_forward(stages, inputs, params, table)
+
+    return run
+
+
+def forward_backward_arm(
+    stages: Sequence[Stage],
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    table: OpTable,
+    cotangents: Mapping[str, torch.Tensor],
+) -> Callable[[], torch.Tensor]:
+    """The timed forward + backward: :func:`model_backward` with fixed cotangents; returns ``dL/d video_rows``."""
+    per_stage = stage_params(stages, params)
+
+    def run() -> torch.Tensor:
+        return model_backward(stages, inputs, params, table, cotangents, per_stage)["video_rows"]
+
+    return run
+
+
+def _with_peak(fn: Callable[[], object], peaks: dict[str, int], who: str) -> Callable[[], object]:
+    """``fn`` that records ``torch.cuda.max_memory_allocated()`` of its first call in ``peaks[who]``."""
+
+    def run() -> object:
+        if who in peaks:
+            return fn()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        peaks[who] = int(torch.cuda.max_memory_allocated())
+        return out
+
+    return run
+
+
+def operator_bindings(bindings: Mapping[str, NodeBinding]) -> dict[str, dict]:
+    """Operator -> its binding record (one per operator: the candidate table binds it alike in every node)."""
+    out: dict[str, dict] = {}
+    for nb in bindings.values():
+        for b in nb.bindings:
+            out.setdefault(b.op, b.record())
+    return out
+
+
+def _load_params(source, device: str) -> Tensors:
+    return {name: source.load(name, device, check_finite=True) for name in source.names()}
+
+
+def _check_memory(source, layout, cfg, what: str, device: str) -> int:
+    """Refuse before any weight is placed when the parameters plus the saved stage inputs (one packed bf16 hidden
+    state per block and one more) cannot fit; returns the parameters' bytes."""
+    from h3gate.memory import require
+
+    nbytes = 0
+    for name in source.names():
+        shape, dtype = source.meta(name)
+        nbytes += torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+    saved = (cfg.num_layers + 1) * layout.seq_len * cfg.hidden_size * 2
+    require(nbytes + saved, what, device, hint="use a smaller layout")
+    return nbytes
+
+
+def _setup(layout: str, config: str, device: str):
+    """(config name, config, packed layout, graph, stages, bindings, weight source, manifests read); strict binding
+    runs before anything touches the device."""
+    from h3gate.layout import build_layout
+    from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
+    from h3gate.manifests.model_config import load_config
+    from h3gate.paths import MANIFESTS
+    from h3gate.runs.setup import check_device
+    from h3gate.synth import SyntheticSource
+
+    if not device.startswith("cuda"):
+        raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
+    check_device(device)
+    named = load_config(config)
+    path = Path(config) if Path(config).suffix in (".yaml", ".yml") else MANIFESTS / "configs" / f"{config}.yaml"
+    packed = build_layout(load_layout(layout), layout)
+    graph = build_model_graph(named.config)
+    bindings = bind_graph(graph, "strict", device)
+    source = SyntheticSource(named.config, SEED, generator_device=device)
+    manifests = [path, LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
+    return named.name, named.config, packed, graph, model_stages(graph), bindings, source, manifests
+
+
+def bench_model(
+    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None
+) -> tuple[dict, list[Path]]:
+    """Time the strict model and the provider model side by side: the ``bench-ws1-model`` body and the manifests
+    read (the caller, ``h3gate bench ws1-model``, writes and prints; this runs under its numerics switch).
+
+    ``progress(label)`` is called before loading and before each timed phase.
+    """
+    name, cfg, packed, graph, stages, bindings, source, manifests = _setup(layout, config, device)
+    what = f"bench ws1-model --layout {layout} --config {name} --device {device} (S={packed.seq_len})"
+    param_bytes = _check_memory(source, packed, cfg, what, device)
+    if progress is not None:
+        progress(f"parameters and inputs ({param_bytes / 2**30:.1f} GiB of weights)")
+    params = _load_params(source, device)
+    inputs, _ = model_inputs(packed, cfg, SEED, device)
+    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+    with torch.no_grad():
+        cot = model_cotangents(SEED, model_forward(stages, inputs, params, tables["provider"]))
+    iters = iters_for(packed.seq_len)
+    makers = {
+        "forward": lambda t: forward_arm(stages, inputs, params, t),
+        "forward_backward": lambda t: forward_backward_arm(stages, inputs, params, t, cot),
+    }
+    results: dict[str, dict] = {}
+    for phase, make in makers.items():
+        if progress is not None:
+            progress(f"{phase} (provider and strict, {WARMUP} warm-up and {iters} timed rounds)")
+        peaks: dict[str, int] = {}
+        fns = {who: _with_peak(make(t), peaks, who) for who, t in tables.items()}
+        stats = side_by_side(fns, iters=iters, warmup=WARMUP, warmup_s=WARMUP_S)
+        ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
+        results[phase] = {**stats, "strict_over_provider": ratio, "max_memory_allocated_bytes": peaks}
+    body = {
+        "config": name,
+        "layout": {"name": layout, "seq_len": packed.seq_len, "rows": packed.rows_per_modality()},
+        "device": device,
+        "device_name": torch.cuda.get_device_name(device),
+        "layers": cfg.num_layers,
+        "stages": len(stages),
+        "nodes": len(graph.nodes),
+        "weights": {"kind": "synthetic", "seed": SEED, "tensors": len(params), "bytes": param_bytes},
+        "method": (
+            f"h3gate.bench.timing.side_by_side: {WARMUP} warm-up round, then {iters} interleaved rounds (provider, "
+            "strict), L2 flushed before each call, CUDA events per call; median / min / max. Forward: the stages in "
+            "order under no_grad. Forward + backward: a no_grad forward saving each stage's inputs, then each stage "
+            "recomputed under autograd and back-propagated in reverse order (cotangents drawn before timing). "
+            "max_memory_allocated_bytes: the peak of each arm's first call (parameters, inputs and the L2-flush "
+            "buffer included)"
+        ),
+        "loss": LOSS,
+        "recomputation": RECOMPUTATION,
+        "parameter_gradients": PARAM_GRADS,
+        "bindings": operator_bindings(bindings),
+        "results": results,
+    }
+    return body, manifests
