@@ -246,6 +246,71 @@ def run_ws1_block(
     )
 
 
+@run_app.command("ws1-model")
+def run_ws1_model(
+    layout: Annotated[
+        str | None, typer.Option("--layout", help="A layout of manifests/layouts.yaml (default: micro).")
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option("--checkpoint", help="diffusers transformer folder, read one layer at a time (else synthetic)."),
+    ] = None,
+    device: DeviceOpt = "auto",
+    mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")] = "strict",
+    backward: Annotated[
+        bool, typer.Option("--backward/--no-backward", help="Also gate the complete backward (every gradient).")
+    ] = True,
+    layers: Annotated[
+        str | None,
+        typer.Option("--layers", help="A:B runs transformer blocks A .. B-1 only (a truncated model; default all)."),
+    ] = None,
+    tolerance: Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")] = "ws1-model",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
+    save_tensors: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-tensors",
+            help="Write inputs (diffusers' forward arguments) and provider/candidate/golden node values there.",
+        ),
+    ] = None,
+    fault: Annotated[
+        str | None,
+        typer.Option(
+            "--fault",
+            help="Negative control: corrupt one row of one node's candidate, NODE:ROW[:scale|zero_tail]"
+            "[:forward|backward] (the gate must fail, exit 1).",
+        ),
+    ] = None,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The whole-model gate: every node of every stage and every gradient, provider vs strict vs FP64 golden."""
+    device = resolve_device(device)
+    from h3gate.commands.model_cmd import ws1_model_command
+
+    _done(
+        ws1_model_command(
+            layout,
+            config,
+            checkpoint,
+            device,
+            mode,
+            backward,
+            layers,
+            tolerance,
+            seed,
+            save_tensors,
+            out,
+            json_,
+            fault=fault,
+        )  # fmt: skip
+    )
+
+
 @run_app.command("ws1-ops")
 def run_ws1_ops(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,

@@ -1,0 +1,223 @@
+"""``h3gate run ws1-model``: the whole transformer, provider replay vs strict candidate vs FP64 golden, forward and
+the complete backward; evidence ``ws1-model.json`` + verdict.
+
+Exit codes: 0 the gate passed, 1 it failed (evidence written, failing checks listed), 2 bad input (a layer range
+outside the model, a checkpoint missing a layer, a run whose memory estimate exceeds the device, strict mode
+meeting a node without its strict kernel: nothing runs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.markup import escape
+from rich.table import Table
+
+from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.run_cmd import save_tensor_files
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.provenance import sha256_file
+from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.gate.compare import tensor_sha256
+from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.manifests.tolerances import load_tolerance, tolerance_path
+from h3gate.numerics import strict_numerics
+from h3gate.ops.registry import check_mode
+from h3gate.paths import LOCAL_EVIDENCE, display
+from h3gate.runs.model_setup import ModelSetup, prepare_model
+from h3gate.runs.model_stages import LEAVES
+from h3gate.runs.ws1_model import ModelGate, ModelGateResult, run_model_gate, steps
+
+KIND = "ws1-model"
+DEFAULT_LAYOUT = "micro"
+
+
+def parse_model_fault(spec: str, setup: ModelSetup) -> RowFault:
+    """``NODE:ROW[:KIND][:DIRECTION]`` over the model graph's node names (a negative control)."""
+    parts = spec.split(":")
+    if not 2 <= len(parts) <= 4:
+        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail][:forward|backward]")
+    node, row, *rest = parts
+    names = {n.name: n for n in setup.graph.nodes}
+    if node not in names:
+        raise InputError(f"--fault {spec!r}: unknown node {node!r} (e.g. block.0.o_proj, embed.pack)")
+    unknown = [p for p in rest if p not in KINDS and p not in DIRECTIONS]
+    if unknown:
+        raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
+    counts = {**setup.layout.rows_per_modality(), "packed": setup.layout.seq_len,
+              "timestep": int(setup.inputs["timestep"].numel())}  # fmt: skip
+    rows = counts.get(names[node].meta["rows"], 1)
+    if not row.isdigit() or int(row) >= rows:
+        raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {node}")
+    kind = next((p for p in rest if p in KINDS), "scale")
+    return RowFault(node, int(row), kind, next((p for p in rest if p in DIRECTIONS), "forward"))
+
+
+def _row_dims(setup: ModelSetup) -> dict[str, int | None]:
+    return {**{n.name: n.row_dim for n in setup.graph.nodes}, **dict.fromkeys(LEAVES, 1)}
+
+
+def ws1_model_command(
+    layout: str | None,
+    config: str | None,
+    checkpoint: Path | None,
+    device: str,
+    mode: str,
+    backward: bool,
+    layers: str | None,
+    tolerance: str,
+    seed: int,
+    save_tensors: Path | None,
+    out: Path | None,
+    json_: bool,
+    fault: str | None = None,
+) -> int:
+    """Run the whole-model gate and write ``ws1-model.json``; 0 pass / 1 fail (InputError -> 2)."""
+    started = time.perf_counter()
+    layout = layout or DEFAULT_LAYOUT
+    check_mode(mode)
+    tol_file = tolerance_path(tolerance)
+    tol = load_tolerance(tol_file)
+    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
+        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
+    if out is not None:
+        prepare_out(out)
+    with strict_numerics(device):
+        setup = prepare_model(layout, config, checkpoint, device, seed, mode, layers, backward)
+        injected = parse_model_fault(fault, setup) if fault is not None else None
+        folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+        setup_s = time.perf_counter() - started
+        with progress(KIND, len(steps(setup, backward)), started) as step:
+            overrides = None
+            if injected is not None:
+                overrides = {injected.node: injected.override(setup.graph.node(injected.node), _row_dims(setup))}
+            gate = ModelGate(setup, tol, seed, backward, overrides, step, keep_values=save_tensors is not None)
+            result = run_model_gate(gate)
+        body = build_body(setup, result, seed, tol.name, tol_file)
+        body["injected_fault"] = None if injected is None else injected.label()
+        body["timing"]["setup_s"] = round(setup_s, 4)
+        body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
+        if save_tensors is not None:
+            meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": device}
+            save_tensor_files(Path(save_tensors), tensors_to_save(setup, result), meta)
+            body["saved_tensors"] = display(Path(save_tensors))
+        manifests = [*setup.manifests, tol_file]
+        path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=manifests, device=setup.device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+    else:
+        print_summary(json.loads(path.read_text(encoding="utf-8")), path)
+    return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
+
+
+def build_body(setup: ModelSetup, result: ModelGateResult, seed: int, tol_name: str, tol_file: Path) -> dict:
+    cfg = setup.cfg
+    return {
+        "config": {
+            "name": setup.config_name,
+            "hidden_size": cfg.hidden_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "attention_head_dim": cfg.attention_head_dim,
+            "ffn_dim": cfg.ffn_dim,
+            "num_layers": cfg.num_layers,
+            "num_refiner_layers": cfg.num_refiner_layers,
+        },
+        "layout": {
+            "name": setup.layout.name,
+            "seq_len": setup.layout.seq_len,
+            "rows": setup.layout.rows_per_modality(),
+            "anchors": list(setup.layout.spec.anchors),
+            "tensor_sha256": setup.layout.tensor_hashes(),
+        },
+        "device": setup.device,
+        "mode": setup.mode,
+        "seed": seed,
+        "checkpoint": setup.checkpoint,
+        "inputs": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."), "sha256": tensor_sha256(v)}
+            for k, v in setup.inputs.items()
+        },
+        "tolerance": {"name": tol_name, "file": display(tol_file), "sha256": sha256_file(tol_file)},
+        **result.report,
+    }
+
+
+def diffusers_inputs(setup: ModelSetup) -> dict[str, torch.Tensor]:
+    """The arguments of diffusers' ``MiniMaxH3Transformer3DModel.forward`` under its own names."""
+    from h3gate.runs.model_stages import model_inputs
+
+    _, extra = model_inputs(setup.layout, setup.cfg, 0, "cpu")
+    raw = extra["raw"]
+    x = setup.inputs
+    tensors = {
+        "hidden_states": x["video_rows"],
+        "audio_hidden_states": x["audio_rows"],
+        "encoder_hidden_states": x["text"],
+        "timestep": raw.timestep,
+        "timestep_indices": raw.timestep_indices,
+        "token_tags": raw.token_tags,
+        "position_ids": raw.position_ids,
+        "video_indices": raw.video_indices,
+        "audio_indices": raw.audio_indices,
+        "text_indices": raw.text_indices,
+    }
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+
+
+def tensors_to_save(setup: ModelSetup, result: ModelGateResult) -> dict[str, dict[str, torch.Tensor]]:
+    """``inputs`` (diffusers' names) and ``provider`` / ``candidate`` / ``golden`` keyed by node name, with the two
+    velocities under ``output.video`` and ``output.audio``."""
+    files = {"inputs": diffusers_inputs(setup)}
+    for who, values in result.values.items():
+        nodes = {k: v.contiguous() for k, v in values.items()}
+        nodes["output.video"] = nodes["heads.video_select"].clone()
+        nodes["output.audio"] = nodes["heads.audio_select"].clone()
+        files[who] = nodes
+    return files
+
+
+def _drift(d: dict | None) -> str:
+    if d is None:
+        return "none"
+    layer = "" if d.get("layer") is None else f" layer {d['layer']}"
+    return f"{d['direction']} {d['stage']}{layer} {d['node']} (row {d.get('row')}, {d.get('modality') or '-'})"
+
+
+def print_summary(doc: dict, path: Path) -> None:
+    console = stdout_console()
+    layout, summary = doc["layout"], doc["summary"]
+    table = Table(
+        title=f"ws1-model {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
+        f"mode {doc['mode']}, layers {doc['model']['layers'][0]}:{doc['model']['layers'][1]}"
+    )
+    for col in ("stage", "nodes", "params", "failing nodes", "failing grads", "worst row / bound"):
+        table.add_column(col, no_wrap=True)
+    grads = (doc["backward"] or {}).get("gradients", {})
+    for s in doc["stages"]:
+        mine = [n for n in doc["nodes"] if n["stage"] == s["stage"] or n["name"].startswith(s["stage"] + ".")]
+        g = [r for r in grads.values() if r["stage"] == s["stage"]]
+        ratios = [v["ratio"] for r in mine + g for v in r["rows"].values() if v["ratio"] is not None]
+        table.add_row(
+            s["stage"], str(s["nodes"]), str(s["parameters"]), str(sum(not n["pass"] for n in mine)),
+            str(sum(not r["pass"] for r in g)), f"{max(ratios):.2f}" if ratios else "-",
+        )  # fmt: skip
+    console.print(table)
+    worst = "-" if summary["worst_ratio"] is None else f"{summary['worst_ratio']:.3f}"
+    console.print(
+        f"tensors judged: {summary['tensors_judged']} ({summary['forward_nodes']} forward nodes, "
+        f"{summary['gradients']} gradients); failing: {summary['failing_tensors']}; worst row / bound: {worst}"
+    )
+    console.print(f"first drift (candidate vs provider, bitwise): {escape(_drift(doc['first_drift']))}")
+    if doc["first_failure"] is not None:
+        f = doc["first_failure"]
+        console.print(f"[red]first failure[/]: {escape(_drift(f))}: {escape(f['check'])} {escape(f['detail'])}")
+    if doc.get("injected_fault"):
+        console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
+    colour = "green" if doc["verdict"] == "pass" else "red"
+    console.print(f"verdict: [{colour}]{doc['verdict']}[/] ({len(doc['failing_checks'])} failing checks)")
+    for item in doc["failing_checks"][:20]:
+        console.print(f"  - {escape(item)}")
+    console.print(f"evidence: {display(path)} ({doc['timing']['total_s']:.1f} s)")

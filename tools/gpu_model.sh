@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# H200 evidence for the whole-model issue (run ws1-model, bench ws1-model), run from the repository root on the
+# lent GPU host (device tool), with the wheels of `make wheelhouse` in .whl/ and tools/stamp_revision.py's stamp:
+#   calibrate:   provider variants only (--mode off: the candidate bound to the provider), medium, fwd + bwd;
+#   medium:      strict, real config, medium, forward + complete backward;
+#   fault:       negative control on the H200: one row of block.1.o_proj scaled, truncated model, forward;
+#   bench-medium / bench-768p: bench ws1-model;
+#   768p:        strict forward at 768p over blocks $LAYERS_768P (default 0:50).
+#   usage: tools/gpu_model.sh SECTION...   (a section is skipped once $BUDGET_S seconds have passed)
+set -u
+out=${OUT:?}
+ev=$out/ev
+mkdir -p "$ev/logs"
+ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site || exit 2
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+budget=${BUDGET_S:-480}
+run() {
+  local name=$1 expect=$2
+  shift 2
+  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s > ${budget} s)"; return; fi
+  local start=$SECONDS
+  python3 -m h3gate "$@" --out "$ev/$name" >"$ev/logs/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc (expected $expect), $((SECONDS - start)) s: h3gate $*"
+  grep -E "^(verdict|tensors judged|first (drift|failure)|injected|h3gate: (error|internal))|strict_over|x$" \
+    "$ev/logs/$name.log" | head -12
+}
+common=(--config real --device cuda --mode strict)
+for section in "$@"; do
+  case $section in
+  calibrate) run ws1-model-real-medium-calibration 0 run ws1-model --config real --device cuda --mode off --layout medium ;;
+  medium) run ws1-model-real-medium 0 run ws1-model "${common[@]}" --layout medium ;;
+  fault) run ws1-model-real-medium-fault 1 run ws1-model "${common[@]}" --layout medium --layers 0:3 --no-backward \
+    --fault block.1.o_proj:3000:scale ;;
+  bench-medium) run bench-ws1-model-medium 0 bench ws1-model --config real --layout medium --device cuda ;;
+  bench-768p) run bench-ws1-model-768p 0 bench ws1-model --config real --layout 768p --device cuda ;;
+  768p) run ws1-model-real-768p-forward 0 run ws1-model "${common[@]}" --layout 768p --no-backward \
+    --layers "${LAYERS_768P:-0:50}" ;;
+  *) echo "unknown section $section" >&2 ;;
+  esac
+done
+tar czf "$out/evidence.tgz" -C "$ev" .
