@@ -68,6 +68,10 @@ class RowRule(Strict):
     # and reported. ``default`` always runs.
     variants: list[str] = Field(min_length=1)
     calibration: str = Field(min_length=1)
+    # Dtypes whose row bound is raised to the operator contract's declared rel_l2 (``run ws1-ops``'s rule): where
+    # the provider variants do not span the rounding noise of that dtype, a factor over their envelope is not
+    # calibrated. Empty (the default) for profiles that do not say it.
+    contract_floor: list[Literal["float32", "float64"]] = []
 
     @field_validator("variants")
     @classmethod

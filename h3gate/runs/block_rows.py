@@ -81,6 +81,8 @@ class RowContext:
 
     def record(self) -> dict:
         rule = self.rule.model_dump(mode="json")
+        if not rule.get("contract_floor"):
+            rule.pop("contract_floor", None)  # a profile without it hashes as before the field existed
         return {
             **rule,
             "sha256": rule_sha256(rule),

@@ -28,7 +28,7 @@ from h3gate.graph.model import OUTPUTS
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_forward import Findings, Lanes
-from h3gate.runs.model_lanes import Lane, merged, row_labels, select_item
+from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
 from h3gate.runs.model_stages import LEAVES, Stage, StageGrads, accumulate, stage_vjp
 
 if TYPE_CHECKING:
@@ -211,10 +211,11 @@ def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, agai
     else:
         bound = leaf_check(err_c, err_p, float(g.abs().max()), c.dtype == torch.bfloat16, tol.error_metric,
                            tol.leaf_factor, tol.leaf_floor, tol.bf16_ulp_allowance)  # fmt: skip
+    least = contract_floor(ctx.rule.contract_floor, _ops(stage, key, gold), "backward", c.dtype)
     rows = {
-        "chained": ctx.judge(rowed(c, rd)[0], env[key], *rowed(g, rd), mods=mods),
+        "chained": ctx.judge(rowed(c, rd)[0], env[key], *rowed(g, rd), at_least=least, mods=mods),
         "isolated": ctx.judge(rowed(iso["candidate"][key], rd)[0], iso_env[key], *rowed(iso["golden"][key], rd),
-                              mods=mods),
+                              at_least=least, mods=mods),
     }  # fmt: skip
     rd = None if rd == WHOLE else rd
     repeat = agreement(again[key], c, rd, mods)
@@ -239,6 +240,15 @@ def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, agai
         "error": {"candidate": err_c, "provider": err_p, "bound": bound}, "rows": rows, "checks": checks,
         "pass": all(x["pass"] for x in checks),
     }  # fmt: skip
+
+
+def _ops(stage: Stage, key: str, gold: Mapping[str, torch.Tensor]) -> list[str]:
+    """The operators whose backward made gradient ``key``: a node's own; for a parameter or the request, every
+    node of the stage that back-propagated (its output has a gradient)."""
+    node = next((n for n in stage.nodes if n.name == key), None)
+    if node is not None:
+        return list(node.ops)
+    return [op for n in stage.nodes if n.name in gold for op in n.ops]
 
 
 def _kind(stage: Stage, key: str) -> str:

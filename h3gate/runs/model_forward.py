@@ -24,7 +24,7 @@ from h3gate.graph.core import Node, Values, to_float64
 from h3gate.graph.execute import run_node
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
-from h3gate.runs.model_lanes import Lane, last_readers, merged, row_labels, select_item
+from h3gate.runs.model_lanes import Lane, contract_floor, last_readers, merged, row_labels, select_item
 from h3gate.runs.model_stages import Stage
 
 if TYPE_CHECKING:
@@ -172,10 +172,12 @@ def _node(gate, ctx, node: Node, feed, params, gparams, prov, cand, gold, chaine
     with torch.no_grad():
         iso = run_node(node, gate.tables["candidate"], feed, params, override)
     local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
+    least = contract_floor(ctx.rule.contract_floor, node.ops, "forward", cand[node.name].dtype)
     rows = {
-        "isolated": ctx.judge(iso, iso_env, local, node.row_dim, mods=mods),
-        "chained": ctx.judge(cand[node.name], chained_env[node.name], gold[node.name], node.row_dim, mods=mods),
-    }
+        "isolated": ctx.judge(iso, iso_env, local, node.row_dim, at_least=least, mods=mods),
+        "chained": ctx.judge(cand[node.name], chained_env[node.name], gold[node.name], node.row_dim, at_least=least,
+                             mods=mods),
+    }  # fmt: skip
     del local
     tol = gate.tolerance.forward
     err_c, err_p = error(cand[node.name], gold[node.name]), error(prov[node.name], gold[node.name])

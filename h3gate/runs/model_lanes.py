@@ -9,7 +9,7 @@ not the model's. With ``save`` a lane keeps each stage's inputs for the backward
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +19,7 @@ from h3gate.graph.core import OpTable, Values
 from h3gate.graph.execute import Override
 from h3gate.graph.model import OUTPUTS
 from h3gate.runs.model_stages import Stage, run_stage
+from h3gate.runs.ws1_ops import bounds
 
 ROW_KINDS = ("packed", "text", "video", "audio")
 
@@ -111,3 +112,14 @@ def merged(recs: list[dict]) -> dict:
         "first_modality": None if bad is None else bad["first_modality"],
         "placements": [{k: r[k] for k in ("batch", "position", "bitwise", "first_row")} for r in recs],
     }
+
+
+def contract_floor(floor_dtypes: Iterable[str], ops: Iterable[str], direction: str, dtype: torch.dtype) -> float:
+    """The row bound's minimum for a tensor of ``dtype`` made by ``ops``: the largest rel_l2 their contracts
+    declare for that dtype and direction (``run ws1-ops``'s bounds), when the profile's ``contract_floor`` lists
+    the dtype; else 0."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in floor_dtypes:
+        return 0.0
+    side = 0 if direction == "forward" else 1
+    return max((bounds(op)[side].get(name, 0.0) for op in ops), default=0.0)
