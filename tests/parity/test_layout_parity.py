@@ -49,7 +49,7 @@ def assert_bitwise(layout: PackedLayout, reference: tuple) -> None:
     assert (layout.num_condition_video_rows, layout.num_condition_audio_rows) == reference[5:]
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "medium", "768p"])
+@pytest.mark.parametrize("name", ["micro", "tiny", "small", "medium", "768p"])
 def test_named_layouts_bitwise(name: str) -> None:
     assert name in layout_names()
     spec = load_layout(name)
