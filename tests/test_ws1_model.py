@@ -1,0 +1,166 @@
+"""``h3gate run ws1-model``: the default command passes with strict kernels, judging every node of every stage and
+every gradient (each parameter by its checkpoint name) row by row; one wrong packed row fails it, located (forward
+and backward); bad input is exit 2 before anything runs.
+
+The default runs as a user runs it: tiny config, micro layout, strict Triton kernels under the CPU interpreter,
+forward and the complete backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3gate.errors import InputError
+from h3gate.graph.model import build_model_graph
+from h3gate.inventory import expected_inventory
+from h3gate.manifests.model_config import load_config
+from h3gate.runs.model_stages import model_stages
+
+H3GATE = [sys.executable, "-m", "h3gate"]
+TINY = load_config("tiny").config
+
+
+def _run(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([*H3GATE, *args], capture_output=True, text=True, cwd=tmp, env=env, timeout=900)
+
+
+def _doc(folder: Path) -> dict:
+    return json.loads((folder / "ws1-model.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("model")
+    done = _run(["--quiet", "run", "ws1-model", "--out", str(tmp / "ev")], tmp)
+    return done, _doc(tmp / "ev")
+
+
+def test_the_default_command_passes_with_strict_kernels(default_run) -> None:
+    done, doc = default_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert doc["verdict"] == "pass" and doc["failing_checks"] == [] and doc["first_failure"] is None
+    assert (doc["config"]["name"], doc["layout"]["name"], doc["device"], doc["mode"]) == (
+        "tiny",
+        "micro",
+        "cpu",
+        "strict",
+    )
+    graph = build_model_graph(TINY)
+    assert [n["name"] for n in doc["nodes"]] == [n.name for n in graph.nodes]
+    assert all(n["binding"]["actual"] == "triton" and not n["binding"]["fallback"] for n in doc["nodes"])
+    assert doc["model"]["complete"] and doc["model"]["stages"][0] == "embed" and doc["model"]["stages"][-1] == "heads"
+    assert {lane["name"] for lane in doc["lanes"]} >= {"golden", "provider", "candidate", "candidate repeat"}
+    assert any(lane["batch"] for lane in doc["lanes"] if lane["saved_for_backward"])
+    seq_len = doc["layout"]["seq_len"]
+    for node in doc["nodes"]:
+        names = {c["check"] for c in node["checks"]}
+        assert {
+            "repeat_bitwise",
+            "batch_row_bitwise",
+            "error_bound",
+            "row_bound_isolated",
+            "row_bound_chained",
+        } <= names
+        for view in ("isolated", "chained"):
+            assert node["rows"][view]["pass"] and node["rows"][view]["ratio"] < 1.0, (node["name"], view)
+        if node["rows_of"] == "packed":
+            assert node["rows"]["chained"]["rows"] == seq_len, node["name"]
+
+
+def test_the_backward_judges_every_parameter_and_the_request(default_run) -> None:
+    _, doc = default_run
+    bw = doc["backward"]
+    params = {k for k, r in bw["gradients"].items() if r["kind"] == "parameter"}
+    assert params == {s.name for s in expected_inventory(TINY)}  # every checkpoint tensor, by its name
+    assert set(bw["leaves"]) == {"video_rows", "audio_rows", "text"}
+    rows = doc["layout"]["rows"]
+    for name, modality in (("video_rows", "video"), ("audio_rows", "audio"), ("text", "text")):
+        leaf = bw["leaves"][name]
+        assert leaf["pass"] and leaf["batch_row"]["bitwise"] and leaf["repeat"]["bitwise"]
+        assert leaf["rows"]["chained"]["rows"] == rows[modality]
+    node_grads = [r for r in bw["gradients"].values() if r["kind"] == "node"]
+    assert len(node_grads) >= 50 and all(r["pass"] for r in node_grads)
+    assert bw["autograd_forward"] and all(v["bitwise"] for v in bw["autograd_forward"].values())
+    assert doc["summary"]["failing_tensors"] == 0
+    assert doc["summary"]["tensors_judged"] == len(doc["nodes"]) + len(bw["gradients"]) + len(bw["leaves"])
+    assert doc["loss"].startswith("loss = ") and "recomputation" in doc["recomputation"]
+
+
+def test_a_forward_fault_on_one_row_fails_and_is_located(tmp_path) -> None:
+    args = ["--quiet", "run", "ws1-model", "--no-backward", "--layers", "1:2", "--out", str(tmp_path / "ev")]
+    done = _run([*args, "--fault", "block.1.o_proj:50:scale"], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    doc = _doc(tmp_path / "ev")
+    assert doc["injected_fault"] == "forward:block.1.o_proj:row 50:scale"
+    failure = doc["first_row_failure"]
+    assert (failure["direction"], failure["stage"], failure["layer"], failure["node"]) == (
+        "forward", "block.1", 1, "block.1.o_proj",
+    )  # fmt: skip
+    assert (
+        failure["row"] == 50 and failure["modality"] == "audio"
+    )  # micro: 24 text, 16 keyframe, 12 audio, 32 video rows
+    assert doc["first_failure"]["node"] == "block.1.o_proj"
+
+
+def test_a_backward_fault_on_one_row_fails_in_the_backward_and_is_located(tmp_path) -> None:
+    args = ["--quiet", "run", "ws1-model", "--layers", "0:1", "--out", str(tmp_path / "ev")]
+    done = _run([*args, "--fault", "block.0.ffn_down:70:scale:backward"], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    doc = _doc(tmp_path / "ev")
+    assert all(n["pass"] for n in doc["nodes"])  # the forward is untouched
+    failure = doc["first_row_failure"]
+    # the corrupted gradient is the one ffn_down's backward hands to its input, block.0.swiglu
+    assert (failure["direction"], failure["stage"], failure["node"], failure["row"]) == (
+        "backward", "block.0", "block.0.swiglu", 70,
+    )  # fmt: skip
+    assert failure["modality"] == "video"
+
+
+def test_mode_off_is_the_provider_by_construction(tmp_path) -> None:
+    done = _run(["--quiet", "run", "ws1-model", "--mode", "off", "--no-backward", "--out", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = _doc(tmp_path)
+    assert doc["first_drift"] is None and all(n["chained"]["bitwise"] for n in doc["nodes"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--layers", "0:9"], "--layers 0:9: outside the model (0 <= A < B <= 2 blocks)"),
+        (["--layers", "2:1"], "--layers 2:1: outside the model (0 <= A < B <= 2 blocks)"),
+        (["--layers", "one"], "--layers 'one': expected A:B (blocks A .. B-1), e.g. 0:2"),
+        (["--fault", "block.7.o_proj:1"], "--fault 'block.7.o_proj:1': unknown node 'block.7.o_proj'"),
+        (["--fault", "block.0.o_proj:84"], "--fault 'block.0.o_proj:84': row '84' must be an integer in [0, 84)"),
+    ],
+)
+def test_bad_input_is_exit_2_with_one_line(run_cli, tmp_path, args, message) -> None:
+    code, out, err = run_cli("run", "ws1-model", *args, "--out", str(tmp_path / "ev"))
+    assert code == 2 and out == ""
+    assert err.startswith(f"h3gate: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "ev" / "ws1-model.json").exists()
+
+
+def test_a_run_whose_memory_estimate_exceeds_the_device_is_refused(monkeypatch) -> None:
+    from h3gate import memory
+    from h3gate.runs.model_setup import prepare_model
+
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 20)
+    with pytest.raises(InputError, match=r"ws1-model --layout micro --config tiny \(S=84\): needs at least"):
+        prepare_model("micro", None, None, "cpu", 0, "strict")
+
+
+@pytest.mark.parametrize("config", ["tiny", "real"])
+def test_every_checkpoint_tensor_belongs_to_exactly_one_stage(config) -> None:
+    cfg = load_config(config).config
+    names = [s.name for s in expected_inventory(cfg)]
+    stages = model_stages(build_model_graph(cfg))
+    owned = [n for stage in stages for n in stage.param_names(names)]
+    assert sorted(owned) == sorted(names) and len(owned) == len(set(owned))
+    assert len(stages) == cfg.num_layers + cfg.num_refiner_layers + 6  # embed, final norm, pack, time, final, heads
