@@ -164,3 +164,13 @@ def test_every_checkpoint_tensor_belongs_to_exactly_one_stage(config) -> None:
     owned = [n for stage in stages for n in stage.param_names(names)]
     assert sorted(owned) == sorted(names) and len(owned) == len(set(owned))
     assert len(stages) == cfg.num_layers + cfg.num_refiner_layers + 6  # embed, final norm, pack, time, final, heads
+
+
+def test_save_tensors_beyond_host_memory_is_refused_before_running(monkeypatch) -> None:
+    from h3gate import memory
+    from h3gate.runs.model_setup import prepare_model
+
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: 12_500_000)  # between the two estimates
+    prepare_model("micro", None, None, "cpu", 0, "strict", None, False)  # without --save-tensors: fits
+    with pytest.raises(InputError, match=r"--save-tensors at --layout micro --config tiny .*bound it with --layers"):
+        prepare_model("micro", None, None, "cpu", 0, "strict", None, False, save_tensors=True)

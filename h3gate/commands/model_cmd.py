@@ -86,7 +86,9 @@ def ws1_model_command(
     if out is not None:
         prepare_out(out)
     with strict_numerics(device):
-        setup = prepare_model(layout, config, checkpoint, device, seed, mode, layers, backward)
+        setup = prepare_model(
+            layout, config, checkpoint, device, seed, mode, layers, backward, save_tensors=save_tensors is not None
+        )
         injected = parse_model_fault(fault, setup) if fault is not None else None
         folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
         setup_s = time.perf_counter() - started

@@ -94,6 +94,15 @@ def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: 
     return weights + values + boundaries
 
 
+def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage]) -> int:
+    """A lower bound on ``--save-tensors``' host memory: every block's and refiner block's node values (six nodes
+    ``H`` wide, eight ``N D``, gate-up ``2F`` and swiglu ``F`` per packed row) at bf16 (provider, candidate) plus
+    float64 (golden)."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    blocks = sum(1 for s in stages if s.label.startswith(("block.", "refiner.")))
+    return blocks * seq_len * (6 * h + 8 * nd + 3 * f) * (2 + 2 + 8)
+
+
 def prepare_model(
     layout: str,
     config: str | None,
@@ -104,6 +113,7 @@ def prepare_model(
     layers: str | None = None,
     backward: bool = True,
     lanes: int = 12,
+    save_tensors: bool = False,
 ) -> ModelSetup:
     """Resolve and check everything (bad input -> InputError before any weight is read or memory allocated)."""
     from h3gate.memory import require
@@ -121,6 +131,10 @@ def prepare_model(
     need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), lanes, backward)
     require(need, f"ws1-model --layout {layout} --config {config_name} (S={packed.seq_len})", device,
             hint="use a smaller layout, --layers or --no-backward")  # fmt: skip
+    if save_tensors:
+        require(saved_values_bytes(cfg, packed.seq_len, stages), f"--save-tensors at --layout {layout} "
+                f"--config {config_name} (every node's values, three executions)", "cpu",
+                hint="bound it with --layers")  # fmt: skip
     bindings = bind_graph(graph, mode, device)
     if ckpt["kind"] == "synthetic" and device != "cpu":
         # Drawn on the device's own generator (a 33B model is not drawn on the CPU); values are per device kind.
