@@ -28,10 +28,11 @@ def provider_table(overrides: Mapping[str, Callable] | None = None) -> OpTable:
 
 def golden_table() -> OpTable:
     """The provider references for float64 tensors, attention chunked over queries where the dense float64 score
-    matrix would not fit (``h3gate.ops.golden.attention_golden``; same maths, float64 rounding apart)."""
-    from h3gate.ops.golden import attention_golden
+    matrix would not fit (``h3gate.ops.golden.attention_golden``; same maths, float64 rounding apart), and the
+    timestep sinusoid at float64 (the reference casts to float32, as diffusers does)."""
+    from h3gate.ops.golden import attention_golden, sinusoid_fp64
 
-    return provider_table({"h3_full_attention": attention_golden})
+    return provider_table({"h3_full_attention": attention_golden, "timestep_sinusoid_h3": sinusoid_fp64})
 
 
 @dataclass(frozen=True)

@@ -86,3 +86,16 @@ def attention_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if q.dtype != torch.float64 or b * nh * s * s * 8 <= DENSE_ATTENTION_GOLDEN_BYTES:
         return reference.attention(q, k, v)
     return attention_fp64(q, k, v)
+
+
+def sinusoid_fp64(timestep: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """:func:`h3gate.ops.reference.timestep_sinusoid` (cos first) at the timestep's own dtype: the reference casts to
+    float32 as diffusers does, which would make the golden's sinusoid the provider's FP32 value."""
+    import math
+
+    half = dim // 2
+    dtype = timestep.dtype if timestep.is_floating_point() else torch.float64
+    exponent = -math.log(10000) * torch.arange(0, half, dtype=dtype, device=timestep.device) / half
+    emb = timestep[:, None].to(dtype) * torch.exp(exponent)[None, :]
+    emb = torch.cat([torch.cos(emb), torch.sin(emb)], dim=-1)
+    return torch.nn.functional.pad(emb, (0, 1, 0, 0)) if dim % 2 == 1 else emb

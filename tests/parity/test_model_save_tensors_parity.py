@@ -105,18 +105,13 @@ def test_golden_tensors_are_float64(saved):
     _, tensors, _ = saved
     golden = load_file(tensors / "golden.safetensors")
     provider = load_file(tensors / "provider.safetensors")
-    # time.sinusoid: see the xfail below (the reference sinusoid casts its timestep to FP32 on every lane)
-    not_fp64 = {k: v.dtype for k, v in golden.items() if v.dtype != torch.float64 and k != "time.sinusoid"}
+    not_fp64 = {k: v.dtype for k, v in golden.items() if v.dtype != torch.float64}
     assert not_fp64 == {}
     assert all(golden[k].shape == provider[k].shape for k in golden)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="h3gate.ops.reference.timestep_sinusoid computes in FP32 (timestep.float()) on the golden lane too, so "
-    "the saved golden time.sinusoid is float32, not an FP64 golden",
-)
 def test_golden_time_sinusoid_is_float64(saved):
+    """The golden's sinusoid is computed at float64 (``ops.golden.sinusoid_fp64``), not the reference's FP32 cast."""
     _, tensors, _ = saved
     golden = load_file(tensors / "golden.safetensors")
     assert golden["time.sinusoid"].dtype == torch.float64
