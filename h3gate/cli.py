@@ -311,6 +311,44 @@ def run_ws1_model(
     )
 
 
+@run_app.command("ws1-trajectory")
+def run_ws1_trajectory(
+    out: OutOpt = None,
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
+    ] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option("--checkpoint", help="diffusers transformer folder (else seeded synthetic weights).")
+    ] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Sigma grid points (steps - 1 model evaluations).")] = 6,
+    shift: Annotated[float, typer.Option("--shift", help="The video grid's shift (audio keeps 3.0).")] = 12.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and the request.")] = 0,
+    mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off (the provider)")] = "strict",
+    device: DeviceOpt = "auto",
+    batch_with: Annotated[
+        int | None,
+        typer.Option("--batch-with", help="Evaluate every step beside an unrelated request drawn from this seed."),
+    ] = None,
+    until: Annotated[int | None, typer.Option("--until", help="Stop after this step (0-based).")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue RUNDIR after its last complete step (every saved step checked).")
+    ] = False,
+    verify_last: Annotated[
+        bool, typer.Option("--verify-last", help="Recompute RUNDIR's last saved step and require it bitwise.")
+    ] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """A dual-scheduler trajectory saved one model evaluation at a time in --out RUNDIR: resumable, verifiable."""
+    device = resolve_device(device)
+    from h3gate.commands.trajectory_cmd import ws1_trajectory_command
+    from h3gate.runs.ws1_trajectory import TrajectorySettings
+
+    settings = TrajectorySettings(layout, config, checkpoint, device, mode, steps, shift, seed, batch_with)
+    _done(ws1_trajectory_command(settings, out, until, resume, verify_last, json_))
+
+
 @run_app.command("ws1-ops")
 def run_ws1_ops(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,

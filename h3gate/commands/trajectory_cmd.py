@@ -1,0 +1,87 @@
+"""``h3gate run ws1-trajectory``: a per-step saved, resumable dual-scheduler trajectory in RUNDIR.
+
+Exit codes: 0 the steps asked for are saved (and ``--verify-last`` recomputed the last one bitwise), 1 the
+recomputation differed (evidence written), 2 bad input: a RUNDIR made with other code or settings (naming the
+field), a damaged step file (naming it), a RUNDIR that already holds a run without ``--resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from h3gate.commands.console import progress, stdout_console
+from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.numerics import strict_numerics
+from h3gate.ops.registry import check_mode
+from h3gate.paths import display
+from h3gate.runs.trajectory_files import STEPS
+from h3gate.runs.ws1_trajectory import KIND, TrajectorySettings, run_ws1_trajectory
+
+EVIDENCE = f"{KIND}.json"
+
+
+def _previous(rundir: Path) -> list[dict]:
+    path = rundir / EVIDENCE
+    if not path.is_file():
+        return []
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    return list(doc.get("invocations", []))
+
+
+def _step_files(rundir: Path) -> dict[str, str]:
+    out = {}
+    for side in sorted((rundir / STEPS).glob("step-*.json")):
+        record = json.loads(side.read_text(encoding="utf-8"))
+        out[record["file"]] = record["file_sha256"]
+    return out
+
+
+def ws1_trajectory_command(
+    settings: TrajectorySettings,
+    out: Path | None,
+    until: int | None,
+    resume: bool,
+    verify_last: bool,
+    json_: bool,
+) -> int:
+    """Start, resume or verify a run; writes ``RUNDIR/ws1-trajectory.json`` (every invocation listed)."""
+    if out is None:
+        raise InputError("--out RUNDIR: required (the run's folder: manifest, step files, evidence)")
+    check_mode(settings.mode)
+    rundir = prepare_out(Path(out))
+    started = time.perf_counter()
+    with strict_numerics(settings.device):
+        with progress(KIND, None, started) as step:
+            body = run_ws1_trajectory(settings, rundir, until, resume, verify_last, step)
+        body["invocations"] = [*_previous(rundir), body["invocation"]]
+        body["step_files"] = _step_files(rundir)
+        path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+    else:
+        _summary(body, path)
+    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def _summary(body: dict, path: Path) -> None:
+    console = stdout_console()
+    inv = body["invocation"]
+    run = body["run"]
+    console.print(
+        f"ws1-trajectory {run['config']['name']} / {run['layout']['name']}, mode {run['mode']}, "
+        f"{run['device_kind']}, batch {run['batch']['size']}: {body['steps_saved']}/{body['evaluations']} steps saved"
+        + (" (complete)" if body["complete"] else "")
+    )
+    if inv["steps"]:
+        console.print(f"this invocation: steps {inv['steps'][0]['step']}..{inv['steps'][-1]['step']}, "
+                      f"{inv['seconds_per_step']:.2f} s per step")  # fmt: skip
+    if inv["verify_last"] is not None:
+        v = inv["verify_last"]
+        console.print(f"verify-last: step {v['step']} recomputed, bitwise: {'yes' if v['bitwise'] else 'NO'}")
+    console.print(f"verdict: {body['verdict']}; evidence: {display(path)}")

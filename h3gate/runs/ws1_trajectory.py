@@ -1,0 +1,332 @@
+"""``run ws1-trajectory``: the dual-scheduler trajectory (:mod:`h3gate.trajectory`) one model evaluation at a time,
+each step saved to disk (:mod:`h3gate.runs.trajectory_files`) so that a run stops, resumes and verifies.
+
+Step ``i``: the model on the latents ``(x_i, a_i)`` at the step's row timestep plan gives ``(v_i, u_i)``; then each
+modality's own Euler update on its generated rows (condition rows held):
+``x_{i+1} = r x_i + (1 - r)(x_i + (1 - t_i) v_i)``, ``r = sigma_{i+1} / sigma_i``, at float32 (``euler_step``).
+The step file holds ``x_i``, ``a_i``, ``v_i``, ``u_i`` (and, under ``--batch-with``, the unrelated request's
+latents); the next step's inputs are what those imply, which ``--resume`` checks for every saved step before it
+continues. Under ``--batch-with SEED`` every evaluation is a batch of two: the unrelated request (drawn from SEED)
+first, the logical one second; both advance.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.evidence.provenance import code_sha256
+from h3gate.fingerprint import canonical_sha256, config_body
+from h3gate.gate.compare import bitwise_equal
+from h3gate.graph.core import OpTable
+from h3gate.graph.executions import candidate_table, provider_table
+from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
+from h3gate.paths import display
+from h3gate.runs.model_setup import ModelSetup, prepare_model
+from h3gate.runs.model_stages import run_stage
+from h3gate.runs.trajectory_files import (
+    MANIFEST,
+    STEPS,
+    complete_steps,
+    differing_field,
+    load_step,
+    read_manifest,
+    write_manifest,
+    write_step,
+)
+from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT, sigma_hash
+from h3gate.trajectory import Recipe, Request, initial_latents, make_request, row_timestep_plan
+
+State = tuple[torch.Tensor, torch.Tensor]  # (video latents (Nv, C), audio latents (Na, Ca)), float32 rows
+ProgressFn = Callable[[str], None]
+KIND = "ws1-trajectory"
+
+
+@dataclass(frozen=True)
+class TrajectorySettings:
+    layout: str = "micro"
+    config: str | None = None
+    checkpoint: Path | None = None
+    device: str = "cpu"
+    mode: str = "strict"
+    steps: int = 6
+    shift: float = VIDEO_SHIFT
+    seed: int = 0
+    batch_with: int | None = None
+
+
+@dataclass
+class Trajectory:
+    """A prepared run: the model (weights on the device), the sampler and the request(s)."""
+
+    settings: TrajectorySettings
+    setup: ModelSetup
+    params: dict[str, torch.Tensor]
+    table: OpTable
+    recipe: Recipe
+    plan: list[tuple[torch.Tensor, torch.Tensor]]
+    request: Request
+    other: Request | None
+
+    @property
+    def evaluations(self) -> int:
+        return len(self.plan)
+
+
+def prepare_trajectory(settings: TrajectorySettings) -> Trajectory:
+    """Check everything (InputError before any weight is read), bind, then load the weights onto the device."""
+    if settings.steps < 2:
+        raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
+    if not settings.shift > 0:
+        raise InputError(f"--shift {settings.shift}: must be positive")
+    setup = prepare_model(
+        settings.layout, settings.config, settings.checkpoint, settings.device, settings.seed, settings.mode,
+        backward=False, lanes=2,
+    )  # fmt: skip
+    recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
+    video, audio = recipe.schedules()
+    plan = row_timestep_plan(setup.layout, recipe, video, audio)
+    if not plan:
+        raise InputError(f"--steps {settings.steps} --shift {settings.shift}: the grids give no model evaluation")
+    table = provider_table() if settings.mode == "off" else candidate_table(setup.bindings)
+    params: dict[str, torch.Tensor] = {}  # read on the first evaluation, after every check
+    device = setup.device
+    request = make_request(setup.layout, setup.cfg, settings.seed, 0, device)
+    other = (
+        None if settings.batch_with is None else make_request(setup.layout, setup.cfg, settings.batch_with, 0, device)
+    )
+    return Trajectory(settings, setup, params, table, recipe, plan, request, other)
+
+
+def manifest_fields(run: Trajectory) -> dict:
+    """What ties a RUNDIR to one run: resuming with any field different is refused, naming it."""
+    s, setup = run.settings, run.setup
+    video, audio = run.recipe.schedules()
+    return {
+        "code_sha256": code_sha256(),
+        "config": {"name": setup.config_name, "sha256": canonical_sha256(config_body(setup.cfg))},
+        "weights": {k: (str(v) if isinstance(v, Path) else v) for k, v in setup.checkpoint.items()},
+        "layout": {
+            "name": setup.layout.name,
+            "seq_len": setup.layout.seq_len,
+            "tensor_sha256": setup.layout.tensor_hashes(),
+        },  # fmt: skip
+        "schedule": {
+            "steps": s.steps,
+            "evaluations": run.evaluations,
+            "video_shift": s.shift,
+            "audio_shift": AUDIO_SHIFT,
+            "video_sigma_sha256": sigma_hash(video),
+            "audio_sigma_sha256": sigma_hash(audio),
+            "video_sigmas": [float(x) for x in video.sigmas.tolist()],
+            "audio_sigmas": [float(x) for x in audio.sigmas.tolist()],
+        },  # fmt: skip
+        "seed": s.seed,
+        "mode": s.mode,
+        "device_kind": "cuda" if setup.device.startswith("cuda") else "cpu",
+        "batch": {
+            "with_seed": s.batch_with,
+            "size": 1 if s.batch_with is None else 2,
+            "position": 0 if s.batch_with is None else 1,
+        },  # fmt: skip
+    }
+
+
+def initial_state(run: Trajectory, request: Request) -> State:
+    _, video, audio = initial_latents(request, run.recipe)
+    return video, audio
+
+
+def evaluate(run: Trajectory, step: int, state: State, other: State | None) -> tuple[State, State | None]:
+    """The model at ``step`` on the logical state (second of two beside ``other`` under --batch-with):
+    ``((v, u), (v', u') or None)``, velocities as rows ``(N, C)``."""
+    setup = run.setup
+    if not run.params:
+        run.params.update(
+            {n: setup.weights.source.load(n, setup.device, check_finite=True) for n in setup.weights.names}
+        )
+    timestep, indices = run.plan[step]
+    meta = derive_metadata(raw_metadata(setup.layout, timestep, indices), setup.cfg, setup.device)
+    items = [(state, run.request)] if other is None else [(other, run.other), (state, run.request)]
+    values = {
+        "video_rows": torch.stack([s[0] for s, _ in items]),
+        "audio_rows": torch.stack([s[1] for s, _ in items]),
+        "text": torch.cat([r.text for _, r in items]),
+        **meta,
+    }
+    with torch.no_grad():
+        for stage in setup.stages:
+            params = {n: run.params[n] for n in stage.param_names(list(run.params))}
+            values.update(run_stage(stage, values, params, run.table))
+    v, u = values[OUTPUTS[0]], values[OUTPUTS[1]]
+    mine = (v[-1], u[-1])
+    return mine, (None if other is None else (v[0], u[0]))
+
+
+def euler(run: Trajectory, step: int, state: State, velocity: State) -> State:
+    """Both modalities' Euler updates on their generated rows (condition rows held)."""
+    video, audio = run.recipe.schedules()
+    vt, at = run.recipe.timesteps_of(video), run.recipe.timesteps_of(audio)
+    nc, nca = run.setup.layout.num_condition_video_rows, run.setup.layout.num_condition_audio_rows
+    x, a = state[0].clone(), state[1].clone()
+    x[nc:] = run.recipe.euler(velocity[0][nc:].float(), vt[step], x[nc:], video.sigmas[step], video.sigmas[step + 1])
+    a[nca:] = run.recipe.euler(velocity[1][nca:].float(), at[step], a[nca:], audio.sigmas[step], audio.sigmas[step + 1])
+    return x, a
+
+
+def step_tensors(state: State, velocity: State, other: State | None, other_velocity: State | None) -> dict:
+    out = {"video_latents": state[0], "audio_latents": state[1], "video_velocity": velocity[0],
+           "audio_velocity": velocity[1]}  # fmt: skip
+    if other is not None and other_velocity is not None:
+        out.update({"batch.video_latents": other[0], "batch.audio_latents": other[1],
+                    "batch.video_velocity": other_velocity[0], "batch.audio_velocity": other_velocity[1]})  # fmt: skip
+    return out
+
+
+@dataclass
+class Resumed:
+    """What the saved steps imply: the next step, the state fed to it, the unrelated request's, and the last
+    saved step's tensors (for --verify-last)."""
+
+    next_step: int
+    state: State
+    other: State | None
+    last: dict[str, torch.Tensor] | None
+
+
+def _pair(tensors: dict[str, torch.Tensor], prefix: str, what: str, device: str) -> State:
+    return tensors[f"{prefix}video_{what}"].to(device), tensors[f"{prefix}audio_{what}"].to(device)
+
+
+def _same(a: State, b: State) -> bool:
+    return bitwise_equal(a[0], b[0]) and bitwise_equal(a[1], b[1])
+
+
+def replay_saved(run: Trajectory, rundir: Path, steps: list[int]) -> Resumed:
+    """Check every saved step (digests; its inputs equal what the previous step implies, step 0's the initial
+    latents; the unrelated request's likewise) and return the state after the last one. A mismatch is an
+    InputError naming the file."""
+    device = run.setup.device
+    state = initial_state(run, run.request)
+    other = None if run.other is None else initial_state(run, run.other)
+    last = None
+    for k in steps:
+        tensors, record = load_step(rundir, k)
+        if not _same(_pair(tensors, "", "latents", device), state):
+            raise InputError(f"{record['file']}: its input latents are not what step {k - 1} implies")
+        state = euler(run, k, state, _pair(tensors, "", "velocity", device))
+        if other is not None:
+            if "batch.video_latents" not in tensors:
+                raise InputError(f"{record['file']}: no batch.* tensors (made without --batch-with)")
+            if not _same(_pair(tensors, "batch.", "latents", device), other):
+                raise InputError(f"{record['file']}: the unrelated request's latents are not what step {k - 1} implies")
+            other = euler(run, k, other, _pair(tensors, "batch.", "velocity", device))
+        last = tensors
+    return Resumed(len(steps), state, other, last)
+
+
+def verify_last(run: Trajectory, rundir: Path, resumed: Resumed) -> dict | None:
+    """Recompute the last saved step from its saved inputs; its velocities must be bitwise the saved ones."""
+    if resumed.last is None:
+        return None
+    k = resumed.next_step - 1
+    device = run.setup.device
+    saved = resumed.last
+    other = None if run.other is None else _pair(saved, "batch.", "latents", device)
+    mine, _ = evaluate(run, k, _pair(saved, "", "latents", device), other)
+    want = _pair(saved, "", "velocity", device)
+    per = {m: bitwise_equal(mine[j], want[j]) for j, m in enumerate(("video", "audio"))}
+    return {"step": k, "bitwise": all(per.values()), "per_modality": per}
+
+
+def advance(
+    run: Trajectory, rundir: Path, resumed: Resumed, until: int | None, progress: ProgressFn | None = None
+) -> list[dict]:
+    """Evaluate steps ``resumed.next_step .. until`` (default: to the end), writing each step as it completes."""
+    last = run.evaluations - 1 if until is None else min(until, run.evaluations - 1)
+    state, other = resumed.state, resumed.other
+    done: list[dict] = []
+    started = time.perf_counter()
+    for k in range(resumed.next_step, last + 1):
+        t0 = time.perf_counter()
+        mine, theirs = evaluate(run, k, state, other)
+        seconds = time.perf_counter() - t0
+        record = {"seconds": round(seconds, 4), "device": run.setup.device, "mode": run.settings.mode}
+        write_step(rundir, k, step_tensors(state, mine, other, theirs), record)
+        done.append({"step": k, "seconds": round(seconds, 4)})
+        state = euler(run, k, state, mine)
+        if other is not None and theirs is not None:
+            other = euler(run, k, other, theirs)
+        if progress is not None:
+            elapsed = time.perf_counter() - started
+            eta = elapsed / len(done) * (last - k)
+            progress(f"step {k} of {run.evaluations - 1} saved ({seconds:.1f} s; about {eta:.0f} s to step {last})")
+    return done
+
+
+def _value_at(fields: dict, dotted: str):
+    value = fields
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def open_rundir(run: Trajectory, rundir: Path, reuse: bool) -> dict:
+    """A new RUNDIR gets the manifest; a reused one (--resume, --verify-last) must hold the same run."""
+    fields = manifest_fields(run)
+    if not reuse:
+        if (rundir / MANIFEST).exists() or (rundir / STEPS).exists():
+            raise InputError(f"--out {display(rundir)}: holds a trajectory run already; continue it with --resume")
+        write_manifest(rundir, fields)
+        return fields
+    saved = read_manifest(rundir)["run"]
+    diff = differing_field(saved, fields)
+    if diff is not None:
+        raise InputError(
+            f"--resume {display(rundir)}: {diff} differs from the saved run (saved {_value_at(saved, diff)!r}, "
+            f"now {_value_at(fields, diff)!r})"
+        )
+    return fields
+
+
+def run_ws1_trajectory(
+    settings: TrajectorySettings,
+    rundir: Path,
+    until: int | None = None,
+    resume: bool = False,
+    check_last: bool = False,
+    progress: ProgressFn | None = None,
+) -> dict:
+    """Start, resume or verify a run in ``rundir``; the ``ws1-trajectory`` evidence body of this invocation."""
+    started = time.perf_counter()
+    if until is not None and until < 0:
+        raise InputError(f"--until {until}: must be a step index >= 0")
+    run = prepare_trajectory(settings)
+    fields = open_rundir(run, rundir, resume or check_last)
+    steps = complete_steps(rundir)
+    resumed = replay_saved(run, rundir, steps)
+    checked = verify_last(run, rundir, resumed) if check_last else None
+    done = advance(run, rundir, resumed, until, progress) if (resume or not check_last) else []
+    saved = len(steps) + len(done)
+    failing = [] if checked is None or checked["bitwise"] else [f"verify_last.step_{checked['step']}.bitwise"]
+    return {
+        "run": fields,
+        "evaluations": run.evaluations,
+        "steps_saved": saved,
+        "complete": saved == run.evaluations,
+        "invocation": {
+            "resumed_from": resumed.next_step if (resume or check_last) else None,
+            "until": until,
+            "steps": done,
+            "verify_last": checked,
+            "seconds": round(time.perf_counter() - started, 4),
+            "seconds_per_step": None if not done else round(sum(d["seconds"] for d in done) / len(done), 4),
+        },
+        "verdict": "fail" if failing else "pass",
+        "failing_checks": failing,
+    }
