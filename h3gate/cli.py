@@ -155,6 +155,22 @@ def fingerprint(
 
 
 @app.command()
+def compare(
+    run_a: Annotated[Path, typer.Argument(help="A ws1-trajectory RUNDIR.")],
+    run_b: Annotated[Path, typer.Argument(help="Another ws1-trajectory RUNDIR (same layout and sigma grids).")],
+    device: DeviceOpt = "auto",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Two trajectory runs step by step: byte equality per modality, drift size, and the first drifting step re-run
+    with node capture on both sides to name the first node, layer, packed row and modality."""
+    device = resolve_device(device)
+    from h3gate.commands.compare_cmd import compare_command
+
+    _done(compare_command(run_a, run_b, device, out, json_))
+
+
+@app.command()
 def seal(
     folder: Annotated[Path, typer.Argument(help="Evidence folder.")],
     verify: Annotated[
