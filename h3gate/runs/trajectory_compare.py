@@ -111,9 +111,11 @@ def locate_drift(run_a: Path, run_b: Path, man_a: dict, man_b: dict, step: int, 
     arms = [prepare_trajectory(settings_of(m, device)) for m in (man_a, man_b)]
     values = [_inputs(arm, step, mine, own) for arm, own in zip(arms, (mine, theirs), strict=True)]
     packed = list(arms[0].setup.layout.row_modalities())
-    for arm in arms:
-        if not arm.params:
-            arm.params.update({n: arm.setup.weights.source.load(n, device) for n in arm.setup.weights.names})
+    arms[0].params.update({n: arms[0].setup.weights.source.load(n, device) for n in arms[0].setup.weights.names})
+    if (man_a["weights"], man_a["config"]) == (man_b["weights"], man_b["config"]):
+        arms[1].params.update(arms[0].params)  # the same weights: held once (a 33B model twice does not fit a GPU)
+    else:
+        arms[1].params.update({n: arms[1].setup.weights.source.load(n, device) for n in arms[1].setup.weights.names})
     with torch.no_grad():
         for stage in arms[0].setup.stages:
             outs = []

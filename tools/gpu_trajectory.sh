@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# H200 evidence for the trajectory issue (run ws1-trajectory, compare), from the repository root on the lent GPU host,
+# with .whl/ and the revision stamp as for tools/gpu_model.sh:
+#   medium: a 49-evaluation strict trajectory A; B beside an unrelated request (--batch-with), interrupted at step 20
+#           and resumed; compare A B; the provider P; compare A P;
+#   768p:   two strict steps, then a resumed third; one provider step (seconds per step).
+# Only the JSON of each RUNDIR comes back ($OUT/runs.tgz); step tensors stay on the host (referenced by hash).
+set -u
+out=${OUT:?}
+ev=$out/ev
+mkdir -p "$ev/logs"
+ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site || exit 2
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+budget=${BUDGET_S:-150}
+runs=/tmp/runs
+mkdir -p $runs
+h() {
+  local name=$1
+  shift
+  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s)"; return; fi
+  local start=$SECONDS
+  python3 -m h3gate "$@" >>"$ev/logs/$name.log" 2>&1
+  echo "== $name: rc=$?, $((SECONDS - start)) s: h3gate $*"
+  tail -n 3 "$ev/logs/$name.log"
+}
+real=(--config real --device cuda)
+for section in "$@"; do
+  case $section in
+  medium)
+    h traj-medium-A run ws1-trajectory "${real[@]}" --layout medium --steps 50 --out $runs/medium-A
+    h traj-medium-B run ws1-trajectory "${real[@]}" --layout medium --steps 50 --batch-with 9 --until 20 --out $runs/medium-B
+    h traj-medium-B run ws1-trajectory "${real[@]}" --layout medium --steps 50 --batch-with 9 --resume --out $runs/medium-B
+    h compare-medium-A-B compare $runs/medium-A $runs/medium-B --device cuda --out $ev/compare-medium-A-B
+    h traj-medium-P run ws1-trajectory "${real[@]}" --layout medium --steps 50 --mode off --out $runs/medium-P
+    h compare-medium-A-P compare $runs/medium-A $runs/medium-P --device cuda --out $ev/compare-medium-A-P
+    ;;
+  768p)
+    h traj-768p-A run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 1 --out $runs/768p-A
+    h traj-768p-A run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 2 --resume --out $runs/768p-A
+    h traj-768p-P run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 0 --mode off --out $runs/768p-P
+    ;;
+  esac
+done
+(cd $runs && find . -name '*.json' | tar czf "$out/runs.tgz" -T -)
+tar czf "$out/evidence.tgz" -C "$ev" .
