@@ -122,7 +122,7 @@ def locate_drift(run_a: Path, run_b: Path, man_a: dict, man_b: dict, step: int, 
             for arm, vals in zip(arms, values, strict=True):
                 params = {n: arm.params[n] for n in stage.param_names(list(arm.params))}
                 out = run_stage(stage, vals, params, arm.table)
-                vals.update(out)
+                vals.update({k: out[k] for k in stage.outputs})  # only what later stages read
                 outs.append(out)
             for node in stage.nodes:
                 x, y = (select_item(o[node.name], node.row_dim, o[node.name].shape[0] - 1) for o in outs)

@@ -162,7 +162,8 @@ def evaluate(run: Trajectory, step: int, state: State, other: State | None) -> t
     with torch.no_grad():
         for stage in setup.stages:
             params = {n: run.params[n] for n in stage.param_names(list(run.params))}
-            values.update(run_stage(stage, values, params, run.table))
+            out = run_stage(stage, values, params, run.table)
+            values.update({k: out[k] for k in stage.outputs})  # only what later stages read
     v, u = values[OUTPUTS[0]], values[OUTPUTS[1]]
     mine = (v[-1], u[-1])
     return mine, (None if other is None else (v[0], u[0]))
