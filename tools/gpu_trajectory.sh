@@ -27,6 +27,12 @@ h() {
 real=(--config real --device cuda)
 for section in "$@"; do
   case $section in
+  medium-again)
+    h traj-medium-A run ws1-trajectory "${real[@]}" --layout medium --steps 50 --out $runs/medium-A2
+    h traj-medium-B run ws1-trajectory "${real[@]}" --layout medium --steps 50 --batch-with 9 --until 20 --out $runs/medium-B2
+    h traj-medium-B run ws1-trajectory "${real[@]}" --layout medium --steps 50 --batch-with 9 --resume --out $runs/medium-B2
+    h compare-medium-A-B compare $runs/medium-A2 $runs/medium-B2 --device cuda --out $ev/compare-medium-A-B
+    ;;
   medium)
     h traj-medium-A run ws1-trajectory "${real[@]}" --layout medium --steps 50 --out $runs/medium-A
     h traj-medium-B run ws1-trajectory "${real[@]}" --layout medium --steps 50 --batch-with 9 --until 20 --out $runs/medium-B
