@@ -403,10 +403,6 @@ def test_a_step_whose_inputs_are_not_what_the_previous_implies_is_refused(run_a,
     assert _tree(rundir) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: replay_saved names 'step -1' for step 0 (whose inputs are the initial latents, not a step's)",
-)
 def test_step_0_whose_inputs_are_not_the_initial_latents_is_refused_naming_them(run_a, tmp_path, run_cli) -> None:
     rundir = _copy(run_a, tmp_path)
 
@@ -437,3 +433,9 @@ def test_a_leftover_temp_file_is_removed_on_resume_and_is_not_a_step(run_b, tmp_
     got = _step_bytes(rundir)
     assert {k: got[k] for k in want} == want
     assert got["step-0004.safetensors"] == (run_b[0] / "steps" / "step-0004.safetensors").read_bytes()
+
+
+def test_verify_last_on_a_folder_without_a_run_names_its_own_flag(tmp_path, run_cli) -> None:
+    code, out, err = run_cli(*TRAJ, "--out", str(tmp_path / "none"), "--verify-last")
+    assert code == 2 and out == ""
+    assert err.startswith("h3gate: error: --verify-last ") and "no manifest.json" in err and err.count("\n") == 1

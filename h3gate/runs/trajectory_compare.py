@@ -60,7 +60,7 @@ def step_record(step: int, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
 
 def compare_runs(run_a: Path, run_b: Path, device: str, locate: bool = True) -> dict:
     """The ``trajectory-compare`` evidence body."""
-    man_a, man_b = read_manifest(run_a)["run"], read_manifest(run_b)["run"]
+    man_a, man_b = read_manifest(run_a, "compare")["run"], read_manifest(run_b, "compare")["run"]
     names = (display(run_a), display(run_b))
     _comparable(man_a, man_b, names)
     steps_a, steps_b = complete_steps(run_a), complete_steps(run_b)

@@ -41,10 +41,10 @@ def write_manifest(rundir: Path, fields: dict) -> Path:
     return write_evidence(rundir, MANIFEST, MANIFEST_KIND, {"run": fields})
 
 
-def read_manifest(rundir: Path) -> dict:
+def read_manifest(rundir: Path, flag: str = "--resume") -> dict:
     path = rundir / MANIFEST
     if not path.is_file():
-        raise InputError(f"--resume {display(rundir)}: no {MANIFEST} (not a trajectory run folder)")
+        raise InputError(f"{flag} {display(rundir)}: no {MANIFEST} (not a trajectory run folder)")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:

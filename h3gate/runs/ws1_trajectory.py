@@ -219,13 +219,15 @@ def replay_saved(run: Trajectory, rundir: Path, steps: list[int]) -> Resumed:
     for k in steps:
         tensors, record = load_step(rundir, k)
         if not _same(_pair(tensors, "", "latents", device), state):
-            raise InputError(f"{record['file']}: its input latents are not what step {k - 1} implies")
+            implied = "the run's initial latents" if k == 0 else f"what step {k - 1} implies"
+            raise InputError(f"{record['file']}: its input latents are not {implied}")
         state = euler(run, k, state, _pair(tensors, "", "velocity", device))
         if other is not None:
             if "batch.video_latents" not in tensors:
                 raise InputError(f"{record['file']}: no batch.* tensors (made without --batch-with)")
             if not _same(_pair(tensors, "batch.", "latents", device), other):
-                raise InputError(f"{record['file']}: the unrelated request's latents are not what step {k - 1} implies")
+                implied = "its initial latents" if k == 0 else f"what step {k - 1} implies"
+                raise InputError(f"{record['file']}: the unrelated request's latents are not {implied}")
             other = euler(run, k, other, _pair(tensors, "batch.", "velocity", device))
         last = tensors
     return Resumed(len(steps), state, other, last)
@@ -277,7 +279,7 @@ def _value_at(fields: dict, dotted: str):
     return value
 
 
-def open_rundir(run: Trajectory, rundir: Path, reuse: bool) -> dict:
+def open_rundir(run: Trajectory, rundir: Path, reuse: bool, flag: str = "--resume") -> dict:
     """A new RUNDIR gets the manifest; a reused one (--resume, --verify-last) must hold the same run."""
     fields = manifest_fields(run)
     if not reuse:
@@ -285,11 +287,11 @@ def open_rundir(run: Trajectory, rundir: Path, reuse: bool) -> dict:
             raise InputError(f"--out {display(rundir)}: holds a trajectory run already; continue it with --resume")
         write_manifest(rundir, fields)
         return fields
-    saved = read_manifest(rundir)["run"]
+    saved = read_manifest(rundir, flag)["run"]
     diff = differing_field(saved, fields)
     if diff is not None:
         raise InputError(
-            f"--resume {display(rundir)}: {diff} differs from the saved run (saved {_value_at(saved, diff)!r}, "
+            f"{flag} {display(rundir)}: {diff} differs from the saved run (saved {_value_at(saved, diff)!r}, "
             f"now {_value_at(fields, diff)!r})"
         )
     return fields
@@ -308,7 +310,7 @@ def run_ws1_trajectory(
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
     run = prepare_trajectory(settings)
-    fields = open_rundir(run, rundir, resume or check_last)
+    fields = open_rundir(run, rundir, resume or check_last, "--resume" if resume else "--verify-last")
     steps = complete_steps(rundir)
     resumed = replay_saved(run, rundir, steps)
     checked = verify_last(run, rundir, resumed) if check_last else None
