@@ -39,6 +39,24 @@ app.add_typer(run_app, name="run")
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
 OutOpt = Annotated[Path | None, typer.Option("--out", help="Evidence folder (default: evidence/local/<verb>).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda | auto (cuda when available).")]
+ModelConfigOpt = Annotated[
+    str | None,
+    typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
+]
+CheckpointOpt = Annotated[
+    Path | None, typer.Option("--checkpoint", help="diffusers transformer folder (else seeded synthetic weights).")
+]
+ModeOpt = Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")]
+TolOpt = Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")]
+FaultOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fault",
+        help="Negative control: corrupt one packed row of one node's candidate, NODE:ROW[:scale|zero_tail]"
+        "[:forward|backward] (the gate must fail, exit 1).",
+    ),
+]
 
 
 def _done(code: int) -> None:
@@ -202,20 +220,15 @@ def keygen(
 @run_app.command("ws1-block")
 def run_ws1_block(
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "tiny",
-    config: Annotated[
-        str | None,
-        typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
-    ] = None,
-    checkpoint: Annotated[
-        Path | None, typer.Option("--checkpoint", help="diffusers transformer folder (else seeded synthetic weights).")
-    ] = None,
+    config: ModelConfigOpt = None,
+    checkpoint: CheckpointOpt = None,
     device: DeviceOpt = "auto",
-    mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")] = "strict",
+    mode: ModeOpt = "strict",
     backward: Annotated[
         bool, typer.Option("--backward/--no-backward", help="Also gate the backward pass (gradients).")
     ] = True,
-    tolerance: Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")] = "ws1-block",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
+    tolerance: TolOpt = "ws1-block",
+    seed: SeedOpt = 0,
     save_tensors: Annotated[
         Path | None,
         typer.Option("--save-tensors", help="Write inputs/provider/candidate/golden .safetensors into this folder."),
@@ -228,14 +241,7 @@ def run_ws1_block(
             "tile, scaled by 1 + 2^-6 and last 16 columns zeroed; exit 1 unless every fault is caught and located.",
         ),
     ] = False,
-    fault: Annotated[
-        str | None,
-        typer.Option(
-            "--fault",
-            help="Negative control: corrupt one packed row of one node's candidate, NODE:ROW[:scale|zero_tail]"
-            "[:forward|backward] (the gate must fail, exit 1).",
-        ),
-    ] = None,
+    fault: FaultOpt = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -267,16 +273,13 @@ def run_ws1_model(
     layout: Annotated[
         str | None, typer.Option("--layout", help="A layout of manifests/layouts.yaml (default: micro).")
     ] = None,
-    config: Annotated[
-        str | None,
-        typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
-    ] = None,
+    config: ModelConfigOpt = None,
     checkpoint: Annotated[
         Path | None,
         typer.Option("--checkpoint", help="diffusers transformer folder, read one layer at a time (else synthetic)."),
     ] = None,
     device: DeviceOpt = "auto",
-    mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")] = "strict",
+    mode: ModeOpt = "strict",
     backward: Annotated[
         bool, typer.Option("--backward/--no-backward", help="Also gate the complete backward (every gradient).")
     ] = True,
@@ -284,8 +287,8 @@ def run_ws1_model(
         str | None,
         typer.Option("--layers", help="A:B runs transformer blocks A .. B-1 only (a truncated model; default all)."),
     ] = None,
-    tolerance: Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")] = "ws1-model",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
+    tolerance: TolOpt = "ws1-model",
+    seed: SeedOpt = 0,
     save_tensors: Annotated[
         Path | None,
         typer.Option(
@@ -293,14 +296,7 @@ def run_ws1_model(
             help="Write inputs (diffusers' forward arguments) and provider/candidate/golden node values there.",
         ),
     ] = None,
-    fault: Annotated[
-        str | None,
-        typer.Option(
-            "--fault",
-            help="Negative control: corrupt one row of one node's candidate, NODE:ROW[:scale|zero_tail]"
-            "[:forward|backward] (the gate must fail, exit 1).",
-        ),
-    ] = None,
+    fault: FaultOpt = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -331,13 +327,8 @@ def run_ws1_model(
 def run_ws1_trajectory(
     out: OutOpt = None,
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
-    config: Annotated[
-        str | None,
-        typer.Option("--config", help="tiny | real | PATH.yaml (default: the checkpoint's config.json, else tiny)."),
-    ] = None,
-    checkpoint: Annotated[
-        Path | None, typer.Option("--checkpoint", help="diffusers transformer folder (else seeded synthetic weights).")
-    ] = None,
+    config: ModelConfigOpt = None,
+    checkpoint: CheckpointOpt = None,
     steps: Annotated[int, typer.Option("--steps", help="Sigma grid points (steps - 1 model evaluations).")] = 6,
     shift: Annotated[float, typer.Option("--shift", help="The video grid's shift (audio keeps 3.0).")] = 12.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and the request.")] = 0,
@@ -371,7 +362,7 @@ def run_ws1_ops(
     layouts: Annotated[str, typer.Option("--layouts", help="Comma-separated layouts giving row counts.")] = "tiny",
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "tiny",
     device: DeviceOpt = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
+    seed: SeedOpt = 0,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -410,7 +401,7 @@ def ablate(
     device: DeviceOpt = "auto",
     mode: Annotated[str, typer.Option("--mode", help="off (provider ops) | strict | audit | auto")] = "off",
     steps: Annotated[int, typer.Option("--steps", help="Sigma grid points of trajectory rows.")] = 4,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")] = 0,
+    seed: SeedOpt = 0,
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Real weights (default: synthetic).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="Intra-op CPU threads (default: 1 on cpu).")] = None,
     out: OutOpt = None,

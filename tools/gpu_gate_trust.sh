@@ -9,13 +9,7 @@
 #            and row operators under the row rule, the block bench at medium.
 #   usage: tools/gpu_gate_trust.sh SECTION...
 # Evidence folders go to $OUT/ev (packed as $OUT/evidence.tgz), one log per run, a summary on stdout.
-set -u
-out=${OUT:?}
-ev=$out/ev
-mkdir -p "$ev/logs"
-ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --upgrade --target /tmp/site || exit 2
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 run() {
   local name=$1 expect=$2

@@ -7,13 +7,7 @@
 #   bench-medium / bench-768p: bench ws1-model;
 #   768p:        strict forward at 768p over blocks $LAYERS_768P (default 0:50).
 #   usage: tools/gpu_model.sh SECTION...   (a section is skipped once $BUDGET_S seconds have passed)
-set -u
-out=${OUT:?}
-ev=$out/ev
-mkdir -p "$ev/logs"
-ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --upgrade --target /tmp/site || exit 2
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 budget=${BUDGET_S:-480}
 run() {

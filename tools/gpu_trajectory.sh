@@ -5,13 +5,7 @@
 #           and resumed; compare A B; the provider P; compare A P;
 #   768p:   two strict steps, then a resumed third; one provider step (seconds per step).
 # Only the JSON of each RUNDIR comes back ($OUT/runs.tgz); step tensors stay on the host (referenced by hash).
-set -u
-out=${OUT:?}
-ev=$out/ev
-mkdir -p "$ev/logs"
-ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --upgrade --target /tmp/site || exit 2
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. tools/gpu_common.sh
 budget=${BUDGET_S:-150}
 runs=/tmp/runs
 mkdir -p $runs

@@ -22,6 +22,7 @@ from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import OUTPUTS, RawMetadata, adaln_rule_h3, derive_metadata, metadata_nodes, raw_metadata
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.runs.model_stages import model_stages
 from h3gate.schedule import Schedule
 from h3gate.trajectory import Recipe, Request, initial_latents, iter_trajectory
 
@@ -116,13 +117,8 @@ def trajectory_stream(arm: Arm, graph: Graph, cfg: ModelConfig, device) -> Strea
 
 
 def _stage_groups(graph: Graph) -> list[list[Node]]:
-    groups: list[list[Node]] = []
-    for node in graph.nodes:
-        if groups and groups[-1][0].meta["stage"] == node.meta["stage"]:
-            groups[-1].append(node)
-        else:
-            groups.append([node])
-    return groups
+    """The model's stages (``h3gate.runs.model_stages``) as node lists."""
+    return [list(stage.nodes) for stage in model_stages(graph)]
 
 
 @torch.enable_grad()

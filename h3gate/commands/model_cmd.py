@@ -17,15 +17,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
-from h3gate.commands.run_cmd import save_tensor_files
+from h3gate.commands.run_cmd import check_gate_args, save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
-from h3gate.manifests.tolerances import load_tolerance, tolerance_path
 from h3gate.numerics import strict_numerics
-from h3gate.ops.registry import check_mode
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.model_setup import ModelSetup, prepare_model
 from h3gate.runs.model_stages import LEAVES
@@ -78,13 +76,7 @@ def ws1_model_command(
     """Run the whole-model gate and write ``ws1-model.json``; 0 pass / 1 fail (InputError -> 2)."""
     started = time.perf_counter()
     layout = layout or DEFAULT_LAYOUT
-    check_mode(mode)
-    tol_file = tolerance_path(tolerance)
-    tol = load_tolerance(tol_file)
-    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
-        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
-    if out is not None:
-        prepare_out(out)
+    tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
     with strict_numerics(device):
         setup = prepare_model(
             layout, config, checkpoint, device, seed, mode, layers, backward, save_tensors=save_tensors is not None

@@ -70,6 +70,20 @@ def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], m
     atomic_write_safetensors(paths, metadata, f"--save-tensors {display(folder)}")
 
 
+def check_gate_args(
+    mode: str, tolerance: str, save_tensors: Path | None, out: Path | None
+) -> tuple[Path, ToleranceProfile]:
+    """The cheap checks every gate command makes first: mode, tolerance profile (loaded), --save-tensors, --out."""
+    check_mode(mode)
+    tol_file = tolerance_path(tolerance)
+    tol = load_tolerance(tol_file)
+    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
+        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
+    if out is not None:
+        prepare_out(out)
+    return tol_file, tol
+
+
 def _fmt(x: float | None) -> str:
     return "null" if x is None else ("0" if x == 0 else f"{x:.2e}")
 
@@ -214,13 +228,7 @@ def ws1_block_command(
     deliberate fault (``NODE:ROW[:scale|zero_tail][:forward|backward]``) into the candidate, a negative control
     the gate must fail on (exit 1), recorded in the evidence."""
     started = time.perf_counter()
-    check_mode(mode)
-    tol_file = tolerance_path(tolerance)
-    tol = load_tolerance(tol_file)
-    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
-        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
-    if out is not None:
-        prepare_out(out)
+    tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
     with strict_numerics(device):
         setup = prepare(layout, config, checkpoint, device, seed, mode)
         injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None

@@ -16,13 +16,13 @@ So memory holds one stage's activations and parameters at a time, plus each stag
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from h3gate.graph.core import Graph, Node, OpTable, Values
-from h3gate.graph.execute import Override, run_node
+from h3gate.graph.execute import Override, run_chained
 from h3gate.graph.model import METADATA, OUTPUTS
 
 # Parameter prefixes of the stages that are not embedded blocks (those read ``meta["param_prefix"]``).
@@ -107,24 +107,8 @@ def run_stage(
     overrides: Mapping[str, Override] | None = None,
 ) -> Values:
     """Every node of ``stage`` chained on ``values`` (which hold its external inputs); the stage's node outputs."""
-    local: Values = {k: values[k] for k in stage.external}
-    overrides = overrides or {}
-    for node in stage.nodes:
-        local[node.name] = run_node(node, ops, local, params, overrides.get(node.name))
+    local = run_chained(stage.graph, {k: values[k] for k in stage.external}, params, ops, overrides)
     return {n.name: local[n.name] for n in stage.nodes}
-
-
-def isolated_stage(
-    stage: Stage,
-    feed: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    ops: OpTable,
-    overrides: Mapping[str, Override] | None = None,
-) -> Iterator[tuple[Node, torch.Tensor]]:
-    """Each node of ``stage`` alone on ``feed``'s values of its inputs (normally the provider's), one at a time."""
-    overrides = overrides or {}
-    for node in stage.nodes:
-        yield node, run_node(node, ops, feed, params, overrides.get(node.name))
 
 
 @dataclass
