@@ -39,6 +39,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gate", ("h3gate.gate",)),
     ("trajectory", ("h3gate.trajectory",)),
     ("runs", ("h3gate.runs",)),
+    ("adapter", ("h3gate.strict",)),
     ("bench", ("h3gate.bench",)),
     ("parallel", ("h3gate.parallel", "h3gate.distributed")),
     ("ablate", ("h3gate.ablate",)),

@@ -1,0 +1,196 @@
+"""``with h3gate.strict(model) as session:`` - h3gate's kernels inside the user's own diffusers
+``MiniMaxH3Transformer3DModel``, on its own parameters (no copy), for rollout (no_grad) and training (autograd).
+
+Inside the block, ``model(...)`` (and ``model.forward``) runs h3gate's whole-model graph
+(:func:`h3gate.graph.model.build_model_graph`, op for op diffusers 0.42.1's forward) with every operator bound by
+:func:`h3gate.ops.registry.bind` in ``mode`` (``strict``: the Triton kernels, failing closed; ``off``: the provider
+references, bitwise diffusers' own forward). Gradients flow to the module's own ``nn.Parameter`` objects. On exit
+the instance's ``forward`` is removed again: the module computes the plain diffusers forward, bit for bit.
+
+Before binding, strict and audit modes refuse (``InputError`` naming what) a module h3gate does not cover: another
+class, parameters that do not match the inventory of the module's own config (names, shapes, dtypes: any size of
+the architecture, a PEFT/LoRA wrapper's extra tensors included), a submodule the architecture does not have, a
+forward or backward hook, an attention processor other than diffusers' default one, or attention kwargs.
+``session.trace`` lists every operator call that ran: node, op, kernel id, requested and actual implementation.
+Not covered yet: the scheduler's step and PEFT LoRA layers (refused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from h3gate.checkpoint import parse_diffusers_config
+from h3gate.errors import InputError
+from h3gate.graph.core import OpTable
+from h3gate.graph.execute import run_node
+from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
+from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
+from h3gate.inventory import expected_inventory
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.ops.registry import check_mode
+
+CLASS_NAME = "MiniMaxH3Transformer3DModel"
+PROCESSOR = "MiniMaxH3AttnProcessor"
+FAIL_CLOSED = ("strict", "audit")
+
+
+@dataclass
+class StrictSession:
+    """What one ``with h3gate.strict(...)`` block bound and ran."""
+
+    model: torch.nn.Module
+    mode: str
+    cfg: ModelConfig
+    bindings: dict[str, NodeBinding]
+    trace: list[dict] = field(default_factory=list)
+    calls: int = 0
+
+    def record(self) -> dict:
+        """Evidence: the binding of every node (requested / actual kernel) and the trace of what ran."""
+        return {
+            "mode": self.mode,
+            "calls": self.calls,
+            "bindings": {n: b.record() for n, b in self.bindings.items()},
+            "trace": list(self.trace),
+        }
+
+
+def _config(model: torch.nn.Module) -> ModelConfig:
+    body = {k: v for k, v in dict(model.config).items() if not str(k).startswith("_")}
+    return parse_diffusers_config(body, f"{type(model).__name__}.config")
+
+
+def check_module(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Refuse what the strict binding does not cover (module docstring); the message names it."""
+    if type(model).__name__ != CLASS_NAME:
+        raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
+    expected = {s.name: s for s in expected_inventory(cfg)}
+    have = dict(model.named_parameters())
+    extra = sorted(set(have) - set(expected))
+    if extra:
+        raise InputError(f"h3gate.strict: parameter {extra[0]}: not in the MiniMax-H3 inventory of this config")
+    missing = sorted(set(expected) - set(have))
+    if missing:
+        raise InputError(f"h3gate.strict: parameter {missing[0]}: missing")
+    for name, p in have.items():
+        spec = expected[name]
+        if tuple(p.shape) != tuple(spec.shape) or p.dtype != getattr(torch, spec.dtype):
+            raise InputError(
+                f"h3gate.strict: parameter {name}: {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}, expected "
+                f"{tuple(spec.shape)} {spec.dtype} (the module's own config)"
+            )
+    _check_submodules(model)
+
+
+def _check_submodules(model: torch.nn.Module) -> None:
+    with torch.device("meta"):
+        reference = type(model)(**{k: v for k, v in dict(model.config).items() if not str(k).startswith("_")})
+    known = {n: type(m).__name__ for n, m in reference.named_modules()}
+    for name, module in model.named_modules():
+        where = name or "<root>"
+        if known.get(name) != type(module).__name__:
+            raise InputError(f"h3gate.strict: submodule {where} ({type(module).__name__}): not in the architecture")
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(module, hooks, None):
+                raise InputError(f"h3gate.strict: submodule {where}: has {hooks.strip('_')} (not covered)")
+        processor = getattr(module, "processor", None)
+        if processor is not None and type(processor).__name__ != PROCESSOR:
+            raise InputError(f"h3gate.strict: {where}.processor: {type(processor).__name__} (only {PROCESSOR})")
+
+
+class _Tracing(OpTable):
+    """An op table that appends one trace record per operator call (the node being run is set by the caller)."""
+
+    def __init__(self, base: OpTable, session: StrictSession) -> None:
+        super().__init__(lambda op: base[op])
+        self.session, self.node = session, ""
+
+    def __getitem__(self, op: str):
+        fn = super().__getitem__(op)
+        binding = next((b for b in self.session.bindings[self.node].bindings if b.op == op), None)
+
+        def traced(*args: Any, **kwargs: Any):
+            rec = {"call": self.session.calls, "node": self.node, "op": op}
+            if binding is not None:
+                rec.update(kernel_id=binding.kernel_id, requested=binding.requested, actual=binding.actual)
+            self.session.trace.append(rec)
+            return fn(*args, **kwargs)
+
+        return traced
+
+
+def _forward(session: StrictSession, table: OpTable):
+    graph = build_model_graph(session.cfg)
+    model = session.model
+
+    def forward(
+        self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices, token_tags,
+        position_ids, video_indices, audio_indices, text_indices, attention_kwargs=None, return_dict=True,
+    ):  # fmt: skip
+        if attention_kwargs:
+            raise InputError("h3gate.strict: attention_kwargs (a LoRA scale): not covered")
+        raw = RawMetadata(position_ids, token_tags, timestep, timestep_indices, text_indices, video_indices,
+                          audio_indices, video_indices, audio_indices)  # fmt: skip
+        values = {"video_rows": hidden_states, "audio_rows": audio_hidden_states, "text": encoder_hidden_states}
+        values.update(derive_metadata(raw, session.cfg, hidden_states.device))
+        params = dict(model.named_parameters())
+        tracing = _Tracing(table, session)
+        for node in graph.nodes:
+            tracing.node = node.name
+            values[node.name] = run_node(node, tracing, values, params)
+        session.calls += 1
+        video, audio = values[OUTPUTS[0]], values[OUTPUTS[1]]
+        if not return_dict:
+            return video, audio
+        # The output class of the user's own diffusers module (already imported: h3gate never imports diffusers).
+        output = sys.modules[type(self).__module__].MiniMaxH3TransformerOutput
+        return output(sample=video, audio_sample=audio)
+
+    return forward
+
+
+@contextlib.contextmanager
+def strict(model: torch.nn.Module, mode: str = "strict", device: str | None = None) -> Iterator[StrictSession]:
+    """Bind h3gate's kernels into ``model`` for the ``with`` block (module docstring); yields the session."""
+    check_mode(mode)
+    if type(model).__name__ != CLASS_NAME:
+        raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
+    cfg = _config(model)
+    if mode in FAIL_CLOSED:
+        check_module(model, cfg)
+    if "forward" in vars(model):
+        raise InputError("h3gate.strict: the model's forward is already replaced (a nested or foreign binding)")
+    first = next(model.parameters())
+    device = device or ("cuda" if first.is_cuda else "cpu")
+    graph = build_model_graph(cfg)
+    bindings = bind_graph(graph, mode, device)
+    session = StrictSession(model, mode, cfg, bindings)
+    table = provider_table() if mode == "off" else _candidate(bindings)
+    model.forward = types.MethodType(_forward(session, table), model)
+    try:
+        yield session
+    finally:
+        del model.forward
+
+
+def _candidate(bindings: Mapping[str, NodeBinding]) -> OpTable:
+    from h3gate.graph.executions import candidate_table
+
+    return candidate_table(bindings)
+
+
+class _CallableModule(types.ModuleType):
+    """``import h3gate.strict`` then ``with h3gate.strict(model):`` - the module itself is the entry point."""
+
+    def __call__(self, model: torch.nn.Module, mode: str = "strict", device: str | None = None):
+        return strict(model, mode, device)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,150 @@
+"""``h3gate.strict(model)``: h3gate's kernels inside the user's own diffusers MiniMaxH3Transformer3DModel.
+
+Off mode is diffusers' forward bitwise; strict mode is h3gate's candidate graph bitwise, batch-row invariant, with
+gradients on the module's own parameters that repeat bitwise; on exit the module is plain diffusers again; modules
+the binding does not cover are refused, naming what.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+
+import h3gate.strict
+from h3gate.errors import InputError
+from h3gate.graph.execute import run_chained
+from h3gate.graph.executions import bind_graph, candidate_table
+from h3gate.graph.model import OUTPUTS, build_model_graph
+from h3gate.layout import build_layout
+from h3gate.manifests.layouts import load_layout
+from h3gate.manifests.model_config import load_config
+from h3gate.runs.model_stages import model_inputs
+from h3gate.synth import SyntheticSource
+
+pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]
+CFG = load_config("tiny").config
+
+
+def _model(cfg=CFG) -> MiniMaxH3Transformer3DModel:
+    source = SyntheticSource(cfg, 0)
+    kwargs = {k: v for k, v in cfg.diffusers_config().items() if not k.startswith("_")}
+    model = MiniMaxH3Transformer3DModel(**kwargs)
+    model.load_state_dict({n: source.load(n) for n in source.names()}, strict=True, assign=True)
+    return model.eval()
+
+
+def _args(item: int = 0, cfg=CFG) -> tuple[dict, dict]:
+    layout = build_layout(load_layout("micro"), "micro")
+    x, extra = model_inputs(layout, cfg, 0, "cpu", item)
+    raw = extra["raw"]
+    args = {
+        "hidden_states": x["video_rows"], "audio_hidden_states": x["audio_rows"], "encoder_hidden_states": x["text"],
+        "timestep": raw.timestep, "timestep_indices": raw.timestep_indices, "token_tags": raw.token_tags,
+        "position_ids": raw.position_ids, "video_indices": raw.video_indices, "audio_indices": raw.audio_indices,
+        "text_indices": raw.text_indices, "return_dict": False,
+    }  # fmt: skip
+    return args, x
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def _same(a, b) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_off_mode_is_diffusers_bitwise_and_exit_restores_it(model) -> None:
+    args, _ = _args()
+    with torch.no_grad():
+        plain = model(**args)
+        with h3gate.strict(model, mode="off") as session:
+            bound = model(**args)
+            out = model(**{**args, "return_dict": True})
+        after = model(**args)
+    assert _same(plain, bound) and _same(plain, after)
+    assert torch.equal(out.sample, plain[0]) and torch.equal(out.audio_sample, plain[1])
+    assert "forward" not in vars(model) and session.calls == 2
+    assert {r["actual"] for r in session.trace} == {"provider"}
+
+
+def test_strict_mode_runs_the_strict_kernels_bitwise_as_the_gates_do(model) -> None:
+    args, x = _args()
+    graph = build_model_graph(CFG)
+    with torch.no_grad():
+        plain = model(**args)
+        with h3gate.strict(model) as session:
+            bound = model(**args)
+        ours = run_chained(
+            graph, x, dict(model.named_parameters()), candidate_table(bind_graph(graph, "strict", "cpu"))
+        )
+        after = model(**args)
+    assert _same(bound, (ours[OUTPUTS[0]], ours[OUTPUTS[1]]))
+    assert not _same(bound, plain) and _same(after, plain)  # strict differs from the provider; exit restores it
+    assert {r["node"] for r in session.trace} == {n.name for n in graph.nodes}
+    assert all(r["actual"] == "triton" for r in session.trace if r["op"] in ("h3_qkv_gemm", "h3_full_attention"))
+    assert session.record()["bindings"]["block.0.attention"]["actual"] == "triton"
+
+
+def test_strict_rows_do_not_depend_on_the_rest_of_the_batch(model) -> None:
+    args, _ = _args(0)
+    other, _ = _args(1)
+    batched = dict(args)
+    for key in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
+        batched[key] = torch.cat([other[key], args[key]])
+    with torch.no_grad(), h3gate.strict(model):
+        alone = model(**args)
+        both = model(**batched)
+    assert _same(alone, (both[0][1:], both[1][1:]))
+
+
+def test_training_gradients_reach_the_modules_own_parameters_and_repeat_bitwise() -> None:
+    model = _model()
+    args, _ = _args()
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with h3gate.strict(model):
+            video, audio = model(**args)
+            (video.float().square().mean() + audio.float().square().mean()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert len(grads[0]) == len(list(model.parameters()))
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_any_size_of_the_architecture_is_accepted() -> None:
+    cfg = CFG.model_copy(update={"num_layers": 1, "num_refiner_layers": 2})
+    model = _model(cfg)
+    args, _ = _args(0, cfg)
+    with torch.no_grad(), h3gate.strict(model, mode="off"):
+        assert model(**args)[0].shape == args["hidden_states"].shape
+
+
+def _refused(model, match: str) -> None:
+    with pytest.raises(InputError, match=match), h3gate.strict(model):
+        pass
+    assert "forward" not in vars(model)
+
+
+def test_what_the_binding_does_not_cover_is_refused_naming_it() -> None:
+    _refused(torch.nn.Linear(2, 2), "h3gate.strict: Linear: not a MiniMaxH3Transformer3DModel")
+    model = _model()
+    model.proj_out.weight.data = model.proj_out.weight.data.to(torch.bfloat16)
+    _refused(model, r"parameter proj_out.weight: \(96, 192\) bfloat16, expected \(96, 192\) float32")
+    model = _model()
+    model.extra = torch.nn.Identity()
+    _refused(model, r"submodule extra \(Identity\): not in the architecture")
+    model = _model()
+    handle = model.transformer_blocks[1].register_forward_pre_hook(lambda *a: None)
+    _refused(model, "submodule transformer_blocks.1: has forward_pre_hooks")
+    handle.remove()
+    model.transformer_blocks[0].attn.processor = object()
+    _refused(model, r"transformer_blocks.0.attn.processor: object \(only MiniMaxH3AttnProcessor\)")
+
+
+def test_attention_kwargs_are_refused_at_call_time(model) -> None:
+    args, _ = _args()
+    with h3gate.strict(model), pytest.raises(InputError, match="attention_kwargs"):
+        model(**args, attention_kwargs={"scale": 0.5})
