@@ -12,7 +12,8 @@ class, parameters that do not match the inventory of the module's own config (na
 the architecture, a PEFT/LoRA wrapper's extra tensors included), a submodule the architecture does not have, a
 forward or backward hook, an attention processor other than diffusers' default one, or attention kwargs.
 ``session.trace`` lists every operator call that ran: node, op, kernel id, requested and actual implementation.
-Not covered yet: the scheduler's step and PEFT LoRA layers (refused).
+With ``scheduler=`` (a ``MiniMaxH3Scheduler`` or a pipeline holding its video and audio schedulers) their ``step`` is
+h3gate's Euler step for the block, bitwise diffusers'. Not covered yet: PEFT LoRA layers (refused).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import types
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +62,12 @@ class StrictSession:
             "bindings": {n: b.record() for n, b in self.bindings.items()},
             "trace": list(self.trace),
         }
+
+    def write(self, folder) -> Path:
+        """``FOLDER/strict-session.json`` (evidence kind ``strict-session``, schema-validated, provenance stamped)."""
+        from h3gate.evidence.writer import write_evidence
+
+        return write_evidence(Path(folder), "strict-session.json", "strict-session", self.record())
 
 
 def _config(model: torch.nn.Module) -> ModelConfig:
@@ -156,9 +164,51 @@ def _forward(session: StrictSession, table: OpTable):
     return forward
 
 
+SCHEDULER_NAME = "MiniMaxH3Scheduler"
+
+
+def _scheduler_step(session: StrictSession, scheduler: Any):
+    """``scheduler.step`` as h3gate's Euler step (:func:`h3gate.schedule.euler_step`: ``x0 = x + (1 - t) v``, then
+    ``r x + (1 - r) x0`` with ``r = sigma_{i+1} / sigma_i``, float32 for half-precision samples), on the scheduler's
+    own grid and step index; one trace record per call."""
+    from h3gate.schedule import euler_step
+
+    def step(self, model_output, timestep, sample, return_dict=True):
+        if isinstance(timestep, int) or (isinstance(timestep, torch.Tensor) and not timestep.is_floating_point()):
+            raise InputError("h3gate.strict: scheduler.step: timestep must be one of scheduler.timesteps, not an index")
+        if self._step_index is None:
+            self._step_index = self.index_for_timestep(timestep) if self._begin_index is None else self._begin_index
+        i = self._step_index
+        prev = euler_step(model_output, timestep, sample, self.sigmas[i], self.sigmas[i + 1])
+        self._step_index += 1
+        session.trace.append({"call": session.calls, "node": f"scheduler.step[{i}]", "op": "h3_ode_step",
+                              "kernel_id": "h3gate.schedule.euler_step", "requested": "provider",
+                              "actual": "provider"})  # fmt: skip
+        if not return_dict:
+            return (prev,)
+        return sys.modules[type(self).__module__].MiniMaxH3SchedulerOutput(prev_sample=prev)
+
+    return step
+
+
+def _schedulers(scheduler: Any) -> list[Any]:
+    """The MiniMax-H3 schedulers of ``scheduler``: itself, or a pipeline's ``scheduler`` / ``audio_scheduler``."""
+    found = [scheduler] if type(scheduler).__name__ == SCHEDULER_NAME else []
+    for attr in ("scheduler", "audio_scheduler"):
+        inner = getattr(scheduler, attr, None)
+        if inner is not None and type(inner).__name__ == SCHEDULER_NAME:
+            found.append(inner)
+    if not found:
+        raise InputError(f"h3gate.strict: scheduler {type(scheduler).__name__}: no {SCHEDULER_NAME} in it")
+    return found
+
+
 @contextlib.contextmanager
-def strict(model: torch.nn.Module, mode: str = "strict", device: str | None = None) -> Iterator[StrictSession]:
-    """Bind h3gate's kernels into ``model`` for the ``with`` block (module docstring); yields the session."""
+def strict(
+    model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None
+) -> Iterator[StrictSession]:
+    """Bind h3gate's kernels into ``model`` (and h3gate's Euler step into ``scheduler``: a MiniMaxH3Scheduler or a
+    pipeline holding them) for the ``with`` block (module docstring); yields the session."""
     check_mode(mode)
     if type(model).__name__ != CLASS_NAME:
         raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
@@ -173,11 +223,18 @@ def strict(model: torch.nn.Module, mode: str = "strict", device: str | None = No
     bindings = bind_graph(graph, mode, device)
     session = StrictSession(model, mode, cfg, bindings)
     table = provider_table() if mode == "off" else _candidate(bindings)
+    schedulers = [] if scheduler is None else _schedulers(scheduler)
+    if any("step" in vars(s) for s in schedulers):
+        raise InputError("h3gate.strict: the scheduler's step is already replaced (a nested or foreign binding)")
     model.forward = types.MethodType(_forward(session, table), model)
+    for s in schedulers:
+        s.step = types.MethodType(_scheduler_step(session, s), s)
     try:
         yield session
     finally:
         del model.forward
+        for s in schedulers:
+            del s.step
 
 
 def _candidate(bindings: Mapping[str, NodeBinding]) -> OpTable:
@@ -189,8 +246,8 @@ def _candidate(bindings: Mapping[str, NodeBinding]) -> OpTable:
 class _CallableModule(types.ModuleType):
     """``import h3gate.strict`` then ``with h3gate.strict(model):`` - the module itself is the entry point."""
 
-    def __call__(self, model: torch.nn.Module, mode: str = "strict", device: str | None = None):
-        return strict(model, mode, device)
+    def __call__(self, model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None):
+        return strict(model, mode, device, scheduler)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -88,6 +88,16 @@ def test_strict_mode_runs_the_strict_kernels_bitwise_as_the_gates_do(model) -> N
     assert session.record()["bindings"]["block.0.attention"]["actual"] == "triton"
 
 
+def test_the_session_writes_its_trace_as_evidence(model, tmp_path) -> None:
+    import json
+
+    args, _ = _args()
+    with torch.no_grad(), h3gate.strict(model, mode="off") as session:
+        model(**args)
+    doc = json.loads(session.write(tmp_path).read_text(encoding="utf-8"))
+    assert doc["kind"] == "strict-session" and doc["calls"] == 1 and len(doc["trace"]) == len(session.trace) > 60
+
+
 def test_strict_rows_do_not_depend_on_the_rest_of_the_batch(model) -> None:
     args, _ = _args(0)
     other, _ = _args(1)
@@ -148,3 +158,24 @@ def test_attention_kwargs_are_refused_at_call_time(model) -> None:
     args, _ = _args()
     with h3gate.strict(model), pytest.raises(InputError, match="attention_kwargs"):
         model(**args, attention_kwargs={"scale": 0.5})
+
+
+def test_a_bound_scheduler_steps_bitwise_as_diffusers_and_is_traced(model) -> None:
+    from diffusers import MiniMaxH3Scheduler
+
+    def loop(scheduler) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(2, 5, 7, generator=gen)
+        for t in scheduler.timesteps:
+            x = scheduler.step(torch.randn(2, 5, 7, generator=gen), t, x).prev_sample
+        return x
+
+    plain, bound = MiniMaxH3Scheduler(shift=12.0), MiniMaxH3Scheduler(shift=12.0)
+    plain.set_timesteps(9)
+    bound.set_timesteps(9)
+    with h3gate.strict(model, mode="off", scheduler=bound) as session:
+        got = loop(bound)
+    assert torch.equal(got, loop(plain)) and "step" not in vars(bound)
+    assert [r["node"] for r in session.trace] == [f"scheduler.step[{i}]" for i in range(8)]
+    with pytest.raises(InputError, match="no MiniMaxH3Scheduler"), h3gate.strict(model, scheduler=object()):
+        pass
