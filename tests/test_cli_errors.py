@@ -154,3 +154,29 @@ def test_other_runtime_errors_are_bugs_exit_3_with_their_traceback_in_a_file(run
     assert err.startswith("h3gate: internal error: RuntimeError: a bug (traceback in ")
     traceback_file = err.strip().split("traceback in ", 1)[1].rstrip(")")
     assert "RuntimeError: a bug" in Path(traceback_file).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("module", "attr", "args"),
+    [
+        ("h3gate.commands.model_cmd", "run_model_gate", ["run", "ws1-model", "--no-backward"]),
+        ("h3gate.commands.trajectory_cmd", "run_ws1_trajectory", ["run", "ws1-trajectory"]),
+        ("h3gate.commands.compare_cmd", "compare_runs", ["compare", "a", "b"]),
+    ],
+)
+def test_a_crash_inside_the_new_engines_is_exit_3_never_a_verdict(run_cli, monkeypatch, tmp_path, module, attr, args):
+    """ws1-model, ws1-trajectory and compare: a bug inside the engine is exit 3 with its traceback in a file under
+    --out, and no evidence is written."""
+    import importlib
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug in the engine")
+
+    monkeypatch.setattr(importlib.import_module(module), attr, boom)
+    out = tmp_path / "ev"
+    code, stdout, err = run_cli(*args, "--out", str(out))
+    assert code == 3 and stdout == "" and err.count("\n") == 1, err
+    assert err.startswith("h3gate: internal error: RuntimeError: a bug in the engine (traceback in ")
+    assert not list(out.glob("*.json"))  # no evidence, no verdict
+    traceback_file = Path(err.strip().split("traceback in ", 1)[1].rstrip(")"))
+    assert traceback_file.parent == out and "a bug in the engine" in traceback_file.read_text(encoding="utf-8")

@@ -36,17 +36,18 @@ from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
-from h3gate.graph.model import OUTPUTS, build_model_graph
+from h3gate.graph.model import build_model_graph
 from h3gate.runs.model_stages import (
     LEAVES,
     LOSS,
     RECOMPUTATION,
     Stage,
     accumulate,
+    forward_stages,
     model_cotangents,
     model_inputs,
     model_stages,
-    run_stage,
+    stage_params,
     stage_vjp,
 )
 
@@ -69,43 +70,6 @@ def iters_for(seq_len: int) -> int:
     return ITERS_SMALL if seq_len < SMALL_ROWS else ITERS_LARGE
 
 
-def stage_params(stages: Sequence[Stage], params: Mapping[str, torch.Tensor]) -> dict[str, Tensors]:
-    """Stage label -> the parameters that stage reads (views of ``params``, nothing copied)."""
-    names = list(params)
-    return {s.label: {n: params[n] for n in s.param_names(names)} for s in stages}
-
-
-def last_readers(stages: Sequence[Stage]) -> dict[str, int]:
-    """Value name -> index of the last stage that reads it (graph inputs and stage outputs alike)."""
-    last: dict[str, int] = {}
-    for i, stage in enumerate(stages):
-        for name in stage.external:
-            last[name] = i
-    return last
-
-
-def model_forward(
-    stages: Sequence[Stage],
-    inputs: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    table: OpTable,
-    saved: dict[str, Tensors] | None = None,
-) -> Tensors:
-    """The two velocity outputs, stage by stage; a value is dropped after the last stage that reads it. With
-    ``saved``, each stage's external inputs are kept under its label (what the backward recomputes from)."""
-    last = last_readers(stages)
-    values: Tensors = dict(inputs)
-    for i, stage in enumerate(stages):
-        if saved is not None:
-            saved[stage.label] = {k: values[k] for k in stage.external}
-        out = run_stage(stage, values, params, table)
-        values.update({k: out[k] for k in stage.outputs})
-        del out
-        for name in [k for k in values if last.get(k, -1) <= i and k not in OUTPUTS]:
-            del values[name]
-    return {k: values[k] for k in OUTPUTS}
-
-
 def model_backward(
     stages: Sequence[Stage],
     inputs: Mapping[str, torch.Tensor],
@@ -122,7 +86,7 @@ def model_backward(
     per_stage = per_stage if per_stage is not None else stage_params(stages, params)
     saved: dict[str, Tensors] = {}
     with torch.no_grad():
-        outputs = model_forward(stages, inputs, params, table, saved)
+        outputs = forward_stages(stages, inputs, per_stage, table, saved)
     incoming: Tensors = dict(cotangents if cotangents is not None else model_cotangents(SEED, outputs))
     del outputs
     for stage in reversed(stages):
@@ -139,11 +103,12 @@ def model_backward(
 def forward_arm(
     stages: Sequence[Stage], inputs: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], table: OpTable
 ) -> Callable[[], Tensors]:
-    """The timed forward: :func:`model_forward` under ``no_grad``."""
+    """The timed forward: :func:`~h3gate.runs.model_stages.forward_stages` under ``no_grad``."""
+    per_stage = stage_params(stages, params)
 
     def run() -> Tensors:
         with torch.no_grad():
-            return model_forward(stages, inputs, params, table)
+            return forward_stages(stages, inputs, per_stage, table)
 
     return run
 
@@ -245,7 +210,7 @@ def bench_model(
     inputs, _ = model_inputs(packed, cfg, SEED, device)
     tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
     with torch.no_grad():
-        cot = model_cotangents(SEED, model_forward(stages, inputs, params, tables["provider"]))
+        cot = model_cotangents(SEED, forward_stages(stages, inputs, stage_params(stages, params), tables["provider"]))
     iters = iters_for(packed.seq_len)
     makers = {
         "forward": lambda t: forward_arm(stages, inputs, params, t),

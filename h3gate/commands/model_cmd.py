@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
-from h3gate.commands.run_cmd import check_gate_args, save_tensor_files
+from h3gate.commands.run_cmd import check_gate_args, layout_record, save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import prepare_out, write_evidence
@@ -119,13 +119,7 @@ def build_body(setup: ModelSetup, result: ModelGateResult, seed: int, tol_name: 
             "num_layers": cfg.num_layers,
             "num_refiner_layers": cfg.num_refiner_layers,
         },
-        "layout": {
-            "name": setup.layout.name,
-            "seq_len": setup.layout.seq_len,
-            "rows": setup.layout.rows_per_modality(),
-            "anchors": list(setup.layout.spec.anchors),
-            "tensor_sha256": setup.layout.tensor_hashes(),
-        },
+        "layout": layout_record(setup.layout),
         "device": setup.device,
         "mode": setup.mode,
         "seed": seed,

@@ -70,6 +70,17 @@ def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], m
     atomic_write_safetensors(paths, metadata, f"--save-tensors {display(folder)}")
 
 
+def layout_record(layout) -> dict:
+    """The evidence's ``layout`` record: name, length, rows per modality, anchors, every tensor's sha256."""
+    return {
+        "name": layout.name,
+        "seq_len": layout.seq_len,
+        "rows": layout.rows_per_modality(),
+        "anchors": list(layout.spec.anchors),
+        "tensor_sha256": layout.tensor_hashes(),
+    }
+
+
 def check_gate_args(
     mode: str, tolerance: str, save_tensors: Path | None, out: Path | None
 ) -> tuple[Path, ToleranceProfile]:
@@ -189,13 +200,7 @@ def build_body(
             "ffn_dim": cfg.ffn_dim,
             "time_embed_dim": cfg.time_embed_dim,
         },
-        "layout": {
-            "name": setup.layout.name,
-            "seq_len": setup.layout.seq_len,
-            "rows": setup.layout.rows_per_modality(),
-            "anchors": list(setup.layout.spec.anchors),
-            "tensor_sha256": setup.layout.tensor_hashes(),
-        },
+        "layout": layout_record(setup.layout),
         "device": setup.device,
         "mode": mode,
         "seed": seed,

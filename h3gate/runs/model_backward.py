@@ -23,13 +23,12 @@ from h3gate.gate.compare import agreement, bitwise_equal, error
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph.core import to_float64
-from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import OUTPUTS
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_forward import Findings, Lanes
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
-from h3gate.runs.model_stages import LEAVES, Stage, StageGrads, accumulate, stage_vjp
+from h3gate.runs.model_stages import LEAVES, Stage, StageGrads, accumulate, model_cotangents, stage_vjp
 
 if TYPE_CHECKING:
     from h3gate.runs.ws1_model import ModelGate
@@ -38,27 +37,12 @@ LEAF_ROWS = {"video_rows": "video", "audio_rows": "audio", "text": "text"}
 WHOLE = -1  # grad_row_dim of a parameter gradient: judged as one row
 
 
-def cotangents(seed: int, outputs: Mapping[str, torch.Tensor], batch: tuple[int, int] | None) -> dict:
-    """The loss's seeded FP32 cotangents (``cotangent:video|audio``); in a batch, item ``k != position`` gets
-    ``cotangent:video|audio:k`` (its own, unrelated)."""
-    out = {}
-    for name, tag in zip(OUTPUTS, ("video", "audio"), strict=True):
-        shape = (1, *outputs[name].shape[1:])
-        mine = seeded_normal(seed, f"cotangent:{tag}", shape)
-        if batch is not None:
-            size, pos = batch
-            items = [mine if k == pos else seeded_normal(seed, f"cotangent:{tag}:{k}", shape) for k in range(size)]
-            mine = torch.cat(items)
-        out[name] = mine.to(outputs[name].device)
-    return out
-
-
 def backward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) -> dict:
     """The backward report: per stage, every gradient's record; the leaves' records; the autograd-forward check."""
     saving = [lane for lane in lanes.all() if lane.save]
     incoming: dict[str, dict[str, torch.Tensor]] = {}
     for lane in saving:
-        cot = cotangents(gate.seed, lane.values, lane.batch)
+        cot = model_cotangents(gate.seed, lane.values, lane.batch)
         incoming[lane.name] = {k: (v.double() if lane.golden else v) for k, v in cot.items()}
     grads: dict[str, dict] = {}
     autograd_forward: dict[str, dict] = {}

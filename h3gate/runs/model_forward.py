@@ -24,8 +24,8 @@ from h3gate.graph.core import Node, Values, to_float64
 from h3gate.graph.execute import run_node
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
-from h3gate.runs.model_lanes import Lane, contract_floor, last_readers, merged, row_labels, select_item
-from h3gate.runs.model_stages import Stage
+from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
+from h3gate.runs.model_stages import Stage, last_readers
 
 if TYPE_CHECKING:
     from h3gate.runs.ws1_model import ModelGate
@@ -82,7 +82,7 @@ def forward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) 
     """Run every stage through every lane; (node records, stage records)."""
     nodes: list[dict] = []
     stage_records: list[dict] = []
-    drop = last_readers(gate.stages)
+    last = last_readers(gate.stages)
     for i, stage in enumerate(gate.stages):
         gate.step(f"forward: {stage.label}")
         t0 = time.perf_counter()
@@ -94,8 +94,9 @@ def forward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) 
             "stage": stage.label, "layer": stage.layer, "nodes": len(stage.nodes), "parameters": len(params),
             "outputs": outputs, "forward_s": round(time.perf_counter() - t0, 4),
         })  # fmt: skip
+        done = [name for name, reader in last.items() if reader == i]
         for lane in lanes.all():
-            lane.release(drop.get(i, []))
+            lane.release(done)
         del params, gparams
     return nodes, stage_records
 

@@ -75,18 +75,6 @@ class Lane:
                 self.values.pop(k, None)
 
 
-def last_readers(stages: list[Stage]) -> dict[int, list[str]]:
-    """Stage index -> the values (stage outputs) no stage after it reads: what lanes may drop after that stage."""
-    last: dict[str, int] = {}
-    for i, stage in enumerate(stages):
-        for k in stage.external:
-            last[k] = i
-    out: dict[int, list[str]] = {}
-    for k, i in last.items():
-        out.setdefault(i, []).append(k)
-    return out
-
-
 def row_labels(kind: str, tensor: torch.Tensor, row_dim: int | None, packed: list[str]) -> list[str] | None:
     """The modality of each row of a value whose rows are ``kind`` (``packed``: the layout's per-row modality)."""
     if row_dim is None or kind not in ROW_KINDS:

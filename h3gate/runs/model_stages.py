@@ -167,15 +167,62 @@ class StageWeights:
         return {n: self.source.load(n, self.device, check_finite=True) for n in stage.param_names(self.names)}
 
 
-def model_cotangents(seed: int, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The seeded FP32 cotangents of the declared loss (:data:`LOSS`) for the two velocity outputs."""
+def model_cotangents(
+    seed: int, outputs: Mapping[str, torch.Tensor], batch: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """The seeded FP32 cotangents of the declared loss (:data:`LOSS`): ``cotangent:video|audio`` for the request;
+    with ``batch = (size, position)`` the request is item ``position`` and item ``k`` gets its own, unrelated
+    ``cotangent:video|audio:k``."""
     from h3gate.graph.inputs import seeded_normal
 
     out = {}
     for name, tag in zip(OUTPUTS, ("video", "audio"), strict=True):
-        value = outputs[name]
-        out[name] = seeded_normal(seed, f"cotangent:{tag}", tuple(value.shape)).to(value.device)
+        shape = (1, *outputs[name].shape[1:])
+        mine = seeded_normal(seed, f"cotangent:{tag}", shape)
+        if batch is not None:
+            size, pos = batch
+            mine = torch.cat([mine if k == pos else seeded_normal(seed, f"cotangent:{tag}:{k}", shape)
+                              for k in range(size)])  # fmt: skip
+        out[name] = mine.to(outputs[name].device)
     return out
+
+
+def stage_params(stages: Sequence[Stage], params: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Stage label -> the parameters that stage reads (the same tensors, nothing copied)."""
+    names = list(params)
+    return {s.label: {n: params[n] for n in s.param_names(names)} for s in stages}
+
+
+def last_readers(stages: Sequence[Stage]) -> dict[str, int]:
+    """Value name -> index of the last stage that reads it (graph inputs and stage outputs alike)."""
+    last: dict[str, int] = {}
+    for i, stage in enumerate(stages):
+        for name in stage.external:
+            last[name] = i
+    return last
+
+
+def forward_stages(
+    stages: Sequence[Stage],
+    inputs: Mapping[str, torch.Tensor],
+    per_stage: Mapping[str, Mapping[str, torch.Tensor]],
+    table: OpTable,
+    saved: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The two velocity outputs, stage by stage, keeping only what later stages read (a value is dropped after its
+    last reader). With ``saved``, each stage's external inputs are kept under its label (what a per-stage
+    backward recomputes from)."""
+    last = last_readers(stages)
+    values = dict(inputs)
+    for i, stage in enumerate(stages):
+        if saved is not None:
+            saved[stage.label] = {k: values[k] for k in stage.external}
+        out = run_stage(stage, values, per_stage[stage.label], table)
+        values.update({k: out[k] for k in stage.outputs})
+        del out
+        for name in [k for k in values if last.get(k, -1) <= i and k not in OUTPUTS]:
+            del values[name]
+    return {k: values[k] for k in OUTPUTS}
 
 
 def model_inputs(layout, cfg, seed: int, device: str, item: int = 0) -> tuple[dict[str, torch.Tensor], dict]:

@@ -28,7 +28,7 @@ from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.paths import display
 from h3gate.runs.model_setup import ModelSetup, prepare_model
-from h3gate.runs.model_stages import run_stage
+from h3gate.runs.model_stages import forward_stages, stage_params
 from h3gate.runs.trajectory_files import (
     MANIFEST,
     STEPS,
@@ -160,11 +160,8 @@ def evaluate(run: Trajectory, step: int, state: State, other: State | None) -> t
         **meta,
     }
     with torch.no_grad():
-        for stage in setup.stages:
-            params = {n: run.params[n] for n in stage.param_names(list(run.params))}
-            out = run_stage(stage, values, params, run.table)
-            values.update({k: out[k] for k in stage.outputs})  # only what later stages read
-    v, u = values[OUTPUTS[0]], values[OUTPUTS[1]]
+        outputs = forward_stages(setup.stages, values, stage_params(setup.stages, run.params), run.table)
+    v, u = outputs[OUTPUTS[0]], outputs[OUTPUTS[1]]
     mine = (v[-1], u[-1])
     return mine, (None if other is None else (v[0], u[0]))
 
