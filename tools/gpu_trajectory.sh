@@ -3,7 +3,8 @@
 # with .whl/ and the revision stamp as for tools/gpu_model.sh:
 #   medium: a 49-evaluation strict trajectory A; B beside an unrelated request (--batch-with), interrupted at step 20
 #           and resumed; compare A B; the provider P; compare A P;
-#   768p:   two strict steps, then a resumed third; one provider step (seconds per step).
+#   768p:   two strict steps, then a resumed third; one provider step (seconds per step);
+#   768p-call1, then 768p-call2 in a second device call on the warm host: the 768p runs carried across calls.
 # Only the JSON of each RUNDIR comes back ($OUT/runs.tgz); step tensors stay on the host (referenced by hash).
 . tools/gpu_common.sh
 budget=${BUDGET_S:-150}
@@ -39,6 +40,18 @@ for section in "$@"; do
     h traj-768p-A run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 1 --out $runs/768p-A
     h traj-768p-A run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 2 --resume --out $runs/768p-A
     h traj-768p-P run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 0 --mode off --out $runs/768p-P
+    ;;
+  768p-call1)
+    # first device call: two strict steps, two provider steps (the RUNDIRs stay in the warm host's /tmp)
+    h traj-768p-A run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 1 --out $runs/768p-A
+    h traj-768p-P run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 1 --mode off --out $runs/768p-P
+    ;;
+  768p-call2)
+    # a later device call on the same host: resume both runs for one more step, the strict one verifying its last
+    h traj-768p-A run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 3 --resume --verify-last \
+      --out $runs/768p-A
+    h traj-768p-P run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 2 --resume --mode off \
+      --out $runs/768p-P
     ;;
   esac
 done
