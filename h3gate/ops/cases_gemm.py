@@ -59,6 +59,37 @@ def _gemm(op: str, widths: Callable[[ModelConfig], tuple[int, int]], dtype, bias
     return build
 
 
+# The LoRA case: PEFT's LoRA on the attention's Q projection (to_q, H -> nh*D: the usual LoRA target), rank 16,
+# lora_alpha 24 (scaling 1.5: the multiply really rounds), float32 adapter weights on the bfloat16 activations
+# (PEFT's default, autocast_adapter_dtype=True). lora_B is non-zero, as after training (PEFT initialises it to zero,
+# which would zero every gradient of lora_A).
+LORA_RANK = 16
+LORA_ALPHA = 24.0
+
+
+def lora_update_case(rows: int, cfg: ModelConfig, device, seed: int, adapter_dtype: torch.dtype = FP32) -> OpCase:
+    """x (1, rows, H) bfloat16, lora_a (r, H) and lora_b (nh*D, r) at ``adapter_dtype``, scaling lora_alpha / r."""
+    gen = torch.Generator().manual_seed(seed)
+    k, n, r = cfg.hidden_size, cfg.inner_dim, LORA_RANK
+    x = randn((1, rows, k), BF16, device, gen)
+    lora_a = randn((r, k), adapter_dtype, device, gen, scale=k**-0.5)
+    lora_b = randn((n, r), adapter_dtype, device, gen, scale=r**-0.5)
+    size = torch.finfo(adapter_dtype).bits // 8
+    return OpCase(
+        op="h3_lora_update",
+        args=(x, lora_a, lora_b, LORA_ALPHA / r),
+        grad_args=(0, 1, 2),
+        batch_dims={0: 0},
+        out_batch_dim=0,
+        row_dims={0: 1},
+        out_row_dim=1,
+        prefix_rows=min(rows, PREFIX_ROWS),
+        bytes_moved=2 * rows * k + size * (r * k + n * r + 2 * rows * r + rows * n),
+        flops=2 * rows * r * (k + n) + rows * n,
+        shape=f"M={rows} K={k} r={r} N={n} x bfloat16, adapter {dtype_name(adapter_dtype)}, scaling {LORA_ALPHA / r}",
+    )
+
+
 def _attention(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     gen = torch.Generator().manual_seed(seed)
     h, d = cfg.num_attention_heads, cfg.attention_head_dim
@@ -105,4 +136,5 @@ CASES: dict[str, CaseBuilder] = {
         "audio_output_projection_fp32", lambda c: (c.hidden_size, c.audio_in_channels), FP32, True
     ),
     "h3_full_attention": _attention,
+    "h3_lora_update": lora_update_case,
 }

@@ -3,6 +3,7 @@
 Each function reproduces the provider's op sequence, dtypes and cast points exactly (so on the same device it is
 bitwise equal to ``MiniMaxH3Transformer3DModel``'s code path), and takes every dtype from its inputs. Running a
 function on float64 inputs (with ``dtype=torch.float64`` where a cast target is explicit) is the golden.
+One reference is PEFT's rather than diffusers': :func:`lora_update`, the update term of a LoRA-wrapped linear.
 
 Shapes: ``B`` batch, ``S`` packed rows, ``H`` hidden, ``T`` distinct timesteps, ``nh`` heads, ``D`` head dim,
 ``R`` rotary channels (6 * rope_freq_dim), ``F`` FFN width.
@@ -39,6 +40,17 @@ def timestep_sinusoid(timestep: torch.Tensor, dim: int = 256) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` at the operands' dtype (the provider's nn.Linear / cuBLAS path)."""
     return F.linear(x, weight, bias)
+
+
+def lora_update(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """PEFT's LoRA update term (not diffusers): ``lora_B(lora_A(x.to(lora_A.dtype))) * scaling``.
+
+    PEFT 0.17 - 0.21 vanilla LoRA ``Linear.forward`` with dropout 0: ``x`` cast to the adapter dtype (a no-op when
+    equal), two bias-free ``F.linear`` at the adapter dtype (lora_a (r, K), lora_b (N, r)), then the lora_B output
+    times the Python float ``scaling`` (one rounding at the adapter dtype). The caller adds the base output and
+    casts, ``(base + update).to(base.dtype)``, as PEFT does.
+    """
+    return F.linear(F.linear(x.to(lora_a.dtype), lora_a), lora_b) * scaling
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
