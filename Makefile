@@ -5,6 +5,7 @@
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
 #   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere
 #   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks (README, offline GPU host)
+#   make report        evidence/h200-report/: the committed H200 evidence as one HTML page (h3gate report)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -34,7 +35,7 @@ WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86
 WITH_DIFFUSERS  ?=
 HOST_HAS        ?= tools/gpu-host-packages.txt
 
-.PHONY: install install-test demo test lint format test-newest wheel-smoke wheelhouse clean
+.PHONY: install install-test demo test lint format test-newest wheel-smoke wheelhouse report clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -84,6 +85,9 @@ wheel-smoke:
 wheelhouse:
 	$(PY) tools/wheelhouse.py --python-version $(WHEEL_PY) $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) \
 	  --host-has "$(HOST_HAS)" $(if $(WITH_DIFFUSERS),--with-diffusers)
+
+report: $(TSTAMP)
+	$(BIN)/h3gate report evidence/h200 --out evidence/h200-report
 
 clean:
 	rm -rf $(VENV) $(NVENV) evidence/local .pytest_cache .ruff_cache .hypothesis build dist

@@ -208,6 +208,21 @@ def seal(
 
 
 @app.command()
+def report(
+    paths: Annotated[list[Path], typer.Argument(help="Evidence files or folders (sealed or not).")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Folder for index.html and the figures' PNGs (a previous report is replaced).")
+    ],
+    open_: Annotated[bool, typer.Option("--open", help="Open the page in a web browser once written.")] = False,
+) -> None:
+    """Write the evidence as one self-contained HTML page (figures inline, nothing loaded from the network) plus
+    the figures as PNG. Needs matplotlib: pip install 'h3gate\\[report]'."""
+    from h3gate.commands.report_cmd import report_command
+
+    _done(report_command(paths, out, open_))
+
+
+@app.command()
 def keygen(
     out: Annotated[Path, typer.Option("--out", help="Private key file to write (KEY.pub is written next to it).")],
 ) -> None:

@@ -29,6 +29,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("evidence", ("h3gate.evidence",)),
+    ("report", ("h3gate.report",)),
     ("manifests", ("h3gate.manifests",)),
     ("inventory", ("h3gate.inventory",)),
     ("kernels", ("h3gate.kernels",)),

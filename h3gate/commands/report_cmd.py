@@ -1,0 +1,38 @@
+"""``h3gate report PATH... --out DIR [--open]``: the evidence as one self-contained HTML page plus its figures."""
+
+from __future__ import annotations
+
+import sys
+import webbrowser
+from pathlib import Path
+
+from h3gate.commands.console import progress
+from h3gate.errors import EXIT_INPUT, EXIT_PASS
+from h3gate.paths import display
+from h3gate.report.build import prepare, render
+from h3gate.report.figures import MissingMatplotlib
+
+NEEDS_MATPLOTLIB = "h3gate report: needs matplotlib: pip install 'h3gate[report]'"
+
+
+def report_command(paths: list[Path], out: Path, open_page: bool) -> int:
+    """0: page written (also for inputs holding no evidence: the page says what is missing); 2: matplotlib missing,
+    or a missing / unreadable / non-evidence input or a bad ``--out`` (InputError), checked before drawing."""
+    try:
+        with progress("report") as step:
+            prepared = prepare(paths, out, step)
+    except MissingMatplotlib:
+        print(NEEDS_MATPLOTLIB, file=sys.stderr)
+        return EXIT_INPUT
+    figures = prepared.figures
+    with progress("report", len(figures)) as step:
+        index = render(prepared, step)
+    inv = prepared.inventory
+    seals = ", ".join(f"{display(s.folder)} {s.state()}" for s in inv.seals.values()) or "none"
+    print(f"report {display(index)}: {len(inv.documents)} evidence documents, {len(figures)} figures; seals: {seals}")
+    if not inv.documents:
+        where = ", ".join(display(p) for p in paths)
+        print(f"h3gate report: no evidence found in {where}; the page says what is missing", file=sys.stderr)
+    if open_page:
+        webbrowser.open(index.resolve().as_uri())  # returns False when there is no browser: harmless
+    return EXIT_PASS

@@ -1,0 +1,243 @@
+"""Plain series for the step, operator, ablation and benchmark figures; nothing here plots (see ``extract``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+STEP_SERIES = ("video_velocity", "audio_velocity", "video_latents", "audio_latents")
+PROBES = ("repeat", "batch", "mutation", "prefix")
+
+
+@dataclass
+class StepDrift:
+    """trajectory-compare: rel_l2 per step of each series (0.0 where bitwise), and the first drift it names."""
+
+    steps: list[int]
+    series: dict[str, list[float | None]]
+    first_step: int | None
+    first_drift: dict | None
+    run_a: str
+    run_b: str
+
+
+def _run_name(run: dict) -> str:
+    r = run.get("run") or {}
+    batch = r.get("batch") or {}
+    text = f"mode {r.get('mode')}"
+    if batch.get("with_seed") is not None:
+        text += f", batched with seed {batch['with_seed']} (size {batch.get('size')}, position {batch.get('position')})"
+    return text
+
+
+def step_drift(doc: dict) -> StepDrift:
+    steps = doc.get("steps") or []
+    series = {
+        name: [(s.get(name) or {}).get("rel_l2") if isinstance(s.get(name), dict) else None for s in steps]
+        for name in STEP_SERIES
+    }
+    runs = doc.get("runs") or {}
+    return StepDrift(
+        [int(s.get("step", i)) for i, s in enumerate(steps)],
+        series,
+        doc.get("first_drift_step"),
+        doc.get("first_drift"),
+        _run_name(runs.get("a") or {}),
+        _run_name(runs.get("b") or {}),
+    )
+
+
+@dataclass
+class OpError:
+    """One operator's worst case (over layouts, and over gradient arguments backward): errors against the golden."""
+
+    op: str
+    direction: str
+    layout: str
+    kernel: float | None
+    provider: float | None
+    bound: float | None
+
+
+def _error_case(op: str, direction: str, layout: str, rec: dict) -> OpError:
+    kernel = (rec.get("kernel_vs_golden") or {}).get("rel_l2")
+    provider = (rec.get("provider_vs_golden") or {}).get("rel_l2")
+    return OpError(op, direction, layout, kernel, provider, rec.get("bound_rel_l2"))
+
+
+def _badness(case: OpError) -> float:
+    if case.kernel is None or not case.bound:
+        return -1.0
+    return case.kernel / case.bound
+
+
+def op_errors(doc: dict) -> list[OpError]:
+    """ws1-ops: forward and backward worst error-to-bound case of each operator."""
+    found: list[OpError] = []
+    for op in doc.get("operators") or []:
+        name = str(op.get("op"))
+        fwd: list[OpError] = []
+        bwd: list[OpError] = []
+        for r in op.get("results") or []:
+            layout = str(r.get("layout"))
+            if isinstance(r.get("forward"), dict):
+                fwd.append(_error_case(name, "forward", layout, r["forward"]))
+            for g in r.get("backward") or []:
+                if isinstance(g, dict) and not g.get("missing"):
+                    bwd.append(_error_case(name, f"backward (arg {g.get('arg')})", layout, g))
+        found += [max(cases, key=_badness) for cases in (fwd, bwd) if cases]
+    return found
+
+
+@dataclass
+class ProbeGrid:
+    """ws1-ops invariance probes per operator, over every layout: True all bitwise, False any not, None none run."""
+
+    ops: list[str]
+    probes: list[str]
+    cells: dict[tuple[str, str], bool | None]
+    counts: dict[tuple[str, str], int]
+
+
+def _probe_results(inv: dict) -> dict[str, list[bool]]:
+    out: dict[str, list[bool]] = {}
+    for probe in PROBES:
+        value = inv.get(probe)
+        records = value if isinstance(value, list) else ([value] if isinstance(value, dict) else [])
+        for rec in records:
+            for direction in ("forward", "backward"):
+                if isinstance(rec.get(direction), bool):
+                    out.setdefault(f"{probe} {direction[:3]}", []).append(rec[direction])
+    return out
+
+
+def probe_grid(doc: dict) -> ProbeGrid:
+    probes = [f"{p} {d}" for p in PROBES for d in ("for", "bac")]
+    cells: dict[tuple[str, str], bool | None] = {}
+    counts: dict[tuple[str, str], int] = {}
+    ops: list[str] = []
+    for op in doc.get("operators") or []:
+        name = str(op.get("op"))
+        ops.append(name)
+        merged: dict[str, list[bool]] = {}
+        for r in op.get("results") or []:
+            for key, values in _probe_results(r.get("invariance") or {}).items():
+                merged.setdefault(key, []).extend(values)
+        for probe in probes:
+            values = merged.get(probe, [])
+            cells[(name, probe)] = all(values) if values else None
+            counts[(name, probe)] = len(values)
+    labels = [p.replace(" for", " fwd").replace(" bac", " bwd") for p in probes]
+    cells = {(o, labels[probes.index(p)]): v for (o, p), v in cells.items()}
+    counts = {(o, labels[probes.index(p)]): v for (o, p), v in counts.items()}
+    used = [lab for lab in labels if any(counts[(o, lab)] for o in ops)]
+    return ProbeGrid(ops, used, cells, counts)
+
+
+@dataclass
+class AblationRow:
+    """One ablation row: what was expected and what was observed, with each first-drift signature in words."""
+
+    id: str
+    factor: str
+    run: str
+    expected: str
+    observed: str
+    verdict: str
+    expected_signature: str
+    observed_signature: str
+    reason: str | None
+
+
+def signature_text(sig: Any) -> str:
+    """``node, layer L, step S, row R (modality)`` of an ablation signature; ``-`` for none."""
+    if not isinstance(sig, dict):
+        return "-"
+    parts = [str(sig.get("node"))]
+    parts += [f"layer {sig['layer']}"] if sig.get("layer") is not None else []
+    parts += [f"step {sig['step']}"] if sig.get("step") is not None else []
+    row = f"row {sig['row']}" if sig.get("row") is not None else ""
+    if row and sig.get("modality"):
+        row += f" ({sig['modality']})"
+    elif sig.get("modality"):
+        row = f"modality {sig['modality']}"
+    return ", ".join(parts + ([row] if row else []))
+
+
+def ablation_rows(doc: dict) -> list[AblationRow]:
+    rows = []
+    for r in doc.get("rows") or []:
+        exp, obs = r.get("expected") or {}, r.get("observed") or {}
+        rows.append(
+            AblationRow(
+                str(r.get("id")),
+                str(r.get("factor", "")),
+                str(r.get("run", "")),
+                str(exp.get("result")),
+                str(obs.get("result")),
+                str(r.get("verdict")),
+                signature_text(exp.get("signature")),
+                signature_text(obs.get("signature")),
+                obs.get("reason"),
+            )
+        )
+    return rows
+
+
+@dataclass
+class SpeedBar:
+    """One timed case: speed relative to its baseline (baseline time / strict time; > 1 is faster) and the target."""
+
+    label: str
+    ratio: float | None
+    target: float | None
+    target_kind: str  # "declared target", "not slower (noise)", or "no target recorded"
+    baseline: str
+    passed: bool | None
+
+
+def op_speeds(doc: dict) -> list[SpeedBar]:
+    """bench (ops): each operator's forward ratio against its declared target, else the not-slower criterion."""
+    noise = (doc.get("criteria") or {}).get("not_slower_noise")
+    bars = []
+    for op in doc.get("operators") or []:
+        target = op.get("target")
+        fwd = op.get("forward") or {}
+        verdict = op.get("verdict")
+        passed = None if verdict is None else verdict == "pass"
+        if isinstance(target, dict):
+            bars.append(
+                SpeedBar(
+                    str(op.get("op")),
+                    target.get("ratio"),
+                    target.get("min_ratio"),
+                    "declared target",
+                    str(target.get("baseline")),
+                    passed,
+                )
+            )
+        else:
+            floor = None if noise is None else 1.0 - float(noise)
+            bars.append(SpeedBar(str(op.get("op")), fwd.get("speedup"), floor, "not slower", "provider", passed))
+    return bars
+
+
+@dataclass
+class GateSpeeds:
+    """bench-ws1-block / bench-ws1-model: forward and forward + backward of one record."""
+
+    label: str
+    bars: list[SpeedBar] = field(default_factory=list)
+
+
+def gate_speeds(doc: dict, label: str) -> GateSpeeds:
+    out = GateSpeeds(label)
+    for phase in ("forward", "forward_backward"):
+        res = (doc.get("results") or {}).get(phase)
+        if not isinstance(res, dict):
+            continue
+        over = res.get("strict_over_provider")
+        ratio = 1.0 / over if isinstance(over, int | float) and over > 0 else None
+        name = phase.replace("_", " + ")
+        out.bars.append(SpeedBar(name, ratio, None, "no target recorded", "provider", None))
+    return out

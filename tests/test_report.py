@@ -1,0 +1,328 @@
+"""``h3gate report``: the page a person reads, checked as a person would look at it.
+
+* the figure set of the committed H200 evidence (ids and titles) against a small golden,
+  ``tests/golden/report-h200-figures.json``; after a deliberate change (new evidence, a new figure, a new title)
+  regenerate it with ``H3GATE_REGENERATE_GOLDEN=1 pytest tests/test_report.py -k figure_set`` and the committed page
+  with ``make report``;
+* a page built from small evidence (copies of committed H200 files, unsealed, beside the sealed CPU evidence): every
+  PNG decodes and is not blank, the HTML references nothing outside itself;
+* bad inputs: exit 2 and one line, nothing written; inputs without evidence: a page saying what is missing (exit 0);
+* ``-m browser``: headless Chromium renders the committed H200 report and the fresh page with the network blocked;
+  the screenshots are not blank and the network log shows no request made by the page. Skipped when Chromium is
+  not installed, unless ``H3GATE_REQUIRE_CHROMIUM=1`` (CI sets it: there the skip is a failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3gate.paths import CHECKOUT
+
+pytest.importorskip("matplotlib")
+
+ROOT = CHECKOUT if CHECKOUT is not None else Path(__file__).resolve().parents[1]
+H200 = ROOT / "evidence" / "h200"
+CPU = ROOT / "evidence" / "cpu"
+COMMITTED = ROOT / "evidence" / "h200-report"
+GOLDEN = Path(__file__).parent / "golden" / "report-h200-figures.json"
+NEEDS_MATPLOTLIB = "h3gate report: needs matplotlib: pip install 'h3gate[report]'"
+# Small committed H200 files, one or two of every kind the page draws.
+SMALL = [
+    "ws1-block-real-medium-fault-fwd/ws1-block.json",
+    "ws1-model-real-medium-fault/ws1-model.json",
+    "ws1-ops-attention-768p/ws1-ops.json",
+    "trajectory-compare-real-medium-A-P/trajectory-compare.json",
+    "trajectory-compare-real-medium-A2-B2/trajectory-compare.json",
+    "ws1-trajectory-real-medium-A/ws1-trajectory.json",
+    "ws1-trajectory-real-medium-A/manifest.json",
+    "ablate-real-medium-controls/ablation.json",
+    "bench-ops-gemm-768p/bench-ops.json",
+    "bench-ws1-block-medium/bench-ws1-block.json",
+]
+EXTERNAL = [
+    re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", re.I),  # http(s):// or protocol-relative
+    re.compile(r"<script", re.I),
+    re.compile(r"@import", re.I),
+    re.compile(r"url\(", re.I),
+    re.compile(r"<link", re.I),
+    re.compile(r"<iframe|<object|<embed", re.I),
+]
+
+
+def _cli(*args: object) -> tuple[int, str, str]:
+    """``h3gate ARGS`` in this process: (exit code, stdout, stderr)."""
+    from h3gate.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(["--quiet", *(str(a) for a in args)])
+    return exc.value.code, out.getvalue(), err.getvalue()
+
+
+def _small_evidence(folder: Path) -> Path:
+    for rel in SMALL:
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(H200 / rel, folder / rel)
+    (folder / "notes.json").write_text('{"not": "evidence"}', encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory) -> tuple[Path, str]:
+    """(report folder, stdout) of ``h3gate report <small copies> evidence/cpu --out ...``."""
+    base = tmp_path_factory.mktemp("report")
+    evidence = _small_evidence(base / "h200-small")
+    code, out, err = _cli("report", evidence, CPU, "--out", base / "out")
+    assert (code, err) == (0, ""), out + err
+    return base / "out", out
+
+
+def _figures(page: str) -> list[dict[str, str]]:
+    """``[{"id", "title"}]`` of the figures of a page, in page order."""
+    found = re.findall(r'<figure id="fig-([^"]+)">.*?<figcaption>(.*?) &middot;', page, flags=re.S)
+    return [{"id": html.unescape(i), "title": html.unescape(t)} for i, t in found]
+
+
+def _assert_self_contained(page: str) -> None:
+    for pattern in EXTERNAL:
+        assert not pattern.search(page), f"the page references something outside itself: {pattern.pattern}"
+    srcs = re.findall(r'<img src="([^"]*)"', page)
+    assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+
+
+def _assert_not_blank(png: bytes | Path) -> tuple[int, int]:
+    """Decode a PNG; its pixels must not be uniform (a drawn figure, not a blank canvas). Returns its size."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png) if isinstance(png, bytes) else png) as img:
+        rgb = img.convert("RGB")
+    colours = len(rgb.getcolors(maxcolors=1 << 24) or [])
+    pixels = np.asarray(rgb)
+    inked = float((pixels.min(axis=2) < 200).mean())
+    assert colours >= 8 and inked > 0.005, f"blank image: {colours} colours, {inked:.4f} of pixels inked"
+    return pixels.shape[1], pixels.shape[0]
+
+
+def test_the_figure_set_of_the_committed_h200_evidence_matches_the_golden():
+    """Which figures the committed H200 evidence gets, and their titles (planning only: nothing is drawn)."""
+    from h3gate.report.loader import load_inventory
+    from h3gate.report.plan import figure_set, plan
+
+    sections, _ = plan(load_inventory([H200], verify=False))
+    got = figure_set(sections)
+    if os.environ.get("H3GATE_REGENERATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n", encoding="utf-8")
+        pytest.skip(f"regenerated {GOLDEN.name}")
+    hint = "a deliberate change? H3GATE_REGENERATE_GOLDEN=1 pytest tests/test_report.py -k figure_set; make report"
+    assert got == json.loads(GOLDEN.read_text(encoding="utf-8")), hint
+    kinds = {f["id"].rsplit(".", 1)[1] for f in got}
+    assert {
+        "node-map",
+        "first-drift-rows",
+        "error-vs-bound",
+        "invariance",
+        "drift-per-step",
+        "matrix",
+        "speed",
+    } <= kinds
+
+
+def test_the_committed_h200_report_matches_the_golden_and_is_self_contained():
+    page = (COMMITTED / "index.html").read_text(encoding="utf-8")
+    figures = _figures(page)
+    assert figures == json.loads(GOLDEN.read_text(encoding="utf-8")), "stale evidence/h200-report: run make report"
+    _assert_self_contained(page)
+    assert {p.name for p in COMMITTED.iterdir()} == {"index.html"} | {f"{f['id']}.png" for f in figures}
+    assert sum(p.stat().st_size for p in COMMITTED.iterdir()) < 5 << 20  # a few MB at most
+    assert "evidence/h200/SEAL.json" in page and "verified" in page
+
+
+def test_a_page_from_small_evidence_draws_every_kind(small_report):
+    out, stdout = small_report
+    page = (out / "index.html").read_text(encoding="utf-8")
+    figures = _figures(page)
+    assert {f["id"].rsplit(".", 1)[1] for f in figures} == {
+        "node-map", "first-drift-rows", "error-vs-bound", "invariance", "drift-per-step", "matrix", "speed",
+    }  # fmt: skip
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(f"{f['id']}.png" for f in figures)
+    embedded = re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="[^"]*" width="(\d+)" height="(\d+)"', page)
+    assert len(embedded) == len(figures)
+    import base64
+
+    for (data, width, height), figure in zip(embedded, figures, strict=True):
+        png = base64.b64decode(data)
+        assert png == (out / f"{figure['id']}.png").read_bytes()  # the inline figure is the PNG beside the page
+        assert _assert_not_blank(png) == (int(width), int(height))
+    _assert_self_contained(page)
+    assert "report " in stdout and "11 evidence documents" in stdout and "seals: evidence/cpu verified" in stdout
+
+
+def test_the_page_states_seals_provenance_and_what_is_missing(small_report):
+    out, _ = small_report
+    page = html.unescape((out / "index.html").read_text(encoding="utf-8"))
+    assert "evidence/cpu/SEAL.json" in page and "unsigned (integrity only, origin not proven)" in page
+    assert page.count("not sealed") >= 9 and "sealed, verified" in page  # the copies, and the CPU evidence
+    assert "notes.json: not an evidence document" in page  # skipped, and said so
+    assert "Per-row errors are not recorded in this evidence" in page
+    assert "A single trajectory records per-step digests, not drift" in page
+    assert "These records carry no speed target" in page
+    assert "first failure" in page and "attention row 3159 (video)" in page  # the injected fault, located
+    assert "code_sha256" in page and "NVIDIA H200" in page and "2.11.0+cu130" in page  # provenance
+    assert "0 step, 1 manifest" in page  # the run folder's records (its steps were not copied)
+
+
+def test_inputs_without_evidence_give_a_page_saying_so(tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, out, err = _cli("report", tmp_path / "empty", "--out", tmp_path / "out")
+    assert code == 0 and "0 evidence documents, 0 figures" in out
+    assert err.strip() == f"h3gate report: no evidence found in {tmp_path / 'empty'}; the page says what is missing"
+    page = (tmp_path / "out" / "index.html").read_text(encoding="utf-8")
+    assert "No evidence found" in page and "no evidence documents" in page and "<img" not in page
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]
+
+
+def _places(tmp: Path) -> dict[str, Path]:
+    ev = _small_evidence(tmp / "ev") if not (tmp / "ev").exists() else tmp / "ev"
+    (tmp / "afile").write_text("x", encoding="utf-8")
+    (tmp / "notev.json").write_text('{"a": 1}', encoding="utf-8")
+    for name, text in (("bad", "notjson{"), ("invalid", '{"kind": "ws1-block", "schema_version": 1}')):
+        (tmp / name).mkdir(exist_ok=True)
+        (tmp / name / "x.json").write_text(text, encoding="utf-8")
+    (tmp / "bogus").mkdir(exist_ok=True)
+    (tmp / "bogus" / "x.json").write_text('{"kind": "bogus"}', encoding="utf-8")
+    (tmp / "busy").mkdir(exist_ok=True)
+    (tmp / "busy" / "keep.txt").write_text("x", encoding="utf-8")
+    return {"ev": ev, "afile": tmp / "afile", "notev": tmp / "notev.json", "bad": tmp / "bad", "busy": tmp / "busy",
+            "invalid": tmp / "invalid", "bogus": tmp / "bogus", "missing": tmp / "missing", "out": tmp / "out",
+            "cpu": CPU, "incpu": CPU / "report"}  # fmt: skip
+
+
+BAD = [
+    (["{missing}", "--out", "{out}"], "missing: no such evidence file or folder"),
+    (["{afile}", "--out", "{out}"], "afile: not an evidence file (a .json evidence document, or a folder of them)"),
+    (["{notev}", "--out", "{out}"], "notev.json: not an evidence document (a JSON object with a string 'kind')"),
+    (["{bad}", "--out", "{out}"], "bad/x.json: malformed JSON"),
+    (["{invalid}", "--out", "{out}"], "invalid/x.json: $: 'provenance' is a required property"),
+    (["{bogus}", "--out", "{out}"], "bogus/x.json: kind 'bogus': no schema"),
+    (["{ev}", "--out", "{afile}"], "--out {afile}: exists and is not a folder"),
+    (["{ev}", "--out", "{ev}/report"], "--out {ev}/report: lies inside the input {ev}"),
+    (["{ev}", "--out", "{busy}"], "--out {busy}: holds files that are not an h3gate report"),
+    (["{ev}", "--out", "{incpu}"], "--out evidence/cpu/report: lies inside the sealed folder evidence/cpu"),
+    (["--out", "{out}"], "Missing argument 'paths'"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[m.split(":")[0][:40] for _, m in BAD])
+def test_bad_inputs_are_exit_2_and_one_line_with_nothing_written(tmp_path, args, message):
+    places = _places(tmp_path)
+    code, out, err = _cli("report", *(a.format(**places) for a in args))
+    assert (code, out) == (2, "")
+    assert err.startswith("h3gate: error: ") and err.count("\n") == 1, err
+    assert message.format(**places) in err, err
+    assert not places["out"].exists() and not places["incpu"].exists() and not (places["ev"] / "report").exists()
+    assert sorted(p.name for p in places["busy"].iterdir()) == ["keep.txt"]
+
+
+def test_without_matplotlib_it_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    code, out, err = _cli("report", CPU, "--out", tmp_path / "out")
+    assert (code, out, err) == (2, "", NEEDS_MATPLOTLIB + "\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_previous_report_is_replaced_whole_and_open_opens_it(tmp_path, monkeypatch):
+    opened: list[str] = []
+    monkeypatch.setattr("webbrowser.open", lambda url: opened.append(url) or False)
+    out = tmp_path / "out"
+    assert _cli("report", CPU, "--out", out)[0] == 0
+    (out / "stale.png").write_bytes(b"x")  # a figure of an older report: gone after the next one
+    code, _, err = _cli("report", CPU, "--out", out, "--open")
+    assert (code, err) == (0, "") and not (out / "stale.png").exists()
+    assert opened == [(out / "index.html").resolve().as_uri()]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left beside it
+    assert len(list(out.glob("*.png"))) == 2
+
+
+def test_a_changed_sealed_file_shows_a_failed_seal_verified_in_the_worker_process(tmp_path, monkeypatch):
+    monkeypatch.setattr("h3gate.report.loader.BACKGROUND_BYTES", 0)  # verify in a worker process, as for H200
+    sealed = tmp_path / "cpu"
+    shutil.copytree(CPU, sealed)
+    doc = sealed / "ws1-block-tiny-fault-matrix" / "ws1-block.json"
+    doc.write_text(doc.read_text(encoding="utf-8") + "\n", encoding="utf-8")  # still valid, no longer the sealed bytes
+    code, out, err = _cli("report", sealed, "--out", tmp_path / "out")
+    assert (code, err) == (0, "") and out.rstrip().endswith(f"seals: {sealed} failed"), out
+    page = html.unescape((tmp_path / "out" / "index.html").read_text(encoding="utf-8"))
+    assert "changed since sealing" in page and "changed: ws1-block-tiny-fault-matrix/ws1-block.json" in page
+
+
+# ---- headless Chromium --------------------------------------------------------------------------------------------
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-default-apps",
+    "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND", "--net-log-capture-mode=Everything",
+    "--window-size=1400,2000",
+]  # fmt: skip
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("H3GATE_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("H3GATE_REQUIRE_CHROMIUM=1 but chromium is not on PATH (apt-get install chromium)")
+        pytest.skip("headless Chromium is not installed (apt-get install chromium)")
+    return found
+
+
+def _page_requests(netlog: Path) -> list[str]:
+    """URLs of the network requests a page made. The browser's own background requests carry no origin
+    (``initiator: not an origin``); a page's carry its origin (``null`` for file://)."""
+    text = netlog.read_text(encoding="utf-8")
+    try:
+        log = json.loads(text)
+    except json.JSONDecodeError:  # a log not closed when the browser exited: close it
+        log = json.loads(text.rstrip().rstrip(",") + "]}")
+    types = {v: k for k, v in log["constants"]["logEventTypes"].items()}
+    urls = []
+    for event in log["events"]:
+        params = event.get("params") or {}
+        started = types.get(event["type"]) == "URL_REQUEST_START_JOB" and "url" in params
+        if started and params.get("initiator") != "not an origin":
+            urls.append(str(params.get("url")))
+    return [u for u in urls if not u.startswith(("file:", "data:"))]
+
+
+def _render(chromium: str, page: Path, work: Path) -> tuple[Path, list[str]]:
+    shot, netlog = work / f"{page.parent.name}.png", work / f"{page.parent.name}.netlog.json"
+    args = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={work / 'profile'}", f"--log-net-log={netlog}"]
+    done = subprocess.run([*args, f"--screenshot={shot}", page.as_uri()], capture_output=True, text=True, timeout=90)
+    assert shot.is_file() and netlog.is_file(), done.stderr[-2000:]
+    return shot, _page_requests(netlog)
+
+
+@pytest.mark.browser
+def test_chromium_renders_the_pages_and_they_load_nothing_from_the_network(small_report, tmp_path):
+    chromium = _chromium()
+    probe = tmp_path / "probe" / "index.html"  # negative control: the check must see a page's external loads
+    probe.parent.mkdir()
+    probe.write_text('<p>probe</p><img src="https://example.com/x.png"><link rel="stylesheet" href="http://x.test/a">')
+    _, urls = _render(chromium, probe, tmp_path)
+    assert "https://example.com/x.png" in urls, urls
+    for page in (COMMITTED / "index.html", small_report[0] / "index.html"):
+        shot, urls = _render(chromium, page, tmp_path)
+        assert urls == [], f"{page} made network requests: {urls}"
+        assert _assert_not_blank(shot) == (1400, 2000)
