@@ -371,6 +371,49 @@ def run_ws1_trajectory(
     _done(ws1_trajectory_command(settings, out, until, resume, verify_last, json_))
 
 
+@run_app.command("arms")
+def run_arms(
+    arms: Annotated[
+        str, typer.Option("--arms", help="Training/rollout operators: P/P,R/P,P/R,R/R (P provider, R strict).")
+    ] = "P/P,R/P,P/R,R/R",
+    config: ModelConfigOpt = None,
+    checkpoint: CheckpointOpt = None,
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
+    layers: Annotated[int | None, typer.Option("--layers", help="Keep the config's first N blocks.")] = None,
+    steps: Annotated[
+        int,
+        typer.Option(
+            "--steps", help="Sigma grid points, as the pipeline's num_inference_steps (steps - 1 evaluations)."
+        ),
+    ] = 4,
+    batch: Annotated[int, typer.Option("--batch", help="Requests rolled out together (B).")] = 2,
+    lora_rank: Annotated[
+        int | None, typer.Option("--lora-rank", help="Train a PEFT LoRA of this rank (base frozen).")
+    ] = None,
+    shift: Annotated[float, typer.Option("--shift", help="The video grid's shift (audio keeps 3.0).")] = 12.0,
+    seed: SeedOpt = 0,
+    fault: Annotated[
+        str | None,
+        typer.Option(
+            "--fault",
+            help="NODE:ROW[:scale|zero_tail][:forward|backward] on R training's second pass (negative control).",
+        ),
+    ] = None,
+    device: DeviceOpt = "auto",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Train/rollout arms on diffusers' own module: velocity bytes per step, first drift, gradient repeat, LoRA gate."""
+    device = resolve_device(device)
+    from h3gate.arms.stack import ArmsSettings, parse_arms
+    from h3gate.commands.arms_cmd import arms_command
+
+    settings = ArmsSettings(
+        parse_arms(arms), config, checkpoint, layout, layers, device, steps, shift, batch, lora_rank, seed, fault
+    )
+    _done(arms_command(settings, out, json_))
+
+
 @run_app.command("ws1-ops")
 def run_ws1_ops(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,

@@ -13,7 +13,12 @@ the architecture, a PEFT/LoRA wrapper's extra tensors included), a submodule the
 forward or backward hook, an attention processor other than diffusers' default one, or attention kwargs.
 ``session.trace`` lists every operator call that ran: node, op, kernel id, requested and actual implementation.
 With ``scheduler=`` (a ``MiniMaxH3Scheduler`` or a pipeline holding its video and audio schedulers) their ``step`` is
-h3gate's Euler step for the block, bitwise diffusers'. Not covered yet: PEFT LoRA layers (refused).
+h3gate's Euler step for the block, bitwise diffusers'. PEFT LoRA layers on the block projections run their update
+through the ``h3_lora_update`` operator in the same mode (:mod:`h3gate.strict_lora`). With the module's gradient
+checkpointing on (``enable_gradient_checkpointing()``) and grad enabled, every transformer and refiner block runs
+under ``torch.utils.checkpoint`` (non-reentrant), as diffusers' forward does; the strict kernels make the
+recomputation bitwise the first forward. ``session.observer`` (``fn(node, value)``) sees every node output of the
+forward (not of the recomputation); ``session.overrides`` replaces node functions (the gates' row faults).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +35,22 @@ import torch
 
 from h3gate.checkpoint import parse_diffusers_config
 from h3gate.errors import InputError
-from h3gate.graph.core import OpTable
+from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.graph.execute import run_node
 from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
 from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
 from h3gate.inventory import expected_inventory
 from h3gate.manifests.model_config import ModelConfig
-from h3gate.ops.registry import check_mode
+from h3gate.ops.registry import Binding, bind, check_mode
+from h3gate.strict_lora import (
+    UPDATE_OP,
+    LoraSlot,
+    canonical_parameters,
+    find_lora,
+    lora_modules,
+    lora_record,
+    with_lora,
+)
 
 CLASS_NAME = "MiniMaxH3Transformer3DModel"
 PROCESSOR = "MiniMaxH3AttnProcessor"
@@ -51,15 +65,22 @@ class StrictSession:
     mode: str
     cfg: ModelConfig
     bindings: dict[str, NodeBinding]
+    lora: dict[str, LoraSlot] = field(default_factory=dict)
+    lora_binding: Binding | None = None
     trace: list[dict] = field(default_factory=list)
     calls: int = 0
+    observer: Callable[[Node, torch.Tensor], None] | None = None
+    overrides: dict[str, Callable] = field(default_factory=dict)
+    checkpointed: int = 0
 
     def record(self) -> dict:
-        """Evidence: the binding of every node (requested / actual kernel) and the trace of what ran."""
+        """Evidence: the binding of every node (requested / actual kernel), the LoRA layers and the trace."""
         return {
             "mode": self.mode,
             "calls": self.calls,
             "bindings": {n: b.record() for n, b in self.bindings.items()},
+            "lora": lora_record(self.lora),
+            "checkpointed_segments": self.checkpointed,
             "trace": list(self.trace),
         }
 
@@ -75,12 +96,13 @@ def _config(model: torch.nn.Module) -> ModelConfig:
     return parse_diffusers_config(body, f"{type(model).__name__}.config")
 
 
-def check_module(model: torch.nn.Module, cfg: ModelConfig) -> None:
+def check_module(model: torch.nn.Module, cfg: ModelConfig, lora: Mapping[str, LoraSlot] | None = None) -> None:
     """Refuse what the strict binding does not cover (module docstring); the message names it."""
     if type(model).__name__ != CLASS_NAME:
         raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
+    lora = find_lora(model) if lora is None else lora
     expected = {s.name: s for s in expected_inventory(cfg)}
-    have = dict(model.named_parameters())
+    have = canonical_parameters(model, lora)
     extra = sorted(set(have) - set(expected))
     if extra:
         raise InputError(f"h3gate.strict: parameter {extra[0]}: not in the MiniMax-H3 inventory of this config")
@@ -94,16 +116,23 @@ def check_module(model: torch.nn.Module, cfg: ModelConfig) -> None:
                 f"h3gate.strict: parameter {name}: {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}, expected "
                 f"{tuple(spec.shape)} {spec.dtype} (the module's own config)"
             )
-    _check_submodules(model)
+    _check_submodules(model, lora_modules(lora))
 
 
-def _check_submodules(model: torch.nn.Module) -> None:
+def _check_submodules(model: torch.nn.Module, lora: set[str]) -> None:
     with torch.device("meta"):
         reference = type(model)(**{k: v for k, v in dict(model.config).items() if not str(k).startswith("_")})
     known = {n: type(m).__name__ for n, m in reference.named_modules()}
     for name, module in model.named_modules():
         where = name or "<root>"
-        if known.get(name) != type(module).__name__:
+        owner = next((m for m in lora if name == m or name.startswith(m + ".")), None)
+        if owner is None:
+            expected = known.get(name)
+        elif name == f"{owner}.base_layer":  # a LoRA layer stands where the architecture's Linear stands
+            expected = known.get(owner)
+        else:  # the LoRA layer itself and its adapter modules (find_lora checked them)
+            expected = type(module).__name__
+        if expected != type(module).__name__:
             raise InputError(f"h3gate.strict: submodule {where} ({type(module).__name__}): not in the architecture")
         for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
             if getattr(module, hooks, None):
@@ -114,28 +143,101 @@ def _check_submodules(model: torch.nn.Module) -> None:
 
 
 class _Tracing(OpTable):
-    """An op table that appends one trace record per operator call (the node being run is set by the caller)."""
+    """An op table that appends one trace record per operator call (the node being run is set by the caller) and
+    adds the LoRA update to the body GEMMs whose weight is a LoRA layer's base."""
 
     def __init__(self, base: OpTable, session: StrictSession) -> None:
         super().__init__(lambda op: base[op])
-        self.session, self.node = session, ""
+        self.session, self.node, self.phase = session, "", "forward"
+        self.update_binding = session.lora_binding
+        self.by_id = {id(slot.base): slot for slot in session.lora.values()}
+
+    def _record(self, op: str, binding) -> None:
+        rec = {"call": self.session.calls, "node": self.node, "op": op, "phase": self.phase}
+        if binding is not None:
+            rec.update(kernel_id=binding.kernel_id, requested=binding.requested, actual=binding.actual)
+        self.session.trace.append(rec)
 
     def __getitem__(self, op: str):
         fn = super().__getitem__(op)
         binding = next((b for b in self.session.bindings[self.node].bindings if b.op == op), None)
 
         def traced(*args: Any, **kwargs: Any):
-            rec = {"call": self.session.calls, "node": self.node, "op": op}
-            if binding is not None:
-                rec.update(kernel_id=binding.kernel_id, requested=binding.requested, actual=binding.actual)
-            self.session.trace.append(rec)
+            self._record(op, binding)
             return fn(*args, **kwargs)
 
-        return traced
+        if self.update_binding is None:
+            return traced
+        update = self.update_binding.fn
+        return with_lora(op, traced, self.by_id, update, lambda a: self._record(UPDATE_OP, self.update_binding))
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Consecutive nodes of one stage; ``inputs`` are the values it reads from outside, ``outputs`` the values of
+    its nodes read after it (or returned); ``checkpoint``: a transformer or refiner block."""
+
+    nodes: tuple[Node, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    checkpoint: bool
+
+
+def _segments(graph: Graph) -> list[_Segment]:
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    read_last: dict[str, int] = {name: len(graph.nodes) for name in OUTPUTS}
+    for i, node in enumerate(graph.nodes):
+        for name in node.inputs:
+            read_last[name] = max(read_last.get(name, -1), i)
+    segments, current = [], []
+    for node in graph.nodes:
+        if current and current[-1].meta["stage"] != node.meta["stage"]:
+            segments.append(current)
+            current = []
+        current.append(node)
+    segments.append(current)
+    out = []
+    for nodes in segments:
+        names = {n.name for n in nodes}
+        last = order[nodes[-1].name]
+        inputs = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i not in names))
+        outputs = tuple(n.name for n in nodes if read_last.get(n.name, -1) > last)
+        stage = nodes[0].meta["stage"]
+        out.append(_Segment(tuple(nodes), inputs, outputs, stage.startswith(("block.", "refiner."))))
+    return out
+
+
+def _run_graph(session: StrictSession, segments: list[_Segment], ops: _Tracing, values: dict, params: Mapping) -> None:
+    """Every node in order; a block segment under ``torch.utils.checkpoint`` when the module checkpoints."""
+    checkpointing = torch.is_grad_enabled() and bool(getattr(session.model, "gradient_checkpointing", False))
+    overrides = session.overrides
+
+    def run(seg: _Segment, local: dict) -> None:
+        for node in seg.nodes:
+            ops.node = node.name
+            local[node.name] = run_node(node, ops, local, params, overrides.get(node.name))
+            if session.observer is not None and ops.phase == "forward":
+                session.observer(node, local[node.name])
+
+    for seg in segments:
+        if not (checkpointing and seg.checkpoint):
+            run(seg, values)
+            continue
+
+        def segment_fn(*tensors: torch.Tensor, _seg: _Segment = seg) -> tuple[torch.Tensor, ...]:
+            local = dict(zip(_seg.inputs, tensors, strict=True))
+            run(_seg, local)
+            return tuple(local[o] for o in _seg.outputs)
+
+        outs = torch.utils.checkpoint.checkpoint(segment_fn, *(values[i] for i in seg.inputs), use_reentrant=False)
+        values.update(zip(seg.outputs, outs, strict=True))
+        session.checkpointed += 1
+    ops.phase = "recompute"  # what runs after the forward returned is a checkpoint's recomputation
 
 
 def _forward(session: StrictSession, table: OpTable):
     graph = build_model_graph(session.cfg)
+    segments = _segments(graph)
     model = session.model
 
     def forward(
@@ -148,11 +250,8 @@ def _forward(session: StrictSession, table: OpTable):
                           audio_indices, video_indices, audio_indices)  # fmt: skip
         values = {"video_rows": hidden_states, "audio_rows": audio_hidden_states, "text": encoder_hidden_states}
         values.update(derive_metadata(raw, session.cfg, hidden_states.device))
-        params = dict(model.named_parameters())
-        tracing = _Tracing(table, session)
-        for node in graph.nodes:
-            tracing.node = node.name
-            values[node.name] = run_node(node, tracing, values, params)
+        params = canonical_parameters(model, session.lora)
+        _run_graph(session, segments, _Tracing(table, session), values, params)
         session.calls += 1
         video, audio = values[OUTPUTS[0]], values[OUTPUTS[1]]
         if not return_dict:
@@ -213,15 +312,16 @@ def strict(
     if type(model).__name__ != CLASS_NAME:
         raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
     cfg = _config(model)
+    lora = find_lora(model)  # in every mode: a LoRA layer h3gate cannot replay is refused, naming it
     if mode in FAIL_CLOSED:
-        check_module(model, cfg)
+        check_module(model, cfg, lora)
     if "forward" in vars(model):
         raise InputError("h3gate.strict: the model's forward is already replaced (a nested or foreign binding)")
     first = next(model.parameters())
     device = device or ("cuda" if first.is_cuda else "cpu")
     graph = build_model_graph(cfg)
     bindings = bind_graph(graph, mode, device)
-    session = StrictSession(model, mode, cfg, bindings)
+    session = StrictSession(model, mode, cfg, bindings, lora, bind(UPDATE_OP, mode, device) if lora else None)
     table = provider_table() if mode == "off" else _candidate(bindings)
     schedulers = [] if scheduler is None else _schedulers(scheduler)
     if any("step" in vars(s) for s in schedulers):

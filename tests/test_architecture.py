@@ -40,14 +40,15 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gate", ("h3gate.gate",)),
     ("trajectory", ("h3gate.trajectory",)),
     ("runs", ("h3gate.runs",)),
-    ("adapter", ("h3gate.strict",)),
+    ("adapter", ("h3gate.strict", "h3gate.strict_lora")),
+    ("arms", ("h3gate.arms",)),
     ("bench", ("h3gate.bench",)),
     ("parallel", ("h3gate.parallel", "h3gate.distributed")),
     ("ablate", ("h3gate.ablate",)),
     ("commands", ("h3gate.commands",)),
     ("cli", ("h3gate.cli", "h3gate.__main__")),
 )
-ENGINES = ("runs", "bench", "ablate", "trajectory", "parallel")
+ENGINES = ("runs", "arms", "bench", "ablate", "trajectory", "parallel")
 
 # Known exceptions, (importing room, imported room): each one a debt with an owner, deleted when paid (a stale entry
 # fails test_allowed_upward_entries_are_still_needed). Empty since issue 14 part B moved the ablation glue out of the

@@ -111,17 +111,71 @@ def test_strict_rows_do_not_depend_on_the_rest_of_the_batch(model) -> None:
 
 
 def test_training_gradients_reach_the_modules_own_parameters_and_repeat_bitwise() -> None:
+    """The second pass runs with the module's gradient checkpointing on: every block under torch.utils.checkpoint,
+    recomputed in the backward (traced as such); the gradients are bitwise those of the first pass."""
     model = _model()
     args, _ = _args()
-    grads = []
-    for _ in range(2):
+    grads, sessions = [], []
+    for checkpointing in (False, True):
+        model.gradient_checkpointing = False
+        if checkpointing:
+            model.enable_gradient_checkpointing()
         model.zero_grad(set_to_none=True)
-        with h3gate.strict(model):
+        with h3gate.strict(model) as session:
             video, audio = model(**args)
             (video.float().square().mean() + audio.float().square().mean()).backward()
+        sessions.append(session)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert len(grads[0]) == len(list(model.parameters()))
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    blocks = CFG.num_layers + CFG.num_refiner_layers
+    assert sessions[0].checkpointed == 0 and sessions[1].checkpointed == blocks
+    phases = {(r["node"].split(".")[0], r.get("phase")) for r in sessions[1].trace}
+    assert ("block", "recompute") in phases and ("embed", "recompute") not in phases
+    assert all(r.get("phase") == "forward" for r in sessions[0].trace)
+
+
+def _lora_model(**config):
+    """The tiny module with a diffusers/PEFT LoRA adapter on the block projections, lora_B drawn non-zero."""
+    from peft import LoraConfig
+
+    from h3gate.strict_lora import LORA_TARGETS
+
+    model = _model()
+    model.add_adapter(LoraConfig(r=2, lora_alpha=4, target_modules=config.pop("targets", list(LORA_TARGETS)), **config))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def test_lora_off_mode_is_peft_bitwise_and_strict_runs_the_lora_operator() -> None:
+    model = _lora_model()
+    args, _ = _args()
+    with torch.no_grad():
+        plain = model(**args)
+        with h3gate.strict(model, mode="off") as off:
+            replay = model(**args)
+        with h3gate.strict(model) as session:
+            model(**args)
+        model.disable_adapters()
+        without = model(**args)
+    assert _same(plain, replay) and not _same(plain, without)  # the adapter changes the output; off replays PEFT
+    updates = [r for r in session.trace if r["op"] == "h3_lora_update"]
+    blocks = CFG.num_layers + CFG.num_refiner_layers
+    assert len(updates) == 6 * blocks and {r["actual"] for r in updates} == {"triton"}
+    assert {r["actual"] for r in off.trace if r["op"] == "h3_lora_update"} == {"provider"}
+    lora = session.record()["lora"]
+    assert len(lora) == 6 * blocks and lora["transformer_blocks.0.attn.to_q"][0]["rank"] == 2
+
+
+def test_lora_layers_the_binding_cannot_replay_are_refused() -> None:
+    _refused(_lora_model(targets=["proj_out"]), "LoRA layer proj_out: not covered")
+    model = _lora_model(lora_dropout=0.1).train()
+    _refused(model, r"adapter 'default' has dropout p=0.1 in training mode")
+    _refused(_lora_model(use_dora=True), "is a variant")
 
 
 def test_any_size_of_the_architecture_is_accepted() -> None:

@@ -1,0 +1,207 @@
+"""The user's stack for ``run arms``: diffusers' own ``MiniMaxH3Transformer3DModel`` holding the run's weights (its
+own parameters), two ``MiniMaxH3Scheduler`` (video ``--shift``, audio 3.0) stepped as diffusers' denoise loop steps
+them, B requests, gradient checkpointing on, and a PEFT LoRA adapter when ``--lora-rank`` is given.
+
+The module is built as ``from_pretrained`` builds it: parameters on the meta device, the checkpoint's tensors
+assigned (mixed FP32/BF16 as stored), the computed ``rope.inv_freq`` buffer made on the CPU, then moved to the
+device. LoRA (``peft``): ``r = --lora-rank``, ``lora_alpha = r`` (scaling 1), dropout 0, on the attention and FFN
+projections of every transformer and refiner block, adapter weights float32 (PEFT's default for a bf16 base);
+``lora_B`` is drawn (seeded, std 1e-2) instead of PEFT's zeros so that both factors get non-zero gradients at the
+first step (as after some training). The base is frozen under LoRA; otherwise every parameter trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.graph.inputs import seeded_normal
+from h3gate.graph.model import raw_metadata
+from h3gate.layout import PackedLayout, build_layout
+from h3gate.manifests.layouts import load_layout
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.runs.setup import check_device, config_for
+from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT
+from h3gate.strict_lora import LORA_TARGETS
+from h3gate.synth import SyntheticSource
+from h3gate.trajectory import Recipe, Request, initial_latents, make_request, row_timestep_plan
+
+ARMS = ("P/P", "R/P", "P/R", "R/R")  # training operators / rollout operators (RFC 6.4)
+DIFFUSERS_SERIES = "0.42."
+LORA_B_STD = 1e-2
+
+
+@dataclass(frozen=True)
+class ArmsSettings:
+    arms: tuple[str, ...] = ARMS
+    config: str | None = None
+    checkpoint: Path | None = None
+    layout: str = "micro"
+    layers: int | None = None
+    device: str = "cpu"
+    steps: int = 4
+    shift: float = VIDEO_SHIFT
+    batch: int = 2
+    lora_rank: int | None = None
+    seed: int = 0
+    fault: str | None = None
+
+
+def require_diffusers() -> Any:
+    """diffusers 0.42.x, or a one-line InputError saying how to get it."""
+    try:
+        import diffusers
+    except ImportError:
+        raise InputError("run arms: needs diffusers 0.42.x: pip install 'h3gate[diffusers]'") from None
+    if not diffusers.__version__.startswith(DIFFUSERS_SERIES):
+        found = diffusers.__version__
+        raise InputError(f"run arms: diffusers {found}: h3gate is tested with 0.42.x: pip install 'h3gate[diffusers]'")
+    return diffusers
+
+
+def require_peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise InputError("--lora-rank: needs peft: pip install 'h3gate[lora]'") from None
+    return peft
+
+
+def parse_arms(spec: str) -> tuple[str, ...]:
+    arms = tuple(a.strip() for a in spec.split(",") if a.strip())
+    bad = next((a for a in arms if a not in ARMS), None)
+    if not arms or bad is not None:
+        raise InputError(f"--arms {spec!r}: expected a comma-separated list of {', '.join(ARMS)}")
+    if len(set(arms)) != len(arms):
+        raise InputError(f"--arms {spec!r}: an arm is listed twice")
+    return arms
+
+
+@dataclass
+class Stack:
+    """Everything both sides of every arm share."""
+
+    settings: ArmsSettings
+    config_name: str
+    cfg: ModelConfig
+    layout: PackedLayout
+    recipe: Recipe
+    plan: list[tuple[torch.Tensor, torch.Tensor]]
+    requests: list[Request]
+    weights: dict
+    model: Any = None
+    trainable: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    lora_names: tuple[str, ...] = ()
+
+    @property
+    def device(self) -> str:
+        return self.settings.device
+
+    @property
+    def evaluations(self) -> int:
+        return len(self.plan)
+
+    def schedulers(self) -> SimpleNamespace:
+        """Fresh video and audio ``MiniMaxH3Scheduler`` with their timesteps set, as the pipeline holds them."""
+        diffusers = require_diffusers()
+        video = diffusers.MiniMaxH3Scheduler(shift=self.recipe.video_shift)
+        audio = diffusers.MiniMaxH3Scheduler(shift=self.recipe.audio_shift)
+        video.set_timesteps(self.recipe.steps, device=self.device)
+        audio.set_timesteps(self.recipe.steps, device=self.device)
+        return SimpleNamespace(scheduler=video, audio_scheduler=audio)
+
+    def layout_kwargs(self, step: int) -> dict[str, torch.Tensor]:
+        """The transformer's layout arguments at ``step`` (the pipeline's ``denoiser_input_fields`` and plan)."""
+        timestep, indices = self.plan[step]
+        raw = raw_metadata(self.layout, timestep, indices)
+        return {k: v.to(self.device) for k, v in {
+            "timestep": raw.timestep, "timestep_indices": raw.timestep_indices, "token_tags": raw.token_tags,
+            "position_ids": raw.position_ids, "video_indices": raw.video_indices,
+            "audio_indices": raw.audio_indices, "text_indices": raw.text_indices}.items()}  # fmt: skip
+
+    def initial_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The B requests' initial latents ``(B, Nv, Cv)``, ``(B, Na, Ca)`` float32."""
+        pairs = [initial_latents(r, self.recipe)[1:] for r in self.requests]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    def text(self) -> torch.Tensor:
+        return torch.cat([r.text for r in self.requests])
+
+
+def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
+    """Check every input (InputError before any weight is read or any folder written); the stack without its
+    module, and the weight source."""
+    require_diffusers()
+    if settings.lora_rank is not None:
+        require_peft()
+        if settings.lora_rank < 1:
+            raise InputError(f"--lora-rank {settings.lora_rank}: must be at least 1")
+    device = check_device(settings.device)
+    if settings.batch < 1:
+        raise InputError(f"--batch {settings.batch}: must be at least 1")
+    if settings.steps < 2:
+        raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
+    config_name, cfg, source, ckpt, _ = config_for(settings.config, settings.checkpoint, settings.seed)
+    if settings.layers is not None:
+        if not 1 <= settings.layers <= cfg.num_layers:
+            raise InputError(f"--layers {settings.layers}: must be in 1..{cfg.num_layers} (the config's blocks)")
+        cfg = cfg.model_copy(update={"num_layers": settings.layers})
+    layout = build_layout(load_layout(settings.layout), settings.layout)
+    if ckpt["kind"] == "synthetic" and device != "cpu":
+        # Drawn on the device's own generator, as the whole-model gates draw them (values are per device kind).
+        source = SyntheticSource(cfg, settings.seed, generator_device=device)
+        ckpt = {**ckpt, "generator_device": device}
+    recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
+    plan = row_timestep_plan(layout, recipe, *recipe.schedules())
+    requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]
+    return Stack(settings, config_name, cfg, layout, recipe, plan, requests, ckpt), source
+
+
+def build_stack(stack: Stack, source) -> Stack:
+    """The module on the run's weights, its LoRA adapter, gradient checkpointing on."""
+    settings = stack.settings
+    stack.model = build_module(stack.cfg, source, stack.device)
+    if settings.lora_rank is not None:
+        add_lora(stack, settings.lora_rank, settings.seed)
+    else:
+        stack.trainable = dict(stack.model.named_parameters())
+    stack.model.enable_gradient_checkpointing()
+    return stack
+
+
+def build_module(cfg: ModelConfig, source, device: str) -> Any:
+    """diffusers' module on the source's tensors (module docstring)."""
+    diffusers = require_diffusers()
+    kwargs = {k: v for k, v in cfg.diffusers_config().items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = diffusers.MiniMaxH3Transformer3DModel(**kwargs)
+    names = [n for n, _ in model.named_parameters()]
+    state = {n: source.load(n, device, check_finite=True) for n in names}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rope = type(model.rope)(rope_freq_dim=cfg.rope_freq_dim, rope_theta=cfg.rope_theta).to(device)
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise RuntimeError(f"module tensors left on the meta device: {meta[:3]}")
+    return model.eval()
+
+
+def add_lora(stack: Stack, rank: int, seed: int) -> None:
+    """PEFT LoRA on the block projections (module docstring); freezes the base."""
+    peft = require_peft()
+    model = stack.model
+    model.requires_grad_(False)
+    config = peft.LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+    model.add_adapter(config)
+    lora = {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    with torch.no_grad():
+        for name, p in lora.items():
+            if ".lora_B." in name:
+                p.copy_(seeded_normal(seed, f"lora_B:{name}", tuple(p.shape)).to(p.device, p.dtype) * LORA_B_STD)
+            p.requires_grad_(True)
+    stack.trainable = lora
+    stack.lora_names = tuple(lora)

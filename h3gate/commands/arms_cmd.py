@@ -1,0 +1,73 @@
+"""``h3gate run arms``: the RFC's minimum experiment arms on diffusers' own module and scheduler.
+
+Exit codes: 0 R/R byte-equal at every step and composition, its training gradients repeat bitwise (and, with
+``--lora-rank``, the LoRA gate holds), the other arms recorded; 1 otherwise (evidence written); 2 bad input,
+diffusers (or, for ``--lora-rank``, peft) not installed - one line saying what to install.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from h3gate.arms.engine import KIND, check_fault, run_arms
+from h3gate.arms.stack import ArmsSettings, plan_stack
+from h3gate.commands.console import progress, stdout_console
+from h3gate.errors import EXIT_FAIL, EXIT_PASS
+from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.numerics import strict_numerics
+from h3gate.paths import LOCAL_EVIDENCE, display
+
+EVIDENCE = f"{KIND}.json"
+
+
+def arms_command(settings: ArmsSettings, out: Path | None, json_: bool) -> int:
+    """Run the arms; writes ``OUT/arms.json`` (rollout step files under ``OUT/rollout-<P|R>/``)."""
+    started = time.perf_counter()
+    with strict_numerics(settings.device):
+        stack, source = plan_stack(settings)
+        check_fault(stack)
+        folder = prepare_out(
+            Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{stack.config_name}-{stack.layout.name}"
+        )
+        with progress(KIND, None, started) as step:
+            body = run_arms(stack, source, folder, step)
+        path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
+    if json_:
+        print(json.dumps({"arms": [_brief(a) for a in body["arms"]], "verdict": body["verdict"],
+                          "failing_checks": body["failing_checks"], "evidence": str(path)}, indent=1))  # fmt: skip
+    else:
+        _summary(body, path)
+    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def _brief(arm: dict) -> dict:
+    keys = ("arm", "byte_equal", "first_drift_step", "first_drift", "gradients_repeat_bitwise", "lora_gate", "drift",
+            "seconds_per_rollout_step", "seconds_per_training_step")  # fmt: skip
+    return {k: arm[k] for k in keys}
+
+
+def _summary(body: dict, path: Path) -> None:
+    console = stdout_console()
+    run = body["run"]
+    console.print(
+        f"arms {run['config']['name']} ({run['config']['num_layers']} blocks) / {run['layout']['name']}, "
+        f"{run['schedule']['evaluations']} steps, batch {run['batch']}, {run['training']['mode']} training, "
+        f"{run['device']}"
+    )
+    for a in body["arms"]:
+        where = "-"
+        if a["first_drift"] is not None:
+            d = a["first_drift"]
+            where = f"step {d['step']} {d['composition']}: {d['node']} row {d['row']} {d['modality']}"
+        lora = "" if a["lora_gate"] is None else f", LoRA gate {'ok' if a['lora_gate'] else 'FAILED'}"
+        console.print(
+            f"  {a['arm']}: byte-equal {'yes' if a['byte_equal'] else 'NO'}; video rel l2 "
+            f"{a['drift']['video']['rel_l2']:.3g}, audio {a['drift']['audio']['rel_l2']:.3g}; first drift {where}; "
+            f"gradients repeat {'yes' if a['gradients_repeat_bitwise'] else 'NO'}{lora}; "
+            f"{a['seconds_per_rollout_step']:.3f} s/rollout step, {a['seconds_per_training_step']:.3f} s/training step"
+        )
+    for check in body["failing_checks"]:
+        console.print(f"  failing: {check}")
+    console.print(f"verdict: {body['verdict']}; evidence: {display(path)}")
