@@ -271,6 +271,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("b382e18", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, contract floor
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
+        ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
     ],
 )
 def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence(commit: str, evidence: str) -> None:
