@@ -44,6 +44,9 @@ for section in "$@"; do
     run ablate-real-medium-h 0 ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 "${common[@]}" --layout medium
     run ablate-real-medium-traj 0 ablate H9,H10,H11,H12,H13,H15,H-C2 "${common[@]}" --layout medium
     ;;
+  profile)  # the one-block gate at medium again, its evidence now holding the first drift's per-row profile
+    run ws1-block-real-medium 0 run ws1-block "${common[@]}" --layout medium --fault-matrix
+    ;;
   rooms)  # after the rooms refactor: the same gate at medium (node hashes compared with the committed run), the
     # GEMM/attention operators under the row rule, the block bench
     run ws1-block-real-medium 0 run ws1-block "${common[@]}" --layout medium --fault-matrix

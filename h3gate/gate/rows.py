@@ -99,6 +99,11 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def row_bounds(envelope_rows: torch.Tensor, factor: float, floor: float, at_least: float = 0.0) -> torch.Tensor:
+    """``B_r = max(factor * E_r + floor, at_least)`` for every row."""
+    return (factor * envelope_rows + floor).clamp(min=at_least)
+
+
 def row_check(
     errors: torch.Tensor,
     envelope_rows: torch.Tensor,
@@ -109,7 +114,7 @@ def row_check(
 ) -> dict:
     """The ``row_check`` evidence record: worst row by error / bound, first row over, count over, pass. ``at_least``
     raises every row's bound to a declared accuracy (ws1-ops: the operator contract's rel_l2 bound, per row)."""
-    bound = (factor * envelope_rows + floor).clamp(min=at_least)
+    bound = row_bounds(envelope_rows, factor, floor, at_least)
     ratio = torch.where(bound > 0, errors / torch.where(bound > 0, bound, 1.0), torch.where(errors > 0, math.inf, 0.0))
     over = torch.nonzero(~(errors <= bound)).flatten()
     worst = int(torch.argmax(torch.where(torch.isnan(ratio), math.inf, ratio)))

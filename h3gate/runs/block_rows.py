@@ -18,12 +18,23 @@ so memory stays at one node's tensors.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from h3gate.gate.rows import describe, dtype_floor, envelope, group_ids, row_check, row_errors, rule_sha256, spread
+from h3gate.gate.rows import (
+    describe,
+    dtype_floor,
+    envelope,
+    group_ids,
+    row_bounds,
+    row_check,
+    row_errors,
+    rule_sha256,
+    spread,
+)
 from h3gate.gate.variants import Variant, provider_variants
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.graph.executions import golden_table, provider_table
@@ -50,6 +61,8 @@ class RowContext:
     # re-judge one faulted node without re-running the provider (``h3gate.runs.fault_matrix``).
     keep: bool = False
     kept: dict[str, dict] = field(default_factory=dict)
+    # Per-row (error, bound) of every judged value given a ``key`` (float32, CPU), for the first-drift profile.
+    profiles: dict[str, tuple[torch.Tensor, torch.Tensor, list[str] | None]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, rule: RowRule, graph: Graph, device: str, modalities: list[str], keep: bool = False) -> RowContext:
@@ -67,9 +80,11 @@ class RowContext:
         row_dim: int | None,
         at_least: float = 0.0,
         mods: list[str] | None = None,
+        key: str | None = None,
     ) -> dict:
         """Row check of ``candidate`` vs ``golden`` under the envelope of ``variant_errors``, with the spread;
-        ``mods`` names each row's modality (default: the packed modalities when the row counts match)."""
+        ``mods`` names each row's modality (default: the packed modalities when the row counts match); with ``key``
+        the per-row errors and bounds are kept in ``profiles[key]``."""
         errs = row_errors(candidate, golden, row_dim)
         if mods is None or len(mods) != errs.numel():
             mods = self.mods_for(errs.numel())
@@ -77,7 +92,28 @@ class RowContext:
         env = envelope(list(variant_errors.values()), groups)
         floor = dtype_floor(candidate.dtype, self.rule.floor_ulps)
         check = row_check(errs, env, self.rule.factor, floor, mods, at_least)
+        if key is not None:
+            bound = row_bounds(env, self.rule.factor, floor, at_least)
+            self.profiles[key] = (errs.float().cpu(), bound.float().cpu(), mods)
         return {**check, "spread": spread(variant_errors, groups)}
+
+    def profile(self, key: str, node: str) -> dict | None:
+        """The ``first_drift_profile`` record of a kept key: every row's error and bound, modalities as runs."""
+        if key not in self.profiles:
+            return None
+        errs, bound, mods = self.profiles[key]
+        runs: list[list] = []
+        for m in mods or ["-"] * errs.numel():
+            if runs and runs[-1][0] == m:
+                runs[-1][1] += 1
+            else:
+                runs.append([m, 1])
+
+        def finite(t: torch.Tensor) -> list[float | None]:
+            return [float(f"{v:.4g}") if math.isfinite(v) else None for v in t.tolist()]
+
+        return {"node": node, "view": key.split(".")[1], "rows": int(errs.numel()), "error": finite(errs),
+                "bound": finite(bound), "modality_runs": runs}  # fmt: skip
 
     def record(self) -> dict:
         rule = self.rule.model_dump(mode="json")
@@ -161,7 +197,9 @@ def forward_rows(
     for node in graph.nodes:
         local, isolated = isolated_envelope(ctx, node, prov, params, golden_params)
         out[node.name] = {
-            "chained": ctx.judge(cand[node.name], chained[node.name], gold[node.name], node.row_dim),
+            "chained": ctx.judge(
+                cand[node.name], chained[node.name], gold[node.name], node.row_dim, key=f"forward.chained.{node.name}"
+            ),
             "isolated": ctx.judge(iso[node.name], isolated, local, node.row_dim),
         }
         if ctx.keep:

@@ -177,7 +177,7 @@ def _node(gate, ctx, node: Node, feed, params, gparams, prov, cand, gold, chaine
     rows = {
         "isolated": ctx.judge(iso, iso_env, local, node.row_dim, at_least=least, mods=mods),
         "chained": ctx.judge(cand[node.name], chained_env[node.name], gold[node.name], node.row_dim, at_least=least,
-                             mods=mods),
+                             mods=mods, key=f"forward.chained.{node.name}"),
     }  # fmt: skip
     del local
     tol = gate.tolerance.forward

@@ -235,6 +235,7 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     report = {
         "nodes": nodes,
         "first_drift": first_drift(names, chained),
+        "first_drift_profile": _first_profile(fw.ctx, first_drift(names, chained)),
         "first_isolated_drift": first_drift(names, isolated),
         "first_repeat_drift": first_drift(names, fw.cand_rep),
         "first_batch_drift": first_drift(names, fw.cand_batch),
@@ -386,3 +387,8 @@ def tensors_to_save(result: BlockGateResult, graph: Graph, inputs: BlockInputs) 
         nodes["output"] = nodes[graph.output].clone()
         out[who] = nodes
     return out
+
+
+def _first_profile(ctx, drift: dict | None) -> dict | None:
+    """Every row's error and bound (chained view) of the first drifting node, for the report's row profile."""
+    return None if drift is None else ctx.profile(f"forward.chained.{drift['node']}", drift["node"])

@@ -223,6 +223,7 @@ def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records
         "backward": bw,
         "row_rule": ctx.record(),
         "first_drift": first,
+        "first_drift_profile": _first_profile(ctx, findings.drift.get("forward_chained")),
         "drifts": {k: findings.drift.get(k) for k in sorted(findings.drift)},
         "first_failure": findings.first_failure,
         "first_row_failure": findings.first_row_failure,
@@ -240,3 +241,9 @@ def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records
         "failing_checks": findings.failing,
         "notes": list(NOTES),
     }
+
+
+def _first_profile(ctx: RowContext, drift: dict | None) -> dict | None:
+    """Every row's error and bound (chained view) of the first forward-drifting node, for the report's row profile."""
+    node = None if drift is None else (drift.get("node") or drift.get("name"))
+    return None if node is None else ctx.profile(f"forward.chained.{node}", node)
