@@ -46,6 +46,7 @@ SMALL = [
     "trajectory-compare-real-medium-A2-B2/trajectory-compare.json",
     "ws1-trajectory-real-medium-A/ws1-trajectory.json",
     "ws1-trajectory-real-medium-A/manifest.json",
+    "arms-real-medium-fault/arms.json",
     "ablate-real-medium-controls/ablation.json",
     "bench-ops-gemm-768p/bench-ops.json",
     "bench-ws1-block-medium/bench-ws1-block.json",
@@ -136,6 +137,7 @@ def test_the_figure_set_of_the_committed_h200_evidence_matches_the_golden():
         "error-vs-bound",
         "invariance",
         "drift-per-step",
+        "arms-drift",
         "matrix",
         "speed",
     } <= kinds
@@ -156,7 +158,8 @@ def test_a_page_from_small_evidence_draws_every_kind(small_report):
     page = (out / "index.html").read_text(encoding="utf-8")
     figures = _figures(page)
     assert {f["id"].rsplit(".", 1)[1] for f in figures} == {
-        "node-map", "first-drift-rows", "error-vs-bound", "invariance", "drift-per-step", "matrix", "speed",
+        "node-map", "first-drift-rows", "error-vs-bound", "invariance", "drift-per-step", "arms-drift", "matrix",
+        "speed",
     }  # fmt: skip
     assert sorted(p.name for p in out.glob("*.png")) == sorted(f"{f['id']}.png" for f in figures)
     embedded = re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="[^"]*" width="(\d+)" height="(\d+)"', page)
@@ -168,7 +171,7 @@ def test_a_page_from_small_evidence_draws_every_kind(small_report):
         assert png == (out / f"{figure['id']}.png").read_bytes()  # the inline figure is the PNG beside the page
         assert _assert_not_blank(png) == (int(width), int(height))
     _assert_self_contained(page)
-    assert "report " in stdout and "11 evidence documents" in stdout and "seals: evidence/cpu verified" in stdout
+    assert "report " in stdout and "12 evidence documents" in stdout and "seals: evidence/cpu verified" in stdout
 
 
 def test_the_page_states_seals_provenance_and_what_is_missing(small_report):
@@ -183,6 +186,80 @@ def test_the_page_states_seals_provenance_and_what_is_missing(small_report):
     assert "first failure" in page and "attention row 3159 (video)" in page  # the injected fault, located
     assert "code_sha256" in page and "NVIDIA H200" in page and "2.11.0+cu130" in page  # provenance
     assert "0 step, 1 manifest" in page  # the run folder's records (its steps were not copied)
+
+
+def test_an_arms_document_gets_its_drift_figure_and_arms_table():
+    """The committed LoRA arms: one figure (drift per step, per arm) and one table row per arm (planning only)."""
+    from h3gate.report.loader import load_inventory
+    from h3gate.report.plan import plan
+
+    sections, others = plan(load_inventory([H200 / "arms-real-medium-lora"], verify=False))
+    assert others == [] and [s.heading for s in sections] == ["Train / rollout arms (arms)"]
+    (entry,) = sections[0].entries
+    assert [(f.id, f.title) for f in entry.figures] == [(
+        "arms-real-medium-lora.arms-drift",
+        "arms-real-medium-lora: training vs rollout velocity drift per step, per arm - lora training, pass",
+    )]  # fmt: skip
+    head, rows = entry.table
+    assert head == ["arm", "byte-equal", "first drift", "gradients repeat", "LoRA gate", "s / rollout step",
+                    "s / training step"]  # fmt: skip
+    assert rows == [
+        ["P/P", "NO", "step 0, alone (request 0): refiner.0.k_proj, packed row 35 (text)",
+         "no (step 0: 64 of 74 tensors differ)", "ok", "0.0554", "0.3951"],
+        ["R/P", "NO", "step 0, alone (request 0): refiner.0.norm1, packed row 6 (text)", "yes", "ok", "0.0554",
+         "0.4475"],
+        ["P/R", "NO", "step 0, alone (request 0): refiner.0.norm1, packed row 6 (text)",
+         "no (step 0: 64 of 74 tensors differ)", "ok", "0.0517", "0.4016"],
+        ["R/R", "yes", "none", "yes", "ok", "0.0517", "0.4396"],
+    ]  # fmt: skip
+
+
+def _arms_document(folder: Path) -> Path:
+    """A small arms document built from the committed fault run: one arm (R/R), four steps, byte-equal at steps 0
+    and 1, a first drift at step 2, and at step 3 bits that differ with no rel_l2 recorded (a zero reference)."""
+    doc = json.loads((H200 / "arms-real-medium-fault" / "arms.json").read_text(encoding="utf-8"))
+    arm = doc["arms"][0]
+    drifting = arm["steps"][0]
+    equal = json.loads(json.dumps(drifting))
+    for request in equal["requests"]:
+        for cells in request.values():
+            cells.update({c: {"bitwise": True, "max_abs": 0.0, "rel_l2": 0.0} for c in cells})
+    equal["byte_equal"] = True
+    equal["gradients"] = {"repeat_bitwise": True, "differing": 0, "first_differing": None, "finite": True, "count": 88}
+    unsized = json.loads(json.dumps(equal))
+    unsized["byte_equal"] = False
+    unsized["requests"][1]["video"]["alone"] = {"bitwise": False, "max_abs": 1e-3, "rel_l2": None}
+    arm["steps"] = [{**s, "step": i} for i, s in enumerate([equal, equal, drifting, unsized])]
+    arm["first_drift_step"] = 2
+    arm["first_drift"] = {**arm["first_drift"], "step": 2, "request": 1}
+    path = folder / "arms-small" / "arms.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    return path.parent
+
+
+def test_a_small_arms_document_draws_byte_equal_steps_on_the_zero_line_and_names_its_first_drift(tmp_path):
+    from h3gate.report.series import arm_drifts
+
+    evidence = _arms_document(tmp_path)
+    (drift,) = arm_drifts(json.loads((evidence / "arms.json").read_text(encoding="utf-8")))
+    assert drift.steps == [0, 1, 2, 3] and drift.first_step == 2
+    assert drift.series["video"][:2] == [0.0, 0.0] and drift.series["video"][2] > 0 and drift.series["video"][3] is None
+    assert drift.differs["video"] == [False, False, True, True] and drift.series["audio"][3] == 0.0
+    code, out, err = _cli("report", evidence, "--out", tmp_path / "out")
+    assert (code, err) == (0, "") and "1 evidence documents, 1 figures" in out, out + err
+    raw = (tmp_path / "out" / "index.html").read_text(encoding="utf-8")
+    page = html.unescape(raw)
+    assert _figures(raw) == [{
+        "id": "arms-small.arms-drift",
+        "title": "arms-small: training vs rollout velocity drift per step, per arm - full training, fail",
+    }]  # fmt: skip
+    row = ("<td>R/R</td><td>NO</td><td>step 2, batch.pass2 (request 1): block.0.o_proj, packed row 300 (video)</td>"
+           "<td>no (step 2: 88 of 88 tensors differ)</td><td>- (no LoRA: full training)</td><td>0.737</td>"
+           "<td>0.7376</td>")  # fmt: skip
+    assert row in page and "first drift at step 2: R/R" in page  # the table, and the at-a-glance key result
+    assert "injected fault (negative control)" in page and "block.0.o_proj:300" in page
+    _assert_not_blank(tmp_path / "out" / "arms-small.arms-drift.png")
 
 
 def test_inputs_without_evidence_give_a_page_saying_so(tmp_path):

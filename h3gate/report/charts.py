@@ -1,4 +1,4 @@
-"""Step, operator, ablation and benchmark figures (the maps and row figures are in ``figures``)."""
+"""Step, arms, operator, ablation and benchmark figures (the maps and row figures are in ``figures``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,17 @@ import math
 from typing import TYPE_CHECKING
 
 from h3gate.report.figures import MODALITY_COLOURS, new_figure
-from h3gate.report.series import AblationRow, GateSpeeds, OpError, ProbeGrid, SpeedBar, StepDrift
+from h3gate.report.series import (
+    OPERATORS,
+    AblationRow,
+    ArmDrift,
+    GateSpeeds,
+    OpError,
+    ProbeGrid,
+    SpeedBar,
+    StepDrift,
+    drift_text,
+)
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -15,6 +25,7 @@ if TYPE_CHECKING:
 PASS_COLOUR = "#1a9850"
 FAIL_COLOUR = "#d7191c"
 NONE_COLOUR = "#e6e6e6"
+MODALITY_MARKERS = {"text": "^", "video": "o", "audio": "s"}
 RESULT_COLOURS = {"PASS": "#a6dba0", "EXPECTED_DRIFT": "#fdb863", "REJECTED": "#b2abd2", "NA": "#d9d9d9"}
 
 
@@ -60,6 +71,103 @@ def draw_steps(drift: StepDrift, title: str) -> Figure:
     ax.set_title(f"run A: {drift.run_a}   |   run B: {drift.run_b}", fontsize=9, loc="left")
     ax.legend(loc="lower right" if any(v > 0 for v in values) else "upper right", fontsize=8, ncols=3)
     ax.grid(True, which="major", alpha=0.3)
+    return fig
+
+
+def _arm_first_drift(ax: Axes, arm: ArmDrift) -> None:
+    """The arm's first drifting step as a dashed line, named (step, composition, node, packed row, modality)."""
+    step = arm.first_step
+    ax.axvline(step, color=FAIL_COLOUR, linestyle="--", linewidth=1.5, zorder=1)
+    right = not arm.steps or step <= (min(arm.steps) + max(arm.steps)) / 2
+    text = "first drift at " + drift_text(arm.first_drift or {"step": step}).replace(": ", ":\n", 1)
+    ax.annotate(text, (step, 0.42), xycoords=("data", "axes fraction"), xytext=(8 if right else -8, 0),
+                textcoords="offset points", va="center", ha="left" if right else "right", fontsize=8.5,
+                color=FAIL_COLOUR, bbox={"facecolor": "white", "edgecolor": FAIL_COLOUR, "alpha": 0.9})  # fmt: skip
+
+
+def _arm_panel(ax: Axes, arm: ArmDrift, floor: float) -> None:
+    """One arm: its worst drift per step and modality (log), byte-equal steps on the 0 line, its first drift."""
+    count = len(arm.series)
+    for i, (modality, values) in enumerate(arm.series.items()):
+        colour = MODALITY_COLOURS.get(modality, "#555555")
+        cells = list(zip(arm.steps, values, arm.differs[modality], strict=True))
+        shift = (i - (count - 1) / 2) * 0.12  # modalities side by side on the 0 line (and at a lone step)
+        lone = shift if len(arm.steps) == 1 else 0.0
+        xs = [s + lone for s, v, _ in cells if v is not None and v > 0]
+        ys = [v for _, v, _ in cells if v is not None and v > 0]
+        marker = MODALITY_MARKERS.get(modality, "o")
+        ax.plot(xs, ys, color=colour, marker=marker, markersize=4 if len(xs) > 1 else 7, linewidth=1.5, zorder=3)
+        equal = [s + shift for s, v, d in cells if not d and v == 0]
+        ax.scatter(equal, [floor] * len(equal), marker="|", s=90, color=colour, linewidths=2, zorder=3)
+        unsized = [s + shift for s, v, d in cells if d and not v]
+        ax.scatter(unsized, [floor] * len(unsized), marker="x", s=50, color=FAIL_COLOUR, zorder=3)
+    ax.axhline(floor, color="#999999", linewidth=0.8, linestyle=":")
+    ax.annotate("byte-equal (0)", (0.0, floor), xycoords=ax.get_yaxis_transform(), xytext=(3, 6),
+                textcoords="offset points", va="bottom", fontsize=8)  # fmt: skip
+    if arm.first_step is None and arm.byte_equal:
+        ax.text(0.5, 0.6, f"byte-equal at every one of {len(arm.steps)} steps", transform=ax.transAxes,
+                ha="center", fontsize=12, color=PASS_COLOUR)  # fmt: skip
+    if arm.first_step is not None:
+        _arm_first_drift(ax, arm)
+    train, roll = OPERATORS.get(arm.training, "?"), OPERATORS.get(arm.rollout, "?")
+    ax.set_title(f"{arm.arm}: training {arm.training} ({train}), rollout {arm.rollout} ({roll})", fontsize=10,
+                 loc="left")  # fmt: skip
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _arms_legend(fig: Figure, arms: list[ArmDrift]) -> None:
+    from matplotlib.lines import Line2D
+
+    modalities = dict.fromkeys(m for a in arms for m in a.series)
+    handles = [
+        Line2D([], [], color=MODALITY_COLOURS.get(m, "#555555"), marker=MODALITY_MARKERS.get(m, "o"), markersize=4,
+               label=f"{m} velocity (worst over requests and compositions)")
+        for m in modalities
+    ]  # fmt: skip
+    handles += [
+        Line2D([], [], color="#777777", marker="|", linestyle="", markersize=10, markeredgewidth=2,
+               label="byte-equal at that step (every request and composition), on the 0 line"),
+        Line2D([], [], color=FAIL_COLOUR, linestyle="--", linewidth=1.5, label="first drift, located node by node"),
+    ]  # fmt: skip
+    if any(d and not v for a in arms for m in a.series for v, d in zip(a.series[m], a.differs[m], strict=True)):
+        handles.append(Line2D([], [], color=FAIL_COLOUR, marker="x", linestyle="",
+                              label="bits differ, rel L2 0 or not recorded"))  # fmt: skip
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=8.5, frameon=False)
+
+
+def _zero_axis(ax: Axes, floor: float, top: float) -> None:
+    """A log y axis from below ``floor`` to ``top`` whose tick at ``floor`` (the byte-equal line) reads 0."""
+    from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation
+
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 2.5, top)
+    base = LogFormatterSciNotation()
+    base.set_axis(ax.yaxis)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, pos: "0" if math.isclose(y, floor) else base(y, pos)))
+
+
+def draw_arms(arms: list[ArmDrift], title: str) -> Figure:
+    """arms: per arm, the training side's velocity against the rollout's per denoising step and modality (rel L2,
+    worst over requests and compositions; log), byte-equal steps on a '0' line, the first drift named."""
+    cols = 1 if len(arms) <= 1 else 2
+    rows = max(1, math.ceil(len(arms) / cols))
+    fig = new_figure(11.0 if cols == 1 else 13.0, 1.9 + 3.1 * rows, title)
+    axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
+    values = [v for a in arms for s in a.series.values() for v in s if v is not None]
+    floor = _floor(values)
+    flat = [ax for row in axes for ax in row]
+    for ax, arm in zip(flat, arms, strict=False):
+        _arm_panel(ax, arm, floor)
+    for ax in flat[len(arms) :]:
+        ax.set_visible(False)
+    steps = sorted({s for a in arms for s in a.steps}) or [0]
+    _zero_axis(flat[0], floor, max([v for v in values if v > 0], default=0.1) * 3)
+    flat[0].set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    flat[0].set_xticks(steps)
+    for ax in axes[-1]:
+        ax.set_xlabel("denoising step (model evaluation)")
+    fig.supylabel("relative L2 drift, training velocity vs the rollout's", fontsize=10)
+    _arms_legend(fig, arms)
     return fig
 
 

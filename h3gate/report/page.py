@@ -70,6 +70,8 @@ def _key_result(d: Document) -> str:
     if d.kind == "trajectory-compare":
         step = doc.get("first_drift_step")
         return "bitwise at every step" if step is None else f"first drift at step {step}"
+    if d.kind == "arms":
+        return _arms_result(doc)
     if d.kind == "ablation":
         s = doc.get("summary") or {}
         return f"{s.get('passed')} of {s.get('requested')} rows as expected"
@@ -87,6 +89,16 @@ def _key_result(d: Document) -> str:
     if d.kind == "ws1-trajectory":
         return f"{doc.get('steps_saved')} of {doc.get('evaluations')} steps saved"
     return ""
+
+
+def _arms_result(doc: dict) -> str:
+    """``byte-equal: R/R; first drift at step 0: P/P, R/P, P/R`` (arms grouped by what they show)."""
+    groups: dict[str, list[str]] = {}
+    for arm in doc.get("arms") or []:
+        step = arm.get("first_drift_step")
+        key = "byte-equal" if arm.get("byte_equal") else ("drift" if step is None else f"first drift at step {step}")
+        groups.setdefault(key, []).append(str(arm.get("arm")))
+    return "; ".join(f"{k}: {', '.join(v)}" for k, v in groups.items())
 
 
 def _glance(inv: Inventory) -> str:

@@ -26,6 +26,11 @@ SECTIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "far the velocities and latents of run B are from run A's, per modality, and the first drifting step."),
     ("Trajectories (ws1-trajectory)", ("ws1-trajectory",), "Saved trajectory runs. A run records digests of each "
      "step, not drift: drift per step comes from comparing two runs (h3gate compare)."),
+    ("Train / rollout arms (arms)", ("arms",), "The RFC's arms P/P, R/P, P/R, R/R (training operators / rollout "
+     "operators; P = diffusers as it is, R = h3gate.strict) on diffusers' own module and scheduler: per denoising "
+     "step, how far the training side's velocity is from the rollout's at the same state, per modality, worst over "
+     "the requests and the compositions (alone, then two shuffled batch passes); each arm's first drift located node "
+     "by node, whether its gradients repeat bitwise, the LoRA gate and its speed."),
     ("Ablations (ablation)", ("ablation",), "The RFC section 6 matrix: each row's expected and observed result and "
      "its observed first-drift signature."),
     ("Operator benchmarks (bench)", ("bench",), "Strict kernels timed beside their baseline in one run, against "
@@ -183,6 +188,48 @@ def _compare_entry(d: Document, ids: Callable[[str], str]) -> Entry:
     return entry
 
 
+def _arms_facts(d: Document) -> list[tuple[str, str]]:
+    doc, run = d.doc, d.doc.get("run") or {}
+    layout, config = run.get("layout") or {}, run.get("config") or {}
+    training = run.get("training") or {}
+    rank = f", rank {training['lora_rank']}" if training.get("lora_rank") is not None else ""
+    blocks = f" ({config['num_layers']} blocks)" if isinstance(config, dict) and config.get("num_layers") else ""
+    facts = [
+        ("verdict", _fmt(d.verdict)),
+        ("failing checks", ", ".join(str(c) for c in doc.get("failing_checks") or []) or "none"),
+        ("layout / config / device", f"{layout.get('name')} (S = {layout.get('seq_len', '-')}) / {_config(run)}"
+         f"{blocks} / {run.get('device')}"),
+        ("denoising steps / batch / seed", f"{(run.get('schedule') or {}).get('evaluations')} / {run.get('batch')} / "
+         f"{run.get('seed')}"),
+        ("training", f"{training.get('mode')}{rank}, {training.get('trainable_tensors')} trainable tensors, gradient "
+         f"checkpointing {'on' if training.get('gradient_checkpointing') else 'off'}"),
+        ("loss", _fmt(training.get("loss"))),
+    ]  # fmt: skip
+    if run.get("injected_fault"):
+        facts.append(("injected fault (negative control)", _fmt(run["injected_fault"])))
+    return facts
+
+
+def _arms_entry(d: Document, ids: Callable[[str], str]) -> Entry:
+    name, doc = name_of(d), d.doc
+    arms = series.arm_drifts(doc)
+    entry = Entry(name, [d], _arms_facts(d))
+    head = ["arm", "byte-equal", "first drift", "gradients repeat", "LoRA gate", "s / rollout step",
+            "s / training step"]  # fmt: skip
+    entry.table = (head, [[a.arm, {True: "yes", False: "NO"}.get(a.byte_equal, "-"), series.drift_text(a.first_drift),
+                           a.gradients, a.lora_gate, _fmt(a.seconds_rollout, 4), _fmt(a.seconds_training, 4)]
+                          for a in arms])  # fmt: skip
+    mode = ((doc.get("run") or {}).get("training") or {}).get("mode")
+    title = f"{name}: training vs rollout velocity drift per step, per arm - {mode} training, {d.verdict}"
+    entry.figures.append(FigureSpec(ids("arms-drift"), title, partial(charts.draw_arms, arms, title)))
+    entry.notes.append(
+        "Drift is the relative L2 of the training side's velocity against the rollout's at the same state; each "
+        "point is the worst over the requests and the compositions (alone, batch pass 1, batch pass 2). Steps where "
+        "every one is byte-equal lie on the 0 line. Seconds are medians over the steps (host clock)."
+    )
+    return entry
+
+
 def _trajectory_entry(d: Document, parts: list[Document]) -> Entry:
     doc, run = d.doc, d.doc.get("run") or {}
     inv = doc.get("invocation") or {}
@@ -280,7 +327,7 @@ def _entries(inv: Inventory, kinds: tuple[str, ...], used: set[str]) -> list[Ent
         parts = inv.of_kind(*RUN_PARTS)
         return [_trajectory_entry(d, [p for p in parts if p.path.parent.resolve() in _run_dirs(d)]) for d in docs]
     build = {"ws1-model": _gate_entry, "ws1-block": _gate_entry, "ws1-ops": _ops_entry, "ablation": _ablation_entry,
-             "trajectory-compare": _compare_entry, "bench": _bench_entry}[kinds[0]]  # fmt: skip
+             "trajectory-compare": _compare_entry, "arms": _arms_entry, "bench": _bench_entry}[kinds[0]]  # fmt: skip
     return [build(d, ids(d)) for d in docs]
 
 

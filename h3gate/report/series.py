@@ -1,4 +1,4 @@
-"""Plain series for the step, operator, ablation and benchmark figures; nothing here plots (see ``extract``)."""
+"""Plain series for the step, arms, operator, ablation and benchmark figures; nothing here plots (see ``extract``)."""
 
 from __future__ import annotations
 
@@ -241,3 +241,99 @@ def gate_speeds(doc: dict, label: str) -> GateSpeeds:
         name = phase.replace("_", " + ")
         out.bars.append(SpeedBar(name, ratio, None, "no target recorded", "provider", None))
     return out
+
+
+COMPOSITIONS = ("alone", "batch.pass1", "batch.pass2")
+OPERATORS = {"P": "diffusers", "R": "h3gate.strict"}
+
+
+@dataclass
+class ArmDrift:
+    """arms: one arm's velocity drift per denoising step and modality (the training side against the rollout), the
+    worst rel_l2 over requests and compositions: 0.0 where every one is byte-equal, None where the bits differ but
+    no rel_l2 is recorded (``differs`` says which steps differ at all), with the arm's first drift and gates."""
+
+    arm: str
+    training: str
+    rollout: str
+    steps: list[int]
+    series: dict[str, list[float | None]]
+    differs: dict[str, list[bool]]
+    byte_equal: bool | None
+    first_step: int | None
+    first_drift: dict | None
+    gradients: str
+    lora_gate: str
+    seconds_rollout: float | None
+    seconds_training: float | None
+
+
+def drift_text(where: dict | None) -> str:
+    """``step S, COMPOSITION (request B): NODE, packed row R (MODALITY)`` of an arm's first drift; ``none``."""
+    if not isinstance(where, dict):
+        return "none"
+    text = f"step {where.get('step')}, {where.get('composition')}"
+    text += f" (request {where['request']})" if where.get("request") is not None else ""
+    text += f": {where['node']}" if where.get("node") else ": node not located"
+    text += f", packed row {where['row']}" if where.get("row") is not None else ""
+    text += f" ({where['modality']})" if where.get("modality") else ""
+    faithful = where.get("replay_faithful") or {}
+    if any(v is False for v in faithful.values()):
+        text += " [replay not faithful: location unconfirmed]"
+    return text
+
+
+def _worst_cell(requests: list[dict], modality: str) -> tuple[float | None, bool]:
+    """(worst rel_l2 over requests and compositions, any bits differ) of one step and modality."""
+    cells = [c for r in requests for c in ((r.get(modality) or {}).values()) if isinstance(c, dict)]
+    if not cells:
+        return None, False
+    drifting = [c for c in cells if not c.get("bitwise")]
+    if not drifting:
+        return 0.0, False
+    values = [c["rel_l2"] for c in drifting if isinstance(c.get("rel_l2"), int | float)]
+    return (max(values) if values else None), True
+
+
+def _gradients_text(arm: dict) -> str:
+    repeat = arm.get("gradients_repeat_bitwise")
+    if repeat is None:
+        return "-"
+    if repeat:
+        return "yes"
+    for s in arm.get("steps") or []:
+        g = s.get("gradients") or {}
+        if not g.get("repeat_bitwise", True):
+            return f"no (step {s.get('step')}: {g.get('differing')} of {g.get('count')} tensors differ)"
+        if g.get("finite") is False:
+            return f"no (step {s.get('step')}: a gradient is not finite)"
+    return "no"
+
+
+def _lora_text(value: Any) -> str:
+    if value is None:
+        return "- (no LoRA: full training)"
+    return "ok" if value is True else "FAIL"
+
+
+def arm_drifts(doc: dict) -> list[ArmDrift]:
+    """arms: each arm's drift per step and modality (modalities in the order the records name them)."""
+    found = []
+    for arm in doc.get("arms") or []:
+        steps = arm.get("steps") or []
+        modalities = list(dict.fromkeys(m for s in steps for r in s.get("requests") or [] for m in r))
+        series: dict[str, list[float | None]] = {m: [] for m in modalities}
+        differs: dict[str, list[bool]] = {m: [] for m in modalities}
+        for s in steps:
+            for m in modalities:
+                value, differ = _worst_cell(s.get("requests") or [], m)
+                series[m].append(value)
+                differs[m].append(differ)
+        name = str(arm.get("arm"))
+        found.append(ArmDrift(
+            name, str(arm.get("training", name[:1])), str(arm.get("rollout", name[-1:])),
+            [int(s.get("step", i)) for i, s in enumerate(steps)], series, differs, arm.get("byte_equal"),
+            arm.get("first_drift_step"), arm.get("first_drift"), _gradients_text(arm), _lora_text(arm.get("lora_gate")),
+            arm.get("seconds_per_rollout_step"), arm.get("seconds_per_training_step"),
+        ))  # fmt: skip
+    return found
