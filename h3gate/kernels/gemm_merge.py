@@ -1,0 +1,343 @@
+"""Segmented-8 strict GEMM: one declared merge order for a reduction that tensor parallelism splits across ranks.
+
+Row-parallel layers (attention O, FFN down) split the forward's reduction dimension K across TP ranks; the dX of
+column-parallel layers (Q/K/V, FFN gate/up) splits its reduction dimension N. The single-walk kernel
+(:mod:`h3gate.kernels.gemm`) sums a whole reduction in one accumulator, which no split can reproduce; this family fixes
+an order that every TP degree in {1, 2, 4, 8} evaluates identically, so TP1 = TP2 = TP4 = TP8 byte for byte by
+construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries ``*_seg8``):
+
+* maths - ``Y = X @ W^T + b`` (role ``fwd``, reduction R = K) and ``dX = dY @ W`` (role ``dx``, R = N), X (M, K)
+  (leading dims flattened), W (N, K) as nn.Linear, b (N,); output dtype = X's (bfloat16 or float32).
+* segments - R is cut into SEGMENTS = 8 contiguous segments ``[b_i, b_i+1)``, ``b_i = min(i * S, R)`` with
+  ``S = BLOCK_K * ceil(ceil(R / 8) / BLOCK_K)``; BLOCK_K is the full layer's (``gemm_config(role, N, K, dtype)``,
+  never a slice's, never M's). So the boundaries depend on (role, N, K, dtype) only, never on the TP degree; every
+  segment but the last non-empty one is whole BLOCK_K chunks; trailing segments may be short or empty (R < 8 * S).
+  For the H3 block (R = 7168, 14336, 28672 with BLOCK_K 64) the segments are equal and fall on the TP8 head /
+  channel boundaries (7 heads of 128; 1792 and 3584 channels).
+* per segment - one program per (BLOCK_M x BLOCK_N output tile, segment) walks the segment in ascending BLOCK_K
+  chunks, ``acc = dot(a_chunk, b_chunk, acc)`` from ``acc = 0`` in FP32 (BF16: MMA with FP32 accumulator; FP32:
+  ``input_precision="ieee"``), a masked tail adding exact zeros: the single-walk kernel's tile walk
+  (:func:`h3gate.kernels.gemm._tile`, reused as is, pointer loads) on the K-slice, stored unrounded as FP32 partial
+  ``p_i`` (an empty segment gives ``p_i = +0``). Which rank, or which local column offset, computes a segment does
+  not change its bytes (its chunks, values and order are the same).
+* tree - ``Y_acc = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise IEEE FP32 adds (torch, no FMA,
+  deterministic). Rank r of TPn owns segments ``[r * 8/n, (r + 1) * 8/n)`` and evaluates the tree's lower levels on
+  them (:func:`segment_partials`); after an all-gather in rank order :func:`combine` applies the upper log2(n) levels.
+* cast points - the tree's FP32 sum, plus the FP32 bias (exact upcast) in one IEEE add, then one RNE rounding to the
+  output dtype (:func:`finish`). dX the same without bias.
+* backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY as the
+  single-walk kernel (their reduction runs over M, which TP does not split).
+* row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
+* not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
+* compilation - :data:`h3gate.kernels.common.STRICT_LAUNCH`: no FMA contraction, no FTZ; no TF32, no split beyond
+  the 8 declared segments, no atomics, no persistent/TMA/swapped tilings (scheduling the contract does not need).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from h3gate.dtypes import dtype_name
+from h3gate.errors import InputError
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
+from h3gate.kernels.gemm import _check as check_linear
+from h3gate.kernels.gemm import _tile, _tile_coords, colsum, matmul
+from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+
+KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v1"
+SEGMENTS = 8
+DEGREES = (1, 2, 4, 8)
+ROLES = ("fwd", "dx")
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------- the declaration
+
+
+def pinned_config(role: str, full_shape: tuple[int, int], dtype: torch.dtype) -> GemmConfig:
+    """The tiling of ``role`` for the FULL layer (weight (N, K) = ``full_shape``), whatever slice a rank holds.
+
+    No M: one tiling for every M, so BLOCK_K (and thus the segment boundaries) never move."""
+    n, k = full_shape
+    return gemm_config(role, n, k, dtype)
+
+
+def reduction_width(role: str, full_shape: tuple[int, int]) -> int:
+    """R: K for the forward, N for dX."""
+    n, k = full_shape
+    return k if role == "fwd" else n
+
+
+def segment_size(r: int, block_k: int) -> int:
+    """S = BLOCK_K * ceil(ceil(R / 8) / BLOCK_K): the smallest whole number of chunks that covers R in 8 segments."""
+    per = -(-r // SEGMENTS)
+    return block_k * -(-per // block_k)
+
+
+def segment_bounds(r: int, block_k: int) -> tuple[int, ...]:
+    """The 9 boundaries ``b_i = min(i * S, R)``: segment i is the reduction range ``[b_i, b_i+1)``."""
+    s = segment_size(r, block_k)
+    return tuple(min(i * s, r) for i in range(SEGMENTS + 1))
+
+
+def owned_segments(degree: int, rank: int) -> range:
+    """Segments of rank ``rank`` of TP``degree``: ``[rank * 8/degree, (rank + 1) * 8/degree)``."""
+    if degree not in DEGREES or not 0 <= rank < degree:
+        raise InputError(f"gemm seg8: TP degree {degree} rank {rank}: degree must be one of {DEGREES}, 0 <= rank < it")
+    per = SEGMENTS // degree
+    return range(rank * per, (rank + 1) * per)
+
+
+def rank_slice(role: str, full_shape: tuple[int, int], dtype: torch.dtype, degree: int, rank: int) -> slice:
+    """The reduction columns a TP rank holds: of X and W's columns (``fwd``), or of dY's columns / W's rows (``dx``)."""
+    bounds = segment_bounds(reduction_width(role, full_shape), pinned_config(role, full_shape, dtype).block_k)
+    owned = owned_segments(degree, rank)
+    return slice(bounds[owned.start], bounds[owned.stop])
+
+
+# ---------------------------------------------------------------------------------------------------- the kernel
+
+
+@triton.jit(do_not_specialize=["M"])
+def _segment_kernel(
+    a_ptr, b_ptr, p_ptr, M, N, R_LOC, SEG, stride_am, stride_ar, stride_br, stride_bn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_R: tl.constexpr, B_TRANS: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """P[j] (M, N) FP32 = A[:, seg j] @ B[seg j, :] for local segment j = program_id(1), ``[j*SEG, min((j+1)*SEG,
+    R_LOC))``: the single-walk tile (ascending BLOCK_K chunks from acc = 0, FP32) on that K-slice, stored unrounded."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    seg = tl.program_id(1)
+    start = seg * SEG
+    length = tl.maximum(tl.minimum(R_LOC - start, SEG), 0)
+    a_seg = a_ptr + start.to(tl.int64) * stride_ar
+    b_seg = b_ptr + start.to(tl.int64) * stride_br
+    p_seg = p_ptr + seg.to(tl.int64) * M * N
+    _tile(
+        a_seg, b_seg, p_seg, p_seg, a_seg, b_seg, p_seg, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, length,
+        stride_am, stride_ar, stride_br, stride_bn, N, tl.cdiv(length, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, False,
+        EVEN_R, False, B_TRANS, False, INTERPRET,
+    )  # fmt: skip
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, parts: torch.Tensor, cfg: GemmConfig, seg: int, b_trans: bool) -> None:
+    """``parts (c, M, Nout)`` FP32 = the c local segments' partials of ``a (M, R_loc) @ b``.
+
+    ``b`` is (Nout, R_loc) row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)."""
+    c, m, n_out = parts.shape
+    r_loc = a.shape[1]
+    stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
+    tiles = -(-m // cfg.block_m) * -(-n_out // cfg.block_n)
+    _segment_kernel[(tiles, c)](
+        a, b, parts, m, n_out, r_loc, seg, a.stride(0), 1, stride_br, stride_bn,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_R=r_loc % cfg.block_k == 0, B_TRANS=b_trans, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **STRICT_LAUNCH,
+    )  # fmt: skip
+
+
+def _tree(parts: torch.Tensor) -> torch.Tensor:
+    """Pairwise levels in place: ``P[2i] <- P[2i] + P[2i+1]`` until one slot is left; returns that slot (a view).
+
+    With c = 2^l consecutive, aligned segments this is the lower l levels of the fixed tree."""
+    while parts.shape[0] > 1:
+        parts[0::2].add_(parts[1::2])
+        parts = parts[0::2]
+    return parts[0]
+
+
+# --------------------------------------------------------------------------------------------------- the rank API
+
+
+def _check_owned(op: str, owned: range) -> None:
+    c = len(owned) if isinstance(owned, range) else 0
+    if c not in DEGREES or owned.step != 1 or owned.start < 0 or owned.start % c or owned.stop > SEGMENTS:
+        raise InputError(
+            f"{op}: owned: {owned!r} is not an aligned block of 8/n consecutive segments (n in {DEGREES}), e.g. "
+            "range(2, 4) for rank 1 of TP4"
+        )
+
+
+def _check_operand(op: str, arg: str, t: torch.Tensor, red_dim: int, device: torch.device | None) -> None:
+    """check_tensor, except that a zero-width slice (a rank whose owned segments are all empty) is accepted."""
+    if isinstance(t, torch.Tensor) and -t.ndim <= red_dim < t.ndim and t.shape[red_dim] == 0:
+        check_tensor(op, arg, torch.empty(1, dtype=t.dtype, device=t.device), _DTYPES, device=device)
+        return
+    check_tensor(op, arg, t, _DTYPES, device=device)
+
+
+def _check_local(
+    op: str, a: torch.Tensor, b: torch.Tensor, owned: range, full_shape: tuple[int, int], role: str
+) -> int:
+    """Validate one rank's operands against the full layer; returns the segment size S."""
+    if role not in ROLES:
+        raise InputError(f"{op}: role: {role!r}, expected one of {ROLES}")
+    if (
+        not isinstance(full_shape, tuple | list)
+        or len(full_shape) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in full_shape)
+    ):
+        raise InputError(f"{op}: full_shape: {full_shape!r}, expected the full layer's weight shape (N, K) > 0")
+    _check_owned(op, owned)
+    _check_operand(op, "a_local", a, -1, None)
+    if a.ndim < 1 or a.shape[:-1].numel() == 0:
+        raise InputError(f"{op}: a_local: no rows (shape {tuple(a.shape)})")
+    red, other = (1, 0) if role == "fwd" else (0, 1)
+    _check_operand(op, "b_local", b, red, a.device)
+    if b.ndim != 2:
+        raise InputError(f"{op}: b_local: expected 2 dims, got shape {tuple(b.shape)}")
+    if b.dtype != a.dtype:
+        raise InputError(f"{op}: b_local: dtype {dtype_name(b.dtype)} does not match a_local {dtype_name(a.dtype)}")
+    n, k = full_shape = tuple(full_shape)
+    cfg = pinned_config(role, full_shape, a.dtype)
+    bounds = segment_bounds(reduction_width(role, full_shape), cfg.block_k)
+    lo, hi = bounds[owned.start], bounds[owned.stop]
+    where = f"segments [{owned.start}, {owned.stop}) = reduction columns [{lo}, {hi}) of {bounds[-1]}"
+    if a.shape[-1] != hi - lo:
+        raise InputError(f"{op}: a_local: last dim {a.shape[-1]}, expected {hi - lo} ({where})")
+    if b.shape[red] != hi - lo or not 1 <= b.shape[other] <= (n if role == "fwd" else k):
+        want = f"(<= {n}, {hi - lo})" if role == "fwd" else f"({hi - lo}, <= {k})"
+        raise InputError(f"{op}: b_local: shape {tuple(b.shape)}, expected {want} for role {role} ({where})")
+    return segment_size(bounds[-1], cfg.block_k)
+
+
+def _subtree(
+    a: torch.Tensor, b: torch.Tensor, owned: range, full_shape: tuple[int, int], role: str, seg: int
+) -> torch.Tensor:
+    """The owned segments' partials (one launch) reduced by the tree's lower levels: FP32 (M, Nout)."""
+    rows = a.shape[:-1].numel()
+    n_out = b.shape[0] if role == "fwd" else b.shape[1]
+    if a.shape[-1] == 0:  # every owned segment is empty: each partial, and their sum, is +0
+        return torch.zeros((rows, n_out), dtype=torch.float32, device=a.device)
+    a2 = a.reshape(rows, a.shape[-1])
+    parts = torch.empty((len(owned), a2.shape[0], n_out), dtype=torch.float32, device=a.device)
+    _launch(a2, b, parts, pinned_config(role, tuple(full_shape), a.dtype), seg, b_trans=role == "fwd")
+    return _tree(parts)
+
+
+def segment_partials(
+    a_local: torch.Tensor,
+    b_local: torch.Tensor,
+    owned: range,
+    full_shape: tuple[int, int],
+    role: str = "fwd",
+    *,
+    op: str = "gemm_seg8",
+) -> torch.Tensor:
+    """One rank's FP32 subtree: the tree's value over its owned segments (lower levels applied locally).
+
+    ``role="fwd"`` (row-parallel forward): ``a_local`` = X[..., K-slice] (..., w), ``b_local`` = W[:, K-slice]
+    (N_loc, w) -> (M, N_loc). ``role="dx"`` (column-parallel dX): ``a_local`` = dY[..., N-slice] (..., w),
+    ``b_local`` = W[N-slice, :] (w, K_loc) -> (M, K_loc). The slice is :func:`rank_slice`'s (width w = the owned
+    segments' width, possibly 0); ``full_shape`` = the full layer's weight (N, K), which alone fixes the tiling and the
+    boundaries. The non-reduced side may itself be a slice (N_loc <= N, K_loc <= K): output columns are independent.
+    Returns a view of the rank's partial buffer (its first slot)."""
+    seg = _check_local(op, a_local, b_local, owned, full_shape, role)
+    return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg)
+
+
+def combine(subtrees: list[torch.Tensor], degree: int, *, op: str = "gemm_seg8") -> torch.Tensor:
+    """The tree's upper log2(degree) levels over the ranks' subtrees, gathered in rank order: FP32 sum.
+
+    ``degree`` 1 returns the single subtree; 2: ``s0 + s1``; 4: ``(s0 + s1) + (s2 + s3)``; 8: the whole tree."""
+    if degree not in DEGREES:
+        raise InputError(f"{op}: degree: {degree!r}, expected one of {DEGREES}")
+    if not isinstance(subtrees, list | tuple) or len(subtrees) != degree:
+        got = len(subtrees) if isinstance(subtrees, list | tuple) else type(subtrees).__name__
+        raise InputError(f"{op}: subtrees: {got} given, expected one per rank ({degree}) in rank order")
+    first = subtrees[0]
+    for i, s in enumerate(subtrees):
+        check_tensor(op, f"subtrees[{i}]", s, (torch.float32,), device=first.device if i else None, contiguous=False)
+        if s.shape != first.shape:
+            raise InputError(f"{op}: subtrees[{i}]: shape {tuple(s.shape)} != subtrees[0] {tuple(first.shape)}")
+    level = list(subtrees)
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def finish(
+    total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, *, op: str = "gemm_seg8"
+) -> torch.Tensor:
+    """``cast(total + float(bias))``: one IEEE FP32 add (when a bias is given), one RNE rounding to ``dtype``."""
+    check_tensor(op, "total", total, (torch.float32,), contiguous=False)
+    if dtype not in _DTYPES:
+        raise InputError(f"{op}: dtype: {dtype_name(dtype)} not supported (expected bfloat16, float32)")
+    if bias is not None:
+        check_tensor(op, "bias", bias, _DTYPES, ndim=1, device=total.device)
+        if bias.shape[0] != total.shape[-1]:
+            raise InputError(f"{op}: bias: length {bias.shape[0]} != output width {total.shape[-1]}")
+        return (total + bias.float()).to(dtype)
+    out = total.to(dtype)
+    return out.clone() if out.data_ptr() == total.data_ptr() else out
+
+
+# -------------------------------------------------------------------------------------------------- the operator
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """TP1: all 8 segments on this device, the whole tree, the bias and the one rounding."""
+    n, k = weight.shape
+    seg = segment_size(k, pinned_config("fwd", (n, k), x.dtype).block_k)
+    y = finish(_subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg), bias, x.dtype)
+    return y.view(*x.shape[:-1], n)
+
+
+class _LinearSeg8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias, ctx.op = bias is not None, op
+        return _forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        n, k = weight.shape
+        if gy.dtype != x.dtype:
+            raise InputError(
+                f"{ctx.op}: grad_output: dtype {dtype_name(gy.dtype)} != output dtype {dtype_name(x.dtype)}"
+            )
+        g2 = gy.reshape(-1, n).contiguous()  # a contiguous copy changes layout, never values
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            seg = segment_size(n, pinned_config("dx", (n, k), x.dtype).block_k)
+            dx = finish(_subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg), None, x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty((n, k), dtype=weight.dtype, device=x.device)
+            matmul(g2, x.reshape(-1, k), dw, None, gemm_config("dw", n, k, x.dtype), a_trans=True, b_trans=False)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = colsum(g2, weight.dtype)
+        return dx, dw, db, None
+
+
+def linear_merge(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear_merge"
+) -> torch.Tensor:
+    """The one-device (TP1) segmented-8 ``F.linear``: same signature, shapes and output dtype as the reference.
+
+    Bytes equal :func:`combine` of any TP degree's :func:`segment_partials` followed by :func:`finish`."""
+    check_linear(op, x, weight, bias)
+    if needs_graph(x, weight, bias):
+        return _LinearSeg8.apply(x, weight, bias, op)
+    return _forward(x, weight, bias)
+
+
+def _operator(op: str):
+    """A module-level entry point per operator, so a bad input names the operator that received it."""
+
+    @functools.wraps(linear_merge)
+    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear_merge(x, weight, bias, op=op)
+
+    fn.__name__ = fn.__qualname__ = op
+    fn.__doc__ = f"``{op}``: the segmented-8 strict GEMM (see the module docstring for the contract)."
+    return fn
+
+
+h3_attention_o_gemm_seg8 = _operator("h3_attention_o_gemm_seg8")
+h3_ffn_down_gemm_seg8 = _operator("h3_ffn_down_gemm_seg8")
