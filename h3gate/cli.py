@@ -101,10 +101,15 @@ def layout(
     text_vision_rows: Annotated[
         list[str] | None, typer.Option("--text-vision-rows", help="START:END text rows tagged video (repeatable).")
     ] = None,
+    task: Annotated[str | None, typer.Option("--task", help="t2va | fl2va | ref2va (default: by the anchors).")] = None,
+    ref: Annotated[
+        list[str] | None,
+        typer.Option("--ref", help="ref2va reference, in packed order: image:H:W | video:F:H:W[:A] | audio:A."),
+    ] = None,
     save: Annotated[Path | None, typer.Option("--save", help="Write the index tensors to FILE.safetensors.")] = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Build a packed layout (bitwise equal to diffusers' build_packed_sequence) and print its rows."""
+    """Build a packed layout (bitwise equal to diffusers' build_packed_sequence / build_ref2va_packed_sequence)."""
     from h3gate.commands.layout_cmd import layout_command
 
     _done(
@@ -119,6 +124,8 @@ def layout(
             text_vision_rows or [],
             save,
             json_,
+            task,
+            ref or [],
         )
     )
 

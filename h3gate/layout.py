@@ -1,7 +1,8 @@
 """Packed layouts: row identity, modality tags and float64 ``(t, h, w)`` rotary positions of one packed sequence.
 
 The sequence is ``[text | keyframe conditions | target audio | target video]`` and this module reproduces diffusers
-0.42.1's ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` bitwise (``t2va`` / ``fl2va``), written from its maths:
+0.42.1's ``MiniMaxH3PrepareLayoutStep.build_packed_sequence`` bitwise (``t2va`` / ``fl2va``), written from its maths
+(``ref2va``: see :func:`build_ref2va_layout`):
 
 * patch ``(1, 2, 2)``; ``rows_per_frame = (H/2) * (W/2)``; audio is stereo, packed channel-major (``2 * A`` rows).
 * tags: text 1 (0 on ``text_vision_rows``), every video row 0 (conditions included), audio 2.
@@ -28,11 +29,10 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.hashing import tensor_sha256
-from h3gate.manifests.layouts import LayoutSpec, load_layout
+from h3gate.manifests.layouts import AUDIO_CHANNELS, LayoutSpec, ReferenceSpec, load_layout
 from h3gate.memory import require
 
 PATCH = (1, 2, 2)
-AUDIO_CHANNELS = 2
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 MODALITY_NUM = 3
 FRAME_RESCALE = 5.0 / 3.0
@@ -144,6 +144,15 @@ def _frame_times(num_frames: int, origin: float) -> torch.Tensor:
     return origin + starts
 
 
+def _sequential_span(num_frames: int) -> float:
+    """Rotary time ``num_frames`` latent frames occupy, summed left to right in float64 (how a ``ref2va`` video
+    reference advances the clock; the ``"last"`` anchor sums the same series pairwise, see :func:`_anchor_time`)."""
+    total = 0.0
+    for span in _frame_spans(num_frames):
+        total += span
+    return total
+
+
 def _anchor_time(anchor: str, num_frames: int, origin: float) -> float:
     if anchor == "first":
         return origin
@@ -154,13 +163,13 @@ def _anchor_time(anchor: str, num_frames: int, origin: float) -> float:
 
 
 def packed_rows(spec: LayoutSpec, name: str = "custom") -> int:
-    """S, the packed sequence length of ``spec``, without building the layout: text + condition frames + audio
-    rows (``audio_latents x AUDIO_CHANNELS``) + video rows; a declared ``seq_len`` must match."""
+    """S, the packed sequence length of ``spec``, without building the layout: text + condition frames + reference
+    rows + audio rows (``audio_latents x AUDIO_CHANNELS``) + video rows; a declared ``seq_len`` must match."""
     _, patch_h, patch_w = PATCH
     per_frame = (spec.latent_height // patch_h) * (spec.latent_width // patch_w)
     seq = spec.text_tokens + (len(spec.anchors) + spec.latent_frames) * per_frame + spec.audio_latents * AUDIO_CHANNELS
-    if spec.seq_len is not None and spec.seq_len != seq:
-        raise InputError(f"layout {name!r}: seq_len: declared {spec.seq_len} but the built layout has {seq}")
+    seq += sum(spec.reference_rows)
+    _check_seq_len(spec, name, seq)
     return seq
 
 
@@ -172,32 +181,75 @@ def parse_layouts(layouts: str) -> list[tuple[str, int]]:
     return [(n, packed_rows(load_layout(n), n)) for n in names]
 
 
-def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:
-    """Pack ``spec`` into index tensors, tags and float64 positions (bitwise = diffusers build_packed_sequence)."""
+def _frame_grid(height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(h, w)`` rotary coordinates of one latent frame (``(rows, 2)``, row-major ``ij`` grid) and its width
+    axis."""
     _, patch_h, patch_w = PATCH
-    text = spec.text_tokens
-    per_frame = (spec.latent_height // patch_h) * (spec.latent_width // patch_w)
-    n_cond = len(spec.anchors) * per_frame
-    n_audio = spec.audio_latents * AUDIO_CHANNELS
-    n_video = spec.latent_frames * per_frame
-    cond_start = text
-    audio_start = cond_start + n_cond
-    video_start = audio_start + n_audio
-    seq = video_start + n_video
-    # Per packed row: float64 positions (3), int64 index / tag tensors and their intermediates (~12 x 8 bytes).
-    require(128 * seq, f"layout {name} (S={seq})", hint="ask for a smaller layout")
-    origin = float(text)
-
-    sqrt_area = np.sqrt(spec.latent_height * spec.latent_width)
-    h_axis = _spatial_axis(spec.latent_height, patch_h, sqrt_area)
-    w_axis = _spatial_axis(spec.latent_width, patch_w, sqrt_area)
-    frame_hw = torch.stack(
+    sqrt_area = np.sqrt(height * width)
+    h_axis = _spatial_axis(height, patch_h, sqrt_area)
+    w_axis = _spatial_axis(width, patch_w, sqrt_area)
+    grid = torch.stack(
         [
             h_axis[:, None].expand(-1, w_axis.numel()).reshape(-1),
             w_axis[None, :].expand(h_axis.numel(), -1).reshape(-1),
         ],
         dim=1,
     )
+    return grid, w_axis
+
+
+def _place_audio(pos: torch.Tensor, start: int, latents: int, origin: float, w_axis: torch.Tensor) -> int:
+    """Channel-major stereo audio rows from ``start``: latent ``k`` at ``(origin + k, 0, w_axis[0] | w_axis[-1])``
+    by channel. Returns the row after the block."""
+    latent_time = origin + torch.arange(latents, dtype=torch.float64)
+    for channel in range(AUDIO_CHANNELS):
+        rows = slice(start + channel * latents, start + (channel + 1) * latents)
+        pos[rows, 0] = latent_time
+        pos[rows, 2] = w_axis[0] if channel == 0 else w_axis[-1]
+    return start + AUDIO_CHANNELS * latents
+
+
+def _place_frames(pos: torch.Tensor, start: int, frames: int, grid: torch.Tensor, origin: float) -> int:
+    """``frames`` latent frames of ``grid`` rows from ``start`` on the frame clock from ``origin``. Returns the row
+    after the block."""
+    stop = start + frames * grid.shape[0]
+    block = pos[start:stop].view(frames, grid.shape[0], 3)
+    block[:, :, 0] = _frame_times(frames, origin)[:, None]
+    block[:, :, 1:] = grid[None]
+    return stop
+
+
+def _tags(spec: LayoutSpec, seq: int, video_indices: torch.Tensor, audio_indices: torch.Tensor) -> torch.Tensor:
+    """(S,) int64 tags: the text rows' own (1, 0 on vision rows), 2 on every audio row, 0 on every video row."""
+    tags = torch.empty(seq, dtype=torch.int64)
+    tags[: spec.text_tokens] = text_token_tags(spec)
+    tags[audio_indices] = AUDIO_TAG
+    tags[video_indices] = VIDEO_TAG
+    return tags
+
+
+def _check_seq_len(spec: LayoutSpec, name: str, seq: int) -> None:
+    """A declared ``seq_len`` must be the built one."""
+    if spec.seq_len is not None and spec.seq_len != seq:
+        raise InputError(f"layout {name!r}: seq_len: declared {spec.seq_len} but the built layout has {seq}")
+
+
+def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:
+    """Pack ``spec`` into index tensors, tags and float64 positions (bitwise = diffusers build_packed_sequence, or
+    build_ref2va_packed_sequence for a ``ref2va`` spec)."""
+    if spec.task == "ref2va":
+        return build_ref2va_layout(spec, name)
+    text = spec.text_tokens
+    per_frame = spec.rows_per_frame
+    n_cond = len(spec.anchors) * per_frame
+    cond_start = text
+    audio_start = cond_start + n_cond
+    video_start = audio_start + spec.audio_latents * AUDIO_CHANNELS
+    seq = video_start + spec.latent_frames * per_frame
+    # Per packed row: float64 positions (3), int64 index / tag tensors and their intermediates (~12 x 8 bytes).
+    require(128 * seq, f"layout {name} (S={seq})", hint="ask for a smaller layout")
+    origin = float(text)
+    frame_hw, w_axis = _frame_grid(spec.latent_height, spec.latent_width)
 
     pos = torch.zeros(seq, 3, dtype=torch.float64)
     pos[:text, 0] = torch.arange(text, dtype=torch.float64)
@@ -205,39 +257,116 @@ def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:
         rows = slice(cond_start + block * per_frame, cond_start + (block + 1) * per_frame)
         pos[rows, 0] = _anchor_time(anchor, spec.latent_frames, origin)
         pos[rows, 1:] = frame_hw
-    latent_time = origin + torch.arange(spec.audio_latents, dtype=torch.float64)
-    for channel in range(AUDIO_CHANNELS):
-        rows = slice(audio_start + channel * spec.audio_latents, audio_start + (channel + 1) * spec.audio_latents)
-        pos[rows, 0] = latent_time
-        pos[rows, 2] = w_axis[0] if channel == 0 else w_axis[-1]
-    video = pos[video_start:].view(spec.latent_frames, per_frame, 3)
-    video[:, :, 0] = _frame_times(spec.latent_frames, origin)[:, None]
-    video[:, :, 1:] = frame_hw[None]
+    _place_audio(pos, audio_start, spec.audio_latents, origin, w_axis)
+    _place_frames(pos, video_start, spec.latent_frames, frame_hw, origin)
 
     video_indices = torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, seq)])
     audio_indices = torch.arange(audio_start, video_start)
-    text_indices = torch.arange(text)
-    tags = torch.empty(seq, dtype=torch.int64)
-    tags[:text] = TEXT_TAG
-    for start, end in spec.text_vision_rows:
-        tags[start:end] = VIDEO_TAG
-    tags[audio_indices] = AUDIO_TAG
-    tags[video_indices] = VIDEO_TAG
-
     layout = PackedLayout(
         name=name,
         spec=spec,
         position_ids=pos,
-        token_tags=tags,
+        token_tags=_tags(spec, seq, video_indices, audio_indices),
         video_indices=video_indices,
         audio_indices=audio_indices,
-        text_indices=text_indices,
+        text_indices=torch.arange(text),
         num_condition_video_rows=n_cond,
         num_condition_audio_rows=0,
     )
-    if spec.seq_len is not None and spec.seq_len != layout.seq_len:
-        raise InputError(f"layout {name!r}: seq_len: declared {spec.seq_len} but the built layout has {layout.seq_len}")
+    _check_seq_len(spec, name, layout.seq_len)
     return layout
+
+
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """Where one ``ref2va`` reference sits: its audio and video row ranges and the rotary time it starts at."""
+
+    kind: str
+    audio_rows: tuple[int, int]
+    video_rows: tuple[int, int]
+    clock: float
+
+
+def _place_reference(
+    pos: torch.Tensor, cursor: int, clock: float, ref: ReferenceSpec, target_w_axis: torch.Tensor
+) -> tuple[ReferenceBlock, float]:
+    """Fill one reference block's positions at ``cursor``; returns the block and the clock after it.
+
+    An image is one frame on one integer slot (clock + 1). An audio clip sits on the target's width extremes (clock +
+    its latents). A video's soundtrack rows come first, on the video's own width extremes, both from the same clock;
+    the clock then advances by ``max(soundtrack latents, frame span)``, the span summed sequentially."""
+    if ref.kind == "audio":
+        latents = ref.audio_latents or 0
+        stop = _place_audio(pos, cursor, latents, clock, target_w_axis)
+        return ReferenceBlock("audio", (cursor, stop), (stop, stop), clock), clock + float(latents)
+    grid, w_axis = _frame_grid(ref.latent_height or 0, ref.latent_width or 0)
+    if ref.kind == "image":
+        stop = cursor + grid.shape[0]
+        pos[cursor:stop, 0] = clock
+        pos[cursor:stop, 1:] = grid
+        return ReferenceBlock("image", (cursor, cursor), (cursor, stop), clock), clock + 1.0
+    latents = ref.audio_latents or 0
+    video_start = _place_audio(pos, cursor, latents, clock, w_axis)
+    stop = _place_frames(pos, video_start, ref.frames, grid, clock)
+    advance = max(float(latents), _sequential_span(ref.frames))
+    return ReferenceBlock("video", (cursor, video_start), (video_start, stop), clock), clock + advance
+
+
+def reference_blocks(layout: PackedLayout) -> list[ReferenceBlock]:
+    """The reference blocks of a ``ref2va`` layout in packed order (empty for any other layout)."""
+    if layout.spec.task != "ref2va":
+        return []
+    pos = torch.zeros(packed_rows(layout.spec, layout.name), 3, dtype=torch.float64)
+    return _reference_pass(pos, layout.spec)[0]
+
+
+def _reference_pass(pos: torch.Tensor, spec: LayoutSpec) -> tuple[list[ReferenceBlock], int, float]:
+    """Place every reference after the text rows; returns the blocks, the next row and the clock the target starts
+    at."""
+    _, target_w_axis = _frame_grid(spec.latent_height, spec.latent_width)
+    cursor, clock, blocks = spec.text_tokens, float(spec.text_tokens), []
+    for ref in spec.references:
+        block, clock = _place_reference(pos, cursor, clock, ref, target_w_axis)
+        blocks.append(block)
+        cursor = block.video_rows[1]
+    return blocks, cursor, clock
+
+
+def build_ref2va_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:
+    """Pack a ``ref2va`` spec: ``[text | reference blocks | target audio | target video]`` on one rotary clock
+    (bitwise = diffusers ``MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence``).
+
+    The clock starts at ``T = text_tokens`` and every reference block advances it (see :func:`_place_reference`);
+    target audio and target video both start where the references left it. Video indices list the reference video
+    rows (in packed order) before the target's, audio indices the reference audio rows before the target's; the
+    leading counts are ``num_condition_video_rows`` / ``num_condition_audio_rows``.
+    """
+    if spec.task != "ref2va" or spec.anchors:
+        raise InputError(f"layout {name!r}: a ref2va layout has task ref2va and no keyframe anchors")
+    seq = packed_rows(spec, name)
+    require(128 * seq, f"layout {name} (S={seq})", hint="ask for a smaller layout")
+    pos = torch.zeros(seq, 3, dtype=torch.float64)
+    pos[: spec.text_tokens, 0] = torch.arange(spec.text_tokens, dtype=torch.float64)
+    blocks, audio_start, clock = _reference_pass(pos, spec)
+    frame_hw, w_axis = _frame_grid(spec.latent_height, spec.latent_width)
+    video_start = _place_audio(pos, audio_start, spec.audio_latents, clock, w_axis)
+    _place_frames(pos, video_start, spec.latent_frames, frame_hw, clock)
+
+    ranges = [torch.arange(*b.video_rows) for b in blocks] + [torch.arange(video_start, seq)]
+    video_indices = torch.cat(ranges)
+    audio_indices = torch.cat([torch.arange(*b.audio_rows) for b in blocks] + [torch.arange(audio_start, video_start)])
+    n_video, n_audio = spec.reference_rows
+    return PackedLayout(
+        name=name,
+        spec=spec,
+        position_ids=pos,
+        token_tags=_tags(spec, seq, video_indices, audio_indices),
+        video_indices=video_indices,
+        audio_indices=audio_indices,
+        text_indices=torch.arange(spec.text_tokens),
+        num_condition_video_rows=n_video,
+        num_condition_audio_rows=n_audio,
+    )
 
 
 def text_token_tags(spec: LayoutSpec) -> torch.Tensor:
