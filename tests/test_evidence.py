@@ -266,9 +266,9 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("e20ba97", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # manifests/, schemas/ at the top level
         ("2addd63", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # h3gate/data/, from a stamped copy
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
-        ("ae11aaf", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # after the rooms refactor
+        ("307c5d5", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # with the row profile
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
-        ("b382e18", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, contract floor
+        ("307c5d5", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, with the row profile
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
