@@ -419,15 +419,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _forward(x, weight, bias)
 
 
-def _operator(op: str):
-    """A module-level entry point per operator, so a bad input names the operator that received it."""
+def _operator(op: str, impl=None, what: str = "the strict deterministic GEMM"):
+    """A module-level entry point per operator of ``impl`` (default :func:`linear`), so a bad input names the
+    operator that received it."""
 
-    @functools.wraps(linear)
+    @functools.wraps(linear if impl is None else impl)
     def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, weight, bias, op=op)
+        # ``linear`` is looked up when called (a probe may replace the module's ``linear``)
+        return (linear if impl is None else impl)(x, weight, bias, op=op)
 
     fn.__name__ = fn.__qualname__ = op
-    fn.__doc__ = f"``{op}``: the strict deterministic GEMM (see the module docstring for the contract)."
+    fn.__doc__ = f"``{op}``: {what} (see the module docstring for the contract)."
     return fn
 
 

@@ -35,8 +35,6 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -45,6 +43,7 @@ from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.gemm import _check as check_linear
+from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import _tile, _tile_coords, colsum, matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
@@ -328,15 +327,8 @@ def linear_merge(
 
 
 def _operator(op: str):
-    """A module-level entry point per operator, so a bad input names the operator that received it."""
-
-    @functools.wraps(linear_merge)
-    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear_merge(x, weight, bias, op=op)
-
-    fn.__name__ = fn.__qualname__ = op
-    fn.__doc__ = f"``{op}``: the segmented-8 strict GEMM (see the module docstring for the contract)."
-    return fn
+    """A module-level entry point per operator (``gemm._operator`` over :func:`linear_merge`)."""
+    return gemm_operator(op, linear_merge, "the segmented-8 strict GEMM")
 
 
 h3_attention_o_gemm_seg8 = _operator("h3_attention_o_gemm_seg8")

@@ -130,3 +130,16 @@ def test_missing_diffusers_or_peft_is_one_line_naming_the_extra(run_cli, monkeyp
     code, _, err = run_cli("--quiet", "run", "arms", "--device", "cpu", "--out", tmp_path / "b")
     assert code == 2
     assert err.strip() == "h3gate: error: run arms: needs diffusers 0.42.x: pip install 'h3gate[diffusers]'"
+
+
+def test_a_crash_is_exit_3_never_a_verdict(run_cli, monkeypatch, tmp_path) -> None:
+    import h3gate.commands.arms_cmd as arms_cmd
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected crash")
+
+    monkeypatch.setattr(arms_cmd, "run_arms", boom)
+    code, stdout, err = run_cli("--quiet", "run", "arms", "--device", "cpu", "--out", tmp_path / "out")
+    assert code == 3, stdout + err
+    assert err.startswith("h3gate: internal error: RuntimeError: injected crash") and "Traceback" not in err
+    assert not (tmp_path / "out" / "arms.json").exists()
