@@ -220,28 +220,52 @@ def _fwd_config(h: int) -> tuple[int, int, int, int]:
     return CHUNK_H, ROW_SCALE, triton.cdiv(h, CHUNK_H), 4
 
 
+def rms_forward(x, weight, shift, scale, idx, eps: float, save: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launch: ``(out, rstd)`` (rstd per row when ``save``, else one unused slot)."""
+    h = x.shape[-1]
+    m = x.numel() // h
+    s = idx.shape[0] if idx is not None else 1
+    modulate = idx is not None
+    out = torch.empty_like(x)
+    rstd = torch.empty(m if save else 1, dtype=torch.float32, device=x.device)
+    block_h, block_m, nch, warps = _fwd_config(h)
+    _rms_fwd_kernel[(triton.cdiv(m, block_m),)](
+        x, weight, out, rstd, shift if modulate else x, scale if modulate else x, idx if modulate else x,
+        m, h, s, shift.stride(0) if modulate else 0, scale.stride(0) if modulate else 0, float(h), float(eps),
+        BLOCK_M=block_m, BLOCK_H=block_h, NCH=nch, MODULATE=modulate, ROUND_FIRST=provider_rounds_first(x.device),
+        SAVE_RSTD=save, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return out, rstd
+
+
+def rms_backward(x, weight, rstd, g, scale=None, idx=None, need_n: bool = False):
+    """The backward launch: ``(dx, dweight_partials (programs, H) FP32, n)``; ``n`` (the normed rows, for the scale
+    table's gradient) only when ``need_n``. Each program owns ``max(BWD_ROWS, BLOCK_M)`` consecutive rows."""
+    modulate = idx is not None
+    h = x.shape[-1]
+    m = x.numel() // h
+    dx = torch.empty_like(x)
+    n = torch.empty_like(x) if need_n else dx
+    block_h, block_m, warps = _bwd_config(h)
+    rows = max(BWD_ROWS, block_m)
+    progs = triton.cdiv(m, rows)
+    dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
+    _rms_bwd_kernel[(progs,)](
+        x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
+        m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
+        ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=provider_rounds_first(x.device),
+        NEED_N=need_n, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return dx, dwp, n if need_n else None
+
+
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, shift, scale, idx, eps):
-        h = x.shape[-1]
-        m = x.numel() // h
-        s = idx.shape[0] if idx is not None else 1
-        modulate = idx is not None
-        round_first = provider_rounds_first(x.device)
-        save = any(ctx.needs_input_grad[:4])
-        out = torch.empty_like(x)
-        rstd = torch.empty(m if save else 1, dtype=torch.float32, device=x.device)
-        block_h, block_m, nch, warps = _fwd_config(h)
-        _rms_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x, weight, out, rstd, shift if modulate else x, scale if modulate else x, idx if modulate else x,
-            m, h, s, shift.stride(0) if modulate else 0, scale.stride(0) if modulate else 0, float(h), float(eps),
-            BLOCK_M=block_m, BLOCK_H=block_h, NCH=nch, MODULATE=modulate, ROUND_FIRST=round_first, SAVE_RSTD=save,
-            INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
-        )  # fmt: skip
+        out, rstd = rms_forward(x, weight, shift, scale, idx, eps, any(ctx.needs_input_grad[:4]))
         ctx.save_for_backward(x, weight, rstd, scale)
         ctx.idx = idx  # the same object, so cached segment plans are found again
-        ctx.round_first = round_first
-        ctx.table_rows = scale.shape[0] if modulate else 0
+        ctx.table_rows = scale.shape[0] if idx is not None else 0
         return out
 
     @staticmethod
@@ -250,21 +274,8 @@ class _RmsNorm(torch.autograd.Function):
         idx = ctx.idx
         modulate = idx is not None
         g = grad.contiguous()
-        h = x.shape[-1]
-        m = x.numel() // h
         need_n = modulate and ctx.needs_input_grad[3]
-        dx = torch.empty_like(x)
-        n = torch.empty_like(x) if need_n else dx
-        block_h, block_m, warps = _bwd_config(h)
-        rows = max(BWD_ROWS, block_m)
-        progs = triton.cdiv(m, rows)
-        dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
-        _rms_bwd_kernel[(progs,)](
-            x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
-            m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
-            ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=ctx.round_first,
-            NEED_N=need_n, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
-        )  # fmt: skip
+        dx, dwp, n = rms_backward(x, weight, rstd, g, scale if modulate else None, idx, need_n)
         dweight = sum_rows(dwp, weight.dtype) if ctx.needs_input_grad[1] else None
         dshift = dscale = None
         if modulate and ctx.needs_input_grad[2]:
@@ -324,9 +335,8 @@ def final_adaln_out(x, weight, shift, scale, timestep_indices, eps: float) -> to
     return _modulate("final_adaln_out", x, weight, shift, scale, timestep_indices, eps, "timestep_indices")
 
 
-def qk_rmsnorm(x: torch.Tensor, weight: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
-    """``h3_qk_rmsnorm_d128``: (B, S, nh*128) -> (B, S, nh, 128), RMSNorm per head over D = 128 (any head count)."""
-    op = "h3_qk_rmsnorm_d128"
+def check_qk(op: str, x: torch.Tensor, weight: torch.Tensor, heads: int, eps: float) -> None:
+    """The QK norm's inputs: (..., nh*128) rows, ``heads`` dividing the width into D = 128 heads, a (128,) weight."""
     check_tensor(op, "x", x, _DTYPES)
     if not isinstance(heads, int) or heads < 1 or x.shape[-1] % heads:
         raise InputError(f"{op}: heads: {heads!r} does not divide the last dim {x.shape[-1]}")
@@ -335,5 +345,9 @@ def qk_rmsnorm(x: torch.Tensor, weight: torch.Tensor, heads: int, eps: float) ->
         raise InputError(f"{op}: x: head dim {d} unsupported (this kernel is D = {HEAD_DIM} only)")
     _check_x(op, x, weight, HEAD_DIM)
     _check_eps(op, eps)
-    out = _RmsNorm.apply(x.view(*x.shape[:-1], heads, d), weight, None, None, None, float(eps))
-    return out
+
+
+def qk_rmsnorm(x: torch.Tensor, weight: torch.Tensor, heads: int, eps: float) -> torch.Tensor:
+    """``h3_qk_rmsnorm_d128``: (B, S, nh*128) -> (B, S, nh, 128), RMSNorm per head over D = 128 (any head count)."""
+    check_qk("h3_qk_rmsnorm_d128", x, weight, heads, eps)
+    return _RmsNorm.apply(x.view(*x.shape[:-1], heads, HEAD_DIM), weight, None, None, None, float(eps))

@@ -151,12 +151,12 @@ def _final(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     )  # fmt: skip
 
 
-def _qk(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+def _qk(rows: int, cfg: ModelConfig, device, seed: int, op: str = "h3_qk_rmsnorm_d128") -> OpCase:
     gen = _gen(seed)
     nh, d = cfg.num_attention_heads, cfg.attention_head_dim
     x = randn((1, rows, nh * d), BF16, device, gen)
     return OpCase(
-        "h3_qk_rmsnorm_d128", (x, _norm_weight(d, device, gen), nh, cfg.qk_norm_eps), grad_args=(0, 1),
+        op, (x, _norm_weight(d, device, gen), nh, cfg.qk_norm_eps), grad_args=(0, 1),
         batch_dims={0: 0}, out_batch_dim=0, row_dims={0: 1}, out_row_dim=1, bytes_moved=4 * rows * nh * d + 2 * d,
         flops=4 * rows * nh * d, shape=f"S={rows} heads={nh} D={d} bfloat16",
     )  # fmt: skip
@@ -284,6 +284,7 @@ CASES: dict[str, CaseBuilder] = {
     "h3_rmsnorm_modulate": _modulate,
     "final_adaln_out": _final,
     "h3_qk_rmsnorm_d128": _qk,
+    "h3_qk_rmsnorm_d128_seg8": lambda rows, cfg, device, seed: _qk(rows, cfg, device, seed, "h3_qk_rmsnorm_d128_seg8"),
     "h3_mm_rope_3axis_partial": _rope,
     "adaln_gate_residual": _gate,
     "residual_add": _residual_add,

@@ -295,3 +295,72 @@ def first_drift_rows(doc: dict) -> RowFacts | None:
         tracks += _node_tracks(doc, failing, f"{failing} (first failure) ")
     mods = {k: int(v) for k, v in (layout.get("rows") or {}).items() if isinstance(v, int)}
     return RowFacts(name, layout.get("seq_len"), mods, tracks, failing)
+
+
+@dataclass
+class Profile:
+    """Every row's error and bound of the first-drift node, as the evidence's ``first_drift_profile`` records them
+    (one view, the row rule's), with each row's modality and what the figure marks."""
+
+    node: str
+    where: str  # the layer (or stage) of the node, in words
+    view: str
+    error: list[float | None]
+    bound: list[float | None]
+    runs: list[tuple[str, int, int]]  # (modality, first row, row count) in row order
+    first_row: int | None = None  # the first row whose bits differ from the provider's
+    first_modality: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.error)
+
+    @property
+    def ratio(self) -> list[float | None]:
+        """error / bound per row; None where either is not recorded (not finite) or the bound is not positive."""
+        pairs = zip(self.error, self.bound, strict=True)
+        return [e / b if e is not None and b is not None and b > 0 else None for e, b in pairs]
+
+    def modality_of(self, row: int) -> str:
+        return next((m for m, start, n in self.runs if start <= row < start + n), "-")
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m, _, n in self.runs:
+            out[m] = out.get(m, 0) + n
+        return out
+
+
+def _profile_where(doc: dict, drift: dict) -> str:
+    if doc.get("kind") != "ws1-model":
+        return f"layer {doc.get('layer', 0)}"
+    stage = str(drift.get("stage"))
+    m = LAYERED.match(stage)
+    if m is None:
+        return f"stage {stage}, outside the layers"
+    return f"token refiner layer {m[2]}" if m[1] == "refiner" else f"block {m[2]}"
+
+
+def first_drift_profile(doc: dict) -> Profile | None:
+    """ws1-block / ws1-model: the first-drift node's per-row profile, or None when the evidence holds none (older
+    evidence, no drift) or one whose lengths do not agree (not drawn rather than guessed)."""
+    rec = doc.get("first_drift_profile")
+    if not isinstance(rec, dict):
+        return None
+    error, bound, runs = rec.get("error"), rec.get("bound"), rec.get("modality_runs") or []
+    if not isinstance(error, list) or not isinstance(bound, list):
+        return None
+    if len(error) != len(bound) or len(error) != rec.get("rows"):
+        return None
+    spans, start = [], 0
+    for modality, count in runs:
+        spans.append((str(modality), start, int(count)))
+        start += int(count)
+    if start != len(error):
+        spans = [("-", 0, len(error))]  # modalities not recorded row by row
+    drift = (doc.get("drifts") or {}).get("forward_chained") or doc.get("first_drift") or {}
+    node = str(rec.get("node"))
+    same = drift.get("node", drift.get("name")) == node
+    row = drift.get("row", drift.get("first_row")) if same else None
+    modality = drift.get("modality", drift.get("first_modality")) if same else None
+    return Profile(node, _profile_where(doc, drift), str(rec.get("view")), error, bound, spans, row, modality)

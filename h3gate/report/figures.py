@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
-from h3gate.report.extract import Grid, NodeMap, RowFacts, Track
+from h3gate.report.extract import Grid, NodeMap, Profile, RowFacts, Track
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -188,9 +188,16 @@ def _track_label(t: Track) -> str:
     return f"{t.label}\n{differing} of {t.rows} rows differ\n{over} over bound"
 
 
-def draw_rows(facts: RowFacts, title: str) -> Figure:
+ROWS_UNPROFILED = (
+    "Per-row errors are not recorded in this evidence (no first_drift_profile): only the rows drawn here are."
+)
+
+
+def draw_rows(facts: RowFacts, title: str, subtitle: str = ROWS_UNPROFILED) -> Figure:
     """The rows the evidence names for the first-drift node, per view, coloured by their modality."""
-    fig = new_figure(11.0, 1.8 + 0.7 * max(1, len(facts.tracks)), title)
+    import textwrap
+
+    fig = new_figure(11.0, 1.8 + 0.7 * max(1, len(facts.tracks)), textwrap.fill(title, 105))
     ax = fig.subplots()
     extent = max([t.rows or 1 for t in facts.tracks])
     for y, t in enumerate(facts.tracks):
@@ -212,12 +219,122 @@ def draw_rows(facts: RowFacts, title: str) -> Figure:
     ax.set_ylim(len(facts.tracks) - 0.4, -0.6)
     ax.set_xlim(-0.01 * extent, extent * 1.01)
     ax.set_xlabel("row of the tensor (packed sequence order for per-token tensors)")
-    ax.set_title(
-        "Per-row errors are not recorded in this evidence: only the rows drawn here (first differing, worst, "
-        "first over bound) are.",
-        fontsize=9,
-        loc="left",
-        style="italic",
-    )
+    ax.set_title(subtitle, fontsize=9, loc="left", style="italic")
     _row_legend(ax, facts)
+    return fig
+
+
+def _by_modality(profile: Profile, values: list[float | None]) -> dict[str, tuple[list[int], list[float]]]:
+    """Per modality, the (rows, values) of the recorded values, in row order."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for modality, start, count in profile.runs:
+        xs, ys = out.setdefault(modality, ([], []))
+        for row in range(start, start + count):
+            if values[row] is not None:
+                xs.append(row)
+                ys.append(values[row])
+    return out
+
+
+def _profile_points(
+    ax: Axes, profile: Profile, values: list[float | None], floor: float | None, label: bool = False
+) -> None:
+    """The values as dots coloured by each row's modality over faint modality bands (named with ``label``); with
+    ``floor`` (a log axis), zeros are drawn on it."""
+    size = 5 if profile.rows > 600 else 14
+    for modality, start, count in profile.runs:
+        colour = _modality_colour(modality)
+        ax.axvspan(start - 0.5, start + count - 0.5, color=colour, alpha=0.08, lw=0, zorder=0)
+        if label and count >= 0.015 * profile.rows:  # name each run of rows where it is wide enough to read
+            ax.text(start + count / 2, 0.97, modality, transform=ax.get_xaxis_transform(), ha="center", va="top",
+                    fontsize=8, color=colour, fontweight="bold")  # fmt: skip
+    for modality, (xs, ys) in _by_modality(profile, values).items():
+        ys = [floor if floor is not None and y <= 0 else y for y in ys]
+        ax.scatter(xs, ys, s=size, color=_modality_colour(modality), linewidths=0, zorder=2)
+
+
+def _scale(ax: Axes, values: list[float | None], lowest: float = 0.0) -> float | None:
+    """A log y axis when the recorded values span two decades or more (returning where zeros go), else linear from
+    0 up to at least ``lowest``."""
+    finite = [v for v in values if v is not None]
+    positive = [v for v in finite if v > 0]
+    top = max(finite, default=0.0)
+    if positive and top / min(positive) >= 100:
+        ax.set_yscale("log")
+        return min(positive) / 10
+    ax.set_ylim(0.0, max(lowest, top) * 1.18 or 1.0)  # headroom for the modality names
+    return None
+
+
+def _profile_marks(axes: list[Axes], profile: Profile, ratio: list[float | None]) -> list[Any]:
+    """The first drifting row (dashed, both panels), the worst row and the first row over its bound; their legend
+    handles."""
+    from matplotlib.lines import Line2D
+
+    ax, handles = axes[0], []
+    recorded = [(r, v) for r, v in enumerate(ratio) if v is not None]
+    if recorded:
+        worst, value = max(recorded, key=lambda rv: rv[1])
+        ax.scatter(worst, value, s=90, facecolors="none", edgecolors="black", linewidths=1.5, zorder=4)
+        ax.annotate(f"{value:.3f}", (worst, value), textcoords="offset points", xytext=(6, 6), fontsize=8)
+        label = f"worst row: {worst} ({profile.modality_of(worst)}), error / bound {value:.3f}"
+        handles.append(Line2D([], [], marker="o", ls="", mfc="none", mec="black", ms=9, label=label))
+    over = next((r for r, v in recorded if v > 1), None)
+    if over is not None:
+        ax.scatter(over, ratio[over], marker="X", s=150, color=OVER_COLOUR, edgecolors="black", zorder=5)
+        label = f"first row over its bound: {over} ({profile.modality_of(over)})"
+        handles.append(Line2D([], [], marker="X", ls="", color=OVER_COLOUR, mec="black", ms=10, label=label))
+    if profile.first_row is not None:
+        for a in axes:
+            a.axvline(profile.first_row, color="black", linestyle="--", linewidth=1.2, zorder=3)
+        if ratio[profile.first_row] is not None:
+            ax.scatter(profile.first_row, ratio[profile.first_row], marker="v", s=110, color="black", zorder=5)
+        modality = profile.first_modality or profile.modality_of(profile.first_row)
+        label = f"first row whose bits differ from the provider: {profile.first_row} ({modality})"
+        handles.append(Line2D([], [], marker="v", ls="--", color="black", ms=9, label=label))
+    return handles
+
+
+def _profile_legend(fig: Figure, profile: Profile, handles: list[Any]) -> None:
+    from matplotlib.lines import Line2D
+
+    counts = profile.counts()
+    names = [m for m in MODALITIES_ORDER if m in counts] + [m for m in counts if m not in MODALITIES_ORDER]
+    mods = [Line2D([], [], marker="o", ls="", color=_modality_colour(m), label=f"{m} ({counts[m]} rows)")
+            for m in names]  # fmt: skip
+    bound = [Line2D([], [], color=OVER_COLOUR, ls="--", label="bound (error / bound = 1; above it fails)"),
+             Line2D([], [], color="black", lw=1.2, label="bound (row rule), absolute")]  # fmt: skip
+    fig.legend(handles=mods + bound + handles, loc="outside lower left", ncols=3, fontsize=8, frameon=False)
+
+
+def draw_profile(profile: Profile, title: str) -> Figure:
+    """ws1-block / ws1-model: every row's error / bound of the first-drift node (top) and its error beside its bound
+    (bottom), coloured by modality, the first drifting row marked."""
+    import math
+    import textwrap
+
+    ratio = profile.ratio
+    fig = new_figure(12.0, 7.6, textwrap.fill(title, 115))
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1.25, 1]})
+    _profile_points(top, profile, ratio, _scale(top, ratio, lowest=1.05), label=True)
+    top.axhline(1.0, color=OVER_COLOUR, linestyle="--", linewidth=1.3, zorder=1)
+    top.set_ylabel("error / bound (> 1 fails)")
+    values = profile.error + profile.bound
+    floor = _scale(bottom, values)
+    _profile_points(bottom, profile, profile.error, floor)
+    line = [math.nan if b is None else (floor if floor is not None and b <= 0 else b) for b in profile.bound]
+    bottom.plot(range(profile.rows), line, color="black", linewidth=1.2, drawstyle="steps-mid", zorder=3)
+    bottom.set_ylabel("error vs FP64 golden")
+    bottom.set_xlabel(f"row of {profile.node}'s output ({profile.rows} rows, packed sequence order)")
+    bottom.set_xlim(-0.5, profile.rows - 0.5)
+    handles = _profile_marks([top, bottom], profile, ratio)
+    recorded = [v for v in ratio if v is not None]
+    over = sum(1 for v in recorded if v > 1)
+    text = f"{profile.view} view, every row: {over} of {profile.rows} rows over the bound"
+    if len(recorded) < profile.rows:
+        text += f"; {profile.rows - len(recorded)} rows without a finite error / bound (not drawn)"
+    top.set_title(text, fontsize=9, loc="left")
+    for ax in (top, bottom):
+        ax.grid(True, axis="y", alpha=0.3)
+    _profile_legend(fig, profile, handles)
     return fig

@@ -132,18 +132,46 @@ def _gate_entry(d: Document, ids: Callable[[str], str]) -> Entry:
     title = f"{name}: worst error / bound per {where} - {doc.get('layout', {}).get('name')}, {doc.get('verdict')}"
     entry.figures.append(FigureSpec(ids("node-map"), title, partial(figures.draw_node_map, node_map, title, model)))
     entry.notes += node_map.notes
+    _first_drift_figures(entry, name, doc, ids)
+    return entry
+
+
+ROWS_PROFILED = (
+    "Every row of {node} ({view} forward) is in the profile figure; other views keep only the rows drawn here."
+)
+
+
+def _first_drift_figures(entry: Entry, name: str, doc: dict, ids: Callable[[str], str]) -> None:
+    """The first-drift node's row profile (every row, from ``first_drift_profile``) when the evidence records it,
+    then the rows recorded per view (first differing, worst, first over bound); only the latter for older evidence."""
     facts = extract.first_drift_rows(doc)
     if facts is None or not facts.tracks:
         entry.notes.append("No node drifts (candidate bitwise equal to the provider): no first-drift row figure.")
-    else:
-        title = f"{name}: rows recorded for the first-drift node {facts.node}"
-        title += f" and the first failing node {facts.failing}" if facts.failing else ""
-        entry.figures.append(FigureSpec(ids("first-drift-rows"), title, partial(figures.draw_rows, facts, title)))
-        entry.notes.append(
-            "Per-row errors are not recorded in this evidence (each tensor keeps its first differing, worst and first "
-            "over-bound rows with their modality), so the first-drift figure draws those rows, not a full profile."
+        return
+    profile = extract.first_drift_profile(doc)
+    subtitle = figures.ROWS_UNPROFILED
+    if profile is not None:
+        title = (f"{name}: per-row error / bound of the first-drift node {profile.node} ({profile.where}, "
+                 f"{profile.view} view), by modality")  # fmt: skip
+        entry.figures.append(
+            FigureSpec(ids("first-drift-profile"), title, partial(figures.draw_profile, profile, title))
         )
-    return entry
+        subtitle = ROWS_PROFILED.format(view=profile.view, node=profile.node)
+        entry.notes.append(
+            f"The first-drift profile draws every one of the {profile.rows} rows of {profile.node} ({profile.view} "
+            "view): its error against the FP64 golden and its row-rule bound, coloured by modality, the first row "
+            "whose bits differ from the provider marked. The rows figure after it keeps what the evidence records "
+            "for the other views (and the first failing node): first differing, worst and first over-bound rows."
+        )
+    else:
+        entry.notes.append(
+            "Per-row errors are not recorded in this evidence (no first_drift_profile, as in evidence from before "
+            "the engines kept one: each tensor keeps its first differing, worst and first over-bound rows with their "
+            "modality), so the first-drift figure draws those rows, not a full profile."
+        )
+    title = f"{name}: rows recorded for the first-drift node {facts.node}"
+    title += f" and the first failing node {facts.failing}" if facts.failing else ""
+    entry.figures.append(FigureSpec(ids("first-drift-rows"), title, partial(figures.draw_rows, facts, title, subtitle)))
 
 
 def _ops_entry(d: Document, ids: Callable[[str], str]) -> Entry:
