@@ -133,6 +133,7 @@ def test_the_figure_set_of_the_committed_h200_evidence_matches_the_golden():
     kinds = {f["id"].rsplit(".", 1)[1] for f in got}
     assert {
         "node-map",
+        "first-drift-profile",
         "first-drift-rows",
         "error-vs-bound",
         "invariance",
@@ -211,6 +212,79 @@ def test_an_arms_document_gets_its_drift_figure_and_arms_table():
         ["P/R", "NO", "step 0, alone (request 0): refiner.0.norm1, packed row 6 (text)",
          "no (step 0: 64 of 74 tensors differ)", "ok", "0.0517", "0.4016"],
         ["R/R", "yes", "none", "yes", "ok", "0.0517", "0.4396"],
+    ]  # fmt: skip
+
+
+PROFILED = {
+    "ws1-block-real-medium": ("norm1", "layer 0", 3160, 65, "text"),
+    "ws1-model-real-medium": ("refiner.0.norm1", "token refiner layer 0", 206, 6, "text"),
+}
+
+
+def _gate_plan(folder: Path) -> tuple[object, object]:
+    """(the one gate entry planned for ``folder``, its profile series or None) - planning only."""
+    from h3gate.report.extract import first_drift_profile
+    from h3gate.report.loader import load_inventory
+    from h3gate.report.plan import plan
+
+    sections, others = plan(load_inventory([folder], verify=False))
+    assert others == [] and len(sections) == 1
+    (entry,) = sections[0].entries
+    return entry, first_drift_profile(entry.documents[0].doc)
+
+
+@pytest.mark.parametrize("name", sorted(PROFILED))
+def test_evidence_with_a_first_drift_profile_gets_the_profile_figure_drawn_from_every_row(name):
+    """The committed medium gates record ``first_drift_profile``: the page plans the profile figure (before the
+    recorded-rows figure), its series are the evidence's every row, and the page text no longer says per-row errors
+    are not recorded."""
+    node, where, rows, first_row, modality = PROFILED[name]
+    entry, profile = _gate_plan(H200 / name)
+    doc = entry.documents[0].doc
+    assert [(f.id, f.title) for f in entry.figures][1] == (
+        f"{name}.first-drift-profile",
+        f"{name}: per-row error / bound of the first-drift node {node} ({where}, chained view), by modality",
+    )
+    assert [f.id.rsplit(".", 1)[1] for f in entry.figures] == ["node-map", "first-drift-profile", "first-drift-rows"]
+    assert (profile.node, profile.rows, profile.first_row, profile.first_modality) == (node, rows, first_row, modality)
+    assert profile.error == doc["first_drift_profile"]["error"] and profile.bound == doc["first_drift_profile"]["bound"]
+    assert sum(n for _, _, n in profile.runs) == rows and profile.modality_of(first_row) == modality
+    assert max(v for v in profile.ratio if v is not None) < 1  # both pass: every row under its bound
+    notes = " ".join(entry.notes)
+    assert f"every one of the {rows} rows of {node}" in notes and "Per-row errors are not recorded" not in notes
+
+
+def test_the_profile_figure_is_drawn_from_the_profile_and_older_evidence_falls_back(tmp_path):
+    """A copy of the committed medium block gate, three ways: as committed (profile figure), with one row's error
+    raised over its bound (the drawn figure changes and marks it: it is drawn from the field), and without the
+    field (older evidence: no profile figure, the recorded-rows figure and a page saying per-row errors are not
+    recorded)."""
+    from h3gate.report.figures import draw_profile, to_png
+
+    doc = json.loads((H200 / "ws1-block-real-medium" / "ws1-block.json").read_text(encoding="utf-8"))
+    over = json.loads(json.dumps(doc))
+    over["first_drift_profile"]["error"][2000] = 3 * over["first_drift_profile"]["bound"][2000]
+    old = {k: v for k, v in doc.items() if k != "first_drift_profile"}
+    for label, body in (("as-committed", doc), ("over", over), ("older", old)):
+        (tmp_path / "ev" / label).mkdir(parents=True)
+        (tmp_path / "ev" / label / "ws1-block.json").write_text(json.dumps(body), encoding="utf-8")
+    (entry, profile), (over_entry, over_profile) = (_gate_plan(tmp_path / "ev" / x) for x in ("as-committed", "over"))
+    assert over_profile.error[2000] > over_profile.bound[2000] and over_profile.modality_of(2000) == "video"
+    assert max(over_profile.ratio) == pytest.approx(3.0) and max(profile.ratio) < 1
+    drawn = [to_png(draw_profile(p, "t")) for p in (profile, over_profile)]
+    assert drawn[0] != drawn[1]  # negative control: a figure that ignored the profile would not change
+    older, _ = _gate_plan(tmp_path / "ev" / "older")
+    assert [f.id for f in older.figures] == ["older.node-map", "older.first-drift-rows"]
+    assert "no first_drift_profile" in " ".join(older.notes)
+    code, out, err = _cli("report", tmp_path / "ev", "--out", tmp_path / "out")
+    assert (code, err) == (0, "") and "3 evidence documents, 8 figures" in out, out + err
+    page = html.unescape((tmp_path / "out" / "index.html").read_text(encoding="utf-8"))
+    assert "Per-row errors are not recorded in this evidence (no first_drift_profile" in page  # the older copy only
+    assert page.count("The first-drift profile draws every one of the 3160 rows of norm1") == 2
+    for label in ("as-committed", "over"):
+        _assert_not_blank(tmp_path / "out" / f"ev-{label}.first-drift-profile.png")
+    assert sorted(p.name for p in (tmp_path / "out").glob("ev-older.*")) == [
+        "ev-older.first-drift-rows.png", "ev-older.node-map.png",
     ]  # fmt: skip
 
 

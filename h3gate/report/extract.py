@@ -350,7 +350,7 @@ def first_drift_profile(doc: dict) -> Profile | None:
     error, bound, runs = rec.get("error"), rec.get("bound"), rec.get("modality_runs") or []
     if not isinstance(error, list) or not isinstance(bound, list):
         return None
-    if len(error) != len(bound) or len(error) != rec.get("rows"):
+    if not error or len(error) != len(bound) or len(error) != rec.get("rows"):
         return None
     spans, start = [], 0
     for modality, count in runs:
@@ -362,5 +362,6 @@ def first_drift_profile(doc: dict) -> Profile | None:
     node = str(rec.get("node"))
     same = drift.get("node", drift.get("name")) == node
     row = drift.get("row", drift.get("first_row")) if same else None
+    row = row if isinstance(row, int) and 0 <= row < len(error) else None
     modality = drift.get("modality", drift.get("first_modality")) if same else None
     return Profile(node, _profile_where(doc, drift), str(rec.get("view")), error, bound, spans, row, modality)
