@@ -68,7 +68,9 @@ class NodeBinding:
     @property
     def provider_bitwise(self) -> bool:
         """Whether every op either runs the reference or a kernel whose contract declares ``provider_bitwise``."""
-        return all(b.actual == "provider" or registry.spec(b.op).contract.provider_bitwise for b in self.bindings)
+        return all(
+            b.actual == "provider" or registry.spec(b.bound or b.op).contract.provider_bitwise for b in self.bindings
+        )
 
     def record(self) -> dict:
         return {
@@ -82,16 +84,17 @@ class NodeBinding:
         }
 
 
-def bind_graph(graph: Graph, mode: str, device: str) -> dict[str, NodeBinding]:
-    """Bind every op of every node for ``mode`` on ``device``; strict mode raises naming the first node that would
-    run anything but its declared strict kernel."""
+def bind_graph(graph: Graph, mode: str, device: str, merge: str = "single") -> dict[str, NodeBinding]:
+    """Bind every op of every node for ``mode`` on ``device`` in merge order ``merge``; strict mode raises naming the
+    first node that would run anything but its declared strict kernel."""
     registry.check_mode(mode)
+    registry.check_merge(merge)
     out: dict[str, NodeBinding] = {}
     for node in graph.nodes:
         bound = []
         for op in node.ops:
             try:
-                bound.append(registry.bind(op, mode, device))
+                bound.append(registry.bind(op, mode, device, merge))
             except InputError as exc:
                 raise InputError(f"node {node.name}: {exc}") from None
         out[node.name] = NodeBinding(node.name, node.owner_row, tuple(bound))

@@ -7,6 +7,10 @@
 * ``auto``   - the kernel when it can run, otherwise the reference (recorded, not reported as a finding);
 * ``off``    - the provider reference only.
 
+``merge`` picks the merge order of the reductions tensor parallelism splits: ``single`` (the one-walk kernels) or
+``seg8`` - every operator with a declared ``<name>_seg8`` twin binds that twin (the segmented-8 order TP1, TP2, TP4
+and TP8 share: :mod:`h3gate.kernels.tp_layers`); the binding keeps the graph's operator name and records the twin.
+
 A kernel can run on CUDA tensors, or on CPU tensors when Triton's interpreter is on (``TRITON_INTERPRET=1``).
 """
 
@@ -24,6 +28,7 @@ from h3gate.manifests.operators import OperatorSpec, load_operator_specs
 
 Mode = Literal["strict", "audit", "auto", "off"]
 MODES: tuple[str, ...] = ("strict", "audit", "auto", "off")
+MERGE_ORDERS: tuple[str, ...] = ("single", "seg8")
 
 
 @dataclass(frozen=True)
@@ -40,9 +45,12 @@ class Binding:
     fallback: bool
     reason: str
     fn: Callable
+    bound: str = ""  # the declared operator that runs, when a merge order bound ``op``'s twin
 
     def record(self) -> dict:
+        twin = {"bound": self.bound, "merge_order": "seg8"} if self.bound and self.bound != self.op else {}
         return {
+            **twin,
             "op": self.op,
             "rfc_row": self.rfc_row,
             "mode": self.mode,
@@ -99,8 +107,26 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def bind(name: str, mode: str, device: str) -> Binding:
+def check_merge(merge: str) -> str:
+    """The one check of ``--merge-order`` (single or seg8)."""
+    if merge not in MERGE_ORDERS:
+        raise InputError(f"--merge-order {merge!r}: must be one of {', '.join(MERGE_ORDERS)}")
+    return merge
+
+
+def merge_twin(name: str, merge: str) -> str:
+    """The operator that runs for ``name`` under ``merge``: its declared ``_seg8`` twin, or itself."""
+    twin = f"{name}_seg8"
+    return twin if check_merge(merge) == "seg8" and twin in specs() else name
+
+
+def bind(name: str, mode: str, device: str, merge: str = "single") -> Binding:
     check_mode(mode)
+    target = merge_twin(name, merge)
+    if target != name:
+        spec(name)  # the graph's own operator is declared too
+        b = bind(target, mode, device)
+        return Binding(name, *(getattr(b, f) for f in _FIELDS[1:]), bound=target)
     s = spec(name)
     ref_id = f"provider:{s.reference}"
     if mode == "off":
@@ -118,3 +144,6 @@ def bind(name: str, mode: str, device: str) -> Binding:
     if mode == "strict":
         raise InputError(f"strict mode: operator {name} ({s.rfc_row}): {why}; refusing to fall back")
     return Binding(name, s.rfc_row, mode, "triton", "provider", ref_id, "reference", True, why, reference(name))
+
+
+_FIELDS = ("op", "rfc_row", "mode", "requested", "actual", "kernel_id", "label", "fallback", "reason", "fn")

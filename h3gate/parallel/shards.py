@@ -1,0 +1,129 @@
+"""One rank's plan in ``run ws2``: its TP shard (heads, FFN channels, weight shards) and CP shard (packed rows and
+their metadata), the node overrides that run them, and the slice of every reference value it must reproduce.
+
+Ranks are TP-innermost (``rank = cp_rank * tp + tp_rank``). A drift a rank reports is located to that rank and to
+the logical (packed) row and column: the rank owns what it computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from h3gate.graph.execute import NodeOverride
+from h3gate.kernels.tp_layers import MergeGroup, check_alignment
+from h3gate.parallel.tp import TpRank, param_local_name, shard_params, tp_overrides, value_shard
+
+
+def group_gather(group):
+    """All-gather within ``group`` (rank order) as raw bytes: exact for every dtype, on gloo and NCCL alike."""
+    import torch.distributed as dist
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        x = t.contiguous()
+        raw = x.reshape(-1).view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, raw, group=group)
+        return [p.view(x.dtype).reshape(x.shape) for p in parts]
+
+    return gather
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    tp: TpRank
+    cp_degree: int
+    cp_rank: int
+    params: dict[str, torch.Tensor]
+    graph: object
+    qk_eps: float
+    row_dims: dict[str, int | None] = field(default_factory=dict)
+    cp: object = None  # h3gate.parallel.ulysses.CpRank when cp_degree > 1
+
+    @classmethod
+    def build(cls, cfg, scope, inputs, rank: int, tp: int, cp: int, sp: bool, tp_group, cp_group) -> RankPlan:
+        dtype = torch.bfloat16
+        check_alignment(tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, dtype)
+        group = MergeGroup(tp, rank % tp, group_gather(tp_group))
+        tpr = TpRank(tp, rank % tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
+                     group)  # fmt: skip
+        plan = cls(rank, tpr, cp, rank // tp, shard_params(scope.params, tpr), scope.graph, cfg.qk_norm_eps)
+        plan.row_dims = {n.name: n.row_dim for n in scope.graph.nodes}
+        if cp > 1:
+            from h3gate.parallel.ulysses import CpRank
+
+            plan.cp = CpRank.build(cfg, scope, inputs, rank // tp, cp, sp, tpr, cp_group, tp_group)
+        return plan
+
+    # ------------------------------------------------------------------------------------------------ execution
+
+    def overrides(self, faults) -> dict[str, NodeOverride]:
+        out = tp_overrides(self.graph, self.tp, self.qk_eps) if self.tp.degree > 1 else {}
+        if self.cp is not None:
+            out = self.cp.overrides(self.graph, out)
+        nodes = {n.name: n for n in self.graph.nodes}
+        from h3gate.parallel.ws2_scope import with_fault
+
+        for fault in faults:
+            local = self.local_row(fault.node, fault.row)
+            out[fault.node] = with_fault(nodes[fault.node], out.get(fault.node), fault, local)
+        return out
+
+    def local_inputs(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(inputs) if self.cp is None else self.cp.local_inputs(inputs)
+
+    def local_row(self, node: str, row: int) -> int:
+        """The local index of packed row ``row`` in ``node``'s value on this rank (InputError if not held)."""
+        return row if self.cp is None else self.cp.local_row(node, row)
+
+    # ------------------------------------------------------------------------------------------------ comparison
+
+    def local_value(self, name: str, ref: torch.Tensor) -> torch.Tensor:
+        t = value_shard(self.tp, name).take(ref) if name in self.row_dims else ref
+        return t if self.cp is None else self.cp.rows_of(name, t)
+
+    def local_grad(self, name: str, ref: torch.Tensor) -> torch.Tensor:
+        kind, _, key = name.partition(":")
+        if kind == "node":
+            return self.local_value(key, ref)
+        if kind == "param":
+            return self.tp.param_shard(param_local_name(key)).take(ref)
+        return ref if self.cp is None else self.cp.input_rows(key, ref)
+
+    def grad_row_dim(self, name: str) -> int | None:
+        kind, _, key = name.partition(":")
+        if kind == "node":
+            return self.row_dims[key]
+        return 1 if kind == "input" and key != "temb" else 0
+
+    def locate(self, name: str, d: dict) -> dict:
+        """Where a drift of node ``name`` sits: this rank, the packed row, and (sharded values) the logical column."""
+        shard = value_shard(self.tp, name)
+        row = d["first_row"]
+        return {
+            "owner_rank": self.rank,
+            "logical_row": row if self.cp is None or row is None else self.cp.global_row(name, row),
+            "sharded": shard.kind != "full" or self.cp is not None and self.cp.sharded(name),
+        }
+
+    def locate_grad(self, name: str, d: dict) -> dict:
+        kind, _, key = name.partition(":")
+        if kind == "node":
+            return self.locate(key, d)
+        row = d["first_row"]
+        if kind == "input" and self.cp is not None and row is not None:
+            row = self.cp.global_input_row(key, row)
+        return {"owner_rank": self.rank, "logical_row": row}
+
+    def record(self) -> dict:
+        h0, h1 = self.tp.head_range
+        f0, f1 = self.tp.ffn_range
+        split = {k: list(v.shape) for k, v in self.params.items()
+                 if self.tp.param_shard(param_local_name(k)).kind != "full"}  # fmt: skip
+        rec = {"tp_rank": self.tp.rank, "heads": [h0, h1], "ffn_channels": [f0, f1], "sharded_param_shapes": split}
+        if self.cp is not None:
+            rec.update(self.cp.record())
+        return rec

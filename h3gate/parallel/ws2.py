@@ -1,0 +1,249 @@
+"""``run ws2``: TP / CP / SP ranks byte-equal to the one-device strict path, forward and backward.
+
+The reference is TP1: the scope's graph on one device with every operator bound in the ``seg8`` merge order
+(:func:`h3gate.ops.registry.merge_twin`). Each rank of the topology runs its shard (:mod:`h3gate.parallel.shards`)
+and compares every value, node-output gradient and parameter/input gradient it holds with the same slice of TP1,
+byte for byte; a drift is located to its owning rank, node, logical row and modality. Ranks are processes launched
+here (``python -m h3gate.parallel.ws2_rank``), gloo on CPU or NCCL on GPUs, rendezvous through a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from h3gate.errors import InputError
+
+KIND = "ws2"
+TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
+    "tp1": (1, 1, False),
+    "tp2": (2, 1, False),
+    "tp4": (4, 1, False),
+    "tp8": (8, 1, False),
+    "cp2": (1, 2, False),
+    "tp2cp2": (2, 2, False),
+    "tp4cp2": (4, 2, False),
+    "tp4cp2sp": (4, 2, True),
+}
+BACKENDS = ("gloo", "nccl")
+RANK_TIMEOUT_S = 900
+
+
+@dataclass
+class Ws2Settings:
+    topology: str
+    scope: str = "block"
+    backend: str | None = None
+    device: str = "cpu"
+    config: str = "ws2-tiny"
+    layout: str = "micro"
+    seed: int = 0
+    faults: list[str] = field(default_factory=list)
+    threads: int = 1
+
+
+@dataclass
+class Ws2Plan:
+    settings: Ws2Settings
+    tp: int
+    cp: int
+    sp: bool
+    backend: str
+    cfg: object
+    layout: object
+    faults: list
+
+
+def _fault(spec: str, world: int, graph, seq_len: int):
+    from h3gate.parallel.ws2_scope import Fault
+
+    parts = spec.split(":")
+    names = [n.name for n in graph.nodes]
+    if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[2].isdigit():
+        raise InputError(f"--fault {spec!r}: expected RANK:NODE:ROW[:forward|backward]")
+    rank, node, row = int(parts[0]), parts[1], int(parts[2])
+    phase = parts[3] if len(parts) == 4 else "forward"
+    if rank >= world:
+        raise InputError(f"--fault {spec!r}: rank {rank} outside the topology's {world} ranks")
+    if node not in names:
+        raise InputError(f"--fault {spec!r}: unknown node {node!r} (known: {', '.join(names[:6])}, ...)")
+    if phase not in ("forward", "backward"):
+        raise InputError(f"--fault {spec!r}: {phase!r} is neither forward nor backward")
+    if row >= seq_len:
+        raise InputError(f"--fault {spec!r}: row {row} must be < {seq_len}")
+    return Fault(rank, node, row, phase)
+
+
+def plan_ws2(s: Ws2Settings) -> Ws2Plan:
+    """Every check that needs no weights: topology, scope, backend and device, config alignment, layout, faults."""
+    from h3gate.kernels.tp_layers import check_alignment
+    from h3gate.layout import build_layout
+    from h3gate.manifests.layouts import load_layout
+    from h3gate.manifests.model_config import load_config
+    from h3gate.parallel.ws2_scope import SCOPES
+    from h3gate.runs.setup import check_device
+
+    if s.topology not in TOPOLOGIES:
+        raise InputError(f"--topology {s.topology!r}: must be one of {', '.join(TOPOLOGIES)}")
+    tp, cp, sp = TOPOLOGIES[s.topology]
+    if s.scope not in SCOPES:
+        raise InputError(f"--scope {s.scope!r}: must be one of {', '.join(SCOPES)}")
+    device = check_device(s.device)
+    backend = s.backend or ("nccl" if device.startswith("cuda") else "gloo")
+    if backend not in BACKENDS:
+        raise InputError(f"--backend {backend!r}: must be one of {', '.join(BACKENDS)}")
+    if backend == "gloo" and device != "cpu":
+        raise InputError("--backend gloo: runs the CPU ranks (--device cpu); GPUs take --backend nccl")
+    if backend == "nccl":
+        if device == "cpu":
+            raise InputError("--backend nccl: needs --device cuda (one GPU per rank)")
+        if not torch.distributed.is_nccl_available():
+            raise InputError("--backend nccl: this torch build has no NCCL")
+        if tp * cp > torch.cuda.device_count():
+            raise InputError(f"--topology {s.topology}: {tp * cp} ranks need {tp * cp} GPUs, this machine has "
+                             f"{torch.cuda.device_count()} (one NCCL rank per GPU)")  # fmt: skip
+    cfg = load_config(s.config).config
+    check_alignment(tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, torch.bfloat16)
+    if cfg.num_attention_heads % (tp * cp):
+        raise InputError(f"--topology {s.topology}: Ulysses attention splits {cfg.num_attention_heads} heads over "
+                         f"tp x cp = {tp * cp} ranks; they must divide")  # fmt: skip
+    layout = build_layout(load_layout(s.layout), s.layout)
+    if layout.seq_len < cp:
+        raise InputError(f"--layout {s.layout}: {layout.seq_len} packed rows cannot be split over {cp} CP ranks")
+    from h3gate.graph.block import build_block_graph
+    from h3gate.graph.model import build_model_graph
+
+    graph = build_block_graph(cfg, 0) if s.scope == "block" else build_model_graph(cfg)
+    faults = [_fault(f, tp * cp, graph, layout.seq_len) for f in s.faults]
+    return Ws2Plan(s, tp, cp, sp, backend, cfg, layout, faults)
+
+
+def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, dict, float]:
+    """TP1 on this device in the seg8 merge order; writes ``inputs`` and ``reference`` into ``folder``."""
+    from safetensors.torch import save_file
+
+    from h3gate.graph.executions import bind_graph, candidate_table
+    from h3gate.parallel.ws2_scope import build_scope, cotangents, forward_backward
+
+    s = plan.settings
+    device = "cpu" if s.device == "cpu" else "cuda:0"
+    scope = build_scope(s.scope, plan.cfg, plan.layout, s.seed, device)
+    bindings = bind_graph(scope.graph, "strict", device, "seg8")
+    cots: dict = {}
+
+    def cot_fn(values):
+        cots.update(cotangents(scope, values, s.seed))
+        return cots
+
+    started = time.perf_counter()
+    values, grads = forward_backward(scope, scope.inputs, scope.params, candidate_table(bindings), None, cot_fn)
+    seconds = time.perf_counter() - started
+    tensors = {f"v:{k}": v for k, v in values.items()}
+    tensors.update({f"g:{k}": g for k, g in grads.items()})
+    tensors.update({f"c:{k}": c for k, c in cots.items()})
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / "reference"))
+    save_file({k: v.detach().cpu().clone() for k, v in scope.inputs.items()}, str(folder / "inputs"))
+    return scope, bindings, seconds
+
+
+def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
+    """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3)."""
+    s, world = plan.settings, plan.tp * plan.cp
+    spec = {"config": s.config, "layout": s.layout, "scope": s.scope, "seed": s.seed, "mode": "strict",
+            "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp, "backend": plan.backend,
+            "device": s.device, "init_file": str(folder / "rendezvous"),
+            "faults": [f.record() for f in plan.faults]}  # fmt: skip
+    for f in spec["faults"]:
+        f.pop("kind")
+    (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": str(s.threads)}
+    command = [sys.executable, "-m", "h3gate.parallel.ws2_rank", "--world", str(world), "--dir", str(folder)]
+    started = time.perf_counter()
+    procs = [subprocess.Popen([*command, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                              text=True) for r in range(world)]  # fmt: skip
+    errors = []
+    for r, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=RANK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"run ws2: rank {r} ran past {RANK_TIMEOUT_S} s") from None
+        if p.returncode:
+            tail = [ln for ln in err.splitlines() if ln.strip()][-1:] or [""]
+            errors.append(f"rank {r} exit {p.returncode}: {tail[0].strip()}")
+    if errors:
+        raise RuntimeError("run ws2: " + "; ".join(errors))
+    seconds = time.perf_counter() - started
+    return [json.loads((folder / f"rank-{r}.json").read_text(encoding="utf-8")) for r in range(world)], seconds
+
+
+def _modality(node, row: int | None, layout) -> str | None:
+    if row is None or node is None:
+        return None
+    kind = node.meta.get("rows", "packed" if node.row_dim == 1 else "timestep")
+    return layout.modality_of_row(row) if kind == "packed" and row < layout.seq_len else kind
+
+
+def _first(order: list[str], per_rank: list[dict], key: str, nodes: dict, layout, phase: str) -> dict | None:
+    """The first name of ``order`` that any rank reports differing; of those ranks, the lowest logical row."""
+    for name in order:
+        hits = [(rec[key][name], r) for r, rec in enumerate(per_rank) if name in rec[key]]
+        if not hits:
+            continue
+        d, rank = min(hits, key=lambda h: (h[0]["logical_row"] is None, h[0]["logical_row"] or 0, h[1]))
+        node = nodes.get(name.partition(":")[2] if name.startswith("node:") else name)
+        return {"phase": phase, "name": name, "layer": None if node is None else node.layer,
+                "owner_rank": d["owner_rank"], "logical_row": d["logical_row"],
+                "modality": _modality(node, d["logical_row"], layout), "rows_differing": d["rows_differing"],
+                "max_abs": d["max_abs"], "ranks_differing": sorted(r for _, r in hits)}  # fmt: skip
+    return None
+
+
+def run_ws2(plan: Ws2Plan) -> dict:
+    """Run TP1 and the topology's ranks; the evidence body (verdict ``pass`` iff forward and backward byte-equal)."""
+    with tempfile.TemporaryDirectory(prefix="h3gate-ws2-") as tmp:
+        folder = Path(tmp)
+        scope, bindings, ref_seconds = _reference(plan, folder)
+        per_rank, rank_seconds = _launch(plan, folder)
+    nodes = {n.name: n for n in scope.graph.nodes}
+    order = [n.name for n in scope.graph.nodes]
+    grad_order = [f"node:{n}" for n in reversed(order)] + [f"input:{k}" for k in scope.leaves]
+    grad_order += sorted({k for rec in per_rank for k in rec["grads"]} - set(grad_order))
+    forward = _first(order, per_rank, "values", nodes, plan.layout, "forward")
+    backward = _first(grad_order, per_rank, "grads", nodes, plan.layout, "backward")
+    s = plan.settings
+    failing = [f"{d['phase']}: {d['name']} rank {d['owner_rank']} row {d['logical_row']}" for d in (forward, backward)
+               if d is not None]  # fmt: skip
+    return {
+        "topology": s.topology,
+        "tp": plan.tp, "cp": plan.cp, "sp": plan.sp,
+        "world_size": plan.tp * plan.cp,
+        "scope": s.scope,
+        "backend": plan.backend,
+        "device": s.device,
+        "config": {"name": s.config, "heads": plan.cfg.num_attention_heads, "hidden_size": plan.cfg.hidden_size,
+                   "ffn_dim": plan.cfg.ffn_dim, "num_layers": plan.cfg.num_layers},
+        "layout": {"name": plan.layout.name, "seq_len": plan.layout.seq_len, "rows": plan.layout.rows_per_modality()},
+        "reference": {"what": "TP1: the one-device strict path, every operator in the seg8 merge order",
+                      "bindings": {k: v.record() for k, v in bindings.items()}, "seconds": ref_seconds},
+        "ranks": [{**rec["runtime"], **rec["plan"], "values_checked": rec["checked_values"],
+                   "grads_checked": rec["checked_grads"], "values_differing": len(rec["values"]),
+                   "grads_differing": len(rec["grads"])} for rec in per_rank],  # fmt: skip
+        "ranks_seconds": rank_seconds,
+        "faults": [f.record() for f in plan.faults],
+        "forward_byte_equal": forward is None,
+        "backward_byte_equal": backward is None,
+        "first_drift": forward,
+        "first_backward_drift": backward,
+        "failing_checks": failing,
+        "verdict": "pass" if not failing else "fail",
+    }  # fmt: skip

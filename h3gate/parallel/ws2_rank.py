@@ -1,0 +1,124 @@
+"""One rank of ``run ws2`` (``python -m h3gate.parallel.ws2_rank --rank R --world W --dir D``; gloo or NCCL).
+
+Reads ``D/spec.json``, ``D/inputs`` and ``D/reference`` (the one-device strict run: every node value ``v:<node>``,
+every gradient ``g:<name>``, the cotangents ``c:<output>``), builds its shard of the scope (TP: its heads' and
+channels' weights; CP: its packed rows and their metadata), runs one forward and the backward, compares every value
+and gradient it holds with the same slice of the reference, byte for byte, and writes ``D/rank-R.json``.
+Ranks are laid out TP-innermost: ``rank = cp_rank * tp + tp_rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from h3gate.errors import InputError
+
+NCCL_SETTINGS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+                 "NCCL_IB_DISABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")  # fmt: skip
+
+
+def _groups(tp: int, cp: int):
+    """Every TP group (consecutive ranks) and CP group (stride tp), created in one order on every rank."""
+    import torch.distributed as dist
+
+    tp_groups = [dist.new_group(list(range(c * tp, (c + 1) * tp))) for c in range(cp)]
+    cp_groups = [dist.new_group([t + c * tp for c in range(cp)]) for t in range(tp)]
+    return tp_groups, cp_groups
+
+
+def runtime_record(backend: str, device: str, rank: int, world: int, tp: int, cp: int) -> dict:
+    """What the process group and device report at run time (read back, not restated from the request)."""
+    import torch.distributed as dist
+
+    rec = {
+        "rank": rank,
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "rank_in_world": dist.get_rank(),
+        "tp_group": [c * tp + t for c in [rank // tp] for t in range(tp)],
+        "cp_group": [rank % tp + c * tp for c in range(cp)],
+        "device": str(device),
+        "torch": torch.__version__,
+        "host_pid": os.getpid(),
+    }
+    if device.startswith("cuda"):
+        rec["device_name"] = torch.cuda.get_device_name(torch.device(device))
+        if backend == "nccl":
+            rec["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+            rec["nccl_settings"] = {k: os.environ.get(k, "default") for k in NCCL_SETTINGS}
+    return rec
+
+
+def run_rank(rank: int, world: int, folder: Path) -> None:
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from h3gate.graph.executions import bind_graph, candidate_table
+    from h3gate.layout import build_layout
+    from h3gate.manifests.layouts import load_layout
+    from h3gate.manifests.model_config import load_config
+    from h3gate.parallel.shards import RankPlan
+    from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward
+
+    spec = json.loads((folder / "spec.json").read_text(encoding="utf-8"))
+    torch.set_num_threads(spec["threads"])
+    tp, cp, sp = spec["tp"], spec["cp"], spec["sp"]
+    device = spec["device"]
+    if device.startswith("cuda"):
+        device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(spec["backend"], init_method=f"file://{spec['init_file']}", rank=rank, world_size=world)
+    tp_groups, cp_groups = _groups(tp, cp)
+    cfg = load_config(spec["config"]).config
+    layout = build_layout(load_layout(spec["layout"]), spec["layout"])
+    scope = build_scope(spec["scope"], cfg, layout, spec["seed"], device)
+    inputs = {k: v.to(device) for k, v in load_file(str(folder / "inputs")).items()}
+    ops = candidate_table(bind_graph(scope.graph, spec["mode"], device, "seg8"))
+    plan = RankPlan.build(cfg, scope, inputs, rank, tp, cp, sp, tp_groups[rank // tp], cp_groups[rank % tp])
+    faults = [Fault(**f) for f in spec["faults"] if f["rank"] == rank]
+    overrides = plan.overrides(faults)
+    with safe_open(str(folder / "reference"), framework="pt", device=str(device)) as ref:
+        cots = {k[2:]: plan.local_value(k[2:], ref.get_tensor(k)) for k in ref.keys() if k.startswith("c:")}  # noqa: SIM118
+        values, grads = forward_backward(scope, plan.local_inputs(inputs), plan.params, ops, overrides, lambda _: cots)
+        out = {"values": {}, "grads": {}, "checked_values": 0, "checked_grads": 0}
+        for node in scope.graph.nodes:
+            d = byte_diff(values[node.name], plan.local_value(node.name, ref.get_tensor("v:" + node.name)),
+                          node.row_dim)  # fmt: skip
+            out["checked_values"] += 1
+            if d is not None:
+                out["values"][node.name] = {**d, **plan.locate(node.name, d)}
+        for name, g in grads.items():
+            d = byte_diff(g, plan.local_grad(name, ref.get_tensor("g:" + name)), plan.grad_row_dim(name))
+            out["checked_grads"] += 1
+            if d is not None:
+                out["grads"][name] = {**d, **plan.locate_grad(name, d)}
+    out["runtime"] = runtime_record(spec["backend"], device, rank, world, tp, cp)
+    out["plan"] = plan.record()
+    (folder / f"rank-{rank}.json").write_text(json.dumps(out), encoding="utf-8")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m h3gate.parallel.ws2_rank", description="one run ws2 rank")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        run_rank(args.rank, args.world, args.dir)
+    except InputError as exc:
+        print(f"h3gate: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
