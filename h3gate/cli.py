@@ -421,6 +421,34 @@ def run_arms(
     _done(arms_command(settings, out, json_))
 
 
+@run_app.command("ws2")
+def run_ws2(
+    topology: Annotated[
+        str, typer.Option("--topology", help="tp1 | tp2 | tp4 | tp8 | cp2 | tp2cp2 | tp4cp2 | tp4cp2sp.")
+    ],
+    scope: Annotated[str, typer.Option("--scope", help="block (block 0) | model (the whole transformer).")] = "block",
+    backend: Annotated[
+        str | None, typer.Option("--backend", help="gloo (CPU ranks) | nccl (one GPU per rank); default by device.")
+    ] = None,
+    config: Annotated[str, typer.Option("--config", help="A config name or PATH.yaml.")] = "ws2-tiny",
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
+    seed: SeedOpt = 0,
+    fault: Annotated[
+        list[str] | None,
+        typer.Option("--fault", help="RANK:NODE:ROW[:forward|backward]: one row scaled on one rank (repeatable)."),
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu | cuda (default cpu).")] = "cpu",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """TP/CP/SP ranks against TP1 (one device, seg8 merge order): every value and gradient byte for byte."""
+    from h3gate.commands.ws2_cmd import ws2_command
+    from h3gate.parallel.ws2 import Ws2Settings
+
+    settings = Ws2Settings(topology, scope, backend, resolve_device(device), config, layout, seed, fault or [])
+    _done(ws2_command(settings, out, json_))
+
+
 @run_app.command("ws1-ops")
 def run_ws1_ops(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,

@@ -241,6 +241,7 @@ def run_ws2(plan: Ws2Plan) -> dict:
         "ranks_seconds": rank_seconds,
         "faults": [f.record() for f in plan.faults],
         "forward_byte_equal": forward is None,
+        "gradients_compared": "every node-output, input and parameter gradient each rank holds",
         "backward_byte_equal": backward is None,
         "first_drift": forward,
         "first_backward_drift": backward,

@@ -1,0 +1,61 @@
+"""``h3gate run ws2``: TP / CP / SP ranks byte-equal to TP1 (the one-device strict path in the seg8 merge order).
+
+Exit codes: 0 every rank's values and gradients equal TP1's byte for byte; 1 a drift (evidence written, first drift
+named by rank, node, row, modality); 2 bad input (topology, scope, backend/device, a config whose widths do not
+fall on the segment boundaries, a fault spec), checked before anything runs; 3 a rank crashed (never a verdict).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from h3gate.commands.console import progress, stdout_console
+from h3gate.errors import EXIT_FAIL, EXIT_PASS
+from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.numerics import strict_numerics
+from h3gate.parallel.ws2 import KIND, Ws2Settings, plan_ws2, run_ws2
+from h3gate.paths import LOCAL_EVIDENCE, display
+
+EVIDENCE = f"{KIND}.json"
+
+
+def ws2_command(settings: Ws2Settings, out: Path | None, json_: bool) -> int:
+    """Plan (every input checked), run TP1 and the ranks, write ``OUT/ws2.json``."""
+    started = time.perf_counter()
+    with strict_numerics(settings.device):
+        plan = plan_ws2(settings)
+        name = f"{settings.topology}-{settings.scope}-{settings.config}-{settings.layout}"
+        folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+        with progress(KIND, None, started) as step:
+            step(f"TP1 reference and {plan.tp * plan.cp} {plan.backend} ranks")
+            body = run_ws2(plan)
+        path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
+    if json_:
+        keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
+                "gradients_compared", "first_drift", "first_backward_drift", "verdict", "failing_checks")  # fmt: skip
+        print(json.dumps({**{k: body[k] for k in keys}, "evidence": str(path)}, indent=1))
+    else:
+        _summary(body, path)
+    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def _where(d: dict | None) -> str:
+    if d is None:
+        return "byte-equal"
+    return (f"first drift {d['name']} (layer {d['layer']}) rank {d['owner_rank']} row {d['logical_row']} "
+            f"{d['modality']}, {d['rows_differing']} rows, max |diff| {d['max_abs']:.3g}")  # fmt: skip
+
+
+def _summary(body: dict, path: Path) -> None:
+    console = stdout_console()
+    console.print(
+        f"ws2 {body['topology']} ({body['world_size']} {body['backend']} ranks, {body['scope']}) "
+        f"{body['config']['name']} / {body['layout']['name']} (S={body['layout']['seq_len']}) vs TP1 seg8"
+    )
+    console.print(f"  forward: {_where(body['first_drift'])}")
+    console.print(f"  backward ({body['gradients_compared']}): {_where(body['first_backward_drift'])}")
+    for check in body["failing_checks"]:
+        console.print(f"  failing: {check}")
+    console.print(f"verdict: {body['verdict']}; evidence: {display(path)}")
