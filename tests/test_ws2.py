@@ -1,0 +1,144 @@
+"""``h3gate run ws2``: TP (and CP) ranks on gloo byte-equal to TP1, the one-device strict path in the seg8 merge order.
+
+The acceptance matrix (ws2-tiny, micro layout, forward and backward), its negative controls (a one-row fault on one
+rank, forward or backward, must fail and be located to that rank, node and row; the single-walk merge order must
+not pass for seg8), the bad inputs (exit 2, before anything runs) and a crash (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _run(run_cli, tmp_path, *args: str) -> tuple[int, dict | None, str]:
+    out = tmp_path / "out"
+    code, stdout, err = run_cli("--quiet", "run", "ws2", *args, "--out", out)
+    path = out / "ws2.json"
+    return code, json.loads(path.read_text()) if path.exists() else None, stdout + err
+
+
+@pytest.mark.parametrize("topology", ["tp2", "tp4"])
+def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, topology) -> None:
+    code, body, text = _run(run_cli, tmp_path, "--topology", topology)
+    assert code == 0, text
+    n = body["tp"]
+    assert body["forward_byte_equal"] and body["backward_byte_equal"] and body["verdict"] == "pass"
+    assert body["world_size"] == n == len(body["ranks"])
+    for r, rank in enumerate(body["ranks"]):
+        assert rank["backend"] == "gloo" and rank["world_size"] == n and rank["rank_in_world"] == r
+        assert rank["values_checked"] == 17 and rank["grads_checked"] >= 17 + 2 + 12
+        assert rank["heads"] == [r * 8 // n, (r + 1) * 8 // n] and rank["ffn_channels"] == [r * 512 // n, (r + 1) * 512 // n]
+        # every split GEMM holds 1/n of its weight: FLOPs divided by the degree
+        shapes = rank["sharded_param_shapes"]
+        assert shapes["attn.to_q.weight"] == [1024 // n, 192] and shapes["attn.to_out.0.weight"] == [192, 1024 // n]
+        assert shapes["ff.net.0.proj.weight"] == [1024 // n, 192] and shapes["ff.net.2.weight"] == [192, 512 // n]
+    bound = {b["ops"][0].get("bound") for b in body["reference"]["bindings"].values()}
+    assert {"h3_attention_o_gemm_seg8", "h3_ffn_down_gemm_seg8", "h3_qkv_gemm_seg8"} <= bound
+
+
+@pytest.mark.slow
+def test_tp8_and_the_whole_model_at_tp2(run_cli, tmp_path) -> None:
+    code, body, text = _run(run_cli, tmp_path / "a", "--topology", "tp8")
+    assert code == 0 and body["ranks"][7]["heads"] == [7, 8], text
+    code, body, text = _run(run_cli, tmp_path / "b", "--topology", "tp2", "--scope", "model")
+    assert code == 0 and body["forward_byte_equal"] and body["backward_byte_equal"], text
+    assert body["ranks"][0]["values_checked"] > 17 * 2  # every block, the refiner, embeddings and heads
+
+
+@pytest.mark.parametrize(
+    ("fault", "phase", "node", "rank", "row", "modality"),
+    [
+        ("1:o_proj:30", "forward", "o_proj", 1, 30, "video"),  # a replicated (merged) value on one rank
+        ("0:q_proj:5", "forward", "q_proj", 0, 5, "text"),  # a sharded value (rank 0's heads)
+        ("1:ffn_down:40:backward", "backward", "node:swiglu", 1, 40, "audio"),  # the dX ffn_down hands to swiglu
+    ],
+)
+def test_a_one_row_fault_on_one_rank_fails_and_is_located(run_cli, tmp_path, fault, phase, node, rank, row, modality):
+    code, body, text = _run(run_cli, tmp_path, "--topology", "tp2", "--fault", fault)
+    assert code == 1, text
+    drift = body["first_drift"] if phase == "forward" else body["first_backward_drift"]
+    assert drift["name"] == node and drift["owner_rank"] == rank and drift["logical_row"] == row
+    assert drift["modality"] == modality and drift["rows_differing"] == 1 and drift["ranks_differing"] == [rank]
+    assert body["verdict"] == "fail" and body["failing_checks"]
+    if phase == "backward":
+        assert body["forward_byte_equal"]
+
+
+def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
+    """Negative control of the merge order: the TP2 row-parallel merge equals the seg8 operator, never the
+    single-walk kernel (a crafted row whose FP32 sum depends on the order)."""
+    from h3gate.kernels.gemm import linear
+    from h3gate.kernels.gemm_merge import linear_merge
+    from h3gate.kernels.tp_layers import MergeGroup, RowLinear
+
+    k = 1024
+    x = torch.zeros(1, k, dtype=torch.float32)
+    x[0, 0], x[0, 256], x[0, 384] = 1.0, 2.0**25, -(2.0**25)  # segments 0, 2 and 3 (BLOCK_K 32: S = 128)
+    w = torch.ones(4, k)
+    subs = []
+    for r in range(2):
+        cols = slice(r * 512, (r + 1) * 512)
+        subs.append((x[:, cols].contiguous(), w[:, cols].contiguous()))
+    parts = [None, None]
+
+    def gather(t):
+        return list(parts)
+
+    from h3gate.kernels.gemm_merge import owned_segments, segment_partials
+
+    for r, (xa, wa) in enumerate(subs):
+        parts[r] = segment_partials(xa, wa, owned_segments(2, r), (4, k), "fwd").clone()
+    merged = RowLinear.apply(subs[0][0], subs[0][1], (4, k), MergeGroup(2, 0, gather))
+    assert torch.equal(merged, linear_merge(x, w)) and merged[0, 0] == 1.0
+    assert not torch.equal(merged, linear(x, w))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--topology", "tp3"], "--topology 'tp3': must be one of tp1, tp2, tp4, tp8, cp2, tp2cp2, tp4cp2, tp4cp2sp"),
+        (["--topology", "tp2", "--scope", "layer"], "--scope 'layer': must be one of block, model"),
+        (["--topology", "tp2", "--backend", "mpi"], "--backend 'mpi': must be one of gloo, nccl"),
+        (["--topology", "tp2", "--backend", "nccl"], "--backend nccl: needs --device cuda (one GPU per rank)"),
+        (["--topology", "tp2", "--config", "tiny"], "TP2 rank 0: attention O forward: its segments cover [0, 256) "
+         "but the rank owns [0, 128); this config's widths do not fall on segment boundaries"),
+        (["--topology", "tp2", "--fault", "2:o_proj:3"], "--fault '2:o_proj:3': rank 2 outside the topology's 2 ranks"),
+        (["--topology", "tp2", "--fault", "0:o_proj:84"], "--fault '0:o_proj:84': row 84 must be < 84"),
+        (["--topology", "tp2", "--fault", "0:o_proj:3:sideways"],
+         "--fault '0:o_proj:3:sideways': 'sideways' is neither forward nor backward"),
+        (["--topology", "tp2", "--fault", "o_proj:3"], "--fault 'o_proj:3': expected RANK:NODE:ROW[:forward|backward]"),
+        (["--topology", "tp2", "--layout", "nope"], "layout 'nope': unknown (known: 768p, medium, micro,"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_exit_2_in_one_line_before_anything_runs(run_cli, tmp_path, args, message) -> None:
+    code, stdout, err = run_cli("--quiet", "run", "ws2", *args, "--out", tmp_path / "out")
+    assert code == 2, stdout + err
+    assert err.startswith(f"h3gate: error: {message}") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_crash_is_exit_3_never_a_verdict(run_cli, monkeypatch, tmp_path) -> None:
+    import h3gate.commands.ws2_cmd as ws2_cmd
+
+    def boom(plan):
+        raise RuntimeError("run ws2: rank 1 exit 1: injected")
+
+    monkeypatch.setattr(ws2_cmd, "run_ws2", boom)
+    code, stdout, err = run_cli("--quiet", "run", "ws2", "--topology", "tp2", "--out", tmp_path / "out")
+    assert code == 3, stdout + err
+    assert err.startswith("h3gate: internal error: RuntimeError: run ws2: rank 1 exit 1") and "Traceback" not in err
+    assert not (tmp_path / "out" / "ws2.json").exists()
+
+
+def test_a_failing_rank_is_an_error_naming_the_rank(tmp_path) -> None:
+    from h3gate.parallel.ws2 import Ws2Settings, _launch, plan_ws2
+
+    plan = plan_ws2(Ws2Settings("tp2"))
+    plan.settings.config = "no-such-config"  # the ranks cannot load it
+    with pytest.raises(RuntimeError, match=r"run ws2: rank 0 exit 2: h3gate: error: .*no-such-config"):
+        _launch(plan, tmp_path)
