@@ -472,6 +472,10 @@ def bench(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable).")] = None,
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml (row count).")] = "medium",
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "real",
+    merge_order: Annotated[
+        str,
+        typer.Option("--merge-order", help="seg8: also time the strict path in the TP merge order (a third arm)."),
+    ] = "single",
     device: DeviceOpt = "cuda",
     out: OutOpt = None,
     json_: JsonOpt = False,
@@ -481,7 +485,7 @@ def bench(
     device = resolve_device(device)
     from h3gate.commands.bench_cmd import bench_command
 
-    _done(bench_command(target, op or [], layout, config, device, out, json_))
+    _done(bench_command(target, op or [], layout, config, device, out, json_, merge_order))
 
 
 @app.command()

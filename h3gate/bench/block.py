@@ -19,7 +19,7 @@ from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
 from h3gate.graph.execute import run_backward, run_chained
-from h3gate.graph.executions import candidate_table, provider_table
+from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import stand_in
 from h3gate.numerics import strict_numerics
 from h3gate.runs.setup import prepare
@@ -30,13 +30,35 @@ WARMUP_S = 0.5
 ITERS = 20
 
 
+def seg8_arm(tables: dict, graph, device: str, merge: str) -> dict:
+    """With ``merge == "seg8"``, add the ``strict_seg8`` table (bound strict, seg8 twins) and return its bindings."""
+    from h3gate.ops.registry import check_merge
+
+    if check_merge(merge) != "seg8":
+        return {}
+    bindings = bind_graph(graph, "strict", device, "seg8")
+    tables["strict_seg8"] = candidate_table(bindings)
+    return bindings
+
+
+def ratios(stats: dict) -> dict:
+    """strict / provider, and with a seg8 arm seg8 / strict and seg8 / provider (medians)."""
+    med = {who: s["median_ms"] for who, s in stats.items()}
+    out = {"strict_over_provider": med["strict"] / med["provider"]}
+    if "strict_seg8" in med:
+        out["strict_seg8_over_strict"] = med["strict_seg8"] / med["strict"]
+        out["strict_seg8_over_provider"] = med["strict_seg8"] / med["provider"]
+    return out
+
+
 def bench_block(
-    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None
+    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None, merge: str = "single"
 ) -> tuple[dict, list[Path]]:
     """Time the strict block and the provider block side by side: the ``bench-ws1-block`` body and the manifests
     read (the caller, ``h3gate bench ws1-block``, writes and prints; this runs under its numerics switch).
 
-    ``progress(label)`` is called before each timed phase.
+    ``progress(label)`` is called before each timed phase. ``merge="seg8"`` adds a third arm, ``strict_seg8``: the
+    strict block with every operator in the seg8 merge order (what TP ranks share), timed in the same rounds.
     """
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
@@ -44,6 +66,7 @@ def bench_block(
         setup = prepare(layout, config, None, device, 0, "strict")
         graph, bindings = setup.graph, setup.bindings
         tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+        seg8 = seg8_arm(tables, graph, device, merge)
         x, params = setup.inputs.tensors, setup.params
         h = x["hidden_states"]
         cot = stand_in(0, "cotangent", 0, h.shape[1], h.shape[2], h.device)
@@ -75,8 +98,7 @@ def bench_block(
             stats = side_by_side(
                 {who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S
             )
-            ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
-            results[phase] = {**stats, "strict_over_provider": ratio}
+            results[phase] = {**stats, **ratios(stats)}
         body = {
             "config": setup.config_name,
             "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
@@ -87,6 +109,7 @@ def bench_block(
                 "median / min / max"
             ),
             "bindings": {name: nb.record() for name, nb in bindings.items()},
+            **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),
             "results": results,
         }
     return body, setup.manifests

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bench.block import ratios, seg8_arm
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
@@ -194,12 +195,13 @@ def _setup(layout: str, config: str, device: str):
 
 
 def bench_model(
-    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None
+    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None, merge: str = "single"
 ) -> tuple[dict, list[Path]]:
     """Time the strict model and the provider model side by side: the ``bench-ws1-model`` body and the manifests
     read (the caller, ``h3gate bench ws1-model``, writes and prints; this runs under its numerics switch).
 
-    ``progress(label)`` is called before loading and before each timed phase.
+    ``progress(label)`` is called before loading and before each timed phase. ``merge="seg8"`` adds the
+    ``strict_seg8`` arm (every operator in the seg8 merge order), timed in the same rounds.
     """
     name, cfg, packed, graph, stages, bindings, source, manifests = _setup(layout, config, device)
     what = f"bench ws1-model --layout {layout} --config {name} --device {device} (S={packed.seq_len})"
@@ -209,6 +211,7 @@ def bench_model(
     params = _load_params(source, device)
     inputs, _ = model_inputs(packed, cfg, SEED, device)
     tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+    seg8 = seg8_arm(tables, graph, device, merge)
     with torch.no_grad():
         cot = model_cotangents(SEED, forward_stages(stages, inputs, stage_params(stages, params), tables["provider"]))
     iters = iters_for(packed.seq_len)
@@ -223,8 +226,7 @@ def bench_model(
         peaks: dict[str, int] = {}
         fns = {who: _with_peak(make(t), peaks, who) for who, t in tables.items()}
         stats = side_by_side(fns, iters=iters, warmup=WARMUP, warmup_s=WARMUP_S)
-        ratio = stats["strict"]["median_ms"] / stats["provider"]["median_ms"]
-        results[phase] = {**stats, "strict_over_provider": ratio, "max_memory_allocated_bytes": peaks}
+        results[phase] = {**stats, **ratios(stats), "max_memory_allocated_bytes": peaks}
     body = {
         "config": name,
         "layout": {"name": layout, "seq_len": packed.seq_len, "rows": packed.rows_per_modality()},
@@ -246,6 +248,7 @@ def bench_model(
         "recomputation": RECOMPUTATION,
         "parameter_gradients": PARAM_GRADS,
         "bindings": operator_bindings(bindings),
+        **({"seg8_bindings": operator_bindings(seg8)} if seg8 else {}),
         "results": results,
     }
     return body, manifests

@@ -23,8 +23,20 @@ KIND = "bench"
 
 
 def bench_command(
-    target: str | None, ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool
+    target: str | None,
+    ops: list[str],
+    layout: str,
+    config: str,
+    device: str,
+    out: Path | None,
+    json_: bool,
+    merge: str = "single",
 ) -> int:
+    from h3gate.ops.registry import check_merge
+
+    check_merge(merge)
+    if merge != "single" and target not in ("ws1-block", "ws1-model"):
+        raise InputError("--merge-order: applies to bench ws1-block and ws1-model (operators: --op NAME_seg8)")
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")
     if out is not None:
@@ -34,11 +46,11 @@ def bench_command(
     if target == "ws1-block":
         if ops:
             raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")
-        return _bench_block(layout, config, device, out, json_)
+        return _bench_block(layout, config, device, out, json_, merge)
     if target == "ws1-model":
         if ops:
             raise InputError("bench ws1-model: --op does not apply (time one operator with `bench --op NAME`)")
-        return _bench_model(layout, config, device, out, json_)
+        return _bench_model(layout, config, device, out, json_, merge)
     if target is not None:
         raise InputError(f"bench {target!r}: unknown target (ws1-block, ws1-model, or none with --op NAME)")
     if not ops:
@@ -46,7 +58,7 @@ def bench_command(
     return _bench_ops(list(dict.fromkeys(ops)), layout, config, device, out, json_)
 
 
-def _bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+def _bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool, merge: str) -> int:
     """Time the strict block next to the provider block; write ``bench-ws1-block.json`` and print it."""
     from h3gate.bench.block import KIND as BLOCK_KIND
     from h3gate.bench.block import bench_block
@@ -54,13 +66,13 @@ def _bench_block(layout: str, config: str, device: str, out: Path | None, json_:
 
     with strict_numerics(device):
         with progress("bench ws1-block", 2) as step:
-            body, manifests = bench_block(layout, config, device, progress=step)
+            body, manifests = bench_block(layout, config, device, progress=step, merge=merge)
         folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
         path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
     return _print_phases("ws1-block", body, path, json_)
 
 
-def _bench_model(layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+def _bench_model(layout: str, config: str, device: str, out: Path | None, json_: bool, merge: str) -> int:
     """Time the strict model next to the provider model; write ``bench-ws1-model.json`` and print it."""
     from h3gate.bench.model import KIND as MODEL_KIND
     from h3gate.bench.model import bench_model
@@ -68,7 +80,7 @@ def _bench_model(layout: str, config: str, device: str, out: Path | None, json_:
 
     with strict_numerics(device):
         with progress("bench ws1-model", 3) as step:
-            body, manifests = bench_model(layout, config, device, progress=step)
+            body, manifests = bench_model(layout, config, device, progress=step, merge=merge)
         folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-model-{body['config']}-{layout}"
         path = write_evidence(
             folder, f"{MODEL_KIND}.json", MODEL_KIND, body, command=["h3gate", *sys.argv[1:]], manifests=manifests,
@@ -86,13 +98,18 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
     title = f"bench {target} {body['config']} / {lay['name']} (S={lay['seq_len']}) on {body['device']}"
     table = Table(title=title)
     memory = all("max_memory_allocated_bytes" in r for r in body["results"].values())
+    seg8 = all("strict_seg8" in r for r in body["results"].values())
     for col in ("phase", "provider ms", "strict ms", "strict / provider"):
         table.add_column(col)
+    if seg8:
+        table.add_column("strict seg8 ms (/ strict)")
     if memory:
         table.add_column("peak GiB provider / strict")
     for phase, r in body["results"].items():
         cells = [phase, f"{r['provider']['median_ms']:.3f}", f"{r['strict']['median_ms']:.3f}"]
         cells.append(f"{r['strict_over_provider']:.2f}x")
+        if seg8:
+            cells.append(f"{r['strict_seg8']['median_ms']:.3f} ({r['strict_seg8_over_strict']:.3f}x)")
         if memory:
             peak = r["max_memory_allocated_bytes"]
             cells.append(f"{peak['provider'] / 2**30:.1f} / {peak['strict'] / 2**30:.1f}")
