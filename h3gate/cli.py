@@ -48,6 +48,9 @@ CheckpointOpt = Annotated[
 ]
 ModeOpt = Annotated[str, typer.Option("--mode", help="strict | audit | auto | off")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and inputs.")]
+MergeOpt = Annotated[
+    str, typer.Option("--merge-order", help="single (one-walk kernels) | seg8 (the TP merge order: the _seg8 twins).")
+]
 TolOpt = Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")]
 FaultOpt = Annotated[
     str | None,
@@ -264,6 +267,7 @@ def run_ws1_block(
         ),
     ] = False,
     fault: FaultOpt = None,
+    merge_order: MergeOpt = "single",
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -286,6 +290,7 @@ def run_ws1_block(
             json_,
             fault_matrix=fault_matrix,
             fault=fault,
+            merge=merge_order,
         )  # fmt: skip
     )
 
@@ -319,6 +324,7 @@ def run_ws1_model(
         ),
     ] = None,
     fault: FaultOpt = None,
+    merge_order: MergeOpt = "single",
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -341,6 +347,7 @@ def run_ws1_model(
             out,
             json_,
             fault=fault,
+            merge=merge_order,
         )  # fmt: skip
     )
 

@@ -32,7 +32,9 @@ def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, 
     for r, rank in enumerate(body["ranks"]):
         assert rank["backend"] == "gloo" and rank["world_size"] == n and rank["rank_in_world"] == r
         assert rank["values_checked"] == 17 and rank["grads_checked"] >= 17 + 2 + 12
-        assert rank["heads"] == [r * 8 // n, (r + 1) * 8 // n] and rank["ffn_channels"] == [r * 512 // n, (r + 1) * 512 // n]
+        assert rank["heads"] == [r * 8 // n, (r + 1) * 8 // n]
+        assert rank["ffn_channels"] == [r * 512 // n, (r + 1) * 512 // n]
+        assert rank["collective_probe"]["all_gather_rank_order"] == list(range(n))
         # every split GEMM holds 1/n of its weight: FLOPs divided by the degree
         shapes = rank["sharded_param_shapes"]
         assert shapes["attn.to_q.weight"] == [1024 // n, 192] and shapes["attn.to_out.0.weight"] == [192, 1024 // n]
@@ -112,6 +114,7 @@ def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
         (["--topology", "tp2", "--fault", "0:o_proj:3:sideways"],
          "--fault '0:o_proj:3:sideways': 'sideways' is neither forward nor backward"),
         (["--topology", "tp2", "--fault", "o_proj:3"], "--fault 'o_proj:3': expected RANK:NODE:ROW[:forward|backward]"),
+        (["--topology", "tp2", "--merge-order", "seg8"], "No such option"),
         (["--topology", "tp2", "--layout", "nope"], "layout 'nope': unknown (known: 768p, medium, micro,"),
     ],
 )  # fmt: skip
@@ -119,6 +122,12 @@ def test_bad_input_is_exit_2_in_one_line_before_anything_runs(run_cli, tmp_path,
     code, stdout, err = run_cli("--quiet", "run", "ws2", *args, "--out", tmp_path / "out")
     assert code == 2, stdout + err
     assert err.startswith(f"h3gate: error: {message}") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_merge_order_that_does_not_exist_is_exit_2(run_cli, tmp_path) -> None:
+    code, _, err = run_cli("--quiet", "run", "ws1-block", "--merge-order", "seg16", "--out", tmp_path / "out")
+    assert code == 2 and err.strip() == "h3gate: error: --merge-order 'seg16': must be one of single, seg8"
     assert not (tmp_path / "out").exists()
 
 

@@ -72,6 +72,7 @@ def ws1_model_command(
     out: Path | None,
     json_: bool,
     fault: str | None = None,
+    merge: str = "single",
 ) -> int:
     """Run the whole-model gate and write ``ws1-model.json``; 0 pass / 1 fail (InputError -> 2)."""
     started = time.perf_counter()
@@ -79,8 +80,9 @@ def ws1_model_command(
     tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
     with strict_numerics(device):
         setup = prepare_model(
-            layout, config, checkpoint, device, seed, mode, layers, backward, save_tensors=save_tensors is not None
-        )
+            layout, config, checkpoint, device, seed, mode, layers, backward, save_tensors=save_tensors is not None,
+            merge=merge,
+        )  # fmt: skip
         injected = parse_model_fault(fault, setup) if fault is not None else None
         folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
         setup_s = time.perf_counter() - started

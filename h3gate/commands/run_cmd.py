@@ -226,6 +226,7 @@ def ws1_block_command(
     json_: bool,
     fault_matrix: bool = False,
     fault: str | None = None,
+    merge: str = "single",
 ) -> int:
     """Run the one-block gate and write ``ws1-block.json``; returns 0 pass / 1 fail (InputError -> 2).
 
@@ -235,7 +236,7 @@ def ws1_block_command(
     started = time.perf_counter()
     tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
     with strict_numerics(device):
-        setup = prepare(layout, config, checkpoint, device, seed, mode)
+        setup = prepare(layout, config, checkpoint, device, seed, mode, merge)
         injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
         folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
         result = _run(setup, tol, backward, injected, fault_matrix, started)

@@ -17,16 +17,25 @@ from h3gate.kernels.tp_layers import MergeGroup, check_alignment
 from h3gate.parallel.tp import TpRank, param_local_name, shard_params, tp_overrides, value_shard
 
 
+def staged(t: torch.Tensor) -> bool:
+    """Whether a collective on ``t`` goes through host memory: gloo ranks computing on a GPU (ranks sharing GPUs)."""
+    import torch.distributed as dist
+
+    return t.is_cuda and dist.get_backend() == "gloo"
+
+
 def group_gather(group):
-    """All-gather within ``group`` (rank order) as raw bytes: exact for every dtype, on gloo and NCCL alike."""
+    """All-gather within ``group`` (rank order) as raw bytes: exact for every dtype, on gloo and NCCL alike (gloo
+    ranks on GPUs stage the bytes through host memory: a copy, never arithmetic)."""
     import torch.distributed as dist
 
     def gather(t: torch.Tensor) -> list[torch.Tensor]:
         x = t.contiguous()
-        raw = x.reshape(-1).view(torch.uint8)
+        host = staged(x)
+        raw = (x.cpu() if host else x).reshape(-1).view(torch.uint8)
         parts = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, raw, group=group)
-        return [p.view(x.dtype).reshape(x.shape) for p in parts]
+        return [(p.to(x.device) if host else p).view(x.dtype).reshape(x.shape) for p in parts]
 
     return gather
 

@@ -47,6 +47,10 @@ def runtime_record(backend: str, device: str, rank: int, world: int, tp: int, cp
         "torch": torch.__version__,
         "host_pid": os.getpid(),
     }
+    ids = torch.tensor([rank], dtype=torch.int64, device="cpu" if rec["backend"] == "gloo" else device)
+    seen = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(seen, ids)
+    rec["collective_probe"] = {"all_gather_rank_order": [int(t) for t in seen], "tensor_device": str(ids.device)}
     if device.startswith("cuda"):
         rec["device_name"] = torch.cuda.get_device_name(torch.device(device))
         if backend == "nccl":

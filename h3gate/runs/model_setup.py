@@ -114,6 +114,7 @@ def prepare_model(
     backward: bool = True,
     lanes: int = 12,
     save_tensors: bool = False,
+    merge: str = "single",
 ) -> ModelSetup:
     """Resolve and check everything (bad input -> InputError before any weight is read or memory allocated)."""
     from h3gate.memory import require
@@ -135,7 +136,7 @@ def prepare_model(
         require(saved_values_bytes(cfg, packed.seq_len, stages), f"--save-tensors at --layout {layout} "
                 f"--config {config_name} (every node's values, three executions)", "cpu",
                 hint="bound it with --layers")  # fmt: skip
-    bindings = bind_graph(graph, mode, device)
+    bindings = bind_graph(graph, mode, device, merge)
     if ckpt["kind"] == "synthetic" and device != "cpu":
         # Drawn on the device's own generator (a 33B model is not drawn on the CPU); values are per device kind.
         source = SyntheticSource(cfg, seed, generator_device=device)

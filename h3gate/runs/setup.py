@@ -126,7 +126,13 @@ def config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[
 
 
 def prepare(
-    layout: str, config: str | None, checkpoint: Path | None, device: str, seed: int, mode: str = "off"
+    layout: str,
+    config: str | None,
+    checkpoint: Path | None,
+    device: str,
+    seed: int,
+    mode: str = "off",
+    merge: str = "single",
 ) -> Ws1BlockSetup:
     """Resolve config, weights, layout, block-0 graph, bindings, parameters and inputs (bad input -> InputError).
 
@@ -139,7 +145,7 @@ def prepare(
     packed = build_layout(load_layout(layout), layout)
     check_memory(cfg, packed, layout, config_name, device)
     graph = build_block_graph(cfg, LAYER)
-    bindings = bind_graph(graph, mode, device)
+    bindings = bind_graph(graph, mode, device, merge)
     params = block_params(source, LAYER, device)
     inputs = build_block_inputs(packed, cfg, source, seed, device)
     manifests += [LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
