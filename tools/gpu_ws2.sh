@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# H200 evidence for the WS2 issue (#18), from the repository root on the lent GPU host, .whl and .h3gate-revision
+# carried:  bash tools/gpu_ws2.sh SECTION [SECTION ...]
+#   ops-tiny, ops-medium, ops-768p  the block GEMMs, single walk next to their seg8 twins (bench --op, one run each)
+#   merge-tests                     tests/triton_kernels/test_gemm_merge.py compiled on CUDA (TRITON_INTERPRET=0)
+#   block                           bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider)
+#   model                           bench ws1-model --merge-order seg8 at medium (the whole 50-block model)
+#   block-gate                      run ws1-block --merge-order seg8 at medium (the seg8 block through the gate)
+#   ws2-tp                          run ws2 tp2/tp4/tp8 at released widths, block, medium: gloo ranks sharing the GPU
+#   ws2-cp                          run ws2 cp2 / tp2cp2 / tp4cp2sp the same way
+#   ws2-nccl                        run ws2 tp1 over NCCL (one GPU: world size 1)
+# Every step runs under a time cap; each evidence folder lands under $OUT/ev/<name>/ and $OUT/evidence.tgz.
+. tools/gpu_common.sh
+H="python3 -m h3gate"
+step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
+  timeout "$cap" "$@" >"$ev/logs/$name.log" 2>&1; local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - start)) s: ${*:3}"; tail -n 14 "$ev/logs/$name.log"; }
+GEMMS="--op h3_attention_o_gemm --op h3_attention_o_gemm_seg8 --op h3_ffn_down_gemm --op h3_ffn_down_gemm_seg8
+ --op h3_qkv_gemm --op h3_qkv_gemm_seg8 --op h3_ffn_gate_up_gemm --op h3_ffn_gate_up_gemm_seg8"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+for s in "$@"; do
+  case $s in
+    ops-tiny|ops-medium|ops-768p) L=${s#ops-}
+      step 240 "bench-ops-seg8-$L" $H bench --device cuda --config real --layout "$L" $GEMMS --out "$ev/bench-ops-seg8-$L";;
+    merge-tests) step 200 merge-tests env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+      tests/triton_kernels/test_gemm_merge.py;;
+    block) for L in medium 768p; do
+        step 200 "bench-ws1-block-seg8-$L" $H bench ws1-block --merge-order seg8 --config real --layout "$L" \
+          --device cuda --out "$ev/bench-ws1-block-seg8-$L"
+      done;;
+    model) step 300 bench-ws1-model-seg8-medium $H bench ws1-model --merge-order seg8 --config real --layout medium \
+      --device cuda --out "$ev/bench-ws1-model-seg8-medium";;
+    block-gate) step 200 ws1-block-seg8-real-medium $H run ws1-block --merge-order seg8 --config real --layout medium \
+      --device cuda --mode strict --out "$ev/ws1-block-seg8-real-medium";;
+    ws2-tp) for T in tp2 tp4 tp8; do
+        step 240 "ws2-$T-real-block-medium" $H run ws2 --topology "$T" --backend gloo --device cuda --config real \
+          --scope block --layout medium --out "$ev/ws2-$T-real-block-medium"
+      done;;
+    ws2-cp) for T in cp2 tp2cp2 tp4cp2sp; do
+        step 240 "ws2-$T-real-block-medium" $H run ws2 --topology "$T" --backend gloo --device cuda --config real \
+          --scope block --layout medium --out "$ev/ws2-$T-real-block-medium"
+      done;;
+    ws2-nccl) step 200 ws2-tp1-nccl-real-block-medium $H run ws2 --topology tp1 --backend nccl --device cuda \
+      --config real --scope block --layout medium --out "$ev/ws2-tp1-nccl-real-block-medium";;
+  esac
+done
+tar czf "$out/evidence.tgz" -C "$ev" .
