@@ -14,26 +14,34 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
   segment but the last non-empty one is whole BLOCK_K chunks; trailing segments may be short or empty (R < 8 * S).
   For the H3 block (R = 7168, 14336, 28672 with BLOCK_K 64) the segments are equal and fall on the TP8 head /
   channel boundaries (7 heads of 128; 1792 and 3584 channels).
-* per segment - one program per (BLOCK_M x BLOCK_N output tile, segment) walks the segment in ascending BLOCK_K
-  chunks, ``acc = dot(a_chunk, b_chunk, acc)`` from ``acc = 0`` in FP32 (BF16: MMA with FP32 accumulator; FP32:
-  ``input_precision="ieee"``), a masked tail adding exact zeros: the single-walk kernel's tile walk
-  (:func:`h3gate.kernels.gemm._tile`, reused as is, pointer loads) on the K-slice, stored unrounded as FP32 partial
-  ``p_i`` (an empty segment gives ``p_i = +0``). Which rank, or which local column offset, computes a segment does
-  not change its bytes (its chunks, values and order are the same).
-* tree - ``Y_acc = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise IEEE FP32 adds (torch, no FMA,
-  deterministic). Rank r of TPn owns segments ``[r * 8/n, (r + 1) * 8/n)`` and evaluates the tree's lower levels on
-  them (:func:`segment_partials`); after an all-gather in rank order :func:`combine` applies the upper log2(n) levels.
+* per segment - one program per BLOCK_M x BLOCK_N output tile (persistent: a program walks tiles pid, pid +
+  #programs, ...) walks the owned segments in order, each in ascending BLOCK_K chunks from ``acc = 0`` in FP32,
+  ``acc = dot(a_chunk, b_chunk, acc)`` (BF16: MMA with FP32 accumulator; FP32: ``input_precision="ieee"``), a masked
+  tail adding exact zeros: the single-walk kernel's pointer-load walk (:func:`_walk`, the loads and MMA of
+  :func:`h3gate.kernels.gemm._tile`) on the K-slice, unrounded FP32 partial ``p_i`` (an empty segment gives
+  ``p_i = +0``). Which rank, or which local column offset, computes a segment does not change its bytes.
+* tree - ``Y_acc = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise IEEE FP32 adds (no FMA),
+  evaluated in the same kernel as soon as a sibling is done: the program keeps its pending subtrees (at most three)
+  in its own scratch slots, so no M x N partial buffer is written (v1 wrote 8 and summed them with torch: the same
+  bytes, about 3x the forward's time on the H200). Rank r of TPn owns segments ``[r * 8/n, (r + 1) * 8/n)`` and
+  evaluates the tree's lower levels on them (:func:`segment_partials`); after an all-gather in rank order
+  :func:`combine` applies the upper log2(n) levels.
 * cast points - the tree's FP32 sum, plus the FP32 bias (exact upcast) in one IEEE add, then one RNE rounding to the
-  output dtype (:func:`finish`). dX the same without bias.
+  output dtype: in the kernel's epilogue when one device owns all 8 segments, else :func:`finish` after
+  :func:`combine`. dX the same without bias.
 * backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY as the
   single-walk kernel (their reduction runs over M, which TP does not split).
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
+* tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
+  accumulator and a slot tile fit the registers), pointer loads, persistent; no TMA or swapped tilings.
 * compilation - :data:`h3gate.kernels.common.STRICT_LAUNCH`: no FMA contraction, no FTZ; no TF32, no split beyond
-  the 8 declared segments, no atomics, no persistent/TMA/swapped tilings (scheduling the contract does not need).
+  the 8 declared segments, no atomics.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -42,12 +50,13 @@ import triton.language as tl
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
+from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import _check as check_linear
+from h3gate.kernels.gemm import _num_sms, _tile_coords, colsum, matmul, mma
 from h3gate.kernels.gemm import _operator as gemm_operator
-from h3gate.kernels.gemm import _tile, _tile_coords, colsum, matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
-KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v1"
+KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v2"
 SEGMENTS = 8
 DEGREES = (1, 2, 4, 8)
 ROLES = ("fwd", "dx")
@@ -101,52 +110,117 @@ def rank_slice(role: str, full_shape: tuple[int, int], dtype: torch.dtype, degre
 # ---------------------------------------------------------------------------------------------------- the kernel
 
 
-@triton.jit(do_not_specialize=["M"])
-def _segment_kernel(
-    a_ptr, b_ptr, p_ptr, M, N, R_LOC, SEG, stride_am, stride_ar, stride_br, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_R: tl.constexpr, B_TRANS: tl.constexpr, INTERPRET: tl.constexpr,
+@helper
+def _walk(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, length, stride_am, stride_ar, stride_br, stride_bn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_R: tl.constexpr,
+          B_TRANS: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """One segment of one tile: ascending BLOCK_K chunks of ``[0, length)`` from acc = 0 (FP32), the single walk's
+    loads and MMA (:func:`h3gate.kernels.gemm._tile`'s pointer path), a masked tail adding exact zeros."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
+    if B_TRANS:  # stored (N, R): load the (BLOCK_N, BLOCK_K) tile
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
+    else:
+        b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(length, BLOCK_K)):
+        if EVEN_R:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            if B_TRANS:
+                b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None], other=0.0))
+            else:
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            in_k = offs_k < length - ki * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+            if B_TRANS:
+                b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0))
+            else:
+                b = tl.load(b_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
+        acc = mma(a, b, acc, INTERPRET)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "NUM_PROGS"])
+def _seg8_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, scratch_ptr, M, N, R_LOC, SEG, stride_am, stride_ar, stride_br, stride_bn,
+    stride_om, NUM_PROGS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    C: tl.constexpr, FINISH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_R: tl.constexpr, B_TRANS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """P[j] (M, N) FP32 = A[:, seg j] @ B[seg j, :] for local segment j = program_id(1), ``[j*SEG, min((j+1)*SEG,
-    R_LOC))``: the single-walk tile (ascending BLOCK_K chunks from acc = 0, FP32) on that K-slice, stored unrounded."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    seg = tl.program_id(1)
-    start = seg * SEG
-    length = tl.maximum(tl.minimum(R_LOC - start, SEG), 0)
-    a_seg = a_ptr + start.to(tl.int64) * stride_ar
-    b_seg = b_ptr + start.to(tl.int64) * stride_br
-    p_seg = p_ptr + seg.to(tl.int64) * M * N
-    _tile(
-        a_seg, b_seg, p_seg, p_seg, a_seg, b_seg, p_seg, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, length,
-        stride_am, stride_ar, stride_br, stride_bn, N, tl.cdiv(length, BLOCK_K), BLOCK_M, BLOCK_N, BLOCK_K, False,
-        EVEN_R, False, B_TRANS, False, INTERPRET,
-    )  # fmt: skip
+    """OUT (M, N) = the tree over C consecutive local segments ``[j*SEG, min((j+1)*SEG, R_LOC))`` of A @ B, per
+    output tile: each segment walked from acc = 0, the pending subtrees kept in this program's scratch slots (slot l
+    holds a finished subtree of 2^l segments), merged as soon as their sibling is done - ``p0 + p1``, ``p2 + p3``,
+    ``s01 + s23``, ... (commutative IEEE FP32 adds in the declared tree's pairing). ``FINISH``: + bias (FP32) and one
+    RNE rounding to OUT's dtype; else OUT is the FP32 subtree. Persistent: program ``pid`` owns tiles pid, pid +
+    NUM_PROGS, ..., and its three scratch slots."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    slots = scratch_ptr + pid.to(tl.int64) * (3 * BLOCK_M * BLOCK_N) + tile
+    for tile_id in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(C):
+            start = pid * 0 + j * SEG  # a scalar tensor in both the compiled kernel and the interpreter
+            length = tl.maximum(tl.minimum(R_LOC - start, SEG), 0)
+            acc = _walk(a_ptr + start.to(tl.int64) * stride_ar, b_ptr + start.to(tl.int64) * stride_br, offs_m,
+                        offs_n, mask_m, mask_n, length, stride_am, stride_ar, stride_br, stride_bn, BLOCK_M, BLOCK_N,
+                        BLOCK_K, EVEN_R, B_TRANS, INTERPRET)  # fmt: skip
+            tl.debug_barrier()  # the slots were written by other threads of this program
+            if j % 2 == 1:
+                acc = tl.load(slots) + acc
+            if j % 4 == 3:
+                acc = tl.load(slots + BLOCK_M * BLOCK_N) + acc
+            if j % 8 == 7:
+                acc = tl.load(slots + 2 * BLOCK_M * BLOCK_N) + acc
+            if j != C - 1:
+                tl.debug_barrier()
+                if j % 2 == 0:
+                    tl.store(slots, acc)
+                elif j % 4 == 1:
+                    tl.store(slots + BLOCK_M * BLOCK_N, acc)
+                else:
+                    tl.store(slots + 2 * BLOCK_M * BLOCK_N, acc)
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        if FINISH:
+            if HAS_BIAS:
+                acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
+        else:
+            tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _launch(a: torch.Tensor, b: torch.Tensor, parts: torch.Tensor, cfg: GemmConfig, seg: int, b_trans: bool) -> None:
-    """``parts (c, M, Nout)`` FP32 = the c local segments' partials of ``a (M, R_loc) @ b``.
+def fused_config(role: str, full_shape: tuple[int, int], dtype: torch.dtype) -> GemmConfig:
+    """The fused kernel's tiling: the full layer's pinned config (its BLOCK_K fixes the segments and chunks) with
+    BLOCK_N capped at 128, so the accumulator and one slot tile fit the registers (a tile shape, not arithmetic)."""
+    cfg = pinned_config(role, full_shape, dtype)
+    return replace(cfg, block_n=min(cfg.block_n, 128), persistent=True, tma=False, tail_block_n=0, swap_ab=False,
+                   tail_m=0)  # fmt: skip
 
-    ``b`` is (Nout, R_loc) row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)."""
-    c, m, n_out = parts.shape
-    r_loc = a.shape[1]
+
+def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: bool, b_trans: bool) -> None:
+    """``out (M, Nout)`` = the tree over ``segments`` local segments of ``a (M, R_loc) @ b`` (``b`` (Nout, R_loc)
+    row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)), rounded with ``bias`` when ``finish_``."""
+    m, n_out = out.shape
     stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
     tiles = -(-m // cfg.block_m) * -(-n_out // cfg.block_n)
-    _segment_kernel[(tiles, c)](
-        a, b, parts, m, n_out, r_loc, seg, a.stride(0), 1, stride_br, stride_bn,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_R=r_loc % cfg.block_k == 0, B_TRANS=b_trans, INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **STRICT_LAUNCH,
+    progs = max(1, min(tiles, _num_sms(out.device)))
+    scratch = torch.empty((progs, 3, cfg.block_m, cfg.block_n), dtype=torch.float32, device=out.device)
+    _seg8_kernel[(progs,)](
+        a, b, out, bias if bias is not None else out, scratch, m, n_out, a.shape[1], seg, a.stride(0), 1, stride_br,
+        stride_bn, out.stride(0), progs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, C=segments, FINISH=finish_, HAS_BIAS=bias is not None,
+        EVEN_R=a.shape[1] % cfg.block_k == 0, B_TRANS=b_trans, INTERPRET=INTERPRET, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **STRICT_LAUNCH,
     )  # fmt: skip
-
-
-def _tree(parts: torch.Tensor) -> torch.Tensor:
-    """Pairwise levels in place: ``P[2i] <- P[2i] + P[2i+1]`` until one slot is left; returns that slot (a view).
-
-    With c = 2^l consecutive, aligned segments this is the lower l levels of the fixed tree."""
-    while parts.shape[0] > 1:
-        parts[0::2].add_(parts[1::2])
-        parts = parts[0::2]
-    return parts[0]
 
 
 # --------------------------------------------------------------------------------------------------- the rank API
@@ -205,17 +279,27 @@ def _check_local(
 
 
 def _subtree(
-    a: torch.Tensor, b: torch.Tensor, owned: range, full_shape: tuple[int, int], role: str, seg: int
+    a: torch.Tensor,
+    b: torch.Tensor,
+    owned: range,
+    full_shape: tuple[int, int],
+    role: str,
+    seg: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The owned segments' partials (one launch) reduced by the tree's lower levels: FP32 (M, Nout)."""
+    """The owned segments reduced by the tree's lower levels (one fused launch): FP32 (M, Nout), or with
+    ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding."""
     rows = a.shape[:-1].numel()
     n_out = b.shape[0] if role == "fwd" else b.shape[1]
     if a.shape[-1] == 0:  # every owned segment is empty: each partial, and their sum, is +0
-        return torch.zeros((rows, n_out), dtype=torch.float32, device=a.device)
+        total = torch.zeros((rows, n_out), dtype=torch.float32, device=a.device)
+        return total if out_dtype is None else finish(total, bias, out_dtype)
     a2 = a.reshape(rows, a.shape[-1])
-    parts = torch.empty((len(owned), a2.shape[0], n_out), dtype=torch.float32, device=a.device)
-    _launch(a2, b, parts, pinned_config(role, tuple(full_shape), a.dtype), seg, b_trans=role == "fwd")
-    return _tree(parts)
+    out = torch.empty((rows, n_out), dtype=out_dtype or torch.float32, device=a.device)
+    cfg = fused_config(role, tuple(full_shape), a.dtype)
+    _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, b_trans=role == "fwd")
+    return out
 
 
 def segment_partials(
@@ -282,7 +366,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     """TP1: all 8 segments on this device, the whole tree, the bias and the one rounding."""
     n, k = weight.shape
     seg = segment_size(k, pinned_config("fwd", (n, k), x.dtype).block_k)
-    y = finish(_subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg), bias, x.dtype)
+    y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype)
     return y.view(*x.shape[:-1], n)
 
 
@@ -305,7 +389,7 @@ class _LinearSeg8(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             seg = segment_size(n, pinned_config("dx", (n, k), x.dtype).block_k)
-            dx = finish(_subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg), None, x.dtype).view(x.shape)
+            dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
             dw = torch.empty((n, k), dtype=weight.dtype, device=x.device)
             matmul(g2, x.reshape(-1, k), dw, None, gemm_config("dw", n, k, x.dtype), a_trans=True, b_trans=False)
