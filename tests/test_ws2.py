@@ -43,6 +43,46 @@ def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, 
     assert {"h3_attention_o_gemm_seg8", "h3_ffn_down_gemm_seg8", "h3_qkv_gemm_seg8"} <= bound
 
 
+@pytest.mark.parametrize(
+    ("topology", "layout", "rows"),
+    [("cp2", "micro-odd", [[0, 42], [42, 83]]), ("tp2cp2", "micro", [[0, 42], [0, 42], [42, 84], [42, 84]])],
+)
+def test_cp_ranks_are_byte_equal_with_ulysses_attention(run_cli, tmp_path, topology, layout, rows) -> None:
+    """CP (83 rows: not divisible by 2) and TP x CP: every value, and every gradient along the hidden path, equal to
+    TP1; the row-partial sums are listed as not compared (never counted as equal)."""
+    code, body, text = _run(run_cli, tmp_path, "--topology", topology, "--layout", layout)
+    assert code == 0, text
+    assert body["forward_byte_equal"] and body["backward_byte_equal"]
+    assert [r["packed_rows"] for r in body["ranks"]] == rows
+    assert all(r["attention"].startswith("Ulysses all-to-all") for r in body["ranks"])
+    assert body["ranks"][0]["cp_group"] == [0, body["tp"]] and body["ranks"][0]["tp_group"] == list(range(body["tp"]))
+    skipped = body["gradients_not_compared"]
+    assert "param:norm1.weight" in skipped and "input:temb" in skipped and "input:hidden_states" not in skipped
+    assert all(r["grads_checked"] == 17 for r in body["ranks"])  # every node-output gradient of the hidden path
+    assert str(len(skipped)) in body["gradients_compared"]
+
+
+@pytest.mark.parametrize(
+    ("topology", "fault", "name", "rank", "row"),
+    [("cp2", "1:q_norm:60", "q_norm", 1, 60), ("tp2cp2", "3:ffn_down:70:backward", "node:swiglu", 3, 70)],
+)
+def test_a_cp_fault_is_located_to_its_rank_and_global_row(run_cli, tmp_path, topology, fault, name, rank, row):
+    code, body, text = _run(run_cli, tmp_path, "--topology", topology, "--fault", fault)
+    assert code == 1, text
+    drift = body["first_drift"] if "backward" not in fault else body["first_backward_drift"]
+    got = (drift["name"], drift["owner_rank"], drift["logical_row"], drift["ranks_differing"])
+    assert got == (name, rank, row, [rank])
+
+
+@pytest.mark.slow
+def test_tp4cp2_and_the_whole_model_at_cp2(run_cli, tmp_path) -> None:
+    code, body, text = _run(run_cli, tmp_path / "a", "--topology", "tp4cp2")
+    assert code == 0 and body["world_size"] == 8 and body["ranks"][7]["heads"] == [6, 8], text
+    code, body, text = _run(run_cli, tmp_path / "b", "--topology", "cp2", "--scope", "model")
+    assert code == 0 and body["forward_byte_equal"] and body["backward_byte_equal"], text
+    assert "param:proj_in.weight" not in body["gradients_not_compared"]  # upstream of the row split: compared
+
+
 @pytest.mark.slow
 def test_tp8_and_the_whole_model_at_tp2(run_cli, tmp_path) -> None:
     code, body, text = _run(run_cli, tmp_path / "a", "--topology", "tp8")
@@ -103,7 +143,7 @@ def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--topology", "tp3"], "--topology 'tp3': must be one of tp1, tp2, tp4, tp8, cp2, tp2cp2, tp4cp2, tp4cp2sp"),
+        (["--topology", "tp3"], "--topology 'tp3': must be one of tp1, tp2, tp4, tp8, cp2, tp2cp2, tp4cp2"),
         (["--topology", "tp2", "--scope", "layer"], "--scope 'layer': must be one of block, model"),
         (["--topology", "tp2", "--backend", "mpi"], "--backend 'mpi': must be one of gloo, nccl"),
         (["--topology", "tp2", "--backend", "nccl"], "--backend nccl: needs --device cuda (one GPU per rank)"),
@@ -115,6 +155,8 @@ def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
          "--fault '0:o_proj:3:sideways': 'sideways' is neither forward nor backward"),
         (["--topology", "tp2", "--fault", "o_proj:3"], "--fault 'o_proj:3': expected RANK:NODE:ROW[:forward|backward]"),
         (["--topology", "tp2", "--merge-order", "seg8"], "No such option"),
+        (["--topology", "cp2", "--fault", "1:q_norm:3"],
+         "--fault '1:q_norm:3': rank 1 (CP rank 1) holds packed rows [42, 84), not row 3"),
         (["--topology", "tp2", "--layout", "nope"], "layout 'nope': unknown (known: 768p, medium, micro,"),
     ],
 )  # fmt: skip

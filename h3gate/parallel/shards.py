@@ -127,6 +127,10 @@ class RankPlan:
             row = self.cp.global_input_row(key, row)
         return {"owner_rank": self.rank, "logical_row": row}
 
+    def not_merged(self, name: str) -> bool:
+        """A gradient this rank holds only a row-partial sum of (CP): not compared, recorded as such."""
+        return self.cp is not None and self.cp.not_merged(name, self.graph)
+
     def record(self) -> dict:
         h0, h1 = self.tp.head_range
         f0, f1 = self.tp.ffn_range

@@ -1,0 +1,254 @@
+"""Context parallelism: packed rows sharded over CP ranks, Ulysses all-to-all attention, metadata co-sharded.
+
+CP rank c holds the contiguous packed rows ``[r_c, r_c+1)`` of ``torch.arange(S).tensor_split(cp)`` (any S: the
+first ``S % cp`` ranks hold one row more) and the same rows of every row-metadata tensor (AdaLN indices, RoPE
+tables, timestep indices). Every block node is row-local and runs on those rows unchanged, except attention:
+
+    q, k, v (B, S_c, h, D)  --all-to-all-->  (B, S, h / cp, D): every row of the rank's head chunk, in packed order
+    attention (the strict kernel, its fixed KV walk over all S rows)
+    out (B, S, h / cp, D)   --all-to-all-->  (B, S_c, h, D)
+
+(``h`` the TP rank's heads under TP x CP.) The all-to-alls move bytes only (their backward is the reverse move), so
+each head sees exactly the one-device K/V in the one-device order: forward values and every gradient along the
+hidden path equal TP1 byte for byte by construction. In the whole model the rows are sharded at ``embed.pack``
+(its backward all-gathers the row gradients, so everything upstream - embeddings, refiner - is replicated and exact)
+and gathered again after ``final.norm_out`` (the heads run replicated).
+
+Not merged yet (recorded as not compared, never as equal): gradients that are sums over packed rows split across
+CP ranks - the parameters of row-sharded nodes and the timestep path (AdaLN projection, time MLP, final
+projection) - need a declared row-segment merge order (docs/ws2-merge-order.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from h3gate.graph.execute import NodeOverride, run_node
+
+ROW_META = ("adaln_indices", "rope_cos", "rope_sin", "timestep_indices")
+TIMESTEP_PARAMS = ("time_embedder.", "norm_out.")
+
+
+def all_to_all(chunks: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
+    """Send ``chunks[j]`` to rank j of ``group``; receive one tensor of ``shapes[j]`` from each (raw bytes: exact for
+    every dtype; gloo ranks on GPUs stage through host memory)."""
+    import torch.distributed as dist
+
+    from h3gate.parallel.shards import staged
+
+    first = chunks[0]
+    host = staged(first)
+    dev = "cpu" if host else first.device
+    send = torch.cat([c.contiguous().to(dev).reshape(-1).view(torch.uint8) for c in chunks])
+    size = first.element_size()
+    out_splits = [int(torch.Size(s).numel()) * size for s in shapes]
+    recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=dev)
+    dist.all_to_all_single(recv, send, out_splits, [c.numel() * size for c in chunks], group=group)
+    parts = recv.split(out_splits)
+    return [p.view(first.dtype).reshape(s).to(first.device) for p, s in zip(parts, shapes, strict=True)]
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """(B, S_c, h, D) rows of this rank -> (B, S, h/cp, D): every rank's rows of this rank's head chunk."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return cp.seq_to_heads(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.cp.heads_to_seq(g.contiguous()), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return cp.heads_to_seq(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.cp.seq_to_heads(g.contiguous()), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """The rank's packed rows of a replicated (B, S, ...) value; backward: every rank's row gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return x[:, cp.lo : cp.hi].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.cp.gather_rows(g.contiguous()), None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return cp.gather_rows(x.contiguous())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, ctx.cp.lo : ctx.cp.hi].contiguous(), None
+
+
+def cp_bounds(seq_len: int, cp: int) -> tuple[int, ...]:
+    """The ``cp + 1`` row boundaries of ``torch.arange(S).tensor_split(cp)``: contiguous, the first ``S % cp`` shards
+    one row longer."""
+    sizes = [len(p) for p in torch.arange(seq_len).tensor_split(cp)]
+    return tuple(sum(sizes[:i]) for i in range(cp + 1))
+
+
+def row_sharded(scope: str, name: str) -> bool:
+    """Whether node ``name``'s value holds only a CP rank's rows (every block node but the AdaLN projection; in the
+    whole model also ``final.norm_out``)."""
+    if scope == "block":
+        return name != "adaln_projection"
+    return (name.startswith("block.") and not name.endswith(".adaln_projection")) or name == "final.norm_out"
+
+
+@dataclass
+class CpRank:
+    degree: int
+    rank: int
+    bounds: tuple[int, ...]  # degree + 1 row boundaries
+    group: object
+    scope: str
+
+    @classmethod
+    def build(cls, cfg, scope, inputs, cp_rank: int, cp: int, sp: bool, tpr, cp_group, tp_group) -> CpRank:
+        return cls(cp, cp_rank, cp_bounds(inputs["rope_cos"].shape[0], cp), cp_group, scope.name)
+
+    @property
+    def lo(self) -> int:
+        return self.bounds[self.rank]
+
+    @property
+    def hi(self) -> int:
+        return self.bounds[self.rank + 1]
+
+    # ------------------------------------------------------------------------------------------- data movement
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, d = x.shape
+        hc = h // self.degree
+        chunks = [x[:, :, j * hc : (j + 1) * hc] for j in range(self.degree)]
+        shapes = [(b, self.bounds[j + 1] - self.bounds[j], hc, d) for j in range(self.degree)]
+        return torch.cat(all_to_all(chunks, shapes, self.group), dim=1)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, hc, d = x.shape
+        chunks = [x[:, self.bounds[j] : self.bounds[j + 1]] for j in range(self.degree)]
+        shapes = [(b, self.hi - self.lo, hc, d)] * self.degree
+        return torch.cat(all_to_all(chunks, shapes, self.group), dim=2)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows (dim 1) in packed order: an all-to-all sending this rank's rows to everyone."""
+        b, rest = x.shape[0], tuple(x.shape[2:])
+        shapes = [(b, self.bounds[j + 1] - self.bounds[j], *rest) for j in range(self.degree)]
+        return torch.cat(all_to_all([x] * self.degree, shapes, self.group), dim=1)
+
+    # -------------------------------------------------------------------------------------------------- overrides
+
+    def sharded(self, name: str) -> bool:
+        """Whether node ``name``'s value holds this rank's rows only."""
+        return row_sharded(self.scope, name)
+
+    def overrides(self, graph, tp_overrides: Mapping) -> dict[str, NodeOverride]:
+        out = dict(tp_overrides)
+        for node in graph.nodes:
+            if self.scope == "model" and self.sharded(node.name):
+                out[node.name] = NodeOverride(self._local(tp_overrides.get(node.name)), label=f"CP{self.degree}")
+            if node.name.rpartition(".")[2] == "attention" and self.sharded(node.name):
+                out[node.name] = NodeOverride(self._attention(tp_overrides.get(node.name)), label="Ulysses")
+            if self.scope == "model" and node.name in ("heads.video_proj", "heads.audio_proj"):
+                out[node.name] = NodeOverride(self._gathered_input(), label="CP gather rows")
+        return out
+
+    def _local(self, base):
+        """A model-scope block node on this rank's rows: ``embed.pack`` scattered, row metadata sliced."""
+
+        def fn(ops, values, params, node):
+            local = {k: values[k] for k in node.inputs}
+            for k in node.inputs:
+                if k in ROW_META:
+                    local[k] = values[k][self.lo : self.hi]
+                elif k == "embed.pack":
+                    local[k] = _ScatterRows.apply(values[k], self)
+            return run_node(node, ops, {**values, **local}, params, base)
+
+        return fn
+
+    def _attention(self, base):
+        def fn(ops, values, params, node):
+            q, k, v = (values[i] for i in node.inputs)
+            heads = q.shape[2]
+            q, k = (_SeqToHeads.apply(t.contiguous(), self) for t in (q, k))
+            v = _SeqToHeads.apply(v.unflatten(-1, (heads, -1)).contiguous(), self)
+            out = ops["h3_full_attention"](q, k, v)  # (B, S, h / cp * D)
+            return _HeadsToSeq.apply(out.unflatten(-1, (heads // self.degree, -1)).contiguous(), self).flatten(-2)
+
+        return fn
+
+    def _gathered_input(self):
+        def fn(ops, values, params, node):
+            return run_node(node, ops, {**values, "final.norm_out": _GatherRows.apply(values["final.norm_out"], self)},
+                            params)  # fmt: skip
+
+        return fn
+
+    # -------------------------------------------------------------------------------------------------- comparison
+
+    def local_inputs(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(inputs)
+        if self.scope == "block":
+            for k in ("hidden_states", *ROW_META):
+                if k in out:
+                    out[k] = out[k][:, self.lo : self.hi] if k == "hidden_states" else out[k][self.lo : self.hi]
+        return out
+
+    def rows_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return t[:, self.lo : self.hi].contiguous() if self.sharded(name) else t
+
+    def input_rows(self, key: str, ref: torch.Tensor) -> torch.Tensor:
+        return ref[:, self.lo : self.hi].contiguous() if self.scope == "block" and key == "hidden_states" else ref
+
+    def local_row(self, node: str, row: int) -> int:
+        from h3gate.errors import InputError
+
+        if not self.sharded(node):
+            return row
+        if not self.lo <= row < self.hi:
+            raise InputError(f"--fault: CP rank {self.rank} holds packed rows [{self.lo}, {self.hi}), not row {row}")
+        return row - self.lo
+
+    def global_row(self, name: str, row: int) -> int:
+        return row + self.lo if self.sharded(name) else row
+
+    def global_input_row(self, key: str, row: int) -> int:
+        return row + self.lo if self.scope == "block" and key == "hidden_states" else row
+
+    def not_merged(self, name: str, graph) -> bool:
+        """Whether gradient ``name`` is a sum over packed rows this rank holds only part of (not compared)."""
+        kind, _, key = name.partition(":")
+        if kind == "param":
+            return self.scope == "block" or key.startswith(("transformer_blocks.", *TIMESTEP_PARAMS))
+        if kind == "input":
+            return key == "temb"
+        node = graph.node(key)
+        return node.row_dim is None or node.meta.get("rows") == "timestep"
+
+    def record(self) -> dict:
+        return {
+            "cp_rank": self.rank,
+            "packed_rows": [self.lo, self.hi],
+            "row_metadata": "co-sharded " + ", ".join(ROW_META),
+            "attention": "Ulysses all-to-all (sequence <-> heads), the strict kernel over all rows",
+        }
