@@ -6,13 +6,18 @@
 #   block                           bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider)
 #   model                           bench ws1-model --merge-order seg8 at medium (the whole 50-block model)
 #   block-gate                      run ws1-block --merge-order seg8 at medium (the seg8 block through the gate)
-#   ws2-tp                          run ws2 tp2/tp4/tp8 at released widths, block, medium: gloo ranks sharing the GPU
-#   ws2-cp                          run ws2 cp2 / tp2cp2 / tp4cp2sp the same way
+#   ws2-<topology>                  run ws2 (tp2, tp8, cp2, tp2cp2, ...) at released widths, block, medium: gloo ranks
+#                                   sharing the GPU, collectives staged through host memory
 #   ws2-nccl                        run ws2 tp1 over NCCL (one GPU: world size 1)
+#   ops-bitwise                     run ws1-ops of the seg8 twins and their single-walk operators at medium (bitwise
+#                                   vs cuBLAS, accuracy vs FP64)
+# BUDGET_S (default 540): a section that would start later than that is skipped.
 # Every step runs under a time cap; each evidence folder lands under $OUT/ev/<name>/ and $OUT/evidence.tgz.
 . tools/gpu_common.sh
 H="python3 -m h3gate"
+budget=${BUDGET_S:-540}
 step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
+  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s)"; return; fi
   timeout "$cap" "$@" >"$ev/logs/$name.log" 2>&1; local rc=$?
   echo "== $name: rc=$rc, $((SECONDS - start)) s: ${*:3}"; tail -n 14 "$ev/logs/$name.log"; }
 GEMMS="--op h3_attention_o_gemm --op h3_attention_o_gemm_seg8 --op h3_ffn_down_gemm --op h3_ffn_down_gemm_seg8
@@ -32,16 +37,15 @@ for s in "$@"; do
       --device cuda --out "$ev/bench-ws1-model-seg8-medium";;
     block-gate) step 200 ws1-block-seg8-real-medium $H run ws1-block --merge-order seg8 --config real --layout medium \
       --device cuda --mode strict --out "$ev/ws1-block-seg8-real-medium";;
-    ws2-tp) for T in tp2 tp4 tp8; do
-        step 240 "ws2-$T-real-block-medium" $H run ws2 --topology "$T" --backend gloo --device cuda --config real \
-          --scope block --layout medium --out "$ev/ws2-$T-real-block-medium"
-      done;;
-    ws2-cp) for T in cp2 tp2cp2 tp4cp2sp; do
-        step 240 "ws2-$T-real-block-medium" $H run ws2 --topology "$T" --backend gloo --device cuda --config real \
-          --scope block --layout medium --out "$ev/ws2-$T-real-block-medium"
-      done;;
-    ws2-nccl) step 200 ws2-tp1-nccl-real-block-medium $H run ws2 --topology tp1 --backend nccl --device cuda \
+    ws2-nccl) step 150 ws2-tp1-nccl-real-block-medium $H run ws2 --topology tp1 --backend nccl --device cuda \
       --config real --scope block --layout medium --out "$ev/ws2-tp1-nccl-real-block-medium";;
+    ws2-*) T=${s#ws2-}
+      step 240 "ws2-$T-real-block-medium" $H run ws2 --topology "$T" --backend gloo --device cuda --config real \
+        --scope block --layout medium --out "$ev/ws2-$T-real-block-medium";;
+    ops-bitwise) step 200 ws1-ops-seg8-medium $H run ws1-ops --device cuda --config real --layouts medium \
+      --op h3_attention_o_gemm_seg8 --op h3_ffn_down_gemm_seg8 --op h3_qkv_gemm_seg8 --op h3_ffn_gate_up_gemm_seg8 \
+      --op h3_qk_rmsnorm_d128_seg8 --op h3_attention_o_gemm --op h3_ffn_down_gemm --op h3_qkv_gemm \
+      --op h3_ffn_gate_up_gemm --op h3_qk_rmsnorm_d128 --out "$ev/ws1-ops-seg8-medium";;
   esac
 done
 tar czf "$out/evidence.tgz" -C "$ev" .
