@@ -272,6 +272,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
+        ("27a0ee9", "evidence/h200/ws2-tp8-real-block-medium/ws2.json"),  # run ws2 at released widths
     ],
 )
 def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence(commit: str, evidence: str) -> None:
