@@ -477,3 +477,21 @@ def test_chromium_renders_the_pages_and_they_load_nothing_from_the_network(small
         shot, urls = _render(chromium, page, tmp_path)
         assert urls == [], f"{page} made network requests: {urls}"
         assert _assert_not_blank(shot) == (1400, 2000)
+
+
+def test_ws2_evidence_gets_its_section_with_one_row_per_rank():
+    """``run ws2`` documents are planned in their own section (not listed as figure-less others): the topology, both
+    byte-equality verdicts and one table row per rank, read from the document."""
+    from h3gate.report.loader import load_inventory
+    from h3gate.report.plan import plan
+
+    folder = H200 / "ws2-tp8-real-block-medium"
+    sections, others = plan(load_inventory([folder], verify=False))
+    assert others == [] and [s.heading for s in sections] == ["Tensor / context parallel ranks (ws2)"]
+    (entry,) = sections[0].entries
+    facts = dict(entry.facts)
+    doc = json.loads((folder / "ws2.json").read_text())
+    assert facts["topology"].startswith("tp8: 8 gloo ranks") and facts["forward byte-equal"] == "yes"
+    assert facts["backward byte-equal"] == ("yes" if doc["backward_byte_equal"] else "NO")
+    head, rows = entry.table
+    assert len(rows) == 8 and [r[0] for r in rows] == [str(i) for i in range(8)] and rows[7][2] == "[49, 56]"

@@ -31,6 +31,9 @@ SECTIONS: tuple[tuple[str, tuple[str, ...], str], ...] = (
      "step, how far the training side's velocity is from the rollout's at the same state, per modality, worst over "
      "the requests and the compositions (alone, then two shuffled batch passes); each arm's first drift located node "
      "by node, whether its gradients repeat bitwise, the LoRA gate and its speed."),
+    ("Tensor / context parallel ranks (ws2)", ("ws2",), "Each rank of a TP / CP topology against TP1, the one-device "
+     "strict path in the seg8 merge order: every value and gradient a rank holds, byte for byte, and the first drift "
+     "by rank, node, packed row and modality."),
     ("Ablations (ablation)", ("ablation",), "The RFC section 6 matrix: each row's expected and observed result and "
      "its observed first-drift signature."),
     ("Operator benchmarks (bench)", ("bench",), "Strict kernels timed beside their baseline in one run, against "
@@ -258,6 +261,36 @@ def _arms_entry(d: Document, ids: Callable[[str], str]) -> Entry:
     return entry
 
 
+def _ws2_drift(drift: dict | None) -> str:
+    if not drift:
+        return "none (byte-equal)"
+    return (f"{drift.get('name')} (layer {drift.get('layer')}), rank {drift.get('owner_rank')}, packed row "
+            f"{drift.get('logical_row')} ({drift.get('modality')}), {drift.get('rows_differing')} rows")  # fmt: skip
+
+
+def _ws2_entry(d: Document, ids: Callable[[str], str]) -> Entry:
+    """``run ws2``: facts and a per-rank table (no figure: the verdict is bytes, not a curve)."""
+    doc = d.doc
+    lay, cfg = doc.get("layout") or {}, doc.get("config") or {}
+    yes = {True: "yes", False: "NO"}
+    facts = [("verdict", _fmt(d.verdict)), ("topology", f"{doc.get('topology')}: {doc.get('world_size')} "
+             f"{doc.get('backend')} ranks on {doc.get('device')}, scope {doc.get('scope')}"),
+             ("config / layout", f"{cfg.get('name')} / {lay.get('name')} (S = {lay.get('seq_len')})"),
+             ("forward byte-equal", yes.get(doc.get("forward_byte_equal"), "-")),
+             ("backward byte-equal", yes.get(doc.get("backward_byte_equal"), "-")),
+             ("gradients compared", str(doc.get("gradients_compared"))),
+             ("first drift", _ws2_drift(doc.get("first_drift"))),
+             ("first backward drift", _ws2_drift(doc.get("first_backward_drift")))]  # fmt: skip
+    entry = Entry(name_of(d), [d], facts)
+    head = ["rank", "device", "heads", "FFN channels", "packed rows", "values checked / differing",
+            "gradients checked / differing"]  # fmt: skip
+    entry.table = (head, [[str(r.get("rank")), str(r.get("device")), str(r.get("heads")), str(r.get("ffn_channels")),
+                           str(r.get("packed_rows", "all")), f"{r.get('values_checked')} / {r.get('values_differing')}",
+                           f"{r.get('grads_checked')} / {r.get('grads_differing')}"]
+                          for r in doc.get("ranks") or []])  # fmt: skip
+    return entry
+
+
 def _trajectory_entry(d: Document, parts: list[Document]) -> Entry:
     doc, run = d.doc, d.doc.get("run") or {}
     inv = doc.get("invocation") or {}
@@ -355,7 +388,8 @@ def _entries(inv: Inventory, kinds: tuple[str, ...], used: set[str]) -> list[Ent
         parts = inv.of_kind(*RUN_PARTS)
         return [_trajectory_entry(d, [p for p in parts if p.path.parent.resolve() in _run_dirs(d)]) for d in docs]
     build = {"ws1-model": _gate_entry, "ws1-block": _gate_entry, "ws1-ops": _ops_entry, "ablation": _ablation_entry,
-             "trajectory-compare": _compare_entry, "arms": _arms_entry, "bench": _bench_entry}[kinds[0]]  # fmt: skip
+             "trajectory-compare": _compare_entry, "arms": _arms_entry, "bench": _bench_entry,
+             "ws2": _ws2_entry}[kinds[0]]  # fmt: skip
     return [build(d, ids(d)) for d in docs]
 
 
