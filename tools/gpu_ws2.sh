@@ -9,6 +9,7 @@
 #   ws2-<topology>                  run ws2 (tp2, tp8, cp2, tp2cp2, ...) at released widths, block, medium: gloo ranks
 #                                   sharing the GPU, collectives staged through host memory
 #   ws2-nccl                        run ws2 tp1 over NCCL (one GPU: world size 1)
+#   ws2-faults                      one-row faults at released widths (tp8 forward, tp2cp2 backward): must fail, located
 #   ops-bitwise                     run ws1-ops of the seg8 twins and their single-walk operators at medium (bitwise
 #                                   vs cuBLAS, accuracy vs FP64)
 # BUDGET_S (default 540): a section that would start later than that is skipped.
@@ -39,6 +40,12 @@ for s in "$@"; do
       --device cuda --mode strict --out "$ev/ws1-block-seg8-real-medium";;
     ws2-nccl) step 150 ws2-tp1-nccl-real-block-medium $H run ws2 --topology tp1 --backend nccl --device cuda \
       --config real --scope block --layout medium --out "$ev/ws2-tp1-nccl-real-block-medium";;
+    ws2-faults)  # negative controls at released widths: one row on one rank must fail (exit 1) and be located
+      step 200 ws2-tp8-fault-real-block-medium $H run ws2 --topology tp8 --backend gloo --device cuda --config real \
+        --scope block --layout medium --fault 5:o_proj:1000 --out "$ev/ws2-tp8-fault-real-block-medium"
+      step 200 ws2-tp2cp2-fault-bwd-real-block-medium $H run ws2 --topology tp2cp2 --backend gloo --device cuda \
+        --config real --scope block --layout medium --fault 3:ffn_down:2000:backward \
+        --out "$ev/ws2-tp2cp2-fault-bwd-real-block-medium";;
     ws2-*) T=${s#ws2-}
       step 240 "ws2-$T-real-block-medium" $H run ws2 --topology "$T" --backend gloo --device cuda --config real \
         --scope block --layout medium --out "$ev/ws2-$T-real-block-medium";;
