@@ -2,7 +2,9 @@
 # H200 evidence for the WS2 issue (#18), from the repository root on the lent GPU host, .whl and .h3gate-revision
 # carried:  bash tools/gpu_ws2.sh SECTION [SECTION ...]
 #   ops-tiny, ops-medium, ops-768p  the block GEMMs, single walk next to their seg8 twins (bench --op, one run each)
-#   merge-tests                     tests/triton_kernels/test_gemm_merge.py compiled on CUDA (TRITON_INTERPRET=0)
+#   merge-tests                     tests/triton_kernels/test_gemm_merge.py compiled on CUDA (TRITON_INTERPRET=0;
+#                                   PYTEST_K selects tests)
+#   tma-check                       tools/gpu_seg8_tma_check.py: the seg8 TMA walk == its pointer walk == single walk
 #   block                           bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider)
 #   model                           bench ws1-model --merge-order seg8 at medium (the whole 50-block model)
 #   block-gate                      run ws1-block --merge-order seg8 at medium (the seg8 block through the gate)
@@ -29,7 +31,8 @@ for s in "$@"; do
     ops-tiny|ops-medium|ops-768p) L=${s#ops-}
       step 240 "bench-ops-seg8-$L" $H bench --device cuda --config real --layout "$L" $GEMMS --out "$ev/bench-ops-seg8-$L";;
     merge-tests) step 200 merge-tests env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-      tests/triton_kernels/test_gemm_merge.py;;
+      ${PYTEST_K:+-k "$PYTEST_K"} tests/triton_kernels/test_gemm_merge.py;;
+    tma-check) step 150 tma-check python3 tools/gpu_seg8_tma_check.py;;
     block) for L in medium 768p; do
         step 200 "bench-ws1-block-seg8-$L" $H bench ws1-block --merge-order seg8 --config real --layout "$L" \
           --device cuda --out "$ev/bench-ws1-block-seg8-$L"

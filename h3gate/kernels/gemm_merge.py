@@ -52,7 +52,7 @@ from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import _check as check_linear
-from h3gate.kernels.gemm import _num_sms, _tile_coords, colsum, matmul, mma
+from h3gate.kernels.gemm import _num_sms, _tile_coords, _tma_allocator, colsum, matmul, mma
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
@@ -143,12 +143,29 @@ def _walk(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, length, stride_am, strid
     return acc
 
 
+@helper
+def _walk_tma(a_desc, b_desc, off_m, off_n, start, length, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """:func:`_walk` with TMA tile loads (the single walk's ``tma`` variant): the same chunks, values and MMA; rows or
+    columns past the tensor are zero-filled by the TMA unit (a segment ends at a chunk boundary or at R)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(length, BLOCK_K)):
+        off_k = start + ki * BLOCK_K
+        a = a_desc.load([off_m, off_k])
+        if B_TRANS:
+            b = tl.trans(b_desc.load([off_n, off_k]))
+        else:
+            b = b_desc.load([off_k, off_n])
+        acc = mma(a, b, acc, INTERPRET)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "NUM_PROGS"])
 def _seg8_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, scratch_ptr, M, N, R_LOC, SEG, stride_am, stride_ar, stride_br, stride_bn,
     stride_om, NUM_PROGS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     C: tl.constexpr, FINISH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_R: tl.constexpr, B_TRANS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """OUT (M, N) = the tree over C consecutive local segments ``[j*SEG, min((j+1)*SEG, R_LOC))`` of A @ B, per
     output tile: each segment walked from acc = 0, the pending subtrees kept in this program's scratch slots (slot l
@@ -159,6 +176,12 @@ def _seg8_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, R_LOC], [stride_am, 1], [BLOCK_M, BLOCK_K])
+        if B_TRANS:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [N, R_LOC], [stride_bn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_ptr, [R_LOC, N], [stride_br, 1], [BLOCK_K, BLOCK_N])
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     slots = scratch_ptr + pid.to(tl.int64) * (3 * BLOCK_M * BLOCK_N) + tile
     for tile_id in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
@@ -171,9 +194,13 @@ def _seg8_kernel(
         for j in tl.static_range(C):
             start = pid * 0 + j * SEG  # a scalar tensor in both the compiled kernel and the interpreter
             length = tl.maximum(tl.minimum(R_LOC - start, SEG), 0)
-            acc = _walk(a_ptr + start.to(tl.int64) * stride_ar, b_ptr + start.to(tl.int64) * stride_br, offs_m,
-                        offs_n, mask_m, mask_n, length, stride_am, stride_ar, stride_br, stride_bn, BLOCK_M, BLOCK_N,
-                        BLOCK_K, EVEN_R, B_TRANS, INTERPRET)  # fmt: skip
+            if USE_TMA:
+                acc = _walk_tma(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, start, length, BLOCK_M, BLOCK_N,
+                                BLOCK_K, B_TRANS, INTERPRET)  # fmt: skip
+            else:
+                acc = _walk(a_ptr + start.to(tl.int64) * stride_ar, b_ptr + start.to(tl.int64) * stride_br, offs_m,
+                            offs_n, mask_m, mask_n, length, stride_am, stride_ar, stride_br, stride_bn, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EVEN_R, B_TRANS, INTERPRET)  # fmt: skip
             tl.debug_barrier()  # the slots were written by other threads of this program
             if j % 2 == 1:
                 acc = tl.load(slots) + acc
@@ -206,6 +233,14 @@ def fused_config(role: str, full_shape: tuple[int, int], dtype: torch.dtype) -> 
                    tail_m=0)  # fmt: skip
 
 
+def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """TMA loads on CUDA when both operands' bases and row strides are 16-byte aligned (else the pointer walk: the
+    same values and MMA, a scheduling choice decided from the operands alone)."""
+    size = a.element_size()
+    return (a.is_cuda and not INTERPRET and all(t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0
+            and t.stride(-1) == 1 for t in (a, b)))  # fmt: skip
+
+
 def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: bool, b_trans: bool) -> None:
     """``out (M, Nout)`` = the tree over ``segments`` local segments of ``a (M, R_loc) @ b`` (``b`` (Nout, R_loc)
     row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)), rounded with ``bias`` when ``finish_``."""
@@ -214,12 +249,15 @@ def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: 
     tiles = -(-m // cfg.block_m) * -(-n_out // cfg.block_n)
     progs = max(1, min(tiles, _num_sms(out.device)))
     scratch = torch.empty((progs, 3, cfg.block_m, cfg.block_n), dtype=torch.float32, device=out.device)
+    tma = _tma_fits(a, b)
+    if tma:
+        triton.set_allocator(_tma_allocator)
     _seg8_kernel[(progs,)](
         a, b, out, bias if bias is not None else out, scratch, m, n_out, a.shape[1], seg, a.stride(0), 1, stride_br,
         stride_bn, out.stride(0), progs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, C=segments, FINISH=finish_, HAS_BIAS=bias is not None,
-        EVEN_R=a.shape[1] % cfg.block_k == 0, B_TRANS=b_trans, INTERPRET=INTERPRET, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **STRICT_LAUNCH,
+        EVEN_R=a.shape[1] % cfg.block_k == 0, B_TRANS=b_trans, USE_TMA=tma, INTERPRET=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **STRICT_LAUNCH,
     )  # fmt: skip
 
 
