@@ -22,19 +22,20 @@ def main() -> int:
     for name, (n, k) in {"o_proj": (5376, 7168), "ffn_down": (5376, 14336)}.items():
         for m in (264, 3160):
             x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            xs = x[:, : k // 8].contiguous()
             w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
             tma = gm.linear_merge(x, w)
             fits = gm._tma_fits
             gm._tma_fits = lambda a, b: False
             try:
                 ptr = gm.linear_merge(x, w)
-                sub_ptr = gm.segment_partials(x[:, : k // 8], w[:, : k // 8].contiguous(), range(0, 1), (n, k))
+                sub_ptr = gm.segment_partials(xs, w[:, : k // 8].contiguous(), range(0, 1), (n, k))
             finally:
                 gm._tma_fits = fits
-            sub_tma = gm.segment_partials(x[:, : k // 8], w[:, : k // 8].contiguous(), range(0, 1), (n, k))
+            sub_tma = gm.segment_partials(xs, w[:, : k // 8].contiguous(), range(0, 1), (n, k))
             single = torch.empty((m, n), dtype=torch.float32, device="cuda")
             cfg = gemm_config("fwd", n, k, torch.bfloat16)
-            matmul(x[:, : k // 8].contiguous(), w[:, : k // 8].contiguous(), single, None, cfg, a_trans=False,
+            matmul(xs, w[:, : k // 8].contiguous(), single, None, cfg, a_trans=False,
                    b_trans=True)  # fmt: skip
             checks = {"tma == pointer (TP1 forward)": torch.equal(tma, ptr),
                       "segment 0: tma == pointer": torch.equal(sub_tma, sub_ptr),
