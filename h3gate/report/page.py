@@ -88,6 +88,10 @@ def _key_result(d: Document) -> str:
         return "strict speed vs provider: " + ", ".join(parts) if parts else ""
     if d.kind == "ws1-trajectory":
         return f"{doc.get('steps_saved')} of {doc.get('evaluations')} steps saved"
+    if d.kind == "ws2":
+        yes = {True: "byte-equal", False: "drift"}
+        fwd, bwd = yes.get(doc.get("forward_byte_equal")), yes.get(doc.get("backward_byte_equal"))
+        return f"{doc.get('topology')}, {doc.get('world_size')} ranks: forward {fwd}, backward {bwd}"
     return ""
 
 
