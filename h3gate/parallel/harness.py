@@ -9,9 +9,6 @@ as it gathered it (safetensors, no pickle).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +16,7 @@ from pathlib import Path
 import torch
 
 from h3gate.memory import BIG_MODEL_PARAMS as MAX_PARAMS  # CPU ranks each hold the whole model
+from h3gate.parallel.launch import run_ranks
 from h3gate.parallel.plans import NotAvailable, Plan, plan_record
 
 TIMEOUT_S = 300
@@ -58,22 +56,6 @@ def check_supported(device: str, checkpoint: str | None, params: int) -> None:
         raise NotAvailable(f"{params} parameters on CPU ranks: the gloo harness runs configs up to {MAX_PARAMS}")
 
 
-def _wait(procs: list[subprocess.Popen]) -> None:
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise NotAvailable(f"gloo harness rank {r} ran past {TIMEOUT_S} s") from None
-        if p.returncode:
-            lines = [ln for ln in err.splitlines() if "Error" in ln or "error:" in ln] or err.splitlines() or [""]
-            errors.append(f"rank {r} exit {p.returncode}: {lines[-1].strip()}")
-    if errors:
-        raise NotAvailable("gloo harness failed: " + "; ".join(errors))
-
-
 def run_job(job: Job) -> dict[str, PlanResult]:
     """Run every plan of ``job`` on ``job.world`` spawned CPU ranks; rank 0's results by plan name."""
     from safetensors import safe_open
@@ -93,15 +75,9 @@ def run_job(job: Job) -> dict[str, PlanResult]:
         spec["init_file"] = str(folder / "rendezvous")
         (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in job.inputs.items()}, str(folder / "inputs"))
-        env = {**os.environ, "OMP_NUM_THREADS": str(job.threads)}
-        command = [sys.executable, "-m", "h3gate.parallel.worker", "--world", str(job.world), "--dir", tmp]
-        procs = [
-            subprocess.Popen(
-                [*command, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
-            )  # fmt: skip
-            for r in range(job.world)
-        ]
-        _wait(procs)
+        errors = run_ranks("h3gate.parallel.worker", job.world, tmp, job.threads, TIMEOUT_S)
+        if errors:
+            raise NotAvailable("gloo harness failed: " + "; ".join(errors))
         results = {}
         for name in job.plans:
             path = str(folder / f"{name}.safetensors")

@@ -51,52 +51,18 @@ def all_to_all(chunks: list[torch.Tensor], shapes: list[tuple[int, ...]], group)
     return [p.view(first.dtype).reshape(s).to(first.device) for p, s in zip(parts, shapes, strict=True)]
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """(B, S_c, h, D) rows of this rank -> (B, S, h/cp, D): every rank's rows of this rank's head chunk."""
+class _Move(torch.autograd.Function):
+    """A pure data movement ``there(x)`` (an all-to-all, a row slice, a row gather); its backward is the adjoint
+    movement ``back(g)``: bytes moved, never added."""
 
     @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return cp.seq_to_heads(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.cp.heads_to_seq(g.contiguous()), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return cp.heads_to_seq(x)
+    def forward(ctx, x, there, back):
+        ctx.back = back
+        return there(x.contiguous())
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.cp.seq_to_heads(g.contiguous()), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    """The rank's packed rows of a replicated (B, S, ...) value; backward: every rank's row gradients gathered."""
-
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return x[:, cp.lo : cp.hi].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.cp.gather_rows(g.contiguous()), None
-
-
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return cp.gather_rows(x.contiguous())
-
-    @staticmethod
-    def backward(ctx, g):
-        return g[:, ctx.cp.lo : ctx.cp.hi].contiguous(), None
+        return ctx.back(g.contiguous()), None, None
 
 
 def cp_bounds(seq_len: int, cp: int) -> tuple[int, ...]:
@@ -149,6 +115,10 @@ class CpRank:
         shapes = [(b, self.hi - self.lo, hc, d)] * self.degree
         return torch.cat(all_to_all(chunks, shapes, self.group), dim=2)
 
+    def own_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's packed rows (dim 1) of a replicated value."""
+        return x[:, self.lo : self.hi].contiguous()
+
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's rows (dim 1) in packed order: an all-to-all sending this rank's rows to everyone."""
         b, rest = x.shape[0], tuple(x.shape[2:])
@@ -181,7 +151,7 @@ class CpRank:
                 if k in ROW_META:
                     local[k] = values[k][self.lo : self.hi]
                 elif k == "embed.pack":
-                    local[k] = _ScatterRows.apply(values[k], self)
+                    local[k] = _Move.apply(values[k], self.own_rows, self.gather_rows)
             return run_node(node, ops, {**values, **local}, params, base)
 
         return fn
@@ -190,17 +160,17 @@ class CpRank:
         def fn(ops, values, params, node):
             q, k, v = (values[i] for i in node.inputs)
             heads = q.shape[2]
-            q, k = (_SeqToHeads.apply(t.contiguous(), self) for t in (q, k))
-            v = _SeqToHeads.apply(v.unflatten(-1, (heads, -1)).contiguous(), self)
-            out = ops["h3_full_attention"](q, k, v)  # (B, S, h / cp * D)
-            return _HeadsToSeq.apply(out.unflatten(-1, (heads // self.degree, -1)).contiguous(), self).flatten(-2)
+            q, k, v = (_Move.apply(t, self.seq_to_heads, self.heads_to_seq)
+                       for t in (q, k, v.unflatten(-1, (heads, -1))))  # fmt: skip
+            out = ops["h3_full_attention"](q, k, v).unflatten(-1, (heads // self.degree, -1))  # (B, S, h / cp, D)
+            return _Move.apply(out, self.heads_to_seq, self.seq_to_heads).flatten(-2)
 
         return fn
 
     def _gathered_input(self):
         def fn(ops, values, params, node):
-            return run_node(node, ops, {**values, "final.norm_out": _GatherRows.apply(values["final.norm_out"], self)},
-                            params)  # fmt: skip
+            rows = _Move.apply(values["final.norm_out"], self.gather_rows, self.own_rows)
+            return run_node(node, ops, {**values, "final.norm_out": rows}, params)
 
         return fn
 

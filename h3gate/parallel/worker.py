@@ -6,14 +6,13 @@ mode, runs the graph once per plan with that plan's node overrides and, on rank 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from h3gate.errors import InputError
+from h3gate.parallel.launch import rank_main
 from h3gate.parallel.overrides import overrides_for
 from h3gate.parallel.plans import plan_from_record
 
@@ -54,17 +53,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m h3gate.parallel.worker", description="one gloo harness rank")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dir", type=Path, required=True)
-    args = parser.parse_args(argv)
-    try:
-        run_rank(args.rank, args.world, args.dir)
-    except InputError as exc:
-        print(f"h3gate: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return rank_main(argv, "h3gate.parallel.worker", "one gloo harness rank", run_rank)
 
 
 if __name__ == "__main__":

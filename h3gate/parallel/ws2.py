@@ -10,9 +10,6 @@ here (``python -m h3gate.parallel.ws2_rank``), gloo on CPU or NCCL on GPUs, rend
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,6 +18,7 @@ from pathlib import Path
 import torch
 
 from h3gate.errors import InputError
+from h3gate.parallel.launch import run_ranks
 
 KIND = "ws2"
 TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
@@ -173,22 +171,8 @@ def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
     for f in spec["faults"]:
         f.pop("kind")
     (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": str(s.threads)}
-    command = [sys.executable, "-m", "h3gate.parallel.ws2_rank", "--world", str(world), "--dir", str(folder)]
     started = time.perf_counter()
-    procs = [subprocess.Popen([*command, "--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                              text=True) for r in range(world)]  # fmt: skip
-    errors = []
-    for r, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=RANK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"run ws2: rank {r} ran past {RANK_TIMEOUT_S} s") from None
-        if p.returncode:
-            tail = [ln for ln in err.splitlines() if ln.strip()][-1:] or [""]
-            errors.append(f"rank {r} exit {p.returncode}: {tail[0].strip()}")
+    errors = run_ranks("h3gate.parallel.ws2_rank", world, folder, s.threads, RANK_TIMEOUT_S)
     if errors:
         raise RuntimeError("run ws2: " + "; ".join(errors))
     seconds = time.perf_counter() - started

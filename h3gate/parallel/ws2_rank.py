@@ -9,7 +9,6 @@ Ranks are laid out TP-innermost: ``rank = cp_rank * tp + tp_rank``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from h3gate.errors import InputError
+from h3gate.parallel.launch import rank_main
 
 NCCL_SETTINGS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
                  "NCCL_IB_DISABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")  # fmt: skip
@@ -114,17 +113,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m h3gate.parallel.ws2_rank", description="one run ws2 rank")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--dir", type=Path, required=True)
-    args = parser.parse_args(argv)
-    try:
-        run_rank(args.rank, args.world, args.dir)
-    except InputError as exc:
-        print(f"h3gate: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return rank_main(argv, "h3gate.parallel.ws2_rank", "one run ws2 rank", run_rank)
 
 
 if __name__ == "__main__":
