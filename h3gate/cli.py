@@ -487,8 +487,10 @@ def bench(
 ) -> None:
     """Time strict kernels next to the provider in one run (median of CUDA-event timings): operators (--op), the
     block (ws1-block), or the whole model forward and forward + backward (ws1-model)."""
+    from h3gate.commands.bench_cmd import bench_command, check_bench_merge
+
+    check_bench_merge(target, merge_order)
     device = resolve_device(device)
-    from h3gate.commands.bench_cmd import bench_command
 
     _done(bench_command(target, op or [], layout, config, device, out, json_, merge_order))
 

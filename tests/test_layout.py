@@ -149,7 +149,10 @@ def geometry_flags(**overrides: str) -> list[str]:
             "--latent-frames: required when any geometry flag is given (give all five, or a NAME)",
         ),
         (["small", "--audio-latents", "3"], "layout 'small': --audio-latents cannot be combined with a layout NAME"),
-        (["nope"], "layout 'nope': unknown (known: 768p, medium, micro, micro-odd, ref2va-768p, ref2va-tiny, small, tiny)"),
+        (
+            ["nope"],
+            "layout 'nope': unknown (known: 768p, medium, micro, micro-odd, ref2va-768p, ref2va-tiny, small, tiny)",
+        ),
         (geometry_flags(latent_frames="3"), f"--latent-frames 3: {FRAMES_MESSAGE}, got 3"),
         (geometry_flags(text_tokens="0"), "--text-tokens 0: must be > 0"),
         (geometry_flags(latent_width="5"), "--latent-width 5: must be a multiple of the spatial patch 2, got 5"),

@@ -167,9 +167,19 @@ def test_bad_input_is_exit_2_in_one_line_before_anything_runs(run_cli, tmp_path,
     assert not (tmp_path / "out").exists()
 
 
-def test_a_merge_order_that_does_not_exist_is_exit_2(run_cli, tmp_path) -> None:
-    code, _, err = run_cli("--quiet", "run", "ws1-block", "--merge-order", "seg16", "--out", tmp_path / "out")
-    assert code == 2 and err.strip() == "h3gate: error: --merge-order 'seg16': must be one of single, seg8"
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "ws1-block", "--merge-order", "seg16"], "--merge-order 'seg16': must be one of single, seg8"),
+        (["run", "ws1-model", "--merge-order", "seg16"], "--merge-order 'seg16': must be one of single, seg8"),
+        (["bench", "ws1-block", "--merge-order", "seg16"], "--merge-order 'seg16': must be one of single, seg8"),
+        (["bench", "--op", "h3_qkv_gemm", "--merge-order", "seg8"],
+         "--merge-order: applies to bench ws1-block and ws1-model (operators: --op NAME_seg8)"),
+    ],
+)  # fmt: skip
+def test_a_merge_order_that_does_not_apply_is_exit_2(run_cli, tmp_path, args, message) -> None:
+    code, _, err = run_cli("--quiet", *args, "--out", tmp_path / "out")
+    assert code == 2 and err.strip() == f"h3gate: error: {message}"
     assert not (tmp_path / "out").exists()
 
 

@@ -22,6 +22,15 @@ from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 KIND = "bench"
 
 
+def check_bench_merge(target: str | None, merge: str) -> None:
+    """``--merge-order``: single or seg8, and seg8 only for the block and the model (an operator is named itself)."""
+    from h3gate.ops.registry import check_merge
+
+    check_merge(merge)
+    if merge != "single" and target not in ("ws1-block", "ws1-model"):
+        raise InputError("--merge-order: applies to bench ws1-block and ws1-model (operators: --op NAME_seg8)")
+
+
 def bench_command(
     target: str | None,
     ops: list[str],
@@ -32,11 +41,7 @@ def bench_command(
     json_: bool,
     merge: str = "single",
 ) -> int:
-    from h3gate.ops.registry import check_merge
-
-    check_merge(merge)
-    if merge != "single" and target not in ("ws1-block", "ws1-model"):
-        raise InputError("--merge-order: applies to bench ws1-block and ws1-model (operators: --op NAME_seg8)")
+    check_bench_merge(target, merge)
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")
     if out is not None:
