@@ -1,6 +1,8 @@
 # h3gate: two commands on a fresh machine.
 #   make demo          install into .venv and run the one-block gate on the embedded default (tiny, CPU when no GPU)
-#   make test          install the test extra into .venv and run lint + the whole test suite
+#   make test          install the test extra into .venv and run lint + the test suite but the tests marked slow
+#   make test-slow     the tests marked slow (multi-rank TP8 / TP4xCP2 and the whole model under ws2, the fault
+#                      matrix at the small and medium layouts); CI runs both
 # and, for CI and the GPU host:
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
 #   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere
@@ -35,7 +37,7 @@ WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86
 WITH_DIFFUSERS  ?=
 HOST_HAS        ?= tools/gpu-host-packages.txt
 
-.PHONY: install install-test demo test lint format test-newest wheel-smoke wheelhouse report clean
+.PHONY: install install-test demo test test-slow lint format test-newest wheel-smoke wheelhouse report clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -65,7 +67,10 @@ format: $(TSTAMP)
 	$(BIN)/ruff check --fix h3gate tests tools
 
 test: lint
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not slow"
+
+test-slow: $(TSTAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m slow
 
 $(NSTAMP): pyproject.toml
 	$(PY) -m venv $(NVENV)
