@@ -53,7 +53,7 @@ class RankPlan:
     cp: object = None  # h3gate.parallel.ulysses.CpRank when cp_degree > 1
 
     @classmethod
-    def build(cls, cfg, scope, inputs, rank: int, tp: int, cp: int, sp: bool, tp_group, cp_group) -> RankPlan:
+    def build(cls, cfg, scope, inputs, rank: int, tp: int, cp: int, tp_group, cp_group) -> RankPlan:
         dtype = torch.bfloat16
         check_alignment(tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, dtype)
         group = MergeGroup(tp, rank % tp, group_gather(tp_group))
@@ -64,7 +64,7 @@ class RankPlan:
         if cp > 1:
             from h3gate.parallel.ulysses import CpRank
 
-            plan.cp = CpRank.build(cfg, scope, inputs, rank // tp, cp, sp, tpr, cp_group, tp_group)
+            plan.cp = CpRank.build(scope, inputs, rank // tp, cp, cp_group)
         return plan
 
     # ------------------------------------------------------------------------------------------------ execution

@@ -59,12 +59,6 @@ class Shard:
             return torch.cat([t[lo:hi], t[f + lo : f + hi]], dim=0)
         raise ValueError(f"shard kind {k!r}")
 
-    def column_of(self, local_col: int) -> int:
-        """The logical index (last dim, or heads for ``heads``) of a local one."""
-        if self.kind == "pairs" and local_col >= self.hi - self.lo:
-            return self.half + self.lo + local_col - (self.hi - self.lo)
-        return local_col + (self.lo if self.kind != "full" else 0)
-
 
 @dataclass(frozen=True)
 class TpRank:

@@ -89,7 +89,7 @@ class CpRank:
     scope: str
 
     @classmethod
-    def build(cls, cfg, scope, inputs, cp_rank: int, cp: int, sp: bool, tpr, cp_group, tp_group) -> CpRank:
+    def build(cls, scope, inputs, cp_rank: int, cp: int, cp_group) -> CpRank:
         return cls(cp, cp_rank, cp_bounds(inputs["rope_cos"].shape[0], cp), cp_group, scope.name)
 
     @property

@@ -165,7 +165,7 @@ def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
     """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3)."""
     s, world = plan.settings, plan.tp * plan.cp
     spec = {"config": s.config, "layout": s.layout, "scope": s.scope, "seed": s.seed, "mode": "strict",
-            "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp, "backend": plan.backend,
+            "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "backend": plan.backend,
             "device": s.device, "init_file": str(folder / "rendezvous"),
             "faults": [f.record() for f in plan.faults]}  # fmt: skip
     for f in spec["faults"]:

@@ -72,7 +72,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
 
     spec = json.loads((folder / "spec.json").read_text(encoding="utf-8"))
     torch.set_num_threads(spec["threads"])
-    tp, cp, sp = spec["tp"], spec["cp"], spec["sp"]
+    tp, cp = spec["tp"], spec["cp"]
     device = spec["device"]
     if device.startswith("cuda"):
         device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
@@ -84,7 +84,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     scope = build_scope(spec["scope"], cfg, layout, spec["seed"], device)
     inputs = {k: v.to(device) for k, v in load_file(str(folder / "inputs")).items()}
     ops = candidate_table(bind_graph(scope.graph, spec["mode"], device, "seg8"))
-    plan = RankPlan.build(cfg, scope, inputs, rank, tp, cp, sp, tp_groups[rank // tp], cp_groups[rank % tp])
+    plan = RankPlan.build(cfg, scope, inputs, rank, tp, cp, tp_groups[rank // tp], cp_groups[rank % tp])
     faults = [Fault(**f) for f in spec["faults"] if f["rank"] == rank]
     overrides = plan.overrides(faults)
     with safe_open(str(folder / "reference"), framework="pt", device=str(device)) as ref:
