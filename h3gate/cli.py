@@ -430,7 +430,12 @@ def run_arms(
 
 @run_app.command("ws2")
 def run_ws2(
-    topology: Annotated[str, typer.Option("--topology", help="tp1 | tp2 | tp4 | tp8 | cp2 | tp2cp2 | tp4cp2.")],
+    topology: Annotated[
+        str,
+        typer.Option(
+            "--topology", help="tp1 | tp2 | tp4 | tp8 | cp2 | tp2cp2 | tp4cp2 | tp2sp | tp2cp2sp | tp4cp2sp (sp: SP)."
+        ),
+    ],
     scope: Annotated[str, typer.Option("--scope", help="block (block 0) | model (the whole transformer).")] = "block",
     backend: Annotated[
         str | None, typer.Option("--backend", help="gloo (CPU ranks) | nccl (one GPU per rank); default by device.")

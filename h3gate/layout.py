@@ -110,6 +110,10 @@ class PackedLayout:
         """Row of the ``(T * 3, ...)`` AdaLN table every packed row reads: ``timestep_index * 3 + token_tag``."""
         return timestep_indices * MODALITY_NUM + self.token_tags.to(timestep_indices.device)
 
+    def canonical_order(self) -> torch.Tensor:
+        """(S,) int64 :func:`canonical_order` of this layout's index tensors."""
+        return canonical_order(self.text_indices, self.video_indices, self.audio_indices)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "position_ids": self.position_ids,
@@ -232,6 +236,19 @@ def _check_seq_len(spec: LayoutSpec, name: str, seq: int) -> None:
     """A declared ``seq_len`` must be the built one."""
     if spec.seq_len is not None and spec.seq_len != seq:
         raise InputError(f"layout {name!r}: seq_len: declared {spec.seq_len} but the built layout has {seq}")
+
+
+def canonical_order(
+    text_indices: torch.Tensor, video_indices: torch.Tensor, audio_indices: torch.Tensor
+) -> torch.Tensor:
+    """The canonical (logical) row order as a permutation of packed rows: entry ``i`` is the packed row holding
+    logical row ``i``; logical rows are ``[text | audio | video]``, each modality in its index tensor's order (video:
+    conditions first, as ``video_indices`` lists them). Derived from the three index tensors alone - what the
+    transformer's forward receives - so every engine and the strict adapter derive the same order, and a consistent
+    row permutation (index tensors remapped) names the same logical rows. Identity on a layout packed ``[text |
+    audio | video]`` (t2va without keyframes); keyframe and reference rows, packed before the target audio, move.
+    The strict attention walks its rows in this order (``h3gate.kernels.attention``)."""
+    return torch.cat([text_indices, audio_indices, video_indices])
 
 
 def build_layout(spec: LayoutSpec, name: str = "custom") -> PackedLayout:

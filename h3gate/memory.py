@@ -10,8 +10,7 @@ from __future__ import annotations
 from h3gate.errors import InputError
 
 GIB = float(2**30)
-# A model above this many parameters is real-size: the ablation rows bound their work to its first and last block,
-# and the CPU parallel harness (every rank holds the whole model) refuses it.
+# A model above this many parameters is real-size: the ablation rows bound their work to its first and last block.
 BIG_MODEL_PARAMS = 2_000_000_000
 
 

@@ -265,7 +265,7 @@ def test_report_schema_rejects_inconsistent_documents(default_run):
 def test_saved_tensors_are_what_ran(default_run):
     _, doc, saved = default_run
     inputs = load_file(saved / "inputs.safetensors")
-    assert set(inputs) == {"hidden_states", "temb", "adaln_indices", "rope_cos", "rope_sin"}
+    assert set(inputs) == {"hidden_states", "temb", "adaln_indices", "rope_cos", "rope_sin", "attention_order"}
     for key, info in doc["inputs"]["tensors"].items():
         assert tensor_sha256(inputs[key]) == info["sha256"]
     for who in ("provider", "candidate", "golden"):

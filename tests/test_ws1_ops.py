@@ -141,7 +141,8 @@ def _fake_timer(ms: dict[str, float]):
     def fake(fns, iters=50, warmup=5, head_start_us=0.0):
         for fn in fns.values():
             fn()  # every execution (kernel, provider, baseline) really runs
-        return {k: {"median_ms": ms[k], "min_ms": ms[k], "max_ms": ms[k], "iters": iters} for k in fns}
+        got = {k: ms.get(k, ms["kernel"]) for k in fns}  # bench variants (kernel.<label>) time as the kernel
+        return {k: {"median_ms": t, "min_ms": t, "max_ms": t, "iters": iters} for k, t in got.items()}
 
     return fake
 
@@ -243,6 +244,28 @@ def test_bench_attention_target_is_sdpa_flash(monkeypatch):
     monkeypatch.setattr(bench_ops, "side_by_side", _fake_timer({"kernel": 1.0, "provider": 2.0, "baseline": 0.99}))
     rec = bench_ops.bench_op("h3_full_attention", 12, load_config("tiny").config, "cpu", copy_gbs=1.0)
     assert rec["checks"]["target"] is False and rec["verdict"] == "fail"  # faster than the provider, not than flash
+
+
+def test_bench_attention_times_the_walk_order_next_to_the_kernel(monkeypatch, tmp_path):
+    """The attention bench times the strict operator with an identity and a permuted walk order in the same run as
+    the plain kernel (recorded with their ratio to it, never gated); the record is valid bench evidence."""
+    from h3gate.bench import ops as bench_ops
+    from h3gate.commands.bench_cmd import bench_body
+    from h3gate.evidence.writer import write_evidence
+
+    ms = {"kernel": 1.0, "provider": 2.0, "baseline": 1.5, "kernel.order_identity": 1.0, "kernel.order_permuted": 1.1}
+    monkeypatch.setattr(bench_ops, "side_by_side", _fake_timer(ms))
+    rec = bench_ops.bench_op("h3_full_attention", 12, load_config("tiny").config, "cpu", copy_gbs=1.0)
+    assert set(rec["variants"]) == {"order_identity", "order_permuted"} and rec["verdict"] == "pass"
+    assert rec["variants"]["order_permuted"]["forward_vs_kernel"] == pytest.approx(1.1)
+    assert rec["variants"]["order_identity"]["forward_backward"]["median_ms"] == 1.0
+    case = bench_ops.build_case("h3_full_attention", 12, load_config("tiny").config, "cpu", seed=0)
+    order = case.bench_variants["order_permuted"]["order"]
+    assert not torch.equal(order, torch.arange(12)) and torch.equal(order.sort().values, torch.arange(12))
+    body = bench_body("tiny", "tiny", 12, "cuda", 1.0, [rec])
+    write_evidence(tmp_path, "bench.json", "bench", body, command=["test"], device="cpu")  # validates the record
+    qkv = bench_ops.bench_op("h3_qkv_gemm", 12, load_config("tiny").config, "cpu", copy_gbs=1.0)
+    assert "variants" not in qkv
 
 
 def test_baseline_names_declared_once_each_place_agrees():

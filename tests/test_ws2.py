@@ -1,4 +1,4 @@
-"""``h3gate run ws2``: TP (and CP) ranks on gloo byte-equal to TP1, the one-device strict path in the seg8 merge order.
+"""``h3gate run ws2``: TP, CP and SP ranks on gloo byte-equal to TP1, the one-device strict path in the seg8 order.
 
 The acceptance matrix (ws2-tiny, micro layout, forward and backward), its negative controls (a one-row fault on one
 rank, forward or backward, must fail and be located to that rank, node and row; the single-walk merge order must
@@ -45,26 +45,40 @@ def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, 
 
 @pytest.mark.parametrize(
     ("topology", "layout", "rows"),
-    [("cp2", "micro-odd", [[0, 42], [42, 83]]), ("tp2cp2", "micro", [[0, 42], [0, 42], [42, 84], [42, 84]])],
+    [("cp2", "micro-odd", [[0, 44], [44, 83]]), ("tp2cp2", "micro", [[0, 44], [0, 44], [44, 84], [44, 84]])],
 )
 def test_cp_ranks_are_byte_equal_with_ulysses_attention(run_cli, tmp_path, topology, layout, rows) -> None:
-    """CP (83 rows: not divisible by 2) and TP x CP: every value, and every gradient along the hidden path, equal to
-    TP1; the row-partial sums are listed as not compared (never counted as equal)."""
+    """CP (83 rows: shards of whole 11-row segments, the last one 6) and TP x CP: every value and every gradient
+    equal to TP1, the row-sums CP splits (every GEMM's dW, the norms' weights, the AdaLN tables, temb) included."""
     code, body, text = _run(run_cli, tmp_path, "--topology", topology, "--layout", layout)
     assert code == 0, text
     assert body["forward_byte_equal"] and body["backward_byte_equal"]
     assert [r["packed_rows"] for r in body["ranks"]] == rows
     assert all(r["attention"].startswith("Ulysses all-to-all") for r in body["ranks"])
     assert body["ranks"][0]["cp_group"] == [0, body["tp"]] and body["ranks"][0]["tp_group"] == list(range(body["tp"]))
-    skipped = body["gradients_not_compared"]
-    assert "param:norm1.weight" in skipped and "input:temb" in skipped and "input:hidden_states" not in skipped
-    assert all(r["grads_checked"] == 17 for r in body["ranks"])  # every node-output gradient of the hidden path
-    assert str(len(skipped)) in body["gradients_compared"]
+    assert "gradients_not_compared" not in body
+    # 17 node outputs, hidden_states and temb, and the block's 12 parameters (TP: the rank's shards)
+    assert all(r["grads_checked"] == 31 for r in body["ranks"])
+    seq = body["layout"]["seq_len"]
+    assert all(r["row_segments"] == [0, 11, 22, 33, 44, 55, 66, 77, seq] for r in body["ranks"])
+
+
+def test_sp_ranks_hold_their_row_segments_and_are_byte_equal(run_cli, tmp_path) -> None:
+    """TP2 with SP: the norms and gated residuals on each rank's 4 row segments, Q/K/V and gate/up inputs gathered
+    over the TP group, O and down merged then sliced; every value and gradient equal to TP1."""
+    code, body, text = _run(run_cli, tmp_path, "--topology", "tp2sp")
+    assert code == 0 and body["sp"] is True, text
+    assert [r["sp_rows"] for r in body["ranks"]] == [[0, 44], [44, 84]]
+    assert all(r["grads_checked"] == 31 and r["values_checked"] == 17 for r in body["ranks"])
 
 
 @pytest.mark.parametrize(
     ("topology", "fault", "name", "rank", "row"),
-    [("cp2", "1:q_norm:60", "q_norm", 1, 60), ("tp2cp2", "3:ffn_down:70:backward", "node:swiglu", 3, 70)],
+    [
+        ("cp2", "1:q_norm:70", "q_norm", 1, 70),
+        ("tp2cp2", "3:ffn_down:70:backward", "node:swiglu", 3, 70),
+        ("tp2sp", "1:residual_attn:60", "residual_attn", 1, 60),  # an SP value: rank 1's own rows only
+    ],
 )
 def test_a_cp_fault_is_located_to_its_rank_and_global_row(run_cli, tmp_path, topology, fault, name, rank, row):
     code, body, text = _run(run_cli, tmp_path, "--topology", topology, "--fault", fault)
@@ -80,7 +94,17 @@ def test_tp4cp2_and_the_whole_model_at_cp2(run_cli, tmp_path) -> None:
     assert code == 0 and body["world_size"] == 8 and body["ranks"][7]["heads"] == [6, 8], text
     code, body, text = _run(run_cli, tmp_path / "b", "--topology", "cp2", "--scope", "model")
     assert code == 0 and body["forward_byte_equal"] and body["backward_byte_equal"], text
-    assert "param:proj_in.weight" not in body["gradients_not_compared"]  # upstream of the row split: compared
+    assert body["ranks"][0]["grads_checked"] == body["ranks"][1]["grads_checked"] > 17 * 2
+
+
+@pytest.mark.slow
+def test_tp4cp2sp_and_the_whole_model_at_tp2sp(run_cli, tmp_path) -> None:
+    code, body, text = _run(run_cli, tmp_path / "a", "--topology", "tp4cp2sp")
+    assert code == 0 and body["world_size"] == 8, text
+    assert [r["sp_rows"] for r in body["ranks"]][5:] == [[55, 66], [66, 77], [77, 84]]
+    assert all(r["grads_checked"] == 31 for r in body["ranks"])
+    code, body, text = _run(run_cli, tmp_path / "b", "--topology", "tp2sp", "--scope", "model")
+    assert code == 0 and body["forward_byte_equal"] and body["backward_byte_equal"], text
 
 
 @pytest.mark.slow
@@ -143,7 +167,8 @@ def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--topology", "tp3"], "--topology 'tp3': must be one of tp1, tp2, tp4, tp8, cp2, tp2cp2, tp4cp2"),
+        (["--topology", "tp3"],
+         "--topology 'tp3': must be one of tp1, tp2, tp4, tp8, cp2, tp2cp2, tp4cp2, tp2sp, tp2cp2sp, tp4cp2sp"),
         (["--topology", "tp2", "--scope", "layer"], "--scope 'layer': must be one of block, model"),
         (["--topology", "tp2", "--backend", "mpi"], "--backend 'mpi': must be one of gloo, nccl"),
         (["--topology", "tp2", "--backend", "nccl"], "--backend nccl: needs --device cuda (one GPU per rank)"),
@@ -156,7 +181,9 @@ def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
         (["--topology", "tp2", "--fault", "o_proj:3"], "--fault 'o_proj:3': expected RANK:NODE:ROW[:forward|backward]"),
         (["--topology", "tp2", "--merge-order", "seg8"], "No such option"),
         (["--topology", "cp2", "--fault", "1:q_norm:3"],
-         "--fault '1:q_norm:3': rank 1 (CP rank 1) holds packed rows [42, 84), not row 3"),
+         "--fault '1:q_norm:3': rank 1 (CP rank 1) holds packed rows [44, 84), not row 3"),
+        (["--topology", "tp2sp", "--fault", "0:norm1:50"],
+         "--fault '0:norm1:50': rank 0 (SP) holds packed rows [0, 44) of norm1, not row 50"),
         (["--topology", "tp2", "--layout", "nope"], "layout 'nope': unknown (known: 768p, medium, micro,"),
     ],
 )  # fmt: skip
@@ -203,3 +230,22 @@ def test_a_failing_rank_is_an_error_naming_the_rank(tmp_path) -> None:
     plan.settings.config = "no-such-config"  # the ranks cannot load it
     with pytest.raises(RuntimeError, match=r"run ws2: rank 0 exit 2: h3gate: error: .*no-such-config"):
         _launch(plan, tmp_path)
+
+
+def test_a_layout_that_leaves_a_rank_without_rows_is_exit_2(run_cli, tmp_path, monkeypatch) -> None:
+    """17 packed rows are segments of 3 (the last two empty): under tp4cp2sp ranks 6 and 7 would hold no rows."""
+    import h3gate.manifests.layouts as layouts
+
+    text = layouts.LAYOUTS_FILE.read_text(encoding="utf-8") + (
+        "  pico:\n    description: 17 rows\n    text_tokens: 5\n    latent_frames: 2\n    latent_height: 4\n"
+        "    latent_width: 4\n    audio_latents: 2\n    anchors: []\n    seq_len: 17\n"
+    )
+    (tmp_path / "layouts.yaml").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(layouts, "LAYOUTS_FILE", tmp_path / "layouts.yaml")
+    args = ("--quiet", "run", "ws2", "--topology", "tp4cp2sp", "--layout", "pico", "--out", tmp_path / "o")
+    code, _, err = run_cli(*args)
+    assert code == 2 and err.strip() == (
+        "h3gate: error: --layout pico: 17 packed rows leave a rank of tp4cp2sp without rows (shards of whole row "
+        "segments: [0, 3, 6, 9, 12, 15, 17, 17, 17])"
+    )
+    assert not (tmp_path / "o").exists()

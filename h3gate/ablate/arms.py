@@ -179,10 +179,3 @@ def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device
             f"grad.input.{name}", "gradient", (), (), lambda *a: None, row_dim=1, meta={"rows": rows, "stage": "grad"}
         )
         yield node, leaves[name].grad
-
-
-def replay_stream(graph: Graph, values: Mapping[str, torch.Tensor], meta_values: Mapping[str, torch.Tensor]) -> Stream:
-    """A recorded run (e.g. rank 0 of a distributed harness) replayed in graph order."""
-    yield from metadata_nodes(meta_values, None)
-    for node in graph.nodes:
-        yield node, values[node.name]

@@ -278,7 +278,7 @@ def build_context(
     """Load the config, layout and weights once; bind the strict arm's op table for ``mode`` on ``device``.
 
     Issue 14: ``h3gate.runs.setup.prepare`` resolves the block-0 graph only; when it (or a sibling) covers the whole
-    model graph, this and the parallel worker's setup become calls to it."""
+    model graph, this becomes a call to it."""
     from h3gate.checkpoint import open_checkpoint
     from h3gate.graph.executions import bind_graph, candidate_table, provider_table
     from h3gate.graph.inputs import TimestepPlan

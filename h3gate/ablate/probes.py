@@ -21,8 +21,10 @@ from h3gate.ablate.arms import Arm
 from h3gate.graph.execute import NodeOverride
 from h3gate.graph.model import RawMetadata
 from h3gate.layout import AUDIO_TAG, PackedLayout
+from h3gate.ops import registry
 from h3gate.schedule import Schedule, euler_step, scale_noise
 
+OP_ATTENTION = "h3_full_attention"
 QK_EPS_PROBE = 1e-3  # A2: the Q/K RMSNorm epsilon the probe uses instead of the config's 1e-5
 KV_BLOCKS = 4  # A7: KV blocks of the split-KV plan
 
@@ -133,18 +135,23 @@ def adaln_cast_before_silu(ctx, arm: Arm) -> Arm:
     return arm.with_notes("adaln_silu_cast = silu(temb.to(bf16))", ops=ops)
 
 
+def _split_kv(merge: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """``h3_full_attention`` as the split-KV plan merged in ``merge`` (packed-order blocks; the walk order ignored)."""
+    return lambda q, k, v, order=None: split_kv_attention(q, k, v, merge)
+
+
 def kv_split_merge_forward(ctx, arm: Arm) -> Arm:
     """A7 strict arm: every attention as a 4-block split-KV plan merged in block order 0, 1, 2, 3."""
-    order = tuple(range(KV_BLOCKS))
-    ops = arm.ops.with_overrides({"h3_full_attention": lambda q, k, v: split_kv_attention(q, k, v, order)})
-    return arm.with_notes(f"split-KV attention, merge order {order}", ops=ops)
+    merge = tuple(range(KV_BLOCKS))
+    ops = arm.ops.with_overrides({OP_ATTENTION: _split_kv(merge)})
+    return arm.with_notes(f"split-KV attention, merge order {merge}", ops=ops)
 
 
 def kv_split_merge_reversed(ctx, arm: Arm) -> Arm:
     """A7 probe: the same split-KV plan merged in reversed block order 3, 2, 1, 0."""
-    order = tuple(reversed(range(KV_BLOCKS)))
-    ops = arm.ops.with_overrides({"h3_full_attention": lambda q, k, v: split_kv_attention(q, k, v, order)})
-    return arm.with_notes(f"split-KV attention, merge order {order}", ops=ops)
+    merge = tuple(reversed(range(KV_BLOCKS)))
+    ops = arm.ops.with_overrides({OP_ATTENTION: _split_kv(merge)})
+    return arm.with_notes(f"split-KV attention, merge order {merge}", ops=ops)
 
 
 def _batch(ctx, arm: Arm, size: int, position: int, tag: str) -> Arm:
@@ -263,7 +270,7 @@ def causal_mask(ctx, arm: Arm) -> Arm:
     """H8: every attention (refiner included) causal instead of one non-causal document."""
     return arm.with_notes(
         "is_causal=True",
-        ops=arm.ops.with_overrides({"h3_full_attention": lambda q, k, v: sdpa(q, k, v, is_causal=True)}),
+        ops=arm.ops.with_overrides({OP_ATTENTION: lambda q, k, v, order=None: sdpa(q, k, v, is_causal=True)}),
     )
 
 
@@ -345,55 +352,45 @@ def swapped_noise_formula(ctx, arm: Arm) -> Arm:
 # -- H-C3 ----------------------------------------------------------------------------------------------------------
 
 
-def canonical_order(values, condition_video_rows: int) -> torch.Tensor:
-    """Packed rows in the canonical layout's order, derived from the row metadata: ``[text | condition video |
-    audio | generated video]`` by index tensor (identity on a canonical layout, the inverse permutation otherwise)."""
-    video = values["video_indices"]
-    return torch.cat(
-        [values["text_indices"], video[:condition_video_rows], values["audio_indices"], video[condition_video_rows:]]
-    )
-
-
-def canonical_attention_override(condition_video_rows: int) -> NodeOverride:
-    """Block attention that gathers q, k, v into canonical row order, attends, and scatters the rows back."""
-
-    def fn(ops, values, params, node):
-        p = _prefix(node)
-        q, k = values[f"{p}.rope_q"], values[f"{p}.rope_k"]
-        v = values[f"{p}.v_proj"].unflatten(-1, (q.shape[2], -1))
-        order = canonical_order(values, condition_video_rows).to(q.device)
-        out = ops["h3_full_attention"](q[:, order], k[:, order], v[:, order])
-        return torch.empty_like(out).index_copy_(1, order, out)
-
-    return NodeOverride(fn, label=CANONICAL)
-
-
-CANONICAL = "canonical-order attention"
-
-
-def canonical_attention(ctx, arm: Arm) -> Arm:
-    """H-C3 strict arm: block attention gathers rows into the metadata's canonical order, attends, scatters back."""
+def strict_attention(ctx, arm: Arm) -> Arm:
+    """H-C3 strict arm: ``h3_full_attention`` is the strict operator, which walks the rows in the graph's canonical
+    ``attention_order`` (the factor the row tests). Under ``--mode strict`` (the kernel bound already) the arm is
+    unchanged; under ``--mode off`` the provider's SDPA, which attends in packed order, is replaced by the kernel."""
+    bound = ctx.execution["ops"].get(OP_ATTENTION, {})
+    if bound.get("actual") == "triton":
+        return arm.with_notes(f"{OP_ATTENTION}: the arm's own strict kernel ({bound.get('kernel_id')})")
+    binding = registry.bind(OP_ATTENTION, "strict", ctx.device)
     return arm.with_notes(
-        "attention in canonical row order",
-        overrides={
-            **arm.overrides,
-            "block.*.attention": canonical_attention_override(arm.layout.num_condition_video_rows),
-        },
+        f"{OP_ATTENTION}: the strict kernel ({binding.kernel_id}) in place of the provider",
+        ops=arm.ops.with_overrides({OP_ATTENTION: binding.fn}),
     )
+
+
+def packed_order_attention(ctx, arm: Arm) -> Arm:
+    """H-C3 diagnostic and negative control: the arm's own attention op given the identity order, i.e. walking the
+    rows in packed order, whatever ``attention_order`` the graph holds."""
+    base = arm.ops[OP_ATTENTION]
+
+    def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order=None) -> torch.Tensor:
+        return base(q, k, v, order=None if order is None else torch.arange(q.shape[1], device=q.device))
+
+    ops = arm.ops.with_overrides({OP_ATTENTION: packed})
+    return arm.with_notes(f"{OP_ATTENTION}: identity order (packed-order walk)", ops=ops)
 
 
 def consistent_permutation(ctx, arm: Arm) -> Arm:
-    """H-C3 probe: a seeded permutation of every packed row with positions, tags and indices permuted alike."""
+    """H-C3 probe: a seeded permutation of every packed row with positions, tags and indices permuted alike (the
+    graph's ``attention_order``, derived from the indices, follows the rows)."""
     g = torch.Generator().manual_seed(ctx.seed)
     perm = torch.randperm(arm.layout.seq_len, generator=g)
     layout = permuted_layout(arm.layout, perm)
     probe_arm = arm.with_notes("all rows permuted consistently (seeded)", layout=layout, row_perm=perm)
-    plain = {k: v for k, v in arm.overrides.items() if v.label != CANONICAL}
+    packed = packed_order_attention(ctx, arm)
     diagnostics = {
-        # the same permutation with attention in packed order: how many rows a plain SDPA changes
-        "packed_order_attention": (replace(arm, overrides=plain), replace(probe_arm, overrides=plain)),
-        # the canonical-order strict arm against the plain replay (identity order on a canonical layout)
-        "canonical_strict_vs_provider": (replace(arm, overrides=plain), arm),
+        # the same permutation with attention walked in packed order: how many rows that changes
+        "packed_order_attention": (packed, packed_order_attention(ctx, probe_arm)),
+        # canonical against packed order on the canonical layout (bitwise where the canonical order is the identity)
+        "canonical_vs_packed_order": (packed, arm),
     }
     return replace(probe_arm, diagnostics=diagnostics)
 
@@ -432,7 +429,8 @@ ARM_PROBES: dict[str, Callable[..., Arm]] = {
     "shared_schedule": shared_schedule,
     "reordered_euler": reordered_euler,
     "swapped_noise_formula": swapped_noise_formula,
-    "canonical_attention": canonical_attention,
+    "strict_attention": strict_attention,
+    "packed_order_attention": packed_order_attention,
     "consistent_permutation": consistent_permutation,
     "gradient_checkpointing": gradient_checkpointing,
 }

@@ -3,8 +3,8 @@
 * ``forward`` / ``trajectory`` / ``backward`` rows name arm probes, ``fn(ctx, arm) -> Arm``
   (:data:`h3gate.ablate.probes.ARM_PROBES`);
 * ``check`` rows name checks, ``fn(ctx, ablation) -> Outcome`` (:data:`h3gate.ablate.checks.CHECKS`; no ``strict``);
-* ``distributed`` rows name parallel plans, ``fn(cfg, seq_len, world) -> Plan``
-  (:data:`h3gate.ablate.multirank.PLANS`; ``strict`` absent = the single-process replay, ``ranks`` = the world).
+* ``distributed`` rows name parallel plans, ``fn(world) -> run ws2 settings`` (topology, partition)
+  (:data:`h3gate.ablate.multirank.PLANS`; ``strict`` absent = TP1, ws2's one-device reference; ``ranks`` = the world).
 
 Adding a row: its YAML entry, plus one registered function when it needs a new one.
 """
@@ -51,4 +51,5 @@ def check_names(rows: Mapping[str, AblationRow], source: str | None = None) -> i
 def describe(name: str, run: str) -> str:
     """The first docstring line of the function ``name`` names for a ``run`` row ("" if unknown)."""
     fn = registry_for(run)[1].get(name)
-    return (fn.__doc__ or "").strip().splitlines()[0] if fn is not None else ""
+    lines = (fn.__doc__ or "").strip().splitlines() if fn is not None else []
+    return lines[0] if lines else ""

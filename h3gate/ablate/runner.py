@@ -75,8 +75,8 @@ def _comparison_fields(comparison: Comparison | None) -> dict:
             "hashed": {"strict": [], "probe": []},
         }
     return {
-        "strict_sha256": comparison.arm_sha256("strict"),
-        "probe_sha256": comparison.arm_sha256("probe"),
+        "strict_sha256": comparison.arm_sha256("strict") if comparison.hashes["strict"] else None,
+        "probe_sha256": comparison.arm_sha256("probe") if comparison.hashes["probe"] else None,
         "nodes_compared": comparison.nodes_compared,
         "nodes_drifting": comparison.nodes_drifting,
         "metadata_drift": comparison.metadata_drift[:16],

@@ -15,6 +15,10 @@ Criteria (forward only; forward + backward is recorded, not gated). An operator 
   (:mod:`h3gate.bench.baselines`) timed in the same interleaved run next to kernel and provider. ``kind: compute``
   marks the copy-bandwidth check not applicable.
 
+A case's ``bench_variants`` (attention: the walk order given as the identity and as a seeded permutation, i.e.
+the row gathers and scatters of the canonical order) are timed as ``kernel.<label>`` in the same interleaved runs
+and recorded under ``variants`` with their ratio to the plain kernel; they gate nothing.
+
 Every other operator is gated by the defaults, declared here before measuring:
 
 * ``not_slower``: kernel median <= provider median * (1 + NOISE), NOISE = 0.05 (timing noise allowance);
@@ -25,6 +29,7 @@ Every other operator is gated by the defaults, declared here before measuring:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -72,26 +77,49 @@ def _bucket(target, small: bool) -> str:
     return f"rows {'<' if small else '>='} {target.small_rows.below}"
 
 
+def _variant_cases(case: OpCase) -> dict[str, OpCase]:
+    """``kernel.<label>`` -> the case with that bench variant's keyword arguments."""
+    return {f"kernel.{k}": replace(case, kwargs={**case.kwargs, **kw}) for k, kw in case.bench_variants.items()}
+
+
+def _ratio(ms: float, base_ms: float) -> float | None:
+    return ms / base_ms if base_ms > 0 else None
+
+
+def _variants_record(case: OpCase, fwd: dict, fb: dict | None) -> dict:
+    """Each bench variant's forward (and forward + backward) timing and its median over the plain kernel's."""
+    out = {}
+    for label in case.bench_variants:
+        f, b = fwd[f"kernel.{label}"], None if fb is None else fb[f"kernel.{label}"]
+        out[label] = {
+            "forward": f,
+            "forward_backward": b,
+            "forward_vs_kernel": _ratio(f["median_ms"], fwd["kernel"]["median_ms"]),
+            "forward_backward_vs_kernel": None if b is None else _ratio(b["median_ms"], fb["kernel"]["median_ms"]),
+        }
+    return out
+
+
 def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int = 50) -> dict:
     """One operator's record: forward (gated) and forward + backward (recorded) timings, achieved bandwidth."""
     case = build_case(op, rows, cfg, device, seed=0)
     binding = registry.bind(op, "strict", device)
     ref = registry.reference(op)
     target = registry.spec(op).bench
+    variants = _variant_cases(case)
     fns = {"kernel": _forward(case, binding.fn), "provider": _forward(case, ref)}
     if target is not None and target.baseline != "provider":
         fns["baseline"] = _forward(case, BASELINES[target.baseline](ref))
+    fns.update({name: _forward(c, binding.fn) for name, c in variants.items()})
     fwd = side_by_side(fns, iters=iters, head_start_us=HEAD_START_US)
     fb = None
     if case.grad_args:
         with torch.no_grad():
             out = case.call(ref)
         gout = randn(out.shape, out.dtype, out.device, torch.Generator(device=out.device).manual_seed(1))
-        fb = side_by_side(
-            {"kernel": _forward_backward(case, binding.fn, gout), "provider": _forward_backward(case, ref, gout)},
-            iters=max(10, iters // 2),
-            head_start_us=HEAD_START_US,
-        )
+        fb_fns = {"kernel": _forward_backward(case, binding.fn, gout), "provider": _forward_backward(case, ref, gout)}
+        fb_fns.update({name: _forward_backward(c, binding.fn, gout) for name, c in variants.items()})
+        fb = side_by_side(fb_fns, iters=max(10, iters // 2), head_start_us=HEAD_START_US)
     k_ms, p_ms = fwd["kernel"]["median_ms"], fwd["provider"]["median_ms"]
     k_gbs = case.bytes_moved / (k_ms * 1e-3) / 1e9 if case.bytes_moved else None
     p_gbs = case.bytes_moved / (p_ms * 1e-3) / 1e9 if case.bytes_moved else None
@@ -132,6 +160,7 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
         },
         "forward_backward": None if fb is None else {"kernel": fb["kernel"], "provider": fb["provider"]},
         "target": declared,
+        **({"variants": _variants_record(case, fwd, fb)} if variants else {}),
         "checks": checks,
         "verdict": "pass" if all(v is not False for v in checks.values()) else "fail",
     }

@@ -142,7 +142,6 @@ def ablate_command(
     checkpoint: Path | None = None,
     threads: int | None = None,
 ) -> int:
-    from h3gate.ablate import multirank
     from h3gate.ablate.engine import build_context
     from h3gate.ablate.registry import check_names
     from h3gate.ablate.runner import run_ablation
@@ -167,7 +166,6 @@ def ablate_command(
         started = time.perf_counter()
         ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
         ctx.execution["threads"] = torch.get_num_threads()
-        multirank.want(ctx, (rows[a] for a in selected))  # one spawn runs the plans of every selected row
         with progress("ablate", len(selected), started) as step:
             records = []
             for ablation_id in selected:

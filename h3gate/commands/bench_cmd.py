@@ -228,5 +228,12 @@ def _table(body: dict, path: Path) -> None:
             "-" if f["kernel_gbs"] is None else f"{f['kernel_gbs']:.0f}", frac, fbs,
             "yes" if r["verdict"] == "pass" else "[red]NO[/red]",
         )  # fmt: skip
+        for label, var in r.get("variants", {}).items():  # recorded next to the kernel, not gated
+            vfb, ratio = var["forward_backward"], var["forward_vs_kernel"]
+            table.add_row(
+                escape(f"  {r['op']} {label}"), f"{var['forward']['median_ms']:.4f}", "-",
+                "-" if ratio is None else f"{ratio:.3f}x kernel", "-", "-", "-",
+                "-" if vfb is None else f"{vfb['median_ms']:.3f}/-", "-",
+            )  # fmt: skip
     console.print(table)
     console.print(f"evidence: {escape(display(path))}")

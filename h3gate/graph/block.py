@@ -1,7 +1,9 @@
 """One MiniMax-H3 transformer block as 17 named nodes (diffusers 0.42.1 ``MiniMaxH3TransformerBlock``, op for op).
 
 Graph inputs: ``hidden_states`` (B, S, H) bf16, ``temb`` (T, E) fp32, ``adaln_indices`` (S,) int64 (row of the
-(3T, H) AdaLN tables = ``timestep_index * 3 + token_tag``), ``rope_cos``/``rope_sin`` (S, R) fp32. Parameters are
+(3T, H) AdaLN tables = ``timestep_index * 3 + token_tag``), ``rope_cos``/``rope_sin`` (S, R) fp32,
+``attention_order`` (S,) int64 (the packed row of canonical row i, :func:`h3gate.layout.canonical_order`; only the
+strict attention reads it, the provider's SDPA ignores it). Parameters are
 keyed by block-relative diffusers names (``norm1.weight``, ``attn.to_q.weight``, ...). Output: ``residual_mlp``.
 
 Maths (``tab[k]`` is the k-th (3T, H) view of the AdaLN projection, rows gathered by ``adaln_indices``)::
@@ -11,7 +13,8 @@ Maths (``tab[k]`` is the k-th (3T, H) view of the AdaLN projection, rows gathere
     q/k/v_proj        q = n1 @ Wq.T  (no bias)                               (B, S, nh*D)
     q_norm/k_norm     rmsnorm over D per head                                (B, S, nh, D)
     rope_q/rope_k     rotate-half MM-RoPE on the first R of D channels
-    attention         SDPA, non-causal, unmasked, scale 1/sqrt(D)            (B, S, nh*D)
+    attention         SDPA, non-causal, unmasked, scale 1/sqrt(D)            (B, S, nh*D); strict: rows walked
+                      in attention_order (gathered, attended, scattered back: copies)
     o_proj            a @ Wo.T                                               (B, S, H)
     residual_attn     h = x + gate_msa[idx] * o
     norm2             n2 = rmsnorm(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]
@@ -40,7 +43,7 @@ from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops import reference
 from h3gate.paths import display
 
-GRAPH_INPUTS: tuple[str, ...] = ("hidden_states", "temb", "adaln_indices", "rope_cos", "rope_sin")
+GRAPH_INPUTS: tuple[str, ...] = ("hidden_states", "temb", "adaln_indices", "rope_cos", "rope_sin", "attention_order")
 BLOCK_NODES: tuple[str, ...] = (
     "adaln_projection",
     "norm1",
@@ -108,7 +111,7 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
 
         return fn
 
-    body = body_specs(heads, qk_eps, "rope_q", "rope_k")
+    body = body_specs(heads, qk_eps, "rope_q", "rope_k", "attention_order")
 
     def shared(name: str, meta: dict[str, str]) -> Node:
         op, inputs, fn = body[name]
@@ -163,7 +166,11 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
         ),
         shared(
             "attention",
-            _meta(bf16, "the SDPA backend's own; output type_as(q)", "softmax(q k^T / sqrt(D)) v over all S rows"),
+            _meta(
+                bf16,
+                "the SDPA backend's own; output type_as(q)",
+                "softmax(q k^T / sqrt(D)) v over all S rows (strict: walked in attention_order)",
+            ),
         ),
         shared("o_proj", _meta(bf16, acc, "a @ Wo.T, nh*D -> H")),
         Node(

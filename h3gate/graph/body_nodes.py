@@ -4,7 +4,9 @@ Both blocks run the same attention and FFN body on their pre-norm output ``norm1
 
     q/k/v_proj     q = n1 @ Wq.T (no bias)                 (B, S, nh*D)
     q_norm/k_norm  rmsnorm over D per head, qk_norm_eps    (B, S, nh, D)
-    attention      SDPA(q, k, v_proj unflattened to (nh, D)), non-causal, unmasked, scale 1/sqrt(D)
+    attention      SDPA(q, k, v_proj unflattened to (nh, D)), non-causal, unmasked, scale 1/sqrt(D); the
+                   transformer block also passes its ``attention_order`` (the strict kernel's canonical walk
+                   order; the provider ignores it), the refiner none (its text stream is never permuted)
     o_proj         a @ Wo.T                                (B, S, H)
     ffn_gate_up    u = n2 @ W1.T                           (B, S, 2F)
     swiglu         s = u[..., :F] * silu(u[..., F:])       (B, S, F)
@@ -49,8 +51,9 @@ def gemm(op: str, source: str, weight: str) -> NodeFn:
     return fn
 
 
-def body_specs(heads: int, qk_eps: float, q: str, k: str) -> dict[str, BodySpec]:
-    """Node name -> (op, inputs, fn) for the shared body; ``attention`` reads its q and k from nodes ``q`` and ``k``."""
+def body_specs(heads: int, qk_eps: float, q: str, k: str, order: str | None = None) -> dict[str, BodySpec]:
+    """Node name -> (op, inputs, fn) for the shared body; ``attention`` reads its q and k from nodes ``q`` and ``k``
+    and, with ``order``, its walk order from that input (else ``order=None``: packed order)."""
 
     def qk_norm(source: str, weight: str) -> NodeFn:
         def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
@@ -59,7 +62,8 @@ def body_specs(heads: int, qk_eps: float, q: str, k: str) -> dict[str, BodySpec]
         return fn
 
     def attention(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        return ops["h3_full_attention"](x[q], x[k], x["v_proj"].unflatten(-1, (heads, -1)))
+        walk = None if order is None else x[order]
+        return ops["h3_full_attention"](x[q], x[k], x["v_proj"].unflatten(-1, (heads, -1)), order=walk)
 
     def swiglu(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
         return ops["h3_swiglu"](x["ffn_gate_up"])
@@ -71,7 +75,7 @@ def body_specs(heads: int, qk_eps: float, q: str, k: str) -> dict[str, BodySpec]
         "v_proj": (qkv, ("norm1",), gemm(qkv, "norm1", "attn.to_v.weight")),
         "q_norm": ("h3_qk_rmsnorm_d128", ("q_proj",), qk_norm("q_proj", "attn.norm_q.weight")),
         "k_norm": ("h3_qk_rmsnorm_d128", ("k_proj",), qk_norm("k_proj", "attn.norm_k.weight")),
-        "attention": ("h3_full_attention", (q, k, "v_proj"), attention),
+        "attention": ("h3_full_attention", (q, k, "v_proj", *((order,) if order else ())), attention),
         "o_proj": (o, ("attention",), gemm(o, "attention", "attn.to_out.0.weight")),
         "ffn_gate_up": (up, ("norm2",), gemm(up, "norm2", "ff.net.0.proj.weight")),
         "swiglu": ("h3_swiglu", ("ffn_gate_up",), swiglu),

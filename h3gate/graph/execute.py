@@ -10,7 +10,7 @@
 
 Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
 own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
-every value computed so far (the ablation probes and the parallel harness's rank-local nodes). A stage runner that
+every value computed so far (the ablation probes and run ws2's rank-local nodes). A stage runner that
 groups nodes itself (``ablate.arms.backward_stream`` under activation checkpointing) calls :func:`run_node` per node.
 """
 

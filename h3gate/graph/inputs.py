@@ -10,6 +10,8 @@
   augmentation), audio reference rows at 1.0 (as ``MiniMaxH3SetTimestepsStep``); reduced to distinct values and
   per-row indices by ``layout.row_timesteps``; ``adaln_indices = timestep_index * 3 + token_tag``.
 * ``rope_cos``/``rope_sin`` (S, 6 * rope_freq_dim) fp32 from the layout's float64 position ids, on the run device.
+* ``attention_order`` (S,) int64: the layout's canonical row order (:func:`h3gate.layout.canonical_order`, from its
+  index tensors), the strict attention's walk order, on the run device.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def build_block_inputs(
     device: str | torch.device,
     plan: TimestepPlan | None = None,
 ) -> BlockInputs:
-    """The five graph inputs of a block for ``layout`` (batch of 1)."""
+    """The six graph inputs of a block for ``layout`` (batch of 1)."""
     resolved = (plan or TimestepPlan()).resolve()
     timestep, timestep_indices = layout.row_timesteps(
         resolved["video_t"], resolved["audio_t"], resolved["cond_video_t"], resolved["cond_audio_t"]
@@ -140,5 +142,6 @@ def build_block_inputs(
         "adaln_indices": layout.adaln_indices(timestep_indices).to(device),
         "rope_cos": cos,
         "rope_sin": sin,
+        "attention_order": layout.canonical_order().to(device),
     }
     return BlockInputs(tensors, timestep, timestep_indices, resolved, list(layout.row_modalities()), seed)

@@ -4,8 +4,10 @@
 Graph inputs (``MODEL_INPUTS``): the request - ``video_rows`` (B, Nv, C*prod(patch)) and ``audio_rows`` (B, Na, Ca)
 at any float dtype, ``text`` (B, Nt, text_dim) - and the layout metadata :func:`derive_metadata` builds -
 ``timestep`` (T,) fp32, ``timestep_indices`` / ``adaln_indices`` (S,) int64, ``rope_cos`` / ``rope_sin`` (S, R) fp32,
-the three scatter index tensors and the two output-selection index tensors (normally the same as the scatter ones;
-kept apart so that a stale selection index is a perturbation of its own). Stages and the maths of their nodes::
+the three scatter index tensors, the two output-selection index tensors (normally the same as the scatter ones;
+kept apart so that a stale selection index is a perturbation of its own) and ``attention_order`` (S,) int64, the
+canonical row order derived once from the scatter indices (:func:`h3gate.layout.canonical_order`), which every
+block's strict attention walks (the provider ignores it). Stages and the maths of their nodes::
 
     embed.video      linear(video.to(W.dtype), W, b)      FP32 module (proj_in)          (B, Nv, H) fp32
     embed.audio      linear(audio.to(W.dtype), W, b)      FP32 module (audio_proj_in)    (B, Na, H) fp32
@@ -39,6 +41,7 @@ from h3gate.graph.execute import NodeOverride as NodeOverride  # re-exported
 from h3gate.graph.execute import iter_graph as iter_graph  # re-exported
 from h3gate.graph.refiner import build_refiner_graph
 from h3gate.inventory import expected_inventory
+from h3gate.layout import canonical_order
 from h3gate.manifests.model_config import MODALITY_NUM, ModelConfig
 from h3gate.ops import reference
 
@@ -56,6 +59,7 @@ MODEL_INPUTS: tuple[str, ...] = (
     "audio_indices",
     "video_select",
     "audio_select",
+    "attention_order",
 )
 METADATA: tuple[str, ...] = MODEL_INPUTS[3:]
 OUTPUTS: tuple[str, str] = ("heads.video_select", "heads.audio_select")
@@ -216,6 +220,7 @@ def _block_nodes(cfg: ModelConfig, hidden: str, layers: tuple[int, int]) -> tupl
             "adaln_indices": "adaln_indices",
             "rope_cos": "rope_cos",
             "rope_sin": "rope_sin",
+            "attention_order": "attention_order",
         }
         nodes += _embed(block, f"block.{i}.", f"transformer_blocks.{i}.", rename, i, "packed")
         hidden = f"block.{i}.{block.output}"
@@ -315,7 +320,8 @@ def derive_metadata(
     device: str | torch.device,
     adaln_rule: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = adaln_rule_h3,
 ) -> dict[str, torch.Tensor]:
-    """The graph's metadata inputs: MM-RoPE tables (FP32 from float64 positions), AdaLN rows, indices on ``device``."""
+    """The graph's metadata inputs: MM-RoPE tables (FP32 from float64 positions), AdaLN rows, indices and the
+    canonical attention order (from the scatter indices) on ``device``."""
     s = raw.position_ids.shape[0]
     if raw.position_ids.ndim != 2 or raw.position_ids.shape[-1] != 3:
         raise InputError(f"position_ids: must be (S, 3), got {tuple(raw.position_ids.shape)}")
@@ -335,6 +341,7 @@ def derive_metadata(
         "audio_indices": raw.audio_indices.to(device),
         "video_select": raw.video_select.to(device),
         "audio_select": raw.audio_select.to(device),
+        "attention_order": canonical_order(raw.text_indices, raw.video_indices, raw.audio_indices).to(device),
     }
 
 
@@ -351,6 +358,7 @@ META_ROWS = {
     "audio_indices": ("audio", "row_ids"),
     "video_select": ("video", "row_ids"),
     "audio_select": ("audio", "row_ids"),
+    "attention_order": ("none", "row_ids"),  # entry i: canonical row i (not a packed row); values: packed rows
 }
 
 

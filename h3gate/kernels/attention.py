@@ -22,13 +22,21 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   launch keeps ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``.
   ``bwd_exp2`` / ``bwd_fma`` are the same declared options for the backward's recomputation of p (default: the
   strict forms; see :mod:`h3gate.kernels.attention_bwd`).
+* walk order (RFC numerical rule 7) - with ``order`` (int64 (S,), the packed row holding canonical row ``i``: the
+  graph's ``attention_order``, :func:`h3gate.layout.canonical_order`) the operator gathers the q, k and v rows into
+  that order (a copy), runs the kernels below on the gathered rows, so K/V (forward, dQ) and Q (dK/dV) are walked in
+  the canonical logical order, and scatters the output rows back (a copy). The backward gathers ``dout`` and scatters
+  dq, dk, dv the same way: copies, never additions, so forward and gradients of a logical row are byte-equal under
+  any consistent permutation of the packed rows. Cast points are unchanged. ``order=None`` walks packed order; an
+  identity order skips the copies (decided once per order tensor: ``common.cached``, one host read, not per call).
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
-  the fixed block order above; batch elements and heads are separate programs (batch-row invariant); the KV walk
-  (fwd_n, exp2/fma forms) and the backward tilings are functions of (D, dtype) only, never of S or B. One knob
-  depends on S, declared in ``FWD_S_BUCKETS``: the forward's query-block height (BLOCK_M, warps, stages), which
-  only decides how many query rows one program owns - each row's scores, softmax and PV sums are the same (every
-  height probed was bitwise equal to the 128-row tiling at S = 264, 925, 3160 and 38974 on the H200,
-  ``docs/measurements/perf-probe-{12,13}.json``). Repeat runs are bitwise equal. No split-KV, no atomics.
+  the fixed block order above (over the canonical rows when an order is given); batch elements and heads are
+  separate programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms) and the backward tilings are
+  functions of (D, dtype) only, never of S or B. One knob depends on S, declared in ``FWD_S_BUCKETS``: the
+  forward's query-block height (BLOCK_M, warps, stages), which only decides how many query rows one program owns -
+  each row's scores, softmax and PV sums are the same (every height probed was bitwise equal to the 128-row tiling
+  at S = 264, 925, 3160 and 38974 on the H200, ``docs/measurements/perf-probe-{12,13}.json``). Repeat runs are
+  bitwise equal. No split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 
@@ -44,7 +52,7 @@ from triton.language.extra import libdevice
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor
 from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import mma
 
@@ -283,11 +291,48 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) 
     return out, lse
 
 
+def _order_facts(order: torch.Tensor) -> tuple[bool, bool]:
+    """(is a permutation of 0..S-1, is the identity): one host read."""
+    ar = torch.arange(order.shape[0], device=order.device)
+    facts = torch.stack([(torch.sort(order).values == ar).all(), (order == ar).all()])
+    perm, identity = facts.tolist()
+    return bool(perm), bool(identity)
+
+
+def walk_order(order: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The order the kernels walk: ``None`` (packed order) for no order or the identity, else ``order`` checked to
+    be an int64 (S,) permutation on q's device (memoised per order tensor, so one host read per tensor)."""
+    if order is None:
+        return None
+    s = q.shape[1]
+    check_tensor(OP, "order", order, (torch.int64,), ndim=1, device=q.device, contiguous=False)
+    if order.shape[0] != s:
+        raise InputError(f"{OP}: order: length {order.shape[0]}, expected S = {s} (q's rows)")
+    perm, identity = cached("attention-order", (order,), (), lambda: _order_facts(order))
+    if not perm:
+        raise InputError(f"{OP}: order: not a permutation of the {s} packed rows")
+    return None if identity else order
+
+
+def _gather(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Rows (dim 1) in canonical order: ``t[:, order]``, a contiguous copy."""
+    return t if order is None else t.index_select(1, order)
+
+
+def _scatter(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Canonical rows back to their packed rows: ``out[:, order[i]] = t[:, i]``, a copy."""
+    return t if order is None else torch.empty_like(t).index_copy_(1, order, t)
+
+
 class _Attention(torch.autograd.Function):
+    """The kernels on the rows gathered into ``order`` (None: packed order), the rows scattered back. Saves the
+    caller's q, k, v and the returned output (no extra copies kept) and gathers them again in the backward."""
+
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> torch.Tensor:
-        out, lse = forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, order: torch.Tensor | None, cfg: AttnConfig) -> torch.Tensor:
+        out, lse = forward(_gather(q, order), _gather(k, order), _gather(v, order), cfg)
+        out = _scatter(out, order)
+        ctx.save_for_backward(q, k, v, out, lse, order)
         ctx.cfg = cfg
         return out
 
@@ -295,23 +340,27 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         from h3gate.kernels.attention_bwd import backward
 
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, order = ctx.saved_tensors
         if grad.dtype != q.dtype:
             raise InputError(f"{OP}: grad_output: dtype {grad.dtype} != output dtype {q.dtype}")
-        dq, dk, dv = backward(q, k, v, out, lse, grad.contiguous(), ctx.cfg)
-        return dq, dk, dv, None
+        q, k, v, out = (_gather(t, order) for t in (q, k, v, out))
+        dq, dk, dv = backward(q, k, v, out, lse, _gather(grad, order).contiguous(), ctx.cfg)
+        return _scatter(dq, order), _scatter(dk, order), _scatter(dv, order), None, None
 
 
-def attention_with(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> torch.Tensor:
+def attention_with(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig, order: torch.Tensor | None = None
+) -> torch.Tensor:
     """The strict attention with an explicit tiling (tests and the GPU bench); validates like :func:`attention`."""
     _check(q, k, v)
-    return _Attention.apply(q, k, v, cfg)
+    return _Attention.apply(q, k, v, walk_order(order, q), cfg)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Strict :func:`h3gate.ops.reference.attention`: (B, S, nh, D) x3 -> (B, S, nh*D), scale 1/sqrt(D)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Strict :func:`h3gate.ops.reference.attention`: (B, S, nh, D) x3 -> (B, S, nh*D), scale 1/sqrt(D); rows
+    walked in ``order`` (int64 (S,): packed row of canonical row i; None: packed order)."""
     _check(q, k, v)
-    return _Attention.apply(q, k, v, attn_config(q.shape[3], q.dtype, q.shape[1]))
+    return _Attention.apply(q, k, v, walk_order(order, q), attn_config(q.shape[3], q.dtype, q.shape[1]))
 
 
 h3_full_attention = attention

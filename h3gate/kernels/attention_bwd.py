@@ -17,6 +17,10 @@ with libdevice ``__nv_exp2f`` (default), the explicit PTX ``ex2.approx.f32`` ("e
 same p. These are written instructions (inline asm / ``tl.fma``), never compiler fast-math: launches keep
 ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``.
 
+With a walk order (:mod:`h3gate.kernels.attention`), the operator hands these kernels q, k, v, out and dout already
+gathered into the canonical row order, so the dK/dV kernel's query walk and the dQ kernel's KV walk run over the
+canonical rows; dq, dk, dv are scattered back to their packed rows (copies, no addition).
+
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
 written by exactly one program, so dQ/dK/dV are repeat-bitwise and batch-row invariant.

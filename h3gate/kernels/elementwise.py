@@ -183,7 +183,7 @@ def _gate_kernel(
     tl.store(out_ptr + offs, exact.rne(out, DT, INTERPRET), mask=m)
 
 
-def _gate_launch(x, y, gate, idx, out, bwd: bool) -> None:
+def gate_launch(x, y, gate, idx, out, bwd: bool) -> None:
     h = x.shape[-1]
     m = x.numel() // h
     block_h = min(next_pow2(h), 1024)
@@ -199,7 +199,7 @@ class _GateResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y, gate, idx):
         out = torch.empty_like(x)
-        _gate_launch(x, y, gate, idx, out, bwd=False)
+        gate_launch(x, y, gate, idx, out, bwd=False)
         ctx.save_for_backward(y, gate)
         ctx.idx = idx
         return out
@@ -212,15 +212,14 @@ class _GateResidual(torch.autograd.Function):
         dy = dgate = None
         if ctx.needs_input_grad[1]:
             dy = torch.empty_like(y)
-            _gate_launch(y, g, gate, idx, dy, bwd=True)
+            gate_launch(y, g, gate, idx, dy, bwd=True)
         if ctx.needs_input_grad[2]:
             dgate = table_grad(g, idx, gate.shape[0], gate.dtype, other=y)
         return g, dy, dgate, None
 
 
-def gate_residual(x, y, gate, adaln_indices) -> torch.Tensor:
-    """``adaln_gate_residual``: ``x + gate[idx] * y`` for (B, S, H) or (S, H) x/y and a (3T, H) row-strided table."""
-    op = "adaln_gate_residual"
+def check_gate_residual(op: str, x, y, gate, adaln_indices) -> None:
+    """The gated residual's inputs (``adaln_gate_residual`` and its ``_seg8`` twin)."""
     check_tensor(op, "x", x, _DTYPES)
     if x.ndim not in (2, 3):
         raise InputError(f"{op}: x: expected (B, S, H) or (S, H), got shape {tuple(x.shape)}")
@@ -231,6 +230,11 @@ def gate_residual(x, y, gate, adaln_indices) -> torch.Tensor:
     check_table(op, "gate", gate, _DTYPES, x.shape[-1], x.device)
     check_dtype_as(op, "gate", gate, x.dtype, "x")
     check_indices(op, "adaln_indices", adaln_indices, x.shape[-2], gate.shape[0], x.device)
+
+
+def gate_residual(x, y, gate, adaln_indices) -> torch.Tensor:
+    """``adaln_gate_residual``: ``x + gate[idx] * y`` for (B, S, H) or (S, H) x/y and a (3T, H) row-strided table."""
+    check_gate_residual("adaln_gate_residual", x, y, gate, adaln_indices)
     return _GateResidual.apply(x, y, gate, adaln_indices)
 
 

@@ -29,8 +29,8 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
 * cast points - the tree's FP32 sum, plus the FP32 bias (exact upcast) in one IEEE add, then one RNE rounding to the
   output dtype: in the kernel's epilogue when one device owns all 8 segments, else :func:`finish` after
   :func:`combine`. dX the same without bias.
-* backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY as the
-  single-walk kernel (their reduction runs over M, which TP does not split).
+* backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY (a sum over
+  packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`.
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
 * tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
@@ -52,7 +52,7 @@ from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import _check as check_linear
-from h3gate.kernels.gemm import _num_sms, _tile_coords, _tma_allocator, colsum, matmul, mma
+from h3gate.kernels.gemm import _num_sms, _tile_coords, _tma_allocator, mma
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
@@ -411,8 +411,10 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 class _LinearSeg8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
+        from h3gate.kernels.rows_seg8 import linear_rows  # it builds on this module
+
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.op = bias is not None, op
+        ctx.has_bias, ctx.op, ctx.rows = bias is not None, op, linear_rows(op, x)
         return _forward(x, weight, bias)
 
     @staticmethod
@@ -428,12 +430,12 @@ class _LinearSeg8(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             seg = segment_size(n, pinned_config("dx", (n, k), x.dtype).block_k)
             dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = torch.empty((n, k), dtype=weight.dtype, device=x.device)
-            matmul(g2, x.reshape(-1, k), dw, None, gemm_config("dw", n, k, x.dtype), a_trans=True, b_trans=False)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = colsum(g2, weight.dtype)
-        return dx, dw, db, None
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        if ctx.needs_input_grad[1] or want_db:
+            from h3gate.kernels.rows_seg8 import linear_row_grads
+
+            dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db)
+        return dx, dw if ctx.needs_input_grad[1] else None, db, None
 
 
 def linear_merge(

@@ -308,7 +308,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RmsNorm.apply(x, weight, None, None, None, float(eps))
 
 
-def _modulate(op: str, x, weight, shift, scale, indices, eps, index_arg: str) -> torch.Tensor:
+def check_modulate(op: str, x, weight, shift, scale, indices, eps, index_arg: str) -> None:
+    """The modulated norm's inputs (every operator of this kernel family, the ``_seg8`` twins too)."""
     _check_x(op, x, weight)
     _check_eps(op, eps)
     if x.ndim not in (2, 3):
@@ -321,6 +322,10 @@ def _modulate(op: str, x, weight, shift, scale, indices, eps, index_arg: str) ->
     if shift.shape[0] != scale.shape[0]:
         raise InputError(f"{op}: shift/scale: {shift.shape[0]} vs {scale.shape[0]} table rows")
     check_indices(op, index_arg, indices, x.shape[-2], scale.shape[0], x.device)
+
+
+def _modulate(op: str, x, weight, shift, scale, indices, eps, index_arg: str) -> torch.Tensor:
+    check_modulate(op, x, weight, shift, scale, indices, eps, index_arg)
     return _RmsNorm.apply(x, weight, shift, scale, indices, float(eps))
 
 

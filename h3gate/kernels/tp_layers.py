@@ -10,14 +10,16 @@ the same functions, no communication, which is what the one-device ``*_seg8`` op
   never depends on the slice). dX: reduction over N, which TP splits: the rank's segmented-8 subtree of
   ``dY[:, N_r] @ W[N_r, :]`` (its owned segments), gathered, the tree's upper levels, one rounding. ``halves``
   (gate/up, fused (2F, K) weight owned as chunk pairs): each half is its own (F, K) segmented-8 reduction and
-  ``dX = rne(T_value + T_gate)`` (one FP32 add of the two trees). dW = dY^T @ X as the single walk (over M, unsplit).
+  ``dX = rne(T_value + T_gate)`` (one FP32 add of the two trees). dW = dY^T @ X in the row-segment order over the
+  packed rows (:func:`h3gate.kernels.rows_seg8.linear_row_grads`; merged over CP, unsplit by TP).
 * :class:`RowLinear` (attention O, FFN down; weight columns = the rank's K) - forward: the rank's subtree over its
   K segments, gathered, upper levels, one rounding: every rank holds the full Y. dX (its K columns): the full
-  segmented-8 walk over N (unsplit), one rounding. dW (its columns) = dY^T @ X_r as the single walk.
+  segmented-8 walk over N (unsplit), one rounding. dW (its columns) = dY^T @ X_r in the row-segment order.
 * :class:`QkNormGrouped` (per-head RMSNorm over D) - rows and their dX are per head (unsplit). Its weight gradient
   sums over every (row, head): the heads are cut into 8 groups ``[g_i, g_i+1)``, ``g_i = min(i * ceil(nh / 8), nh)``;
-  group i's FP32 partial is the norm kernel's own row order over the rows ``(b, s, h in group i)`` (ascending,
-  ``gather.sum_rows`` of its program partials, FP32); the 8 partials take the same fixed tree, then one rounding.
+  group i's FP32 partial is the row-segment tree (:mod:`h3gate.kernels.row_merge`) of the norm kernel's own row
+  order over each segment's rows ``(b, s, h in group i)`` (``gather.sum_rows`` of its program partials, FP32); the 8
+  group partials take the same fixed tree, then one rounding.
 
 TPn ranks own segments / head groups ``[r * 8/n, (r + 1) * 8/n)``; :func:`check_alignment` proves that the heads and
 FFN channels a rank owns are exactly its segments (otherwise TPn is refused for that config).
@@ -39,6 +41,8 @@ from h3gate.kernels.gemm import matmul
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import SEGMENTS, combine, finish, owned_segments, rank_slice, segment_partials
 from h3gate.kernels.norms import HEAD_DIM, check_qk, qk_rmsnorm, rms_backward, rms_forward
+from h3gate.kernels.row_merge import row_sum, rows_for
+from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
 
 KERNEL_ID = "triton:h3gate.tp_layers_seg8:v1"
 
@@ -47,19 +51,33 @@ Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 
 @dataclass(frozen=True)
 class MergeGroup:
-    """Who shares a split reduction: TP degree, this rank, and the all-gather of FP32 subtrees (rank order)."""
+    """Who shares a split reduction: TP degree, this rank, and the all-gather of FP32 subtrees (rank order).
+
+    ``chunks[r]`` is the chunk (segments, heads, channels) rank r owns (None: its rank); :meth:`merge` combines the
+    gathered subtrees in chunk (logical) order, or in rank order when ``rank_order`` (a negative control)."""
 
     degree: int
     rank: int
     gather: Gather
+    chunks: tuple[int, ...] | None = None
+    rank_order: bool = False
+
+    @property
+    def chunk(self) -> int:
+        return self.rank if self.chunks is None else self.chunks[self.rank]
 
     @property
     def owned(self) -> range:
-        return owned_segments(self.degree, self.rank)
+        return owned_segments(self.degree, self.chunk)
 
     def merge(self, subtree: torch.Tensor) -> torch.Tensor:
         """The tree's upper log2(degree) levels over every rank's subtree: the full FP32 sum, on every rank."""
-        return subtree if self.degree == 1 else combine(self.gather(subtree.contiguous()), self.degree)
+        if self.degree == 1:
+            return subtree
+        parts = self.gather(subtree.contiguous())
+        if self.chunks is not None and not self.rank_order:
+            parts = [parts[self.chunks.index(c)] for c in range(self.degree)]  # the subtree of chunk 0, 1, ...
+        return combine(parts, self.degree)
 
 
 ONE_DEVICE = MergeGroup(1, 0, lambda t: [t])
@@ -103,13 +121,6 @@ def check_alignment(degree: int, heads: int, head_dim: int, hidden: int, ffn: in
 # ------------------------------------------------------------------------------------------------ column-parallel
 
 
-def _dw(g2: torch.Tensor, x2: torch.Tensor, out_shape: tuple[int, int], full: tuple[int, int], dtype) -> torch.Tensor:
-    """dW (or the rank's slice of it) = dY^T @ X, the single walk over M with the full layer's dW tiling."""
-    dw = torch.empty(out_shape, dtype=dtype, device=g2.device)
-    matmul(g2, x2, dw, None, gemm_config("dw", full[0], full[1], dtype), a_trans=True, b_trans=False)
-    return dw
-
-
 def _column_dx(g2: torch.Tensor, w: torch.Tensor, full: tuple[int, int], halves: bool, group: MergeGroup):
     """The column-parallel dX FP32 sum (before the rounding), merged over the group."""
     if not halves:
@@ -128,7 +139,7 @@ class ColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, full: tuple[int, int], halves: bool, group: MergeGroup):
         ctx.save_for_backward(x, w)
-        ctx.full, ctx.halves, ctx.group = full, halves, group
+        ctx.full, ctx.halves, ctx.group, ctx.rows = full, halves, group, linear_rows("tp column", x)
         return _column_forward(x, w, full)
 
     @staticmethod
@@ -139,7 +150,7 @@ class ColumnLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = finish(_column_dx(g2, w, ctx.full, ctx.halves, ctx.group), None, x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
-            dw = _dw(g2, x.reshape(-1, x.shape[-1]), tuple(w.shape), ctx.full, w.dtype)
+            dw = linear_row_grads(gy, x, tuple(w.shape), ctx.full, ctx.rows, False)[0]
         return dx, dw, None, None, None
 
 
@@ -160,7 +171,7 @@ class RowLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, full: tuple[int, int], group: MergeGroup):
         ctx.save_for_backward(x, w)
-        ctx.full, ctx.group = full, group
+        ctx.full, ctx.group, ctx.rows = full, group, linear_rows("tp row", x)
         sub = segment_partials(x, w, group.owned, full, "fwd", op="tp row forward")
         return finish(group.merge(sub), None, x.dtype).view(*x.shape[:-1], full[0])
 
@@ -173,7 +184,7 @@ class RowLinear(torch.autograd.Function):
             sub = segment_partials(g2, w, range(SEGMENTS), ctx.full, "dx", op="tp row dX")
             dx = finish(sub, None, x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
-            dw = _dw(g2, x.reshape(-1, x.shape[-1]), tuple(w.shape), ctx.full, w.dtype)
+            dw = linear_row_grads(gy, x, tuple(w.shape), ctx.full, ctx.rows, False)[0]
         return dx, dw, None, None
 
 
@@ -181,7 +192,9 @@ class RowLinear(torch.autograd.Function):
 
 
 class QkNormGrouped(torch.autograd.Function):
-    """Per-head RMSNorm of ``x (B, S, h_r * 128)`` -> (B, S, h_r, 128); the weight gradient in head-group order.
+    """Per-head RMSNorm of ``x (B, S, h_r * 128)`` -> (B, S, h_r, 128); the weight gradient in (head group, row
+    segment) order: per head group the row-segment tree (:mod:`h3gate.kernels.row_merge`, merged over CP), then the
+    head-group tree (merged over TP), one rounding.
 
     ``first_head`` is the rank's first head in the full layer of ``heads`` heads."""
 
@@ -191,29 +204,34 @@ class QkNormGrouped(torch.autograd.Function):
         out, rstd = rms_forward(xv, weight, None, None, None, eps, any(ctx.needs_input_grad[:2]))
         ctx.save_for_backward(xv, weight, rstd)
         ctx.heads, ctx.first, ctx.group = heads, first_head, group
+        ctx.rows = rows_for("h3_qk_rmsnorm_d128_seg8", x.shape[-2])
         return out
 
     @staticmethod
     def backward(ctx, grad):
         xv, weight, rstd = ctx.saved_tensors
         g = grad.contiguous()
-        local = xv.shape[-2]
         rstd = rstd.view(*xv.shape[:-1])
-        bounds = head_groups(ctx.heads)
-        dx = torch.empty_like(xv)
-        partials = []
-        for i in ctx.group.owned:
-            lo, hi = bounds[i] - ctx.first, bounds[i + 1] - ctx.first
-            if hi <= lo:
-                partials.append(torch.zeros(HEAD_DIM, dtype=torch.float32, device=xv.device))
-                continue
-            if not 0 <= lo < hi <= local:
+        bounds, local = head_groups(ctx.heads), xv.shape[-2]
+        spans = [(bounds[i] - ctx.first, bounds[i + 1] - ctx.first) for i in ctx.group.owned]
+        for i, (lo, hi) in zip(ctx.group.owned, spans, strict=True):
+            if hi > lo and not 0 <= lo < hi <= local:
                 raise InputError(f"h3_qk_rmsnorm_d128_seg8: head group {i} is not on this rank's {local} heads")
-            part = (t[..., lo:hi, :].contiguous() for t in (xv, g))
-            dxi, dwp, _ = rms_backward(next(part), weight, rstd[..., lo:hi].contiguous(), next(part))
-            dx[..., lo:hi, :] = dxi
-            partials.append(sum_rows(dwp, torch.float32))
-        level = partials
+        dx = torch.empty_like(xv)
+
+        def partial(r0: int, r1: int) -> list[torch.Tensor]:
+            out = []
+            for lo, hi in spans:
+                if hi <= lo:
+                    out.append(torch.zeros(HEAD_DIM, dtype=torch.float32, device=xv.device))
+                    continue
+                xs, gs = (t[..., r0:r1, lo:hi, :].contiguous() for t in (xv, g))
+                dxi, dwp, _ = rms_backward(xs, weight, rstd[..., r0:r1, lo:hi].contiguous(), gs)
+                dx[..., r0:r1, lo:hi, :] = dxi
+                out.append(sum_rows(dwp, torch.float32))
+            return out
+
+        level = row_sum(ctx.rows, partial, [(HEAD_DIM,)] * len(spans), xv.device)
         while len(level) > 1:
             level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
         dweight = finish(ctx.group.merge(level[0]), None, weight.dtype)

@@ -58,6 +58,9 @@ class OpCase:
     # A float64 implementation of the reference's maths to use as the golden instead of the reference itself, for
     # references whose float64 run does not fit in memory (e.g. attention at 768p); same signature.
     golden_fn: Callable | None = None
+    # Extra kernel calls the op bench times next to the kernel in the same run (recorded, not gated): label ->
+    # keyword arguments replacing ``kwargs`` (attention: an identity and a permuted walk order).
+    bench_variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     bytes_moved: int = 0  # forward HBM bytes the operator must read + write (bench roofline)
     flops: int = 0  # forward floating-point operations (bench)
     shape: str = ""  # human-readable shape summary for evidence

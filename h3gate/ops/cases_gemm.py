@@ -95,6 +95,10 @@ def _attention(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     h, d = cfg.num_attention_heads, cfg.attention_head_dim
     q, k, v = (randn((1, rows, h, d), BF16, device, gen) for _ in range(3))
     dense = h * rows * rows * 8 <= DENSE_ATTENTION_GOLDEN_BYTES  # one float64 (nh, S, S) score matrix
+    orders = {  # the walk order's cost: identity (no copies) and a seeded permutation (row gathers and scatters)
+        "order_identity": {"order": torch.arange(rows).to(device)},
+        "order_permuted": {"order": torch.randperm(rows, generator=gen).to(device)},
+    }
     return OpCase(
         golden_fn=None if dense else attention_fp64,
         op="h3_full_attention",
@@ -104,6 +108,7 @@ def _attention(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
         out_batch_dim=0,
         bytes_moved=2 * 4 * rows * h * d,
         flops=4 * rows * rows * h * d,
+        bench_variants=orders,
         shape=f"S={rows} heads={h} D={d} bfloat16",
     )
 

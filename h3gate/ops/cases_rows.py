@@ -123,7 +123,7 @@ def _rmsnorm(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     )  # fmt: skip
 
 
-def _modulate(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+def _modulate(rows: int, cfg: ModelConfig, device, seed: int, op: str = "h3_rmsnorm_modulate") -> OpCase:
     gen = _gen(seed)
     h = cfg.hidden_size
     x = randn((1, rows, h), BF16, device, gen)
@@ -131,13 +131,13 @@ def _modulate(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     shift, scale = _tables(cfg, device, gen)[:2]
     idx = _adaln_idx(rows, device, gen)
     return OpCase(
-        "h3_rmsnorm_modulate", (x, w, shift, scale, idx, cfg.norm_eps), grad_args=(0, 1, 2, 3), batch_dims={0: 0},
+        op, (x, w, shift, scale, idx, cfg.norm_eps), grad_args=(0, 1, 2, 3), batch_dims={0: 0},
         out_batch_dim=0, row_dims={0: 1}, out_row_dim=1, bytes_moved=4 * rows * h + 8 * rows + 2 * h,
         flops=7 * rows * h, shape=f"S={rows} H={h} tables=3x{TIMESTEPS} bfloat16 (strided)",
     )  # fmt: skip
 
 
-def _final(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+def _final(rows: int, cfg: ModelConfig, device, seed: int, op: str = "final_adaln_out") -> OpCase:
     gen = _gen(seed)
     h = cfg.hidden_size
     x = randn((1, rows, h), BF16, device, gen)
@@ -145,7 +145,7 @@ def _final(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     shift, scale = randn((TIMESTEPS, 2 * h), BF16, device, gen, scale=0.1).chunk(2, dim=-1)
     idx = randint(TIMESTEPS, (rows,), device, gen)
     return OpCase(
-        "final_adaln_out", (x, w, shift, scale, idx, cfg.final_norm_eps), grad_args=(0, 1, 2, 3), batch_dims={0: 0},
+        op, (x, w, shift, scale, idx, cfg.final_norm_eps), grad_args=(0, 1, 2, 3), batch_dims={0: 0},
         out_batch_dim=0, row_dims={0: 1}, out_row_dim=1, bytes_moved=4 * rows * h + 8 * rows + 2 * h,
         flops=7 * rows * h, shape=f"S={rows} H={h} tables={TIMESTEPS} bfloat16 (strided)",
     )  # fmt: skip
@@ -176,7 +176,7 @@ def _rope(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     )  # fmt: skip
 
 
-def _gate(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
+def _gate(rows: int, cfg: ModelConfig, device, seed: int, op: str = "adaln_gate_residual") -> OpCase:
     gen = _gen(seed)
     h = cfg.hidden_size
     x = randn((1, rows, h), BF16, device, gen)
@@ -184,7 +184,7 @@ def _gate(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
     gate = _tables(cfg, device, gen)[2]
     idx = _adaln_idx(rows, device, gen)
     return OpCase(
-        "adaln_gate_residual", (x, y, gate, idx), grad_args=(0, 1, 2), batch_dims={0: 0, 1: 0}, out_batch_dim=0,
+        op, (x, y, gate, idx), grad_args=(0, 1, 2), batch_dims={0: 0, 1: 0}, out_batch_dim=0,
         row_dims={0: 1, 1: 1}, out_row_dim=1, bytes_moved=6 * rows * h + 8 * rows, flops=2 * rows * h,
         shape=f"S={rows} H={h} bfloat16 (strided gate)",
     )  # fmt: skip
@@ -285,6 +285,9 @@ CASES: dict[str, CaseBuilder] = {
     "final_adaln_out": _final,
     "h3_qk_rmsnorm_d128": _qk,
     "h3_qk_rmsnorm_d128_seg8": lambda rows, cfg, device, seed: _qk(rows, cfg, device, seed, "h3_qk_rmsnorm_d128_seg8"),
+    "h3_rmsnorm_modulate_seg8": lambda r, c, d, s: _modulate(r, c, d, s, "h3_rmsnorm_modulate_seg8"),
+    "final_adaln_out_seg8": lambda r, c, d, s: _final(r, c, d, s, "final_adaln_out_seg8"),
+    "adaln_gate_residual_seg8": lambda r, c, d, s: _gate(r, c, d, s, "adaln_gate_residual_seg8"),
     "h3_mm_rope_3axis_partial": _rope,
     "adaln_gate_residual": _gate,
     "residual_add": _residual_add,

@@ -68,8 +68,11 @@ class _ChunkedAttention(torch.autograd.Function):
         return tuple(t.permute(0, 2, 1, 3) for t in (dq, dk, dv))
 
 
-def attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, S, nh, D) float64 x3 -> (B, S, nh*D): chunked float64 attention with a chunked backward."""
+def attention_fp64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(B, S, nh, D) float64 x3 -> (B, S, nh*D): chunked float64 attention with a chunked backward (``order``, the
+    strict kernel's walk order, ignored: the golden's maths does not depend on it)."""
     return _ChunkedAttention.apply(q, k, v)
 
 
@@ -77,9 +80,12 @@ def attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 DENSE_ATTENTION_GOLDEN_BYTES = 16 << 30
 
 
-def attention_golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention_golden(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None = None
+) -> torch.Tensor:
     """The golden table's attention: the dense reference while its float64 score matrix fits
-    :data:`DENSE_ATTENTION_GOLDEN_BYTES`, else :func:`attention_fp64` (same maths, query chunks)."""
+    :data:`DENSE_ATTENTION_GOLDEN_BYTES`, else :func:`attention_fp64` (same maths, query chunks); ``order``
+    ignored."""
     from h3gate.ops import reference
 
     b, s, nh, _ = q.shape

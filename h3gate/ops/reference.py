@@ -130,8 +130,9 @@ def mm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((xr, xp), dim=-1).contiguous()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, S, nh, D) x3 -> (B, S, nh*D): non-causal unmasked SDPA over one packed document, scale 1/sqrt(D)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S, nh, D) x3 -> (B, S, nh*D): non-causal unmasked SDPA over one packed document, scale 1/sqrt(D).
+    ``order`` (the strict kernel's canonical walk order) is accepted and ignored: diffusers attends in packed order."""
     out = F.scaled_dot_product_attention(
         q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), dropout_p=0.0, is_causal=False
     )

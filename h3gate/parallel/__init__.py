@@ -1,5 +1,5 @@
-"""The parallel harness: run a graph under tensor/context-parallel plans on spawned ranks and return what rank 0
-gathered. It knows nothing about ablations (``h3gate.ablate.multirank`` decides which plan a row runs and what the
-result means): ``plans`` (TP/CP ownership and its check), ``overrides`` (rank-local node functions and the gathers
-that report full tensors), ``harness`` (the parent: spawn, exchange, collect), ``worker`` (one rank; gloo today).
+"""Tensor / context / sequence parallelism, ``run ws2``: ranks that hold their shards (``tp``, ``ulysses``, ``sp``,
+``shards``), run forward and backward (``ws2_scope``, ``ws2_rank``, launched by ``launch``) and compare every value
+and gradient with TP1 byte for byte (``ws2``); ``ws2_partition`` the non-default partitions the ablation rows use.
+It knows nothing about ablations (``h3gate.ablate.multirank`` decides which plan a row runs and what it means).
 """

@@ -15,6 +15,7 @@ import torch
 from h3gate.graph.execute import NodeOverride
 from h3gate.kernels.tp_layers import MergeGroup, check_alignment
 from h3gate.parallel.tp import TpRank, param_local_name, shard_params, tp_overrides, value_shard
+from h3gate.parallel.ws2_partition import Partition
 
 
 def staged(t: torch.Tensor) -> bool:
@@ -51,17 +52,26 @@ class RankPlan:
     qk_eps: float
     row_dims: dict[str, int | None] = field(default_factory=dict)
     cp: object = None  # h3gate.parallel.ulysses.CpRank when cp_degree > 1
+    partition: Partition = field(default_factory=Partition)
 
     @classmethod
-    def build(cls, cfg, scope, inputs, rank: int, tp: int, cp: int, tp_group, cp_group) -> RankPlan:
+    def build(cls, cfg, scope, inputs, rank: int, tp: int, cp: int, tp_group, cp_group, sp: bool = False,
+              partition: Partition | None = None) -> RankPlan:  # fmt: skip
         dtype = torch.bfloat16
         check_alignment(tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, dtype)
-        group = MergeGroup(tp, rank % tp, group_gather(tp_group))
+        part = partition or Partition()
+        chunks = None if part.tp_chunks is None else part.chunks(tp)
+        group = MergeGroup(tp, rank % tp, group_gather(tp_group), chunks, part.tp_merge == "rank")
         tpr = TpRank(tp, rank % tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
                      group)  # fmt: skip
         plan = cls(rank, tpr, cp, rank // tp, shard_params(scope.params, tpr), scope.graph, cfg.qk_norm_eps)
+        plan.partition = part
         plan.row_dims = {n.name: n.row_dim for n in scope.graph.nodes}
-        if cp > 1:
+        if sp:
+            from h3gate.parallel.sp import SpRank
+
+            plan.cp = SpRank.build_sp(scope, inputs, rank, tp, cp, tp_group, cp_group, None)
+        elif cp > 1:
             from h3gate.parallel.ulysses import CpRank
 
             plan.cp = CpRank.build(scope, inputs, rank // tp, cp, cp_group)
@@ -82,7 +92,12 @@ class RankPlan:
         return out
 
     def local_inputs(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return dict(inputs) if self.cp is None else self.cp.local_inputs(inputs)
+        out = dict(inputs) if self.cp is None else self.cp.local_inputs(inputs)
+        if self.partition.cp_metadata == "local":  # the hidden rows sharded alone: metadata by local position
+            from h3gate.parallel.ulysses import ROW_META
+
+            out.update({k: inputs[k][: self.cp.hi - self.cp.lo] for k in ROW_META if k in inputs})
+        return out
 
     def local_row(self, node: str, row: int) -> int:
         """The local index of packed row ``row`` in ``node``'s value on this rank (InputError if not held)."""
@@ -127,16 +142,17 @@ class RankPlan:
             row = self.cp.global_input_row(key, row)
         return {"owner_rank": self.rank, "logical_row": row}
 
-    def not_merged(self, name: str) -> bool:
-        """A gradient this rank holds only a row-partial sum of (CP): not compared, recorded as such."""
-        return self.cp is not None and self.cp.not_merged(name, self.graph)
-
     def record(self) -> dict:
         h0, h1 = self.tp.head_range
         f0, f1 = self.tp.ffn_range
         split = {k: list(v.shape) for k, v in self.params.items()
                  if self.tp.param_shard(param_local_name(k)).kind != "full"}  # fmt: skip
         rec = {"tp_rank": self.tp.rank, "heads": [h0, h1], "ffn_channels": [f0, f1], "sharded_param_shapes": split}
+        if self.tp.group.chunks is not None:
+            rec["tp_chunk"] = self.tp.chunk
+            rec["tp_merge"] = "rank order" if self.tp.group.rank_order else "chunk (logical) order"
         if self.cp is not None:
             rec.update(self.cp.record())
+        if self.partition.cp_metadata == "local":
+            rec["row_metadata"] = f"read by local position: rows [0, {self.cp.hi - self.cp.lo}) (hidden rows only)"
         return rec

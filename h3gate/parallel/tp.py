@@ -1,7 +1,8 @@
 """Real tensor parallelism of the block and refiner bodies: sharded weights, divided GEMMs, merged reductions.
 
-Rank ``r`` of TP``n`` owns heads ``[r nh/n, (r+1) nh/n)`` and FFN channels ``[r F/n, (r+1) F/n)`` and holds only
-those shards of the split weights (:func:`shard_params`):
+Rank ``r`` of TP``n`` owns heads ``[r nh/n, (r+1) nh/n)`` and FFN channels ``[r F/n, (r+1) F/n)`` (chunk r; a plan
+may permute the chunks over the ranks, the merges then combine them in chunk order) and holds only those shards of
+the split weights (:func:`shard_params`):
 
     q/k/v_proj   ColumnLinear on W rows of its heads          (B, S, nh/n * D), no communication
     q/k_norm     QkNormGrouped on its heads (weight gradient: its head groups, all-gathered, the fixed tree)
@@ -62,7 +63,8 @@ class Shard:
 
 @dataclass(frozen=True)
 class TpRank:
-    """Rank ``rank`` of TP``degree`` for a config: its heads and FFN channels, and the merge group of its TP group."""
+    """Rank ``rank`` of TP``degree`` for a config: its heads and FFN channels (those of its chunk, ``group.chunk``:
+    its rank unless the plan permutes them), and the merge group of its TP group."""
 
     degree: int
     rank: int
@@ -73,12 +75,16 @@ class TpRank:
     group: MergeGroup
 
     @property
+    def chunk(self) -> int:
+        return self.group.chunk
+
+    @property
     def head_range(self) -> tuple[int, int]:
-        return self.rank * self.heads // self.degree, (self.rank + 1) * self.heads // self.degree
+        return self.chunk * self.heads // self.degree, (self.chunk + 1) * self.heads // self.degree
 
     @property
     def ffn_range(self) -> tuple[int, int]:
-        return self.rank * self.ffn // self.degree, (self.rank + 1) * self.ffn // self.degree
+        return self.chunk * self.ffn // self.degree, (self.chunk + 1) * self.ffn // self.degree
 
     def value_shard(self, local_name: str) -> Shard:
         h0, h1 = self.head_range
@@ -168,8 +174,8 @@ def _fns(tp: TpRank, eps: float) -> dict:
         return fn
 
     def attention(ops, v, p, node):
-        q, k, vv = (v[i] for i in node.inputs)
-        return ops["h3_full_attention"](q, k, vv.unflatten(-1, (h1 - h0, -1)))
+        q, k, vv, *order = (v[i] for i in node.inputs)  # a block's attention also reads its attention_order
+        return ops["h3_full_attention"](q, k, vv.unflatten(-1, (h1 - h0, -1)), order=order[0] if order else None)
 
     return {
         "q_proj": column("norm1", "attn.to_q.weight", False),

@@ -1,8 +1,10 @@
 """Context parallelism: packed rows sharded over CP ranks, Ulysses all-to-all attention, metadata co-sharded.
 
-CP rank c holds the contiguous packed rows ``[r_c, r_c+1)`` of ``torch.arange(S).tensor_split(cp)`` (any S: the
-first ``S % cp`` ranks hold one row more) and the same rows of every row-metadata tensor (AdaLN indices, RoPE
-tables, timestep indices). Every block node is row-local and runs on those rows unchanged, except attention:
+CP rank c holds the contiguous packed rows of its row segments (:func:`h3gate.kernels.row_merge.cp_row_bounds`: the
+8 segments fixed by S, rank c owning ``[c * 8/cp, (c + 1) * 8/cp)``; any S) and the same rows of every row-metadata
+tensor (AdaLN indices, RoPE tables, timestep indices). Every block node is row-local and runs on those rows unchanged
+(inside :func:`~h3gate.kernels.row_merge.packed_rows`, so the ``*_seg8`` operators sum their row-sum gradients in
+the row-segment order and merge them over the CP group), except attention:
 
     q, k, v (B, S_c, h, D)  --all-to-all-->  (B, S, h / cp, D): every row of the rank's head chunk, in packed order
     attention (the strict kernel, its fixed KV walk over all S rows)
@@ -14,9 +16,10 @@ hidden path equal TP1 byte for byte by construction. In the whole model the rows
 (its backward all-gathers the row gradients, so everything upstream - embeddings, refiner - is replicated and exact)
 and gathered again after ``final.norm_out`` (the heads run replicated).
 
-Not merged yet (recorded as not compared, never as equal): gradients that are sums over packed rows split across
-CP ranks - the parameters of row-sharded nodes and the timestep path (AdaLN projection, time MLP, final
-projection) - need a declared row-segment merge order (docs/ws2-merge-order.md).
+The gradients that are sums over packed rows split across CP ranks (every GEMM's dW, the RMSNorm weights, the AdaLN
+tables' and the QK norms' weight gradients) are each rank's subtree of the row-segment tree, all-gathered over the
+CP group and finished identically on every rank, so they too equal TP1 byte for byte, and with them everything
+downstream of the tables (the AdaLN projections, ``temb``, the time MLP, the final projection).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.graph.execute import NodeOverride, run_node
+from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows
 
 ROW_META = ("adaln_indices", "rope_cos", "rope_sin", "timestep_indices")
-TIMESTEP_PARAMS = ("time_embedder.", "norm_out.")
 
 
 def all_to_all(chunks: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
@@ -66,10 +69,8 @@ class _Move(torch.autograd.Function):
 
 
 def cp_bounds(seq_len: int, cp: int) -> tuple[int, ...]:
-    """The ``cp + 1`` row boundaries of ``torch.arange(S).tensor_split(cp)``: contiguous, the first ``S % cp`` shards
-    one row longer."""
-    sizes = [len(p) for p in torch.arange(seq_len).tensor_split(cp)]
-    return tuple(sum(sizes[:i]) for i in range(cp + 1))
+    """The ``cp + 1`` row boundaries of the CP shards: whole row segments (:func:`cp_row_bounds`)."""
+    return cp_row_bounds(seq_len, cp)
 
 
 def row_sharded(scope: str, name: str) -> bool:
@@ -87,10 +88,15 @@ class CpRank:
     bounds: tuple[int, ...]  # degree + 1 row boundaries
     group: object
     scope: str
+    rows: RowGroup
 
     @classmethod
     def build(cls, scope, inputs, cp_rank: int, cp: int, cp_group) -> CpRank:
-        return cls(cp, cp_rank, cp_bounds(inputs["rope_cos"].shape[0], cp), cp_group, scope.name)
+        from h3gate.parallel.shards import group_gather
+
+        seq_len = inputs["rope_cos"].shape[0]
+        rows = RowGroup(cp, cp_rank, seq_len, group_gather(cp_group))
+        return cls(cp, cp_rank, cp_bounds(seq_len, cp), cp_group, scope.name, rows)
 
     @property
     def lo(self) -> int:
@@ -134,35 +140,40 @@ class CpRank:
     def overrides(self, graph, tp_overrides: Mapping) -> dict[str, NodeOverride]:
         out = dict(tp_overrides)
         for node in graph.nodes:
-            if self.scope == "model" and self.sharded(node.name):
-                out[node.name] = NodeOverride(self._local(tp_overrides.get(node.name)), label=f"CP{self.degree}")
             if node.name.rpartition(".")[2] == "attention" and self.sharded(node.name):
                 out[node.name] = NodeOverride(self._attention(tp_overrides.get(node.name)), label="Ulysses")
+            elif self.sharded(node.name):
+                out[node.name] = NodeOverride(self._local(tp_overrides.get(node.name)), label=f"CP{self.degree}")
             if self.scope == "model" and node.name in ("heads.video_proj", "heads.audio_proj"):
                 out[node.name] = NodeOverride(self._gathered_input(), label="CP gather rows")
         return out
 
     def _local(self, base):
-        """A model-scope block node on this rank's rows: ``embed.pack`` scattered, row metadata sliced."""
+        """A row-sharded node on this rank's rows, its row-sums in the CP group's row segments; in the whole model
+        ``embed.pack`` scattered and the row metadata sliced (block scope: the inputs are local already)."""
 
         def fn(ops, values, params, node):
-            local = {k: values[k] for k in node.inputs}
-            for k in node.inputs:
+            local = {}
+            for k in node.inputs if self.scope == "model" else ():
                 if k in ROW_META:
                     local[k] = values[k][self.lo : self.hi]
                 elif k == "embed.pack":
                     local[k] = _Move.apply(values[k], self.own_rows, self.gather_rows)
-            return run_node(node, ops, {**values, **local}, params, base)
+            with packed_rows(self.rows):
+                return run_node(node, ops, {**values, **local}, params, base)
 
         return fn
 
     def _attention(self, base):
         def fn(ops, values, params, node):
-            q, k, v = (values[i] for i in node.inputs)
+            # attention_order (a block's 4th input) is the full (S,) value, never row-sharded: after the all-to-all
+            # every rank holds all S rows of its heads in packed order, so the one global order applies unchanged.
+            q, k, v, *order = (values[i] for i in node.inputs)
             heads = q.shape[2]
             q, k, v = (_Move.apply(t, self.seq_to_heads, self.heads_to_seq)
                        for t in (q, k, v.unflatten(-1, (heads, -1))))  # fmt: skip
-            out = ops["h3_full_attention"](q, k, v).unflatten(-1, (heads // self.degree, -1))  # (B, S, h / cp, D)
+            out = ops["h3_full_attention"](q, k, v, order=order[0] if order else None)
+            out = out.unflatten(-1, (heads // self.degree, -1))  # (B, S, h / cp, D)
             return _Move.apply(out, self.heads_to_seq, self.seq_to_heads).flatten(-2)
 
         return fn
@@ -205,20 +216,12 @@ class CpRank:
     def global_input_row(self, key: str, row: int) -> int:
         return row + self.lo if self.scope == "block" and key == "hidden_states" else row
 
-    def not_merged(self, name: str, graph) -> bool:
-        """Whether gradient ``name`` is a sum over packed rows this rank holds only part of (not compared)."""
-        kind, _, key = name.partition(":")
-        if kind == "param":
-            return self.scope == "block" or key.startswith(("transformer_blocks.", *TIMESTEP_PARAMS))
-        if kind == "input":
-            return key == "temb"
-        node = graph.node(key)
-        return node.row_dim is None or node.meta.get("rows") == "timestep"
-
     def record(self) -> dict:
         return {
             "cp_rank": self.rank,
             "packed_rows": [self.lo, self.hi],
             "row_metadata": "co-sharded " + ", ".join(ROW_META),
+            "row_segments": list(self.rows.bounds),
+            "row_merge": "row-segment tree over the CP group (h3gate.kernels.row_merge)",
             "attention": "Ulysses all-to-all (sequence <-> heads), the strict kernel over all rows",
         }

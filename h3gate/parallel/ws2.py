@@ -10,6 +10,7 @@ here (``python -m h3gate.parallel.ws2_rank``), gloo on CPU or NCCL on GPUs, rend
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.parallel.launch import run_ranks
+from h3gate.parallel.ws2_partition import Partition
 
 KIND = "ws2"
 TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
@@ -29,6 +31,9 @@ TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
     "cp2": (1, 2, False),
     "tp2cp2": (2, 2, False),
     "tp4cp2": (4, 2, False),
+    "tp2sp": (2, 1, True),
+    "tp2cp2sp": (2, 2, True),
+    "tp4cp2sp": (4, 2, True),
 }
 BACKENDS = ("gloo", "nccl")
 RANK_TIMEOUT_S = 900
@@ -45,6 +50,7 @@ class Ws2Settings:
     seed: int = 0
     faults: list[str] = field(default_factory=list)
     threads: int = 1
+    partition: Partition = field(default_factory=Partition)  # the ablation rows' variants (no CLI flag)
 
 
 @dataclass
@@ -59,7 +65,8 @@ class Ws2Plan:
     faults: list
 
 
-def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1, scope: str = "block"):
+def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1, scope: str = "block",
+           sp: bool = False):  # fmt: skip
     from h3gate.parallel.ws2_scope import Fault
 
     parts = spec.split(":")
@@ -76,6 +83,16 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
         raise InputError(f"--fault {spec!r}: {phase!r} is neither forward nor backward")
     if row >= seq_len:
         raise InputError(f"--fault {spec!r}: row {row} must be < {seq_len}")
+    if sp:
+        from h3gate.parallel.sp import sp_node
+        from h3gate.parallel.ulysses import cp_bounds
+
+        if sp_node(scope, node):
+            bounds = cp_bounds(seq_len, tp * cp)
+            if not bounds[rank] <= row < bounds[rank + 1]:
+                raise InputError(f"--fault {spec!r}: rank {rank} (SP) holds packed rows [{bounds[rank]}, "
+                                 f"{bounds[rank + 1]}) of {node}, not row {row}")  # fmt: skip
+            return Fault(rank, node, row, phase)
     if cp > 1:
         from h3gate.parallel.ulysses import cp_bounds, row_sharded
 
@@ -118,13 +135,20 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
         raise InputError(f"--topology {s.topology}: Ulysses attention splits {cfg.num_attention_heads} heads over "
                          f"tp x cp = {tp * cp} ranks; they must divide")  # fmt: skip
     layout = build_layout(load_layout(s.layout), s.layout)
-    if layout.seq_len < cp:
-        raise InputError(f"--layout {s.layout}: {layout.seq_len} packed rows cannot be split over {cp} CP ranks")
+    shards = tp * cp if sp else cp
+    if shards > 1:
+        from h3gate.parallel.ulysses import cp_bounds
+
+        bounds = cp_bounds(layout.seq_len, shards)
+        if any(bounds[c] == bounds[c + 1] for c in range(shards)):
+            raise InputError(f"--layout {s.layout}: {layout.seq_len} packed rows leave a rank of {s.topology} "
+                             f"without rows (shards of whole row segments: {list(bounds)})")  # fmt: skip
     from h3gate.graph.block import build_block_graph
     from h3gate.graph.model import build_model_graph
 
     graph = build_block_graph(cfg, 0) if s.scope == "block" else build_model_graph(cfg)
-    faults = [_fault(f, tp * cp, graph, layout.seq_len, tp, cp, s.scope) for f in s.faults]
+    s.partition.check(tp, cp, sp, s.scope, layout.seq_len)
+    faults = [_fault(f, tp * cp, graph, layout.seq_len, tp, cp, s.scope, sp) for f in s.faults]
     return Ws2Plan(s, tp, cp, sp, backend, cfg, layout, faults)
 
 
@@ -165,9 +189,9 @@ def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
     """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3)."""
     s, world = plan.settings, plan.tp * plan.cp
     spec = {"config": s.config, "layout": s.layout, "scope": s.scope, "seed": s.seed, "mode": "strict",
-            "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "backend": plan.backend,
+            "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp, "backend": plan.backend,
             "device": s.device, "init_file": str(folder / "rendezvous"),
-            "faults": [f.record() for f in plan.faults]}  # fmt: skip
+            "faults": [f.record() for f in plan.faults], "partition": s.partition.record()}  # fmt: skip
     for f in spec["faults"]:
         f.pop("kind")
     (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -201,21 +225,49 @@ def _first(order: list[str], per_rank: list[dict], key: str, nodes: dict, layout
     return None
 
 
-def _compared(per_rank: list[dict]) -> str:
-    skipped = per_rank[0]["grads_not_merged"]
-    if not skipped:
-        return "every node-output, input and parameter gradient each rank holds"
-    return (
-        f"every gradient each rank holds but {len(skipped)} that sum over packed rows split across CP ranks (the "
-        "row-sharded nodes' parameters and the timestep path): no declared row merge yet, not compared"
-    )
+COMPARED = (
+    "every node-output, input and parameter gradient each rank holds (the row-sums CP and SP split: merged in the "
+    "row-segment order, compared like the rest)"
+)
 
 
-def run_ws2(plan: Ws2Plan) -> dict:
-    """Run TP1 and the topology's ranks; the evidence body (verdict ``pass`` iff forward and backward byte-equal)."""
+@dataclass(frozen=True)
+class Reference:
+    """A TP1 run kept in ``folder`` (its ``inputs`` and ``reference`` files) and what the evidence body needs of it:
+    one TP1 serves every topology and partition of the same scope, config, layout, seed and device."""
+
+    folder: Path
+    key: tuple
+    graph: object
+    leaves: tuple[str, ...]
+    bindings: dict
+    seconds: float
+
+    def serve(self, plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float]:
+        """Copy the files into a run's ``folder`` (what :func:`_reference` returns, without running it again)."""
+        if self.key != reference_key(plan.settings):
+            raise ValueError(f"run ws2: the TP1 of {self.key} cannot serve {reference_key(plan.settings)}")
+        for name in ("inputs", "reference"):
+            shutil.copyfile(self.folder / name, folder / name)
+        return self.graph, self.leaves, self.bindings, self.seconds
+
+
+def reference_key(s: Ws2Settings) -> tuple:
+    return (s.scope, s.config, s.layout, s.seed, s.device)
+
+
+def make_reference(plan: Ws2Plan, folder: Path) -> Reference:
+    """Run TP1 once into ``folder`` (the caller keeps it) for :func:`run_ws2` to reuse."""
+    return Reference(folder, reference_key(plan.settings), *_reference(plan, folder))
+
+
+def run_ws2(plan: Ws2Plan, reference: Reference | None = None) -> dict:
+    """Run TP1 (or reuse ``reference``) and the topology's ranks; the evidence body (verdict ``pass`` iff forward
+    and backward byte-equal)."""
     with tempfile.TemporaryDirectory(prefix="h3gate-ws2-") as tmp:
         folder = Path(tmp)
-        graph, leaves, bindings, ref_seconds = _reference(plan, folder)
+        run = _reference if reference is None else reference.serve
+        graph, leaves, bindings, ref_seconds = run(plan, folder)
         per_rank, rank_seconds = _launch(plan, folder)
     nodes = {n.name: n for n in graph.nodes}
     order = [n.name for n in graph.nodes]
@@ -244,8 +296,7 @@ def run_ws2(plan: Ws2Plan) -> dict:
         "ranks_seconds": rank_seconds,
         "faults": [f.record() for f in plan.faults],
         "forward_byte_equal": forward is None,
-        "gradients_compared": _compared(per_rank),
-        "gradients_not_compared": per_rank[0]["grads_not_merged"],
+        "gradients_compared": COMPARED,
         "backward_byte_equal": backward is None,
         "first_drift": forward,
         "first_backward_drift": backward,

@@ -68,6 +68,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     from h3gate.manifests.layouts import load_layout
     from h3gate.manifests.model_config import load_config
     from h3gate.parallel.shards import RankPlan
+    from h3gate.parallel.ws2_partition import Partition
     from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward
 
     spec = json.loads((folder / "spec.json").read_text(encoding="utf-8"))
@@ -77,14 +78,15 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     if device.startswith("cuda"):
         device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
         torch.cuda.set_device(torch.device(device))
+    cfg = load_config(spec["config"]).config  # bad input fails every rank alike, before any rank waits on another
+    layout = build_layout(load_layout(spec["layout"]), spec["layout"])
     dist.init_process_group(spec["backend"], init_method=f"file://{spec['init_file']}", rank=rank, world_size=world)
     tp_groups, cp_groups = _groups(tp, cp)
-    cfg = load_config(spec["config"]).config
-    layout = build_layout(load_layout(spec["layout"]), spec["layout"])
     scope = build_scope(spec["scope"], cfg, layout, spec["seed"], device)
     inputs = {k: v.to(device) for k, v in load_file(str(folder / "inputs")).items()}
     ops = candidate_table(bind_graph(scope.graph, spec["mode"], device, "seg8"))
-    plan = RankPlan.build(cfg, scope, inputs, rank, tp, cp, tp_groups[rank // tp], cp_groups[rank % tp])
+    plan = RankPlan.build(cfg, scope, inputs, rank, tp, cp, tp_groups[rank // tp], cp_groups[rank % tp],
+                          spec.get("sp", False), Partition.from_record(spec.get("partition")))  # fmt: skip
     faults = [Fault(**f) for f in spec["faults"] if f["rank"] == rank]
     overrides = plan.overrides(faults)
     with safe_open(str(folder / "reference"), framework="pt", device=str(device)) as ref:
@@ -97,10 +99,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
             out["checked_values"] += 1
             if d is not None:
                 out["values"][node.name] = {**d, **plan.locate(node.name, d)}
-        out["grads_not_merged"] = sorted(n for n in grads if plan.not_merged(n))
         for name, g in grads.items():
-            if plan.not_merged(name):
-                continue
             d = byte_diff(g, plan.local_grad(name, ref.get_tensor("g:" + name)), plan.grad_row_dim(name))
             out["checked_grads"] += 1
             if d is not None:

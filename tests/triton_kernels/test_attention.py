@@ -217,7 +217,7 @@ def test_forward_query_block_height_by_sequence_length(monkeypatch) -> None:
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     seen = []
     real = attn._Attention.apply
-    monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[3]) or real(*a))
+    monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
     q, k, v = qkv(1, 70)
     grad = torch.randn(1, 70, 256, generator=torch.Generator().manual_seed(9)).to(BF16)
     bucketed = fwd_bwd(q, k, v, grad)

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from h3gate.errors import InputError
 from h3gate.kernels import gemm, gemm_merge
-from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import combine, finish, linear_merge, owned_segments, rank_slice, segment_partials
+from h3gate.kernels.row_merge import one_device
+from h3gate.kernels.rows_seg8 import linear_row_grads
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import registry
 
@@ -135,8 +136,8 @@ def test_column_parallel_dx_tp1_tp2_tp4_tp8_bitwise(m, k, n, dtype) -> None:
 
 def test_unsplit_sides_use_the_pinned_tiling() -> None:
     """The other side of each layer: a column-parallel forward (N_r output columns, all 8 K segments), a row-parallel
-    dX (K_r output columns, all 8 N segments) and a rank's dW (reduction over M, the full layer's dw tiling) are
-    column slices of the one-device result."""
+    dX (K_r output columns, all 8 N segments) and a rank's dW (the row-segment order over M, the full layer's dw
+    tiling) are column slices of the one-device result."""
     m, k, n = 19, 200, 96
     x, w, _ = make(m, k, n, BF16)
     gy = rand((m, n), BF16, gen(4))
@@ -149,10 +150,8 @@ def test_unsplit_sides_use_the_pinned_tiling() -> None:
             assert torch.equal(finish(y_r, None, BF16), y[:, nc]), ("column-parallel forward", degree, rank)
             dx_r = segment_partials(gy, w[:, kc].contiguous(), range(8), (n, k), "dx")
             assert torch.equal(finish(dx_r, None, BF16), dx[:, kc]), ("row-parallel dX", degree, rank)
-            dw_r = torch.empty((n, kc.stop - kc.start), dtype=BF16, device=DEVICE)
-            gemm.matmul(
-                gy, x[:, kc].contiguous(), dw_r, None, gemm_config("dw", n, k, BF16), a_trans=True, b_trans=False
-            )
+            xs = x[:, kc].contiguous()
+            dw_r = linear_row_grads(gy, xs, (n, kc.stop - kc.start), (n, k), one_device(m), False)[0]
             assert torch.equal(dw_r, dw[:, kc]), ("dW columns", degree, rank)
 
 

@@ -1,7 +1,7 @@
 """The TP layers (h3gate/kernels/tp_layers.py) under Triton's interpreter: the column-parallel twins (Q/K/V, gate/up)
 forward bitwise the single walk, their dX and the QK-norm weight gradient equal at TP1, TP2, TP4 and TP8 with
-simulated ranks (every rank's subtree computed, then merged in rank order), dW bitwise the single walk's, accuracy
-against float64, and the alignment check's refusals."""
+simulated ranks (every rank's subtree computed, then merged in rank order), dW (one row segment here) the single
+walk's, accuracy against float64, and the alignment check's refusals. The row-segment order: test_row_merge.py."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_column_twins_forward_bitwise_single_walk_and_dx_equal_at_every_degree(o
     assert torch.equal(op(x, w), linear(x, w))
     dx, dw = grads(op, x, w, gy)
     _, dw_single = grads(linear, x, w, gy)
-    assert torch.equal(dw, dw_single)  # dW reduces over M, which TP does not split: the single walk's order
+    assert torch.equal(dw, dw_single)  # dW in the row-segment order: 9 rows are one segment, the single walk's bytes
     for degree in DEGREES:
         assert torch.equal(simulated_column_dx(x, w, gy, degree, halves), dx), degree
     ref = gy.double().reshape(-1, 1024) @ w.double()

@@ -1,0 +1,143 @@
+"""The row-segment merge order: sums over packed rows that context parallelism splits (issue 18, WS2).
+
+Every gradient that is a sum over packed rows - a GEMM's dW (and db), an RMSNorm's weight gradient, the AdaLN
+tables' gradients (the row gather's backward), the QK norm's weight gradient - is split when CP shards the rows.
+This fixes one order that every CP degree in {1, 2, 4, 8} evaluates, and that the one-device ``*_seg8`` operators
+(the WS2 reference) evaluate too:
+
+* segments - the S packed rows (dim -2 of an activation; batch items fold into every segment) are cut into
+  ``SEGMENTS = 8`` contiguous segments ``[r_i, r_i+1)``, ``r_i = min(i * L, S)``, ``L = ceil(S / 8)``: a function of
+  S alone, never of the CP degree. The last segment may be short; trailing ones are empty only when S is tiny
+  (e.g. S = 17: L = 3, segments 6 and 7 empty). CP``n`` rank c holds segments ``[c * 8/n, (c + 1) * 8/n)``, i.e.
+  the rows ``[r_{c 8/n}, r_{(c+1) 8/n})`` (:func:`cp_row_bounds`): shards of any S, never split inside a segment.
+* per segment - the operator's own single-device reduction run on the segment's rows alone (its kernels, tilings
+  and chunk order unchanged, the rows of the segment b-major), kept in FP32, unrounded; an empty segment is +0.
+* tree - ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise IEEE FP32 adds; a rank evaluates the
+  levels over its own segments, an all-gather in rank order (:class:`RowGroup`) and the upper log2(n) levels
+  (:func:`h3gate.kernels.gemm_merge.combine`) finish it on every rank; then one RNE rounding to the gradient's dtype.
+
+So CP1 = CP2 = CP4 = CP8 byte for byte: the same segments over the same rows, each partial from the same values
+by the same kernel, the same tree. Not bitwise the single-walk operators' gradients (another FP32 order).
+
+The active group is a context (:func:`packed_rows`), read by the operators at FORWARD time and kept for their
+backward (autograd may run the backward on another thread): outside any context a ``*_seg8`` operator uses the
+one-device group of its own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from h3gate.errors import InputError
+from h3gate.kernels.gemm_merge import SEGMENTS, combine, owned_segments
+
+Gather = Callable[[torch.Tensor], list[torch.Tensor]]
+Partial = Callable[[int, int], Sequence[torch.Tensor]]
+
+
+def row_bounds(seq_len: int) -> tuple[int, ...]:
+    """The 9 segment boundaries ``r_i = min(i * L, S)``, ``L = ceil(S / 8)``, of S packed rows (module docstring)."""
+    length = -(-seq_len // SEGMENTS)
+    return tuple(min(i * length, seq_len) for i in range(SEGMENTS + 1))
+
+
+def cp_row_bounds(seq_len: int, degree: int) -> tuple[int, ...]:
+    """The ``degree + 1`` row boundaries of the CP shards: rank c holds its segments' rows."""
+    bounds = row_bounds(seq_len)
+    return tuple(bounds[owned_segments(degree, c).start] for c in range(degree)) + (seq_len,)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Who shares the packed rows of a row-sum: CP degree, this rank, the GLOBAL row count and the all-gather of FP32
+    subtrees (rank order)."""
+
+    degree: int
+    rank: int
+    seq_len: int
+    gather: Gather
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return row_bounds(self.seq_len)
+
+    @property
+    def owned(self) -> range:
+        return owned_segments(self.degree, self.rank)
+
+    @property
+    def lo(self) -> int:
+        return self.bounds[self.owned.start]
+
+    @property
+    def hi(self) -> int:
+        return self.bounds[self.owned.stop]
+
+    def merge(self, subtree: torch.Tensor) -> torch.Tensor:
+        return subtree if self.degree == 1 else combine(self.gather(subtree.contiguous()), self.degree, op="row seg8")
+
+
+def one_device(seq_len: int) -> RowGroup:
+    return RowGroup(1, 0, seq_len, lambda t: [t])
+
+
+_ACTIVE: ContextVar[RowGroup | None] = ContextVar("h3gate_row_group", default=None)
+
+
+@contextmanager
+def packed_rows(group: RowGroup) -> Iterator[RowGroup]:
+    """Within the block, ``*_seg8`` operators treat their rows as ``group``'s shard of the packed sequence."""
+    token = _ACTIVE.set(group)
+    try:
+        yield group
+    finally:
+        _ACTIVE.reset(token)
+
+
+def rows_for(op: str, local_rows: int) -> RowGroup:
+    """The group an operator's row-sums use for an input of ``local_rows`` packed rows (checked against the shard)."""
+    group = _ACTIVE.get()
+    if group is None:
+        return one_device(local_rows)
+    if group.hi - group.lo != local_rows:
+        raise InputError(
+            f"{op}: {local_rows} packed rows, but the active row group's rank {group.rank} holds "
+            f"[{group.lo}, {group.hi}) of {group.seq_len}"
+        )
+    return group
+
+
+def row_sum(group: RowGroup, partial: Partial, shapes: Sequence[tuple[int, ...]], device) -> list[torch.Tensor]:
+    """The FP32 sums over every packed row of the tensors ``partial(lo, hi)`` returns for the LOCAL rows
+    ``[lo, hi)`` of one segment (one FP32 tensor per entry of ``shapes``): the owned segments' subtree, one
+    all-gather of all of them (flattened together), the tree's upper levels. Unrounded."""
+    shapes = [torch.Size(s) for s in shapes]
+    level = []
+    for i in group.owned:
+        lo, hi = group.bounds[i] - group.lo, group.bounds[i + 1] - group.lo
+        if hi <= lo:
+            level.append(torch.zeros(sum(s.numel() for s in shapes), dtype=torch.float32, device=device))
+            continue
+        parts = partial(lo, hi)
+        for p, s in zip(parts, shapes, strict=True):
+            if p.dtype != torch.float32 or p.shape != s:
+                raise ValueError(f"row seg8 partial: {p.dtype} {tuple(p.shape)}, expected float32 {tuple(s)}")
+        level.append(torch.cat([p.reshape(-1) for p in parts]))
+    while len(level) > 1:
+        level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
+    total = group.merge(level[0])
+    out, at = [], 0
+    for s in shapes:
+        out.append(total[at : at + s.numel()].view(s))
+        at += s.numel()
+    return out
+
+
+def seq_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of dim -2 (the packed rows of a (..., S, H) activation), contiguous."""
+    return t[..., lo:hi, :].contiguous()

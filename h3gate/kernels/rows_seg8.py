@@ -1,0 +1,140 @@
+"""Row-segment (CP-ready) twins of the row operators, and the GEMM weight gradients in the row-segment order.
+
+The forward of every operator here is its single-device operator's, launch for launch (the same bytes); only the
+gradients that sum over packed rows change order: they follow :mod:`h3gate.kernels.row_merge` (8 row segments
+fixed by S, each the operator's own reduction on that segment's rows at FP32, the fixed tree, one rounding).
+
+* :func:`linear_row_grads` - dW = dY^T X (and db = sum dY) per segment with the single-walk dW kernel and tiling of
+  the FULL layer (``gemm_config("dw", N, K, dtype)``) into an FP32 output (no rounding), the colsum kernel at FP32.
+* ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (the
+  kernel run on each segment's rows: every row's dx is its own); per segment the weight partial (the kernel's 32-row
+  program partials by ``gather.sum_rows`` at FP32) and the shift / scale table partials (``gather.table_grad`` of the
+  segment's rows at FP32); the three trees, one rounding each.
+* ``adaln_gate_residual_seg8`` - forward and dy as ``adaln_gate_residual``; the gate table's gradient per segment
+  (``table_grad(g, idx, other=y)`` at FP32), the tree, one rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
+from h3gate.kernels.gather import sum_rows, table_grad
+from h3gate.kernels.gemm import colsum, matmul
+from h3gate.kernels.gemm_configs import gemm_config
+from h3gate.kernels.gemm_merge import finish
+from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
+from h3gate.kernels.row_merge import RowGroup, row_sum, rows_for, seq_slice
+
+KERNEL_ID = "triton:h3gate.rows_seg8:v1"
+F32 = torch.float32
+
+
+def linear_rows(op: str, x: torch.Tensor) -> RowGroup:
+    """The row group a linear layer's weight gradient uses for input ``x`` (read at forward time)."""
+    return rows_for(op, x.shape[-2] if x.ndim >= 2 else 1)
+
+
+def linear_row_grads(
+    gy: torch.Tensor, x: torch.Tensor, w_shape: tuple[int, int], full: tuple[int, int], rows: RowGroup, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dW, db) of ``y = x @ w^T [+ b]`` (``w`` of shape ``w_shape``, a slice of the full ``full`` (N, K) layer) in
+    the row-segment order, rounded once to x's dtype; ``gy`` (..., S, N_local), ``x`` (..., S, K_local)."""
+    x = x.reshape(1, -1) if x.ndim == 1 else x
+    n_loc, k_loc = gy.shape[-1], x.shape[-1]
+    cfg = gemm_config("dw", full[0], full[1], x.dtype)
+    g3 = gy.reshape(*x.shape[:-1], n_loc)
+
+    def partial(lo: int, hi: int) -> list[torch.Tensor]:
+        gs, xs = seq_slice(g3, lo, hi).reshape(-1, n_loc), seq_slice(x, lo, hi).reshape(-1, k_loc)
+        dw = torch.empty(w_shape, dtype=F32, device=x.device)
+        matmul(gs, xs, dw, None, cfg, a_trans=True, b_trans=False)
+        return [dw, colsum(gs, F32)] if bias else [dw]
+
+    shapes = [w_shape, (w_shape[0],)] if bias else [w_shape]
+    sums = row_sum(rows, partial, shapes, x.device)
+    return finish(sums[0], None, x.dtype), (finish(sums[1], None, x.dtype) if bias else None)
+
+
+class _RmsNormRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, shift, scale, idx, eps, op):
+        out, rstd = rms_forward(x, weight, shift, scale, idx, eps, any(ctx.needs_input_grad[:4]))
+        ctx.save_for_backward(x, weight, rstd, scale)
+        ctx.idx, ctx.rows = idx, rows_for(op, x.shape[-2])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd, scale = ctx.saved_tensors
+        idx, g = ctx.idx, grad.contiguous()
+        need_w, need_shift, need_scale = ctx.needs_input_grad[1:4]
+        rstd = rstd.view(x.shape[:-1])
+        dx = torch.empty_like(x)
+        table = (scale.shape[0], x.shape[-1])
+
+        def partial(lo: int, hi: int) -> list[torch.Tensor]:
+            xs, gs, rs, ids = seq_slice(x, lo, hi), seq_slice(g, lo, hi), rstd[..., lo:hi].contiguous(), idx[lo:hi]
+            dxs, dwp, n = rms_backward(xs, weight, rs, gs, scale, ids, need_scale)
+            dx[..., lo:hi, :] = dxs
+            out = [sum_rows(dwp, F32)] if need_w else []
+            if need_shift:
+                out.append(table_grad(gs, ids, table[0], F32))
+            if need_scale:
+                out.append(table_grad(gs, ids, table[0], F32, other=n))
+            return out
+
+        shapes = [s for s, need in ((weight.shape, need_w), (table, need_shift), (table, need_scale)) if need]
+        if not shapes:
+            dx = rms_backward(x, weight, rstd, g, scale, idx)[0]
+            return dx, None, None, None, None, None, None
+        sums = iter(row_sum(ctx.rows, partial, shapes, x.device))
+        dweight, dshift, dscale = (finish(next(sums), None, x.dtype) if need else None
+                                   for need in (need_w, need_shift, need_scale))  # fmt: skip
+        return dx, dweight, dshift, dscale, None, None, None
+
+
+def _modulate_seg8(op: str, index_arg: str):
+    def fn(x, weight, shift, scale, indices, eps: float) -> torch.Tensor:
+        check_modulate(op, x, weight, shift, scale, indices, eps, index_arg)
+        return _RmsNormRows.apply(x, weight, shift, scale, indices, float(eps), op)
+
+    fn.__name__ = fn.__qualname__ = op
+    fn.__doc__ = f"``{op}``: the modulated RMSNorm; its weight and table gradients in the row-segment order."
+    return fn
+
+
+h3_rmsnorm_modulate_seg8 = _modulate_seg8("h3_rmsnorm_modulate_seg8", "adaln_indices")
+final_adaln_out_seg8 = _modulate_seg8("final_adaln_out_seg8", "timestep_indices")
+
+
+class _GateResidualRows(_GateResidual):
+    """``adaln_gate_residual``'s forward (its autograd Function's, unchanged); the gate's gradient in row order."""
+
+    @staticmethod
+    def forward(ctx, x, y, gate, idx):
+        ctx.rows = rows_for("adaln_gate_residual_seg8", x.shape[-2])
+        return _GateResidual.forward(ctx, x, y, gate, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, gate = ctx.saved_tensors
+        idx, g = ctx.idx, grad.contiguous()
+        dy = dgate = None
+        if ctx.needs_input_grad[1]:
+            dy = torch.empty_like(y)
+            gate_launch(y, g, gate, idx, dy, bwd=True)
+        if ctx.needs_input_grad[2]:
+
+            def partial(lo: int, hi: int) -> list[torch.Tensor]:
+                return [table_grad(seq_slice(g, lo, hi), idx[lo:hi], gate.shape[0], F32, other=seq_slice(y, lo, hi))]
+
+            total = row_sum(ctx.rows, partial, [tuple(gate.shape)], y.device)[0]
+            dgate = finish(total, None, gate.dtype)
+        return g, dy, dgate, None
+
+
+def adaln_gate_residual_seg8(x, y, gate, adaln_indices) -> torch.Tensor:
+    """``adaln_gate_residual_seg8``: ``x + gate[idx] * y``; the gate table's gradient in the row-segment order."""
+    check_gate_residual("adaln_gate_residual_seg8", x, y, gate, adaln_indices)
+    return _GateResidualRows.apply(x, y, gate, adaln_indices)

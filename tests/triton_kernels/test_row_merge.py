@@ -1,0 +1,161 @@
+"""The row-segment merge order (h3gate/kernels/row_merge.py, rows_seg8.py) under Triton's interpreter: boundaries a
+function of S alone, the ``*_seg8`` row operators' forward and dx bitwise their single-device operators', every
+row-sum gradient equal at CP1, CP2, CP4 and CP8 with simulated ranks (each rank's rows and subtree, the subtrees
+merged in rank order), the order observable on a crafted row, and the refusal of a shard that is not the group's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from h3gate.errors import InputError
+from h3gate.kernels.elementwise import gate_residual
+from h3gate.kernels.gemm import linear
+from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
+from h3gate.kernels.norms import rmsnorm_modulate
+from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows, row_bounds
+from h3gate.kernels.rows_seg8 import adaln_gate_residual_seg8, h3_rmsnorm_modulate_seg8
+from h3gate.kernels.tp_layers import h3_ffn_gate_up_gemm_seg8, h3_qk_rmsnorm_d128_seg8, h3_qkv_gemm_seg8
+
+BF16 = torch.bfloat16
+S, H, T = 83, 64, 2  # 83 rows: segments of 11, the last one 6 rows
+# CPU under the interpreter (tests/conftest.py); ``TRITON_INTERPRET=0`` on a GPU host runs these compiled on CUDA.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def rand(shape, seed: int, scale: float = 1.0, dtype=BF16) -> torch.Tensor:
+    """Seeded normal values drawn on the CPU (the same bytes for every device), scaled, cast, moved to DEVICE."""
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEVICE)
+
+
+def indices(high: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, high, (S,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def test_row_bounds_depend_on_s_alone_and_cp_shards_are_whole_segments() -> None:
+    assert row_bounds(83) == (0, 11, 22, 33, 44, 55, 66, 77, 83)
+    assert row_bounds(3160) == (0, 395, 790, 1185, 1580, 1975, 2370, 2765, 3160)
+    assert row_bounds(38974)[1] == 4872 and row_bounds(38974)[-2:] == (34104, 38974)
+    assert row_bounds(17) == (0, 3, 6, 9, 12, 15, 17, 17, 17)  # tiny S: trailing segments empty
+    for s in (1, 7, 17, 83, 264, 925, 3160, 38974):
+        b = row_bounds(s)
+        assert b[0] == 0 and b[-1] == s and all(b[i + 1] - b[i] == -(-s // 8) for i in range(8) if b[i + 1] < s)
+        for n in (1, 2, 4, 8):
+            cp = cp_row_bounds(s, n)
+            assert cp[0] == 0 and cp[-1] == s and set(cp) <= set(b)
+    assert cp_row_bounds(83, 2) == (0, 44, 83) and cp_row_bounds(3160, 4) == (0, 790, 1580, 2370, 3160)
+
+
+def _norm_case():
+    x, g = rand((1, S, H), 1), rand((1, S, H), 2)
+    w = (1 + rand((H,), 3, 0.1).float()).to(BF16)
+    tab = rand((3 * T, 2 * H), 4, 0.1)
+    idx = indices(3 * T, 5)
+    return (x, w, tab[:, :H], tab[:, H:], idx, 1e-6), g, (0, 1, 2, 3)
+
+
+def _gate_case():
+    x, y, g = rand((1, S, H), 6), rand((1, S, H), 7), rand((1, S, H), 8)
+    gate = rand((3 * T, 2 * H), 9, 0.1)[:, :H]
+    idx = indices(3 * T, 10)
+    return (x, y, gate, idx), g, (0, 1, 2)
+
+
+def _linear_case(n: int = 48, k: int = 32):
+    return (rand((1, S, k), 11), rand((n, k), 12, 0.2)), rand((1, S, n), 13), (0, 1)
+
+
+def _qk_case(heads: int = 8):
+    w = (1 + rand((128,), 15, 0.1).float()).to(BF16)
+    return (rand((1, S, heads * 128), 14), w, heads, 1e-6), rand((1, S, heads, 128), 16), (0, 1)
+
+
+CASES = {
+    "h3_rmsnorm_modulate_seg8": (h3_rmsnorm_modulate_seg8, rmsnorm_modulate, _norm_case),
+    "adaln_gate_residual_seg8": (adaln_gate_residual_seg8, gate_residual, _gate_case),
+    "h3_attention_o_gemm_seg8": (h3_attention_o_gemm_seg8, None, _linear_case),
+    "h3_qkv_gemm_seg8": (h3_qkv_gemm_seg8, linear, _linear_case),
+    "h3_ffn_gate_up_gemm_seg8": (h3_ffn_gate_up_gemm_seg8, linear, _linear_case),
+    "h3_qk_rmsnorm_d128_seg8": (h3_qk_rmsnorm_d128_seg8, None, _qk_case),
+}
+
+
+def _run(fn, args, g, grad_args, rows: slice = slice(None)):
+    """Forward on the packed rows ``rows`` of every activation argument (dim 1 of 3-d tensors, dim 0 of the (S,)
+    index), the backward of ``g``'s same rows; (output, gradients of ``grad_args``)."""
+    local = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.ndim == 3:
+            a = a[:, rows]
+        elif isinstance(a, torch.Tensor) and a.ndim == 1 and a.dtype == torch.int64:
+            a = a[rows]
+        local.append(a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a)
+    out = fn(*local)
+    gy = g[:, rows].contiguous()
+    out.backward(gy)
+    return out.detach(), [local[i].grad for i in grad_args]
+
+
+def simulated_cp(fn, args, g, grad_args, degree: int):
+    """Every CP``degree`` rank's output and gradients: ranks run in turn on their rows; pass 1 records each rank's
+    subtree, pass 2 runs again with every subtree known (the all-gather in rank order)."""
+    bounds = cp_row_bounds(S, degree)
+    subtrees: dict[int, torch.Tensor] = {}
+    results = []
+    for _ in range(2):
+        results = []
+        for r in range(degree):
+            if bounds[r] == bounds[r + 1]:  # a rank without rows (run ws2 refuses such a plan)
+                results.append(None)
+                continue
+
+            def gather(t, r=r):
+                subtrees[r] = t.clone()
+                return [subtrees.get(j, torch.zeros_like(t)) for j in range(degree)]
+
+            with packed_rows(RowGroup(degree, r, S, gather)):
+                results.append(_run(fn, args, g, grad_args, slice(bounds[r], bounds[r + 1])))
+    return bounds, results
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_forward_and_row_gradients_equal_at_every_cp_degree(op: str) -> None:
+    fn, single, case = CASES[op]
+    args, g, grad_args = case()
+    out, grads = _run(fn, args, g, grad_args)
+    if single is not None:  # forward and the per-row input gradient are the single-device operator's bytes
+        out1, grads1 = _run(single, args, g, grad_args)
+        assert torch.equal(out, out1) and torch.equal(grads[0], grads1[0])
+    for degree in (2, 4, 8):
+        bounds, ranks = simulated_cp(fn, args, g, grad_args, degree)
+        for r, result in enumerate(ranks):
+            if result is None:
+                continue
+            (o, gr), lo, hi = result, bounds[r], bounds[r + 1]
+            assert torch.equal(o, out[:, lo:hi]), (op, degree, r)
+            for i, (got, want) in enumerate(zip(gr, grads, strict=True)):
+                local = grad_args[i] == 0 or args[grad_args[i]].ndim == 3
+                assert torch.equal(got, want[:, lo:hi] if local else want), (op, degree, r, i)
+
+
+def test_the_row_order_is_observable_on_a_crafted_column() -> None:
+    """dW column 0 = sum over rows of g[r, 0] * 1 at 1024 rows (segments of 128): 1 in segment 0, +2^25 in segment
+    2, -2^25 in segment 3, each in its own dW chunk. The tree gives ((1 + 0) + (2^25 - 2^25)) = 1; one ascending
+    walk over all rows gives 0, and so does a CP2 "merge" that walks each rank's rows and adds the two sums."""
+    f32, rows = torch.float32, 1024
+    assert row_bounds(rows)[:5] == (0, 128, 256, 384, 512)
+    x, w = torch.ones((1, rows, 16), dtype=f32, device=DEVICE), torch.zeros((16, 16), dtype=f32, device=DEVICE)
+    gy = torch.zeros((1, rows, 16), dtype=f32, device=DEVICE)
+    gy[0, 0, 0], gy[0, 256, 0], gy[0, 384, 0] = 1.0, 2.0**25, -(2.0**25)
+    _, (dw,) = _run(h3_attention_o_gemm_seg8, (x, w), gy, (1,))
+    _, (dw_single,) = _run(linear, (x, w), gy, (1,))
+    naive = sum(_run(linear, (x, w), gy, (1,), slice(lo, hi))[1][0] for lo, hi in ((0, 512), (512, rows)))
+    assert (dw[0, 0].item(), dw_single[0, 0].item(), naive[0, 0].item()) == (1.0, 0.0, 0.0)
+
+
+def test_a_shard_that_is_not_the_groups_rows_is_refused() -> None:
+    args, g, grad_args = _norm_case()
+    with packed_rows(RowGroup(2, 1, S, lambda t: [t, t])), pytest.raises(InputError, match="holds \\[44, 83\\)"):
+        _run(h3_rmsnorm_modulate_seg8, args, g, grad_args, slice(0, 40))
