@@ -5,7 +5,8 @@ gradients that sum over packed rows change order: they follow :mod:`h3gate.kerne
 fixed by S, each the operator's own reduction on that segment's rows at FP32, the fixed tree, one rounding).
 
 * :func:`linear_row_grads` - dW = dY^T X (and db = sum dY) per segment with the single-walk dW kernel and tiling of
-  the FULL layer (``gemm_config("dw", N, K, dtype)``) into an FP32 output (no rounding), the colsum kernel at FP32.
+  the FULL layer (``gemm_config("dw", N, K, dtype)``) into an FP32 output (no rounding; the pipeline depth lowered
+  where the FP32 epilogue tile would not fit in shared memory: :func:`fp32_out_config`), the colsum kernel at FP32.
 * ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (the
   kernel run on each segment's rows: every row's dx is its own); per segment the weight partial (the kernel's 32-row
   program partials by ``gather.sum_rows`` at FP32) and the shift / scale table partials (``gather.table_grad`` of the
@@ -16,12 +17,14 @@ fixed by S, each the operator's own reduction on that segment's rows at FP32, th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
 from h3gate.kernels.gather import sum_rows, table_grad
 from h3gate.kernels.gemm import colsum, matmul
-from h3gate.kernels.gemm_configs import gemm_config
+from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 from h3gate.kernels.gemm_merge import finish
 from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
 from h3gate.kernels.row_merge import RowGroup, row_sum, rows_for, seq_slice
@@ -35,6 +38,23 @@ def linear_rows(op: str, x: torch.Tensor) -> RowGroup:
     return rows_for(op, x.shape[-2] if x.ndim >= 2 else 1)
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory per block on the H100/H200 (the tightest target)
+
+
+def fp32_out_config(cfg: GemmConfig, dtype: torch.dtype) -> GemmConfig:
+    """The dW tiling with an FP32 output: the same tile and BLOCK_K (so the same MMA sequence per element), the
+    pipeline depth lowered until the input stages and the FP32 epilogue tile fit in shared memory. ``num_stages``
+    only decides how many chunks are loaded ahead, never what is added or in which order."""
+    elt = torch.tensor([], dtype=dtype).element_size()
+    stages = cfg.num_stages
+    while (
+        stages > 1
+        and stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elt + cfg.block_m * cfg.block_n * 4 > SMEM_LIMIT
+    ):
+        stages -= 1
+    return replace(cfg, num_stages=stages)
+
+
 def linear_row_grads(
     gy: torch.Tensor, x: torch.Tensor, w_shape: tuple[int, int], full: tuple[int, int], rows: RowGroup, bias: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -42,7 +62,7 @@ def linear_row_grads(
     the row-segment order, rounded once to x's dtype; ``gy`` (..., S, N_local), ``x`` (..., S, K_local)."""
     x = x.reshape(1, -1) if x.ndim == 1 else x
     n_loc, k_loc = gy.shape[-1], x.shape[-1]
-    cfg = gemm_config("dw", full[0], full[1], x.dtype)
+    cfg = fp32_out_config(gemm_config("dw", full[0], full[1], x.dtype), x.dtype)
     g3 = gy.reshape(*x.shape[:-1], n_loc)
 
     def partial(lo: int, hi: int) -> list[torch.Tensor]:

@@ -12,11 +12,12 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels.elementwise import gate_residual
-from h3gate.kernels.gemm import linear
+from h3gate.kernels.gemm import linear, matmul
+from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
 from h3gate.kernels.norms import rmsnorm_modulate
 from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows, row_bounds
-from h3gate.kernels.rows_seg8 import adaln_gate_residual_seg8, h3_rmsnorm_modulate_seg8
+from h3gate.kernels.rows_seg8 import adaln_gate_residual_seg8, h3_rmsnorm_modulate_seg8, linear_row_grads
 from h3gate.kernels.tp_layers import h3_ffn_gate_up_gemm_seg8, h3_qk_rmsnorm_d128_seg8, h3_qkv_gemm_seg8
 
 BF16 = torch.bfloat16
@@ -159,3 +160,16 @@ def test_a_shard_that_is_not_the_groups_rows_is_refused() -> None:
     args, g, grad_args = _norm_case()
     with packed_rows(RowGroup(2, 1, S, lambda t: [t, t])), pytest.raises(InputError, match="holds \\[44, 83\\)"):
         _run(h3_rmsnorm_modulate_seg8, args, g, grad_args, slice(0, 40))
+
+
+def test_a_segment_partial_is_the_single_walk_dw_kernel_on_its_rows() -> None:
+    """At the released tiling (128 x 256 x 64; the FP32 output runs 2 pipeline stages instead of 3 on CUDA), the
+    segment partial rounded once is the single-walk dW kernel's bytes on the segment's rows: CP8 rank 0 of 320 rows
+    holds segment 0 alone, and the other ranks' subtrees are zeros."""
+    n, k = 1024, 5376
+    x, gy = rand((1, 40, k), 20), rand((1, 40, n), 21)
+    group = RowGroup(8, 0, 320, lambda t: [t] + [torch.zeros_like(t)] * 7)
+    got, _ = linear_row_grads(gy, x, (n, k), (n, k), group, False)
+    want = torch.empty((n, k), dtype=BF16, device=DEVICE)
+    matmul(gy[0], x[0], want, None, gemm_config("dw", n, k, BF16), a_trans=True, b_trans=False)
+    assert torch.equal(got, want)
