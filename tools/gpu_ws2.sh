@@ -67,7 +67,9 @@ for s in "$@"; do
     ops-bitwise) step 200 ws1-ops-seg8-medium $H run ws1-ops --device cuda --config real --layouts medium \
       --op h3_attention_o_gemm_seg8 --op h3_ffn_down_gemm_seg8 --op h3_qkv_gemm_seg8 --op h3_ffn_gate_up_gemm_seg8 \
       --op h3_qk_rmsnorm_d128_seg8 --op h3_attention_o_gemm --op h3_ffn_down_gemm --op h3_qkv_gemm \
-      --op h3_ffn_gate_up_gemm --op h3_qk_rmsnorm_d128 --out "$ev/ws1-ops-seg8-medium";;
+      --op h3_ffn_gate_up_gemm --op h3_qk_rmsnorm_d128 --op h3_rmsnorm_modulate_seg8 --op h3_rmsnorm_modulate \
+      --op adaln_gate_residual_seg8 --op adaln_gate_residual --op final_adaln_out_seg8 --op final_adaln_out \
+      --out "$ev/ws1-ops-seg8-medium";;
   esac
 done
 tar czf "$out/evidence.tgz" -C "$ev" .
