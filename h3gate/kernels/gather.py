@@ -20,6 +20,7 @@ row maps to are +0.0 (as ``index_add`` into zeros).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -190,20 +191,24 @@ def segment_sum(
     return out
 
 
-def sum_rows(a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """(M, H) float32 partials summed sequentially in ascending row order -> (H,) ``out_dtype`` (one segment)."""
-    m = a.shape[0]
-    plan = SegmentPlan(
-        order=torch.arange(m, device=a.device),
-        chunk_start=torch.arange(0, m, CHUNK, device=a.device),
-        chunk_end=torch.clamp(torch.arange(CHUNK, m + CHUNK, CHUNK, device=a.device), max=m),
-        seg_chunk_start=torch.tensor([0, triton.cdiv(m, CHUNK)], device=a.device),
+@functools.lru_cache(maxsize=256)
+def _rows_plan(m: int, device: torch.device) -> SegmentPlan:
+    """The one-segment plan of :func:`sum_rows` over ``m`` rows (index tensors built once per (m, device))."""
+    return SegmentPlan(
+        order=torch.arange(m, device=device),
+        chunk_start=torch.arange(0, m, CHUNK, device=device),
+        chunk_end=torch.clamp(torch.arange(CHUNK, m + CHUNK, CHUNK, device=device), max=m),
+        seg_chunk_start=torch.tensor([0, triton.cdiv(m, CHUNK)], device=device),
         num_chunks=triton.cdiv(m, CHUNK),
         max_chunks=triton.cdiv(m, CHUNK),
         num_segments=1,
         max_len=min(m, CHUNK),
     )
-    return segment_sum(a.unsqueeze(0), plan, out_dtype)[0, 0]
+
+
+def sum_rows(a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(M, H) float32 partials summed sequentially in ascending row order -> (H,) ``out_dtype`` (one segment)."""
+    return segment_sum(a.unsqueeze(0), _rows_plan(a.shape[0], a.device), out_dtype)[0, 0]
 
 
 def table_grad(

@@ -112,29 +112,39 @@ def rows_for(op: str, local_rows: int) -> RowGroup:
     return group
 
 
-def row_sum(group: RowGroup, partial: Partial, shapes: Sequence[tuple[int, ...]], device) -> list[torch.Tensor]:
+def local_spans(group: RowGroup) -> list[tuple[int, int]]:
+    """The LOCAL row range ``[lo, hi)`` of each segment the rank owns (empty ones too), in order."""
+    return [(group.bounds[i] - group.lo, group.bounds[i + 1] - group.lo) for i in group.owned]
+
+
+def row_sum(
+    group: RowGroup,
+    partial: Partial | None,
+    shapes: Sequence[tuple[int, ...]],
+    device,
+    stacked: Sequence[torch.Tensor] = (),
+) -> list[torch.Tensor]:
     """The FP32 sums over every packed row of the tensors ``partial(lo, hi)`` returns for the LOCAL rows
-    ``[lo, hi)`` of one segment (one FP32 tensor per entry of ``shapes``): the owned segments' subtree, one
-    all-gather of all of them (flattened together), the tree's upper levels. Unrounded."""
+    ``[lo, hi)`` of one segment (one FP32 tensor per entry of ``shapes``), then of ``stacked`` (sums whose
+    per-segment partials were computed in one pass: each (owned segments, *shape) FP32): the owned segments'
+    subtree, one all-gather of all of them (flattened together), the tree's upper levels. Unrounded."""
     shapes = [torch.Size(s) for s in shapes]
+    width = sum(s.numel() for s in shapes)
     level = []
-    for i in group.owned:
-        lo, hi = group.bounds[i] - group.lo, group.bounds[i + 1] - group.lo
-        if hi <= lo:
-            level.append(torch.zeros(sum(s.numel() for s in shapes), dtype=torch.float32, device=device))
-            continue
-        parts = partial(lo, hi)
-        for p, s in zip(parts, shapes, strict=True):
-            if p.dtype != torch.float32 or p.shape != s:
-                raise ValueError(f"row seg8 partial: {p.dtype} {tuple(p.shape)}, expected float32 {tuple(s)}")
-        level.append(torch.cat([p.reshape(-1) for p in parts]))
+    for k, (lo, hi) in enumerate(local_spans(group)):
+        parts = partial(lo, hi) if partial is not None and hi > lo else []
+        for p, sh in zip(parts, shapes, strict=True) if parts else ():
+            if p.dtype != torch.float32 or p.shape != sh:
+                raise ValueError(f"row seg8 partial: {p.dtype} {tuple(p.shape)}, expected float32 {tuple(sh)}")
+        flat = [p.reshape(-1) for p in parts] or [torch.zeros(width, dtype=torch.float32, device=device)]
+        level.append(torch.cat(flat + [t[k].reshape(-1) for t in stacked]))
     while len(level) > 1:
         level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
     total = group.merge(level[0])
     out, at = [], 0
-    for s in shapes:
-        out.append(total[at : at + s.numel()].view(s))
-        at += s.numel()
+    for sh in [*shapes, *(t.shape[1:] for t in stacked)]:
+        out.append(total[at : at + sh.numel()].view(sh))
+        at += sh.numel()
     return out
 
 

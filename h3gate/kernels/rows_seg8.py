@@ -21,13 +21,14 @@ from dataclasses import replace
 
 import torch
 
+from h3gate.kernels.common import cached
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
-from h3gate.kernels.gather import sum_rows, table_grad
+from h3gate.kernels.gather import segment_plan, segment_sum, sum_rows
 from h3gate.kernels.gemm import colsum, matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 from h3gate.kernels.gemm_merge import finish
 from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
-from h3gate.kernels.row_merge import RowGroup, row_sum, rows_for, seq_slice
+from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for, seq_slice
 
 KERNEL_ID = "triton:h3gate.rows_seg8:v1"
 F32 = torch.float32
@@ -76,6 +77,26 @@ def linear_row_grads(
     return finish(sums[0], None, x.dtype), (finish(sums[1], None, x.dtype) if bias else None)
 
 
+def table_partials(g, idx, rows: int, spans, other=None) -> torch.Tensor:
+    """Every segment's table gradient at once: (segments, rows, H) FP32, segment k's slice the fixed-order segment
+    sum of ``g`` (times ``other``) over its rows ``spans[k]`` by table row. One plan keyed ``k * rows + idx[s]``:
+    rows sorted stably by key keep, within a (segment, table row) pair, exactly the order ``gather.table_grad`` walks
+    on that segment's rows alone (ascending, batch-major; 256-row chunks), so the bytes are that per-segment sum's."""
+    h = g.shape[-1]
+    a = g.reshape(1, -1, h)
+    reps = a.shape[1] // idx.shape[0]
+
+    def plan():
+        seg = torch.empty_like(idx)
+        for k, (lo, hi) in enumerate(spans):
+            seg[lo:hi] = k
+        return segment_plan((seg * rows + idx).repeat(reps), len(spans) * rows)
+
+    p = cached("row-table-plan", (idx,), (reps, rows, tuple(spans)), plan)
+    out = segment_sum(a, p, F32, None if other is None else other.reshape(1, -1, h))
+    return out[0].view(len(spans), rows, h)
+
+
 class _RmsNormRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, shift, scale, idx, eps, op):
@@ -89,26 +110,28 @@ class _RmsNormRows(torch.autograd.Function):
         x, weight, rstd, scale = ctx.saved_tensors
         idx, g = ctx.idx, grad.contiguous()
         need_w, need_shift, need_scale = ctx.needs_input_grad[1:4]
+        if not (need_w or need_shift or need_scale):
+            return rms_backward(x, weight, rstd, g, scale, idx)[0], None, None, None, None, None, None
         rstd = rstd.view(x.shape[:-1])
         dx = torch.empty_like(x)
-        table = (scale.shape[0], x.shape[-1])
-
-        def partial(lo: int, hi: int) -> list[torch.Tensor]:
-            xs, gs, rs, ids = seq_slice(x, lo, hi), seq_slice(g, lo, hi), rstd[..., lo:hi].contiguous(), idx[lo:hi]
-            dxs, dwp, n = rms_backward(xs, weight, rs, gs, scale, ids, need_scale)
+        n = torch.empty_like(x) if need_scale else None
+        spans, w_parts = local_spans(ctx.rows), []
+        for lo, hi in spans:  # the kernel on each segment's rows: its dx, n and weight partial
+            if hi <= lo:
+                w_parts.append(torch.zeros(weight.shape, dtype=F32, device=x.device))
+                continue
+            xs, gs, rs = seq_slice(x, lo, hi), seq_slice(g, lo, hi), rstd[..., lo:hi].contiguous()
+            dxs, dwp, ns = rms_backward(xs, weight, rs, gs, scale, idx[lo:hi], need_scale)
             dx[..., lo:hi, :] = dxs
-            out = [sum_rows(dwp, F32)] if need_w else []
-            if need_shift:
-                out.append(table_grad(gs, ids, table[0], F32))
-            if need_scale:
-                out.append(table_grad(gs, ids, table[0], F32, other=n))
-            return out
-
-        shapes = [s for s, need in ((weight.shape, need_w), (table, need_shift), (table, need_scale)) if need]
-        if not shapes:
-            dx = rms_backward(x, weight, rstd, g, scale, idx)[0]
-            return dx, None, None, None, None, None, None
-        sums = iter(row_sum(ctx.rows, partial, shapes, x.device))
+            if n is not None:
+                n[..., lo:hi, :] = ns
+            w_parts.append(sum_rows(dwp, F32))
+        stacked = [torch.stack(w_parts)] if need_w else []
+        if need_shift:
+            stacked.append(table_partials(g, idx, scale.shape[0], spans))
+        if need_scale:
+            stacked.append(table_partials(g, idx, scale.shape[0], spans, other=n))
+        sums = iter(row_sum(ctx.rows, None, [], x.device, stacked))
         dweight, dshift, dscale = (finish(next(sums), None, x.dtype) if need else None
                                    for need in (need_w, need_shift, need_scale))  # fmt: skip
         return dx, dweight, dshift, dscale, None, None, None
@@ -145,11 +168,8 @@ class _GateResidualRows(_GateResidual):
             dy = torch.empty_like(y)
             gate_launch(y, g, gate, idx, dy, bwd=True)
         if ctx.needs_input_grad[2]:
-
-            def partial(lo: int, hi: int) -> list[torch.Tensor]:
-                return [table_grad(seq_slice(g, lo, hi), idx[lo:hi], gate.shape[0], F32, other=seq_slice(y, lo, hi))]
-
-            total = row_sum(ctx.rows, partial, [tuple(gate.shape)], y.device)[0]
+            spans = local_spans(ctx.rows)
+            total = row_sum(ctx.rows, None, [], y.device, [table_partials(g, idx, gate.shape[0], spans, other=y)])[0]
             dgate = finish(total, None, gate.dtype)
         return g, dy, dgate, None
 

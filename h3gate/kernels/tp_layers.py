@@ -218,15 +218,18 @@ class QkNormGrouped(torch.autograd.Function):
             if hi > lo and not 0 <= lo < hi <= local:
                 raise InputError(f"h3_qk_rmsnorm_d128_seg8: head group {i} is not on this rank's {local} heads")
         dx = torch.empty_like(xv)
+        # each head group's rows copied once (B, S, g, D); a row segment of it is then a contiguous view (B = 1)
+        groups = [None if hi <= lo else (xv[..., lo:hi, :].contiguous(), g[..., lo:hi, :].contiguous(),
+                                         rstd[..., lo:hi].contiguous()) for lo, hi in spans]  # fmt: skip
 
         def partial(r0: int, r1: int) -> list[torch.Tensor]:
             out = []
-            for lo, hi in spans:
-                if hi <= lo:
+            for (lo, hi), grp in zip(spans, groups, strict=True):
+                if grp is None:
                     out.append(torch.zeros(HEAD_DIM, dtype=torch.float32, device=xv.device))
                     continue
-                xs, gs = (t[..., r0:r1, lo:hi, :].contiguous() for t in (xv, g))
-                dxi, dwp, _ = rms_backward(xs, weight, rstd[..., r0:r1, lo:hi].contiguous(), gs)
+                xs, gs, rs = (t[:, r0:r1].contiguous() for t in grp)
+                dxi, dwp, _ = rms_backward(xs, weight, rs, gs)
                 dx[..., r0:r1, lo:hi, :] = dxi
                 out.append(sum_rows(dwp, torch.float32))
             return out

@@ -12,12 +12,18 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels.elementwise import gate_residual
+from h3gate.kernels.gather import table_grad
 from h3gate.kernels.gemm import linear, matmul
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
 from h3gate.kernels.norms import rmsnorm_modulate
 from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows, row_bounds
-from h3gate.kernels.rows_seg8 import adaln_gate_residual_seg8, h3_rmsnorm_modulate_seg8, linear_row_grads
+from h3gate.kernels.rows_seg8 import (
+    adaln_gate_residual_seg8,
+    h3_rmsnorm_modulate_seg8,
+    linear_row_grads,
+    table_partials,
+)
 from h3gate.kernels.tp_layers import h3_ffn_gate_up_gemm_seg8, h3_qk_rmsnorm_d128_seg8, h3_qkv_gemm_seg8
 
 BF16 = torch.bfloat16
@@ -173,3 +179,18 @@ def test_a_segment_partial_is_the_single_walk_dw_kernel_on_its_rows() -> None:
     want = torch.empty((n, k), dtype=BF16, device=DEVICE)
     matmul(gy[0], x[0], want, None, gemm_config("dw", n, k, BF16), a_trans=True, b_trans=False)
     assert torch.equal(got, want)
+
+
+def test_the_one_pass_table_partials_are_the_per_segment_table_sums() -> None:
+    """``table_partials`` (one plan for every segment) gives each segment exactly ``gather.table_grad`` of its rows
+    alone: 4099 rows, 2 batch items, 3 table rows, so a (segment, table row) pair spans several 256-row chunks."""
+    s, h, rows = 4099, 16, 3
+    g, y = rand((2, s, h), 30), rand((2, s, h), 31)
+    idx = torch.randint(0, rows, (s,), generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    spans = [(lo, hi) for lo, hi in zip(row_bounds(s), row_bounds(s)[1:], strict=False)]
+    for other in (None, y):
+        got = table_partials(g, idx, rows, spans, other=other)
+        for k, (lo, hi) in enumerate(spans):
+            o = None if other is None else other[:, lo:hi].contiguous()
+            want = table_grad(g[:, lo:hi].contiguous(), idx[lo:hi], rows, torch.float32, other=o)
+            assert torch.equal(got[k], want), k
