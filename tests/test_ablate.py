@@ -229,6 +229,7 @@ def test_a_partition_ws2_cannot_run_is_an_input_error(topology, scope, partition
 # -- the multi-rank rows on run ws2 (ws2-tiny, micro layout, gloo on CPU: one run per plan) --------------------------
 
 
+@pytest.mark.slow  # four multi-rank runs: make test-slow (.ci/run runs both)
 def test_ws2_rows_give_their_expected_outcomes(tmp_path):
     """C0, H17, H-C4 and H-C5 through ``h3gate ablate``: real TP / CP ranks against TP1, forward and backward; C0's
     strict arm is H-C4's probe (one run), and one TP1 serves every plan."""
@@ -263,6 +264,7 @@ def test_ws2_rows_give_their_expected_outcomes(tmp_path):
     assert held == f"read by local position: rows [0, {84 - bounds[1]}) (hidden rows only)"
 
 
+@pytest.mark.slow  # multi-rank negative control: make test-slow (.ci/run runs both)
 def test_c0_swapped_ownership_merged_in_rank_order_drifts(monkeypatch):
     """Negative control of C0's logical merge: TP4 ranks owning chunks (0, 2, 1, 3) whose merges combine the gathered
     subtrees in rank order, ((s0 + s2) + (s1 + s3)), fail the row. (At TP2 the swap merges to the same bytes in rank
@@ -300,6 +302,7 @@ def test_the_tree_merges_a_reversed_ownership_alike_in_rank_order():
     assert not torch.equal(merged((0, 2, 1, 3), True), logical)
 
 
+@pytest.mark.slow  # multi-rank negative control: make test-slow (.ci/run runs both)
 def test_a_one_row_fault_makes_h_c4_and_h_c5_drift(monkeypatch):
     """Negative controls: the rows' plans with ws2's one-row fault on rank 1 fail their PASS rows, located to the
     faulted rank, node and packed row (one TP1 serves both)."""

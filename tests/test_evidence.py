@@ -266,13 +266,14 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("e20ba97", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # manifests/, schemas/ at the top level
         ("2addd63", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # h3gate/data/, from a stamped copy
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
-        ("307c5d5", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # with the row profile
+        ("6eeb712", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # with the row profile, canonical order
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
-        ("307c5d5", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, with the row profile
+        ("e24f495", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, row profile, canonical order
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
         ("27a0ee9", "evidence/h200/ws2-tp8-real-block-medium/ws2.json"),  # run ws2 at released widths
+        ("e0f92a3", "evidence/h200/ws2-tp4cp2sp-real-block-medium/ws2.json"),  # TP x CP x SP, row-segment merge
     ],
 )
 def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence(commit: str, evidence: str) -> None:

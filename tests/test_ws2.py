@@ -22,7 +22,7 @@ def _run(run_cli, tmp_path, *args: str) -> tuple[int, dict | None, str]:
     return code, json.loads(path.read_text()) if path.exists() else None, stdout + err
 
 
-@pytest.mark.parametrize("topology", ["tp2", "tp4"])
+@pytest.mark.parametrize("topology", ["tp2", pytest.param("tp4", marks=pytest.mark.slow)])
 def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, topology) -> None:
     code, body, text = _run(run_cli, tmp_path, "--topology", topology)
     assert code == 0, text
@@ -45,7 +45,10 @@ def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, 
 
 @pytest.mark.parametrize(
     ("topology", "layout", "rows"),
-    [("cp2", "micro-odd", [[0, 44], [44, 83]]), ("tp2cp2", "micro", [[0, 44], [0, 44], [44, 84], [44, 84]])],
+    [
+        ("cp2", "micro-odd", [[0, 44], [44, 83]]),
+        pytest.param("tp2cp2", "micro", [[0, 44], [0, 44], [44, 84], [44, 84]], marks=pytest.mark.slow),
+    ],
 )
 def test_cp_ranks_are_byte_equal_with_ulysses_attention(run_cli, tmp_path, topology, layout, rows) -> None:
     """CP (83 rows: shards of whole 11-row segments, the last one 6) and TP x CP: every value and every gradient
@@ -63,6 +66,7 @@ def test_cp_ranks_are_byte_equal_with_ulysses_attention(run_cli, tmp_path, topol
     assert all(r["row_segments"] == [0, 11, 22, 33, 44, 55, 66, 77, seq] for r in body["ranks"])
 
 
+@pytest.mark.slow  # SP in make test-slow (with tp4cp2sp, the model at tp2sp and the SP fault); .ci/run runs both
 def test_sp_ranks_hold_their_row_segments_and_are_byte_equal(run_cli, tmp_path) -> None:
     """TP2 with SP: the norms and gated residuals on each rank's 4 row segments, Q/K/V and gate/up inputs gathered
     over the TP group, O and down merged then sliced; every value and gradient equal to TP1."""
@@ -75,9 +79,9 @@ def test_sp_ranks_hold_their_row_segments_and_are_byte_equal(run_cli, tmp_path) 
 @pytest.mark.parametrize(
     ("topology", "fault", "name", "rank", "row"),
     [
-        ("cp2", "1:q_norm:70", "q_norm", 1, 70),
+        pytest.param("cp2", "1:q_norm:70", "q_norm", 1, 70, marks=pytest.mark.slow),
         ("tp2cp2", "3:ffn_down:70:backward", "node:swiglu", 3, 70),
-        ("tp2sp", "1:residual_attn:60", "residual_attn", 1, 60),  # an SP value: rank 1's own rows only
+        pytest.param("tp2sp", "1:residual_attn:60", "residual_attn", 1, 60, marks=pytest.mark.slow),  # an SP value
     ],
 )
 def test_a_cp_fault_is_located_to_its_rank_and_global_row(run_cli, tmp_path, topology, fault, name, rank, row):
@@ -120,8 +124,8 @@ def test_tp8_and_the_whole_model_at_tp2(run_cli, tmp_path) -> None:
     ("fault", "phase", "node", "rank", "row", "modality"),
     [
         ("1:o_proj:30", "forward", "o_proj", 1, 30, "video"),  # a replicated (merged) value on one rank
-        ("0:q_proj:5", "forward", "q_proj", 0, 5, "text"),  # a sharded value (rank 0's heads)
-        ("1:ffn_down:40:backward", "backward", "node:swiglu", 1, 40, "audio"),  # the dX ffn_down hands to swiglu
+        pytest.param("0:q_proj:5", "forward", "q_proj", 0, 5, "text", marks=pytest.mark.slow),  # a sharded value
+        pytest.param("1:ffn_down:40:backward", "backward", "node:swiglu", 1, 40, "audio", marks=pytest.mark.slow),
     ],
 )
 def test_a_one_row_fault_on_one_rank_fails_and_is_located(run_cli, tmp_path, fault, phase, node, rank, row, modality):
