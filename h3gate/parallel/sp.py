@@ -121,7 +121,8 @@ class SpRank(CpRank):
             elif local in GATHERED_INPUTS and self.sharded(node.name):
                 out[node.name] = NodeOverride(self._gathered_input_of(base), label=f"SP{self.tp_degree} gather")
             elif self.scope == "model" and node.name in ("heads.video_proj", "heads.audio_proj"):
-                out[node.name] = NodeOverride(self._heads(), label="SP gather rows")
+                heads = self._gathered_input(self.world_gather, self.world_own)  # every rank's SP rows
+                out[node.name] = NodeOverride(heads, label="SP gather rows")
         return out
 
     def _meta(self, values, node, lo: int, hi: int, base_lo: int) -> dict:
@@ -144,7 +145,8 @@ class SpRank(CpRank):
         """Q/K/V or gate/up on the CP rows: its SP input all-gathered once over the TP group (shared by Q, K, V)."""
 
         def fn(ops, values, params, node):
-            source = next(k for k in node.inputs if k.rpartition(".")[2] in ("norm1", "norm2"))
+            local_name = node.name.rpartition(".")[2]
+            source = node.name[: len(node.name) - len(local_name)] + GATHERED_INPUTS[local_name]
             x = values[source]
             key = (source, id(x))
             if key not in self._gathered:
@@ -165,13 +167,6 @@ class SpRank(CpRank):
             with packed_rows(self.rows):
                 y = run_node(node, ops, values, params, base)
             return _Move.apply(y, self.tp_own, self.tp_gather)
-
-        return fn
-
-    def _heads(self):
-        def fn(ops, values, params, node):
-            rows = _Move.apply(values["final.norm_out"], self.world_gather, self.world_own)
-            return run_node(node, ops, {**values, "final.norm_out": rows}, params)
 
         return fn
 

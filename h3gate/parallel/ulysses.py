@@ -178,9 +178,12 @@ class CpRank:
 
         return fn
 
-    def _gathered_input(self):
+    def _gathered_input(self, gather=None, own=None):
+        """A head on every row: ``final.norm_out`` gathered (by ``gather``, default this CP group's rows)."""
+        gather, own = gather or self.gather_rows, own or self.own_rows
+
         def fn(ops, values, params, node):
-            rows = _Move.apply(values["final.norm_out"], self.gather_rows, self.own_rows)
+            rows = _Move.apply(values["final.norm_out"], gather, own)
             return run_node(node, ops, {**values, "final.norm_out": rows}, params)
 
         return fn
