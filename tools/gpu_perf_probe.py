@@ -470,6 +470,94 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
     return out
 
 
+def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
+    """Attention forward with TMA tile loads (``AttnConfig.fwd_tma``, optional warp specialisation ``fwd_ws``) next
+    to the production pointer kernel, SDPA-cuDNN and SDPA-flash, every candidate's out and lse2 compared byte for
+    byte with production; and, on a permuted packing, the walk order read in place (production) against the
+    session-10 form (gather copies of q, k, v, the kernel, a scatter copy of the output), forward and backward."""
+    from dataclasses import replace
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from h3gate.bench.timing import side_by_side
+    from h3gate.kernels import attention, attention_bwd
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+        return run
+
+    cudnn, flash = sdpa(SDPBackend.CUDNN_ATTENTION), sdpa(SDPBackend.FLASH_ATTENTION)
+    out: dict = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for s in seqs:
+        prod = attention.attn_config(128, torch.bfloat16, s)
+        tma, tma_ws = replace(prod, fwd_tma=True), replace(prod, fwd_tma=True, fwd_ws=True)
+        cands = {"production": prod, "tma": tma, "tma_ws": tma_ws}
+        for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
+                            (128, 128, 8, 2), (128, 128, 8, 3)):  # fmt: skip
+            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True)
+            cands.setdefault(c.tag, c)
+        q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+        ref, ref_lse = attention.forward(q, k, v, prod)
+        rec: dict = {"production_tag": prod.tag, "cands": {}}
+        fns = {"sdpa_cudnn": lambda q=q, k=k, v=v: cudnn(q, k, v), "sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
+        for name, cfg in cands.items():
+            try:
+                y, lse = attention.forward(q, k, v, cfg)
+                torch.cuda.synchronize()
+                rec["cands"][name] = {
+                    "tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref) and torch.equal(lse, ref_lse)),
+                    "max_abs_vs_production": float((y.float() - ref.float()).abs().max()),
+                }  # fmt: skip
+                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
+        stats = side_by_side(fns, iters=10 if s > 20000 else 40, head_start_us=300.0)
+        rec["ms"] = {name: st["median_ms"] for name, st in stats.items()}
+        rec["tflops"] = {name: 4 * s * s * 128 * 56 / (ms * 1e9) for name, ms in rec["ms"].items()}
+        print(" attn_tma", s, json.dumps(rec), flush=True)
+        if s in (3160, 38974):
+            rec["order"] = _order_costs(q, k, v, prod, side_by_side, attention, attention_bwd)
+            print(" attn_order", s, json.dumps(rec["order"]), flush=True)
+        out[str(s)] = rec
+    return out
+
+
+def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
+    """A permuted packing: forward and backward with the order read in place vs the gather / scatter copies."""
+    s = q.shape[1]
+    order = torch.randperm(s, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    grad = torch.randn(1, s, 56 * 128, device="cuda").bfloat16()
+    gat = lambda t: t.index_select(1, order)  # noqa: E731
+    sca = lambda t: torch.empty_like(t).index_copy_(1, order, t)  # noqa: E731
+    fwd_inplace, lse = attention.forward(q, k, v, cfg, order)
+    fwd_copies, lse_c = attention.forward(gat(q), gat(k), gat(v), cfg)
+    rec = {"forward_bitwise_copies": bool(torch.equal(fwd_inplace, sca(fwd_copies)) and torch.equal(lse, lse_c))}
+
+    def bwd_inplace():
+        return attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg, order)
+
+    def bwd_copies():
+        g = attention_bwd.backward(gat(q), gat(k), gat(v), gat(fwd_inplace), lse, gat(grad), cfg)
+        return tuple(sca(t) for t in g)
+
+    rec["backward_bitwise_copies"] = all(torch.equal(a, b) for a, b in zip(bwd_inplace(), bwd_copies(), strict=True))
+    fns = {
+        "fwd_packed": lambda: attention.forward(q, k, v, cfg),
+        "fwd_order_inplace": lambda: attention.forward(q, k, v, cfg, order),
+        "fwd_order_copies": lambda: sca(attention.forward(gat(q), gat(k), gat(v), cfg)[0]),
+        "bwd_packed": lambda: attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg),
+        "bwd_order_inplace": bwd_inplace,
+        "bwd_order_copies": bwd_copies,
+    }
+    stats = side_by_side(fns, iters=6 if s > 20000 else 30, head_start_us=300.0)
+    rec["ms"] = {name: st["median_ms"] for name, st in stats.items()}
+    return rec
+
+
 def main() -> None:
     """Run the requested sections, rewriting the JSON after each; ``--shapes`` restricts the GEMM sections."""
     ap = argparse.ArgumentParser()
@@ -497,6 +585,9 @@ def main() -> None:
                 body[sec] = gemm_section(time.time() + args.gemm_seconds, cands, m_list=m_list, graph=True)
             elif sec == "attn":
                 body[sec] = attn_section(tuple(int(m) for m in args.ms.split(",")) if args.ms else (264, 925, 3160))
+            elif sec == "attn_tma":
+                seqs = tuple(int(m) for m in args.ms.split(",")) if args.ms else (264, 925, 3160, 38974)
+                body[sec] = attn_tma_section(seqs)
             elif sec == "hostcost":
                 body[sec] = hostcost_section()
             elif sec == "norm":

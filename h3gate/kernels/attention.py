@@ -23,12 +23,14 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   ``bwd_exp2`` / ``bwd_fma`` are the same declared options for the backward's recomputation of p (default: the
   strict forms; see :mod:`h3gate.kernels.attention_bwd`).
 * walk order (RFC numerical rule 7) - with ``order`` (int64 (S,), the packed row holding canonical row ``i``: the
-  graph's ``attention_order``, :func:`h3gate.layout.canonical_order`) the operator gathers the q, k and v rows into
-  that order (a copy), runs the kernels below on the gathered rows, so K/V (forward, dQ) and Q (dK/dV) are walked in
-  the canonical logical order, and scatters the output rows back (a copy). The backward gathers ``dout`` and scatters
-  dq, dk, dv the same way: copies, never additions, so forward and gradients of a logical row are byte-equal under
-  any consistent permutation of the packed rows. Cast points are unchanged. ``order=None`` walks packed order; an
-  identity order skips the copies (decided once per order tensor: ``common.cached``, one host read, not per call).
+  graph's ``attention_order``, :func:`h3gate.layout.canonical_order`) every kernel addresses canonical row ``i``
+  through ``order[i]``: its query block, its KV walk (forward, dQ) and its query walk (dK/dV) run over the canonical
+  logical rows, read in place from their packed rows, and each output row is stored to its packed row. The per-row
+  statistics (``lse2``, ``delta``) are indexed canonically. The tiles hold exactly the values a gathered copy
+  (``t[:, order]``) would put there, so the bytes are those of the kernels run on gathered rows and scattered back
+  (tested), without the copies. Forward and gradients of a logical row are byte-equal under any consistent
+  permutation of the packed rows. ``order=None`` walks packed order; an identity order takes the unindexed kernel
+  (decided once per order tensor: ``common.cached``, one host read, not per call).
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
   the fixed block order above (over the canonical rows when an order is given); batch elements and heads are
   separate programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms) and the backward tilings are
@@ -83,13 +85,16 @@ class AttnConfig:
     fwd_fma: bool = False  # forward exponent as one explicit fma(q k^T, c, -m') instead of (q k^T * c) - m'
     bwd_exp2: str = "libdevice"  # backward recomputation's exp2 (dK/dV and dQ kernels), same codes as fwd_exp2
     bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
+    fwd_tma: bool = False  # forward tiles loaded by TMA on CUDA in packed order (attention_tma: same values, same step)
+    fwd_ws: bool = False  # with fwd_tma: Triton's warp specialisation of the KV loop
 
     @property
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
+        load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "")
         return (
-            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}_"
+            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
             f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}{bmath}"
         )
@@ -207,18 +212,35 @@ def log2(x, INTERPRET: tl.constexpr):
 
 
 @helper
-def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scale,
+def packed_rows(ord_ptr, offs, S, ORDERED: tl.constexpr):
+    """The packed rows of canonical rows ``offs``: ``order[offs]`` (row 0 past S: those loads are masked), or
+    ``offs`` itself without an order."""
+    if ORDERED:
+        return tl.load(ord_ptr + offs, mask=offs < S, other=0)
+    else:
+        return offs
+
+
+@helper
+def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, ord_ptr, base, start, S, stride_s, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
-               EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    kv = base + offs_n[:, None] * stride_s + offs_d[None, :]
+    kv = base + packed_rows(ord_ptr, offs_n, S, ORDERED)[:, None] * stride_s + offs_d[None, :]
     if MASK:
         k = tl.load(k_ptr + kv, mask=offs_n[:, None] < S, other=0.0)
         v = tl.load(v_ptr + kv, mask=offs_n[:, None] < S, other=0.0)
     else:
         k = tl.load(k_ptr + kv)
         v = tl.load(v_ptr + kv)
+    return fwd_step(q, k, v, m_i, l_i, acc, offs_n, S, qk_scale, BLOCK_M, BLOCK_N, MASK, EXP2, FMA, INTERPRET)
+
+
+@helper
+def fwd_step(q, k, v, m_i, l_i, acc, offs_n, S, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """One KV block of the online softmax (module docstring) on loaded k, v tiles (rows past S zero, masked)."""
     if FMA:  # declared: one explicit fma per score (see the module docstring)
         qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
         if MASK:
@@ -239,27 +261,27 @@ def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scal
 
 
 @triton.jit
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, qk_scale, stride_b, stride_s,
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
-                     FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                     FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < S
-    rows = base + offs_m[:, None] * stride_s + offs_d[None, :]
+    rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + offs_d[None, :]
     q = tl.load(q_ptr + rows, mask=mask_m[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in range(0, n_full):
-        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale,
-                                   BLOCK_M, BLOCK_N, D, False, EXP2, FMA, INTERPRET)  # fmt: skip
+        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, ord_ptr, base, j * BLOCK_N, S, stride_s,
+                                   qk_scale, BLOCK_M, BLOCK_N, D, False, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
     if n_full * BLOCK_N < S:
-        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale,
-                                   BLOCK_M, BLOCK_N, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
+        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, ord_ptr, base, n_full * BLOCK_N, S, stride_s,
+                                   qk_scale, BLOCK_M, BLOCK_N, D, True, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
     out = tl.div_rn(acc, l_i[:, None])
     tl.store(o_ptr + rows, rne(out, o_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
     tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, m_i + log2(l_i, INTERPRET), mask=mask_m)
@@ -277,15 +299,22 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise InputError(f"{OP}: q: head_dim {q.shape[3]} not supported (supported: {SUPPORTED_HEAD_DIMS})")
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, S, nh*D) at q's dtype, lse2 (B*nh, S) float32 in the log2 domain)."""
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig, order: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows)."""
+    from h3gate.kernels import attention_tma
+
+    if attention_tma.uses_tma(cfg, q, order):
+        return attention_tma.forward_tma(q, k, v, cfg)
     b, s, h, d = q.shape
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse, s, h, qk_scale(d), q.stride(0), q.stride(1),
-        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, INTERPRET=INTERPRET,
+        q, k, v, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0), q.stride(1),
+        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None,
+        INTERPRET=INTERPRET,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse
@@ -314,24 +343,12 @@ def walk_order(order: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | No
     return None if identity else order
 
 
-def _gather(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Rows (dim 1) in canonical order: ``t[:, order]``, a contiguous copy."""
-    return t if order is None else t.index_select(1, order)
-
-
-def _scatter(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Canonical rows back to their packed rows: ``out[:, order[i]] = t[:, i]``, a copy."""
-    return t if order is None else torch.empty_like(t).index_copy_(1, order, t)
-
-
 class _Attention(torch.autograd.Function):
-    """The kernels on the rows gathered into ``order`` (None: packed order), the rows scattered back. Saves the
-    caller's q, k, v and the returned output (no extra copies kept) and gathers them again in the backward."""
+    """The kernels walking ``order`` (None: packed order) in place; saves q, k, v, the output and ``lse2``."""
 
     @staticmethod
     def forward(ctx, q, k, v, order: torch.Tensor | None, cfg: AttnConfig) -> torch.Tensor:
-        out, lse = forward(_gather(q, order), _gather(k, order), _gather(v, order), cfg)
-        out = _scatter(out, order)
+        out, lse = forward(q, k, v, cfg, order)
         ctx.save_for_backward(q, k, v, out, lse, order)
         ctx.cfg = cfg
         return out
@@ -343,9 +360,8 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, order = ctx.saved_tensors
         if grad.dtype != q.dtype:
             raise InputError(f"{OP}: grad_output: dtype {grad.dtype} != output dtype {q.dtype}")
-        q, k, v, out = (_gather(t, order) for t in (q, k, v, out))
-        dq, dk, dv = backward(q, k, v, out, lse, _gather(grad, order).contiguous(), ctx.cfg)
-        return _scatter(dq, order), _scatter(dk, order), _scatter(dv, order), None, None
+        dq, dk, dv = backward(q, k, v, out, lse, grad.contiguous(), ctx.cfg, order)
+        return dq, dk, dv, None, None
 
 
 def attention_with(

@@ -17,9 +17,10 @@ with libdevice ``__nv_exp2f`` (default), the explicit PTX ``ex2.approx.f32`` ("e
 same p. These are written instructions (inline asm / ``tl.fma``), never compiler fast-math: launches keep
 ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``.
 
-With a walk order (:mod:`h3gate.kernels.attention`), the operator hands these kernels q, k, v, out and dout already
-gathered into the canonical row order, so the dK/dV kernel's query walk and the dQ kernel's KV walk run over the
-canonical rows; dq, dk, dv are scattered back to their packed rows (copies, no addition).
+With a walk order (:mod:`h3gate.kernels.attention`), every kernel addresses canonical row ``i`` through
+``order[i]`` (``packed_rows``): the dK/dV kernel's query walk and the dQ kernel's KV walk run over the canonical rows,
+read in place; ``lse2`` and ``delta`` are indexed canonically; dq, dk, dv rows are stored to their packed rows. The
+bytes are those of the kernels on gathered copies, scattered back (no addition anywhere).
 
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
@@ -34,31 +35,31 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2_fwd, qk_scale
+from h3gate.kernels.attention import AttnConfig, exp2_fwd, packed_rows, qk_scale
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
 from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm import mma
 
 
 @triton.jit
-def _delta_kernel(o_ptr, do_ptr, delta_ptr, S, H, stride_b, stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  INTERPRET: tl.constexpr):  # fmt: skip
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, ord_ptr, S, H, stride_b, stride_s, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
+    rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
     o = f32(tl.load(o_ptr + rows, mask=offs_m[:, None] < S, other=0.0), INTERPRET)
     do = f32(tl.load(do_ptr + rows, mask=offs_m[:, None] < S, other=0.0), INTERPRET)
     tl.store(delta_ptr + bh.to(tl.int64) * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
 
 
 @helper
-def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, start, S, stride_s, qk_scale,
+def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, stat, start, S, stride_s, qk_scale,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
-                EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_m = start + tl.arange(0, BLOCK_M)
-    rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
+    rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
     if MASK:
         q = tl.load(q_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
         do = tl.load(do_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
@@ -84,15 +85,15 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, sta
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, S, H, qk_scale, sm_scale,
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, ord_ptr, S, H, qk_scale, sm_scale,
                  stride_b, stride_s, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                 EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
     stat = bh.to(tl.int64) * S
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = base + offs_n[:, None] * stride_s + tl.arange(0, D)[None, :]
+    rows = base + packed_rows(ord_ptr, offs_n, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
     mask_n = offs_n[:, None] < S
     k = tl.load(k_ptr + rows, mask=mask_n, other=0.0)
     v = tl.load(v_ptr + rows, mask=mask_n, other=0.0)
@@ -100,22 +101,24 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     m_full = S // BLOCK_M
     for j in range(0, m_full):
-        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, j * BLOCK_M, S, stride_s,
-                             qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2, FMA, INTERPRET)  # fmt: skip
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, stat, j * BLOCK_M, S,
+                             stride_s, qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2, FMA, ORDERED,
+                             INTERPRET)  # fmt: skip
     if m_full * BLOCK_M < S:
-        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, base, stat, m_full * BLOCK_M, S,
-                             stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, stat, m_full * BLOCK_M,
+                             S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, EXP2, FMA, ORDERED,
+                             INTERPRET)  # fmt: skip
     dk = dk * sm_scale
     tl.store(dk_ptr + rows, rne(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
     tl.store(dv_ptr + rows, rne(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
 
 
 @helper
-def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_scale, BLOCK_M: tl.constexpr,
+def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, start, S, stride_s, qk_scale, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr,
-              INTERPRET: tl.constexpr):  # fmt: skip
+              ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
-    rows = base + offs_n[:, None] * stride_s + tl.arange(0, D)[None, :]
+    rows = base + packed_rows(ord_ptr, offs_n, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
     if MASK:
         k = tl.load(k_ptr + rows, mask=offs_n[:, None] < S, other=0.0)
         v = tl.load(v_ptr + rows, mask=offs_n[:, None] < S, other=0.0)
@@ -135,15 +138,15 @@ def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, start, S, stride_s, qk_sca
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, H, qk_scale, sm_scale, stride_b,
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ord_ptr, S, H, qk_scale, sm_scale, stride_b,
                stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
-               FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
     stat = bh.to(tl.int64) * S
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = base + offs_m[:, None] * stride_s + tl.arange(0, D)[None, :]
+    rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
     mask_m = offs_m < S
     q = tl.load(q_ptr + rows, mask=mask_m[:, None], other=0.0)
     do = tl.load(do_ptr + rows, mask=mask_m[:, None], other=0.0)
@@ -152,11 +155,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, H, qk
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in range(0, n_full):
-        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale, BLOCK_M, BLOCK_N,
-                       D, False, EXP2, FMA, INTERPRET)  # fmt: skip
+        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, j * BLOCK_N, S, stride_s, qk_scale, BLOCK_M,
+                       BLOCK_N, D, False, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
     if n_full * BLOCK_N < S:
-        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale, BLOCK_M,
-                       BLOCK_N, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
+        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale,
+                       BLOCK_M, BLOCK_N, D, True, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
     dq = dq * sm_scale
     tl.store(dq_ptr + rows, rne(dq, dq_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
 
@@ -169,27 +172,33 @@ def backward(
     lse: torch.Tensor,
     grad: torch.Tensor,
     cfg: AttnConfig,
+    order: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (B, S, nh, D) at q's dtype, from the forward's ``out`` and FP32 ``lse2`` and ``grad`` = dL/dout."""
+    """dq, dk, dv (B, S, nh, D) at q's dtype (packed rows), from the forward's ``out`` and FP32 ``lse2`` (canonical
+    rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order)."""
     b, s, h, d = q.shape
     sm_scale = 1.0 / math.sqrt(d)
     c = qk_scale(d)
     stride_b, stride_s = q.stride(0), q.stride(1)
+    ordered, ord_arg = order is not None, q if order is None else order
     delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(s, 64), b * h)](
-        out, grad, delta, s, h, stride_b, stride_s, D=d, BLOCK_M=64, INTERPRET=INTERPRET, num_warps=4,
+        out, grad, delta, ord_arg, s, h, stride_b, stride_s, D=d, BLOCK_M=64, ORDERED=ordered, INTERPRET=INTERPRET,
+        num_warps=4,
         **STRICT_LAUNCH,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
-        q, k, v, grad, lse, delta, dk, dv, s, h, c, sm_scale, stride_b, stride_s,
-        D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, INTERPRET=INTERPRET,
+        q, k, v, grad, lse, delta, dk, dv, ord_arg, s, h, c, sm_scale, stride_b, stride_s,
+        D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
+        INTERPRET=INTERPRET,
         num_warps=cfg.kv_warps,
         num_stages=cfg.kv_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
-        q, k, v, grad, lse, delta, dq, s, h, c, sm_scale, stride_b, stride_s,
-        D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, INTERPRET=INTERPRET,
+        q, k, v, grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b, stride_s,
+        D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
+        INTERPRET=INTERPRET,
         num_warps=cfg.q_warps,
         num_stages=cfg.q_stages, **STRICT_LAUNCH,
     )  # fmt: skip

@@ -109,12 +109,15 @@ def test_bad_orders_fail_closed_in_one_line(order, message) -> None:
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
 
 
-def test_gather_and_scatter_are_copies() -> None:
-    """The row moves add nothing: a round trip keeps every bit, signed zeros included (an index_add would not)."""
-    x = _randn(1, S, 2, 128, seed=5)
-    x[0, ::3] = -0.0
+def test_the_indexed_walk_is_the_gathered_copy_walk_byte_for_byte() -> None:
+    """The kernels address canonical row i through order[i] in place: out and dq/dk/dv are the bytes of the plain
+    kernels run on gathered copies (t[:, order]) and scattered back, signed zeros included (no addition anywhere)."""
+    q, k, v = (_randn(1, S, 2, 128, seed=10 + i) for i in range(3))
+    grad = _randn(1, S, 256, seed=13)
+    q[0, ::3] = -0.0
     order = torch.randperm(S, generator=torch.Generator().manual_seed(6))
-    moved = attn._gather(x, order)
-    assert torch.equal(moved, x[:, order]) and moved.is_contiguous()
-    back = attn._scatter(moved, order)
-    assert torch.equal(back.view(torch.int16), x.view(torch.int16))
+    indexed = _run(q, k, v, grad, order, SMALL)  # each put back in canonical order
+    gathered = (t.index_select(1, order) for t in (q, k, v, grad))  # canonical rows: the plain, unindexed kernels
+    copied = _run(*gathered, torch.arange(S), SMALL)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), indexed, copied, strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name

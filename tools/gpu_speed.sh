@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# H200 runs of the speed issue (#20), from the repository root on the lent GPU host, .whl and .h3gate-revision
+# carried:  bash tools/gpu_speed.sh SECTION [SECTION ...]
+#   attn-probe          tools/gpu_perf_probe.py --sections attn_tma: TMA-load forward tilings (bitwise vs production),
+#                       SDPA cuDNN / flash, and the walk order read in place vs gather/scatter copies (perf-probe-14)
+#   attn-<layout>       bench --op h3_full_attention at tiny / medium / 768p (identity and permuted order arms)
+#   attn-ops            run ws1-ops of h3_full_attention at medium (bitwise / accuracy against the provider)
+#   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
+#   gate-block          run ws1-block --mode strict at medium
+#   model-<layout>      bench ws1-model at medium / 768p
+# BUDGET_S (default 540): a section that would start later than that is skipped. Evidence under $OUT/ev/<name>/,
+# all of it in $OUT/evidence.tgz.
+. tools/gpu_common.sh
+H="python3 -m h3gate"
+budget=${BUDGET_S:-540}
+step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
+  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s)"; return; fi
+  timeout "$cap" "$@" >"$ev/logs/$name.log" 2>&1; local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - start)) s: ${*:3}"; tail -n 14 "$ev/logs/$name.log"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+for s in "$@"; do
+  case $s in
+    attn-probe) step 300 perf-probe-14 python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/perf-probe-14.json";;
+    attn-tiny|attn-medium|attn-768p) L=${s#attn-}
+      step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
+        --out "$ev/bench-attention-$L";;
+    attn-ops) step 200 ws1-ops-attention-medium $H run ws1-ops --device cuda --config real --layouts medium \
+      --op h3_full_attention --out "$ev/ws1-ops-attention-medium";;
+    block-medium|block-768p) L=${s#block-}
+      step 200 "bench-ws1-block-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
+        --out "$ev/bench-ws1-block-$L";;
+    gate-block) step 200 ws1-block-real-medium $H run ws1-block --config real --layout medium --device cuda \
+      --mode strict --out "$ev/ws1-block-real-medium";;
+    model-medium|model-768p) L=${s#model-}
+      step 420 "bench-ws1-model-$L" $H bench ws1-model --config real --layout "$L" --device cuda \
+        --out "$ev/bench-ws1-model-$L";;
+    *) echo "unknown section $s"; exit 2;;
+  esac
+done
+tar czf "$out/evidence.tgz" -C "$ev" .
