@@ -494,15 +494,19 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     for s in seqs:
         prod = attention.attn_config(128, torch.bfloat16, s)
-        tma, tma_ws = replace(prod, fwd_tma=True), replace(prod, fwd_tma=True, fwd_ws=True)
-        cands = {"production": prod, "tma": tma, "tma_ws": tma_ws}
-        for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
-                            (128, 128, 8, 2), (128, 128, 8, 3)):  # fmt: skip
-            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True)
+        cands = {"production": prod, "pointer_m128": replace(prod, fwd_m=128, fwd_warps=8, fwd_tma=False)}
+        for m, n, w, st, ws in ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False),
+                                (128, 128, 8, 3, False), (128, 128, 8, 3, True)):  # fmt: skip
+            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True, fwd_ws=ws)
             cands.setdefault(c.tag, c)
         q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
         ref, ref_lse = attention.forward(q, k, v, prod)
         rec: dict = {"production_tag": prod.tag, "cands": {}}
+        fp32 = None
+        if s <= 4096:  # an FP32 reference (SDPA math in float32) where the scores fit
+            with sdpa_kernel([SDPBackend.MATH]):
+                fp32 = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+            fp32 = fp32.reshape(1, s, -1)
         fns = {"sdpa_cudnn": lambda q=q, k=k, v=v: cudnn(q, k, v), "sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
         for name, cfg in cands.items():
             try:
@@ -512,6 +516,8 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
                     "tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref) and torch.equal(lse, ref_lse)),
                     "max_abs_vs_production": float((y.float() - ref.float()).abs().max()),
                 }  # fmt: skip
+                if fp32 is not None:
+                    rec["cands"][name]["rel_l2_vs_fp32"] = float((y.float() - fp32).norm() / fp32.norm())
                 fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
             except Exception as exc:  # noqa: BLE001 - recorded
                 rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
@@ -519,6 +525,8 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
         rec["ms"] = {name: st["median_ms"] for name, st in stats.items()}
         rec["tflops"] = {name: 4 * s * s * 128 * 56 / (ms * 1e9) for name, ms in rec["ms"].items()}
         print(" attn_tma", s, json.dumps(rec), flush=True)
+        rec["backward"] = _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, flash)
+        print(" attn_bwd", s, json.dumps(rec["backward"]), flush=True)
         if s in (3160, 38974):
             rec["order"] = _order_costs(q, k, v, prod, side_by_side, attention, attention_bwd)
             print(" attn_order", s, json.dumps(rec["order"]), flush=True)
@@ -526,8 +534,46 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
     return out
 
 
+def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, flash) -> dict:
+    """The backward (delta, dK/dV, dQ) with TMA loads of the walked tiles (``bwd_tma``) and a few tilings, each
+    compared byte for byte with production's dq, dk, dv, timed next to SDPA-cuDNN's and SDPA-flash's backward."""
+    from dataclasses import replace
+
+    s = q.shape[1]
+    out, lse = attention.forward(q, k, v, prod)
+    grad = torch.randn(1, s, 56 * 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    grad = grad.bfloat16()
+    ref = attention_bwd.backward(q, k, v, out, lse, grad, prod)
+    cands = {"production": prod, "tma": replace(prod, bwd_tma=True)}
+    tilings = ((128, 64, 8, 2, 128, 64, 8, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 32, 8, 3, 128, 128, 8, 2),
+               (128, 64, 8, 4, 128, 64, 8, 4))  # fmt: skip
+    for kv_n, kv_m, kw, ks, q_m, q_n, qw, qs in tilings:
+        c = replace(prod, bwd_tma=True, kv_n=kv_n, kv_m=kv_m, kv_warps=kw, kv_stages=ks, q_m=q_m, q_n=q_n,
+                    q_warps=qw, q_stages=qs)  # fmt: skip
+        cands.setdefault(c.tag, c)
+    rec: dict = {"cands": {}}
+    fns = {}
+    for name, cfg in cands.items():
+        try:
+            got = attention_bwd.backward(q, k, v, out, lse, grad, cfg)
+            torch.cuda.synchronize()
+            rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": all(map(torch.equal, got, ref))}
+            fns[name] = lambda cfg=cfg: attention_bwd.backward(q, k, v, out, lse, grad, cfg)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
+    for label, sdpa in (("sdpa_cudnn", cudnn), ("sdpa_flash", flash)):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        y = sdpa(*leaves)
+        g4 = grad.view(1, s, 56, 128).transpose(1, 2)
+        fns[label] = lambda y=y, leaves=leaves, g4=g4: torch.autograd.grad(y, leaves, g4, retain_graph=True)
+    stats = side_by_side(fns, iters=6 if s > 20000 else 30, head_start_us=300.0)
+    rec["ms"] = {name: st["median_ms"] for name, st in stats.items()}
+    return rec
+
+
 def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
-    """A permuted packing: forward and backward with the order read in place vs the gather / scatter copies."""
+    """A permuted packing: forward and backward with the walk order (production: walked operands copied, own rows
+    indexed) vs the session-10 form (every operand gathered, every output scattered)."""
     s = q.shape[1]
     order = torch.randperm(s, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     grad = torch.randn(1, s, 56 * 128, device="cuda").bfloat16()
@@ -547,10 +593,10 @@ def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
     rec["backward_bitwise_copies"] = all(torch.equal(a, b) for a, b in zip(bwd_inplace(), bwd_copies(), strict=True))
     fns = {
         "fwd_packed": lambda: attention.forward(q, k, v, cfg),
-        "fwd_order_inplace": lambda: attention.forward(q, k, v, cfg, order),
+        "fwd_order": lambda: attention.forward(q, k, v, cfg, order),
         "fwd_order_copies": lambda: sca(attention.forward(gat(q), gat(k), gat(v), cfg)[0]),
         "bwd_packed": lambda: attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg),
-        "bwd_order_inplace": bwd_inplace,
+        "bwd_order": bwd_inplace,
         "bwd_order_copies": bwd_copies,
     }
     stats = side_by_side(fns, iters=6 if s > 20000 else 30, head_start_us=300.0)

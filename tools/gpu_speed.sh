@@ -2,7 +2,7 @@
 # H200 runs of the speed issue (#20), from the repository root on the lent GPU host, .whl and .h3gate-revision
 # carried:  bash tools/gpu_speed.sh SECTION [SECTION ...]
 #   attn-probe          tools/gpu_perf_probe.py --sections attn_tma: TMA-load forward tilings (bitwise vs production),
-#                       SDPA cuDNN / flash, and the walk order read in place vs gather/scatter copies (perf-probe-14)
+#                       SDPA cuDNN / flash, backward TMA / tilings, the walk order vs full copies ($PROBE.json)
 #   attn-<layout>       bench --op h3_full_attention at tiny / medium / 768p (identity and permuted order arms)
 #   attn-ops            run ws1-ops of h3_full_attention at medium (bitwise / accuracy against the provider)
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
@@ -20,7 +20,7 @@ step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
-    attn-probe) step 300 perf-probe-14 python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/perf-probe-14.json";;
+    attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
     attn-tiny|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;

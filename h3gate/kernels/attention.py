@@ -23,22 +23,26 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   ``bwd_exp2`` / ``bwd_fma`` are the same declared options for the backward's recomputation of p (default: the
   strict forms; see :mod:`h3gate.kernels.attention_bwd`).
 * walk order (RFC numerical rule 7) - with ``order`` (int64 (S,), the packed row holding canonical row ``i``: the
-  graph's ``attention_order``, :func:`h3gate.layout.canonical_order`) every kernel addresses canonical row ``i``
-  through ``order[i]``: its query block, its KV walk (forward, dQ) and its query walk (dK/dV) run over the canonical
-  logical rows, read in place from their packed rows, and each output row is stored to its packed row. The per-row
-  statistics (``lse2``, ``delta``) are indexed canonically. The tiles hold exactly the values a gathered copy
-  (``t[:, order]``) would put there, so the bytes are those of the kernels run on gathered rows and scattered back
-  (tested), without the copies. Forward and gradients of a logical row are byte-equal under any consistent
-  permutation of the packed rows. ``order=None`` walks packed order; an identity order takes the unindexed kernel
-  (decided once per order tensor: ``common.cached``, one host read, not per call).
+  graph's ``attention_order``, :func:`h3gate.layout.canonical_order`) the kernels run over canonical rows: the
+  operands a kernel walks in its inner loop (K/V in the forward and dQ, Q/dout in dK/dV) are gathered into canonical
+  order (``gather_rows``, contiguous copies), and the rows a program owns (its query block, or its KV block in dK/dV)
+  are read in place through ``order[i]`` (``packed_rows``), their outputs stored straight to their packed rows; the
+  per-row statistics (``lse2``, ``delta``) are indexed canonically. Every tile holds the values a full gather would
+  put there, so the bytes are those of the kernels on gathered copies scattered back (tested), with two of the old
+  four forward copies (and four of eight backward ones): on the H200 indexed loads in the inner loop ran 1.46x
+  (medium) / 1.6x (768p) the packed-order kernel, slower than copying (``docs/measurements/perf-probe-14.json``).
+  Forward and gradients of a logical row are byte-equal under any consistent permutation of the packed rows.
+  ``order=None`` walks packed order; an identity order takes the plain kernels without copies (decided once per
+  order tensor: ``common.cached``, one host read, not per call).
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
   the fixed block order above (over the canonical rows when an order is given); batch elements and heads are
   separate programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms) and the backward tilings are
-  functions of (D, dtype) only, never of S or B. One knob depends on S, declared in ``FWD_S_BUCKETS``: the
-  forward's query-block height (BLOCK_M, warps, stages), which only decides how many query rows one program owns -
-  each row's scores, softmax and PV sums are the same (every height probed was bitwise equal to the 128-row tiling
-  at S = 264, 925, 3160 and 38974 on the H200, ``docs/measurements/perf-probe-{12,13}.json``). Repeat runs are
-  bitwise equal. No split-KV, no atomics.
+  functions of (D, dtype) only, never of S or B. Two launch knobs depend on S, declared in ``FWD_S_BUCKETS``: the
+  forward's query-block height (BLOCK_M, warps, stages), which only decides how many query rows one program owns,
+  and its load path (``fwd_tma``: TMA or pointer loads of the same tiles, :mod:`h3gate.kernels.attention_tma`) -
+  each row's scores, softmax and PV sums are the same (every height and both load paths probed were bitwise equal
+  to the 128-row pointer tiling at S = 264, 925, 3160 and 38974 on the H200,
+  ``docs/measurements/perf-probe-{12,13,14}.json``). Repeat runs are bitwise equal. No split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 
@@ -87,12 +91,14 @@ class AttnConfig:
     bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
     fwd_tma: bool = False  # forward tiles loaded by TMA on CUDA in packed order (attention_tma: same values, same step)
     fwd_ws: bool = False  # with fwd_tma: Triton's warp specialisation of the KV loop
+    bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
 
     @property
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
         load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "")
+        bmath += "_tma" if self.bwd_tma else ""
         return (
             f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
@@ -120,7 +126,8 @@ def _exp2_code(field: str, value: str) -> int:
 # (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
 ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
     # Measured winners on the H200 (docs/measurements/gemm_attention-tuning-2.json forward, -3-backward.json
-    # backward): declared ex2.approx.ftz + explicit FMA in the forward and in the backward's p recompute.
+    # backward): declared ex2.approx.ftz + explicit FMA in the forward and in the backward's p recompute; the
+    # forward's 64-row TMA launch from perf-probe-14 (bitwise equal to the 128-row pointer kernel it replaced).
     (128, "bfloat16"): AttnConfig(
         kv_n=128,
         kv_m=64,
@@ -130,10 +137,11 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
         q_n=64,
         q_warps=8,
         q_stages=3,
-        fwd_m=128,
+        fwd_m=64,
         fwd_n=64,
-        fwd_warps=8,
+        fwd_warps=4,
         fwd_stages=3,
+        fwd_tma=True,
         fwd_exp2="ex2ftz",
         fwd_fma=True,
         bwd_exp2="ex2ftz",
@@ -143,13 +151,16 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 }
 
 
-# The forward's query-block height by sequence length, per (head_dim, dtype): ((bound, fwd_m, fwd_warps,
-# fwd_stages), ...) in ascending bound order; S < bound takes the first matching entry, S >= the last bound the
-# ATTN_TABLE entry. bfloat16 D = 128: 64-row blocks on 4 warps were 11 / 4 / 5 % faster than the 128-row ones at S =
-# 264 / 925 / 3160 and 2 % slower at 38974 (docs/measurements/perf-probe-{12,13}.json, timed next to SDPA-flash);
-# the bound 8192 lies between the measured lengths (a choice, not a measured crossover).
-FWD_S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, int, int, int], ...]] = {
-    (128, "bfloat16"): ((8192, 64, 4, 3),),
+# The forward's launch by sequence length, per (head_dim, dtype): ((bound, fwd_m, fwd_warps, fwd_stages, fwd_tma),
+# ...) in ascending bound order; S < bound takes the first matching entry, S >= the last bound the ATTN_TABLE entry.
+# Neither knob changes a row's sums: the query-block height decides which program owns a row, the load path which
+# instruction fetches a tile (both measured bitwise equal on the H200). bfloat16 D = 128: 64-row blocks on 4 warps
+# were 11 / 4 / 5 % faster than 128-row ones at S = 264 / 925 / 3160 (perf-probe-{12,13}); with TMA loads the 64-row
+# blocks were also the fastest at 38974 (84.3 ms against 89.7 for the 128-row pointer kernel) and 1 % faster at 3160,
+# but 27 / 8 % slower at 264 / 925 (a program's descriptor set-up; perf-probe-14), so below the bound 2048 (between
+# the measured 925 and 3160, a choice, not a measured crossover) the pointer kernel runs.
+FWD_S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, int, int, int, bool], ...]] = {
+    (128, "bfloat16"): ((2048, 64, 4, 3, False),),
 }
 
 
@@ -169,13 +180,14 @@ def qk_scale(head_dim: int) -> float:
 
 
 def attn_config(head_dim: int, dtype: torch.dtype, seq_len: int | None = None) -> AttnConfig:
-    """The (D, dtype) tiling; with ``seq_len`` its forward query-block height from ``FWD_S_BUCKETS``."""
+    """The (D, dtype) tiling; with ``seq_len`` its forward launch (query-block height, load path) from
+    ``FWD_S_BUCKETS``."""
     key = (head_dim, dtype_name(dtype))
     cfg = ATTN_TABLE[key]
     if seq_len is not None:
-        for bound, fwd_m, warps, stages in FWD_S_BUCKETS.get(key, ()):
+        for bound, fwd_m, warps, stages, tma in FWD_S_BUCKETS.get(key, ()):
             if seq_len < bound:
-                return replace(cfg, fwd_m=fwd_m, fwd_warps=warps, fwd_stages=stages)
+                return replace(cfg, fwd_m=fwd_m, fwd_warps=warps, fwd_stages=stages, fwd_tma=tma)
     return cfg
 
 
@@ -222,12 +234,12 @@ def packed_rows(ord_ptr, offs, S, ORDERED: tl.constexpr):
 
 
 @helper
-def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, ord_ptr, base, start, S, stride_s, qk_scale,
+def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
-               EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    kv = base + packed_rows(ord_ptr, offs_n, S, ORDERED)[:, None] * stride_s + offs_d[None, :]
+    kv = base + offs_n[:, None] * stride_s + offs_d[None, :]
     if MASK:
         k = tl.load(k_ptr + kv, mask=offs_n[:, None] < S, other=0.0)
         v = tl.load(v_ptr + kv, mask=offs_n[:, None] < S, other=0.0)
@@ -277,11 +289,11 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scal
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in range(0, n_full):
-        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, ord_ptr, base, j * BLOCK_N, S, stride_s,
-                                   qk_scale, BLOCK_M, BLOCK_N, D, False, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
+        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale,
+                                   BLOCK_M, BLOCK_N, D, False, EXP2, FMA, INTERPRET)  # fmt: skip
     if n_full * BLOCK_N < S:
-        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, ord_ptr, base, n_full * BLOCK_N, S, stride_s,
-                                   qk_scale, BLOCK_M, BLOCK_N, D, True, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
+        m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale,
+                                   BLOCK_M, BLOCK_N, D, True, EXP2, FMA, INTERPRET)  # fmt: skip
     out = tl.div_rn(acc, l_i[:, None])
     tl.store(o_ptr + rows, rne(out, o_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
     tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, m_i + log2(l_i, INTERPRET), mask=mask_m)
@@ -305,8 +317,9 @@ def forward(
     """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows)."""
     from h3gate.kernels import attention_tma
 
-    if attention_tma.uses_tma(cfg, q, order):
-        return attention_tma.forward_tma(q, k, v, cfg)
+    k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
+    if attention_tma.uses_tma(cfg, q):
+        return attention_tma.forward_tma(q, k, v, cfg, order)
     b, s, h, d = q.shape
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
@@ -318,6 +331,11 @@ def forward(
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse
+
+
+def gather_rows(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """A walked operand's rows (dim 1) in canonical order: ``t[:, order]``, a contiguous copy (``t`` without one)."""
+    return t if order is None else t.index_select(1, order)
 
 
 def _order_facts(order: torch.Tensor) -> tuple[bool, bool]:

@@ -17,10 +17,15 @@ with libdevice ``__nv_exp2f`` (default), the explicit PTX ``ex2.approx.f32`` ("e
 same p. These are written instructions (inline asm / ``tl.fma``), never compiler fast-math: launches keep
 ``enable_fp_fusion=False``. The interpreter evaluates them with ``tl.exp2`` / ``tl.fma``.
 
-With a walk order (:mod:`h3gate.kernels.attention`), every kernel addresses canonical row ``i`` through
-``order[i]`` (``packed_rows``): the dK/dV kernel's query walk and the dQ kernel's KV walk run over the canonical rows,
-read in place; ``lse2`` and ``delta`` are indexed canonically; dq, dk, dv rows are stored to their packed rows. The
-bytes are those of the kernels on gathered copies, scattered back (no addition anywhere).
+With a walk order (:mod:`h3gate.kernels.attention`): the operands a kernel walks in its inner loop (q and dout for
+dK/dV, k and v for dQ) are gathered into canonical order (contiguous copies, each made just before its kernel), the
+rows a program owns are read in place through ``order[i]`` (``packed_rows``) and its dq, dk, dv rows stored straight
+to their packed rows; ``lse2`` and ``delta`` are indexed canonically. The bytes are those of the kernels on gathered
+copies scattered back (no addition anywhere).
+
+``bwd_tma`` (a load-path choice of the tiling, CUDA only) loads the inner loop's tiles with TMA (device-side
+descriptors over the (batch, head)'s (S, D) slice; rows past S zero-filled, as the masked pointer loads give): the
+same values, the same instructions on them.
 
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
@@ -35,10 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2_fwd, packed_rows, qk_scale
+from h3gate.kernels.attention import AttnConfig, exp2_fwd, gather_rows, packed_rows, qk_scale
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
 from h3gate.kernels.exact import f32, helper, rne
-from h3gate.kernels.gemm import mma
+from h3gate.kernels.gemm import _tma_allocator, mma
 
 
 @triton.jit
@@ -55,19 +60,40 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, ord_ptr, S, H, stride_b, stride_s, D
 
 
 @helper
-def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, stat, start, S, stride_s, qk_scale,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
-                EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+def _walk_tiles(a_ptr, b_ptr, a_desc, b_desc, base, start, S, stride_s, BLOCK: tl.constexpr, D: tl.constexpr,
+                MASK: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """Rows [start, start + BLOCK) of two walked (canonical, contiguous) operands; rows past S are zero."""
+    if USE_TMA:
+        return a_desc.load([start, 0]), b_desc.load([start, 0])
+    else:
+        offs = start + tl.arange(0, BLOCK)
+        rows = base + offs[:, None] * stride_s + tl.arange(0, D)[None, :]
+        if MASK:
+            return (tl.load(a_ptr + rows, mask=offs[:, None] < S, other=0.0),
+                    tl.load(b_ptr + rows, mask=offs[:, None] < S, other=0.0))  # fmt: skip
+        else:
+            return tl.load(a_ptr + rows), tl.load(b_ptr + rows)
+
+
+@helper
+def _walk_descs(a_ptr, b_ptr, base, S, stride_s, BLOCK: tl.constexpr, D: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:
+        return (tl.make_tensor_descriptor(a_ptr + base, [S, D], [stride_s, 1], [BLOCK, D]),
+                tl.make_tensor_descriptor(b_ptr + base, [S, D], [stride_s, 1], [BLOCK, D]))  # fmt: skip
+    else:
+        return a_ptr, b_ptr  # unused: the pointer path
+
+
+@helper
+def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat, start, S, stride_s,
+                qk_scale, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
+                EXP2: tl.constexpr, FMA: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_m = start + tl.arange(0, BLOCK_M)
-    rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
+    q, do = _walk_tiles(q_ptr, do_ptr, q_desc, do_desc, base, start, S, stride_s, BLOCK_M, D, MASK, USE_TMA)
     if MASK:
-        q = tl.load(q_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
-        do = tl.load(do_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
         lse = tl.load(lse_ptr + stat + offs_m, mask=offs_m < S, other=0.0)
         dl = tl.load(delta_ptr + stat + offs_m, mask=offs_m < S, other=0.0)
     else:
-        q = tl.load(q_ptr + rows)
-        do = tl.load(do_ptr + rows)
         lse = tl.load(lse_ptr + stat + offs_m)
         dl = tl.load(delta_ptr + stat + offs_m)
     qk_t = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
@@ -87,7 +113,9 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, 
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, ord_ptr, S, H, qk_scale, sm_scale,
                  stride_b, stride_s, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                 EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, USE_TMA: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    """q, dout: walked (canonical rows); k, v, dk, dv: this program's rows, through the order."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -97,16 +125,17 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     mask_n = offs_n[:, None] < S
     k = tl.load(k_ptr + rows, mask=mask_n, other=0.0)
     v = tl.load(v_ptr + rows, mask=mask_n, other=0.0)
+    q_desc, do_desc = _walk_descs(q_ptr, do_ptr, base, S, stride_s, BLOCK_M, D, USE_TMA)
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     m_full = S // BLOCK_M
     for j in range(0, m_full):
-        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, stat, j * BLOCK_M, S,
-                             stride_s, qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2, FMA, ORDERED,
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat,
+                             j * BLOCK_M, S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2, FMA, USE_TMA,
                              INTERPRET)  # fmt: skip
     if m_full * BLOCK_M < S:
-        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, lse_ptr, delta_ptr, ord_ptr, base, stat, m_full * BLOCK_M,
-                             S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, EXP2, FMA, ORDERED,
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat,
+                             m_full * BLOCK_M, S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, EXP2, FMA, USE_TMA,
                              INTERPRET)  # fmt: skip
     dk = dk * sm_scale
     tl.store(dk_ptr + rows, rne(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
@@ -114,17 +143,11 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 
 @helper
-def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, start, S, stride_s, qk_scale, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr,
-              ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, k_desc, v_desc, base, start, S, stride_s, qk_scale,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr, EXP2: tl.constexpr,
+              FMA: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
-    rows = base + packed_rows(ord_ptr, offs_n, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
-    if MASK:
-        k = tl.load(k_ptr + rows, mask=offs_n[:, None] < S, other=0.0)
-        v = tl.load(v_ptr + rows, mask=offs_n[:, None] < S, other=0.0)
-    else:
-        k = tl.load(k_ptr + rows)
-        v = tl.load(v_ptr + rows)
+    k, v = _walk_tiles(k_ptr, v_ptr, k_desc, v_desc, base, start, S, stride_s, BLOCK_N, D, MASK, USE_TMA)
     qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
     if FMA:  # declared: one explicit fma per score (module docstring)
         p = exp2_fwd(tl.fma(qk, qk_scale, -lse[:, None]), EXP2, INTERPRET)
@@ -140,7 +163,8 @@ def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, start, S, stride_
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ord_ptr, S, H, qk_scale, sm_scale, stride_b,
                stride_s, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
-               FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+               FMA: tl.constexpr, ORDERED: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """k, v: walked (canonical rows); q, dout, dq: this program's rows, through the order."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -152,14 +176,15 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ord_ptr,
     do = tl.load(do_ptr + rows, mask=mask_m[:, None], other=0.0)
     lse = tl.load(lse_ptr + stat + offs_m, mask=mask_m, other=0.0)
     dl = tl.load(delta_ptr + stat + offs_m, mask=mask_m, other=0.0)
+    k_desc, v_desc = _walk_descs(k_ptr, v_ptr, base, S, stride_s, BLOCK_N, D, USE_TMA)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in range(0, n_full):
-        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, j * BLOCK_N, S, stride_s, qk_scale, BLOCK_M,
-                       BLOCK_N, D, False, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
+        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, k_desc, v_desc, base, j * BLOCK_N, S, stride_s, qk_scale,
+                       BLOCK_M, BLOCK_N, D, False, EXP2, FMA, USE_TMA, INTERPRET)  # fmt: skip
     if n_full * BLOCK_N < S:
-        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, ord_ptr, base, n_full * BLOCK_N, S, stride_s, qk_scale,
-                       BLOCK_M, BLOCK_N, D, True, EXP2, FMA, ORDERED, INTERPRET)  # fmt: skip
+        dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, k_desc, v_desc, base, n_full * BLOCK_N, S, stride_s,
+                       qk_scale, BLOCK_M, BLOCK_N, D, True, EXP2, FMA, USE_TMA, INTERPRET)  # fmt: skip
     dq = dq * sm_scale
     tl.store(dq_ptr + rows, rne(dq, dq_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
 
@@ -181,25 +206,24 @@ def backward(
     c = qk_scale(d)
     stride_b, stride_s = q.stride(0), q.stride(1)
     ordered, ord_arg = order is not None, q if order is None else order
+    tma = cfg.bwd_tma and q.device.type == "cuda" and not INTERPRET
+    if tma:
+        triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable)
     delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(s, 64), b * h)](
         out, grad, delta, ord_arg, s, h, stride_b, stride_s, D=d, BLOCK_M=64, ORDERED=ordered, INTERPRET=INTERPRET,
-        num_warps=4,
-        **STRICT_LAUNCH,
+        num_warps=4, **STRICT_LAUNCH,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
-        q, k, v, grad, lse, delta, dk, dv, ord_arg, s, h, c, sm_scale, stride_b, stride_s,
-        D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
-        INTERPRET=INTERPRET,
-        num_warps=cfg.kv_warps,
-        num_stages=cfg.kv_stages, **STRICT_LAUNCH,
+        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, ord_arg, s, h, c, sm_scale,
+        stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
+        ORDERED=ordered, USE_TMA=tma, INTERPRET=INTERPRET, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
+        **STRICT_LAUNCH,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
-        q, k, v, grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b, stride_s,
-        D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
-        INTERPRET=INTERPRET,
-        num_warps=cfg.q_warps,
-        num_stages=cfg.q_stages, **STRICT_LAUNCH,
+        q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b,
+        stride_s, D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
+        USE_TMA=tma, INTERPRET=INTERPRET, num_warps=cfg.q_warps, num_stages=cfg.q_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return dq, dk, dv

@@ -10,9 +10,11 @@ online-softmax step runs on them: the declared contract (``attention.py``, ``att
 (``tools/gpu_perf_probe.py --sections attn_tma``). ``fwd_ws`` asks Triton's warp specialisation of the KV loop
 (``tl.range(..., warp_specialize=True)``: producer warps issue the loads, the same instructions compute).
 
-GPU only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic); a walk
-order (permuted rows) also takes the pointer kernel, whose indexed loads TMA cannot express (no row gather on
-Hopper). :func:`uses_tma` says which kernel a call runs; the bench and the evidence record it.
+With a walk order the K/V operands arrive gathered into canonical order (contiguous: TMA walks them) and the query
+block is read, and the output stored, through ``order[i]`` by pointers (TMA has no row gather on Hopper).
+
+GPU only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic).
+:func:`uses_tma` says which kernel a call runs; the bench and the evidence record it.
 """
 
 from __future__ import annotations
@@ -21,29 +23,33 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, fwd_step, log2, qk_scale
+from h3gate.kernels.attention import AttnConfig, fwd_step, log2, packed_rows, qk_scale
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
 from h3gate.kernels.exact import rne
 from h3gate.kernels.gemm import _tma_allocator
 
 
-def uses_tma(cfg: AttnConfig, q: torch.Tensor, order: torch.Tensor | None) -> bool:
-    """Whether the forward of this call runs the TMA kernel: asked by the tiling, on CUDA, in packed order."""
-    return cfg.fwd_tma and q.device.type == "cuda" and not INTERPRET and order is None
+def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
+    """Whether the forward of this call runs the TMA kernel: asked by the tiling, on CUDA, compiled."""
+    return cfg.fwd_tma and q.device.type == "cuda" and not INTERPRET
 
 
 @triton.jit
-def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, qk_scale, stride_b, stride_s,
+def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
-                         FMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                         FMA: tl.constexpr, WS: tl.constexpr, ORDERED: tl.constexpr,
+                         INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
-    q_desc = tl.make_tensor_descriptor(q_ptr + base, [S, D], [stride_s, 1], [BLOCK_M, D])
     k_desc = tl.make_tensor_descriptor(k_ptr + base, [S, D], [stride_s, 1], [BLOCK_N, D])
     v_desc = tl.make_tensor_descriptor(v_ptr + base, [S, D], [stride_s, 1], [BLOCK_N, D])
-    o_desc = tl.make_tensor_descriptor(o_ptr + base, [S, D], [stride_s, 1], [BLOCK_M, D])
-    q = q_desc.load([pid_m * BLOCK_M, 0])
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if ORDERED:  # the query block through order[i] (pointers), the output stored the same way
+        rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
+        q = tl.load(q_ptr + rows, mask=offs_m[:, None] < S, other=0.0)
+    else:
+        q = tl.make_tensor_descriptor(q_ptr + base, [S, D], [stride_s, 1], [BLOCK_M, D]).load([pid_m * BLOCK_M, 0])
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -60,24 +66,28 @@ def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, S, H, qk_scale, st
         v = v_desc.load([n_full * BLOCK_N, 0])
         m_i, l_i, acc = fwd_step(q, k, v, m_i, l_i, acc, offs_n, S, qk_scale, BLOCK_M, BLOCK_N, True, EXP2, FMA,
                                  INTERPRET)  # fmt: skip
-    out = tl.div_rn(acc, l_i[:, None])
-    o_desc.store([pid_m * BLOCK_M, 0], rne(out, o_ptr.dtype.element_ty, INTERPRET))  # rows past S are not written
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    out = rne(tl.div_rn(acc, l_i[:, None]), o_ptr.dtype.element_ty, INTERPRET)
+    if ORDERED:
+        tl.store(o_ptr + rows, out, mask=offs_m[:, None] < S)
+    else:  # rows past S are not written
+        tl.make_tensor_descriptor(o_ptr + base, [S, D], [stride_s, 1], [BLOCK_M, D]).store([pid_m * BLOCK_M, 0], out)
     tl.store(lse_ptr + bh.to(tl.int64) * S + offs_m, m_i + log2(l_i, INTERPRET), mask=offs_m < S)
 
 
 def forward_tma(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`h3gate.kernels.attention.forward` in packed order with TMA loads (CUDA; q, k, v contiguous)."""
+    """:func:`h3gate.kernels.attention.forward` with TMA loads (CUDA; q contiguous, k and v already in canonical
+    order when ``order`` is given)."""
     b, s, h, d = q.shape
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable: every launch)
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_tma_kernel[grid](
-        q, k, v, out, lse, s, h, qk_scale(d), q.stride(0), q.stride(1),
+        q, k, v, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0), q.stride(1),
         D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, WS=cfg.fwd_ws,
-        INTERPRET=INTERPRET, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
+        ORDERED=order is not None, INTERPRET=INTERPRET, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse

@@ -206,15 +206,17 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
 
 
 def test_forward_query_block_height_by_sequence_length(monkeypatch) -> None:
-    """FWD_S_BUCKETS changes only the forward's query-block height (rows per program, warps, stages), never the KV
-    walk or the backward tilings; the bucketed call and the 128-row tiling give the same bytes, forward and backward
-    (S = 70: two 64-row blocks vs one 128-row block; the H200 probe checks the compiled MMAs at S = 264..38974)."""
+    """FWD_S_BUCKETS changes only the forward's launch (query-block height, warps, stages, load path), never the KV
+    walk or the backward tilings; the bucketed call and a 128-row pointer tiling give the same bytes, forward and
+    backward (S = 70: two 64-row blocks vs one 128-row block; the H200 probe checks the compiled MMAs and the TMA
+    loads at S = 264..38974)."""
     table = attn.attn_config(128, BF16)
     small = attn.attn_config(128, BF16, 264)
-    assert (small.fwd_m, small.fwd_warps, small.fwd_stages) == (64, 4, 3) and table.fwd_m == 128
-    assert attn.replace(small, fwd_m=table.fwd_m, fwd_warps=table.fwd_warps, fwd_stages=table.fwd_stages) == table
-    assert attn.attn_config(128, BF16, 8191) == small and attn.attn_config(128, BF16, 8192) == table
+    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma) == (64, 4, 3, False) and table.fwd_tma
+    assert attn.replace(small, fwd_tma=True) == table
+    assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
+    tall = attn.replace(table, fwd_m=128, fwd_warps=8, fwd_tma=False)
     seen = []
     real = attn._Attention.apply
     monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
@@ -222,11 +224,11 @@ def test_forward_query_block_height_by_sequence_length(monkeypatch) -> None:
     grad = torch.randn(1, 70, 256, generator=torch.Generator().manual_seed(9)).to(BF16)
     bucketed = fwd_bwd(q, k, v, grad)
     assert seen == [small]
-    for got, want, name in zip(bucketed, fwd_bwd(q, k, v, grad, table), ("out", "dq", "dk", "dv"), strict=True):
+    for got, want, name in zip(bucketed, fwd_bwd(q, k, v, grad, tall), ("out", "dq", "dk", "dv"), strict=True):
         assert torch.equal(got, want), name
-    monkeypatch.setitem(attn.FWD_S_BUCKETS, (128, "bfloat16"), ((8192, 48, 4, 3),))
+    monkeypatch.setitem(attn.FWD_S_BUCKETS, (128, "bfloat16"), ((8192, 48, 4, 3, False),))
     with pytest.raises(AssertionError, match="power-of-two BLOCK_M"):
         attn._check_fwd_s_buckets()
-    monkeypatch.setitem(attn.FWD_S_BUCKETS, (128, "bfloat16"), ((8192, 64, 4, 3), (512, 32, 4, 3)))
+    monkeypatch.setitem(attn.FWD_S_BUCKETS, (128, "bfloat16"), ((8192, 64, 4, 3, False), (512, 32, 4, 3, False)))
     with pytest.raises(AssertionError, match="ascending bounds"):
         attn._check_fwd_s_buckets()
