@@ -37,12 +37,12 @@ Contract (restated in ``manifests/operators/attention.yaml``):
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
   the fixed block order above (over the canonical rows when an order is given); batch elements and heads are
   separate programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms) and the backward tilings are
-  functions of (D, dtype) only, never of S or B. Two launch knobs depend on S, declared in ``FWD_S_BUCKETS``: the
-  forward's query-block height (BLOCK_M, warps, stages), which only decides how many query rows one program owns,
-  and its load path (``fwd_tma``: TMA or pointer loads of the same tiles, :mod:`h3gate.kernels.attention_tma`) -
-  each row's scores, softmax and PV sums are the same (every height and both load paths probed were bitwise equal
-  to the 128-row pointer tiling at S = 264, 925, 3160 and 38974 on the H200,
-  ``docs/measurements/perf-probe-{12,13,14}.json``). Repeat runs are bitwise equal. No split-KV, no atomics.
+  functions of (D, dtype) only, never of S or B. Launch knobs may depend on S, declared in ``S_BUCKETS`` (only
+  ``LAUNCH_FIELDS``): block heights, warps, stages and the load path (``fwd_tma`` / ``bwd_tma``: TMA or pointer
+  loads of the same tiles, :mod:`h3gate.kernels.attention_tma`), which decide which program owns a row and which
+  instruction fetches a tile - each row's scores, softmax and sums are the same (every launch probed was bitwise
+  equal at S = 264, 925, 3160 and 38974 on the H200, ``docs/measurements/perf-probe-{12,13,14,15}.json``). Repeat
+  runs are bitwise equal. No split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 
@@ -127,16 +127,18 @@ def _exp2_code(field: str, value: str) -> int:
 ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
     # Measured winners on the H200 (docs/measurements/gemm_attention-tuning-2.json forward, -3-backward.json
     # backward): declared ex2.approx.ftz + explicit FMA in the forward and in the backward's p recompute; the
-    # forward's 64-row TMA launch from perf-probe-14 (bitwise equal to the 128-row pointer kernel it replaced).
+    # forward's 64-row TMA launch and the backward's TMA loads with 4 stages from perf-probe-14/15 (bitwise equal to
+    # the launches they replaced; S_BUCKETS keeps those below S = 2048).
     (128, "bfloat16"): AttnConfig(
         kv_n=128,
         kv_m=64,
         kv_warps=8,
-        kv_stages=3,
+        kv_stages=4,
         q_m=128,
         q_n=64,
         q_warps=8,
-        q_stages=3,
+        q_stages=4,
+        bwd_tma=True,
         fwd_m=64,
         fwd_n=64,
         fwd_warps=4,
@@ -151,27 +153,39 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 }
 
 
-# The forward's launch by sequence length, per (head_dim, dtype): ((bound, fwd_m, fwd_warps, fwd_stages, fwd_tma),
-# ...) in ascending bound order; S < bound takes the first matching entry, S >= the last bound the ATTN_TABLE entry.
-# Neither knob changes a row's sums: the query-block height decides which program owns a row, the load path which
-# instruction fetches a tile (both measured bitwise equal on the H200). bfloat16 D = 128: 64-row blocks on 4 warps
-# were 11 / 4 / 5 % faster than 128-row ones at S = 264 / 925 / 3160 (perf-probe-{12,13}); with TMA loads the 64-row
-# blocks were also the fastest at 38974 (84.3 ms against 89.7 for the 128-row pointer kernel) and 1 % faster at 3160,
-# but 27 / 8 % slower at 264 / 925 (a program's descriptor set-up; perf-probe-14), so below the bound 2048 (between
-# the measured 925 and 3160, a choice, not a measured crossover) the pointer kernel runs.
-FWD_S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, int, int, int, bool], ...]] = {
-    (128, "bfloat16"): ((2048, 64, 4, 3, False),),
+# Launch choices by sequence length, per (head_dim, dtype): ((bound, {field: value}), ...) in ascending bound order;
+# S < bound takes the first matching entry's overrides of the ATTN_TABLE tiling, S >= the last bound the table entry.
+# Only LAUNCH_FIELDS may be overridden: which program owns a row (query/KV block heights), warps, pipeline depth and
+# the load path (TMA or pointer loads of the same tiles) - never the KV walk of the forward (fwd_n) or the exp2/fma
+# forms, so no row's sums change (every override below was measured bitwise equal on the H200).
+# bfloat16 D = 128: 64-row forward blocks on 4 warps were 11 / 4 / 5 % faster than 128-row ones at S = 264 / 925 /
+# 3160 (perf-probe-{12,13}) and, with TMA loads, the fastest at 38974 too (82.5 ms against 94.7 for the 128-row
+# pointer kernel, perf-probe-15); TMA and 4 pipeline stages in the backward were 3 / 4 % faster at 3160 / 38974
+# (perf-probe-15). Both were slower at 264 / 925 (a program's descriptor set-up: forward 25 / 6 %, backward 8 / 2 %),
+# so below the bound 2048 (between the measured 925 and 3160, a choice, not a measured crossover) the pointer
+# kernels with 3 backward stages run. fwd_n = 128 (a different KV walk, so other bytes) was 1 % faster at 38974 and
+# slower elsewhere: not taken.
+LAUNCH_FIELDS = frozenset(
+    {"fwd_m", "fwd_warps", "fwd_stages", "fwd_tma", "fwd_ws", "bwd_tma", "kv_n", "kv_m", "kv_warps", "kv_stages",
+     "q_m", "q_n", "q_warps", "q_stages"}  # fmt: skip
+)
+S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
+    (128, "bfloat16"): ((2048, {"fwd_tma": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),),
 }
 
 
-def _check_fwd_s_buckets() -> None:
-    for key, buckets in FWD_S_BUCKETS.items():
+def _check_s_buckets() -> None:
+    for key, buckets in S_BUCKETS.items():
         bounds = [b[0] for b in buckets]
-        if key not in ATTN_TABLE or bounds != sorted(set(bounds)) or any(b[1] & (b[1] - 1) for b in buckets):
-            raise AssertionError(f"attention.FWD_S_BUCKETS{key}: known tiling, ascending bounds, power-of-two BLOCK_M")
+        heights = [o.get(f, 64) for _, o in buckets for f in ("fwd_m", "kv_n", "kv_m", "q_m", "q_n")]
+        fields = set().union(*(o for _, o in buckets))
+        if key not in ATTN_TABLE or bounds != sorted(set(bounds)) or any(h & (h - 1) for h in heights):
+            raise AssertionError(f"attention.S_BUCKETS{key}: known tiling, ascending bounds, power-of-two blocks")
+        if not fields <= LAUNCH_FIELDS:
+            raise AssertionError(f"attention.S_BUCKETS{key}: {sorted(fields - LAUNCH_FIELDS)} are not launch fields")
 
 
-_check_fwd_s_buckets()
+_check_s_buckets()
 
 
 def qk_scale(head_dim: int) -> float:
@@ -180,14 +194,13 @@ def qk_scale(head_dim: int) -> float:
 
 
 def attn_config(head_dim: int, dtype: torch.dtype, seq_len: int | None = None) -> AttnConfig:
-    """The (D, dtype) tiling; with ``seq_len`` its forward launch (query-block height, load path) from
-    ``FWD_S_BUCKETS``."""
+    """The (D, dtype) tiling; with ``seq_len`` its launch overrides from ``S_BUCKETS``."""
     key = (head_dim, dtype_name(dtype))
     cfg = ATTN_TABLE[key]
     if seq_len is not None:
-        for bound, fwd_m, warps, stages, tma in FWD_S_BUCKETS.get(key, ()):
+        for bound, overrides in S_BUCKETS.get(key, ()):
             if seq_len < bound:
-                return replace(cfg, fwd_m=fwd_m, fwd_warps=warps, fwd_stages=stages, fwd_tma=tma)
+                return replace(cfg, **overrides)
     return cfg
 
 

@@ -205,18 +205,19 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
     assert all(g["accuracy_ok"] for g in rec["backward"])
 
 
-def test_forward_query_block_height_by_sequence_length(monkeypatch) -> None:
-    """FWD_S_BUCKETS changes only the forward's launch (query-block height, warps, stages, load path), never the KV
-    walk or the backward tilings; the bucketed call and a 128-row pointer tiling give the same bytes, forward and
-    backward (S = 70: two 64-row blocks vs one 128-row block; the H200 probe checks the compiled MMAs and the TMA
-    loads at S = 264..38974)."""
+def test_launch_by_sequence_length(monkeypatch) -> None:
+    """S_BUCKETS changes only launch fields (block heights, warps, stages, load path), never the forward's KV walk
+    or the exp2/fma forms; the bucketed call and a 128-row pointer tiling give the same bytes, forward and backward
+    (S = 70: two 64-row blocks vs one 128-row block; the H200 probe checks the compiled MMAs and the TMA loads at
+    S = 264..38974)."""
     table = attn.attn_config(128, BF16)
     small = attn.attn_config(128, BF16, 264)
-    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma) == (64, 4, 3, False) and table.fwd_tma
-    assert attn.replace(small, fwd_tma=True) == table
+    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (64, 4, 3, False, False)
+    assert table.fwd_tma and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
+    assert attn.replace(small, fwd_tma=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
     assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
-    tall = attn.replace(table, fwd_m=128, fwd_warps=8, fwd_tma=False)
+    tall = attn.replace(small, fwd_m=128, fwd_warps=8, kv_m=32, q_n=32)
     seen = []
     real = attn._Attention.apply
     monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
@@ -226,9 +227,12 @@ def test_forward_query_block_height_by_sequence_length(monkeypatch) -> None:
     assert seen == [small]
     for got, want, name in zip(bucketed, fwd_bwd(q, k, v, grad, tall), ("out", "dq", "dk", "dv"), strict=True):
         assert torch.equal(got, want), name
-    monkeypatch.setitem(attn.FWD_S_BUCKETS, (128, "bfloat16"), ((8192, 48, 4, 3, False),))
-    with pytest.raises(AssertionError, match="power-of-two BLOCK_M"):
-        attn._check_fwd_s_buckets()
-    monkeypatch.setitem(attn.FWD_S_BUCKETS, (128, "bfloat16"), ((8192, 64, 4, 3, False), (512, 32, 4, 3, False)))
+    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 48}),))
+    with pytest.raises(AssertionError, match="power-of-two blocks"):
+        attn._check_s_buckets()
+    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {}), (512, {})))
     with pytest.raises(AssertionError, match="ascending bounds"):
-        attn._check_fwd_s_buckets()
+        attn._check_s_buckets()
+    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_n": 128}),))
+    with pytest.raises(AssertionError, match=r"\['fwd_n'\] are not launch fields"):
+        attn._check_s_buckets()
