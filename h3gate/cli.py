@@ -154,11 +154,14 @@ def synth_checkpoint(
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml")] = "tiny",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights.")] = 0,
     shard_size: Annotated[int | None, typer.Option("--shard-size", help="Shard above this many bytes.")] = None,
+    variant: Annotated[
+        str, typer.Option("--variant", help="transformer (FL2VA/T2VA) | transformer_ref (Ref2VA) weights.")
+    ] = "transformer",
 ) -> None:
     """Write a seeded diffusers-layout checkpoint (config.json + safetensors, sharded with an index)."""
     from h3gate.commands.checkpoint_cmd import synth_command
 
-    _done(synth_command(config, seed, out, shard_size))
+    _done(synth_command(config, seed, out, shard_size, variant))
 
 
 @app.command()

@@ -1,7 +1,10 @@
 """Seeded synthetic weights and the streaming diffusers-layout checkpoint writer.
 
 Tensor ``name`` of seed ``s`` is drawn on the CPU from ``torch.Generator().manual_seed(k)`` with
-``k = first 8 bytes (little-endian) of sha256(f"{s}:{name}")`` masked to 63 bits, as float32 ``z ~ N(0, 1)``:
+``k = first 8 bytes (little-endian) of sha256(f"{s}:{name}")`` masked to 63 bits, as float32 ``z ~ N(0, 1)`` (the
+``transformer/`` variant, FL2VA/T2VA; the Ref2VA variant ``transformer_ref/`` - the same class and config with its own
+weights in the release - hashes ``f"{s}:transformer_ref:{name}"`` instead, so its tensors differ from seed ``s``'s
+``transformer/`` tensors and from every other seed's):
 
 * RMSNorm weights (every 1-D ``.weight``): ``1 + 0.1 z``
 * biases: ``0.02 z``
@@ -35,6 +38,7 @@ from h3gate.checkpoint import (
     DTYPE_CODES,
     INDEX_NAME,
     ITEMSIZE,
+    VARIANT_FOLDERS,
     WEIGHTS_NAME,
     WeightSource,
     ensure_finite,
@@ -52,10 +56,20 @@ MOD_GAIN = 1.0
 MODULATION_WEIGHTS = ("adaln_proj.linear.weight", "norm_out.linear.weight")
 
 
-def tensor_seed(seed: int, name: str) -> int:
-    """The generator seed of one tensor: 63 bits of sha256(f"{seed}:{name}")."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+def tensor_seed(seed: int, name: str, variant: str = "transformer") -> int:
+    """The generator seed of one tensor: 63 bits of sha256(f"{seed}:{name}") (``transformer/``) or of
+    sha256(f"{seed}:{variant}:{name}") (another variant folder)."""
+    if variant not in VARIANT_FOLDERS:
+        raise InputError(f"weights variant {variant!r}: must be one of {', '.join(VARIANT_FOLDERS)}")
+    key = f"{seed}:{name}" if variant == "transformer" else f"{seed}:{variant}:{name}"
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def layout_variant(task: str) -> str:
+    """The transformer variant a layout's task runs: ``transformer_ref`` for ref2va (the Ref2VA pipeline's
+    ``transformer_name``), ``transformer`` for t2va / fl2va."""
+    return "transformer_ref" if task == "ref2va" else "transformer"
 
 
 def init_rule(name: str, shape: tuple[int, ...]) -> str:
@@ -69,10 +83,12 @@ def init_rule(name: str, shape: tuple[int, ...]) -> str:
     return "linear"
 
 
-def synth_tensor(seed: int, name: str, shape: tuple[int, ...], generator_device: str = "cpu") -> torch.Tensor:
+def synth_tensor(
+    seed: int, name: str, shape: tuple[int, ...], generator_device: str = "cpu", variant: str = "transformer"
+) -> torch.Tensor:
     """The float32 value of one synthetic tensor (before the cast to its stored dtype), drawn on
     ``generator_device``'s own generator: values depend on that device's RNG, so only "cpu" is portable."""
-    g = torch.Generator(device=generator_device).manual_seed(tensor_seed(seed, name))
+    g = torch.Generator(device=generator_device).manual_seed(tensor_seed(seed, name, variant))
     x = torch.randn(shape, generator=g, dtype=torch.float32, device=generator_device)
     rule = init_rule(name, shape)
     if rule == "norm":
@@ -84,16 +100,33 @@ def synth_tensor(seed: int, name: str, shape: tuple[int, ...], generator_device:
 
 
 class SyntheticSource:
-    """Seeded weights for ``cfg`` with the inventory's names, shapes and dtypes, each generated on demand."""
+    """Seeded weights of one variant (``transformer`` or ``transformer_ref``) for ``cfg`` with the inventory's names,
+    shapes and dtypes, each generated on demand."""
 
     def __init__(
-        self, cfg: ModelConfig, seed: int, precision: PrecisionMap = DEFAULT_PRECISION, generator_device: str = "cpu"
+        self,
+        cfg: ModelConfig,
+        seed: int,
+        precision: PrecisionMap = DEFAULT_PRECISION,
+        generator_device: str = "cpu",
+        variant: str = "transformer",
     ) -> None:
+        tensor_seed(seed, "", variant)  # a bad variant fails here, before anything is drawn
         self._cfg = cfg
         self.seed = int(seed)
         self.generator_device = generator_device
         self.precision = precision
+        self.variant = variant
         self._specs: dict[str, TensorSpec] = {s.name: s for s in expected_inventory(cfg, precision)}
+
+    def drawn_on(self, generator_device: str) -> SyntheticSource:
+        """The same seed, variant and precision drawn with ``generator_device``'s generator (other values)."""
+        return SyntheticSource(self._cfg, self.seed, self.precision, generator_device, self.variant)
+
+    def record(self) -> dict[str, Any]:
+        """What the evidence says about these weights."""
+        rec = {"kind": "synthetic", "path": None, "seed": self.seed, "variant": self.variant}
+        return rec if self.generator_device == "cpu" else {**rec, "generator_device": self.generator_device}
 
     def names(self) -> list[str]:
         return list(self._specs)
@@ -110,7 +143,8 @@ class SyntheticSource:
 
     def load(self, name: str, device: str | torch.device = "cpu", check_finite: bool = False) -> torch.Tensor:
         s = self.spec(name)
-        tensor = synth_tensor(self.seed, name, s.shape, self.generator_device).to(getattr(torch, s.dtype)).to(device)
+        value = synth_tensor(self.seed, name, s.shape, self.generator_device, self.variant)
+        tensor = value.to(getattr(torch, s.dtype)).to(device)
         return ensure_finite(name, tensor) if check_finite else tensor
 
     def config(self) -> ModelConfig | None:
@@ -223,6 +257,8 @@ def write_checkpoint(
     metadata = {"format": "pt", "producer": "h3gate"}
     if isinstance(source, SyntheticSource):
         metadata["h3gate_seed"] = str(source.seed)
+        if source.variant != "transformer":  # (transformer/ files keep the bytes they always had)
+            metadata["h3gate_variant"] = source.variant
     try:
         (tmp / CONFIG_NAME).write_text(json.dumps(cfg.diffusers_config(), indent=2) + "\n", encoding="utf-8")
         files: list[dict[str, Any]] = []

@@ -137,6 +137,12 @@ def test_whole_matrix_on_tiny_cpu(matrix):
     assert diag["bitwise"] is False and diag["rows_differing"] > 0
     same = by_id["H-C3"]["diagnostics"]["canonical_vs_packed_order"]["outputs"]
     assert all(o["bitwise"] for o in same.values())  # the canonical order is the identity on the tiny layout
+    # H16 reads block 0 of the real other variant (transformer_ref/), H-C7 also checks the Ref2VA path
+    assert any("from transformer_ref/" in n for n in by_id["H16"]["notes"]), by_id["H16"]["notes"]
+    paths = by_id["H-C7"]["diagnostics"]["paths"]
+    assert [(p["layout"], p["task"], p["variant"]) for p in paths] == [
+        ("tiny", "t2va", "transformer"), ("ref2va-tiny", "ref2va", "transformer_ref")
+    ]  # fmt: skip
     trajectory = json.loads((out / "trajectory.json").read_text())
     validate_document(trajectory, "trajectory")
     assert len(trajectory["steps"]) == 3

@@ -21,6 +21,7 @@ from h3gate.gate.compare import bitwise_equal, tensor_sha256
 from h3gate.graph.model import derive_metadata, raw_metadata
 from h3gate.layout import build_layout
 from h3gate.manifests.ablations import AblationRow
+from h3gate.manifests.layouts import load_layout
 from h3gate.memory import BIG_MODEL_PARAMS
 from h3gate.trajectory import iter_trajectory
 
@@ -94,41 +95,59 @@ def _digest(entries: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{k}:{v};" for k, v in sorted(entries.items())).encode()).hexdigest()
 
 
-def repeated_preprocessing(ctx, ablation: AblationRow) -> Outcome:
-    """H-C7: the packed layout, its derived metadata and the weight components built twice hash identically."""
-    runs = []
-    for _ in range(2):
-        layout = build_layout(ctx.layout.spec, ctx.layout.name)
-        ts, ti = layout.row_timesteps(
-            ctx.plan["video_t"], ctx.plan["audio_t"], ctx.plan["cond_video_t"], ctx.plan["cond_audio_t"]
-        )
-        meta = derive_metadata(raw_metadata(layout, ts, ti), ctx.cfg, ctx.device)
-        source = ctx.variant_source(ctx.seed)
-        names = source.names()
-        if sum(torch.Size(source.meta(n)[0]).numel() for n in names) > BIG_MODEL_PARAMS:  # first/last block only
-            last = ctx.cfg.num_layers - 1
-            names = [
-                n
-                for n in names
-                if not n.startswith("transformer_blocks.")
-                or n.startswith(("transformer_blocks.0.", f"transformer_blocks.{last}."))
-            ]
-        runs.append(
-            {
-                "layout": layout.tensor_hashes(),
-                "metadata": {k: tensor_sha256(v) for k, v in meta.items()},
-                "components": {n: tensor_sha256(source.load(n, "cpu")) for n in names},
-            }
-        )
-    first, second = runs
-    differing = [f"{part}.{k}" for part in first for k in first[part] if first[part][k] != second[part].get(k)]
-    evidence = {
-        "layout_sha256": first["layout"],
-        "metadata_sha256": first["metadata"],
-        "components_sha256": _digest(first["components"]),
-        "components_hashed": len(first["components"]),
-        "coverage": "t2va/fl2va packed layouts (h3gate builds no Ref2VA layout) and the transformer weight source",
+REF2VA_COMPANION = "ref2va-tiny"  # H-C7's Ref2VA path when the run's own layout is not ref2va
+
+
+def _ref_blocks(spec) -> str:
+    refs = spec.references or []
+    return f" with {len(refs)} reference blocks ({', '.join(r.kind for r in refs)})" if refs else ""
+
+
+def _preprocess_once(ctx, spec, name: str, variant: str) -> dict:
+    """One build of a layout, its derived metadata and its variant's weight components, as hashes."""
+    layout = build_layout(spec, name)
+    ts, ti = layout.row_timesteps(
+        ctx.plan["video_t"], ctx.plan["audio_t"], ctx.plan["cond_video_t"], ctx.plan["cond_audio_t"]
+    )
+    meta = derive_metadata(raw_metadata(layout, ts, ti), ctx.cfg, ctx.device)
+    source = ctx.variant_source(ctx.seed, variant)
+    names = source.names()
+    if sum(torch.Size(source.meta(n)[0]).numel() for n in names) > BIG_MODEL_PARAMS:  # first/last block only
+        last = ctx.cfg.num_layers - 1
+        blocks = ("transformer_blocks.0.", f"transformer_blocks.{last}.")
+        names = [n for n in names if not n.startswith("transformer_blocks.") or n.startswith(blocks)]
+    rows = {"num_condition_video_rows": str(layout.num_condition_video_rows),
+            "num_condition_audio_rows": str(layout.num_condition_audio_rows)}  # fmt: skip
+    return {
+        "layout": {**layout.tensor_hashes(), **rows},
+        "metadata": {k: tensor_sha256(v) for k, v in meta.items()},
+        "components": {n: tensor_sha256(source.load(n, "cpu")) for n in names},
     }
+
+
+def repeated_preprocessing(ctx, ablation: AblationRow) -> Outcome:
+    """H-C7: the packed layout, its derived metadata and the weight components built twice hash identically - on
+    the run's layout with its variant's weights and, when that is not a Ref2VA layout, also on the Ref2VA path
+    (``REF2VA_COMPANION`` with ``transformer_ref/`` weights)."""
+    paths = [(ctx.layout.name, ctx.layout.spec, ctx.variant)]
+    if ctx.layout.spec.kind != "ref2va":
+        paths.append((REF2VA_COMPANION, load_layout(REF2VA_COMPANION), "transformer_ref"))
+    evidence: dict = {"paths": []}
+    differing: list[str] = []
+    for name, spec, variant in paths:
+        first, second = (_preprocess_once(ctx, spec, name, variant) for _ in range(2))
+        differing += [f"{name}.{part}.{k}" for part in first for k in first[part] if first[part][k] != second[part][k]]
+        evidence["paths"].append({
+            "layout": name,
+            "task": spec.kind,
+            "variant": variant,
+            "layout_sha256": first["layout"],
+            "metadata_sha256": first["metadata"],
+            "components_sha256": _digest(first["components"]),
+            "components_hashed": len(first["components"]),
+            "coverage": f"the {spec.kind} packed layout{_ref_blocks(spec)}, its derived metadata and the {variant}/ "
+            "weight components (reference latents come from the VAE encode: run vae)",
+        })  # fmt: skip
     if differing:
         return Outcome(
             "EXPECTED_DRIFT",
@@ -136,9 +155,9 @@ def repeated_preprocessing(ctx, ablation: AblationRow) -> Outcome:
             {"node": f"preprocess.{differing[0]}"},
             evidence=evidence,
         )
-    return Outcome(
-        "PASS", None, notes=["layout, metadata and weight components built twice: identical hashes"], evidence=evidence
-    )
+    what = " and ".join(f"{p['layout']} ({p['variant']}/)" for p in evidence["paths"])
+    note = f"layout, metadata and weight components built twice: identical hashes on {what}"
+    return Outcome("PASS", None, notes=[note], evidence=evidence)
 
 
 CHECKS: dict[str, Callable[..., Outcome]] = {

@@ -56,14 +56,16 @@ class Context:
     execution: dict
     config_name: str = "tiny"
     checkpoint: str | None = None
-    source_factory: Callable[[int], object] | None = None
+    source_factory: Callable[[int, str], object] | None = None
     cache: dict = field(default_factory=dict)
+    variant: str = "transformer"
 
-    def variant_source(self, seed: int):
-        """Another weight source of the same config (a variant stand-in: synthetic weights of another seed)."""
+    def variant_source(self, seed: int, variant: str | None = None):
+        """Synthetic weights of the same config: ``seed`` of ``variant`` (default: this run's variant, the layout
+        task's: ``transformer_ref`` for ref2va; ``transformer`` otherwise)."""
         if self.source_factory is None:
             raise InputError("this run has no second weight source for a variant probe")
-        return self.source_factory(seed)
+        return self.source_factory(seed, variant or self.variant)
 
     def request(self, item: int = 0) -> Request:
         key = ("request", self.layout.name, item)
@@ -100,6 +102,7 @@ class Context:
                 self.checkpoint,
                 self.source_factory,
                 self.cache,
+                self.variant,
             )
         return self.cache[key]
 
@@ -263,13 +266,13 @@ def param_drift(strict: dict, probe: dict, limit: int = 16) -> list[str]:
     return names[:limit]
 
 
-def device_synthetic_source(cfg: ModelConfig, seed: int, device: str):
+def device_synthetic_source(cfg: ModelConfig, seed: int, device: str, variant: str = "transformer"):
     """Synthetic weights drawn with ``device``'s own generator (same names, shapes, dtypes and init rules as the
     CPU-seeded :class:`h3gate.synth.SyntheticSource`; the values differ). A real-size model is drawn in seconds on a
     GPU instead of minutes on a CPU; both arms of every row read the same tensors."""
     from h3gate.synth import SyntheticSource
 
-    return SyntheticSource(cfg, seed, generator_device=device)
+    return SyntheticSource(cfg, seed, generator_device=device, variant=variant)
 
 
 def build_context(
@@ -285,19 +288,24 @@ def build_context(
     from h3gate.graph.model import build_model_graph, load_model_params
     from h3gate.manifests.layouts import load_layout
     from h3gate.manifests.model_config import load_config
-    from h3gate.synth import SyntheticSource
+    from h3gate.synth import SyntheticSource, layout_variant
 
     cfg = load_config(config).config
     packed = build_layout(load_layout(layout), layout)
+    variant = layout_variant(packed.spec.kind)
     graph = build_model_graph(cfg)
     bindings = bind_graph(graph, mode, device)
     ops = provider_table() if mode == "off" else candidate_table(bindings)
     per_op = {b.op: b.record() for nb in bindings.values() for b in nb.bindings}
     on_device = device != "cpu" and checkpoint is None
-    factory = (lambda s: device_synthetic_source(cfg, s, device)) if on_device else (lambda s: SyntheticSource(cfg, s))
-    source = open_checkpoint(checkpoint) if checkpoint is not None else factory(seed)
+
+    def factory(s: int, v: str):
+        return device_synthetic_source(cfg, s, device, v) if on_device else SyntheticSource(cfg, s, variant=v)
+
+    source = open_checkpoint(checkpoint) if checkpoint is not None else factory(seed, variant)
     params = load_model_params(source, cfg, device)
-    weights = f"synthetic seed {seed}" + (f" drawn on {device}'s generator" if on_device else " (CPU-seeded)")
+    drawn = f" drawn on {device}'s generator" if on_device else " (CPU-seeded)"
+    weights = f"synthetic seed {seed} {variant}/{drawn}"
     execution = {
         "mode": mode,
         "device": device,
@@ -321,6 +329,7 @@ def build_context(
         config,
         None if checkpoint is None else str(checkpoint),
         factory,
+        variant=variant,
     )
     if sum(p.numel() for p in params.values()) > BIG_MODEL_PARAMS:  # H-C6 on a real-size model: bounded gradients
         last = f"transformer_blocks.{cfg.num_layers - 1}."

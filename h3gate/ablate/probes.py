@@ -284,12 +284,15 @@ def stale_video_selection(ctx, arm: Arm) -> Arm:
 
 
 def mixed_variant_block(ctx, arm: Arm) -> Arm:
-    """H16: transformer block 0 read from the other variant's weights (transformer_ref/ stand-in: seed + 1)."""
-    other = ctx.variant_source(ctx.seed + 1)
+    """H16: transformer block 0 read from the other variant's weights (``transformer_ref/`` on an FL2VA / T2VA
+    layout, ``transformer/`` on a Ref2VA one; the same seed: the synthetic variants differ by their tensor seeds)."""
+    other_variant = "transformer" if ctx.variant == "transformer_ref" else "transformer_ref"
+    other = ctx.variant_source(ctx.seed, other_variant)
     params = dict(arm.params)
     for name in [k for k in params if k.startswith("transformer_blocks.0.")]:
         params[name] = other.load(name, ctx.device)
-    return arm.with_notes("transformer_blocks.0.* from the other variant (synthetic seed + 1)", params=params)
+    note = f"transformer_blocks.0.* from {other_variant}/ (the run: {ctx.variant}/, synthetic seed {ctx.seed})"
+    return arm.with_notes(note, params=params)
 
 
 # -- 6.2 trajectory probes -----------------------------------------------------------------------------------------

@@ -146,16 +146,19 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
         raise InputError(f"--batch {settings.batch}: must be at least 1")
     if settings.steps < 2:
         raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
-    config_name, cfg, source, ckpt, _ = config_for(settings.config, settings.checkpoint, settings.seed)
+    spec = load_layout(settings.layout)
+    config_name, cfg, source, ckpt, _ = config_for(settings.config, settings.checkpoint, settings.seed, spec.kind)
     if settings.layers is not None:
         if not 1 <= settings.layers <= cfg.num_layers:
             raise InputError(f"--layers {settings.layers}: must be in 1..{cfg.num_layers} (the config's blocks)")
         cfg = cfg.model_copy(update={"num_layers": settings.layers})
-    layout = build_layout(load_layout(settings.layout), settings.layout)
-    if ckpt["kind"] == "synthetic" and device != "cpu":
-        # Drawn on the device's own generator, as the whole-model gates draw them (values are per device kind).
-        source = SyntheticSource(cfg, settings.seed, generator_device=device)
-        ckpt = {**ckpt, "generator_device": device}
+    layout = build_layout(spec, settings.layout)
+    if ckpt["kind"] == "synthetic":
+        source = SyntheticSource(cfg, settings.seed, variant=source.variant)  # the config with --layers
+        if device != "cpu":
+            # Drawn on the device's own generator, as the whole-model gates draw them (values are per device kind).
+            source = source.drawn_on(device)
+        ckpt = source.record()
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     plan = row_timestep_plan(layout, recipe, *recipe.schedules())
     requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]

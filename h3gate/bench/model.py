@@ -179,17 +179,18 @@ def _setup(layout: str, config: str, device: str):
     from h3gate.manifests.model_config import load_config
     from h3gate.paths import MANIFESTS
     from h3gate.runs.setup import check_device
-    from h3gate.synth import SyntheticSource
+    from h3gate.synth import SyntheticSource, layout_variant
 
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
     check_device(device)
     named = load_config(config)
     path = Path(config) if Path(config).suffix in (".yaml", ".yml") else MANIFESTS / "configs" / f"{config}.yaml"
-    packed = build_layout(load_layout(layout), layout)
+    spec = load_layout(layout)
+    packed = build_layout(spec, layout)
     graph = build_model_graph(named.config)
     bindings = bind_graph(graph, "strict", device)
-    source = SyntheticSource(named.config, SEED, generator_device=device)
+    source = SyntheticSource(named.config, SEED, generator_device=device, variant=layout_variant(spec.kind))
     manifests = [path, LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
     return named.name, named.config, packed, graph, model_stages(graph), bindings, source, manifests
 

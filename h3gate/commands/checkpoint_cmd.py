@@ -31,14 +31,17 @@ def _config_manifest(config: str) -> Path | None:
     return resolve(config, MANIFESTS / "configs", "config")
 
 
-def synth_command(config: str, seed: int, out: Path, shard_size: int | None) -> int:
+def synth_command(config: str, seed: int, out: Path, shard_size: int | None, variant: str = "transformer") -> int:
+    from h3gate.checkpoint import VARIANT_FOLDERS
     from h3gate.manifests.model_config import load_config
-    from h3gate.synth import write_checkpoint
+    from h3gate.synth import SyntheticSource, write_checkpoint
 
+    if variant not in VARIANT_FOLDERS:
+        raise InputError(f"--variant {variant}: must be one of {', '.join(VARIANT_FOLDERS)}")
     cfg = load_config(config).config
-    summary = write_checkpoint(cfg, seed, out, shard_size)
+    summary = write_checkpoint(SyntheticSource(cfg, seed, variant=variant), seed, out, shard_size)
     console = stdout_console()
-    table = Table(title=f"synthetic checkpoint {summary['path']} (config {config}, seed {seed})")
+    table = Table(title=f"synthetic checkpoint {summary['path']} (config {config}, seed {seed}, {variant})")
     for col in ("file", "tensors", "bytes"):
         table.add_column(col, justify="left" if col == "file" else "right")
     for f in summary["files"]:

@@ -166,8 +166,22 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 # kernels with 3 backward stages run. fwd_n = 128 (a different KV walk, so other bytes) was 1 % faster at 38974 and
 # slower elsewhere: not taken.
 LAUNCH_FIELDS = frozenset(
-    {"fwd_m", "fwd_warps", "fwd_stages", "fwd_tma", "fwd_ws", "bwd_tma", "kv_n", "kv_m", "kv_warps", "kv_stages",
-     "q_m", "q_n", "q_warps", "q_stages"}  # fmt: skip
+    {
+        "fwd_m",
+        "fwd_warps",
+        "fwd_stages",
+        "fwd_tma",
+        "fwd_ws",
+        "bwd_tma",
+        "kv_n",
+        "kv_m",
+        "kv_warps",
+        "kv_stages",
+        "q_m",
+        "q_n",
+        "q_warps",
+        "q_stages",
+    }  # fmt: skip
 )
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
     (128, "bfloat16"): ((2048, {"fwd_tma": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),),

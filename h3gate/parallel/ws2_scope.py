@@ -36,10 +36,12 @@ class Scope:
 
 
 def build_scope(scope: str, cfg, layout, seed: int, device: str) -> Scope:
-    """The graph, synthetic parameters (seed ``seed``) and inputs of ``scope`` at ``layout``, on ``device``."""
-    from h3gate.synth import SyntheticSource
+    """The graph, synthetic parameters (seed ``seed``, the layout task's variant) and inputs of ``scope`` at
+    ``layout``, on ``device``."""
+    from h3gate.synth import SyntheticSource, layout_variant
 
-    source = SyntheticSource(cfg, seed) if device == "cpu" else SyntheticSource(cfg, seed, generator_device=device)
+    source = SyntheticSource(cfg, seed, variant=layout_variant(layout.spec.kind))
+    source = source if device == "cpu" else source.drawn_on(device)
     if scope == "block":
         from h3gate.graph.block import block_params, build_block_graph
         from h3gate.graph.inputs import build_block_inputs

@@ -118,12 +118,12 @@ def prepare_model(
 ) -> ModelSetup:
     """Resolve and check everything (bad input -> InputError before any weight is read or memory allocated)."""
     from h3gate.memory import require
-    from h3gate.synth import SyntheticSource
 
     device = check_device(device)
     check_mode(mode)
-    config_name, cfg, source, ckpt, manifests = config_for(config, checkpoint, seed)
-    packed = build_layout(load_layout(layout), layout)
+    spec = load_layout(layout)
+    config_name, cfg, source, ckpt, manifests = config_for(config, checkpoint, seed, spec.kind)
+    packed = build_layout(spec, layout)
     span = parse_layers(layers, cfg)
     graph = build_model_graph(cfg, span)
     stages = model_stages(graph)
@@ -139,8 +139,8 @@ def prepare_model(
     bindings = bind_graph(graph, mode, device, merge)
     if ckpt["kind"] == "synthetic" and device != "cpu":
         # Drawn on the device's own generator (a 33B model is not drawn on the CPU); values are per device kind.
-        source = SyntheticSource(cfg, seed, generator_device=device)
-        ckpt = {**ckpt, "generator_device": device}
+        source = source.drawn_on(device)
+        ckpt = source.record()
     inputs, _ = model_inputs(packed, cfg, seed, device)
     unrelated = []
     for item in range(1, UNRELATED_ITEMS + 1):

@@ -95,11 +95,15 @@ def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_nam
     )
 
 
-def config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[str, ModelConfig, object, dict, list]:
+def config_for(
+    config: str | None, checkpoint: Path | None, seed: int, task: str = "t2va"
+) -> tuple[str, ModelConfig, object, dict, list]:
     """(config name, config, weight source, checkpoint record, manifests read): a named config over synthetic
-    weights (default ``tiny``), or a checkpoint whose ``config.json`` must match ``config`` when both are given."""
-    from h3gate.checkpoint import open_checkpoint
-    from h3gate.synth import SyntheticSource
+    weights (default ``tiny``) of the layout task's variant (``synth.layout_variant``: ``transformer_ref`` for
+    ref2va), or a checkpoint whose ``config.json`` must match ``config`` when both are given (its variant is its
+    folder's name when that is ``transformer`` or ``transformer_ref``)."""
+    from h3gate.checkpoint import VARIANT_FOLDERS, open_checkpoint
+    from h3gate.synth import SyntheticSource, layout_variant
 
     manifests: list[Path] = []
     named = None
@@ -111,8 +115,8 @@ def config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[
         manifest = named or load_config("tiny")
         if named is None:
             manifests.append(MANIFESTS / "configs" / "tiny.yaml")
-        source = SyntheticSource(manifest.config, seed)
-        return manifest.name, manifest.config, source, {"kind": "synthetic", "path": None, "seed": seed}, manifests
+        source = SyntheticSource(manifest.config, seed, variant=layout_variant(task))
+        return manifest.name, manifest.config, source, source.record(), manifests
     source = open_checkpoint(checkpoint)
     cfg = source.config()
     if named is not None and named.config != cfg:
@@ -122,7 +126,10 @@ def config_for(config: str | None, checkpoint: Path | None, seed: int) -> tuple[
             f"config.json ({getattr(cfg, diff)})"
         )
     name = named.name if named is not None else next((n for n in config_names() if load_config(n).config == cfg), None)
-    return name or "checkpoint", cfg, source, {"kind": "checkpoint", "path": str(checkpoint), "seed": None}, manifests
+    folder = Path(checkpoint).resolve().name
+    variant = folder if folder in VARIANT_FOLDERS else None
+    record = {"kind": "checkpoint", "path": str(checkpoint), "seed": None, "variant": variant}
+    return name or "checkpoint", cfg, source, record, manifests
 
 
 def prepare(
@@ -141,8 +148,9 @@ def prepare(
     """
     device = check_device(device)
     check_mode(mode)
-    config_name, cfg, source, ckpt, manifests = config_for(config, checkpoint, seed)
-    packed = build_layout(load_layout(layout), layout)
+    spec = load_layout(layout)
+    config_name, cfg, source, ckpt, manifests = config_for(config, checkpoint, seed, spec.kind)
+    packed = build_layout(spec, layout)
     check_memory(cfg, packed, layout, config_name, device)
     graph = build_block_graph(cfg, LAYER)
     bindings = bind_graph(graph, mode, device, merge)
