@@ -462,6 +462,24 @@ def run_ws2(
     _done(ws2_command(settings, out, json_))
 
 
+@run_app.command("vae")
+def run_vae(
+    modality: Annotated[str, typer.Option("--modality", help="video | audio")],
+    mode: Annotated[str, typer.Option("--mode", help="strict (one batch row a call, deterministic) | off")] = "strict",
+    device: DeviceOpt = "auto",
+    geometry: Annotated[str, typer.Option("--geometry", help="tiny (CI) | real (124 frames at 768x1344).")] = "tiny",
+    seed: SeedOpt = 0,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Phase B: a seeded VAE (diffusers' class) encode/decode repeat-bitwise, batch-invariant, its latent
+    normalisation and layout against the pipeline's helpers; decoded media hashed, not gated."""
+    device = resolve_device(device)
+    from h3gate.commands.vae_cmd import vae_command
+
+    _done(vae_command(modality, mode, device, geometry, seed, out, json_))
+
+
 @run_app.command("ws1-ops")
 def run_ws1_ops(
     op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,

@@ -28,7 +28,17 @@ def write_manifest(tmp_path: Path, **overrides) -> Path:
 
 
 def test_named_layouts_and_declared_lengths() -> None:
-    assert layout_names() == ["768p", "medium", "micro", "micro-odd", "ref2va-768p", "ref2va-medium", "ref2va-tiny", "small", "tiny"]
+    assert layout_names() == [
+        "768p",
+        "medium",
+        "micro",
+        "micro-odd",
+        "ref2va-768p",
+        "ref2va-medium",
+        "ref2va-tiny",
+        "small",
+        "tiny",
+    ]
     expected = {
         "micro": (84, {"text": 24, "video": 48, "audio": 12}, 16),
         "micro-odd": (83, {"text": 23, "video": 48, "audio": 12}, 16),
@@ -151,7 +161,8 @@ def geometry_flags(**overrides: str) -> list[str]:
         (["small", "--audio-latents", "3"], "layout 'small': --audio-latents cannot be combined with a layout NAME"),
         (
             ["nope"],
-            "layout 'nope': unknown (known: 768p, medium, micro, micro-odd, ref2va-768p, ref2va-medium, ref2va-tiny, small, tiny)",
+            "layout 'nope': unknown (known: 768p, medium, micro, micro-odd, ref2va-768p, ref2va-medium, ref2va-tiny, "
+            "small, tiny)",
         ),
         (geometry_flags(latent_frames="3"), f"--latent-frames 3: {FRAMES_MESSAGE}, got 3"),
         (geometry_flags(text_tokens="0"), "--text-tokens 0: must be > 0"),

@@ -1,0 +1,54 @@
+"""``h3gate run vae``: write ``vae.json`` for one modality and print its checks (engine: :mod:`h3gate.runs.vae`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.table import Table
+
+from h3gate.commands.console import stdout_console
+from h3gate.errors import EXIT_FAIL, EXIT_PASS
+from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.paths import LOCAL_EVIDENCE
+
+KIND = "vae"
+
+
+def vae_command(modality: str, mode: str, device: str, geometry: str, seed: int, out: Path | None, json_: bool) -> int:
+    """0 every check passed, 1 a check failed (evidence written); bad input is an InputError (exit 2) before work."""
+    from h3gate.runs.setup import check_device
+    from h3gate.runs.vae import VaeRun, check_settings, run_vae
+
+    started = time.perf_counter()
+    run = VaeRun(modality, mode, check_device(device), geometry, seed)
+    check_settings(run)
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{modality}-{geometry}-{mode}")
+    body = run_vae(run)
+    body["timing"] = {"wall_s": round(time.perf_counter() - started, 3)}
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, device=run.device)
+    if json_:
+        print(path.read_text(encoding="utf-8"), end="")
+    else:
+        _print(json.loads(path.read_text(encoding="utf-8")), path)
+    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def _print(doc: dict, path: Path) -> None:
+    console = stdout_console()
+    title = (
+        f"run vae {doc['modality']} / {doc['geometry']}, {doc['device']}, mode {doc['mode']}: {doc['verdict'].upper()}"
+    )
+    table = Table(title=title)
+    for col in ("check", "ok", "detail"):
+        table.add_column(col)
+    for c in doc["checks"]:
+        table.add_row(c["check"], "yes" if c["pass"] else "NO", c["detail"] or "-")
+    console.print(table)
+    lat, dec = doc["latents"], doc["decoded"]
+    console.print(
+        f"latents {lat['shape']} -> {lat['rows']} rows (layout {lat['layout_rows']}), sha256 {lat['sha256'][:12]}"
+    )
+    console.print(f"decoded {dec['shape']} sha256 {dec['sha256'][:12]} (recorded, not gated)")
+    console.print(f"evidence: {path}")
