@@ -56,7 +56,7 @@ def test_the_run_passes_and_its_evidence_names_the_saved_tensors(saved):
     doc = json.loads((ev / "ws1-model.json").read_text(encoding="utf-8"))
     assert doc["verdict"] == "pass" and doc["failing_checks"] == []
     assert doc["saved_tensors"] and doc["saved_tensors"].endswith("tensors")
-    assert doc["checkpoint"] == {"kind": "synthetic", "path": None, "seed": 0}
+    assert doc["checkpoint"] == {"kind": "synthetic", "path": None, "seed": 0, "variant": "transformer"}
     assert (doc["config"]["name"], doc["layout"]["name"], doc["device"], doc["backward"]) == (
         "tiny", "micro", "cpu", None,
     )  # fmt: skip
