@@ -307,7 +307,7 @@ def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, 
     )  # fmt: skip
     assert (code, out) == (2, "")
     assert err == (
-        "h3gate: error: --layout 768p --config real --device cpu: needs at least 61.3 GiB (S=38974), "
+        "h3gate: error: --layout 768p --config real --device cpu: needs at least 71.0 GiB (S=38974), "
         "4.0 GiB available; use a smaller layout or --device cuda\n"
     )
     assert not (tmp_path / "ev").exists()
@@ -318,7 +318,14 @@ def test_cpu_memory_lower_bound_counts_weights_and_kept_values():
     h, nd, f = 192, 256, 384
     assert run_setup.block_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
     kept = run_setup.block_lower_bound_bytes(cfg, 264) - run_setup.block_lower_bound_bytes(cfg, 0)
-    assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 12
+    assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 14  # float64 golden, provider, candidate chained and isolated
+
+
+def test_the_memory_bound_refuses_the_released_ref2va_block_on_one_h200():
+    """Measured on the H200 (139.3 GiB free): 768p's block gate ran; ref2va-768p's ran out of memory in the golden
+    (session 11). The bound keeps the first and refuses the second before any weight is read."""
+    cfg, h200 = load_config("real").config, 139.3 * 2**30
+    assert run_setup.block_lower_bound_bytes(cfg, 38974) < h200 < run_setup.block_lower_bound_bytes(cfg, 83386)
 
 
 class _Drop:
