@@ -93,7 +93,7 @@ def test_a_six_step_ref2va_trajectory_holds_every_reference_row(run_cli, tmp_pat
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("layout", "run_variant", "other"), [("ref2va-tiny", "transformer_ref", "transformer")])
-def test_h16_reads_the_other_real_variant_and_h_c7_covers_the_ref2va_path(layout, run_variant, other) -> None:
+def test_h15_h16_and_h_c7_on_the_ref2va_path(layout, run_variant, other) -> None:
     from h3gate.ablate.engine import build_context
 
     rows = load_ablations()
@@ -103,6 +103,9 @@ def test_h16_reads_the_other_real_variant_and_h_c7_covers_the_ref2va_path(layout
     assert h16["verdict"] == "pass" and h16["observed"]["result"] == "EXPECTED_DRIFT"
     assert any(f"from {other}/" in n for n in h16["notes"]), h16["notes"]
     assert h16["param_drift"] and all(p.startswith("transformer_blocks.0.") for p in h16["param_drift"])
+    h15 = run_ablation("H15", rows["H15"], ctx)  # its condition rows are the reference rows: no anchors added
+    assert h15["verdict"] == "pass" and h15["layout"] == layout, h15["observed"]
+    assert h15["observed"]["signature"]["row"] == 64  # the first reference video row (the image's)
     hc7 = run_ablation("H-C7", rows["H-C7"], ctx)
     paths = hc7["diagnostics"]["paths"]
     assert hc7["verdict"] == "pass" and [(p["layout"], p["variant"]) for p in paths] == [(layout, run_variant)]

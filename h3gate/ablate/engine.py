@@ -80,8 +80,10 @@ class Context:
         return resolve_packed_row(self.layout, row)
 
     def with_anchors(self, anchors: list[str]) -> Context:
-        """The same context on this layout with ``anchors`` (for rows that need condition rows), cached."""
-        if not anchors or list(self.layout.spec.anchors):
+        """The same context on this layout with ``anchors`` (for rows that need condition rows), cached; a layout
+        that already has video condition rows (keyframe anchors, or a Ref2VA layout's reference rows, which the
+        pipeline noises the same way) is used as it is."""
+        if not anchors or list(self.layout.spec.anchors) or self.layout.num_condition_video_rows > 0:
             return self
         key = ("anchors", tuple(anchors))
         if key not in self.cache:
