@@ -119,3 +119,15 @@ def test_path_name_marks_a_checkpoint_variant(tmp_path) -> None:
     write_checkpoint(SyntheticSource(TINY, 1, variant="transformer_ref"), 1, tmp_path / "transformer_ref")
     *_, record, _ = config_for(None, Path(tmp_path / "transformer_ref"), 0, "ref2va")
     assert record["variant"] == "transformer_ref" and record["kind"] == "checkpoint"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_ws1_model_on_a_ref2va_layout_passes_with_the_ref_weights(run_cli, tmp_path) -> None:
+    """The whole-model gate (every node and gradient) on ref2va-tiny over transformer_ref/ weights (about a minute on
+    two cores: make test-slow)."""
+    code, out, err = run_cli("--quiet", "run", "ws1-model", "--layout", "ref2va-tiny", "--out", tmp_path, "--json")
+    assert code == 0, err[-3000:]
+    doc = json.loads(out)
+    assert doc["verdict"] == "pass" and doc["failing_checks"] == []
+    assert doc["checkpoint"]["variant"] == "transformer_ref" and doc["layout"]["name"] == "ref2va-tiny"
