@@ -54,6 +54,7 @@ def test_synth_checkpoint_writes_the_ref_variant(run_cli, tmp_path) -> None:
     assert err == "h3gate: error: --variant vae: must be one of transformer, transformer_ref\n"
 
 
+@pytest.mark.slow  # 20 s on two cores: make test-slow (.ci/run runs both)
 @pytest.mark.usefixtures("one_thread")
 def test_ws1_block_on_a_ref2va_layout_runs_the_ref_weights_and_passes(run_cli, tmp_path) -> None:
     code, out, err = run_cli("--quiet", "run", "ws1-block", "--layout", "ref2va-tiny", "--out", tmp_path, "--json")

@@ -342,6 +342,10 @@ def run_vae(run: VaeRun) -> dict:
     check_settings(run)
     vae, vae_record = build_vae(run.modality, run.seed, run.device)
     with execution(run.mode, run.device), torch.no_grad():
+        # read inside the run's execution: what the calls ran under (off mode keeps torch's defaults, and on CUDA
+        # cuDNN's TF32 default is on: docs/gpu-notes.md)
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32 or (run.device != "cpu" and torch.backends.cudnn.allow_tf32))
+        deterministic = torch.are_deterministic_algorithms_enabled()
         checks, record = (video_checks if run.modality == "video" else audio_checks)(run, vae)
     failing = [c["check"] for c in checks if not c["pass"]]
     return {
@@ -352,8 +356,8 @@ def run_vae(run: VaeRun) -> dict:
         "seed": run.seed,
         "execution": {
             "per_item": run.mode == "strict",
-            "deterministic_algorithms": run.mode == "strict",
-            "tf32": run.mode != "strict" and torch.backends.cuda.matmul.allow_tf32,
+            "deterministic_algorithms": deterministic,
+            "tf32": tf32,
         },
         "vae": vae_record,
         **record,
