@@ -95,3 +95,13 @@ def test_a_call_that_does_not_repeat_fails_the_repeat_checks(run_cli, tmp_path, 
 def test_bad_inputs_exit_2_in_one_line_writing_nothing(run_cli, tmp_path, args, message) -> None:
     code, out, err = run_cli("run", "vae", *args, "--out", tmp_path / "ev")
     assert code == 2 and out == "" and err == f"h3gate: error: {message}\n" and not (tmp_path / "ev").exists()
+
+
+def test_without_diffusers_it_is_a_usage_error_naming_the_dependency(run_cli, tmp_path, monkeypatch) -> None:
+    """A plain wheel has no diffusers (an optional runtime dependency): exit 2, one line, nothing written."""
+    monkeypatch.setitem(__import__("sys").modules, "diffusers", None)  # import diffusers -> ImportError
+    code, out, err = run_cli("run", "vae", "--modality", "audio", "--out", tmp_path / "ev")
+    assert code == 2 and out == "" and not (tmp_path / "ev").exists()
+    assert (
+        err == "h3gate: error: run vae: needs diffusers (pip install 'diffusers==0.42.1'): the VAEs are its classes\n"
+    )
