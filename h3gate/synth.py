@@ -56,11 +56,19 @@ MOD_GAIN = 1.0
 MODULATION_WEIGHTS = ("adaln_proj.linear.weight", "norm_out.linear.weight")
 
 
+def check_variant(variant: str, flag: str | None = None) -> str:
+    """``variant`` when it names a transformer folder (``checkpoint.VARIANT_FOLDERS``), else an InputError naming
+    ``flag`` (a CLI option) or the weights variant."""
+    if variant not in VARIANT_FOLDERS:
+        what = f"{flag} {variant}" if flag else f"weights variant {variant!r}"
+        raise InputError(f"{what}: must be one of {', '.join(VARIANT_FOLDERS)}")
+    return variant
+
+
 def tensor_seed(seed: int, name: str, variant: str = "transformer") -> int:
     """The generator seed of one tensor: 63 bits of sha256(f"{seed}:{name}") (``transformer/``) or of
     sha256(f"{seed}:{variant}:{name}") (another variant folder)."""
-    if variant not in VARIANT_FOLDERS:
-        raise InputError(f"weights variant {variant!r}: must be one of {', '.join(VARIANT_FOLDERS)}")
+    check_variant(variant)
     key = f"{seed}:{name}" if variant == "transformer" else f"{seed}:{variant}:{name}"
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -111,7 +119,7 @@ class SyntheticSource:
         generator_device: str = "cpu",
         variant: str = "transformer",
     ) -> None:
-        tensor_seed(seed, "", variant)  # a bad variant fails here, before anything is drawn
+        check_variant(variant)  # a bad variant fails here, before anything is drawn
         self._cfg = cfg
         self.seed = int(seed)
         self.generator_device = generator_device

@@ -75,7 +75,7 @@ def test_a_call_that_does_not_repeat_fails_the_repeat_checks(run_cli, tmp_path, 
     def drifting(mode, fn, x):
         out = real(mode, fn, x)
         calls.append(1)
-        return out + (len(calls) % 2) * torch.finfo(out.dtype).eps * out.abs().max()  # every other call moves
+        return out + len(calls) * torch.finfo(out.dtype).eps * out.abs().max()  # every call lands elsewhere
 
     monkeypatch.setattr(vae_run, "per_item", drifting)
     code, doc = _run(run_cli, tmp_path, "--modality", "audio")
@@ -104,4 +104,17 @@ def test_without_diffusers_it_is_a_usage_error_naming_the_dependency(run_cli, tm
     assert code == 2 and out == "" and not (tmp_path / "ev").exists()
     assert (
         err == "h3gate: error: run vae: needs diffusers (pip install 'diffusers==0.42.1'): the VAEs are its classes\n"
+    )
+
+
+def test_a_crash_is_exit_3_never_a_verdict(run_cli, tmp_path, monkeypatch) -> None:
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated VAE bug")
+
+    monkeypatch.setattr(vae_run, "build_vae", boom)
+    code, out, err = run_cli("run", "vae", "--modality", "audio", "--out", tmp_path / "ev")
+    assert code == 3 and out == "" and not (tmp_path / "ev" / "vae.json").exists()
+    assert (
+        err.startswith("h3gate: internal error: RuntimeError: simulated VAE bug (traceback in ")
+        and err.count("\n") == 1
     )

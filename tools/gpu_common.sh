@@ -7,3 +7,10 @@ mkdir -p "$ev/logs"
 ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site || exit 2
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# step CAP NAME CMD...: CMD under a CAP-second timeout, its log in $ev/logs/NAME.log, rc and seconds echoed with
+# the log's tail; skipped once the script has run past $BUDGET_S (default 540) seconds. A script may define its own.
+budget=${BUDGET_S:-540}
+step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
+  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s)"; return; fi
+  timeout "$cap" "$@" >"$ev/logs/$name.log" 2>&1; local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - start)) s: ${*:3}"; tail -n 14 "$ev/logs/$name.log"; }

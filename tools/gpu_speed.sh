@@ -12,11 +12,6 @@
 # all of it in $OUT/evidence.tgz.
 . tools/gpu_common.sh
 H="python3 -m h3gate"
-budget=${BUDGET_S:-540}
-step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
-  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s)"; return; fi
-  timeout "$cap" "$@" >"$ev/logs/$name.log" 2>&1; local rc=$?
-  echo "== $name: rc=$rc, $((SECONDS - start)) s: ${*:3}"; tail -n 14 "$ev/logs/$name.log"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in

@@ -22,11 +22,6 @@
 # Every step runs under a time cap; each evidence folder lands under $OUT/ev/<name>/ and $OUT/evidence.tgz.
 . tools/gpu_common.sh
 H="python3 -m h3gate"
-budget=${BUDGET_S:-540}
-step() { local cap=$1 name=$2; shift 2; local start=$SECONDS
-  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s)"; return; fi
-  timeout "$cap" "$@" >"$ev/logs/$name.log" 2>&1; local rc=$?
-  echo "== $name: rc=$rc, $((SECONDS - start)) s: ${*:3}"; tail -n 14 "$ev/logs/$name.log"; }
 GEMMS="--op h3_attention_o_gemm --op h3_attention_o_gemm_seg8 --op h3_ffn_down_gemm --op h3_ffn_down_gemm_seg8
  --op h3_qkv_gemm --op h3_qkv_gemm_seg8 --op h3_ffn_gate_up_gemm --op h3_ffn_gate_up_gemm_seg8"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv

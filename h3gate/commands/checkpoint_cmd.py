@@ -32,12 +32,10 @@ def _config_manifest(config: str) -> Path | None:
 
 
 def synth_command(config: str, seed: int, out: Path, shard_size: int | None, variant: str = "transformer") -> int:
-    from h3gate.checkpoint import VARIANT_FOLDERS
     from h3gate.manifests.model_config import load_config
-    from h3gate.synth import SyntheticSource, write_checkpoint
+    from h3gate.synth import SyntheticSource, check_variant, write_checkpoint
 
-    if variant not in VARIANT_FOLDERS:
-        raise InputError(f"--variant {variant}: must be one of {', '.join(VARIANT_FOLDERS)}")
+    check_variant(variant, "--variant")
     cfg = load_config(config).config
     summary = write_checkpoint(SyntheticSource(cfg, seed, variant=variant), seed, out, shard_size)
     console = stdout_console()

@@ -181,7 +181,7 @@ LAUNCH_FIELDS = frozenset(
         "q_n",
         "q_warps",
         "q_stages",
-    }  # fmt: skip
+    }
 )
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
     (128, "bfloat16"): ((2048, {"fwd_tma": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),),

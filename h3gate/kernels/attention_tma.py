@@ -8,13 +8,16 @@ the shared :func:`h3gate.kernels.attention.fwd_step`, so every tile holds the po
 online-softmax step runs on them: the declared contract (``attention.py``, ``attention.yaml``) is unchanged, and
 ``AttnConfig.fwd_tma`` is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
 (``tools/gpu_perf_probe.py --sections attn_tma``). ``fwd_ws`` asks Triton's warp specialisation of the KV loop
-(``tl.range(..., warp_specialize=True)``: producer warps issue the loads, the same instructions compute).
+(``tl.range(..., warp_specialize=True)``); on Hopper with Triton 3.6 it changed neither bytes nor speed (perf-probe-14:
+the PTX has no producer / consumer split), so no tiling sets it.
 
 With a walk order the K/V operands arrive gathered into canonical order (contiguous: TMA walks them) and the query
 block is read, and the output stored, through ``order[i]`` by pointers (TMA has no row gather on Hopper).
 
 GPU only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic).
-:func:`uses_tma` says which kernel a call runs; the bench and the evidence record it.
+:func:`uses_tma` says which kernel a call runs: a function of the tiling (``S_BUCKETS``: S >= 2048 for bfloat16) and
+the device. Both load paths carry the one kernel id and contract (the bytes measured equal); the evidence records
+the kernel id, the probes the load path.
 """
 
 from __future__ import annotations

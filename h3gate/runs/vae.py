@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.errors import InputError
-from h3gate.gate.compare import tensor_sha256
+from h3gate.gate.compare import bitwise_equal, error, tensor_sha256
 
 MODALITIES = ("video", "audio")
 MODES = ("strict", "off")
@@ -149,7 +149,7 @@ def execution(mode: str, device: str):
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        with strict_numerics(device), torch.no_grad():
+        with strict_numerics(device):
             yield
     finally:
         torch.use_deterministic_algorithms(before)
@@ -163,16 +163,28 @@ def per_item(mode: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Ten
 
 
 def compare(check: str, a: torch.Tensor, b: torch.Tensor) -> dict:
-    """A byte-equality check record (with the largest difference when it fails)."""
-    same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    detail = (
-        ""
-        if same
-        else f"max |diff| {(a.double() - b.double()).abs().max().item():.3e}"
-        if a.shape == b.shape
-        else "shapes differ"
-    )
-    return {"check": check, "pass": bool(same), "detail": detail}
+    """A byte-equality check record (``gate.compare.bitwise_equal``: same dtype, shape and bits), with the largest
+    difference when it fails."""
+    if bitwise_equal(a, b):
+        return {"check": check, "pass": True, "detail": ""}
+    detail = f"max |diff| {error(a, b)['max_abs']:.3e}" if a.shape == b.shape else "shapes differ"
+    return {"check": check, "pass": False, "detail": detail}
+
+
+def invariance_checks(
+    stage: str, mode: str, fn: Callable, x: torch.Tensor, other: torch.Tensor
+) -> tuple[list[dict], torch.Tensor]:
+    """``{stage}_repeat_bitwise`` (``fn`` on ``x`` twice) and ``{stage}_batch_invariant`` (``x`` alone vs after an
+    unrelated ``other`` in one batch), ``fn`` run through :func:`per_item`: (the two checks, the first ``fn(x)``)."""
+    first = per_item(mode, fn, x)
+    beside = per_item(mode, fn, torch.cat([other, x]))[other.shape[0] :]
+    return [compare(f"{stage}_repeat_bitwise", first, per_item(mode, fn, x)),
+            compare(f"{stage}_batch_invariant", first, beside)], first  # fmt: skip
+
+
+def _latents_record(latents: torch.Tensor, rows: torch.Tensor, layout_rows: int) -> dict:
+    return {"shape": list(latents.shape), "sha256": tensor_sha256(latents), "rows": int(rows.shape[0]),
+            "rows_sha256": tensor_sha256(rows), "layout_rows": layout_rows}  # fmt: skip
 
 
 def _moments(post) -> torch.Tensor:
@@ -236,12 +248,8 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
 
     frames, (h, w) = FRAMES[run.geometry], PIXELS[run.geometry]
     a, b = (_pixels(run.seed, i, frames, h, w, run.device) for i in (0, 1))
-    enc = lambda x: per_item(run.mode, lambda y: _moments(vae.encode(y, return_dict=False)[0]), x)  # noqa: E731
-    m1 = enc(_imagenet(vae, a))
-    checks = [
-        compare("encode_repeat_bitwise", m1, enc(_imagenet(vae, a))),
-        compare("encode_batch_invariant", m1, enc(torch.cat([_imagenet(vae, b), _imagenet(vae, a)]))[1:2]),
-    ]
+    moments = lambda y: _moments(vae.encode(y, return_dict=False)[0])  # noqa: E731
+    checks, _ = invariance_checks("encode", run.mode, moments, _imagenet(vae, a), _imagenet(vae, b))
     recipe = pipeline_recipe()
     theirs = encode_vae_condition(vae, a, *recipe)
     checks.append(compare("latent_normalisation", condition_latents(vae, a), theirs))
@@ -259,23 +267,14 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     std = torch.tensor(vae.config.latents_std, device=run.device).view(1, -1, 1, 1, 1)
     z = theirs.to(run.device) * std + mean  # the pipeline's denormalisation before decode
     zb = encode_vae_condition(vae, b, *recipe).to(run.device) * std + mean
-    dec = lambda x: per_item(run.mode, lambda y: vae.decode(y, return_dict=False)[0], x)  # noqa: E731
-    d1 = dec(z)
-    checks += [
-        compare("decode_repeat_bitwise", d1, dec(z)),
-        compare("decode_batch_invariant", d1, dec(torch.cat([zb, z]))[1:2]),
-    ]
+    decode = lambda y: vae.decode(y, return_dict=False)[0]  # noqa: E731
+    decoded, d1 = invariance_checks("decode", run.mode, decode, z, zb)
+    checks += decoded
     pm, ps = (torch.tensor(v, device=run.device).view(1, -1, 1, 1, 1) for v in (PIXEL_MEAN, PIXEL_STD))
     media = ((d1 * ps + pm).clamp(0, 1) * 255).round().to(torch.uint8)
     record = {
         "input": {"pixels": [1, 3, frames, h, w], "dtype": "uint8"},
-        "latents": {
-            "shape": list(theirs.shape),
-            "sha256": tensor_sha256(theirs),
-            "rows": int(rows.shape[0]),
-            "rows_sha256": tensor_sha256(rows),
-            "layout_rows": layout_rows,
-        },
+        "latents": _latents_record(theirs, rows, layout_rows),
         "decoded": {"shape": list(media.shape), "sha256": tensor_sha256(media.cpu()), "gated": False},
     }
     return checks, record
@@ -288,12 +287,8 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     samples = round(frames / FPS * SAMPLE_RATE)  # the pipeline's clip length: num_frames / fps seconds
     g = torch.Generator().manual_seed(run.seed + 7)
     a, b = ((torch.rand(2, 1, samples, generator=g) - 0.5).to(run.device) for _ in range(2))  # stereo = batch 2
-    enc = lambda x: per_item(run.mode, lambda y: _moments(vae.encode(y, return_dict=False)[0]), x)  # noqa: E731
-    m1 = enc(a)
-    checks = [
-        compare("encode_repeat_bitwise", m1, enc(a)),
-        compare("encode_batch_invariant", m1, enc(torch.cat([b, a]))[2:]),
-    ]
+    moments = lambda y: _moments(vae.encode(y, return_dict=False)[0])  # noqa: E731
+    checks, _ = invariance_checks("encode", run.mode, moments, a, b)
     c = vae.config.latent_channels
     mode = per_item(run.mode, lambda y: vae.encode(y, return_dict=False)[0].mode(), a).float().cpu()  # (2, C, T)
     mean, std = (
@@ -317,21 +312,12 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     checks.append({"check": "latent_layout", "pass": bool(ok), "detail": detail})
     z = (rows.reshape(2, t, c).permute(0, 2, 1) * std.view(1, -1, 1) + mean.view(1, -1, 1)).to(run.device)
     zb = per_item(run.mode, lambda y: vae.encode(y, return_dict=False)[0].mode(), b)
-    dec = lambda x: per_item(run.mode, lambda y: vae.decode(y, return_dict=False)[0], x)  # noqa: E731
-    d1 = dec(z)
-    checks += [
-        compare("decode_repeat_bitwise", d1, dec(z)),
-        compare("decode_batch_invariant", d1, dec(torch.cat([zb, z]))[2:]),
-    ]
+    decode = lambda y: vae.decode(y, return_dict=False)[0]  # noqa: E731
+    decoded, d1 = invariance_checks("decode", run.mode, decode, z, zb)
+    checks += decoded
     record = {
         "input": {"waveform": [2, 1, samples], "dtype": "float32", "sample_rate": SAMPLE_RATE},
-        "latents": {
-            "shape": list(mode.shape),
-            "sha256": tensor_sha256(mode),
-            "rows": int(rows.shape[0]),
-            "rows_sha256": tensor_sha256(rows),
-            "layout_rows": layout_rows,
-        },
+        "latents": _latents_record(mode, rows, layout_rows),
         "decoded": {"shape": list(d1.shape), "sha256": tensor_sha256(d1.cpu()), "gated": False},
     }
     return checks, record
