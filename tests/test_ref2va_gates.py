@@ -67,6 +67,7 @@ def test_ws1_block_on_a_ref2va_layout_runs_the_ref_weights_and_passes(run_cli, t
     assert len(doc["nodes"]) == 17 and all(n["pass"] for n in doc["nodes"])
 
 
+@pytest.mark.slow  # 12 s on two cores: make test-slow (.ci/run runs both)
 @pytest.mark.usefixtures("one_thread")
 def test_a_six_step_ref2va_trajectory_holds_every_reference_row(run_cli, tmp_path) -> None:
     """Six model evaluations (seven grid points) on ref2va-tiny with transformer_ref/ weights: every step saved; the
