@@ -134,3 +134,23 @@ def test_a_backward_fault_corrupts_only_the_input_gradient_row():
     assert torch.equal(out, 2 * torch.ones(1, 4, 8))  # the forward is intact
     out.backward(torch.ones_like(out))
     assert torch.equal(x.grad[0, 2], torch.full((8,), 2 * SCALE)) and (x.grad[0, [0, 1, 3]] == 2).all()
+
+
+def test_large_tensors_are_measured_in_chunks_of_whole_rows(monkeypatch):
+    """Rows and errors upcast a chunk at a time (a 768p value would need 38 GB of float64 at once): the same row
+    errors, the same max_abs, rel_l2 within float64 rounding, and a non-finite element still reported."""
+    from h3gate.gate import compare, rows
+
+    gen = torch.Generator().manual_seed(3)
+    golden = torch.randn(2, 37, 3, 5, generator=gen, dtype=torch.float64)
+    cand = (golden + 1e-3 * torch.randn(golden.shape, generator=gen, dtype=torch.float64)).to(torch.bfloat16)
+    whole_rows, whole_err = row_errors(cand, golden, 1), compare.error(cand, golden)
+    monkeypatch.setattr(rows, "CHUNK_ELEMENTS", 40)  # 2 rows of 30 elements a chunk: 19 chunks
+    assert rows.row_chunks(37, 30)[:2] == [(0, 1), (1, 2)] and rows.row_chunks(37, 15)[-1] == (36, 37)
+    assert torch.equal(row_errors(cand, golden, 1), whole_rows)
+    chunked = compare.error(cand, golden)
+    assert chunked["max_abs"] == whole_err["max_abs"]
+    assert chunked["rel_l2"] == pytest.approx(whole_err["rel_l2"], rel=1e-12)
+    cand[1, 30, 2, 4] = float("nan")
+    assert compare.error(cand, golden) == {"max_abs": None, "rel_l2": None}
+    assert row_errors(cand, golden, 1)[30] == math.inf

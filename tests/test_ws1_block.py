@@ -143,7 +143,7 @@ def test_a_repeat_drift_is_found_and_fails(small):
     def flaky(ops, x, p):  # differs on every call: what a nondeterministic kernel looks like
         calls["n"] += 1
         out = node.fn(ops, x, p)
-        return out + (calls["n"] % 2) * torch.finfo(torch.bfloat16).eps * out.detach().abs()
+        return out + calls["n"] * torch.finfo(torch.bfloat16).eps * out.detach().abs()
 
     result = run_block_gate(_gate(small, "off", node_overrides={"swiglu": flaky}, backward=False))
     assert result.report["first_repeat_drift"]["node"] == "swiglu"
@@ -296,7 +296,9 @@ def test_bad_inputs_exit_2(run_cli, tmp_path, args, message):
 
 
 def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, monkeypatch):
-    """768p at real widths on the CPU would hold tens of GiB: refused up front (exit 2), nothing written."""
+    """768p at real widths on the CPU would hold tens of GiB: refused up front (exit 2), nothing written. The bound
+    is the streamed forward's (--no-backward): weights, pass 1's golden + 3 provider lanes + candidate at the widest
+    node, and the value store (on the CPU, the host is the device)."""
     monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 4 * 2**30)
     monkeypatch.setattr(
         run_setup, "block_params", lambda *a, **k: pytest.fail("weights loaded before the memory check")
@@ -307,7 +309,7 @@ def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, 
     )  # fmt: skip
     assert (code, out) == (2, "")
     assert err == (
-        "h3gate: error: --layout 768p --config real --device cpu: needs at least 71.0 GiB (S=38974), "
+        "h3gate: error: --layout 768p --config real --device cpu: needs at least 54.1 GiB (S=38974), "
         "4.0 GiB available; use a smaller layout or --device cuda\n"
     )
     assert not (tmp_path / "ev").exists()
@@ -435,3 +437,94 @@ def test_leaf_bound_factor_and_ulp_allowance():
     assert by_ulp["pass"] and by_ulp["passed_by"] == "ulp"
     assert not leaf_check(cand, prov, 1.0, False, "rel_l2", 1.5, 5e-3, 6)["pass"]  # FP32 leaf: no ulp allowance
     assert not leaf_check(cand, prov, 0.25, True, "rel_l2", 1.5, 5e-3, 6)["pass"]  # ulp at 0.25 is 2**-9
+
+
+def test_the_streamed_forward_fits_the_released_ref2va_block_on_one_h200(monkeypatch):
+    """Forward only, ref2va-768p (S = 83386) keeps its value store in host memory and streams pass 1 (golden, the 7
+    CUDA provider lanes, candidate) on the device within the H200's 139.3 GiB; 768p keeps its store on the device;
+    the backward (whole executions) is still refused, naming --no-backward."""
+    from h3gate import memory
+    from h3gate.manifests.layouts import load_layout
+
+    cfg, gib = load_config("real").config, 2**30
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: int(139.3 * gib))
+    monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 120 * gib)
+
+    def plan(name: str, **needs):
+        packed = build_layout(load_layout(name), name)
+        return run_setup.plan_block_memory(cfg, packed, name, "real", "cuda", run_setup.GateNeeds(7, **needs))
+
+    released = plan("ref2va-768p", backward=False)
+    assert (released.store, round(released.device_bytes / gib, 1), round(released.host_bytes / gib, 1)) == (
+        "host", 103.8, 41.2,
+    )  # fmt: skip
+    assert plan("768p", backward=False).store == "device"
+    with pytest.raises(InputError, match=r"\(S=83386\): needs at least 147\.8 GiB.*; use a smaller layout or --no-b"):
+        plan("ref2va-768p", backward=True)
+    monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 32 * gib)
+    with pytest.raises(InputError, match=r"value store needs at least 41\.2 GiB of host memory, 32\.0 GiB available"):
+        plan("ref2va-768p", backward=False)
+
+
+def test_the_streamed_peak_is_the_block_s_widest_live_set(small):
+    """``row_widths`` are the node outputs' elements per packed row (checked on a run), and one streamed execution
+    holds at most 3F + 2H per row: swiglu, the gate/up output it reads, residual_attn and the block input."""
+    from h3gate.graph.execute import iter_graph, live_at
+    from h3gate.graph.executions import provider_table
+
+    cfg, layout, params, inputs = small
+    graph, widths = build_block_graph(cfg), run_setup.row_widths(cfg)
+    rows = layout.seq_len
+    with torch.no_grad():
+        for node, out in iter_graph(graph, inputs.tensors, params, provider_table()):
+            assert out.numel() == (widths[node.name] * rows if node.row_dim is not None else out.numel()), node.name
+    k = [n.name for n in graph.nodes].index("swiglu")
+    assert set(live_at(graph, k)) == {"adaln_projection", "residual_attn", "ffn_gate_up", "swiglu"}
+    real = load_config("real").config
+    assert run_setup.streamed_peak_width(real) == 3 * real.ffn_dim + 2 * real.hidden_size
+
+
+def test_a_host_store_gives_the_same_records_and_runs_forward_only(small):
+    on_device = run_block_gate(_gate(small, "strict", backward=False))
+    on_host = run_block_gate(_gate(small, "strict", backward=False, store="host"))
+    assert on_host.report["nodes"] == on_device.report["nodes"] and on_host.verdict == on_device.verdict == "pass"
+    with pytest.raises(ValueError, match="a host value store runs forward only"):
+        run_block_gate(_gate(small, "strict", store="host"))
+
+
+def test_a_variant_refused_mid_block_drops_out_of_every_envelope(small, monkeypatch):
+    """A provider variant that fails at run time at the attention node (as sdpa-math runs out of memory at a long S)
+    is recorded as skipped, and no node's chained envelope keeps its errors (the nodes before attention included)."""
+    import contextlib
+
+    from h3gate.gate.variants import Variant
+    from h3gate.runs import block_rows
+
+    entered = {"n": 0}
+
+    @contextlib.contextmanager
+    def fails_at_attention():
+        entered["n"] += 1
+        if entered["n"] == BLOCK_NODES.index("attention") + 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 778.00 GiB\nmore")
+        yield
+
+    real = block_rows.provider_variants
+    monkeypatch.setattr(
+        block_rows,
+        "provider_variants",
+        lambda names, device: _with(real(names, device), Variant("oom", fails_at_attention)),
+    )
+    result = run_block_gate(_gate(small, "strict", backward=False))
+    rule = result.report["row_rule"]
+    assert "oom" not in rule["variants_run"]
+    assert {"name": "oom", "reason": "refused at run time: CUDA out of memory. Tried to allocate 778.00 GiB"} in rule[
+        "variants_skipped"
+    ]
+    for node in result.report["nodes"]:
+        assert "oom" not in node["rows"]["chained"]["spread"], node["name"]
+
+
+def _with(made, variant):
+    run, skipped = made
+    return [*run, variant], skipped

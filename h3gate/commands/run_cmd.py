@@ -19,12 +19,13 @@ from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import atomic_write_safetensors, prepare_out, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
 from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import check_mode
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.block_rows import value_row_dims
-from h3gate.runs.setup import LAYER, Ws1BlockSetup, prepare
+from h3gate.runs.setup import LAYER, GateNeeds, Ws1BlockSetup, prepare
 from h3gate.runs.ws1_block import (
     BlockGate,
     BlockGateResult,
@@ -208,6 +209,7 @@ def build_body(
         "checkpoint": setup.checkpoint,
         "inputs": input_record(setup.inputs),
         "tolerance": {"name": tol.name, "file": display(tol_file), "sha256": sha256_file(tol_file)},
+        **({"memory": setup.memory.record()} if setup.memory is not None else {}),
         **result.report,
     }
 
@@ -236,10 +238,12 @@ def ws1_block_command(
     started = time.perf_counter()
     tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
     with strict_numerics(device):
-        setup = prepare(layout, config, checkpoint, device, seed, mode, merge)
+        lanes = len(provider_variants(list(tol.row_rule.variants), device)[0])
+        needs = GateNeeds(lanes, backward, fault_matrix, save_golden=save_tensors is not None)
+        setup = prepare(layout, config, checkpoint, device, seed, mode, merge, needs)
         injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
         folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
-        result = _run(setup, tol, backward, injected, fault_matrix, started)
+        result = _run(setup, tol, backward, injected, fault_matrix, started, save_tensors is not None)
         body = build_body(setup, result, mode, seed, tol, tol_file)
         body["injected_fault"] = None if injected is None else injected.label()
         body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
@@ -268,6 +272,7 @@ def _run(
     injected: RowFault | None,
     fault_matrix: bool,
     started: float,
+    keep_golden: bool = False,
 ) -> BlockGateResult:
     """The gate on the prepared setup (its bindings passed down), with progress lines; records ``setup_s``."""
     graph = setup.graph
@@ -279,8 +284,10 @@ def _run(
             if injected is None
             else {injected.node: injected.override(graph.node(injected.node), value_row_dims(graph))}
         )
+        store = setup.memory.store if setup.memory is not None else "device"
         gate = BlockGate(graph, setup.inputs, setup.params, setup.device, setup.mode, tol, backward, overrides,
-                         progress=step, fault_matrix=fault_matrix, bindings=setup.bindings)  # fmt: skip
+                         progress=step, fault_matrix=fault_matrix, bindings=setup.bindings, store=store,
+                         keep_golden=keep_golden)  # fmt: skip
         result = run_block_gate(gate)
     result.report["timing"]["setup_s"] = round(setup_s, 4)
     return result

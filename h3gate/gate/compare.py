@@ -37,17 +37,35 @@ def _finite(x: float) -> float | None:
 
 
 def error(candidate: torch.Tensor, reference: torch.Tensor) -> dict:
-    """``{"max_abs", "rel_l2"}`` of ``candidate`` against ``reference`` (any dtypes), in float64."""
+    """``{"max_abs", "rel_l2"}`` of ``candidate`` against ``reference`` (any dtypes), in float64.
+
+    Large tensors are upcast :data:`h3gate.gate.rows.CHUNK_ELEMENTS` elements at a time (the norms are then the
+    square roots of summed chunk squares, which may differ from one reduction in the last float64 bits)."""
+    from h3gate.gate.rows import CHUNK_ELEMENTS
+
     if candidate.shape != reference.shape:
         raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(reference.shape)}")
-    c = candidate.detach().to(torch.float64)
-    r = reference.detach().to(device=c.device, dtype=torch.float64)
-    diff = c - r
-    if diff.numel() == 0:
+    c_all = candidate.detach().reshape(-1)
+    r_all = reference.detach().to(device=c_all.device).reshape(-1)
+    if c_all.numel() == 0:
         return {"max_abs": 0.0, "rel_l2": 0.0}
-    max_abs = _finite(float(diff.abs().max()))
-    num = float(torch.linalg.vector_norm(diff))
-    den = float(torch.linalg.vector_norm(r))
+    if c_all.numel() <= CHUNK_ELEMENTS:
+        c, r = c_all.to(torch.float64), r_all.to(torch.float64)
+        diff = c - r
+        max_abs = float(diff.abs().max())
+        num, den = float(torch.linalg.vector_norm(diff)), float(torch.linalg.vector_norm(r))
+    else:
+        maxima, num2, den2 = [], 0.0, 0.0
+        for i in range(0, c_all.numel(), CHUNK_ELEMENTS):
+            c = c_all[i : i + CHUNK_ELEMENTS].to(torch.float64)
+            r = r_all[i : i + CHUNK_ELEMENTS].to(torch.float64)
+            diff = c - r
+            maxima.append(float(diff.abs().max()))
+            num2 += float(torch.linalg.vector_norm(diff)) ** 2
+            den2 += float(torch.linalg.vector_norm(r)) ** 2
+        max_abs = float(torch.tensor(maxima, dtype=torch.float64).max())  # NaN stays NaN (Python max drops it)
+        num, den = math.sqrt(num2), math.sqrt(den2)
+    max_abs = _finite(max_abs)
     if den > 0:
         rel = _finite(num / den)
     else:

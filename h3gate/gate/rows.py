@@ -34,31 +34,54 @@ ULP_AT_ONE: dict[torch.dtype, float] = {
 GROUP_NAMES = ("text", "video", "audio")
 
 
-def as_rows(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
-    """(R, -1) float64 view of ``t``: rows along ``row_dim`` (batch folded away: it must be 1); 0-d / 1-d / no row
-    axis -> rows along dim 0 for 2-d+ tensors, one row otherwise."""
+# Rows are upcast to float64 at most this many elements at a time: a released-width value at S = 83386 holds up to
+# 2.4e9 elements, whose float64 copy and difference would need 38 GB beside the values the gate holds.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _row_major(t: torch.Tensor, row_dim: int | None) -> tuple[torch.Tensor, int | None]:
+    """``t`` with its row axis first (a view) and the row axis to chunk on (None: one row, the whole tensor)."""
     t = t.detach()
     if row_dim is None:
         row_dim = 0 if t.ndim >= 2 else None
     if row_dim is None:
-        return t.reshape(1, -1).to(torch.float64)
-    if row_dim > 0 and math.prod(t.shape[:row_dim]) != 1:
-        t = t.movedim(row_dim, 0)
-        return t.reshape(t.shape[0], -1).to(torch.float64)
-    return t.reshape(t.shape[row_dim], -1).to(torch.float64)
+        return t.reshape(1, -1), None
+    return t.movedim(row_dim, 0), 0
+
+
+def as_rows(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+    """(R, -1) float64 view of ``t``: rows along ``row_dim`` (batch folded away: it must be 1); 0-d / 1-d / no row
+    axis -> rows along dim 0 for 2-d+ tensors, one row otherwise."""
+    rows, _ = _row_major(t, row_dim)
+    return rows.reshape(rows.shape[0], -1).to(torch.float64)
+
+
+def row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
+    """``[r0, r1)`` row ranges of at most :data:`CHUNK_ELEMENTS` elements (one range for a small tensor)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)] or [(0, 0)]
 
 
 def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | None) -> torch.Tensor:
-    """Per-row relative L2 error of ``candidate`` against ``golden`` (float64, on the CPU); see the module doc."""
+    """Per-row relative L2 error of ``candidate`` against ``golden`` (float64, on the CPU); see the module doc.
+
+    Rows are upcast in chunks of whole rows (:func:`row_chunks`), so each row's norms are reduced within one chunk
+    and the float64 working set stays at two chunks."""
     if candidate.shape != golden.shape:
         raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(golden.shape)}")
-    c = as_rows(candidate, row_dim)
-    g = as_rows(golden.to(candidate.device), row_dim)
-    num = torch.linalg.vector_norm(c - g, dim=1)
-    den = torch.linalg.vector_norm(g, dim=1)
-    err = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), torch.where(num > 0, math.inf, 0.0))
-    err = torch.where(torch.isfinite(c).all(dim=1), err, math.inf)
-    return torch.where(torch.isnan(err), math.inf, err).cpu()
+    c, _ = _row_major(candidate, row_dim)
+    g, _ = _row_major(golden.to(candidate.device), row_dim)
+    width = c[0].numel() if c.shape[0] else 0
+    parts = []
+    for r0, r1 in row_chunks(c.shape[0], width):
+        cc = c[r0:r1].reshape(r1 - r0, -1).to(torch.float64)
+        gg = g[r0:r1].reshape(r1 - r0, -1).to(torch.float64)
+        num = torch.linalg.vector_norm(cc - gg, dim=1)
+        den = torch.linalg.vector_norm(gg, dim=1)
+        err = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), torch.where(num > 0, math.inf, 0.0))
+        err = torch.where(torch.isfinite(cc).all(dim=1), err, math.inf)
+        parts.append(torch.where(torch.isnan(err), math.inf, err).cpu())
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def group_ids(rows: int, modalities: Sequence[str] | None, scope: str) -> torch.Tensor:

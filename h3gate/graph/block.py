@@ -207,6 +207,15 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
     return Graph(f"block{layer}", nodes, GRAPH_INPUTS, "residual_mlp")
 
 
+def row_widths(cfg: ModelConfig) -> dict[str, int]:
+    """Elements per packed row of every value of the block graph (``hidden_states`` and each node output; the AdaLN
+    projection has timestep rows, 0 here): what a streamed execution holds per row (``runs/setup.py``)."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    wide = {"q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope_q", "rope_k", "attention"}
+    widths = {"hidden_states": h, "adaln_projection": 0, "ffn_gate_up": 2 * f, "swiglu": f}
+    return {**widths, **{n: (nd if n in wide else h) for n in BLOCK_NODES if n not in widths}}
+
+
 def block_param_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[tuple[int, ...], str]]:
     """Block-relative name -> (shape, dtype) from the checkpoint inventory of ``cfg``."""
     prefix = f"transformer_blocks.{layer}."

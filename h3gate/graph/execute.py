@@ -83,6 +83,24 @@ def run_isolated(
     return values
 
 
+def last_uses(graph: Graph, overrides: Mapping[str, Override] | None = None) -> dict[str, int]:
+    """Index of the last node reading each value (node inputs and overrides' ``reads``); a value no node reads
+    (the graph's output) has none. :func:`iter_graph` drops a node output right after that node has run."""
+    overrides = overrides or {}
+    last_use: dict[str, int] = {}
+    for k, node in enumerate(graph.nodes):
+        for name in (*node.inputs, *getattr(overrides.get(node.name), "reads", ())):
+            last_use[name] = k
+    return last_use
+
+
+def live_at(graph: Graph, k: int, overrides: Mapping[str, Override] | None = None) -> list[str]:
+    """The node outputs :func:`iter_graph` holds when it yields node ``k``: its output, every earlier output node
+    ``k`` or a later node still reads, and the outputs no node reads (never dropped)."""
+    last = last_uses(graph, overrides)
+    return [n.name for n in graph.nodes[: k + 1] if last.get(n.name, k) >= k]
+
+
 def iter_graph(
     graph: Graph,
     inputs: Mapping[str, torch.Tensor],
@@ -96,11 +114,7 @@ def iter_graph(
     missing = [k for k in graph.inputs if k not in inputs]
     if missing:
         raise InputError(f"graph {graph.name}: input {missing[0]} missing")
-    last_use: dict[str, int] = {}
-    for k, node in enumerate(graph.nodes):
-        extra = getattr(overrides.get(node.name), "reads", ())
-        for name in (*node.inputs, *extra):
-            last_use[name] = k
+    last_use = last_uses(graph, overrides)
     values: dict[str, torch.Tensor] = dict(inputs)
     for k, node in enumerate(graph.nodes):
         out = run_node(node, ops, values, params, overrides.get(node.name))

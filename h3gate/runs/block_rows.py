@@ -86,11 +86,23 @@ class RowContext:
         ``mods`` names each row's modality (default: the packed modalities when the row counts match); with ``key``
         the per-row errors and bounds are kept in ``profiles[key]``."""
         errs = row_errors(candidate, golden, row_dim)
+        return self.judge_errors(errs, candidate.dtype, variant_errors, at_least, mods, key)
+
+    def judge_errors(
+        self,
+        errs: torch.Tensor,
+        dtype: torch.dtype,
+        variant_errors: Mapping[str, torch.Tensor],
+        at_least: float = 0.0,
+        mods: list[str] | None = None,
+        key: str | None = None,
+    ) -> dict:
+        """:meth:`judge` on a candidate's row errors already measured (``dtype``: the candidate's, for the floor)."""
         if mods is None or len(mods) != errs.numel():
             mods = self.mods_for(errs.numel())
         groups = group_ids(errs.numel(), mods, self.rule.scope)
         env = envelope(list(variant_errors.values()), groups)
-        floor = dtype_floor(candidate.dtype, self.rule.floor_ulps)
+        floor = dtype_floor(dtype, self.rule.floor_ulps)
         check = row_check(errs, env, self.rule.factor, floor, mods, at_least)
         if key is not None:
             bound = row_bounds(env, self.rule.factor, floor, at_least)
@@ -167,45 +179,6 @@ def isolated_envelope(
         if got is not None:
             isolated[variant.name] = got
     return local, isolated
-
-
-def forward_rows(
-    ctx: RowContext,
-    graph: Graph,
-    run_provider: Callable[[], Values],
-    params: Mapping[str, torch.Tensor],
-    golden_params: Mapping[str, torch.Tensor],
-    prov: Values,
-    cand: Values,
-    iso: Values,
-    gold: Values,
-) -> dict[str, dict]:
-    """Per node ``{"chained": check, "isolated": check}`` (see the module docstring). The chained view runs the
-    whole provider once per variant; the isolated view runs one node at a time, holding one node-local golden."""
-    chained = {n.name: {"default": row_errors(prov[n.name], gold[n.name], n.row_dim)} for n in graph.nodes}
-    for variant in ctx.variants[1:]:
-
-        def variant_errors() -> dict[str, torch.Tensor]:
-            with torch.no_grad():
-                values = run_provider()
-                return {n.name: row_errors(values[n.name], gold[n.name], n.row_dim) for n in graph.nodes}
-
-        got = run_variant(variant, variant_errors, ctx.skipped)
-        for name, errs in (got or {}).items():
-            chained[name][variant.name] = errs
-    out = {}
-    for node in graph.nodes:
-        local, isolated = isolated_envelope(ctx, node, prov, params, golden_params)
-        out[node.name] = {
-            "chained": ctx.judge(
-                cand[node.name], chained[node.name], gold[node.name], node.row_dim, key=f"forward.chained.{node.name}"
-            ),
-            "isolated": ctx.judge(iso[node.name], isolated, local, node.row_dim),
-        }
-        if ctx.keep:
-            ctx.kept.setdefault("forward", {})[node.name] = (local, isolated)
-        del local
-    return out
 
 
 def node_vjp(

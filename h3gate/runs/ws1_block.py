@@ -1,8 +1,11 @@
 """The one-block gate engine (RFC #420 row ws1_one_h3_block): provider replay vs candidate vs golden, per node.
 
-Executions (forward, no autograd): provider chained; candidate chained; candidate isolated (each node on the
-provider's inputs); golden chained (float64); candidate and provider repeated; candidate and provider with the
-block input placed in batches of 2 and 3 next to unrelated items (``h3gate.gate.invariance.PLACEMENTS``).
+Forward (no autograd; :mod:`h3gate.runs.block_forward`, node by node in three passes): the FP64 golden, the
+provider under every variant and the candidate chained in lockstep; the candidate isolated (each node on the
+provider's inputs) against node-local FP64 goldens; the provider and the candidate repeated and with the block input
+placed in batches of 2 and 3 next to unrelated items (``h3gate.gate.invariance.PLACEMENTS``). Values are reduced as
+they are made, so a long S fits: the memory plan (``runs/setup.py``) keeps the provider's and candidate's values on
+the device, or in host memory for a forward-only run.
 Backward (``out.backward(g)`` with a seeded BF16 cotangent ``g``): provider, candidate, candidate repeat, golden,
 and the gradient batch placement (``GRAD_PLACEMENTS``; each unrelated item with its own cotangent). The gradient of
 every leaf (block input, temb, 12 parameters) and the gradient reaching every node output (``retain_grad``) are
@@ -25,37 +28,25 @@ import torch
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.gate.compare import agreement, error, tensor_sha256
+from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.drift import first_drift
-from h3gate.gate.invariance import (
-    GRAD_PLACEMENTS,
-    PLACEMENTS,
-    merge_placements,
-    place,
-    placement_records,
-    repeat_records,
-    slices,
-)
+from h3gate.gate.invariance import GRAD_PLACEMENTS
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check
+from h3gate.gate.variants import Variant
 from h3gate.graph.core import Graph, OpTable, Values, to_float64
-from h3gate.graph.execute import run_backward, run_chained, run_isolated
+from h3gate.graph.execute import iter_graph, run_backward
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.numerics import strict_numerics
 from h3gate.runs.block_backward import ROW_STEP_BACKWARD, backward
-from h3gate.runs.block_records import bound_check, check, failure, unrelated, value_record
-from h3gate.runs.block_rows import (
-    RowContext,
-    first_row_failure,
-    forward_rows,
-)
+from h3gate.runs.block_forward import PASSES, Forward, Lane, ValueStore, forward
+from h3gate.runs.block_records import bound_check, check, failure, value_record
+from h3gate.runs.block_rows import RowContext, first_row_failure
 from h3gate.runs.fault_matrix import run_fault_matrix
 
-FORWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "candidate isolated", "golden")
 BACKWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "golden")
-ROW_STEP_FORWARD = "provider variants and node-local goldens (row rule)"
 NOTES = (
     "Audit mode reports every fallback (an op that ran the provider reference instead of its strict kernel) as a "
     "failing finding: an audit run with fallbacks is not a pass of the strict gate. Auto mode records fallbacks "
@@ -77,8 +68,7 @@ NOTES = (
 
 
 def forward_steps() -> list[str]:
-    batch = [f"{who} batch {size}" for who in ("candidate", "provider") for size, _ in PLACEMENTS[1:]]
-    return [f"forward: {s}" for s in (*FORWARD_STEPS, *batch, ROW_STEP_FORWARD)]
+    return [f"forward: {s}" for s in PASSES]
 
 
 def backward_steps() -> list[str]:
@@ -102,6 +92,8 @@ class BlockGate:
     progress: Callable[[str], None] | None = None
     fault_matrix: bool = False  # also run the one-row fault matrix (h3gate.runs.fault_matrix) on this run
     bindings: Mapping[str, NodeBinding] | None = None  # from h3gate.runs.setup.prepare; None: bound here
+    store: str = "device"  # where the provider's and candidate's values are kept: "device" or "host" (forward only)
+    keep_golden: bool = False  # keep the golden's values too (--save-tensors)
 
 
 @dataclass
@@ -109,7 +101,7 @@ class BlockGateResult:
     report: dict
     verdict: str
     failing: list[str]
-    values: dict[str, Values] = field(default_factory=dict)  # provider / candidate / golden forward values
+    values: dict[str, Values] = field(default_factory=dict)  # provider / candidate (/ golden if kept) values
 
 
 class _Executions:
@@ -137,23 +129,12 @@ class _Executions:
     def _overrides(self, who: str) -> Mapping[str, Callable] | None:
         return self.gate.node_overrides if who == "candidate" else None
 
-    def forward(self, who: str, label: str, hidden: torch.Tensor | None = None) -> Values:
-        self.step(f"forward: {label}")
+    def lane(self, who: str, hidden: torch.Tensor | None = None, variant: Variant | None = None) -> Lane:
+        """``who``'s execution streamed node by node (``hidden``: another block input; ``variant``: the provider
+        under that variant, the lane named after it)."""
         x, p = self._inputs(who, hidden)
-        with torch.no_grad():
-            return run_chained(self.gate.graph, x, p, self.tables[who], self._overrides(who))
-
-    def plain(self, who: str) -> Values:
-        """A chained forward without progress (the provider under a variant)."""
-        x, p = self._inputs(who, None)
-        return run_chained(self.gate.graph, x, p, self.tables[who], self._overrides(who))
-
-    def isolated(self, feed: Values) -> Values:
-        self.step("forward: candidate isolated")
-        with torch.no_grad():
-            return run_isolated(
-                self.gate.graph, feed, self.gate.params, self.tables["candidate"], self.gate.node_overrides
-            )
+        stream = iter_graph(self.gate.graph, x, p, self.tables[who], self._overrides(who))
+        return Lane(variant.name if variant is not None else who, stream, variant)
 
     def grads(
         self, who: str, label: str | None, cotangent: torch.Tensor, hidden: torch.Tensor | None = None
@@ -183,25 +164,6 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         return _run_block_gate(gate)
 
 
-@dataclass
-class _Forward:
-    """The forward executions of one gate run and their invariance and row records."""
-
-    prov: Values
-    cand: Values
-    iso: Values
-    gold: Values
-    prov_rep: dict[str, dict]
-    cand_rep: dict[str, dict]
-    prov_batch: dict[str, dict]
-    cand_batch: dict[str, dict]
-    ctx: RowContext
-    rows: dict[str, dict]
-    device_kind: str
-    device_promised: set[str]
-    seconds: float
-
-
 def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     started = time.perf_counter()
     graph, tol = gate.graph, gate.tolerance
@@ -209,23 +171,32 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     unknown = [n for n in tol.forward.isolated_bitwise if n not in names]
     if unknown:
         raise InputError(f"tolerance {tol.name}: forward.isolated_bitwise: unknown node {unknown[0]!r}")
+    if gate.store != "device" and (gate.backward or gate.fault_matrix):
+        raise ValueError(
+            "a host value store runs forward only (the backward and fault matrix read values on the device)"
+        )
     bindings = gate.bindings if gate.bindings is not None else bind_graph(graph, gate.mode, gate.device)
     ex = _Executions(gate, bindings)
     modalities = gate.inputs.modalities
     row_dims = {n.name: n.row_dim for n in graph.nodes}
     batch_dims = {n.name: (0 if n.row_dim is not None else None) for n in graph.nodes}
-    fw = _forward(gate, ex, names, row_dims, batch_dims)
-    nodes, chained, isolated, failing = _node_records(gate, bindings, fw)
+    ctx = RowContext.build(tol.row_rule, graph, gate.device, modalities, keep=gate.fault_matrix)
+    keep = ("provider", "candidate", "golden") if gate.keep_golden else ("provider", "candidate")
+    where = gate.device if gate.store == "device" else "cpu"
+    store = ValueStore(gate.device, where, gate.inputs.tensors, keep)
+    fw = forward(gate, ex, ctx, store)
+    nodes, failing = _node_records(gate, bindings, fw)
+    prov, cand = store.values("provider"), store.values("candidate")
     backward_report, backward_s = None, 0.0
     if gate.backward:
         t1 = time.perf_counter()
-        backward_report, backward_failing = backward(gate, ex, fw.cand, fw.prov, fw.ctx, row_dims, batch_dims)
+        backward_report, backward_failing = backward(gate, ex, cand, prov, fw.ctx, row_dims, batch_dims)
         failing += backward_failing
         backward_s = time.perf_counter() - t1
     matrix = None
     if gate.fault_matrix:
         ex.step("fault matrix")
-        matrix = run_fault_matrix(graph, fw.ctx, ex.tables["candidate"], fw.prov, gate.params)
+        matrix = run_fault_matrix(graph, fw.ctx, ex.tables["candidate"], prov, gate.params)
         failing += [f"fault_matrix.{r['fault']}.not_located" for r in matrix["faults"] if not r["located"]]
         fw.ctx.kept.clear()
     fallbacks = [
@@ -234,9 +205,9 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
     verdict = "pass" if not failing else "fail"
     report = {
         "nodes": nodes,
-        "first_drift": first_drift(names, chained),
-        "first_drift_profile": _first_profile(fw.ctx, first_drift(names, chained)),
-        "first_isolated_drift": first_drift(names, isolated),
+        "first_drift": first_drift(names, fw.chained),
+        "first_drift_profile": _first_profile(fw.ctx, first_drift(names, fw.chained)),
+        "first_isolated_drift": first_drift(names, fw.isolated),
         "first_repeat_drift": first_drift(names, fw.cand_rep),
         "first_batch_drift": first_drift(names, fw.cand_batch),
         "provider_self": {
@@ -257,72 +228,29 @@ def _run_block_gate(gate: BlockGate) -> BlockGateResult:
             "total_s": round(time.perf_counter() - started, 4),
         },
     }
-    values = {"provider": fw.prov, "candidate": fw.cand, "golden": fw.gold}
+    values = {who: store.values(who) for who in keep}
     return BlockGateResult(report, verdict, failing, values)
 
 
-def _forward(
-    gate: BlockGate,
-    ex: _Executions,
-    names: list[str],
-    row_dims: dict[str, int | None],
-    batch_dims: dict[str, int | None],
-) -> _Forward:
-    """Provider, candidate (chained, repeated, isolated), golden, the batch placements and the forward row rule."""
-    graph, tol, modalities = gate.graph, gate.tolerance, gate.inputs.modalities
-    t0 = time.perf_counter()
-    prov = ex.forward("provider", "provider")
-    prov_rep = repeat_records(names, prov, ex.forward("provider", "provider repeat"), row_dims, modalities)
-    cand = ex.forward("candidate", "candidate")
-    cand_rep = repeat_records(names, cand, ex.forward("candidate", "candidate repeat"), row_dims, modalities)
-    iso = ex.isolated(prov)
-    gold = ex.forward("golden", "golden")
-    x0 = gate.inputs.tensors["hidden_states"]
-    others = unrelated(gate.inputs, "hidden_states")
-    batch: dict[str, list] = {"candidate": [], "provider": []}
-    for who, reference in (("candidate", cand), ("provider", prov)):
-        for size, pos in PLACEMENTS[1:]:
-            values = ex.forward(who, f"{who} batch {size}", place(x0, others, size, pos))
-            picked = slices({k: values[k] for k in names}, batch_dims, pos)
-            del values
-            batch[who].append(placement_records(names, reference, size, pos, picked, row_dims, modalities))
-            del picked
-    cand_batch = merge_placements(names, batch["candidate"])
-    prov_batch = merge_placements(names, batch["provider"])
-    ctx = RowContext.build(tol.row_rule, graph, gate.device, modalities, keep=gate.fault_matrix)
-    ex.step(f"forward: {ROW_STEP_FORWARD}")
-    rows = forward_rows(ctx, graph, lambda: ex.plain("provider"), gate.params, ex.golden_params, prov, cand, iso, gold)
-    device_kind = "cuda" if gate.device.startswith("cuda") else "cpu"
-    device_promised = set(tol.forward.isolated_bitwise_on.get(device_kind, []))
-    return _Forward(
-        prov, cand, iso, gold, prov_rep, cand_rep, prov_batch, cand_batch, ctx, rows, device_kind, device_promised,
-        time.perf_counter() - t0,
-    )  # fmt: skip
-
-
-def _node_records(
-    gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: _Forward
-) -> tuple[list[dict], dict[str, dict], dict[str, dict], list[str]]:
-    """One record per node (checks of the tolerance profile's forward section): (records, chained agreements,
-    isolated agreements, failing checks)."""
+def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forward) -> tuple[list[dict], list[str]]:
+    """One record per node (checks of the tolerance profile's forward section): (records, failing checks)."""
     tol, modalities = gate.tolerance.forward, gate.inputs.modalities
+    device_kind = "cuda" if gate.device.startswith("cuda") else "cpu"
+    device_promised = set(tol.isolated_bitwise_on.get(device_kind, []))
     nodes, failing = [], []
-    chained, isolated = {}, {}
     for node in gate.graph.nodes:
         n = node.name
         nb = bindings[n]
-        chained[n] = agreement(fw.cand[n], fw.prov[n], node.row_dim, modalities)
-        isolated[n] = agreement(fw.iso[n], fw.prov[n], node.row_dim, modalities)
-        err_c, err_p = error(fw.cand[n], fw.gold[n]), error(fw.prov[n], fw.gold[n])
-        listed = n in tol.isolated_bitwise or n in fw.device_promised
-        promised = listed and (nb.provider_bitwise or n in fw.device_promised)
+        err_c, err_p = fw.errors[n]
+        listed = n in tol.isolated_bitwise or n in device_promised
+        promised = listed and (nb.provider_bitwise or n in device_promised)
         checks = []
         if tol.repeat_bitwise:
             checks.append(check("repeat_bitwise", fw.cand_rep[n]["bitwise"]))
         if tol.batch_row_bitwise:
             checks.append(check("batch_row_bitwise", fw.cand_batch[n]["bitwise"]))
         if promised:
-            checks.append(check("isolated_bitwise", isolated[n]["bitwise"], "promised by the tolerance profile"))
+            checks.append(check("isolated_bitwise", fw.isolated[n]["bitwise"], "promised by the tolerance profile"))
         bound = error_check(err_c, err_p, tol.error_metric, tol.error_factor, tol.error_floor)
         checks.append(bound_check(bound))
         for view in ("isolated", "chained"):
@@ -332,35 +260,39 @@ def _node_records(
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
             checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
         failing += [failure(f"forward.{n}", c) for c in checks if not c["pass"]]
-        promise = {"listed": listed, "applies": promised, "reason": _promise_reason(n, listed, promised, fw)}
+        reason = _promise_reason(listed, promised, n in device_promised, device_kind)
         head = {"name": n, "owner_row": node.owner_row, "ops": list(node.ops), "inputs": list(node.inputs),
                 "meta": dict(node.meta)}  # fmt: skip
+        prov, cand = fw.store.kept["provider"][n], fw.store.kept["candidate"][n]
         nodes.append(
             value_record(
-                fw.prov[n],
-                fw.cand[n],
-                fw.prov[n],
+                prov,
+                cand,
+                prov,
                 head=head,
-                after_dtype={"binding": nb.record(), "isolated_bitwise_promise": promise},
+                after_dtype={
+                    "binding": nb.record(),
+                    "isolated_bitwise_promise": {"listed": listed, "applies": promised, "reason": reason},
+                },
                 repeat=fw.cand_rep[n],
                 batch_row=fw.cand_batch[n],
                 provider_repeat_bitwise=fw.prov_rep[n]["bitwise"],
                 provider_batch_row_bitwise=fw.prov_batch[n]["bitwise"],
-                chained=chained[n],
-                after_chained={"isolated": isolated[n]},
+                chained=fw.chained[n],
+                after_chained={"isolated": fw.isolated[n]},
                 error={"candidate": err_c, "provider": err_p, "bound": bound},
                 rows=fw.rows[n],
                 checks=checks,
             )  # fmt: skip
         )
-    return nodes, chained, isolated, failing
+    return nodes, failing
 
 
-def _promise_reason(n: str, listed: bool, promised: bool, fw: _Forward) -> str:
+def _promise_reason(listed: bool, promised: bool, on_device: bool, device_kind: str) -> str:
     if not listed:
         return "not listed in the tolerance profile"
-    if n in fw.device_promised:
-        return f"listed for {fw.device_kind} devices (isolated_bitwise_on)"
+    if on_device:
+        return f"listed for {device_kind} devices (isolated_bitwise_on)"
     if promised:
         return "listed; every op runs the reference or a provider_bitwise kernel"
     return "listed, but a kernel's contract declares provider_bitwise: false"
