@@ -1,0 +1,231 @@
+"""The strict attention forward as a Gluon kernel for Hopper: the same walk and arithmetic, its MMAs overlapped.
+
+Triton's own pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator (Triton's
+``WGMMAPipeline.cpp``, rule 3), so the Triton kernels (:mod:`h3gate.kernels.attention`, ``attention_tma``) wait for
+each ``q k^T`` before its softmax and run the softmax while no MMA is in flight. Here the schedule is written out
+(FlashAttention-3's intra-warpgroup overlap), per KV block ``j`` of one program:
+
+1. issue ``S_{j+1} = q k_{j+1}^T`` (asynchronous ``wgmma``; K tiles by TMA, ``STAGES`` buffers);
+2. the online-softmax step of block ``j`` on ``S_j`` (the tensor cores run ``S_{j+1}`` and ``P_{j-1} V_{j-1}``);
+3. wait for ``P_{j-1} V_{j-1}``, rescale ``acc`` by ``alpha_j``, issue ``acc += P_j V_j`` (asynchronous);
+4. wait for ``S_{j+1}``; its K buffer and ``V_{j-1}``'s are refilled by TMA.
+
+The arithmetic of every row is the Triton kernels' (``attention.fwd_step``), written with the same operations on the
+same layouts: ``q k^T`` by ``wgmma`` m64n64k16 from shared memory onto a zero FP32 accumulator; the row maximum of
+the raw scores times ``qk_scale`` (exact); ``p = exp2(fma(qk, qk_scale, -m'))`` with ``ex2.approx.ftz.f32`` (the
+declared ``fwd_fma`` / ``fwd_exp2`` forms); ``alpha = exp2(m - m')``; ``l = l * alpha + rowsum(p)`` (the row sum
+reduced in the NVMMA accumulator layout, as Triton reduces it); ``acc = acc * alpha``, then ``acc += bf16(p) v`` by
+``wgmma`` m64n128k16 with ``p`` from registers; ``out = bf16(acc / l)`` (IEEE division) and ``lse2 = m + log2(l)``
+(libdevice). The KV walk is ``attention``'s: 64-wide blocks in ascending order, the last one masked where rows pass
+S (TMA fills them with zeros, as the pointer kernel's masked loads do). Only the order in which independent
+instructions are issued differs, so the bytes are the Triton kernels' (``tools/gpu_attention_gluon.py`` compares
+them on the H200); the contract and kernel id are :mod:`h3gate.kernels.attention`'s.
+
+GPU only (Gluon has no interpreter): the CPU interpreter runs the pointer kernel, the same arithmetic. Hopper
+(sm_90) only; bfloat16, D = 128.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from h3gate.kernels.attention import AttnConfig, qk_scale
+from h3gate.kernels.common import STRICT_LAUNCH
+
+
+@gluon.jit
+def _exp2(x, EXP2: gl.constexpr):
+    """``attention.exp2_fwd``: the declared PTX ``ex2.approx[.ftz].f32`` (EXP2 = 2, 1) or libdevice (0)."""
+    if EXP2 == 2:
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    elif EXP2 == 1:
+        return gl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    else:
+        return libdevice.exp2(x)
+
+
+@gluon.jit
+def _softmax(qk, m_i, l_i, offs_n, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr):
+    """``attention.fwd_step`` up to the PV product: (p, alpha, m', l') from the raw scores ``qk``."""
+    if FMA:
+        if MASK:
+            qk = gl.where(gl.expand_dims(offs_n, 0) < S, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        p = _exp2(gl.fma(qk, qk_scale, -gl.expand_dims(m_new, 1)), EXP2)
+    else:
+        s = qk * qk_scale
+        if MASK:
+            s = gl.where(gl.expand_dims(offs_n, 0) < S, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = _exp2(s - gl.expand_dims(m_new, 1), EXP2)
+    alpha = _exp2(m_i - m_new, EXP2)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _softmax_block(qk, m_i, l_i, start, offs_n0, S, qk_scale, BLOCK_N: gl.constexpr, EXP2: gl.constexpr,
+                   FMA: gl.constexpr):  # fmt: skip
+    """:func:`_softmax` of the KV block starting at row ``start``, masked only when it passes S (masking a full
+    block would change nothing but the time)."""
+    offs_n = start + offs_n0
+    if start + BLOCK_N > S:
+        p, alpha, m_new, l_new = _softmax(qk, m_i, l_i, offs_n, S, qk_scale, True, EXP2, FMA)
+    else:
+        p, alpha, m_new, l_new = _softmax(qk, m_i, l_i, offs_n, S, qk_scale, False, EXP2, FMA)
+    return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _load(desc, smem, bar, coord0, coord1, coord2, pred):
+    """One (1, rows, D) tile by TMA into ``smem``, signalled on ``bar`` (skipped when ``pred`` is false)."""
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [coord0, coord1, coord2], bar, smem, pred=pred)
+
+
+@gluon.jit
+def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, q_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
+                           D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                           EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
+                           num_warps: gl.constexpr):  # fmt: skip
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    col = (bh % H) * D
+    base = b.to(gl.int64) * stride_b + col
+    row0 = pid_m * BLOCK_M
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])  # fmt: skip
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+
+    n_blocks = gl.cdiv(S, BLOCK_N)
+    for i in gl.static_range(STAGES):  # the first STAGES K and V tiles (rows past S arrive as zeros)
+        _load(k_desc, k_smem.index(i), k_bar.index(i), b, i * BLOCK_N, col, i < n_blocks)
+        _load(v_desc, v_smem.index(i), v_bar.index(i), b, i * BLOCK_N, col, i < n_blocks)
+    if ORDERED:  # the query block through order[i] (pointers), into shared memory for the MMA
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        offs_q = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        rows_q = gl.load(ord_ptr + offs_q, mask=offs_q < S, other=0)
+        cols_q = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        ptrs = q_ptr + base + gl.expand_dims(rows_q, 1) * stride_s + gl.expand_dims(cols_q, 0)
+        q_smem.reshape([BLOCK_M, D]).store(gl.load(ptrs, mask=gl.expand_dims(offs_q < S, 1), other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+    else:
+        _load(q_desc, q_smem, q_bar, b, row0, col, True)
+        mbarrier.wait(q_bar, 0)
+    q_tile = q_smem.reshape([BLOCK_M, D])
+
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(k_bar.index(0), 0)
+    qk = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
+    qk = warpgroup_mma_wait(0, deps=(qk,))
+    _load(k_desc, k_smem.index(0), k_bar.index(0), b, STAGES * BLOCK_N, col, n_blocks > STAGES)
+    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    for j in range(0, n_blocks - 1):  # block j's P V beside block j + 1's softmax
+        nxt = (j + 1) % STAGES
+        cur = j % STAGES
+        mbarrier.wait(k_bar.index(nxt), ((j + 1) // STAGES) & 1)
+        k_nxt = k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0))
+        qk_next = warpgroup_mma(q_tile, k_nxt, zero_s, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        mbarrier.wait(v_bar.index(cur), (j // STAGES) & 1)
+        pv = warpgroup_mma(p_op, v_smem.index(cur).reshape([BLOCK_N, D]), acc, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk_next,))  # S_{j+1} done: its K buffer is free
+        _load(k_desc, k_smem.index(nxt), k_bar.index(nxt), b, (j + 1 + STAGES) * BLOCK_N, col,
+              j + 1 + STAGES < n_blocks)  # fmt: skip
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, (j + 1) * BLOCK_N, offs_n0, S, qk_scale, BLOCK_N, EXP2,
+                                            FMA)  # fmt: skip
+        acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))  # P_j V_j done: V_j's buffer is free
+        _load(v_desc, v_smem.index(cur), v_bar.index(cur), b, (j + STAGES) * BLOCK_N, col, j + STAGES < n_blocks)
+    last = n_blocks - 1
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    pv = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = gl.div_rn(acc, gl.expand_dims(l_o, 1)).to(gl.bfloat16)
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    if ORDERED:
+        rows = gl.load(ord_ptr + offs_m, mask=offs_m < S, other=0)
+    else:
+        rows = offs_m.to(gl.int64)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), out,
+             mask=gl.expand_dims(offs_m < S, 1))  # fmt: skip
+    offs_l = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + bh.to(gl.int64) * S + offs_l, m_i + libdevice.log2(l_i), mask=offs_l < S)
+
+
+def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int) -> tuple:
+    """Host TMA descriptors over (B, S, nh * D) views, one (1, rows, D) box per (batch, rows, head): rows past S
+    are filled with zeros, never read from the next batch item."""
+    b, s, h, d = q.shape
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        view = t.view(b, s, h * d)
+        layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], layout)
+
+    return desc(q, block_m), desc(k, block_n), desc(v, block_n)
+
+
+def forward_gluon(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AttnConfig,
+    order: torch.Tensor | None = None,
+    stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`h3gate.kernels.attention.forward` on Hopper (contiguous bf16 q, k, v of D = 128; k and v already in
+    canonical order when ``order`` is given): (out, lse2)."""
+    b, s, h, d = q.shape
+    out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
+    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg.fwd_m, cfg.fwd_n)
+    grid = (triton.cdiv(s, cfg.fwd_m), b * h)
+    _attn_fwd_gluon_kernel[grid](
+        q_desc, k_desc, v_desc, q, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0),
+        q.stride(1), D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
+        ORDERED=order is not None, num_warps=cfg.fwd_warps, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return out, lse

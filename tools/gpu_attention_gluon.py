@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""H200 probe of the Gluon attention forward (``h3gate/kernels/attention_gluon.py``), from the repo root:
+
+    python3 tools/gpu_attention_gluon.py --out $OUT/attention-gluon.json
+
+* ``bytes``: the Gluon forward's output and lse2 against the production forward (``attention.forward`` with the
+  launch ``attn_config`` picks for that S: the pointer kernel below S = 2048, the TMA kernel from there), byte for
+  byte, for each launch variant (warps, query-block height, K/V buffers), at several (B, S, walk order) cases: a
+  batch of 2 with a partial last block (rows past S must be zeros, not the next item's), a permuted walk order.
+* ``time``: forward medians (``triton.testing.do_bench``, the same inputs) at S = 264, 925, 3160 and 38974 (B = 1, 56
+  heads): production, every Gluon variant, SDPA pinned to cuDNN and to flash.
+
+A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import traceback
+
+import torch
+import triton
+
+from h3gate.kernels import attention
+from h3gate.kernels.attention_gluon import forward_gluon
+
+HEADS, D = 56, 128
+VARIANTS = {  # name -> (warps, query rows per program, K/V buffers)
+    "g4x64s2": (4, 64, 2),
+    "g4x64s3": (4, 64, 3),
+    "g8x128s2": (8, 128, 2),
+}
+CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
+TIMED = (264, 925, 3160, 38974)
+
+
+def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+
+
+def _gluon(q, k, v, name: str, order=None):
+    warps, rows, stages = VARIANTS[name]
+    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_m=rows, fwd_warps=warps)
+    k, v = attention.gather_rows(k, order), attention.gather_rows(v, order)
+    return forward_gluon(q, k, v, cfg, order, stages=stages)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
+
+
+def probe_bytes(records: list[dict]) -> None:
+    for b, s, ordered in CASES:
+        q, k, v = _inputs(b, s, seed=s + 7 * b)
+        order = (
+            torch.randperm(s, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+            if ordered
+            else None
+        )
+        cfg = attention.attn_config(D, torch.bfloat16, s)
+        ref_out, ref_lse = attention.forward(q, k, v, cfg, order)
+        for name in VARIANTS:
+            rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
+            try:
+                out, lse = _gluon(q, k, v, name, order)
+                torch.cuda.synchronize()
+                diff = (out.float() - ref_out.float()).abs()
+                rec.update(out_bitwise=_bits_equal(out, ref_out), lse_bitwise=_bits_equal(lse, ref_lse),
+                           max_abs=float(diff.max()), rows_differing=int((diff.amax(-1) > 0).sum()),
+                           finite=bool(torch.isfinite(out).all()))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                rec["traceback"] = traceback.format_exc()[-2000:]
+            print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+            records.append(rec)
+
+
+def probe_time(records: list[dict]) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def fn(q, k, v):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                )
+
+        return fn
+
+    def timed(q, k, v, cfg):
+        return {
+            "production": lambda: attention.forward(q, k, v, cfg),
+            **{name: (lambda name=name: _gluon(q, k, v, name)) for name in VARIANTS},
+            "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v),
+            "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v),
+        }
+
+    for s in TIMED:
+        q, k, v = _inputs(1, s, seed=11)
+        flops = 4.0 * s * s * D * HEADS
+        fns = timed(q, k, v, attention.attn_config(D, torch.bfloat16, s))
+        rec = {"section": "time", "S": s, "ms": {}, "tflops": {}}
+        for name, fn in fns.items():
+            try:
+                ms = triton.testing.do_bench(fn, warmup=200, rep=1000 if s < 10000 else 4000, return_mode="median")
+                rec["ms"][name] = ms
+                rec["tflops"][name] = flops / ms / 1e9
+            except Exception as exc:  # noqa: BLE001
+                rec["ms"][name] = None
+                rec.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        best = min((v for k2, v in rec["ms"].items() if k2 in VARIANTS and v), default=math.nan)
+        rec["best_gluon_vs_cudnn"] = (rec["ms"].get("cudnn") or math.nan) / best
+        rec["best_gluon_vs_production"] = (rec["ms"].get("production") or math.nan) / best
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="bytes,time")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    records: list[dict] = []
+    meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
+    try:
+        for section in args.sections.split(","):
+            {"bytes": probe_bytes, "time": probe_time}[section](records)
+    finally:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
