@@ -25,13 +25,16 @@ import torch
 import triton
 
 from h3gate.kernels import attention
-from h3gate.kernels.attention_gluon import forward_gluon
+from h3gate.kernels.attention_gluon import forward_gluon, forward_gluon_ws
 
 HEADS, D = 56, 128
-VARIANTS = {  # name -> (warps, query rows per program, K/V buffers)
+VARIANTS = {  # name -> (warps, query rows per program, K/V buffers); "ws": the warp-specialised kernel (12 warps)
     "g4x64s2": (4, 64, 2),
     "g4x64s3": (4, 64, 3),
     "g8x128s2": (8, 128, 2),
+    "ws_s2": ("ws", 128, 2),
+    "ws_s3": ("ws", 128, 3),
+    "ws_s4": ("ws", 128, 4),
 }
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
 TIMED = (264, 925, 3160, 38974)
@@ -44,8 +47,10 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _gluon(q, k, v, name: str, order=None):
     warps, rows, stages = VARIANTS[name]
-    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_m=rows, fwd_warps=warps)
     k, v = attention.gather_rows(k, order), attention.gather_rows(v, order)
+    if warps == "ws":
+        return forward_gluon_ws(q, k, v, attention.attn_config(D, torch.bfloat16), order, stages=stages)
+    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_m=rows, fwd_warps=warps)
     return forward_gluon(q, k, v, cfg, order, stages=stages)
 
 
@@ -54,8 +59,8 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
 
 
-def probe_bytes(records: list[dict]) -> None:
-    for b, s, ordered in CASES:
+def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
+    for b, s, ordered in cases:
         q, k, v = _inputs(b, s, seed=s + 7 * b)
         order = (
             torch.randperm(s, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
@@ -64,7 +69,7 @@ def probe_bytes(records: list[dict]) -> None:
         )
         cfg = attention.attn_config(D, torch.bfloat16, s)
         ref_out, ref_lse = attention.forward(q, k, v, cfg, order)
-        for name in VARIANTS:
+        for name in variants:
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
             try:
                 out, lse = _gluon(q, k, v, name, order)
@@ -80,7 +85,7 @@ def probe_bytes(records: list[dict]) -> None:
             records.append(rec)
 
 
-def probe_time(records: list[dict]) -> None:
+def probe_time(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
@@ -95,7 +100,7 @@ def probe_time(records: list[dict]) -> None:
     def timed(q, k, v, cfg):
         return {
             "production": lambda: attention.forward(q, k, v, cfg),
-            **{name: (lambda name=name: _gluon(q, k, v, name)) for name in VARIANTS},
+            **{name: (lambda name=name: _gluon(q, k, v, name)) for name in variants},
             "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v),
             "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v),
         }
@@ -113,7 +118,7 @@ def probe_time(records: list[dict]) -> None:
             except Exception as exc:  # noqa: BLE001
                 rec["ms"][name] = None
                 rec.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        best = min((v for k2, v in rec["ms"].items() if k2 in VARIANTS and v), default=math.nan)
+        best = min((v for k2, v in rec["ms"].items() if k2 in variants and v), default=math.nan)
         rec["best_gluon_vs_cudnn"] = (rec["ms"].get("cudnn") or math.nan) / best
         rec["best_gluon_vs_production"] = (rec["ms"].get("production") or math.nan) / best
         print(json.dumps(rec), flush=True)
@@ -124,14 +129,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--sections", default="bytes,time")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--small", action="store_true", help="bytes at two small cases only (a smoke run)")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    cases = [(1, 264, False), (2, 300, True)] if args.small else CASES
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     records: list[dict] = []
     meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
     try:
         for section in args.sections.split(","):
-            {"bytes": probe_bytes, "time": probe_time}[section](records)
+            {"bytes": probe_bytes, "time": probe_time}[section](records, variants, cases)
     finally:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "records": records}, f, indent=1)

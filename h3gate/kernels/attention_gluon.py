@@ -229,3 +229,169 @@ def forward_gluon(
         ORDERED=order is not None, num_warps=cfg.fwd_warps, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse
+
+
+# Warp-specialised variant (FlashAttention-3's layout of work): one CTA of 128 query rows, two consumer warpgroups of
+# 64 rows each (the default partition and a worker) that take turns issuing their MMAs (ping-pong, so one's softmax
+# runs while the other's MMAs do), and a one-warp producer issuing every TMA load into a ring of K/V buffers
+# (``*_full`` barriers: loaded; ``*_empty``: both consumers done with it). Each consumer runs the same per-row
+# arithmetic as the kernels above.
+CONSUMER_REGS = gl.constexpr(232)  # registers per thread of the worker consumer (setmaxnreg)
+PRODUCER_REGS = gl.constexpr(56)  # the ordered query gather spills below 56
+WS_MAXNREG = 168  # the launch's limit: 12 warps x 168 fit the 64K registers; the default consumer gets the rest
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr, ord_ptr, S,
+                 bh, base, row0, qk_scale, stride_s, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                 ORDERED: gl.constexpr):  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    mbarrier.wait(q_bar, 0)
+    q_tile = q_smem.reshape([2 * BLOCK_M, D]).slice(C * BLOCK_M, BLOCK_M)
+    n_blocks = gl.cdiv(S, BLOCK_N)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(k_full.index(0), 0)
+    qk = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
+    qk = warpgroup_mma_wait(0, deps=(qk,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    for j in range(0, n_blocks - 1):
+        nxt = (j + 1) % STAGES
+        cur = j % STAGES
+        mbarrier.wait(turn.index(C), j & 1)  # this consumer's turn to issue MMAs
+        mbarrier.wait(k_full.index(nxt), ((j + 1) // STAGES) & 1)
+        qk_next = warpgroup_mma(q_tile, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
+                                is_async=True)  # fmt: skip
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        mbarrier.wait(v_full.index(cur), (j // STAGES) & 1)
+        pv = warpgroup_mma(p_op, v_smem.index(cur).reshape([BLOCK_N, D]), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - C), count=1)  # the other consumer's turn
+        qk = warpgroup_mma_wait(1, deps=(qk_next,))
+        mbarrier.arrive(k_empty.index(nxt), count=1)
+        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, (j + 1) * BLOCK_N, offs_n0, S, qk_scale, BLOCK_N, EXP2,
+                                            FMA)  # fmt: skip
+        acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
+        mbarrier.arrive(v_empty.index(cur), count=1)
+    last = n_blocks - 1
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    mbarrier.wait(v_full.index(last % STAGES), (last // STAGES) & 1)
+    pv = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = gl.div_rn(acc, gl.expand_dims(l_o, 1)).to(gl.bfloat16)
+    first = row0 + C * BLOCK_M
+    offs_m = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    if ORDERED:
+        rows = gl.load(ord_ptr + offs_m, mask=offs_m < S, other=0)
+    else:
+        rows = offs_m.to(gl.int64)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), out,
+             mask=gl.expand_dims(offs_m < S, 1))  # fmt: skip
+    offs_l = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + bh.to(gl.int64) * S + offs_l, m_i + libdevice.log2(l_i), mask=offs_l < S)
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_ptr, ord_ptr, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
+                 v_empty, S, b, col, row0, base, stride_s, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    if ORDERED:  # the query rows through order[i] by this warp's pointer loads, then handed over (fence + arrive)
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
+        q_rows = q_smem.reshape([ROWS, D])
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        for r in gl.static_range(0, ROWS, 8):  # 8 rows a step (the swizzle pattern's height)
+            offs = row0 + r + gl.arange(0, 8, layout=gl.SliceLayout(1, ld))
+            rows = gl.load(ord_ptr + offs, mask=offs < S, other=0)
+            ptrs = q_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0)
+            q_rows.slice(r, 8).store(gl.load(ptrs, mask=gl.expand_dims(offs < S, 1), other=0.0))
+        fence_async_shared()
+        mbarrier.arrive(q_bar, count=1)
+    else:
+        _load(q_desc, q_smem, q_bar, b, row0, col, True)
+    for j in range(0, gl.cdiv(S, BLOCK_N)):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
+        mbarrier.wait(k_empty.index(slot), free)
+        _load(k_desc, k_smem.index(slot), k_full.index(slot), b, j * BLOCK_N, col, True)
+        mbarrier.wait(v_empty.index(slot), free)
+        _load(v_desc, v_smem.index(slot), v_full.index(slot), b, j * BLOCK_N, col, True)
+
+
+@gluon.jit
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, q_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
+                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """``BLOCK_M`` rows per consumer, 2 * BLOCK_M per program; ``num_warps`` = 4 (one consumer warpgroup)."""
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    col = (bh % H) * D
+    base = b.to(gl.int64) * stride_b + col
+    row0 = pid_m * (2 * BLOCK_M)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
+    gl.warp_specialize(
+        [
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
+                            ord_ptr, S, bh, base, row0, qk_scale, stride_s, 0, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA,
+                            ORDERED)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
+                            ord_ptr, S, bh, base, row0, qk_scale, stride_s, 1, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA,
+                            ORDERED)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_ptr, ord_ptr, q_smem, k_smem, v_smem, q_bar, k_full, v_full,
+                            k_empty, v_empty, S, b, col, row0, base, stride_s, 2 * BLOCK_M, BLOCK_N, D, STAGES,
+                            ORDERED)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
+
+
+def forward_gluon_ws(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AttnConfig,
+    order: torch.Tensor | None = None,
+    stages: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_gluon`, warp-specialised: 2 x 64 query rows per program (``cfg.fwd_m`` is not used)."""
+    b, s, h, d = q.shape
+    rows = 64
+    out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
+    q_desc, k_desc, v_desc = descriptors(q, k, v, 2 * rows, cfg.fwd_n)
+    grid = (triton.cdiv(s, 2 * rows), b * h)
+    _attn_fwd_ws_kernel[grid](
+        q_desc, k_desc, v_desc, q, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0),
+        q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
+        ORDERED=order is not None, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return out, lse
