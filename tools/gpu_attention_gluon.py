@@ -3,12 +3,14 @@
 
     python3 tools/gpu_attention_gluon.py --out $OUT/attention-gluon.json
 
-* ``bytes``: the Gluon forward's output and lse2 against the production forward (``attention.forward`` with the
-  launch ``attn_config`` picks for that S: the pointer kernel below S = 2048, the TMA kernel from there), byte for
-  byte, for each launch variant (warps, query-block height, K/V buffers), at several (B, S, walk order) cases: a
-  batch of 2 with a partial last block (rows past S must be zeros, not the next item's), a permuted walk order.
+* ``bytes``: the Gluon forward's output and lse2 against the Triton forward (``attention.forward`` with
+  ``fwd_gluon`` off: the pointer kernel below S = 2048, the TMA kernel from there), byte for byte, for each number
+  of K/V buffers, at several (B, S, walk order) cases: a batch of 2 with a partial last block (rows past S must be
+  zeros, not the next item's), a permuted walk order.
 * ``time``: forward medians (``triton.testing.do_bench``, the same inputs) at S = 264, 925, 3160 and 38974 (B = 1, 56
-  heads): production, every Gluon variant, SDPA pinned to cuDNN and to flash.
+  heads): the Triton forward, every Gluon variant, SDPA pinned to cuDNN and to flash.
+
+(Session 12's first rounds also timed a single-partition Gluon kernel, ``perf-probe-16.json``.)
 
 A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
 """
@@ -25,17 +27,10 @@ import torch
 import triton
 
 from h3gate.kernels import attention
-from h3gate.kernels.attention_gluon import forward_gluon, forward_gluon_ws
+from h3gate.kernels.attention_gluon import forward_gluon_ws
 
 HEADS, D = 56, 128
-VARIANTS = {  # name -> (warps, query rows per program, K/V buffers); "ws": the warp-specialised kernel (12 warps)
-    "g4x64s2": (4, 64, 2),
-    "g4x64s3": (4, 64, 3),
-    "g8x128s2": (8, 128, 2),
-    "ws_s2": ("ws", 128, 2),
-    "ws_s3": ("ws", 128, 3),
-    "ws_s4": ("ws", 128, 4),
-}
+VARIANTS = {"ws_s2": 2, "ws_s3": 3, "ws_s4": 4}  # name -> K/V buffers of the warp-specialised kernel
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
 TIMED = (264, 925, 3160, 38974)
 
@@ -46,12 +41,8 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _gluon(q, k, v, name: str, order=None):
-    warps, rows, stages = VARIANTS[name]
     k, v = attention.gather_rows(k, order), attention.gather_rows(v, order)
-    if warps == "ws":
-        return forward_gluon_ws(q, k, v, attention.attn_config(D, torch.bfloat16), order, stages=stages)
-    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_m=rows, fwd_warps=warps)
-    return forward_gluon(q, k, v, cfg, order, stages=stages)
+    return forward_gluon_ws(q, k, v, attention.attn_config(D, torch.bfloat16), order, stages=VARIANTS[name])
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -67,7 +58,7 @@ def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) ->
             if ordered
             else None
         )
-        cfg = attention.attn_config(D, torch.bfloat16, s)
+        cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False)
         ref_out, ref_lse = attention.forward(q, k, v, cfg, order)
         for name in variants:
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
@@ -99,7 +90,7 @@ def probe_time(records: list[dict], variants: list[str], cases: list[tuple]) -> 
 
     def timed(q, k, v, cfg):
         return {
-            "production": lambda: attention.forward(q, k, v, cfg),
+            "triton": lambda: attention.forward(q, k, v, cfg),
             **{name: (lambda name=name: _gluon(q, k, v, name)) for name in variants},
             "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v),
             "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v),
@@ -108,7 +99,7 @@ def probe_time(records: list[dict], variants: list[str], cases: list[tuple]) -> 
     for s in TIMED:
         q, k, v = _inputs(1, s, seed=11)
         flops = 4.0 * s * s * D * HEADS
-        fns = timed(q, k, v, attention.attn_config(D, torch.bfloat16, s))
+        fns = timed(q, k, v, dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False))
         rec = {"section": "time", "S": s, "ms": {}, "tflops": {}}
         for name, fn in fns.items():
             try:
@@ -120,7 +111,7 @@ def probe_time(records: list[dict], variants: list[str], cases: list[tuple]) -> 
                 rec.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
         best = min((v for k2, v in rec["ms"].items() if k2 in variants and v), default=math.nan)
         rec["best_gluon_vs_cudnn"] = (rec["ms"].get("cudnn") or math.nan) / best
-        rec["best_gluon_vs_production"] = (rec["ms"].get("production") or math.nan) / best
+        rec["best_gluon_vs_triton"] = (rec["ms"].get("triton") or math.nan) / best
         print(json.dumps(rec), flush=True)
         records.append(rec)
 

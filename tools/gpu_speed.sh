@@ -3,6 +3,8 @@
 # carried:  bash tools/gpu_speed.sh SECTION [SECTION ...]
 #   attn-probe          tools/gpu_perf_probe.py --sections attn_tma: TMA-load forward tilings (bitwise vs production),
 #                       SDPA cuDNN / flash, backward TMA / tilings, the walk order vs full copies ($PROBE.json)
+#   attn-gluon          tools/gpu_attention_gluon.py: the warp-specialised Gluon forward's bytes against the Triton
+#                       forward (S = 264 ... 38974, batch 2, walk orders) and its time next to cuDNN / flash
 #   attn-<layout>       bench --op h3_full_attention at tiny / medium / 768p (identity and permuted order arms)
 #   attn-ops            run ws1-ops of h3_full_attention at medium (bitwise / accuracy against the provider)
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
@@ -16,6 +18,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
+    attn-gluon) step 240 attention-gluon python3 tools/gpu_attention_gluon.py --variants ws_s2,ws_s3 \
+      --out "$ev/${PROBE:-perf-probe-16}.json";;
     attn-tiny|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;

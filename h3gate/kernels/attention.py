@@ -41,13 +41,17 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   ``LAUNCH_FIELDS``): block heights, warps, stages and the load path (``fwd_tma`` / ``bwd_tma``: TMA or pointer
   loads of the same tiles, :mod:`h3gate.kernels.attention_tma`), which decide which program owns a row and which
   instruction fetches a tile - each row's scores, softmax and sums are the same (every launch probed was bitwise
-  equal at S = 264, 925, 3160 and 38974 on the H200, ``docs/measurements/perf-probe-{12,13,14,15}.json``). Repeat
-  runs are bitwise equal. No split-KV, no atomics.
+  equal at S = 264, 925, 3160 and 38974 on the H200, ``docs/measurements/perf-probe-{12,13,14,15}.json``); and the
+  forward's schedule, ``fwd_gluon``: the warp-specialised Gluon kernel (:mod:`h3gate.kernels.attention_gluon`,
+  Hopper) issues the same instructions on the same tiles in another order (a TMA producer warp, two consumer
+  warpgroups of 64 rows whose softmax overlaps the other's MMAs), bitwise equal to the Triton kernels at every S,
+  batch and order probed (``perf-probe-16.json``). Repeat runs are bitwise equal. No split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -91,13 +95,14 @@ class AttnConfig:
     bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
     fwd_tma: bool = False  # forward tiles loaded by TMA on CUDA in packed order (attention_tma: same values, same step)
     fwd_ws: bool = False  # with fwd_tma: Triton's warp specialisation of the KV loop
+    fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
     bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
 
     @property
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
-        load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "")
+        load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "") + ("_gluon" if self.fwd_gluon else "")
         bmath += "_tma" if self.bwd_tma else ""
         return (
             f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
@@ -144,6 +149,7 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
         fwd_warps=4,
         fwd_stages=3,
         fwd_tma=True,
+        fwd_gluon=True,
         fwd_exp2="ex2ftz",
         fwd_fma=True,
         bwd_exp2="ex2ftz",
@@ -164,7 +170,9 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 # (perf-probe-15). Both were slower at 264 / 925 (a program's descriptor set-up: forward 25 / 6 %, backward 8 / 2 %),
 # so below the bound 2048 (between the measured 925 and 3160, a choice, not a measured crossover) the pointer
 # kernels with 3 backward stages run. fwd_n = 128 (a different KV walk, so other bytes) was 1 % faster at 38974 and
-# slower elsewhere: not taken.
+# slower elsewhere: not taken. The warp-specialised Gluon forward (same bytes) was 6 % faster than the TMA kernel at
+# 3160 and 38974 and slower at 264 (host descriptors and one wave of 128-row programs): from 2048 on as well
+# (perf-probe-16).
 LAUNCH_FIELDS = frozenset(
     {
         "fwd_m",
@@ -172,6 +180,7 @@ LAUNCH_FIELDS = frozenset(
         "fwd_stages",
         "fwd_tma",
         "fwd_ws",
+        "fwd_gluon",
         "bwd_tma",
         "kv_n",
         "kv_m",
@@ -184,7 +193,9 @@ LAUNCH_FIELDS = frozenset(
     }
 )
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
-    (128, "bfloat16"): ((2048, {"fwd_tma": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),),
+    (128, "bfloat16"): (
+        (2048, {"fwd_tma": False, "fwd_gluon": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),
+    ),
 }
 
 
@@ -345,6 +356,10 @@ def forward(
     from h3gate.kernels import attention_tma
 
     k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
+    if uses_gluon(cfg, q):
+        from h3gate.kernels.attention_gluon import forward_gluon_ws
+
+        return forward_gluon_ws(q, k, v, cfg, order)
     if attention_tma.uses_tma(cfg, q):
         return attention_tma.forward_tma(q, k, v, cfg, order)
     b, s, h, d = q.shape
@@ -358,6 +373,18 @@ def forward(
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse
+
+
+def uses_gluon(cfg: AttnConfig, q: torch.Tensor) -> bool:
+    """Whether this forward runs the Gluon kernel: asked by the tiling, bfloat16 on a Hopper (sm_90) GPU, compiled."""
+    if not (cfg.fwd_gluon and q.device.type == "cuda" and q.dtype == torch.bfloat16 and not INTERPRET):
+        return False
+    return _hopper(q.device.index)
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def gather_rows(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

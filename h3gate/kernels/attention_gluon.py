@@ -1,28 +1,38 @@
-"""The strict attention forward as a Gluon kernel for Hopper: the same walk and arithmetic, its MMAs overlapped.
+"""The strict attention forward as a warp-specialised Gluon kernel for Hopper: the same walk and arithmetic, its
+instructions scheduled as FlashAttention-3 schedules them (``AttnConfig.fwd_gluon``).
 
-Triton's own pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator (Triton's
+Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator (Triton's
 ``WGMMAPipeline.cpp``, rule 3), so the Triton kernels (:mod:`h3gate.kernels.attention`, ``attention_tma``) wait for
-each ``q k^T`` before its softmax and run the softmax while no MMA is in flight. Here the schedule is written out
-(FlashAttention-3's intra-warpgroup overlap), per KV block ``j`` of one program:
+each ``q k^T`` before its softmax, and the softmax runs while no MMA is in flight. Here one program of 128 query rows
+has three partitions:
 
-1. issue ``S_{j+1} = q k_{j+1}^T`` (asynchronous ``wgmma``; K tiles by TMA, ``STAGES`` buffers);
-2. the online-softmax step of block ``j`` on ``S_j`` (the tensor cores run ``S_{j+1}`` and ``P_{j-1} V_{j-1}``);
-3. wait for ``P_{j-1} V_{j-1}``, rescale ``acc`` by ``alpha_j``, issue ``acc += P_j V_j`` (asynchronous);
-4. wait for ``S_{j+1}``; its K buffer and ``V_{j-1}``'s are refilled by TMA.
+* a one-warp producer issuing every TMA load: its 128 query rows, then each 64-row K and V tile into a ring of
+  ``STAGES`` buffers (``*_full`` barriers: loaded; ``*_empty``: both consumers done with it). With a walk order Q,
+  like K and V, arrives as a copy in canonical order, and each output row is stored to its packed row through
+  ``order[i]``;
+* two consumer warpgroups of 64 query rows each (the default partition and a worker, 232 registers a thread) that
+  take turns issuing their MMAs (``turn`` barriers), so one's softmax runs on the CUDA cores while the other's MMAs
+  run on the tensor cores. Per KV block ``j`` a consumer issues ``S_{j+1} = q k_{j+1}^T``, rescales ``acc`` by
+  ``alpha_j`` and issues ``acc += P_j V_j`` (both asynchronous ``wgmma``), hands the turn over, waits for
+  ``S_{j+1}`` and runs block ``j + 1``'s softmax while ``P_j V_j`` is in flight, then waits for it. Every MMA group
+  is retired within its iteration: ptxas serialises ``wgmma`` (warning C7514) when a group stays in flight across
+  the loop's back edge.
 
 The arithmetic of every row is the Triton kernels' (``attention.fwd_step``), written with the same operations on the
 same layouts: ``q k^T`` by ``wgmma`` m64n64k16 from shared memory onto a zero FP32 accumulator; the row maximum of
-the raw scores times ``qk_scale`` (exact); ``p = exp2(fma(qk, qk_scale, -m'))`` with ``ex2.approx.ftz.f32`` (the
-declared ``fwd_fma`` / ``fwd_exp2`` forms); ``alpha = exp2(m - m')``; ``l = l * alpha + rowsum(p)`` (the row sum
-reduced in the NVMMA accumulator layout, as Triton reduces it); ``acc = acc * alpha``, then ``acc += bf16(p) v`` by
-``wgmma`` m64n128k16 with ``p`` from registers; ``out = bf16(acc / l)`` (IEEE division) and ``lse2 = m + log2(l)``
-(libdevice). The KV walk is ``attention``'s: 64-wide blocks in ascending order, the last one masked where rows pass
-S (TMA fills them with zeros, as the pointer kernel's masked loads do). Only the order in which independent
-instructions are issued differs, so the bytes are the Triton kernels' (``tools/gpu_attention_gluon.py`` compares
-them on the H200); the contract and kernel id are :mod:`h3gate.kernels.attention`'s.
+the raw scores times ``qk_scale``; ``p = exp2(fma(qk, qk_scale, -m'))`` with ``ex2.approx.ftz.f32`` (the declared
+``fwd_fma`` / ``fwd_exp2`` forms); ``alpha = exp2(m - m')``; ``l = l * alpha + rowsum(p)`` (the row sum reduced in
+the NVMMA accumulator layout, as Triton reduces it); ``acc = acc * alpha``, then ``acc += bf16(p) v`` by ``wgmma``
+m64n128k16 with ``p`` from registers; ``out = bf16(acc / l)`` (IEEE division) and ``lse2 = m + log2(l)``
+(libdevice). The KV walk is ``attention``'s: 64-wide blocks in ascending order, the last one masked where its rows
+pass S. K/V/Q come by host TMA descriptors over (B, S, nh * D) views with (1, rows, D) boxes, so rows past S are
+zeros (as the pointer kernel's masked loads give), never the next batch item's. Only the order in which independent
+instructions are issued differs: the bytes are the Triton kernels' at every S, batch and walk order probed on the
+H200 (``docs/measurements/perf-probe-16.json``); the contract and kernel id are :mod:`h3gate.kernels.attention`'s.
 
-GPU only (Gluon has no interpreter): the CPU interpreter runs the pointer kernel, the same arithmetic. Hopper
-(sm_90) only; bfloat16, D = 128.
+GPU only (Gluon has no interpreter; the CPU interpreter runs the pointer kernel, the same arithmetic); sm_90,
+bfloat16, D = 128. ``tests/triton_kernels/sm90_lowering.py`` compiles it for sm_90 on the CPU and checks that ptxas
+keeps its ``wgmma`` asynchronous and spills nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +43,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -41,8 +50,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3gate.kernels.attention import AttnConfig, qk_scale
+from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
 from h3gate.kernels.common import STRICT_LAUNCH
+
+# Triton 3.6/3.7 name the TMA tile load async_copy_global_to_shared, 3.8 on async_load (same positional arguments).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -94,105 +106,7 @@ def _softmax_block(qk, m_i, l_i, start, offs_n0, S, qk_scale, BLOCK_N: gl.conste
 def _load(desc, smem, bar, coord0, coord1, coord2, pred):
     """One (1, rows, D) tile by TMA into ``smem``, signalled on ``bar`` (skipped when ``pred`` is false)."""
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [coord0, coord1, coord2], bar, smem, pred=pred)
-
-
-@gluon.jit
-def _attn_fwd_gluon_kernel(q_desc, k_desc, v_desc, q_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
-                           D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                           EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
-                           num_warps: gl.constexpr):  # fmt: skip
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    col = (bh % H) * D
-    base = b.to(gl.int64) * stride_b + col
-    row0 = pid_m * BLOCK_M
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])  # fmt: skip
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_M, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
-
-    n_blocks = gl.cdiv(S, BLOCK_N)
-    for i in gl.static_range(STAGES):  # the first STAGES K and V tiles (rows past S arrive as zeros)
-        _load(k_desc, k_smem.index(i), k_bar.index(i), b, i * BLOCK_N, col, i < n_blocks)
-        _load(v_desc, v_smem.index(i), v_bar.index(i), b, i * BLOCK_N, col, i < n_blocks)
-    if ORDERED:  # the query block through order[i] (pointers), into shared memory for the MMA
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        offs_q = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-        rows_q = gl.load(ord_ptr + offs_q, mask=offs_q < S, other=0)
-        cols_q = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        ptrs = q_ptr + base + gl.expand_dims(rows_q, 1) * stride_s + gl.expand_dims(cols_q, 0)
-        q_smem.reshape([BLOCK_M, D]).store(gl.load(ptrs, mask=gl.expand_dims(offs_q < S, 1), other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
-    else:
-        _load(q_desc, q_smem, q_bar, b, row0, col, True)
-        mbarrier.wait(q_bar, 0)
-    q_tile = q_smem.reshape([BLOCK_M, D])
-
-    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    mbarrier.wait(k_bar.index(0), 0)
-    qk = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
-    qk = warpgroup_mma_wait(0, deps=(qk,))
-    _load(k_desc, k_smem.index(0), k_bar.index(0), b, STAGES * BLOCK_N, col, n_blocks > STAGES)
-    p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    for j in range(0, n_blocks - 1):  # block j's P V beside block j + 1's softmax
-        nxt = (j + 1) % STAGES
-        cur = j % STAGES
-        mbarrier.wait(k_bar.index(nxt), ((j + 1) // STAGES) & 1)
-        k_nxt = k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0))
-        qk_next = warpgroup_mma(q_tile, k_nxt, zero_s, is_async=True)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        mbarrier.wait(v_bar.index(cur), (j // STAGES) & 1)
-        pv = warpgroup_mma(p_op, v_smem.index(cur).reshape([BLOCK_N, D]), acc, is_async=True)
-        qk = warpgroup_mma_wait(1, deps=(qk_next,))  # S_{j+1} done: its K buffer is free
-        _load(k_desc, k_smem.index(nxt), k_bar.index(nxt), b, (j + 1 + STAGES) * BLOCK_N, col,
-              j + 1 + STAGES < n_blocks)  # fmt: skip
-        p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, (j + 1) * BLOCK_N, offs_n0, S, qk_scale, BLOCK_N, EXP2,
-                                            FMA)  # fmt: skip
-        acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))  # P_j V_j done: V_j's buffer is free
-        _load(v_desc, v_smem.index(cur), v_bar.index(cur), b, (j + STAGES) * BLOCK_N, col, j + STAGES < n_blocks)
-    last = n_blocks - 1
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
-    pv = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
-
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = gl.div_rn(acc, gl.expand_dims(l_o, 1)).to(gl.bfloat16)
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    if ORDERED:
-        rows = gl.load(ord_ptr + offs_m, mask=offs_m < S, other=0)
-    else:
-        rows = offs_m.to(gl.int64)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(o_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), out,
-             mask=gl.expand_dims(offs_m < S, 1))  # fmt: skip
-    offs_l = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + bh.to(gl.int64) * S + offs_l, m_i + libdevice.log2(l_i), mask=offs_l < S)
+    _tma_load(desc, [coord0, coord1, coord2], bar, smem, pred=pred)
 
 
 def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int) -> tuple:
@@ -208,37 +122,11 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
     return desc(q, block_m), desc(k, block_n), desc(v, block_n)
 
 
-def forward_gluon(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cfg: AttnConfig,
-    order: torch.Tensor | None = None,
-    stages: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`h3gate.kernels.attention.forward` on Hopper (contiguous bf16 q, k, v of D = 128; k and v already in
-    canonical order when ``order`` is given): (out, lse2)."""
-    b, s, h, d = q.shape
-    out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, cfg.fwd_m, cfg.fwd_n)
-    grid = (triton.cdiv(s, cfg.fwd_m), b * h)
-    _attn_fwd_gluon_kernel[grid](
-        q_desc, k_desc, v_desc, q, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0),
-        q.stride(1), D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
-        ORDERED=order is not None, num_warps=cfg.fwd_warps, **STRICT_LAUNCH,
-    )  # fmt: skip
-    return out, lse
-
-
-# Warp-specialised variant (FlashAttention-3's layout of work): one CTA of 128 query rows, two consumer warpgroups of
-# 64 rows each (the default partition and a worker) that take turns issuing their MMAs (ping-pong, so one's softmax
-# runs while the other's MMAs do), and a one-warp producer issuing every TMA load into a ring of K/V buffers
-# (``*_full`` barriers: loaded; ``*_empty``: both consumers done with it). Each consumer runs the same per-row
-# arithmetic as the kernels above.
-CONSUMER_REGS = gl.constexpr(232)  # registers per thread of the worker consumer (setmaxnreg)
-PRODUCER_REGS = gl.constexpr(56)  # the ordered query gather spills below 56
-WS_MAXNREG = 168  # the launch's limit: 12 warps x 168 fit the 64K registers; the default consumer gets the rest
+# Registers a thread: the worker consumer and the producer (setmaxnreg); the default consumer gets what the launch's
+# limit leaves (12 warps x 168 = the 64K registers of an SM).
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+WS_MAXNREG = 168
 
 
 @gluon.jit
@@ -303,22 +191,9 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_ptr, ord_ptr, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty,
-                 v_empty, S, b, col, row0, base, stride_s, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 D: gl.constexpr, STAGES: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
-    if ORDERED:  # the query rows through order[i] by this warp's pointer loads, then handed over (fence + arrive)
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
-        q_rows = q_smem.reshape([ROWS, D])
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        for r in gl.static_range(0, ROWS, 8):  # 8 rows a step (the swizzle pattern's height)
-            offs = row0 + r + gl.arange(0, 8, layout=gl.SliceLayout(1, ld))
-            rows = gl.load(ord_ptr + offs, mask=offs < S, other=0)
-            ptrs = q_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0)
-            q_rows.slice(r, 8).store(gl.load(ptrs, mask=gl.expand_dims(offs < S, 1), other=0.0))
-        fence_async_shared()
-        mbarrier.arrive(q_bar, count=1)
-    else:
-        _load(q_desc, q_smem, q_bar, b, row0, col, True)
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, S, b, col,
+                 row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    _load(q_desc, q_smem, q_bar, b, row0, col, True)  # canonical rows (a copy in canonical order with a walk order)
     for j in range(0, gl.cdiv(S, BLOCK_N)):
         slot = j % STAGES
         free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
@@ -329,7 +204,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_ptr, ord_ptr, q_smem, k_smem, v_smem,
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, q_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
                         D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                         EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
     """``BLOCK_M`` rows per consumer, 2 * BLOCK_M per program; ``num_warps`` = 4 (one consumer warpgroup)."""
@@ -365,9 +240,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, q_ptr, o_ptr, lse_ptr, ord_ptr, 
             (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
                             ord_ptr, S, bh, base, row0, qk_scale, stride_s, 1, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA,
                             ORDERED)),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_ptr, ord_ptr, q_smem, k_smem, v_smem, q_bar, k_full, v_full,
-                            k_empty, v_empty, S, b, col, row0, base, stride_s, 2 * BLOCK_M, BLOCK_N, D, STAGES,
-                            ORDERED)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
+                            S, b, col, row0, BLOCK_N, STAGES)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -380,17 +254,21 @@ def forward_gluon_ws(
     v: torch.Tensor,
     cfg: AttnConfig,
     order: torch.Tensor | None = None,
-    stages: int = 3,
+    stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`forward_gluon`, warp-specialised: 2 x 64 query rows per program (``cfg.fwd_m`` is not used)."""
+    """:func:`h3gate.kernels.attention.forward` on Hopper (contiguous bfloat16 q, k, v of D = 128; k and v already
+    in canonical order when ``order`` is given): (out, lse2). 2 x 64 query rows a program (``cfg.fwd_m`` unused);
+    ``stages`` K/V buffers (2, 3 and 4 measured equal, perf-probe-16)."""
     b, s, h, d = q.shape
     rows = 64
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    q_desc, k_desc, v_desc = descriptors(q, k, v, 2 * rows, cfg.fwd_n)
+    # With a walk order the query rows come as a canonical copy too (TMA has no row gather on Hopper; one copy of q,
+    # about 0.3 % of the kernel's time at 768p), and each output row is stored to its packed row through order[i].
+    q_desc, k_desc, v_desc = descriptors(gather_rows(q, order), k, v, 2 * rows, cfg.fwd_n)
     grid = (triton.cdiv(s, 2 * rows), b * h)
     _attn_fwd_ws_kernel[grid](
-        q_desc, k_desc, v_desc, q, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0),
+        q_desc, k_desc, v_desc, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0),
         q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
         ORDERED=order is not None, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip

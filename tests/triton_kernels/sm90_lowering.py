@@ -4,13 +4,19 @@ holds; run as a script with the interpreter off (``TRITON_INTERPRET=0``) by ``te
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from h3gate.kernels import attention, attention_bwd, attention_tma
+from h3gate.kernels import attention, attention_bwd, attention_gluon, attention_tma
+
+FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
 
 _TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "ord_ptr": "*i64", "S": "i32", "H": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32"}  # fmt: skip
@@ -21,7 +27,43 @@ def ptx_facts(kernel, consts: dict, warps: int, stages: int) -> dict:
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
     opts = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]
-    return {w: ptx.count(w) for w in ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32")}
+    return {w: ptx.count(w) for w in FACTS}
+
+
+def ptxas_report(ptx: str) -> dict:
+    """ptxas -v on ``ptx`` for sm_90a: spilled bytes and whether it serialised the wgmma (warnings C7510-C7520)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the ptxas Triton itself compiles sm_90 with (3.9 ships two)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx, encoding="utf-8")
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    log = done.stdout + done.stderr
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+    return {"spill_bytes": sum(spills), "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
+
+
+def gluon_facts(ordered: bool) -> dict:
+    """The warp-specialised Gluon forward compiled for sm_90 (host descriptors over CPU tensors of the right shape)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    cfg = attention.attn_config(128, torch.bfloat16)
+    q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
+    descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
+    args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64)}
+    consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
+              "ORDERED": ordered}  # fmt: skip
+    kernel = attention_gluon._attn_fwd_ws_kernel
+    sig = {
+        n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else _TYPES[n]) for n in kernel.arg_names
+    }
+    opts = {"num_warps": 4, "num_stages": 1, "maxnreg": attention_gluon.WS_MAXNREG, "enable_fp_fusion": False}
+    ptx = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 64),
+                         options=opts).asm["ptx"]  # fmt: skip
+    return {**{w: ptx.count(w) for w in FACTS}, **ptxas_report(ptx)}
 
 
 def main() -> None:
@@ -38,6 +80,8 @@ def main() -> None:
         out[f"dkdv_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, kv, cfg.kv_warps, cfg.kv_stages)
         dq = {**bwd, "USE_TMA": tma, "BLOCK_M": cfg.q_m, "BLOCK_N": cfg.q_n}
         out[f"dq_tma={tma}"] = ptx_facts(attention_bwd._dq_kernel, dq, cfg.q_warps, cfg.q_stages)
+    for ordered in (False, True):
+        out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
     json.dump(out, sys.stdout)
 
 

@@ -213,8 +213,10 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     table = attn.attn_config(128, BF16)
     small = attn.attn_config(128, BF16, 264)
     assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (64, 4, 3, False, False)
-    assert table.fwd_tma and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
-    assert attn.replace(small, fwd_tma=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
+    assert table.fwd_tma and table.fwd_gluon and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
+    assert not small.fwd_gluon and "fwd_gluon" in attn.LAUNCH_FIELDS
+    assert attn.replace(small, fwd_tma=True, fwd_gluon=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
+    assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
     assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     tall = attn.replace(small, fwd_m=128, fwd_warps=8, kv_m=32, q_n=32)

@@ -1,7 +1,8 @@
-"""The attention kernels' CUDA-only paths (TMA loads, the walk order's indexed rows) compiled for Hopper (sm_90) on
-the CPU: the interpreter never runs TMA, so this is where CI sees those paths lower to PTX with TMA copies, wgmma
-and the declared exp2 / fma instructions (their bytes are compared with the pointer kernels on the H200:
-``tools/gpu_perf_probe.py --sections attn_tma``)."""
+"""The attention kernels' CUDA-only paths (TMA loads, the walk order's indexed rows, the warp-specialised Gluon
+forward) compiled for Hopper (sm_90) on the CPU: the interpreter never runs TMA or Gluon, so this is where CI sees
+those paths lower to PTX with TMA copies, wgmma and the declared exp2 / fma instructions, and ptxas keep the Gluon
+kernel's wgmma asynchronous without spills (their bytes are compared with the pointer kernels on the H200:
+``tools/gpu_perf_probe.py --sections attn_tma``, ``tools/gpu_attention_gluon.py``)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def test_backward_kernels_use_tma_only_when_asked(facts) -> None:
         with_tma, without = facts[f"{kernel}_tma=True"], facts[f"{kernel}_tma=False"]
         assert with_tma["cp.async.bulk.tensor"] and not without["cp.async.bulk.tensor"], kernel
         assert with_tma["wgmma.mma_async"] and without["wgmma.mma_async"], kernel
+
+
+def test_gluon_forward_keeps_its_mmas_asynchronous_and_the_declared_math(facts) -> None:
+    """Both consumer warpgroups' MMAs (2 x 24 wgmma), the producer's TMA loads (Q, K, V; with a walk order Q is a
+    canonical copy too), register reallocation between partitions, the contract's ex2.approx.ftz + fma; ptxas
+    neither serialises the wgmma (it does when an MMA group stays in flight across the loop's back edge, warning
+    C7514) nor spills (checked with Triton 3.6, 3.7 and 3.9)."""
+    for ordered in (False, True):
+        got = facts[f"fwd_gluon_ordered={ordered}"]
+        assert got["wgmma.mma_async"] == 48 and got["setmaxnreg"] >= 4 and got["cp.async.bulk.tensor"] >= 3, got
+        assert got["ex2.approx.ftz.f32"] and got["fma.rn.f32"], got
+        assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
