@@ -92,6 +92,11 @@ def _make(name: str, device: str) -> Variant | str:
     raise ValueError(f"unknown provider variant {name!r}")
 
 
+def refusal(exc: RuntimeError) -> str:
+    """The skipped-variant reason of a backend that refused at run time (its error's first line, 200 characters)."""
+    return f"refused at run time: {str(exc).splitlines()[0][:200]}"
+
+
 def provider_variants(names: list[str], device: str) -> tuple[list[Variant], list[dict]]:
     """(variants to run, ``default`` first; skipped ``{"name", "reason"}`` records) for ``device``."""
     run: list[Variant] = [Variant("default", contextlib.nullcontext)]

@@ -35,7 +35,7 @@ import torch
 from h3gate.gate.compare import agreement, error
 from h3gate.gate.invariance import PLACEMENTS, merge_placements, place, select
 from h3gate.gate.rows import row_errors
-from h3gate.gate.variants import Variant
+from h3gate.gate.variants import Variant, refusal
 from h3gate.graph.core import Node, Values
 from h3gate.graph.execute import run_node
 from h3gate.runs.block_records import unrelated
@@ -73,7 +73,7 @@ class Lane:
         except RuntimeError as exc:
             if self.variant is None:
                 raise
-            self.refused = f"refused at run time: {str(exc).splitlines()[0][:200]}"
+            self.refused = refusal(exc)
             self.stream.close()
             return None
 

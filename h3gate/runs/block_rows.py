@@ -35,7 +35,7 @@ from h3gate.gate.rows import (
     rule_sha256,
     spread,
 )
-from h3gate.gate.variants import Variant, provider_variants
+from h3gate.gate.variants import Variant, provider_variants, refusal
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.graph.executions import golden_table, provider_table
 from h3gate.manifests.tolerances import RowRule
@@ -149,7 +149,7 @@ def run_variant(variant: Variant, fn: Callable[[], object], skipped: list[dict])
         with variant.enter():
             return fn()
     except RuntimeError as exc:
-        skipped.append({"name": variant.name, "reason": f"refused at run time: {str(exc).splitlines()[0][:200]}"})
+        skipped.append({"name": variant.name, "reason": refusal(exc)})
         return None
 
 

@@ -22,6 +22,7 @@ import torch
 from h3gate.gate.compare import agreement, bitwise_equal, error
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check, leaf_check
+from h3gate.gate.variants import refusal
 from h3gate.graph.core import to_float64
 from h3gate.graph.model import OUTPUTS
 from h3gate.runs.block_records import bound_check, check
@@ -81,7 +82,7 @@ def _run(lane: Lane, stage: Stage, params, incoming: dict, overrides=None) -> St
     except RuntimeError as exc:
         if lane.variant is None:
             raise
-        lane.refused = f"refused at run time: {str(exc).splitlines()[0][:200]}"
+        lane.refused = refusal(exc)
         return None
 
 
@@ -163,7 +164,7 @@ def _isolated(gate, lanes: Lanes, stage: Stage, params, gparams, prov_in: dict) 
             with lane.entered():
                 variants[lane.name] = stage_vjp(stage, saved, params, lane.table, prov_in)
         except RuntimeError as exc:
-            lane.refused = f"refused at run time: {str(exc).splitlines()[0][:200]}"
+            lane.refused = refusal(exc)
     return {"golden": flat(gold), "candidate": flat(cand), "variants": variants}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from h3gate.gate.variants import Variant
+from h3gate.gate.variants import Variant, refusal
 from h3gate.graph.core import OpTable, Values
 from h3gate.graph.execute import Override
 from h3gate.graph.model import OUTPUTS
@@ -62,7 +62,7 @@ class Lane:
         except RuntimeError as exc:
             if self.variant is None:
                 raise
-            self.refused = f"refused at run time: {str(exc).splitlines()[0][:200]}"
+            self.refused = refusal(exc)
             self.saved.clear()
             return None
         for k in stage.outputs:
