@@ -4,8 +4,8 @@
     python3 tools/gpu_attention_gluon.py --out $OUT/attention-gluon.json
 
 * ``bytes``: the Gluon forward's output and lse2 against the Triton forward (``attention.forward`` with
-  ``fwd_gluon`` off: the pointer kernel below S = 2048, the TMA kernel from there), byte for byte, for each number
-  of K/V buffers, at several (B, S, walk order) cases: a batch of 2 with a partial last block (rows past S must be
+  ``fwd_gluon`` off: the pointer kernel below S = 2048, the TMA kernel from there; with the variant's KV walk
+  width), byte for byte, for each number of K/V buffers and walk width, at several (B, S, walk order) cases: a batch of 2 with a partial last block (rows past S must be
   zeros, not the next item's), a permuted walk order.
 * ``time``: forward medians (``triton.testing.do_bench``, the same inputs) at S = 264, 925, 3160 and 38974 (B = 1, 56
   heads): the Triton forward, every Gluon variant, SDPA pinned to cuDNN and to flash.
@@ -30,7 +30,9 @@ from h3gate.kernels import attention
 from h3gate.kernels.attention_gluon import forward_gluon_ws
 
 HEADS, D = 56, 128
-VARIANTS = {"ws_s2": 2, "ws_s3": 3, "ws_s4": 4}  # name -> K/V buffers of the warp-specialised kernel
+# name -> (K/V buffers, KV walk width) of the warp-specialised kernel. ws_n128 walks 128 keys a step: another
+# contract (other bytes than production), compared with the Triton forward of the same walk.
+VARIANTS = {"ws_s2": (2, 64), "ws_s3": (3, 64), "ws_s4": (4, 64), "ws_n128": (2, 128)}
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
 TIMED = (264, 925, 3160, 38974)
 
@@ -41,8 +43,10 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _gluon(q, k, v, name: str, order=None):
+    stages, walk = VARIANTS[name]
     k, v = attention.gather_rows(k, order), attention.gather_rows(v, order)
-    return forward_gluon_ws(q, k, v, attention.attn_config(D, torch.bfloat16), order, stages=VARIANTS[name])
+    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=walk)
+    return forward_gluon_ws(q, k, v, cfg, order, stages=stages)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -58,9 +62,12 @@ def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) ->
             if ordered
             else None
         )
-        cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False)
-        ref_out, ref_lse = attention.forward(q, k, v, cfg, order)
+        refs = {}
+        for walk in sorted({VARIANTS[name][1] for name in variants}):
+            cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False, fwd_n=walk)
+            refs[walk] = attention.forward(q, k, v, cfg, order)
         for name in variants:
+            ref_out, ref_lse = refs[VARIANTS[name][1]]
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
             try:
                 out, lse = _gluon(q, k, v, name, order)
