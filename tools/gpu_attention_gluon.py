@@ -5,12 +5,12 @@
 
 * ``bytes``: the Gluon forward's output and lse2 against the Triton forward (``attention.forward`` with
   ``fwd_gluon`` off: the pointer kernel below S = 2048, the TMA kernel from there; with the variant's KV walk
-  width), byte for byte, for each number of K/V buffers and walk width, at several (B, S, walk order) cases: a batch of 2 with a partial last block (rows past S must be
-  zeros, not the next item's), a permuted walk order.
+  width), byte for byte, for each number of K/V buffers and walk width, at several (B, S, walk order) cases: a
+  batch of 2 with a partial last block (rows past S must be zeros, not the next item's), a permuted walk order.
 * ``time``: forward medians (``triton.testing.do_bench``, the same inputs) at S = 264, 925, 3160 and 38974 (B = 1, 56
   heads): the Triton forward, every Gluon variant, SDPA pinned to cuDNN and to flash.
 
-(Session 12's first rounds also timed a single-partition Gluon kernel, ``perf-probe-16.json``.)
+(Session 12's first round also timed a single-partition Gluon kernel, ``perf-probe-16-round1.json``.)
 
 A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
 """
