@@ -485,9 +485,22 @@ def test_the_streamed_peak_is_the_block_s_widest_live_set(small):
 
 
 def test_a_host_store_gives_the_same_records_and_runs_forward_only(small):
+    """The host-memory path of the value store (every value moved to ``cpu`` when kept, back to the device when
+    read) gives the device store's records; on this CPU both places are the host, so what this shows is that the
+    path computes nothing else (the H200 run at ref2va-768p is the one that moved 41 GiB), and that one wrong packed
+    row still fails it, located at its node and row. The backward and the fault matrix, which read every value on the
+    device, refuse a host store."""
+    from h3gate.gate.faults import RowFault
+    from h3gate.runs.block_rows import value_row_dims
+
     on_device = run_block_gate(_gate(small, "strict", backward=False))
     on_host = run_block_gate(_gate(small, "strict", backward=False, store="host"))
     assert on_host.report["nodes"] == on_device.report["nodes"] and on_host.verdict == on_device.verdict == "pass"
+    graph = build_block_graph(small[0])
+    fault = {"o_proj": RowFault("o_proj", 7).override(graph.node("o_proj"), value_row_dims(graph))}
+    faulted = run_block_gate(_gate(small, "strict", backward=False, store="host", node_overrides=fault))
+    assert faulted.verdict == "fail" and faulted.report["first_row_failure"]["node"] == "o_proj"
+    assert faulted.report["first_row_failure"]["row"] == 7
     with pytest.raises(ValueError, match="a host value store runs forward only"):
         run_block_gate(_gate(small, "strict", store="host"))
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from h3gate.gate.rows import CHUNK_ELEMENTS
 from h3gate.hashing import tensor_sha256  # noqa: F401  (re-exported: reports hash through the gate)
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,8 +42,6 @@ def error(candidate: torch.Tensor, reference: torch.Tensor) -> dict:
 
     Large tensors are upcast :data:`h3gate.gate.rows.CHUNK_ELEMENTS` elements at a time (the norms are then the
     square roots of summed chunk squares, which may differ from one reduction in the last float64 bits)."""
-    from h3gate.gate.rows import CHUNK_ELEMENTS
-
     if candidate.shape != reference.shape:
         raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(reference.shape)}")
     c_all = candidate.detach().reshape(-1)

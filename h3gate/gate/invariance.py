@@ -82,10 +82,19 @@ def placement_records(
 ) -> dict[str, dict]:
     """Per name: one placement's record (its slice against the batch-of-1 reference), so that a caller can drop
     the batch's values right after (at 768p one batch of 3 holds tens of GB)."""
-    return {
-        n: {"batch": size, "position": position, **agreement(values[n], reference[n], row_dims.get(n), modalities)}
-        for n in names
-    }
+    return {n: placement_record(values[n], reference[n], size, position, row_dims.get(n), modalities) for n in names}
+
+
+def placement_record(
+    value: torch.Tensor,
+    reference: torch.Tensor,
+    size: int,
+    position: int,
+    row_dim: int | None,
+    modalities: Sequence[str] | None,
+) -> dict:
+    """One value's record in one placement: the probed item's slice against its batch-of-1 value, bitwise."""
+    return {"batch": size, "position": position, **agreement(value, reference, row_dim, modalities)}
 
 
 def merge_placements(names: Sequence[str], per_placement: Sequence[Mapping[str, dict]]) -> dict[str, dict]:

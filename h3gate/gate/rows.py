@@ -39,20 +39,18 @@ GROUP_NAMES = ("text", "video", "audio")
 CHUNK_ELEMENTS = 1 << 26
 
 
-def _row_major(t: torch.Tensor, row_dim: int | None) -> tuple[torch.Tensor, int | None]:
-    """``t`` with its row axis first (a view) and the row axis to chunk on (None: one row, the whole tensor)."""
+def _row_major(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+    """``t`` with its row axis first (a view; no row axis and fewer than 2 dims: one row, the whole tensor)."""
     t = t.detach()
     if row_dim is None:
         row_dim = 0 if t.ndim >= 2 else None
-    if row_dim is None:
-        return t.reshape(1, -1), None
-    return t.movedim(row_dim, 0), 0
+    return t.reshape(1, -1) if row_dim is None else t.movedim(row_dim, 0)
 
 
 def as_rows(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
     """(R, -1) float64 view of ``t``: rows along ``row_dim`` (batch folded away: it must be 1); 0-d / 1-d / no row
     axis -> rows along dim 0 for 2-d+ tensors, one row otherwise."""
-    rows, _ = _row_major(t, row_dim)
+    rows = _row_major(t, row_dim)
     return rows.reshape(rows.shape[0], -1).to(torch.float64)
 
 
@@ -69,8 +67,8 @@ def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | Non
     and the float64 working set stays at two chunks."""
     if candidate.shape != golden.shape:
         raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(golden.shape)}")
-    c, _ = _row_major(candidate, row_dim)
-    g, _ = _row_major(golden.to(candidate.device), row_dim)
+    c = _row_major(candidate, row_dim)
+    g = _row_major(golden.to(candidate.device), row_dim)
     width = c[0].numel() if c.shape[0] else 0
     parts = []
     for r0, r1 in row_chunks(c.shape[0], width):

@@ -8,8 +8,8 @@ the table holds:
 * candidate - ``registry.bind(op, mode, device).fn`` (strict kernels, or recorded fallbacks);
 * golden    - the provider references on float64 copies of every floating input and parameter.
 
-``h3gate.graph.execute.run_chained`` feeds each node its own upstream; ``run_isolated`` feeds each node the values
-another execution produced (normally the provider's), which separates a node's own drift from drift it inherited.
+``h3gate.graph.execute.run_chained`` feeds each node its own upstream; ``run_node`` on another execution's values
+(normally the provider's) runs a node isolated, which separates its own drift from drift it inherited.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The one graph executor: every engine runs a :class:`~h3gate.graph.core.Graph` through these functions.
 
-* :func:`run_node` - the shared core: one node on the values computed so far, or its override;
+* :func:`run_node` - the shared core: one node on the values computed so far (or on another execution's: isolated),
+  or its override;
 * :func:`run_chained` - every node on its own upstream (all values kept);
-* :func:`run_isolated` - every node on ``feed``'s values of its inputs (normally the provider's), which separates a
-  node's own drift from drift it inherited;
 * :func:`iter_graph` - streaming: node by node, each output dropped after its last consumer (a 50-layer model on a
   GPU), with overrides that may read any earlier value;
 * :func:`run_backward` - a chained forward under autograd on the caller's leaves, then ``out.backward(g)``.
@@ -65,21 +64,6 @@ def run_chained(
     overrides = node_overrides or {}
     for node in graph.nodes:
         values[node.name] = run_node(node, ops, values, params, overrides.get(node.name))
-    return values
-
-
-def run_isolated(
-    graph: Graph,
-    feed: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    ops: OpTable,
-    node_overrides: Mapping[str, Override] | None = None,
-) -> Values:
-    """Execute every node on ``feed``'s values of its inputs (e.g. the provider's), independently of each other."""
-    values: Values = {}
-    overrides = node_overrides or {}
-    for node in graph.nodes:
-        values[node.name] = run_node(node, ops, feed, params, overrides.get(node.name))
     return values
 
 

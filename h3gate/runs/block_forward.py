@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3gate.gate.compare import agreement, error
-from h3gate.gate.invariance import PLACEMENTS, merge_placements, place, select
+from h3gate.gate.invariance import PLACEMENTS, merge_placements, place, placement_record, select
 from h3gate.gate.rows import row_errors
 from h3gate.gate.variants import Variant, refusal
 from h3gate.graph.core import Node, Values
@@ -94,7 +94,12 @@ class ValueStore:
             self.kept.setdefault(who, {})[name] = value.to(self.where)
 
     def get(self, who: str, name: str) -> torch.Tensor:
+        """``who``'s value of ``name`` on the device (a copy when the store is in host memory)."""
         return self.kept[who][name].to(self.device)
+
+    def stored(self, who: str, name: str) -> torch.Tensor:
+        """``who``'s value of ``name`` where it is kept (records read shapes and hashes from it)."""
+        return self.kept[who][name]
 
     def feed(self, node: Node, reads: tuple[str, ...] = ()) -> Values:
         """The graph inputs and provider values ``node`` reads (``reads``: an override's extra ones) and the
@@ -212,7 +217,7 @@ def _invariance(gate: BlockGate, ex: _Executions, store: ValueStore, who: str) -
         repeats[n] = agreement(repeat.step(), ref, rd, mods)
         for records, (size, pos, lane) in zip(placed, batches, strict=True):
             picked = select(lane.step(), 0 if rd is not None else None, pos)
-            records[n] = {"batch": size, "position": pos, **agreement(picked, ref, rd, mods)}
+            records[n] = placement_record(picked, ref, size, pos, rd, mods)
             del picked
         del ref
     return repeats, merge_placements([n.name for n in gate.graph.nodes], placed)

@@ -75,33 +75,10 @@ def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
     return weights + values
 
 
-def check_cpu_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str) -> None:
-    """Refuse a CPU run whose lower-bound footprint exceeds the memory available (instead of swapping or OOM)."""
-    _refuse_cpu(block_lower_bound_bytes(cfg, packed.seq_len), packed, layout, config_name)
-
-
-def _refuse_cpu(need: int, packed: PackedLayout, layout: str, config_name: str) -> None:
-    available = available_memory_bytes()
-    if available is not None and need > available:
-        raise InputError(
-            f"--layout {layout} --config {config_name} --device cpu: needs at least {need / GIB:.1f} GiB "
-            f"(S={packed.seq_len}), {available / GIB:.1f} GiB available; use a smaller layout or --device cuda"
-        )
-
-
 def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str) -> None:
-    """The lower bound against host memory (CPU) or the GPU's free memory, before any weight is placed there."""
-    if device == "cpu":
-        check_cpu_memory(cfg, packed, layout, config_name)
-        return
-    from h3gate.memory import require
-
-    require(
-        block_lower_bound_bytes(cfg, packed.seq_len),
-        f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})",
-        device,
-        hint="use a smaller layout",
-    )
+    """The whole-execution lower bound against host memory (CPU) or the GPU's free memory, before any weight is
+    placed there."""
+    _require(block_lower_bound_bytes(cfg, packed.seq_len), packed, layout, config_name, device, "use a smaller layout")
 
 
 @dataclass(frozen=True)
@@ -163,23 +140,23 @@ def plan_block_memory(
     at least the forward's); a forward-only run keeps its store on the device when everything fits, else in host
     memory with pass 1 on the device (on the CPU both are the host)."""
     rows = packed.seq_len
-    what = f"--layout {layout} --config {config_name} --device {device} (S={rows})"
     streamed = block_forward_bytes(cfg, rows, needs, store_on_device=True)
     if needs.backward or needs.fault_matrix:
         need = max(block_lower_bound_bytes(cfg, rows), streamed)
-        _require(need, what, device, packed, layout, config_name, "use a smaller layout or --no-backward")
+        _require(need, packed, layout, config_name, device, "use a smaller layout or --no-backward")
         return MemoryPlan("device", need, 0, "whole executions (backward or fault matrix)")
     from h3gate.memory import device_available_bytes
 
     available = device_available_bytes(device)
     if device == "cpu" or available is None or streamed <= available:
-        _require(streamed, what, device, packed, layout, config_name, "use a smaller layout")
+        _require(streamed, packed, layout, config_name, device, "use a smaller layout")
         return MemoryPlan("device", streamed, 0, "streamed forward, store on the device")
     need = block_forward_bytes(cfg, rows, needs, store_on_device=False)
-    _require(need, what, device, packed, layout, config_name, "use a smaller layout")
+    _require(need, packed, layout, config_name, device, "use a smaller layout")
     host = store_bytes(cfg, rows, needs)
     host_free = available_memory_bytes()
     if host_free is not None and host > host_free:
+        what = _what(packed, layout, config_name, device)
         raise InputError(
             f"{what}: its value store needs at least {host / GIB:.1f} GiB of host memory, {host_free / GIB:.1f} GiB "
             "available; use a smaller layout"
@@ -187,13 +164,23 @@ def plan_block_memory(
     return MemoryPlan("host", need, host, "streamed forward, store in host memory")
 
 
-def _require(need: int, what: str, device: str, packed: PackedLayout, layout: str, config_name: str, hint: str) -> None:
-    if device == "cpu":
-        _refuse_cpu(need, packed, layout, config_name)
-        return
-    from h3gate.memory import require
+def _what(packed: PackedLayout, layout: str, config_name: str, device: str) -> str:
+    return f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})"
 
-    require(need, what, device, hint=hint)
+
+def _require(need: int, packed: PackedLayout, layout: str, config_name: str, device: str, hint: str) -> None:
+    """Refuse ``need`` bytes beyond what ``device`` has (the CPU's message names --device cuda as the way out)."""
+    if device != "cpu":
+        from h3gate.memory import require
+
+        require(need, _what(packed, layout, config_name, device), device, hint=hint)
+        return
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise InputError(
+            f"--layout {layout} --config {config_name} --device cpu: needs at least {need / GIB:.1f} GiB "
+            f"(S={packed.seq_len}), {available / GIB:.1f} GiB available; use a smaller layout or --device cuda"
+        )
 
 
 def config_for(

@@ -263,7 +263,7 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
         reason = _promise_reason(listed, promised, n in device_promised, device_kind)
         head = {"name": n, "owner_row": node.owner_row, "ops": list(node.ops), "inputs": list(node.inputs),
                 "meta": dict(node.meta)}  # fmt: skip
-        prov, cand = fw.store.kept["provider"][n], fw.store.kept["candidate"][n]
+        prov, cand = fw.store.stored("provider", n), fw.store.stored("candidate", n)
         nodes.append(
             value_record(
                 prov,
