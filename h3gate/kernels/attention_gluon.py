@@ -53,7 +53,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
 from h3gate.kernels.common import STRICT_LAUNCH
 
-# Triton 3.6/3.7 name the TMA tile load async_copy_global_to_shared, 3.8 on async_load (same positional arguments).
+# Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
@@ -103,10 +103,10 @@ def _softmax_block(qk, m_i, l_i, start, offs_n0, S, qk_scale, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _load(desc, smem, bar, coord0, coord1, coord2, pred):
-    """One (1, rows, D) tile by TMA into ``smem``, signalled on ``bar`` (skipped when ``pred`` is false)."""
-    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    _tma_load(desc, [coord0, coord1, coord2], bar, smem, pred=pred)
+def _load(desc, smem, bar, coord0, coord1, coord2):
+    """One (1, rows, D) tile by TMA into ``smem``, signalled on ``bar``."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    _tma_load(desc, [coord0, coord1, coord2], bar, smem)
 
 
 def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int) -> tuple:
@@ -193,14 +193,14 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, S, b, col,
                  row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    _load(q_desc, q_smem, q_bar, b, row0, col, True)  # canonical rows (a copy in canonical order with a walk order)
+    _load(q_desc, q_smem, q_bar, b, row0, col)  # canonical rows (a copy in canonical order with a walk order)
     for j in range(0, gl.cdiv(S, BLOCK_N)):
         slot = j % STAGES
         free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
         mbarrier.wait(k_empty.index(slot), free)
-        _load(k_desc, k_smem.index(slot), k_full.index(slot), b, j * BLOCK_N, col, True)
+        _load(k_desc, k_smem.index(slot), k_full.index(slot), b, j * BLOCK_N, col)
         mbarrier.wait(v_empty.index(slot), free)
-        _load(v_desc, v_smem.index(slot), v_full.index(slot), b, j * BLOCK_N, col, True)
+        _load(v_desc, v_smem.index(slot), v_full.index(slot), b, j * BLOCK_N, col)
 
 
 @gluon.jit
