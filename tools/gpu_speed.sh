@@ -5,6 +5,8 @@
 #                       SDPA cuDNN / flash, backward TMA / tilings, the walk order vs full copies ($PROBE.json)
 #   attn-gluon          tools/gpu_attention_gluon.py: the warp-specialised Gluon forward's bytes against the Triton
 #                       forward (S = 264 ... 38974, batch 2, walk orders) and its time next to cuDNN / flash
+#   attn-bwd            tools/gpu_attention_bwd.py: the one-pass backward's dq/dk/dv bytes against the three-kernel
+#                       backward and its time next to cuDNN's / flash's backward ($BWD_PROBE.json)
 #   attn-<layout>       bench --op h3_full_attention at tiny / medium / 768p (identity and permuted order arms)
 #   attn-ops            run ws1-ops of h3_full_attention at medium (bitwise / accuracy against the provider)
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
@@ -18,8 +20,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
-    attn-gluon) step 240 attention-gluon python3 tools/gpu_attention_gluon.py --variants ws_s2,ws_s3 \
+    attn-gluon) step 240 attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws_s2,ws_s3}" \
       --out "$ev/${PROBE:-perf-probe-16}.json";;
+    attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \
+      --variants fused --out "$ev/attention-bwd-smoke.json";;
+    attn-bwd) step 300 attention-bwd python3 tools/gpu_attention_bwd.py --out "$ev/${BWD_PROBE:-perf-probe-17}.json";;
     attn-tiny|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;

@@ -97,13 +97,14 @@ class AttnConfig:
     fwd_ws: bool = False  # with fwd_tma: Triton's warp specialisation of the KV loop
     fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
     bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
+    bwd_fused: bool = False  # dQ's chain carried by the dK/dV walk (attention_bwd_fused: same bytes, one pass)
 
     @property
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
         load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "") + ("_gluon" if self.fwd_gluon else "")
-        bmath += "_tma" if self.bwd_tma else ""
+        bmath += ("_tma" if self.bwd_tma else "") + ("_fused" if self.bwd_fused else "")
         return (
             f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
@@ -182,6 +183,7 @@ LAUNCH_FIELDS = frozenset(
         "fwd_ws",
         "fwd_gluon",
         "bwd_tma",
+        "bwd_fused",
         "kv_n",
         "kv_m",
         "kv_warps",

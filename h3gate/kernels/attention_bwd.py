@@ -215,6 +215,12 @@ def backward(
         num_warps=4, **STRICT_LAUNCH,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if cfg.bwd_fused:
+        from h3gate.kernels.attention_bwd_fused import launch_fused
+
+        launch_fused(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dq, dk, dv, ord_arg, ordered,
+                     cfg, sm_scale, c, tma, INTERPRET)  # fmt: skip
+        return dq, dk, dv
     _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
         gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, ord_arg, s, h, c, sm_scale,
         stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,

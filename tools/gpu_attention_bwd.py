@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""H200 probe of the one-pass attention backward (``h3gate/kernels/attention_bwd_fused.py``), from the repo root:
+
+    python3 tools/gpu_attention_bwd.py --out $OUT/attention-bwd.json
+
+* ``bytes``: dq, dk and dv of every one-pass variant against the three-kernel backward of the same tiling
+  (``bwd_fused`` off), byte for byte, at (B, S, walk order) cases with partial last blocks, a batch of 2 and a
+  permuted walk; the one-pass backward run twice must repeat bitwise.
+* ``time``: backward-only medians (``triton.testing.do_bench``, the same forward's out / lse2 / gradient) at S = 264,
+  925, 3160 and 38974 (B = 1, 56 heads): the three-kernel backward, every one-pass variant, and SDPA's backward
+  pinned to cuDNN and to flash (``torch.autograd.grad`` of its forward, graph retained).
+
+A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import traceback
+
+import torch
+import triton
+
+from h3gate.kernels import attention
+from h3gate.kernels.attention_bwd import backward
+
+HEADS, D = 56, 128
+# name -> AttnConfig overrides on top of the production tiling at that S (bwd_fused on in every one).
+VARIANTS = {
+    "fused": {},
+    "fused_s2": {"kv_stages": 2},
+    "fused_ptr": {"bwd_tma": False, "kv_stages": 3},
+}
+CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
+TIMED = (264, 925, 3160, 38974)
+
+
+def _inputs(b: int, s: int, seed: int, ordered: bool):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    grad = torch.randn(b, s, HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
+    order = torch.randperm(s, device="cuda", generator=g) if ordered else None
+    cfg = attention.attn_config(D, torch.bfloat16, s)
+    out, lse = attention.forward(q, k, v, cfg, order)
+    return (q, k, v, out, lse, grad), order, cfg
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16)))
+
+
+def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
+    for b, s, ordered in cases:
+        args, order, cfg = _inputs(b, s, seed=s + 7 * b, ordered=ordered)
+        ref = backward(*args, cfg, order)
+        for name in variants:
+            rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
+            try:
+                vcfg = dataclasses.replace(cfg, bwd_fused=True, **VARIANTS[name])
+                got, again = backward(*args, vcfg, order), backward(*args, vcfg, order)
+                torch.cuda.synchronize()
+                for label, g, a, r in zip(("dq", "dk", "dv"), got, again, ref, strict=True):
+                    diff = (g.float() - r.float()).abs()
+                    rec[label] = {"bitwise": _bits_equal(g, r), "repeat_bitwise": _bits_equal(g, a),
+                                  "max_abs": float(diff.max()), "rows_differing": int((diff.amax(-1) > 0).sum()),
+                                  "finite": bool(torch.isfinite(g).all())}  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                rec["traceback"] = traceback.format_exc()[-2000:]
+            print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+            records.append(rec)
+
+
+def _sdpa_backward(q, k, v, grad, backend):
+    from torch.nn.attention import sdpa_kernel
+
+    leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel([backend]):
+        y = torch.nn.functional.scaled_dot_product_attention(*leaves)
+    g4 = grad.view(q.shape).transpose(1, 2)
+    return lambda: torch.autograd.grad(y, leaves, g4, retain_graph=True)
+
+
+def probe_time(records: list[dict], variants: list[str]) -> None:
+    from torch.nn.attention import SDPBackend
+
+    for s in TIMED:
+        args, _, cfg = _inputs(1, s, seed=11, ordered=False)
+        flops = 10.0 * s * s * D * HEADS  # five matmuls of 2 S^2 D flops per head (what cuDNN counts)
+        fns = {"three_kernel": lambda a=args, c=cfg: backward(*a, c)}
+        for name in variants:
+            vcfg = dataclasses.replace(cfg, bwd_fused=True, **VARIANTS[name])
+            fns[name] = lambda a=args, c=vcfg: backward(*a, c)
+        rec = {"section": "time", "S": s, "ms": {}, "tflops": {}}
+        for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                fns[label] = _sdpa_backward(*args[:3], args[5], backend)
+            except Exception as exc:  # noqa: BLE001
+                rec.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        for name, fn in fns.items():
+            try:
+                ms = triton.testing.do_bench(fn, warmup=100, rep=600 if s < 10000 else 5000, return_mode="median")
+                rec["ms"][name], rec["tflops"][name] = ms, flops / ms / 1e9
+            except Exception as exc:  # noqa: BLE001
+                rec["ms"][name] = None
+                rec.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        best = min((v for k2, v in rec["ms"].items() if k2 in variants and v), default=math.nan)
+        rec["best_fused_vs_cudnn"] = (rec["ms"].get("cudnn") or math.nan) / best
+        rec["best_fused_vs_three_kernel"] = (rec["ms"].get("three_kernel") or math.nan) / best
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="bytes,time")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--small", action="store_true", help="bytes at two small cases only (a smoke run)")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    records: list[dict] = []
+    meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
+    try:
+        for section in args.sections.split(","):
+            if section == "bytes":
+                probe_bytes(records, variants, [(1, 264, False), (2, 300, True)] if args.small else CASES)
+            else:
+                probe_time(records, variants)
+    finally:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
