@@ -8,9 +8,10 @@
 #   attn-bwd            tools/gpu_attention_bwd.py: the one-pass backward's dq/dk/dv bytes against the three-kernel
 #                       backward and its time next to cuDNN's / flash's backward ($BWD_PROBE.json)
 #   attn-<layout>       bench --op h3_full_attention at tiny / medium / 768p (identity and permuted order arms)
-#   attn-ops            run ws1-ops of h3_full_attention at medium (bitwise / accuracy against the provider)
+#   attn-ops[-768p]     run ws1-ops of h3_full_attention at medium / 768p (bitwise / accuracy against the provider)
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
 #   gate-block          run ws1-block --mode strict at medium
+#   gate-model          run ws1-model --mode strict at medium (forward and complete backward)
 #   model-<layout>      bench ws1-model at medium / 768p
 # BUDGET_S (default 540): a section that would start later than that is skipped. Evidence under $OUT/ev/<name>/,
 # all of it in $OUT/evidence.tgz.
@@ -30,6 +31,10 @@ for s in "$@"; do
         --out "$ev/bench-attention-$L";;
     attn-ops) step 200 ws1-ops-attention-medium $H run ws1-ops --device cuda --config real --layouts medium \
       --op h3_full_attention --out "$ev/ws1-ops-attention-medium";;
+    attn-ops-768p) step 200 ws1-ops-attention-768p $H run ws1-ops --device cuda --config real --layouts 768p \
+      --op h3_full_attention --out "$ev/ws1-ops-attention-768p";;
+    gate-model) step 300 ws1-model-real-medium $H run ws1-model --config real --layout medium --device cuda \
+      --mode strict --out "$ev/ws1-model-real-medium";;
     block-medium|block-768p) L=${s#block-}
       step 200 "bench-ws1-block-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
         --out "$ev/bench-ws1-block-$L";;

@@ -34,18 +34,19 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   Forward and gradients of a logical row are byte-equal under any consistent permutation of the packed rows.
   ``order=None`` walks packed order; an identity order takes the plain kernels without copies (decided once per
   order tensor: ``common.cached``, one host read, not per call).
-* invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in
-  the fixed block order above (over the canonical rows when an order is given); batch elements and heads are
-  separate programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms) and the backward tilings are
-  functions of (D, dtype) only, never of S or B. Launch knobs may depend on S, declared in ``S_BUCKETS`` (only
-  ``LAUNCH_FIELDS``): block heights, warps, stages and the load path (``fwd_tma`` / ``bwd_tma``: TMA or pointer
-  loads of the same tiles, :mod:`h3gate.kernels.attention_tma`), which decide which program owns a row and which
-  instruction fetches a tile - each row's scores, softmax and sums are the same (every launch probed was bitwise
-  equal at S = 264, 925, 3160 and 38974 on the H200, ``docs/measurements/perf-probe-{12,13,14,15}.json``); and the
-  forward's schedule, ``fwd_gluon``: the warp-specialised Gluon kernel (:mod:`h3gate.kernels.attention_gluon`,
-  Hopper) issues the same instructions on the same tiles in another order (a TMA producer warp, two consumer
-  warpgroups of 64 rows whose softmax overlaps the other's MMAs), bitwise equal to the Triton kernels at every S,
-  batch and order probed (``perf-probe-16.json``). Repeat runs are bitwise equal. No split-KV, no atomics.
+* invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in the
+  fixed block order above (over the canonical rows when an order is given); batch elements and heads are separate
+  programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms; 128 keys a step for bfloat16 D = 128 since kernel
+  id v2, 64 in v1) and the backward tilings are functions of (D, dtype) only, never of S or B. Launch knobs may depend
+  on S, declared in ``S_BUCKETS`` (only ``LAUNCH_FIELDS``): block heights, warps, stages and the load path (``fwd_tma``
+  / ``bwd_tma``: TMA or pointer loads of the same tiles, :mod:`h3gate.kernels.attention_tma`), which decide which
+  program owns a row and which instruction fetches a tile - each row's scores, softmax and sums are the same (every
+  launch probed was bitwise equal at S = 264, 925, 3160 and 38974 on the H200,
+  ``docs/measurements/perf-probe-{12,13,14,15}.json``); and the forward's schedule, ``fwd_gluon``: the warp-specialised
+  Gluon kernel (:mod:`h3gate.kernels.attention_gluon`, Hopper) issues the same instructions on the same tiles in another
+  order (a TMA producer warp, two consumer warpgroups of 64 rows whose softmax overlaps the other's MMAs), bitwise equal
+  to the Triton kernels at every S, batch and order probed (``perf-probe-16.json``). Repeat runs are bitwise equal. No
+  split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 
@@ -66,7 +67,7 @@ from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor
 from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import mma
 
-KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v1"
+KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v2"
 OP = "h3_full_attention"
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (128,)
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -146,8 +147,8 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
         q_stages=4,
         bwd_tma=True,
         fwd_m=64,
-        fwd_n=64,
-        fwd_warps=4,
+        fwd_n=128,
+        fwd_warps=8,
         fwd_stages=3,
         fwd_tma=True,
         fwd_gluon=True,
@@ -170,10 +171,14 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 # pointer kernel, perf-probe-15); TMA and 4 pipeline stages in the backward were 3 / 4 % faster at 3160 / 38974
 # (perf-probe-15). Both were slower at 264 / 925 (a program's descriptor set-up: forward 25 / 6 %, backward 8 / 2 %),
 # so below the bound 2048 (between the measured 925 and 3160, a choice, not a measured crossover) the pointer
-# kernels with 3 backward stages run. fwd_n = 128 (a different KV walk, so other bytes) was 1 % faster at 38974 and
-# slower elsewhere: not taken. The warp-specialised Gluon forward (same bytes) was 6 % faster than the TMA kernel at
-# 3160 and 38974 and slower at 264 (host descriptors and one wave of 128-row programs): from 2048 on as well
+# kernels with 3 backward stages run. The warp-specialised Gluon forward (same bytes) was 6 % faster than the TMA
+# kernel at 3160 and 38974 and slower at 264 (host descriptors and one wave of 128-row programs): from 2048 on as well
 # (perf-probe-16).
+# The KV walk itself (fwd_n, not a launch field) is 128 keys since kernel id v2 (session 13): in the Gluon kernel it
+# was 17 / 20 % faster than the 64-key walk at S = 3160 / 38974 (0.561 vs 0.528 ms cuDNN, 72.5 vs 75.8 ms cuDNN,
+# perf-probe-17-fwd.json), where the Triton kernels had shown 1 % (perf-probe-14): a contract change (other bytes, new
+# evidence for every gate). Below 2048 the pointer kernel walks the same 128 keys, on 8 warps (ptxas: 584 spilled bytes
+# against 7.6 KB on 4 warps).
 LAUNCH_FIELDS = frozenset(
     {
         "fwd_m",

@@ -19,16 +19,17 @@ has three partitions:
   the loop's back edge.
 
 The arithmetic of every row is the Triton kernels' (``attention.fwd_step``), written with the same operations on the
-same layouts: ``q k^T`` by ``wgmma`` m64n64k16 from shared memory onto a zero FP32 accumulator; the row maximum of
-the raw scores times ``qk_scale``; ``p = exp2(fma(qk, qk_scale, -m'))`` with ``ex2.approx.ftz.f32`` (the declared
-``fwd_fma`` / ``fwd_exp2`` forms); ``alpha = exp2(m - m')``; ``l = l * alpha + rowsum(p)`` (the row sum reduced in
-the NVMMA accumulator layout, as Triton reduces it); ``acc = acc * alpha``, then ``acc += bf16(p) v`` by ``wgmma``
-m64n128k16 with ``p`` from registers; ``out = bf16(acc / l)`` (IEEE division) and ``lse2 = m + log2(l)``
-(libdevice). The KV walk is ``attention``'s: 64-wide blocks in ascending order, the last one masked where its rows
-pass S. K/V/Q come by host TMA descriptors over (B, S, nh * D) views with (1, rows, D) boxes, so rows past S are
-zeros (as the pointer kernel's masked loads give), never the next batch item's. Only the order in which independent
-instructions are issued differs: the bytes are the Triton kernels' at every S, batch and walk order probed on the
-H200 (``docs/measurements/perf-probe-16.json``); the contract and kernel id are :mod:`h3gate.kernels.attention`'s.
+same layouts: ``q k^T`` by ``wgmma`` (m64, N = ``fwd_n``, k16) from shared memory onto a zero FP32 accumulator; the row
+maximum of the raw scores times ``qk_scale``; ``p = exp2(fma(qk, qk_scale, -m'))`` with ``ex2.approx.ftz.f32`` (the
+declared ``fwd_fma`` / ``fwd_exp2`` forms); ``alpha = exp2(m - m')``; ``l = l * alpha + rowsum(p)`` (the row sum reduced
+in the NVMMA accumulator layout, as Triton reduces it); ``acc = acc * alpha``, then ``acc += bf16(p) v`` by ``wgmma``
+m64n128k16 with ``p`` from registers; ``out = bf16(acc / l)`` (IEEE division) and ``lse2 = m + log2(l)`` (libdevice).
+The KV walk is ``attention``'s: ``fwd_n``-wide blocks (128 keys: ``q k^T`` by m64n128k16, ``p v`` with K = 128) in
+ascending order, the last one masked where its rows pass S. K/V/Q come by host TMA descriptors over (B, S, nh * D) views
+with (1, rows, D) boxes, so rows past S are zeros (as the pointer kernel's masked loads give), never the next batch
+item's. Only the order in which independent instructions are issued differs: the bytes are the Triton kernels' at every
+S, batch and walk order probed on the H200 (``docs/measurements/perf-probe-16.json``); the contract and kernel id are
+:mod:`h3gate.kernels.attention`'s.
 
 GPU only (Gluon has no interpreter; the CPU interpreter runs the pointer kernel, the same arithmetic); sm_90,
 bfloat16, D = 128. ``tests/triton_kernels/sm90_lowering.py`` compiles it for sm_90 on the CPU and checks that ptxas

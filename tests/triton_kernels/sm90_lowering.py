@@ -14,20 +14,21 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from h3gate.kernels import attention, attention_bwd, attention_gluon, attention_tma
+from h3gate.kernels import attention, attention_bwd, attention_bwd_fused, attention_gluon, attention_tma
 
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
 
-_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "ord_ptr": "*i64", "S": "i32", "H": "i32", "qk_scale": "fp32",
+_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr": "*i32", "ord_ptr": "*i64",
+          "S": "i32", "H": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32"}  # fmt: skip
 
 
-def ptx_facts(kernel, consts: dict, warps: int, stages: int) -> dict:
+def ptx_facts(kernel, consts: dict, warps: int, stages: int, ptxas: bool = False) -> dict:
     sig = {n: "constexpr" if n in consts else _TYPES.get(n, "*bf16") for n in kernel.arg_names}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
     opts = {"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False}
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]
-    return {w: ptx.count(w) for w in FACTS}
+    return {**{w: ptx.count(w) for w in FACTS}, **(ptxas_report(ptx) if ptxas else {})}
 
 
 def ptxas_report(ptx: str) -> dict:
@@ -68,7 +69,7 @@ def gluon_facts(ordered: bool) -> dict:
 
 def main() -> None:
     cfg = attention.attn_config(128, torch.bfloat16)
-    fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": 64}
+    fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n}
     bwd = {"D": 128, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma, "INTERPRET": False, "ORDERED": True}
     out = {}
     for ordered in (False, True):
@@ -80,6 +81,7 @@ def main() -> None:
         out[f"dkdv_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, kv, cfg.kv_warps, cfg.kv_stages)
         dq = {**bwd, "USE_TMA": tma, "BLOCK_M": cfg.q_m, "BLOCK_N": cfg.q_n}
         out[f"dq_tma={tma}"] = ptx_facts(attention_bwd._dq_kernel, dq, cfg.q_warps, cfg.q_stages)
+        out[f"fused_tma={tma}"] = ptx_facts(attention_bwd_fused._fused_kernel, kv, cfg.kv_warps, cfg.kv_stages, True)
     for ordered in (False, True):
         out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
     json.dump(out, sys.stdout)

@@ -43,6 +43,29 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize(
+    "cfg", [SMALL, FAST, attn.replace(SMALL, kv_n=32, kv_m=16, q_m=16, q_n=32)], ids=["small", "fast", "wide"]
+)
+@pytest.mark.parametrize("b,s,ordered", [(1, 70, False), (2, 37, True)])
+def test_one_pass_backward_has_the_three_kernel_bytes(cfg, b, s, ordered) -> None:
+    """``bwd_fused`` (a launch field): the dK/dV walk extends dQ's FP32 chains through a buffer, KV block after KV
+    block, in the dQ kernel's order, so dq, dk and dv are the three-kernel backward's bytes (masked tails, a batch
+    of 2, a permuted walk; the H200 probe compares the compiled kernels, perf-probe-17)."""
+    q, k, v = qkv(b, s)
+    grad = torch.randn(b, s, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
+    order = torch.randperm(s, generator=torch.Generator().manual_seed(3)) if ordered else None
+
+    def run(c):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        attn.attention_with(*leaves, c, order).backward(grad)
+        return [t.grad for t in leaves]
+
+    fused = attn.replace(cfg, bwd_fused=True)
+    assert fused.tag.endswith("_fused")
+    for got, want, name in zip(run(fused), run(cfg), ("dq", "dk", "dv"), strict=True):
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("s", [17, 70])
 @pytest.mark.parametrize("cfg", [None, SMALL, FAST], ids=["default", "small", "fast"])
@@ -212,14 +235,17 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     S = 264..38974)."""
     table = attn.attn_config(128, BF16)
     small = attn.attn_config(128, BF16, 264)
-    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (64, 4, 3, False, False)
+    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (64, 8, 3, False, False)
+    assert small.fwd_n == table.fwd_n == 128 and attn.KERNEL_ID.endswith(":v2")  # the 128-key walk of kernel id v2
     assert table.fwd_tma and table.fwd_gluon and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
     assert not small.fwd_gluon and "fwd_gluon" in attn.LAUNCH_FIELDS
     assert attn.replace(small, fwd_tma=True, fwd_gluon=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
     assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
-    tall = attn.replace(small, fwd_m=128, fwd_warps=8, kv_m=32, q_n=32)
+    # heights of the rows a program owns (the interpreter sums a whole MMA tile before adding the accumulator, so the
+    # reduction-step heights kv_m / q_n, bitwise on the GPU by the MMA's k-step chain, are compared there only)
+    tall = attn.replace(small, fwd_m=128, fwd_warps=4, kv_n=64, q_m=64)
     seen = []
     real = attn._Attention.apply
     monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
