@@ -178,7 +178,9 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 # was 17 / 20 % faster than the 64-key walk at S = 3160 / 38974 (0.561 vs 0.528 ms cuDNN, 72.5 vs 75.8 ms cuDNN,
 # perf-probe-17-fwd.json), where the Triton kernels had shown 1 % (perf-probe-14): a contract change (other bytes, new
 # evidence for every gate). Below 2048 the pointer kernel walks the same 128 keys, on 8 warps (ptxas: 584 spilled bytes
-# against 7.6 KB on 4 warps).
+# against 7.6 KB on 4 warps) and 128-row blocks: 0.032 / 0.105 ms at S = 264 / 925 against 0.037 / 0.150 for 64-row
+# blocks (cuDNN 0.021 / 0.067; the 64-key walk read 0.025 / 0.092), bytes equal (perf-probe-17-small.json). There a
+# 32-row block on 4 warps gave other bytes (Triton issues mma.sync below 64 rows, not wgmma): heights are >= 64.
 LAUNCH_FIELDS = frozenset(
     {
         "fwd_m",
@@ -201,7 +203,7 @@ LAUNCH_FIELDS = frozenset(
 )
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
     (128, "bfloat16"): (
-        (2048, {"fwd_tma": False, "fwd_gluon": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),
+        (2048, {"fwd_m": 128, "fwd_tma": False, "fwd_gluon": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),
     ),
 }
 
@@ -211,8 +213,11 @@ def _check_s_buckets() -> None:
         bounds = [b[0] for b in buckets]
         heights = [o.get(f, 64) for _, o in buckets for f in ("fwd_m", "kv_n", "kv_m", "q_m", "q_n")]
         fields = set().union(*(o for _, o in buckets))
-        if key not in ATTN_TABLE or bounds != sorted(set(bounds)) or any(h & (h - 1) for h in heights):
-            raise AssertionError(f"attention.S_BUCKETS{key}: known tiling, ascending bounds, power-of-two blocks")
+        low = key[1] == "bfloat16" and min(heights, default=64) < 64  # below 64 rows: mma.sync, other bytes
+        if key not in ATTN_TABLE or bounds != sorted(set(bounds)) or any(h & (h - 1) for h in heights) or low:
+            raise AssertionError(
+                f"attention.S_BUCKETS{key}: known tiling, ascending bounds, power-of-two blocks of >= 64 rows"
+            )
         if not fields <= LAUNCH_FIELDS:
             raise AssertionError(f"attention.S_BUCKETS{key}: {sorted(fields - LAUNCH_FIELDS)} are not launch fields")
 

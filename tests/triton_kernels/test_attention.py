@@ -231,21 +231,21 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
 def test_launch_by_sequence_length(monkeypatch) -> None:
     """S_BUCKETS changes only launch fields (block heights, warps, stages, load path), never the forward's KV walk
     or the exp2/fma forms; the bucketed call and a 128-row pointer tiling give the same bytes, forward and backward
-    (S = 70: two 64-row blocks vs one 128-row block; the H200 probe checks the compiled MMAs and the TMA loads at
+    (S = 70: one 128-row block vs two 64-row blocks; the H200 probe checks the compiled MMAs and the TMA loads at
     S = 264..38974)."""
     table = attn.attn_config(128, BF16)
     small = attn.attn_config(128, BF16, 264)
-    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (64, 8, 3, False, False)
+    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (128, 8, 3, False, False)
     assert small.fwd_n == table.fwd_n == 128 and attn.KERNEL_ID.endswith(":v2")  # the 128-key walk of kernel id v2
     assert table.fwd_tma and table.fwd_gluon and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
     assert not small.fwd_gluon and "fwd_gluon" in attn.LAUNCH_FIELDS
-    assert attn.replace(small, fwd_tma=True, fwd_gluon=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
+    assert attn.replace(small, fwd_m=64, fwd_tma=True, fwd_gluon=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
     assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     # heights of the rows a program owns (the interpreter sums a whole MMA tile before adding the accumulator, so the
     # reduction-step heights kv_m / q_n, bitwise on the GPU by the MMA's k-step chain, are compared there only)
-    tall = attn.replace(small, fwd_m=128, fwd_warps=4, kv_n=64, q_m=64)
+    tall = attn.replace(small, fwd_m=64, fwd_warps=4, kv_n=64, q_m=64)
     seen = []
     real = attn._Attention.apply
     monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
@@ -257,6 +257,9 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
         assert torch.equal(got, want), name
     monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 48}),))
     with pytest.raises(AssertionError, match="power-of-two blocks"):
+        attn._check_s_buckets()
+    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 32}),))  # mma.sync: other bytes
+    with pytest.raises(AssertionError, match=">= 64 rows"):
         attn._check_s_buckets()
     monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {}), (512, {})))
     with pytest.raises(AssertionError, match="ascending bounds"):
