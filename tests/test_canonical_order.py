@@ -122,6 +122,11 @@ def test_provider_block_ignores_the_order(block) -> None:
     graph, params, canonical, *_ = block
     with torch.no_grad():
         plain = run_chained(graph, canonical, params, provider_table())
-        flipped = run_chained(graph, {**canonical, "attention_order": _perm(canonical["attention_order"].shape[0], 9)}, params, provider_table())
+        flipped = run_chained(
+            graph,
+            {**canonical, "attention_order": _perm(canonical["attention_order"].shape[0], 9)},
+            params,
+            provider_table(),
+        )
     assert all(torch.equal(plain[n], flipped[n]) for n in BLOCK_NODES)
     assert canonical["attention_order"].shape == (144,)

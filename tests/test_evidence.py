@@ -266,11 +266,11 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("e20ba97", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # manifests/, schemas/ at the top level
         ("2addd63", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # h3gate/data/, from a stamped copy
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
-        ("9c77c61", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # row profile, canonical order, Gluon
+        ("9bf3861", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # row profile, canonical order, 128-key walk
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
         ("e976b6d", "evidence/h200/vae-video-real-strict/vae.json"),  # run vae at the released geometry
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
-        ("e24f495", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, row profile, canonical order
+        ("9bf3861", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, kernel id v2 attention
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
