@@ -7,10 +7,11 @@
 #                       forward (S = 264 ... 38974, batch 2, walk orders) and its time next to cuDNN / flash
 #   attn-bwd            tools/gpu_attention_bwd.py: the one-pass backward's dq/dk/dv bytes against the three-kernel
 #                       backward and its time next to cuDNN's / flash's backward ($BWD_PROBE.json)
-#   attn-<layout>       bench --op h3_full_attention at tiny / medium / 768p (identity and permuted order arms)
-#   attn-ops[-768p]     run ws1-ops of h3_full_attention at medium / 768p (bitwise / accuracy against the provider)
+#   attn-<layout>       bench --op h3_full_attention at tiny / small / medium / 768p (identity and permuted order arms)
+#   attn-ops[-768p|-tiny-small]  run ws1-ops of h3_full_attention at medium / 768p / tiny and small (bitwise /
+#                       accuracy against the provider)
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
-#   gate-block          run ws1-block --mode strict at medium
+#   gate-block[-tiny|-small]  run ws1-block --mode strict at medium (tiny, small)
 #   gate-model          run ws1-model --mode strict at medium (forward and complete backward)
 #   model-<layout>      bench ws1-model at medium / 768p
 # BUDGET_S (default 540): a section that would start later than that is skipped. Evidence under $OUT/ev/<name>/,
@@ -26,13 +27,18 @@ for s in "$@"; do
     attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \
       --variants fused --out "$ev/attention-bwd-smoke.json";;
     attn-bwd) step 300 attention-bwd python3 tools/gpu_attention_bwd.py --out "$ev/${BWD_PROBE:-perf-probe-17}.json";;
-    attn-tiny|attn-medium|attn-768p) L=${s#attn-}
+    attn-tiny|attn-small|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;
     attn-ops) step 200 ws1-ops-attention-medium $H run ws1-ops --device cuda --config real --layouts medium \
       --op h3_full_attention --out "$ev/ws1-ops-attention-medium";;
     attn-ops-768p) step 200 ws1-ops-attention-768p $H run ws1-ops --device cuda --config real --layouts 768p \
       --op h3_full_attention --out "$ev/ws1-ops-attention-768p";;
+    attn-ops-tiny-small) step 200 ws1-ops-attention-tiny-small $H run ws1-ops --device cuda --config real \
+      --layouts tiny,small --op h3_full_attention --out "$ev/ws1-ops-attention-tiny-small";;
+    gate-block-tiny|gate-block-small) L=${s#gate-block-}
+      step 200 "ws1-block-real-$L" $H run ws1-block --config real --layout "$L" --device cuda --mode strict --fault-matrix \
+        --out "$ev/ws1-block-real-$L";;
     gate-model) step 300 ws1-model-real-medium $H run ws1-model --config real --layout medium --device cuda \
       --mode strict --out "$ev/ws1-model-real-medium";;
     block-medium|block-768p) L=${s#block-}
