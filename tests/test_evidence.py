@@ -264,7 +264,8 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
     ("commit", "evidence"),
     [
         ("e20ba97", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # manifests/, schemas/ at the top level
-        ("2addd63", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # h3gate/data/, from a stamped copy
+        ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
+        ("1c4860f", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, kernel id v2
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
         ("9bf3861", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # row profile, canonical order, 128-key walk
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
