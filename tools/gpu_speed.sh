@@ -13,6 +13,7 @@
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
 #   gate-block[-tiny|-small]  run ws1-block --mode strict at medium (tiny, small)
 #   gate-model          run ws1-model --mode strict at medium (forward and complete backward)
+#   gate-block-768p, gate-model-768p   the strict forward gates at 768p (the block; the model's blocks 0-4)
 #   model-<layout>      bench ws1-model at medium / 768p
 # BUDGET_S (default 540): a section that would start later than that is skipped. Evidence under $OUT/ev/<name>/,
 # all of it in $OUT/evidence.tgz.
@@ -36,6 +37,10 @@ for s in "$@"; do
       --op h3_full_attention --out "$ev/ws1-ops-attention-768p";;
     attn-ops-tiny-small) step 200 ws1-ops-attention-tiny-small $H run ws1-ops --device cuda --config real \
       --layouts tiny,small --op h3_full_attention --out "$ev/ws1-ops-attention-tiny-small";;
+    gate-block-768p) step 200 ws1-block-real-768p-forward $H run ws1-block --config real --layout 768p --device cuda \
+      --mode strict --no-backward --out "$ev/ws1-block-real-768p-forward";;
+    gate-model-768p) step 200 ws1-model-real-768p-forward-blocks-0-4 $H run ws1-model --config real --device cuda \
+      --mode strict --layout 768p --no-backward --layers 0:4 --out "$ev/ws1-model-real-768p-forward-blocks-0-4";;
     gate-block-tiny|gate-block-small) L=${s#gate-block-}
       step 200 "ws1-block-real-$L" $H run ws1-block --config real --layout "$L" --device cuda --mode strict --fault-matrix \
         --out "$ev/ws1-block-real-$L";;
