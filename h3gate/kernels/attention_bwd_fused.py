@@ -25,6 +25,12 @@ every query step, so it extends that same chain by its own KV rows:
 
 Memory: an FP32 (batch x heads, S, D) buffer of partial sums (twice dq's bytes) and one int32 per (batch x head,
 query step), both per call.
+
+Not in production: on the H200 it was byte-equal to the three-kernel backward at every case probed and 2.2x slower
+(560 vs 259 ms at S = 38974; ``docs/measurements/perf-probe-17.json``). Each query step waits for its predecessor's
+store, load and release before its own MMA, and nothing else runs meanwhile: the hand-off needs its own warp (warp
+specialisation, as FlashAttention-3 gives its dQ writer), which a Triton kernel cannot declare. Kept, tested under
+the interpreter and compiled for sm_90 in CI, as the measured base of that next step.
 """
 
 from __future__ import annotations
