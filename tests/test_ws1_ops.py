@@ -130,6 +130,7 @@ def test_bench_record_shape_and_criteria(monkeypatch, tmp_path):
     rec = bench_ops.bench_op("h3_swiglu", 33, cfg, "cpu", copy_gbs=1.0)
     assert rec["forward"]["speedup"] == 2.0 and rec["checks"] == {"not_slower": True, "bandwidth": None}
     assert rec["verdict"] == "pass" and rec["forward_backward"] is not None
+    assert rec["backward"]["speedup"] == 2.0 and "baseline" not in rec["backward"]  # no declared baseline
     body = bench_body("tiny", "tiny", 33, "cuda", 1.0, [rec])
     assert body["timing"]["head_start_us"] == bench_ops.HEAD_START_US
     write_evidence(tmp_path, "bench-ops.json", "bench", body, command=["test"], device="cpu")
@@ -241,6 +242,10 @@ def test_bench_attention_target_is_sdpa_flash(monkeypatch):
     assert rec["target"]["baseline"] == "sdpa_flash" and rec["target"]["baseline_timing"]["median_ms"] == 1.25
     assert rec["forward"]["speedup"] == pytest.approx(0.7) and rec["target"]["ratio"] == pytest.approx(1.25)
     assert rec["checks"]["target"] is True and rec["verdict"] == "pass"
+    # the backward alone and forward + backward are timed next to flash's too (recorded, not gated)
+    assert rec["forward_backward"]["baseline"]["median_ms"] == 1.25
+    bwd = rec["backward"]
+    assert bwd["speedup"] == pytest.approx(0.7) and bwd["baseline_speedup"] == pytest.approx(1.25)
     monkeypatch.setattr(bench_ops, "side_by_side", _fake_timer({"kernel": 1.0, "provider": 2.0, "baseline": 0.99}))
     rec = bench_ops.bench_op("h3_full_attention", 12, load_config("tiny").config, "cpu", copy_gbs=1.0)
     assert rec["checks"]["target"] is False and rec["verdict"] == "fail"  # faster than the provider, not than flash
@@ -307,3 +312,17 @@ def test_sdpa_flash_baseline_runs_flash_only():
 
     with pytest.raises(RuntimeError, match="No available kernel"):
         sdpa_flash(with_dropout)(q, q, q)
+
+
+def test_bench_backward_alone_is_the_same_vjp_as_forward_backward():
+    """The backward-only timing runs one forward outside the timing and the retained graph's VJP per call: the
+    gradients equal those of a fresh forward + backward, call after call."""
+    from h3gate.bench import ops as bench_ops
+
+    case = bench_ops.build_case("h3_swiglu", 9, load_config("tiny").config, "cpu", seed=0)
+    ref = registry.reference("h3_swiglu")
+    gout = torch.randn(case.call(ref).shape, generator=torch.Generator().manual_seed(3))
+    alone = bench_ops._backward(case, ref, gout)
+    fresh = bench_ops._forward_backward(case, ref, gout)()
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(alone(), fresh, strict=True))

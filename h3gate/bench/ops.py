@@ -70,6 +70,45 @@ def _forward_backward(case: OpCase, fn, gout: torch.Tensor):
     return run
 
 
+def _backward(case: OpCase, fn, gout: torch.Tensor):
+    """The backward alone: one forward under autograd, outside the timing; each call is its graph's VJP (retained)."""
+    args = list(case.args)
+    leaves = []
+    for i in case.grad_args:
+        args[i] = args[i].detach().requires_grad_(True)
+        leaves.append(args[i])
+    out = fn(*args, **case.kwargs)
+
+    def run():
+        return torch.autograd.grad(out, leaves, gout, retain_graph=True, allow_unused=True)
+
+    return run
+
+
+def _gradient_timings(case: OpCase, kernel, ref, baseline, variants: dict, iters: int) -> tuple[dict, dict]:
+    """Forward + backward (kernel, provider, declared baseline, bench variants) and the backward alone (kernel,
+    provider, baseline), each set timed side by side in one interleaved run."""
+    with torch.no_grad():
+        out = case.call(ref)
+    gout = randn(out.shape, out.dtype, out.device, torch.Generator(device=out.device).manual_seed(1))
+    execs = {"kernel": kernel, "provider": ref, **({"baseline": baseline} if baseline is not None else {})}
+    fb_fns = {name: _forward_backward(case, fn, gout) for name, fn in execs.items()}
+    fb_fns.update({name: _forward_backward(c, kernel, gout) for name, c in variants.items()})
+    fb = side_by_side(fb_fns, iters=max(10, iters // 2), head_start_us=HEAD_START_US)
+    bwd_fns = {name: _backward(case, fn, gout) for name, fn in execs.items()}
+    bwd = side_by_side(bwd_fns, iters=max(10, iters // 2), head_start_us=HEAD_START_US)
+    return fb, bwd
+
+
+def _backward_record(bwd: dict) -> dict:
+    """The backward alone: timings, provider / kernel and (with a declared baseline) baseline / kernel."""
+    k_ms = bwd["kernel"]["median_ms"]
+    rec = {**bwd, "speedup": _ratio(bwd["provider"]["median_ms"], k_ms)}
+    if "baseline" in bwd:
+        rec["baseline_speedup"] = _ratio(bwd["baseline"]["median_ms"], k_ms)
+    return rec
+
+
 def _bucket(target, small: bool) -> str:
     """Which of the target's ratios applied: ``rows < B`` / ``rows >= B`` with a small-rows bound, else ``all rows``."""
     if target.small_rows is None:
@@ -101,25 +140,22 @@ def _variants_record(case: OpCase, fwd: dict, fb: dict | None) -> dict:
 
 
 def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int = 50) -> dict:
-    """One operator's record: forward (gated) and forward + backward (recorded) timings, achieved bandwidth."""
+    """One operator's record: forward (gated), forward + backward and the backward alone (recorded; next to the
+    declared baseline too, when there is one) timings, achieved bandwidth."""
     case = build_case(op, rows, cfg, device, seed=0)
     binding = registry.bind(op, "strict", device)
     ref = registry.reference(op)
     target = registry.spec(op).bench
     variants = _variant_cases(case)
+    baseline = BASELINES[target.baseline](ref) if target is not None and target.baseline != "provider" else None
     fns = {"kernel": _forward(case, binding.fn), "provider": _forward(case, ref)}
-    if target is not None and target.baseline != "provider":
-        fns["baseline"] = _forward(case, BASELINES[target.baseline](ref))
+    if baseline is not None:
+        fns["baseline"] = _forward(case, baseline)
     fns.update({name: _forward(c, binding.fn) for name, c in variants.items()})
     fwd = side_by_side(fns, iters=iters, head_start_us=HEAD_START_US)
-    fb = None
+    fb = bwd = None
     if case.grad_args:
-        with torch.no_grad():
-            out = case.call(ref)
-        gout = randn(out.shape, out.dtype, out.device, torch.Generator(device=out.device).manual_seed(1))
-        fb_fns = {"kernel": _forward_backward(case, binding.fn, gout), "provider": _forward_backward(case, ref, gout)}
-        fb_fns.update({name: _forward_backward(c, binding.fn, gout) for name, c in variants.items()})
-        fb = side_by_side(fb_fns, iters=max(10, iters // 2), head_start_us=HEAD_START_US)
+        fb, bwd = _gradient_timings(case, binding.fn, ref, baseline, variants, iters)
     k_ms, p_ms = fwd["kernel"]["median_ms"], fwd["provider"]["median_ms"]
     k_gbs = case.bytes_moved / (k_ms * 1e-3) / 1e9 if case.bytes_moved else None
     p_gbs = case.bytes_moved / (p_ms * 1e-3) / 1e9 if case.bytes_moved else None
@@ -158,7 +194,8 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
             "provider_gbs": p_gbs,
             "fraction_of_copy": fraction,
         },
-        "forward_backward": None if fb is None else {"kernel": fb["kernel"], "provider": fb["provider"]},
+        "forward_backward": None if fb is None else {k: fb[k] for k in ("kernel", "provider", "baseline") if k in fb},
+        "backward": None if bwd is None else _backward_record(bwd),
         "target": declared,
         **({"variants": _variants_record(case, fwd, fb)} if variants else {}),
         "checks": checks,

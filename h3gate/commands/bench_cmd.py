@@ -212,7 +212,8 @@ def _table(body: dict, path: Path) -> None:
     layout, copy = body["layout"], body["copy_bandwidth_gbs"]
     title = f"bench --op @ {layout['name']} (S={layout['rows']}), copy {copy:.0f} GB/s"
     table = Table(title=f"{title}: {body['verdict'].upper()}")
-    for col in ("operator", "kernel ms", "provider ms", "speedup", "target", "kernel GB/s", "% copy", "fwd+bwd k/p ms"):
+    for col in ("operator", "kernel ms", "provider ms", "speedup", "target", "kernel GB/s", "% copy", "fwd+bwd k/p ms",
+                "bwd k/p ms"):  # fmt: skip
         table.add_column(col)
     table.add_column("ok")
     for r in body["operators"]:
@@ -222,10 +223,12 @@ def _table(body: dict, path: Path) -> None:
             frac += " (n/a)"
         fb = r["forward_backward"]
         fbs = "-" if fb is None else f"{fb['kernel']['median_ms']:.3f}/{fb['provider']['median_ms']:.3f}"
+        bw = r.get("backward")
+        bws = "-" if bw is None else f"{bw['kernel']['median_ms']:.3f}/{bw['provider']['median_ms']:.3f}"
         table.add_row(
             escape(r["op"]), f"{f['kernel']['median_ms']:.4f}", f"{f['provider']['median_ms']:.4f}",
             f"{f['speedup']:.2f}x", _target_cell(r["target"]),
-            "-" if f["kernel_gbs"] is None else f"{f['kernel_gbs']:.0f}", frac, fbs,
+            "-" if f["kernel_gbs"] is None else f"{f['kernel_gbs']:.0f}", frac, fbs, bws,
             "yes" if r["verdict"] == "pass" else "[red]NO[/red]",
         )  # fmt: skip
         for label, var in r.get("variants", {}).items():  # recorded next to the kernel, not gated
@@ -233,7 +236,7 @@ def _table(body: dict, path: Path) -> None:
             table.add_row(
                 escape(f"  {r['op']} {label}"), f"{var['forward']['median_ms']:.4f}", "-",
                 "-" if ratio is None else f"{ratio:.3f}x kernel", "-", "-", "-",
-                "-" if vfb is None else f"{vfb['median_ms']:.3f}/-", "-",
+                "-" if vfb is None else f"{vfb['median_ms']:.3f}/-", "-", "-",
             )  # fmt: skip
     console.print(table)
     console.print(f"evidence: {escape(display(path))}")
