@@ -27,6 +27,9 @@ copies scattered back (no addition anywhere).
 descriptors over the (batch, head)'s (S, D) slice; rows past S zero-filled, as the masked pointer loads give): the
 same values, the same instructions on them.
 
+``bwd_fused`` (a launch field, off in production: 2.2x slower on the H200) runs dK/dV and dQ in one pass with the
+same bytes (:mod:`h3gate.kernels.attention_bwd_fused`).
+
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
 written by exactly one program, so dQ/dK/dV are repeat-bitwise and batch-row invariant.
