@@ -54,7 +54,8 @@ def _dq_handoff(ds_t, k, acc_ptr, sem, offs_m, pid_n, S, D: tl.constexpr, INTERP
     offs_d = tl.arange(0, D)
     mask = offs_m[:, None] < S
     cell = acc_ptr + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :]
-    acc = tl.load(cell, mask=mask & (pid_n > 0), other=0.0, cache_modifier=".cg")
+    first = (tl.zeros_like(offs_m) + pid_n) == 0  # KV block 0 starts the chain at +0 (a tensor mask: Triton 3.9's
+    acc = tl.load(cell, mask=mask & ~first[:, None], other=0.0, cache_modifier=".cg")  # interpreter refuses scalar ones
     acc = mma(tl.trans(ds_t), k, acc, INTERPRET)
     tl.store(cell, acc, mask=mask, cache_modifier=".cg")
     tl.debug_barrier()  # every thread's store is issued before the release below
