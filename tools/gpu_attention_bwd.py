@@ -15,14 +15,12 @@ A variant that fails to compile or run is recorded with its error, never fatal. 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import math
 import traceback
 
 import torch
-import triton
+from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into
 
 from h3gate.kernels import attention
 from h3gate.kernels.attention_bwd import backward
@@ -48,10 +46,6 @@ def _inputs(b: int, s: int, seed: int, ordered: bool):
     return (q, k, v, out, lse, grad), order, cfg
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16)))
-
-
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
     for b, s, ordered in cases:
         args, order, cfg = _inputs(b, s, seed=s + 7 * b, ordered=ordered)
@@ -64,11 +58,11 @@ def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) ->
                 torch.cuda.synchronize()
                 for label, g, a, r in zip(("dq", "dk", "dv"), got, again, ref, strict=True):
                     diff = (g.float() - r.float()).abs()
-                    rec[label] = {"bitwise": _bits_equal(g, r), "repeat_bitwise": _bits_equal(g, a),
+                    rec[label] = {"bitwise": bits_equal(g, r), "repeat_bitwise": bits_equal(g, a),
                                   "max_abs": float(diff.max()), "rows_differing": int((diff.amax(-1) > 0).sum()),
                                   "finite": bool(torch.isfinite(g).all())}  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                rec["error"] = error_text(exc, 400)
                 rec["traceback"] = traceback.format_exc()[-2000:]
             print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
             records.append(rec)
@@ -94,48 +88,27 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
         for name in variants:
             vcfg = dataclasses.replace(cfg, bwd_fused=True, **VARIANTS[name])
             fns[name] = lambda a=args, c=vcfg: backward(*a, c)
-        rec = {"section": "time", "S": s, "ms": {}, "tflops": {}}
+        rec = {"section": "time", "S": s}
         for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
                 fns[label] = _sdpa_backward(*args[:3], args[5], backend)
             except Exception as exc:  # noqa: BLE001
-                rec.setdefault("errors", {})[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        for name, fn in fns.items():
-            try:
-                ms = triton.testing.do_bench(fn, warmup=100, rep=600 if s < 10000 else 5000, return_mode="median")
-                rec["ms"][name], rec["tflops"][name] = ms, flops / ms / 1e9
-            except Exception as exc:  # noqa: BLE001
-                rec["ms"][name] = None
-                rec.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        best = min((v for k2, v in rec["ms"].items() if k2 in variants and v), default=math.nan)
-        rec["best_fused_vs_cudnn"] = (rec["ms"].get("cudnn") or math.nan) / best
-        rec["best_fused_vs_three_kernel"] = (rec["ms"].get("three_kernel") or math.nan) / best
+                rec.setdefault("errors", {})[label] = error_text(exc)
+        time_into(rec, fns, flops, warmup=100, rep=600 if s < 10000 else 5000)
+        rec["best_fused_vs_cudnn"] = best_over(rec, variants, "cudnn")
+        rec["best_fused_vs_three_kernel"] = best_over(rec, variants, "three_kernel")
         print(json.dumps(rec), flush=True)
         records.append(rec)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="bytes,time")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--small", action="store_true", help="bytes at two small cases only (a smoke run)")
-    args = ap.parse_args()
-    variants = args.variants.split(",")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    records: list[dict] = []
-    meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
-    try:
-        for section in args.sections.split(","):
-            if section == "bytes":
-                probe_bytes(records, variants, [(1, 264, False), (2, 300, True)] if args.small else CASES)
-            else:
-                probe_time(records, variants)
-    finally:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
-    return 0
+    return probe_main(
+        VARIANTS,
+        {
+            "bytes": lambda records, variants, small: probe_bytes(records, variants, SMALL_CASES if small else CASES),
+            "time": lambda records, variants, small: probe_time(records, variants),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -17,14 +17,12 @@ A variant that fails to compile or run is recorded with its error, never fatal. 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import math
 import traceback
 
 import torch
-import triton
+from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into
 
 from h3gate.kernels import attention
 from h3gate.kernels.attention_gluon import forward_gluon_ws
@@ -49,11 +47,6 @@ def _gluon(q, k, v, name: str, order=None):
     return forward_gluon_ws(q, k, v, cfg, order, stages=stages)
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = torch.int16 if a.element_size() == 2 else torch.int32
-    return bool(torch.equal(a.contiguous().view(view), b.contiguous().view(view)))
-
-
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
     for b, s, ordered in cases:
         q, k, v = _inputs(b, s, seed=s + 7 * b)
@@ -73,17 +66,17 @@ def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) ->
                 out, lse = _gluon(q, k, v, name, order)
                 torch.cuda.synchronize()
                 diff = (out.float() - ref_out.float()).abs()
-                rec.update(out_bitwise=_bits_equal(out, ref_out), lse_bitwise=_bits_equal(lse, ref_lse),
+                rec.update(out_bitwise=bits_equal(out, ref_out), lse_bitwise=bits_equal(lse, ref_lse),
                            max_abs=float(diff.max()), rows_differing=int((diff.amax(-1) > 0).sum()),
                            finite=bool(torch.isfinite(out).all()))  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                rec["error"] = error_text(exc, 400)
                 rec["traceback"] = traceback.format_exc()[-2000:]
             print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
             records.append(rec)
 
 
-def probe_time(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
+def probe_time(records: list[dict], variants: list[str]) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
@@ -107,42 +100,22 @@ def probe_time(records: list[dict], variants: list[str], cases: list[tuple]) -> 
         q, k, v = _inputs(1, s, seed=11)
         flops = 4.0 * s * s * D * HEADS
         fns = timed(q, k, v, dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False))
-        rec = {"section": "time", "S": s, "ms": {}, "tflops": {}}
-        for name, fn in fns.items():
-            try:
-                ms = triton.testing.do_bench(fn, warmup=200, rep=1000 if s < 10000 else 4000, return_mode="median")
-                rec["ms"][name] = ms
-                rec["tflops"][name] = flops / ms / 1e9
-            except Exception as exc:  # noqa: BLE001
-                rec["ms"][name] = None
-                rec.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        best = min((v for k2, v in rec["ms"].items() if k2 in variants and v), default=math.nan)
-        rec["best_gluon_vs_cudnn"] = (rec["ms"].get("cudnn") or math.nan) / best
-        rec["best_gluon_vs_triton"] = (rec["ms"].get("triton") or math.nan) / best
+        rec = {"section": "time", "S": s}
+        time_into(rec, fns, flops, warmup=200, rep=1000 if s < 10000 else 4000)
+        rec["best_gluon_vs_cudnn"] = best_over(rec, variants, "cudnn")
+        rec["best_gluon_vs_triton"] = best_over(rec, variants, "triton")
         print(json.dumps(rec), flush=True)
         records.append(rec)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="bytes,time")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--small", action="store_true", help="bytes at two small cases only (a smoke run)")
-    args = ap.parse_args()
-    variants = args.variants.split(",")
-    cases = [(1, 264, False), (2, 300, True)] if args.small else CASES
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    records: list[dict] = []
-    meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
-    try:
-        for section in args.sections.split(","):
-            {"bytes": probe_bytes, "time": probe_time}[section](records, variants, cases)
-    finally:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
-    return 0
+    return probe_main(
+        VARIANTS,
+        {
+            "bytes": lambda records, variants, small: probe_bytes(records, variants, SMALL_CASES if small else CASES),
+            "time": lambda records, variants, small: probe_time(records, variants),
+        },
+    )
 
 
 if __name__ == "__main__":

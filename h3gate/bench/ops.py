@@ -56,12 +56,16 @@ def _forward(case: OpCase, fn):
     return run
 
 
-def _forward_backward(case: OpCase, fn, gout: torch.Tensor):
+def _grad_leaves(case: OpCase) -> tuple[list, list[torch.Tensor]]:
+    """The case's arguments with its differentiated ones as fresh leaves, and those leaves."""
     args = list(case.args)
-    leaves = []
     for i in case.grad_args:
         args[i] = args[i].detach().requires_grad_(True)
-        leaves.append(args[i])
+    return args, [args[i] for i in case.grad_args]
+
+
+def _forward_backward(case: OpCase, fn, gout: torch.Tensor):
+    args, leaves = _grad_leaves(case)
 
     def run():
         out = fn(*args, **case.kwargs)
@@ -72,11 +76,7 @@ def _forward_backward(case: OpCase, fn, gout: torch.Tensor):
 
 def _backward(case: OpCase, fn, gout: torch.Tensor):
     """The backward alone: one forward under autograd, outside the timing; each call is its graph's VJP (retained)."""
-    args = list(case.args)
-    leaves = []
-    for i in case.grad_args:
-        args[i] = args[i].detach().requires_grad_(True)
-        leaves.append(args[i])
+    args, leaves = _grad_leaves(case)
     out = fn(*args, **case.kwargs)
 
     def run():

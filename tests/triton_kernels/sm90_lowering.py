@@ -14,7 +14,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from h3gate.kernels import attention, attention_bwd, attention_bwd_fused, attention_gluon, attention_tma
+from h3gate.kernels import attention, attention_bwd, attention_gluon, attention_tma
 
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
 
@@ -77,11 +77,12 @@ def main() -> None:
             attention_tma._attn_fwd_tma_kernel, {**fwd, "WS": False, "ORDERED": ordered}, 4, 3
         )
     for tma in (False, True):
-        kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m}
+        kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m, "FUSED": False}
         out[f"dkdv_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, kv, cfg.kv_warps, cfg.kv_stages)
         dq = {**bwd, "USE_TMA": tma, "BLOCK_M": cfg.q_m, "BLOCK_N": cfg.q_n}
         out[f"dq_tma={tma}"] = ptx_facts(attention_bwd._dq_kernel, dq, cfg.q_warps, cfg.q_stages)
-        out[f"fused_tma={tma}"] = ptx_facts(attention_bwd_fused._fused_kernel, kv, cfg.kv_warps, cfg.kv_stages, True)
+        fused = {**kv, "FUSED": True}
+        out[f"fused_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, fused, cfg.kv_warps, cfg.kv_stages, True)
     for ordered in (False, True):
         out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
     json.dump(out, sys.stdout)
