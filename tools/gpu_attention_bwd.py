@@ -26,12 +26,36 @@ from h3gate.kernels import attention
 from h3gate.kernels.attention_bwd import backward
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S (bwd_fused on in every one).
+# name -> AttnConfig overrides on top of the production tiling at that S; "early_dv" sets
+# attention_bwd_gluon.EARLY_DV for the call.
 VARIANTS = {
-    "fused": {},
-    "fused_s2": {"kv_stages": 2},
-    "fused_ptr": {"bwd_tma": False, "kv_stages": 3},
+    "fused": {"bwd_fused": True},
+    "fused_s2": {"bwd_fused": True, "kv_stages": 2},
+    "fused_ptr": {"bwd_fused": True, "bwd_tma": False, "kv_stages": 3},
+    "gluon": {"bwd_gluon": True},
+    "gluon_s2": {"bwd_gluon": True, "kv_stages": 2},
+    "gluon_early": {"bwd_gluon": True, "early_dv": True},
 }
+
+
+def _variant(args: tuple, cfg, name: str, order=None):
+    """A call of the backward with variant ``name``'s tiling (and its Gluon ordering flag)."""
+    from h3gate.kernels import attention_bwd_gluon
+
+    over = dict(VARIANTS[name])
+    early = over.pop("early_dv", False)
+    vcfg = dataclasses.replace(cfg, **over)
+
+    def call():
+        attention_bwd_gluon.EARLY_DV = early
+        try:
+            return backward(*args, vcfg, order)
+        finally:
+            attention_bwd_gluon.EARLY_DV = False
+
+    return call
+
+
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
 TIMED = (264, 925, 3160, 38974)
 
@@ -53,8 +77,8 @@ def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) ->
         for name in variants:
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
             try:
-                vcfg = dataclasses.replace(cfg, bwd_fused=True, **VARIANTS[name])
-                got, again = backward(*args, vcfg, order), backward(*args, vcfg, order)
+                call = _variant(args, cfg, name, order)
+                got, again = call(), call()
                 torch.cuda.synchronize()
                 for label, g, a, r in zip(("dq", "dk", "dv"), got, again, ref, strict=True):
                     diff = (g.float() - r.float()).abs()
@@ -86,8 +110,7 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
         flops = 10.0 * s * s * D * HEADS  # five matmuls of 2 S^2 D flops per head (what cuDNN counts)
         fns = {"three_kernel": lambda a=args, c=cfg: backward(*a, c)}
         for name in variants:
-            vcfg = dataclasses.replace(cfg, bwd_fused=True, **VARIANTS[name])
-            fns[name] = lambda a=args, c=vcfg: backward(*a, c)
+            fns[name] = _variant(args, cfg, name)
         rec = {"section": "time", "S": s}
         for label, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:

@@ -27,7 +27,8 @@ for s in "$@"; do
       --out "$ev/${PROBE:-perf-probe-16}.json";;
     attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \
       --variants fused --out "$ev/attention-bwd-smoke.json";;
-    attn-bwd) step 300 attention-bwd python3 tools/gpu_attention_bwd.py --out "$ev/${BWD_PROBE:-perf-probe-17}.json";;
+    attn-bwd) step 300 attention-bwd python3 tools/gpu_attention_bwd.py --variants "${BWD_VARIANTS:-fused,fused_s2,fused_ptr}" \
+      --out "$ev/${BWD_PROBE:-perf-probe-17}.json";;
     attn-tiny|attn-small|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;

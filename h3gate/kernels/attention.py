@@ -99,6 +99,7 @@ class AttnConfig:
     fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
     bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
     bwd_fused: bool = False  # dQ's chain carried by the dK/dV walk (attention_bwd_fused: same bytes, one pass)
+    bwd_gluon: bool = False  # dK/dV by the warp-specialised Gluon kernel on Hopper (attention_bwd_gluon: same bytes)
 
     @property
     def tag(self) -> str:
@@ -106,6 +107,7 @@ class AttnConfig:
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
         load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "") + ("_gluon" if self.fwd_gluon else "")
         bmath += ("_tma" if self.bwd_tma else "") + ("_fused" if self.bwd_fused else "")
+        bmath += "_gluon" if self.bwd_gluon else ""
         return (
             f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
@@ -191,6 +193,7 @@ LAUNCH_FIELDS = frozenset(
         "fwd_gluon",
         "bwd_tma",
         "bwd_fused",
+        "bwd_gluon",
         "kv_n",
         "kv_m",
         "kv_warps",
@@ -387,9 +390,11 @@ def forward(
     return out, lse
 
 
-def uses_gluon(cfg: AttnConfig, q: torch.Tensor) -> bool:
-    """Whether this forward runs the Gluon kernel: asked by the tiling, bfloat16 on a Hopper (sm_90) GPU, compiled."""
-    if not (cfg.fwd_gluon and q.device.type == "cuda" and q.dtype == torch.bfloat16 and not INTERPRET):
+def uses_gluon(cfg: AttnConfig, q: torch.Tensor, backward: bool = False) -> bool:
+    """Whether this forward (``backward``: this dK/dV walk) runs its Gluon kernel: asked by the tiling, bfloat16 on a
+    Hopper (sm_90) GPU, compiled."""
+    asked = cfg.bwd_gluon and not cfg.bwd_fused if backward else cfg.fwd_gluon
+    if not (asked and q.device.type == "cuda" and q.dtype == torch.bfloat16 and not INTERPRET):
         return False
     return _hopper(q.device.index)
 

@@ -28,7 +28,8 @@ descriptors over the (batch, head)'s (S, D) slice; rows past S zero-filled, as t
 same values, the same instructions on them.
 
 ``bwd_fused`` (a launch field, off in production: 2.2x slower on the H200) runs dK/dV and dQ in one pass with the
-same bytes (:mod:`h3gate.kernels.attention_bwd_fused`).
+same bytes (:mod:`h3gate.kernels.attention_bwd_fused`). ``bwd_gluon`` (a launch field) runs the dK/dV walk as a
+warp-specialised Gluon kernel on Hopper, the same arithmetic (:mod:`h3gate.kernels.attention_bwd_gluon`).
 
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2_fwd, gather_rows, packed_rows, qk_scale
+from h3gate.kernels.attention import AttnConfig, exp2_fwd, gather_rows, packed_rows, qk_scale, uses_gluon
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
 from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm import _tma_allocator, mma
@@ -255,12 +256,18 @@ def backward(
         launch_fused(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dq, dk, dv, ord_arg, ordered,
                      cfg, sm_scale, c, tma, INTERPRET)  # fmt: skip
         return dq, dk, dv
-    _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](  # acc_ptr / sem_ptr (lse twice): unused unless FUSED
-        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, lse, lse, ord_arg, s, h, c,
-        sm_scale, stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code,
-        FMA=cfg.bwd_fma, ORDERED=ordered, USE_TMA=tma, FUSED=False, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
-        num_stages=cfg.kv_stages, **STRICT_LAUNCH,
-    )  # fmt: skip
+    if uses_gluon(cfg, q, backward=True):
+        from h3gate.kernels.attention_bwd_gluon import dkdv_gluon
+
+        dkdv_gluon(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, order, cfg, sm_scale, c,
+                   stages=cfg.kv_stages)  # fmt: skip
+    else:
+        _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](  # acc_ptr / sem_ptr (lse twice): unused unless FUSED
+            gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, lse, lse, ord_arg, s, h, c,
+            sm_scale, stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code,
+            FMA=cfg.bwd_fma, ORDERED=ordered, USE_TMA=tma, FUSED=False, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
+            num_stages=cfg.kv_stages, **STRICT_LAUNCH,
+        )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
         q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b,
         stride_s, D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
