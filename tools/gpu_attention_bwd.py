@@ -26,8 +26,8 @@ from h3gate.kernels import attention
 from h3gate.kernels.attention_bwd import backward
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S; "early_dv" sets
-# attention_bwd_gluon.EARLY_DV for the call.
+# name -> AttnConfig overrides on top of the production tiling at that S; "early_dv", "compact" and "regs" set
+# attention_bwd_gluon's EARLY_DV, COMPACT and REGS for the call.
 VARIANTS = {
     "fused": {"bwd_fused": True},
     "fused_s2": {"bwd_fused": True, "kv_stages": 2},
@@ -35,7 +35,11 @@ VARIANTS = {
     "gluon": {"bwd_gluon": True},
     "gluon_s2": {"bwd_gluon": True, "kv_stages": 2},
     "gluon_early": {"bwd_gluon": True, "early_dv": True},
+    "gluon_c240": {"bwd_gluon": True, "compact": True, "regs": (240, 24)},
+    "gluon_c240_early": {"bwd_gluon": True, "compact": True, "regs": (240, 24), "early_dv": True},
+    "gluon_240": {"bwd_gluon": True, "regs": (240, 24)},
 }
+_GLUON_KNOBS = {"early_dv": "EARLY_DV", "compact": "COMPACT", "regs": "REGS"}
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
@@ -43,15 +47,18 @@ def _variant(args: tuple, cfg, name: str, order=None):
     from h3gate.kernels import attention_bwd_gluon
 
     over = dict(VARIANTS[name])
-    early = over.pop("early_dv", False)
+    knobs = {attr: over.pop(key) for key, attr in _GLUON_KNOBS.items() if key in over}
     vcfg = dataclasses.replace(cfg, **over)
+    defaults = {attr: getattr(attention_bwd_gluon, attr) for attr in _GLUON_KNOBS.values()}
 
     def call():
-        attention_bwd_gluon.EARLY_DV = early
+        for attr, value in knobs.items():
+            setattr(attention_bwd_gluon, attr, value)
         try:
             return backward(*args, vcfg, order)
         finally:
-            attention_bwd_gluon.EARLY_DV = False
+            for attr, value in defaults.items():
+                setattr(attention_bwd_gluon, attr, value)
 
     return call
 

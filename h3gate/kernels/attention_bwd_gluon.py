@@ -45,8 +45,9 @@ from h3gate.kernels.attention_gluon import _exp2, _load, descriptors
 from h3gate.kernels.common import STRICT_LAUNCH
 
 KV_ROWS = 64  # KV rows a consumer warpgroup owns (the program owns two consumers' worth: kv_n = 128)
-CONSUMER_REGS = gl.constexpr(232)
-PRODUCER_REGS = gl.constexpr(40)
+# Registers a thread (setmaxnreg) of the worker consumer and the producer: (232, 40) as the forward, or (240, 24).
+REGS = (232, 40)
+COMPACT = False  # load lse2 / delta one element a thread, then convert to the scores' column layout
 WS_MAXNREG = 168
 EARLY_DV = False  # issue dv's MMA before ds^T is formed (more live registers); the probe measures both
 
@@ -84,7 +85,8 @@ def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, F
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do_empty, k_ptr, v_ptr, dk_ptr, dv_ptr,
                    lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
                    BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr,
-                   FMA: gl.constexpr, ORDERED: gl.constexpr, EARLY_DV: gl.constexpr):  # fmt: skip
+                   FMA: gl.constexpr, ORDERED: gl.constexpr, EARLY_DV: gl.constexpr,
+                   COMPACT: gl.constexpr):  # fmt: skip
     KV: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -94,13 +96,20 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
     zero_s = gl.zeros([KV, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([KV, D], gl.float32, a_layout)
     dv = gl.zeros([KV, D], gl.float32, a_layout)
-    offs_q0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    q_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
+    offs_q0 = gl.arange(0, BLOCK_M, layout=q_slice)
+    offs_c0 = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
     for j in range(0, gl.cdiv(S, BLOCK_M)):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         offs_q = j * BLOCK_M + offs_q0
-        lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-        dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+        if COMPACT:  # one address a thread, then a layout conversion (fewer live registers)
+            offs_c = j * BLOCK_M + offs_c0
+            lse = gl.convert_layout(gl.load(lse_ptr + stat + offs_c, mask=offs_c < S, other=0.0), q_slice)
+            dl = gl.convert_layout(gl.load(delta_ptr + stat + offs_c, mask=offs_c < S, other=0.0), q_slice)
+        else:
+            lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+            dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
         mbarrier.wait(q_full.index(slot), phase)
@@ -155,7 +164,8 @@ def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, q_full, do_full, q_empty, d
 def _dkdv_ws_kernel(q_desc, do_desc, k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, ord_ptr, S, H, qk_scale,
                     sm_scale, stride_b, stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                     EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
-                    EARLY_DV: gl.constexpr):  # fmt: skip
+                    EARLY_DV: gl.constexpr, COMPACT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr):  # fmt: skip
     """128 KV rows a program (two consumers of 64), ``BLOCK_M`` query rows a step; ``num_warps`` = 4."""
     pid_n = gl.program_id(0)
     bh = gl.program_id(1)
@@ -182,10 +192,10 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delt
         [
             (_dkdv_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, q_full, do_full, q_empty, do_empty,
                               k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first,
-                              qk_scale, sm_scale, stride_s, BLOCK_M, D, STAGES, EXP2, FMA, ORDERED, EARLY_DV)),
+                              qk_scale, sm_scale, stride_s, BLOCK_M, D, STAGES, EXP2, FMA, ORDERED, EARLY_DV, COMPACT)),
             (_dkdv_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, q_full, do_full, q_empty, do_empty,
                               k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first + 64,
-                              qk_scale, sm_scale, stride_s, BLOCK_M, D, STAGES, EXP2, FMA, ORDERED, EARLY_DV)),
+                              qk_scale, sm_scale, stride_s, BLOCK_M, D, STAGES, EXP2, FMA, ORDERED, EARLY_DV, COMPACT)),
             (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, q_full, do_full, q_empty, do_empty, S, b, col,
                               BLOCK_M, STAGES)),
         ],
@@ -211,5 +221,6 @@ def dkdv_gluon(q_c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do_c: torch.
     _dkdv_ws_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
         q_desc, do_desc, k, v, dk, dv, lse, delta, k if order is None else order, s, h, c, sm_scale, k.stride(0),
         k.stride(1), D=d, BLOCK_M=cfg.kv_m, STAGES=stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
-        ORDERED=order is not None, EARLY_DV=EARLY_DV, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
+        ORDERED=order is not None, EARLY_DV=EARLY_DV, COMPACT=COMPACT, CONSUMER_REGS=REGS[0],
+        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
