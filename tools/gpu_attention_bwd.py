@@ -26,20 +26,16 @@ from h3gate.kernels import attention
 from h3gate.kernels.attention_bwd import backward
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S; "early_dv", "compact" and "regs" set
-# attention_bwd_gluon's EARLY_DV, COMPACT and REGS for the call.
+# name -> AttnConfig overrides on top of the production tiling at that S (perf-probe-18 measured the Gluon dK/dV
+# kernel's knobs, since removed: EARLY_DV, COMPACT, REGS).
 VARIANTS = {
     "fused": {"bwd_fused": True},
     "fused_s2": {"bwd_fused": True, "kv_stages": 2},
     "fused_ptr": {"bwd_fused": True, "bwd_tma": False, "kv_stages": 3},
     "gluon": {"bwd_gluon": True},
-    "gluon_s2": {"bwd_gluon": True, "kv_stages": 2},
-    "gluon_early": {"bwd_gluon": True, "early_dv": True},
-    "gluon_c240": {"bwd_gluon": True, "compact": True, "regs": (240, 24)},
-    "gluon_c240_early": {"bwd_gluon": True, "compact": True, "regs": (240, 24), "early_dv": True},
-    "gluon_240": {"bwd_gluon": True, "regs": (240, 24)},
+    "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
 }
-_GLUON_KNOBS = {"early_dv": "EARLY_DV", "compact": "COMPACT", "regs": "REGS"}
+_GLUON_KNOBS: dict[str, str] = {}  # variant key -> attention_bwd_gluon attribute (none at present)
 
 
 def _variant(args: tuple, cfg, name: str, order=None):

@@ -148,6 +148,7 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
         q_warps=8,
         q_stages=4,
         bwd_tma=True,
+        bwd_gluon=True,
         fwd_m=64,
         fwd_n=128,
         fwd_warps=8,
@@ -183,6 +184,8 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 # against 7.6 KB on 4 warps) and 128-row blocks: 0.032 / 0.105 ms at S = 264 / 925 against 0.037 / 0.150 for 64-row
 # blocks (cuDNN 0.021 / 0.067; the 64-key walk read 0.025 / 0.092), bytes equal (perf-probe-17-small.json). There a
 # 32-row block on 4 warps gave other bytes (Triton issues mma.sync below 64 rows, not wgmma): heights are >= 64.
+# The backward's warp-specialised Gluon kernels (bwd_gluon, same bytes, perf-probe-18): from 2048 on; below, their
+# host descriptors cost more than they save (the dK/dV kernel alone: 0.17 against 0.089 ms at S = 264).
 LAUNCH_FIELDS = frozenset(
     {
         "fwd_m",
@@ -206,7 +209,18 @@ LAUNCH_FIELDS = frozenset(
 )
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
     (128, "bfloat16"): (
-        (2048, {"fwd_m": 128, "fwd_tma": False, "fwd_gluon": False, "bwd_tma": False, "kv_stages": 3, "q_stages": 3}),
+        (
+            2048,
+            {
+                "fwd_m": 128,
+                "fwd_tma": False,
+                "fwd_gluon": False,
+                "bwd_tma": False,
+                "bwd_gluon": False,
+                "kv_stages": 3,
+                "q_stages": 3,
+            },
+        ),  # fmt: skip
     ),
 }
 

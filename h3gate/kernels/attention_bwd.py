@@ -257,17 +257,17 @@ def backward(
                      cfg, sm_scale, c, tma, INTERPRET)  # fmt: skip
         return dq, dk, dv
     if uses_gluon(cfg, q, backward=True):
-        from h3gate.kernels.attention_bwd_gluon import dkdv_gluon
+        from h3gate.kernels.attention_bwd_gluon import dkdv_gluon, dq_gluon
 
-        dkdv_gluon(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, order, cfg, sm_scale, c,
-                   stages=cfg.kv_stages)  # fmt: skip
-    else:
-        _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](  # acc_ptr / sem_ptr (lse twice): unused unless FUSED
-            gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, lse, lse, ord_arg, s, h, c,
-            sm_scale, stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code,
-            FMA=cfg.bwd_fma, ORDERED=ordered, USE_TMA=tma, FUSED=False, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
-            num_stages=cfg.kv_stages, **STRICT_LAUNCH,
-        )  # fmt: skip
+        dkdv_gluon(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, order, cfg, sm_scale, c)
+        dq_gluon(q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, order, cfg, sm_scale, c)
+        return dq, dk, dv
+    _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](  # acc_ptr / sem_ptr (lse twice): unused unless FUSED
+        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, lse, lse, ord_arg, s, h, c,
+        sm_scale, stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code,
+        FMA=cfg.bwd_fma, ORDERED=ordered, USE_TMA=tma, FUSED=False, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
+        num_stages=cfg.kv_stages, **STRICT_LAUNCH,
+    )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
         q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b,
         stride_s, D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,

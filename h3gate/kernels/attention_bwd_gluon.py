@@ -45,11 +45,11 @@ from h3gate.kernels.attention_gluon import _exp2, _load, descriptors
 from h3gate.kernels.common import STRICT_LAUNCH
 
 KV_ROWS = 64  # KV rows a consumer warpgroup owns (the program owns two consumers' worth: kv_n = 128)
-# Registers a thread (setmaxnreg) of the worker consumer and the producer: (232, 40) as the forward, or (240, 24).
-REGS = (232, 40)
-COMPACT = False  # load lse2 / delta one element a thread, then convert to the scores' column layout
+# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (the forward's 232 / 40 spilled
+# twice as much and ran 5 % slower at S = 38974, perf-probe-18).
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
 WS_MAXNREG = 168
-EARLY_DV = False  # issue dv's MMA before ds^T is formed (more live registers); the probe measures both
 
 
 @gluon.jit
@@ -85,8 +85,7 @@ def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, F
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do_empty, k_ptr, v_ptr, dk_ptr, dv_ptr,
                    lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
                    BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr,
-                   FMA: gl.constexpr, ORDERED: gl.constexpr, EARLY_DV: gl.constexpr,
-                   COMPACT: gl.constexpr):  # fmt: skip
+                   FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
     KV: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -96,20 +95,13 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
     zero_s = gl.zeros([KV, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([KV, D], gl.float32, a_layout)
     dv = gl.zeros([KV, D], gl.float32, a_layout)
-    q_slice: gl.constexpr = gl.SliceLayout(0, s_layout)
-    offs_q0 = gl.arange(0, BLOCK_M, layout=q_slice)
-    offs_c0 = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    offs_q0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     for j in range(0, gl.cdiv(S, BLOCK_M)):
         slot = j % STAGES
         phase = (j // STAGES) & 1
         offs_q = j * BLOCK_M + offs_q0
-        if COMPACT:  # one address a thread, then a layout conversion (fewer live registers)
-            offs_c = j * BLOCK_M + offs_c0
-            lse = gl.convert_layout(gl.load(lse_ptr + stat + offs_c, mask=offs_c < S, other=0.0), q_slice)
-            dl = gl.convert_layout(gl.load(delta_ptr + stat + offs_c, mask=offs_c < S, other=0.0), q_slice)
-        else:
-            lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-            dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+        lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+        dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
         mbarrier.wait(q_full.index(slot), phase)
@@ -121,16 +113,10 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
             p = _p_t(qk, lse, offs_q, S, qk_scale, True, EXP2, FMA)
         else:
             p = _p_t(qk, lse, offs_q, S, qk_scale, False, EXP2, FMA)
-        if EARLY_DV:  # dv's MMA runs while ds^T is formed
-            p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
-            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-            dp = warpgroup_mma_wait(1, deps=(dp,))
-            ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
-        else:  # fewer live registers: both products issued once ds^T is formed
-            dp = warpgroup_mma_wait(0, deps=(dp,))
-            ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
-            p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
-            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dp = warpgroup_mma_wait(0, deps=(dp,))  # both products issued once ds^T is formed (fewer live registers)
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
@@ -149,78 +135,161 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
 
 
 @gluon.jit
-def _dkdv_producer(q_desc, do_desc, q_smem, do_smem, q_full, do_full, q_empty, do_empty, S, b, col,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    for j in range(0, gl.cdiv(S, BLOCK_M)):
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_ptr, do_ptr, dq_ptr, unused_ptr,
+                 lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                 ORDERED: gl.constexpr):  # fmt: skip
+    """``_dq_block``'s walk for 64 query rows: per KV step ``qk = q k^T`` and ``dp = dout v^T`` issued together,
+    ``p = exp2(fma(qk, c, -lse2))`` (zero in KV columns past S), ``ds = cast(p * (dp - delta))``, ``dq += ds k``."""
+    M: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])  # fmt: skip
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
+    _own_rows(q_ptr, do_ptr, q_smem, do_smem, ord_ptr, S, base, first, stride_s, M, D, ORDERED)
+    offs_m = first + gl.arange(0, M, layout=gl.SliceLayout(1, s_layout))
+    lse = gl.expand_dims(gl.load(lse_ptr + stat + offs_m, mask=offs_m < S, other=0.0), 1)
+    dl = gl.expand_dims(gl.load(delta_ptr + stat + offs_m, mask=offs_m < S, other=0.0), 1)
+    zero_s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([M, D], gl.float32, a_layout)
+    offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for j in range(0, gl.cdiv(S, BLOCK_N)):
         slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
-        mbarrier.wait(q_empty.index(slot), free)
-        _load(q_desc, q_smem.index(slot), q_full.index(slot), b, j * BLOCK_M, col)
-        mbarrier.wait(do_empty.index(slot), free)
-        _load(do_desc, do_smem.index(slot), do_full.index(slot), b, j * BLOCK_M, col)
+        phase = (j // STAGES) & 1
+        k_tile = k_smem.index(slot).reshape([BLOCK_N, D])
+        v_tile = v_smem.index(slot).reshape([BLOCK_N, D])
+        mbarrier.wait(k_full.index(slot), phase)
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero_s, is_async=True)
+        mbarrier.wait(v_full.index(slot), phase)
+        dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zero_s, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk,))
+        if FMA:
+            p = _exp2(gl.fma(qk, qk_scale, -lse), EXP2)
+        else:
+            p = _exp2(qk * qk_scale - lse, EXP2)
+        if (j + 1) * BLOCK_N > S:
+            p = gl.where(gl.expand_dims(j * BLOCK_N + offs_n0, 0) < S, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=(dp,))
+        ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
+        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.arrive(v_empty.index(slot), count=1)
+    dq = dq * sm_scale
+    offs = first + gl.arange(0, M, layout=gl.SliceLayout(1, a_layout))
+    if ORDERED:
+        rows = gl.load(ord_ptr + offs, mask=offs < S, other=0)
+    else:
+        rows = offs.to(gl.int64)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
+    gl.store(dq_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), dq.to(gl.bfloat16),
+             mask=gl.expand_dims(offs < S, 1))  # fmt: skip
 
 
 @gluon.jit
-def _dkdv_ws_kernel(q_desc, do_desc, k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, ord_ptr, S, H, qk_scale,
-                    sm_scale, stride_b, stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                    EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
-                    EARLY_DV: gl.constexpr, COMPACT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr):  # fmt: skip
-    """128 KV rows a program (two consumers of 64), ``BLOCK_M`` query rows a step; ``num_warps`` = 4."""
-    pid_n = gl.program_id(0)
+def _walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+    """The walked operands' ``STEP``-row tiles (q / dout for dK/dV, k / v for dQ), ascending, into the ring."""
+    for j in range(0, gl.cdiv(S, STEP)):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
+        mbarrier.wait(a_empty.index(slot), free)
+        _load(a_desc, a_smem.index(slot), a_full.index(slot), b, j * STEP, col)
+        mbarrier.wait(b_empty.index(slot), free)
+        _load(b_desc, b_smem.index(slot), b_full.index(slot), b, j * STEP, col)
+
+
+@gluon.jit
+def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, H,
+                   qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr,
+                   EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr):  # fmt: skip
+    """128 owned rows a program (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``), the walked operands
+    (a, b) ``STEP`` rows a step; ``num_warps`` = 4."""
+    pid = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     col = (bh % H) * D
     base = b.to(gl.int64) * stride_b + col
     stat = bh.to(gl.int64) * S
-    first = pid_n * 128
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], kv_layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], kv_layout)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_M, D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_M, D], do_desc.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    first = pid * 128
+    own_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], gl.bfloat16)
+    own_a = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], own_layout)
+    own_b = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D], own_layout)
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, STEP, D], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, STEP, D], b_desc.layout)
+    a_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(q_full.index(i), count=1)
-        mbarrier.init(do_full.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
-        mbarrier.init(do_empty.index(i), count=2)
-    gl.warp_specialize(
-        [
-            (_dkdv_consumer, (k_smem.index(0), v_smem.index(0), q_smem, do_smem, q_full, do_full, q_empty, do_empty,
-                              k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first,
-                              qk_scale, sm_scale, stride_s, BLOCK_M, D, STAGES, EXP2, FMA, ORDERED, EARLY_DV, COMPACT)),
-            (_dkdv_consumer, (k_smem.index(1), v_smem.index(1), q_smem, do_smem, q_full, do_full, q_empty, do_empty,
-                              k_ptr, v_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first + 64,
-                              qk_scale, sm_scale, stride_s, BLOCK_M, D, STAGES, EXP2, FMA, ORDERED, EARLY_DV, COMPACT)),
-            (_dkdv_producer, (q_desc, do_desc, q_smem, do_smem, q_full, do_full, q_empty, do_empty, S, b, col,
-                              BLOCK_M, STAGES)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )  # fmt: skip
+        mbarrier.init(a_full.index(i), count=1)
+        mbarrier.init(b_full.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=2)
+        mbarrier.init(b_empty.index(i), count=2)
+    if DQ:  # (one partition list each: Gluon takes a partition function by name only)
+        gl.warp_specialize(
+            [
+                (_dq_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
+                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                (_dq_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
+                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
+                                  STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
+                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
+                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
+                                  STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 def check_tiling(cfg: AttnConfig) -> None:
-    """The tiling this kernel implements (a programming error otherwise: the tiling tables are validated)."""
-    if (cfg.kv_n, cfg.kv_m) != (2 * KV_ROWS, 64):
-        raise ValueError(f"bwd_gluon runs kv_n = 128, kv_m = 64, not {cfg.kv_n} x {cfg.kv_m}")
+    """The tiling these kernels implement (a programming error otherwise: the tiling tables are validated)."""
+    if (cfg.kv_n, cfg.kv_m, cfg.q_m, cfg.q_n) != (128, 64, 128, 64):
+        raise ValueError(f"bwd_gluon runs kv 128 x 64 and q 128 x 64, not the tiling {cfg.tag}")
+
+
+def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own_b: torch.Tensor,
+            out_a: torch.Tensor, out_b: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+            order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool) -> None:  # fmt: skip
+    b, s, h, d = own_a.shape
+    a_desc, b_desc, _ = descriptors(walk_a.view(b, s, h, d), walk_b.view(b, s, h, d), walk_a.view(b, s, h, d), 64, 64)
+    _bwd_ws_kernel[(triton.cdiv(s, 128), b * h)](
+        a_desc, b_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s, h, c, sm_scale,
+        own_a.stride(0), own_a.stride(1), D=d, STEP=64, STAGES=cfg.kv_stages if not dq else cfg.q_stages,
+        EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=order is not None, DQ=dq, num_warps=4, maxnreg=WS_MAXNREG,
+        **STRICT_LAUNCH,
+    )  # fmt: skip
 
 
 def dkdv_gluon(q_c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do_c: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig,
-               sm_scale: float, c: float, stages: int = 2) -> None:  # fmt: skip
+               sm_scale: float, c: float) -> None:  # fmt: skip
     """dK and dV into ``dk`` / ``dv`` (packed rows) from canonical copies ``q_c`` / ``do_c`` (contiguous bfloat16),
     ``k`` / ``v`` read through ``order`` (None: packed order), lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    b, s, h, d = k.shape
-    q_desc, do_desc, _ = descriptors(q_c, do_c.view(b, s, h, d), q_c, cfg.kv_m, cfg.kv_m)
-    _dkdv_ws_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
-        q_desc, do_desc, k, v, dk, dv, lse, delta, k if order is None else order, s, h, c, sm_scale, k.stride(0),
-        k.stride(1), D=d, BLOCK_M=cfg.kv_m, STAGES=stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
-        ORDERED=order is not None, EARLY_DV=EARLY_DV, COMPACT=COMPACT, CONSUMER_REGS=REGS[0],
-        PRODUCER_REGS=REGS[1], num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
-    )  # fmt: skip
+    _launch(q_c, do_c, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, dq=False)
+
+
+def dq_gluon(q: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+             delta: torch.Tensor, dq: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float,
+             c: float) -> None:  # fmt: skip
+    """dQ into ``dq`` (packed rows) from canonical copies ``k_c`` / ``v_c`` (contiguous bfloat16), ``q`` / ``do``
+    read through ``order``, lse2 and delta (canonical rows)."""
+    check_tiling(cfg)
+    _launch(k_c, v_c, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, dq=True)

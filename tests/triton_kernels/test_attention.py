@@ -239,8 +239,15 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     assert small.fwd_n == table.fwd_n == 128 and attn.KERNEL_ID.endswith(":v2")  # the 128-key walk of kernel id v2
     assert table.fwd_tma and table.fwd_gluon and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
     assert not small.fwd_gluon and "fwd_gluon" in attn.LAUNCH_FIELDS
-    assert attn.replace(small, fwd_m=64, fwd_tma=True, fwd_gluon=True, bwd_tma=True, kv_stages=4, q_stages=4) == table
+    assert (
+        attn.replace(
+            small, fwd_m=64, fwd_tma=True, fwd_gluon=True, bwd_tma=True, bwd_gluon=True, kv_stages=4, q_stages=4
+        )
+        == table
+    )
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
+    assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16), backward=True)  # and the Triton backward
+    assert not small.bwd_gluon and "bwd_gluon" in attn.LAUNCH_FIELDS and table.tag.endswith("_gluon")
     assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     # heights of the rows a program owns (the interpreter sums a whole MMA tile before adding the accumulator, so the
