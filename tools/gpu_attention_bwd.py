@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""H200 probe of the one-pass attention backward (``h3gate/kernels/attention_bwd_fused.py``), from the repo root:
+"""H200 probe of the attention backward's variants (the one-pass ``attention_bwd_fused``, the warp-specialised Gluon
+``attention_bwd_gluon``), from the repo root:
 
     python3 tools/gpu_attention_bwd.py --out $OUT/attention-bwd.json
 
-* ``bytes``: dq, dk and dv of every one-pass variant against the three-kernel backward of the same tiling
-  (``bwd_fused`` off), byte for byte, at (B, S, walk order) cases with partial last blocks, a batch of 2 and a
-  permuted walk; the one-pass backward run twice must repeat bitwise.
+* ``bytes``: dq, dk and dv of every variant (one-pass ``bwd_fused``, the Gluon kernels ``bwd_gluon``) against the
+  three Triton kernels of the same tiling (both off), byte for byte, at (B, S, walk order) cases with partial last
+  blocks, a batch of 2 and a permuted walk; each variant run twice must repeat bitwise.
 * ``time``: backward-only medians (``triton.testing.do_bench``, the same forward's out / lse2 / gradient) at S = 264,
-  925, 3160 and 38974 (B = 1, 56 heads): the three-kernel backward, every one-pass variant, and SDPA's backward
+  925, 3160 and 38974 (B = 1, 56 heads): the three Triton kernels, every variant, and SDPA's backward
   pinned to cuDNN and to flash (``torch.autograd.grad`` of its forward, graph retained).
 
 A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
@@ -68,7 +69,7 @@ def _inputs(b: int, s: int, seed: int, ordered: bool):
     q, k, v = (torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     grad = torch.randn(b, s, HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
     order = torch.randperm(s, device="cuda", generator=g) if ordered else None
-    cfg = attention.attn_config(D, torch.bfloat16, s)
+    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), bwd_gluon=False)  # the Triton kernels
     out, lse = attention.forward(q, k, v, cfg, order)
     return (q, k, v, out, lse, grad), order, cfg
 
