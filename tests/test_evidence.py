@@ -267,7 +267,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
         ("1c4860f", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, kernel id v2
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
-        ("9bf3861", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # row profile, canonical order, 128-key walk
+        ("3709114", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # 128-key walk, the Gluon backward
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
         ("e976b6d", "evidence/h200/vae-video-real-strict/vae.json"),  # run vae at the released geometry
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration

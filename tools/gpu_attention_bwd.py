@@ -27,16 +27,17 @@ from h3gate.kernels import attention
 from h3gate.kernels.attention_bwd import backward
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S (perf-probe-18 measured the Gluon dK/dV
-# kernel's knobs, since removed: EARLY_DV, COMPACT, REGS).
+# name -> AttnConfig overrides on top of the production tiling at that S, and attention_bwd_gluon knobs
+# (perf-probe-18 / -18b measured the dK/dV kernel's EARLY_DV, COMPACT and REGS, since removed).
 VARIANTS = {
     "fused": {"bwd_fused": True},
     "fused_s2": {"bwd_fused": True, "kv_stages": 2},
     "fused_ptr": {"bwd_fused": True, "bwd_tma": False, "kv_stages": 3},
     "gluon": {"bwd_gluon": True},
     "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
+    "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
 }
-_GLUON_KNOBS: dict[str, str] = {}  # variant key -> attention_bwd_gluon attribute (none at present)
+_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE"}  # variant key -> attention_bwd_gluon attribute
 
 
 def _variant(args: tuple, cfg, name: str, order=None):

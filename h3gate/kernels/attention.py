@@ -45,8 +45,9 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   ``docs/measurements/perf-probe-{12,13,14,15}.json``); and the forward's schedule, ``fwd_gluon``: the warp-specialised
   Gluon kernel (:mod:`h3gate.kernels.attention_gluon`, Hopper) issues the same instructions on the same tiles in another
   order (a TMA producer warp, two consumer warpgroups of 64 rows whose softmax overlaps the other's MMAs), bitwise equal
-  to the Triton kernels at every S, batch and order probed (``perf-probe-16.json``). Repeat runs are bitwise equal. No
-  split-KV, no atomics.
+  to the Triton kernels at every S, batch and order probed (``perf-probe-16.json``); the backward's schedule,
+  ``bwd_gluon``, likewise (:mod:`h3gate.kernels.attention_bwd_gluon`, ``perf-probe-18/19.json``). Repeat runs are
+  bitwise equal. No split-KV, no atomics.
 * backward - see :mod:`h3gate.kernels.attention_bwd`.
 """
 

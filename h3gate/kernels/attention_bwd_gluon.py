@@ -1,30 +1,36 @@
-"""The strict attention's dK/dV walk as a warp-specialised Gluon kernel for Hopper (``AttnConfig.bwd_gluon``): the
-same walk and arithmetic as ``attention_bwd._dkdv_kernel``, its MMAs issued asynchronously.
+"""The strict attention backward's two walks as warp-specialised Gluon kernels for Hopper (``AttnConfig.bwd_gluon``):
+dK/dV (``attention_bwd._dkdv_kernel``) and dQ (``_dq_kernel``), the same walks and arithmetic, the MMAs asynchronous.
 
 Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator, so the Triton
-dK/dV kernel waits for ``k q^T`` and for ``v dout^T`` before the CUDA cores may use them, and no MMA runs meanwhile.
-Here one program of 128 KV rows (batch x head ``bh``) has three partitions:
+kernels wait for ``q k^T`` and for ``dout v^T`` before the CUDA cores may use them, one at a time. Here one program
+owns 128 rows (KV rows for dK/dV, query rows for dQ; ``_bwd_ws_kernel``, ``DQ`` picks the walk) in three partitions:
 
-* a one-warp producer issuing every TMA load: each 64-row query step's q and dout tiles (canonical rows) into a
-  ring of ``STAGES`` buffers (``*_full``: loaded; ``*_empty``: both consumers done with it);
-* two consumer warpgroups of 64 KV rows each (the default partition and a worker). Each loads its k and v rows once
-  (through the walk order) into shared memory, then per query step issues ``qk^T = k q^T`` and ``dp^T = v dout^T``
-  together, forms ``p^T`` while ``dp^T`` is in flight, issues ``dv += cast(p^T) dout``, forms ``ds^T`` while that
-  runs, issues ``dk += cast(ds^T) q`` and retires both before the step ends (ptxas serialises ``wgmma`` when a group
-  stays in flight across the loop's back edge).
+* a one-warp producer issuing every TMA load of the walked operands (q and dout for dK/dV, k and v for dQ; canonical
+  rows) in 64-row steps into a ring of ``STAGES`` buffers (``*_full``: loaded; ``*_empty``: both consumers done);
+* two consumer warpgroups of 64 owned rows each (the default partition and a worker, 240 registers a thread). Each
+  loads its own rows once (through the walk order) into shared memory, then per step issues the two score products
+  together and forms p while the second runs:
+  - dK/dV: ``qk^T = k q^T``, ``dp^T = v dout^T``; ``p^T``; then ``ds^T = cast(p^T * (dp^T - delta))``, and
+    ``dv += cast(p^T) dout``, ``dk += ds^T q`` issued together (ds^T before dv: fewer live registers,
+    perf-probe-18);
+  - dQ: ``qk = q k^T``, ``dp = dout v^T``; ``p``; ``ds = cast(p * (dp - delta))``; ``dq += ds k``. ``DQ_PIPELINE``
+    (a probe knob, off) issues step j + 1's scores before step j's ``dq`` product.
+  Every MMA group is retired within its step (ptxas serialises ``wgmma`` when a group stays in flight across the
+  loop's back edge).
 
-The arithmetic of every element is ``_dkdv_block``'s, with the same operations on the same layouts: ``wgmma``
-m64n64k16 for ``k q^T`` and ``v dout^T`` (K = D = 128, 8 k-steps ascending, onto zero FP32 accumulators), m64n128k16 for
-``cast(p^T) dout`` and ``cast(ds^T) q`` (K = 64 query rows, 4 k-steps ascending, chained across the query steps in
-ascending order); ``p^T = exp2(fma(qk^T, c, -lse2))`` (or ``qk^T * c - lse2``) with the declared ``bwd_exp2`` form,
-zero past S in the last step; ``ds^T = cast(p^T * (dp^T - delta))``; ``dk *= 1/sqrt(D)`` at the end, each gradient
-rounded once (RNE) when stored. q / dout come by host TMA descriptors over (B, S, nh * D) views with (1, 64, D) boxes,
-so rows past S are zeros (as the pointer kernel's masked loads give). The kernel id and contract are
-:mod:`h3gate.kernels.attention`'s; the H200 probe (``tools/gpu_attention_bwd.py``) compares dK and dV byte for byte
-with the Triton kernel's.
+The arithmetic of every element is ``_dkdv_block``'s / ``_dq_block``'s, with the same operations on the same layouts:
+``wgmma`` m64n64k16 for the score products (K = D = 128, 8 k-steps ascending, onto zero FP32 accumulators),
+m64n128k16 for the gradient products (K = 64 rows of the step, 4 k-steps ascending, chained across the steps in
+ascending order); ``p = exp2(fma(qk, c, -lse2))`` (or ``qk * c - lse2``) with the declared ``bwd_exp2`` form, zero
+past S in the last step; ``dk`` and ``dq`` times ``1/sqrt(D)`` at the end, each gradient rounded once (RNE) when
+stored. The walked operands come by host TMA descriptors over (B, S, nh * D) views with (1, 64, D) boxes, so rows past
+S are zeros (as the pointer kernels' masked loads give). The kernel id and contract are
+:mod:`h3gate.kernels.attention`'s; the H200 probe (``tools/gpu_attention_bwd.py``) compares dq, dk and dv byte for
+byte with the Triton kernels' (equal at S = 264 ... 38974, batch 2, walk orders: perf-probe-18, -19).
 
-GPU only (Gluon has no interpreter; the interpreter runs the Triton kernel, the same arithmetic); sm_90, bfloat16,
-D = 128, ``kv_n`` = 128, ``kv_m`` = 64. ``tests/triton_kernels/sm90_lowering.py`` compiles it for sm_90 on the CPU.
+GPU only (Gluon has no interpreter; the interpreter runs the Triton kernels, the same arithmetic); sm_90, bfloat16,
+D = 128, tiling kv 128 x 64 and q 128 x 64. ``tests/triton_kernels/sm90_lowering.py`` compiles both for sm_90 on the
+CPU.
 """
 
 from __future__ import annotations
@@ -44,11 +50,11 @@ from h3gate.kernels.attention import AttnConfig
 from h3gate.kernels.attention_gluon import _exp2, _load, descriptors
 from h3gate.kernels.common import STRICT_LAUNCH
 
-KV_ROWS = 64  # KV rows a consumer warpgroup owns (the program owns two consumers' worth: kv_n = 128)
-# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (the forward's 232 / 40 spilled
-# twice as much and ran 5 % slower at S = 38974, perf-probe-18).
+# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
+# dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
+DQ_PIPELINE = False  # the dQ consumer's software-pipelined step order (``_dq_consumer``'s PIPE); measured by the probe
 WS_MAXNREG = 168
 
 
@@ -85,7 +91,7 @@ def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, F
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do_empty, k_ptr, v_ptr, dk_ptr, dv_ptr,
                    lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
                    BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr,
-                   FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+                   FMA: gl.constexpr, ORDERED: gl.constexpr, PIPE: gl.constexpr):  # fmt: skip
     KV: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])  # fmt: skip
@@ -121,26 +127,45 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
         dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
-    dk = dk * sm_scale
-    offs = first + gl.arange(0, KV, layout=gl.SliceLayout(1, a_layout))
+    _store_rows(dk_ptr, dk * sm_scale, ord_ptr, S, base, first, stride_s, a_layout, KV, D, ORDERED)
+    _store_rows(dv_ptr, dv, ord_ptr, S, base, first, stride_s, a_layout, KV, D, ORDERED)
+
+
+@gluon.jit
+def _dq_p(qk, lse, j, offs_n0, S, qk_scale, BLOCK_N: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr):
+    """``_dq_block``'s p of KV step ``j`` from the raw scores, zero in KV columns past S."""
+    if FMA:
+        p = _exp2(gl.fma(qk, qk_scale, -lse), EXP2)
+    else:
+        p = _exp2(qk * qk_scale - lse, EXP2)
+    if (j + 1) * BLOCK_N > S:
+        p = gl.where(gl.expand_dims(j * BLOCK_N + offs_n0, 0) < S, p, 0.0)
+    return p
+
+
+@gluon.jit
+def _store_rows(ptr, acc, ord_ptr, S, base, first, stride_s, layout: gl.constexpr, M: gl.constexpr,
+                D: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """Rows ``first`` .. ``first + M`` of ``acc`` (FP32) rounded once (RNE) to bfloat16, through the order."""
+    offs = first + gl.arange(0, M, layout=gl.SliceLayout(1, layout))
     if ORDERED:
         rows = gl.load(ord_ptr + offs, mask=offs < S, other=0)
     else:
         rows = offs.to(gl.int64)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
-    ptrs = base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0)
-    valid = gl.expand_dims(offs < S, 1)
-    gl.store(dk_ptr + ptrs, dk.to(gl.bfloat16), mask=valid)
-    gl.store(dv_ptr + ptrs, dv.to(gl.bfloat16), mask=valid)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    gl.store(ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), acc.to(gl.bfloat16),
+             mask=gl.expand_dims(offs < S, 1))  # fmt: skip
 
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_ptr, do_ptr, dq_ptr, unused_ptr,
                  lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                 ORDERED: gl.constexpr):  # fmt: skip
+                 ORDERED: gl.constexpr, PIPE: gl.constexpr):  # fmt: skip
     """``_dq_block``'s walk for 64 query rows: per KV step ``qk = q k^T`` and ``dp = dout v^T`` issued together,
-    ``p = exp2(fma(qk, c, -lse2))`` (zero in KV columns past S), ``ds = cast(p * (dp - delta))``, ``dq += ds k``."""
+    ``p = exp2(fma(qk, c, -lse2))`` (zero in KV columns past S), ``ds = cast(p * (dp - delta))``, ``dq += ds k``.
+    ``PIPE``: step j + 1's ``qk`` is issued before step j's ``dq`` product, and its p formed while that and step
+    j + 1's ``dp`` run (the same products in the same order)."""
     M: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -153,37 +178,56 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_emp
     zero_s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
     dq = gl.zeros([M, D], gl.float32, a_layout)
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    for j in range(0, gl.cdiv(S, BLOCK_N)):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        k_tile = k_smem.index(slot).reshape([BLOCK_N, D])
-        v_tile = v_smem.index(slot).reshape([BLOCK_N, D])
-        mbarrier.wait(k_full.index(slot), phase)
-        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero_s, is_async=True)
-        mbarrier.wait(v_full.index(slot), phase)
-        dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zero_s, is_async=True)
+    n_steps = gl.cdiv(S, BLOCK_N)
+    if PIPE:
+        mbarrier.wait(k_full.index(0), 0)
+        qk = warpgroup_mma(q_smem, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
+        mbarrier.wait(v_full.index(0), 0)
+        dp = warpgroup_mma(do_smem, v_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk,))
-        if FMA:
-            p = _exp2(gl.fma(qk, qk_scale, -lse), EXP2)
-        else:
-            p = _exp2(qk * qk_scale - lse, EXP2)
-        if (j + 1) * BLOCK_N > S:
-            p = gl.where(gl.expand_dims(j * BLOCK_N + offs_n0, 0) < S, p, 0.0)
+        p = _dq_p(qk, lse, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
-        dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+        for j in range(0, n_steps - 1):
+            slot = j % STAGES
+            nxt = (j + 1) % STAGES
+            phase = ((j + 1) // STAGES) & 1
+            mbarrier.wait(k_full.index(nxt), phase)
+            qk = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
+                               is_async=True)  # fmt: skip
+            dq = warpgroup_mma(ds_op, k_smem.index(slot).reshape([BLOCK_N, D]), dq, is_async=True)
+            mbarrier.wait(v_full.index(nxt), phase)
+            dp = warpgroup_mma(do_smem, v_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
+                               is_async=True)  # fmt: skip
+            qk = warpgroup_mma_wait(2, deps=(qk,))
+            p = _dq_p(qk, lse, j + 1, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+            dq, ds_op = warpgroup_mma_wait(1, deps=(dq, ds_op))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
+        last = (n_steps - 1) % STAGES
+        dq = warpgroup_mma(ds_op, k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True)
         dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        mbarrier.arrive(v_empty.index(slot), count=1)
-    dq = dq * sm_scale
-    offs = first + gl.arange(0, M, layout=gl.SliceLayout(1, a_layout))
-    if ORDERED:
-        rows = gl.load(ord_ptr + offs, mask=offs < S, other=0)
     else:
-        rows = offs.to(gl.int64)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, a_layout))
-    gl.store(dq_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), dq.to(gl.bfloat16),
-             mask=gl.expand_dims(offs < S, 1))  # fmt: skip
+        for j in range(0, n_steps):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            k_tile = k_smem.index(slot).reshape([BLOCK_N, D])
+            v_tile = v_smem.index(slot).reshape([BLOCK_N, D])
+            mbarrier.wait(k_full.index(slot), phase)
+            qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero_s, is_async=True)
+            mbarrier.wait(v_full.index(slot), phase)
+            dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zero_s, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk,))
+            p = _dq_p(qk, lse, j, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
+            dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            mbarrier.arrive(v_empty.index(slot), count=1)
+    _store_rows(dq_ptr, dq * sm_scale, ord_ptr, S, base, first, stride_s, a_layout, M, D, ORDERED)
 
 
 @gluon.jit
@@ -202,7 +246,8 @@ def _walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_em
 @gluon.jit
 def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, H,
                    qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr,
-                   EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr):  # fmt: skip
+                   EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr,
+                   PIPE: gl.constexpr):  # fmt: skip
     """128 owned rows a program (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``), the walked operands
     (a, b) ``STEP`` rows a step; ``num_warps`` = 4."""
     pid = gl.program_id(0)
@@ -231,10 +276,10 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
             [
                 (_dq_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_dq_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
                                   STAGES)),
             ],
@@ -246,10 +291,10 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
             [
                 (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED)),
+                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
                                   STAGES)),
             ],
@@ -272,7 +317,8 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
     _bwd_ws_kernel[(triton.cdiv(s, 128), b * h)](
         a_desc, b_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s, h, c, sm_scale,
         own_a.stride(0), own_a.stride(1), D=d, STEP=64, STAGES=cfg.kv_stages if not dq else cfg.q_stages,
-        EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=order is not None, DQ=dq, num_warps=4, maxnreg=WS_MAXNREG,
+        EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=order is not None, DQ=dq, PIPE=dq and DQ_PIPELINE,
+        num_warps=4, maxnreg=WS_MAXNREG,
         **STRICT_LAUNCH,
     )  # fmt: skip
 
