@@ -271,7 +271,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
         ("e976b6d", "evidence/h200/vae-video-real-strict/vae.json"),  # run vae at the released geometry
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
-        ("9bf3861", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, kernel id v2 attention
+        ("3e90a9f", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, the Gluon backward
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms

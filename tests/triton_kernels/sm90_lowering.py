@@ -14,7 +14,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from h3gate.kernels import attention, attention_bwd, attention_gluon, attention_tma
+from h3gate.kernels import attention, attention_bwd, attention_bwd_gluon, attention_gluon, attention_tma
 
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
 
@@ -46,25 +46,41 @@ def ptxas_report(ptx: str) -> dict:
     return {"spill_bytes": sum(spills), "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
-def gluon_facts(ordered: bool) -> dict:
-    """The warp-specialised Gluon forward compiled for sm_90 (host descriptors over CPU tensors of the right shape)."""
+def _gluon_ptx(kernel, args: dict, consts: dict, maxnreg: int) -> dict:
+    """A Gluon kernel compiled for sm_90 (host descriptors over CPU tensors of the right shape): PTX facts, ptxas."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
+    sig = {
+        n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else _TYPES.get(n, "*bf16"))
+        for n in kernel.arg_names
+    }
+    opts = {"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg, "enable_fp_fusion": False}
+    ptx = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 64),
+                         options=opts).asm["ptx"]  # fmt: skip
+    return {**{w: ptx.count(w) for w in FACTS}, **ptxas_report(ptx)}
+
+
+def gluon_facts(ordered: bool) -> dict:
+    """The warp-specialised Gluon forward."""
     cfg = attention.attn_config(128, torch.bfloat16)
     q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
     args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64)}
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
               "ORDERED": ordered}  # fmt: skip
-    kernel = attention_gluon._attn_fwd_ws_kernel
-    sig = {
-        n: "constexpr" if n in consts else (mangle_type(args[n]) if n in args else _TYPES[n]) for n in kernel.arg_names
-    }
-    opts = {"num_warps": 4, "num_stages": 1, "maxnreg": attention_gluon.WS_MAXNREG, "enable_fp_fusion": False}
-    ptx = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 64),
-                         options=opts).asm["ptx"]  # fmt: skip
-    return {**{w: ptx.count(w) for w in FACTS}, **ptxas_report(ptx)}
+    return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
+
+
+def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False) -> dict:
+    """The warp-specialised Gluon backward: the dK/dV walk, or the dQ walk (``pipe``: its probe-only step order)."""
+    cfg = attention.attn_config(128, torch.bfloat16)
+    t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
+    a_desc, b_desc, _ = attention_gluon.descriptors(t, t, t, 64, 64)
+    args = {"a_desc": a_desc, "b_desc": b_desc, "ord_ptr": torch.empty(1, dtype=torch.int64)}
+    consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
+              "ORDERED": ordered, "DQ": dq, "PIPE": pipe}  # fmt: skip
+    return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
 def main() -> None:
@@ -85,6 +101,9 @@ def main() -> None:
         out[f"fused_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, fused, cfg.kv_warps, cfg.kv_stages, True)
     for ordered in (False, True):
         out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
+        out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)
+        out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
+    out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
     json.dump(out, sys.stdout)
 
 
