@@ -36,8 +36,10 @@ VARIANTS = {
     "gluon": {"bwd_gluon": True},
     "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
     "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
+    "gluon_split": {"bwd_gluon": True, "dkdv_split": 2},
+    "gluon_split_pipe": {"bwd_gluon": True, "dkdv_split": 2, "dq_pipe": True},
 }
-_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE"}  # variant key -> attention_bwd_gluon attribute
+_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE", "dkdv_split": "DKDV_SPLIT"}  # variant key -> attention_bwd_gluon attribute
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
