@@ -28,7 +28,7 @@ from h3gate.kernels.attention_bwd import backward
 
 HEADS, D = 56, 128
 # name -> AttnConfig overrides on top of the production tiling at that S, and attention_bwd_gluon knobs
-# (perf-probe-18 / -18b measured the dK/dV kernel's EARLY_DV, COMPACT and REGS, since removed).
+# (perf-probe-18 / -18b / -21 measured the dK/dV kernel's EARLY_DV, COMPACT, REGS and DKDV_SPLIT, since removed).
 VARIANTS = {
     "fused": {"bwd_fused": True},
     "fused_s2": {"bwd_fused": True, "kv_stages": 2},
@@ -36,10 +36,8 @@ VARIANTS = {
     "gluon": {"bwd_gluon": True},
     "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
     "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
-    "gluon_split": {"bwd_gluon": True, "dkdv_split": 2},
-    "gluon_split_pipe": {"bwd_gluon": True, "dkdv_split": 2, "dq_pipe": True},
 }
-_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE", "dkdv_split": "DKDV_SPLIT"}  # variant key -> attention_bwd_gluon attribute
+_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE"}  # variant key -> attention_bwd_gluon attribute
 
 
 def _variant(args: tuple, cfg, name: str, order=None):

@@ -54,7 +54,6 @@ from h3gate.kernels.common import STRICT_LAUNCH
 # dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-DKDV_SPLIT = 1  # query-step parts of the dK/dV walk (``_dkdv_consumer``'s SPLIT); 2 is measured by the probe
 DQ_PIPELINE = False  # the dQ consumer's software-pipelined step order (``_dq_consumer``'s PIPE); measured by the probe
 WS_MAXNREG = 168
 
@@ -89,97 +88,46 @@ def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, F
 
 
 @gluon.jit
-def _dkdv_step(k_smem, v_smem, q_sub, do_sub, q_bar, do_bar, phase, dk, dv, lse_ptr, delta_ptr, stat, q0, S, qk_scale,
-               SUB: gl.constexpr, D: gl.constexpr, FIRST: gl.constexpr, EXP2: gl.constexpr,
-               FMA: gl.constexpr):  # fmt: skip
-    """``_dkdv_block`` on query rows ``q0`` .. ``q0 + SUB`` (a step, or its half): both score products issued
-    together, p^T formed while ``dp^T`` runs, then ``dv += cast(p^T) dout`` and ``dk += cast(ds^T) q`` issued once ds^T
-    is formed (fewer live registers) and retired. ``FIRST``: the step's first part waits for its q / dout tiles."""
-    KV: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, SUB, 16])  # fmt: skip
-    a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-    offs_q = q0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, s_layout))
-    lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-    dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-    zero_s = gl.zeros([KV, SUB], gl.float32, s_layout)
-    if FIRST:
-        mbarrier.wait(q_bar, phase)
-    qk = warpgroup_mma(k_smem, q_sub.permute((1, 0)), zero_s, is_async=True)
-    if FIRST:
-        mbarrier.wait(do_bar, phase)
-    dp = warpgroup_mma(v_smem, do_sub.permute((1, 0)), zero_s, is_async=True)
-    qk = warpgroup_mma_wait(1, deps=(qk,))
-    if q0 + SUB > S:
-        p = _p_t(qk, lse, offs_q, S, qk_scale, True, EXP2, FMA)
-    else:
-        p = _p_t(qk, lse, offs_q, S, qk_scale, False, EXP2, FMA)
-    dp = warpgroup_mma_wait(0, deps=(dp,))
-    ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
-    p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
-    dv = warpgroup_mma(p_op, do_sub, dv, is_async=True)
-    dk = warpgroup_mma(ds_op, q_sub, dk, is_async=True)
-    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-    return dk, dv
-
-
-@gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do_empty, k_ptr, v_ptr, dk_ptr, dv_ptr,
                    lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
                    BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr,
-                   FMA: gl.constexpr, ORDERED: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
-    """``_dkdv_kernel``'s walk for 64 KV rows, each query step in ``SPLIT`` parts of ascending rows (2: the score
-    products m64n32, each gradient product's k-steps in the same ascending chain; a probe knob, off)."""
+                   FMA: gl.constexpr, ORDERED: gl.constexpr, PIPE: gl.constexpr):  # fmt: skip
+    """``_dkdv_kernel``'s walk for 64 KV rows (``PIPE`` is the dQ walk's; unused here)."""
     KV: gl.constexpr = 64
-    SUB: gl.constexpr = BLOCK_M // SPLIT
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
     _own_rows(k_ptr, v_ptr, k_smem, v_smem, ord_ptr, S, base, first, stride_s, KV, D, ORDERED)
+    zero_s = gl.zeros([KV, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([KV, D], gl.float32, a_layout)
     dv = gl.zeros([KV, D], gl.float32, a_layout)
-    if SPLIT == 1:  # production (the refactor through _dkdv_step spilled 976 bytes against 276 here)
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_M, 16])  # fmt: skip
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=a_layout, k_width=2)
-        zero_s = gl.zeros([KV, BLOCK_M], gl.float32, s_layout)
-        offs_q0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        for j in range(0, gl.cdiv(S, BLOCK_M)):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            offs_q = j * BLOCK_M + offs_q0
-            lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-            dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-            q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
-            do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
-            mbarrier.wait(q_full.index(slot), phase)
-            qk = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, is_async=True)
-            mbarrier.wait(do_full.index(slot), phase)
-            dp = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk,))
-            if (j + 1) * BLOCK_M > S:
-                p = _p_t(qk, lse, offs_q, S, qk_scale, True, EXP2, FMA)
-            else:
-                p = _p_t(qk, lse, offs_q, S, qk_scale, False, EXP2, FMA)
-            dp = warpgroup_mma_wait(0, deps=(dp,))  # both products issued once ds^T is formed (fewer live registers)
-            ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
-            p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
-            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
-    else:
-        for j in range(0, gl.cdiv(S, BLOCK_M)):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
-            do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
-            for h in gl.static_range(SPLIT):
-                dk, dv = _dkdv_step(k_smem, v_smem, q_tile.slice(h * SUB, SUB), do_tile.slice(h * SUB, SUB),
-                                    q_full.index(slot), do_full.index(slot), phase, dk, dv, lse_ptr, delta_ptr, stat,
-                                    j * BLOCK_M + h * SUB, S, qk_scale, SUB, D, h == 0, EXP2, FMA)  # fmt: skip
-            mbarrier.arrive(q_empty.index(slot), count=1)
-            mbarrier.arrive(do_empty.index(slot), count=1)
+    offs_q0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    for j in range(0, gl.cdiv(S, BLOCK_M)):
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        offs_q = j * BLOCK_M + offs_q0
+        lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+        dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
+        mbarrier.wait(q_full.index(slot), phase)
+        qk = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, is_async=True)
+        mbarrier.wait(do_full.index(slot), phase)
+        dp = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk,))
+        if (j + 1) * BLOCK_M > S:
+            p = _p_t(qk, lse, offs_q, S, qk_scale, True, EXP2, FMA)
+        else:
+            p = _p_t(qk, lse, offs_q, S, qk_scale, False, EXP2, FMA)
+        dp = warpgroup_mma_wait(0, deps=(dp,))  # both products issued once ds^T is formed (fewer live registers)
+        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
     _store_rows(dk_ptr, dk * sm_scale, ord_ptr, S, base, first, stride_s, a_layout, KV, D, ORDERED)
     _store_rows(dv_ptr, dv, ord_ptr, S, base, first, stride_s, a_layout, KV, D, ORDERED)
 
@@ -214,7 +162,7 @@ def _store_rows(ptr, acc, ord_ptr, S, base, first, stride_s, layout: gl.constexp
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_ptr, do_ptr, dq_ptr, unused_ptr,
                  lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                 ORDERED: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+                 ORDERED: gl.constexpr, PIPE: gl.constexpr):  # fmt: skip
     """``_dq_block``'s walk for 64 query rows: per KV step ``qk = q k^T`` and ``dp = dout v^T`` issued together,
     ``p = exp2(fma(qk, c, -lse2))`` (zero in KV columns past S), ``ds = cast(p * (dp - delta))``, ``dq += ds k``.
     ``PIPE``: step j + 1's ``qk`` is issued before step j's ``dq`` product, and its p formed while that and step
@@ -300,7 +248,7 @@ def _walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_em
 def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, H,
                    qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr,
                    EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr,
-                   PIPE: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+                   PIPE: gl.constexpr):  # fmt: skip
     """128 owned rows a program (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``), the walked operands
     (a, b) ``STEP`` rows a step; ``num_warps`` = 4."""
     pid = gl.program_id(0)
@@ -329,10 +277,10 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
             [
                 (_dq_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE, SPLIT)),
+                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_dq_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE, SPLIT)),
+                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
                                   STAGES)),
             ],
@@ -344,10 +292,10 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
             [
                 (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE, SPLIT)),
+                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE, SPLIT)),
+                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
                 (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
                                   STAGES)),
             ],
@@ -371,7 +319,6 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
         a_desc, b_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s, h, c, sm_scale,
         own_a.stride(0), own_a.stride(1), D=d, STEP=64, STAGES=cfg.kv_stages if not dq else cfg.q_stages,
         EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=order is not None, DQ=dq, PIPE=dq and DQ_PIPELINE,
-        SPLIT=1 if dq else DKDV_SPLIT,
         num_warps=4, maxnreg=WS_MAXNREG,
         **STRICT_LAUNCH,
     )  # fmt: skip

@@ -72,15 +72,14 @@ def gluon_facts(ordered: bool) -> dict:
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
-def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False, split: int = 1) -> dict:
-    """The warp-specialised Gluon backward: the dK/dV walk (``split``: its probe-only query-step parts), or the dQ walk
-    (``pipe``: its probe-only step order)."""
+def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False) -> dict:
+    """The warp-specialised Gluon backward: the dK/dV walk, or the dQ walk (``pipe``: its probe-only step order)."""
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     a_desc, b_desc, _ = attention_gluon.descriptors(t, t, t, 64, 64)
     args = {"a_desc": a_desc, "b_desc": b_desc, "ord_ptr": torch.empty(1, dtype=torch.int64)}
     consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
-              "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "SPLIT": split}  # fmt: skip
+              "ORDERED": ordered, "DQ": dq, "PIPE": pipe}  # fmt: skip
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
@@ -105,7 +104,6 @@ def main() -> None:
         out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)
         out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
     out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
-    out["dkdv_gluon_split"] = gluon_bwd_facts(False, True, split=2)
     json.dump(out, sys.stdout)
 
 
