@@ -66,6 +66,20 @@ def test_one_pass_backward_has_the_three_kernel_bytes(cfg, b, s, ordered) -> Non
         assert torch.equal(got, want), name
 
 
+def test_gluon_backward_is_a_schedule_the_cpu_runs_as_the_triton_kernels() -> None:
+    """``bwd_gluon`` (a launch field: the same arithmetic in warp-specialised Gluon kernels, Hopper only) never changes
+    what runs where Gluon cannot: on the CPU the interpreter runs the Triton walks, so the bytes are the Triton ones;
+    the one-pass ``bwd_fused`` takes precedence when both are asked. The Gluon kernels' own bytes are compared on the
+    H200 (perf-probe-18/19) and their sm_90 build in ``test_sm90_compile``."""
+    q, k, v = qkv(1, 70)
+    grad = torch.randn(1, 70, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
+    gluon = attn.replace(SMALL, bwd_gluon=True)
+    assert gluon.tag.endswith("_gluon") and not attn.uses_gluon(gluon, q, backward=True)
+    assert not attn.uses_gluon(attn.replace(gluon, bwd_fused=True), q.cuda() if torch.cuda.is_available() else q, True)
+    for got, want in zip(fwd_bwd(q, k, v, grad, gluon), fwd_bwd(q, k, v, grad, SMALL), strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("s", [17, 70])
 @pytest.mark.parametrize("cfg", [None, SMALL, FAST], ids=["default", "small", "fast"])
