@@ -271,6 +271,17 @@ def test_bench_attention_times_the_walk_order_next_to_the_kernel(monkeypatch, tm
     write_evidence(tmp_path, "bench.json", "bench", body, command=["test"], device="cpu")  # validates the record
     qkv = bench_ops.bench_op("h3_qkv_gemm", 12, load_config("tiny").config, "cpu", copy_gbs=1.0)
     assert "variants" not in qkv
+    # what ran is named: the attention's schedule and tiling, the GEMM's tiling per product (M = 12: the small bucket)
+    from h3gate.kernels import attention, gemm_configs
+
+    assert rec["launch"]["forward"] == rec["launch"]["backward"] == "triton_pointer"
+    assert rec["launch"]["tiling"] == attention.attn_config(128, torch.bfloat16, 12).tag
+    cfg = load_config("tiny").config
+    fwd_tag = gemm_configs.gemm_config("fwd", cfg.inner_dim, cfg.hidden_size, torch.bfloat16, 12).tag
+    assert qkv["launch"]["forward"] == {"tiling": fwd_tag, "tma": False} and set(qkv["launch"]) == {
+        "forward", "dx", "dw", "interpreted"}  # fmt: skip
+    write_evidence(tmp_path / "gemm", "bench.json", "bench", bench_body("tiny", "tiny", 12, "cuda", 1.0, [qkv]),
+                   command=["test"], device="cpu")  # fmt: skip
 
 
 def test_baseline_names_declared_once_each_place_agrees():

@@ -198,6 +198,7 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
         "backward": None if bwd is None else _backward_record(bwd),
         "target": declared,
         **({"variants": _variants_record(case, fwd, fb)} if variants else {}),
+        **({"launch": case.launch()} if case.launch else {}),
         "checks": checks,
         "verdict": "pass" if all(v is not False for v in checks.values()) else "fail",
     }

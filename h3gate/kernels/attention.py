@@ -419,6 +419,25 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+def launch_record(q: torch.Tensor) -> dict:
+    """Which kernels run the forward and the backward of a call with queries like ``q`` (B, S, nh, D) here, and the
+    tiling: evidence names what executed (every schedule has this contract's bytes)."""
+    from h3gate.kernels import attention_bwd, attention_tma
+
+    cfg = attn_config(q.shape[3], q.dtype, q.shape[1])
+    if uses_gluon(cfg, q):
+        fwd = "gluon_warp_specialised"
+    else:
+        fwd = "triton_tma" if attention_tma.uses_tma(cfg, q) else "triton_pointer"
+    if cfg.bwd_fused:
+        bwd = "triton_one_pass"
+    elif uses_gluon(cfg, q, backward=True):
+        bwd = "gluon_warp_specialised"
+    else:
+        bwd = "triton_tma" if attention_bwd.uses_tma(cfg, q) else "triton_pointer"
+    return {"tiling": cfg.tag, "forward": fwd, "backward": bwd, "interpreted": INTERPRET}
+
+
 def gather_rows(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     """A walked operand's rows (dim 1) in canonical order: ``t[:, order]``, a contiguous copy (``t`` without one)."""
     return t if order is None else t.index_select(1, order)

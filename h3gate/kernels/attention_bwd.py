@@ -50,6 +50,11 @@ from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm import _tma_allocator, mma
 
 
+def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
+    """Whether this backward's Triton walks load their walked tiles by TMA: asked by the tiling, on CUDA, compiled."""
+    return cfg.bwd_tma and q.device.type == "cuda" and not INTERPRET
+
+
 @triton.jit
 def _delta_kernel(o_ptr, do_ptr, delta_ptr, ord_ptr, S, H, stride_b, stride_s, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
@@ -241,7 +246,7 @@ def backward(
     c = qk_scale(d)
     stride_b, stride_s = q.stride(0), q.stride(1)
     ordered, ord_arg = order is not None, q if order is None else order
-    tma = cfg.bwd_tma and q.device.type == "cuda" and not INTERPRET
+    tma = uses_tma(cfg, q)
     if tma:
         triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable)
     delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)

@@ -408,6 +408,20 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def launch_record(x: torch.Tensor, weight: torch.Tensor) -> dict:
+    """The tilings :func:`linear` launches for ``x (..., K)`` and ``weight (N, K)`` here, per product (forward, dx,
+    dw; every M bucket and load path has this contract's K walk, so the same bytes), and whether TMA loads them."""
+    n, k = weight.shape
+    m = x.numel() // k
+    cfgs = {"forward": gemm_config("fwd", n, k, x.dtype, m), "dx": gemm_config("dx", n, k, x.dtype),
+            "dw": gemm_config("dw", n, k, x.dtype)}  # fmt: skip
+    cuda = x.device.type == "cuda"
+    return {
+        **{name: {"tiling": c.tag, "tma": bool(c.tma and cuda)} for name, c in cfgs.items()},
+        "interpreted": INTERPRET,
+    }
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear"):
     """Strict ``F.linear``: same signature, shapes and output dtype as :func:`h3gate.ops.reference.linear`.
 

@@ -228,6 +228,7 @@ def _run_case(
         "invariance": inv,
         "tolerance_source": source,
         "row_rule": ctx.record(),
+        **({"launch": case.launch()} if case.launch else {}),
         "verdict": "pass" if not failures else "fail",
     }
     return OpResult(record, failures)

@@ -240,6 +240,36 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
     rec = result.record
     assert rec["forward"]["accuracy_ok"] and len(rec["backward"]) == 3
     assert all(g["accuracy_ok"] for g in rec["backward"])
+    # the evidence names the schedule that ran: here the interpreted Triton pointer walks of the S < 2048 tiling
+    tiling = attn.attn_config(128, BF16, 9).tag
+    assert rec["launch"] == {"tiling": tiling, "forward": "triton_pointer", "backward": "triton_pointer",
+                             "interpreted": attn.INTERPRET}  # fmt: skip
+
+
+def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> None:
+    """``launch_record`` follows the dispatch: on a Hopper GPU (stubbed here: the predicates the kernels themselves
+    call) the warp-specialised Gluon walks from S = 2048, the Triton pointer walks below; the one-pass backward when
+    the tiling asks for it."""
+    monkeypatch.setattr(attn, "INTERPRET", False)
+    monkeypatch.setattr(attn, "_hopper", lambda index: True)
+    from h3gate.kernels import attention_bwd, attention_tma
+
+    monkeypatch.setattr(attention_tma, "INTERPRET", False)
+    monkeypatch.setattr(attention_bwd, "INTERPRET", False)
+    cuda = torch.device("cuda", 0)
+
+    class Meta:  # a tensor's shape, dtype and device only (no CUDA here)
+        def __init__(self, s: int) -> None:
+            self.shape, self.dtype, self.device = (1, s, 56, 128), BF16, cuda
+
+    long, short = attn.launch_record(Meta(3160)), attn.launch_record(Meta(264))
+    assert long["forward"] == long["backward"] == "gluon_warp_specialised" and not long["interpreted"]
+    assert short["forward"] == short["backward"] == "triton_pointer"
+    assert long["tiling"] == attn.attn_config(128, BF16, 3160).tag != short["tiling"]
+    table = attn.ATTN_TABLE[(128, "bfloat16")]
+    monkeypatch.setitem(attn.ATTN_TABLE, (128, "bfloat16"), attn.replace(table, bwd_fused=True, fwd_gluon=False))
+    fused = attn.launch_record(Meta(3160))
+    assert fused["backward"] == "triton_one_pass" and fused["forward"] == "triton_tma"
 
 
 def test_launch_by_sequence_length(monkeypatch) -> None:
