@@ -495,3 +495,24 @@ def test_ws2_evidence_gets_its_section_with_one_row_per_rank():
     assert facts["backward byte-equal"] == ("yes" if doc["backward_byte_equal"] else "NO")
     head, rows = entry.table
     assert len(rows) == 8 and [r[0] for r in rows] == [str(i) for i in range(8)] and rows[7][2] == "[49, 56]"
+
+
+def test_the_attention_bench_figure_holds_the_ungated_provider_and_backward_timings():
+    """bench --op records time more than the gated ratio: the attention's forward against the provider (cuDNN on the
+    H200) and its backward alone against the provider and the declared baseline. The figure draws them as grey
+    (recorded, not gated) bars beside the declared target, with the record's own ratios."""
+    from h3gate.report import series
+
+    doc = json.loads((ROOT / "evidence" / "h200" / "bench-attention-768p" / "bench-ops.json").read_text())
+    (op,) = doc["operators"]
+    bars = {(b.label, b.baseline): b for b in series.op_speeds(doc)}
+    gated = bars[("h3_full_attention", "sdpa_flash")]
+    assert gated.target_kind == "declared target" and gated.ratio == op["target"]["ratio"] and gated.passed
+    recorded = {
+        ("h3_full_attention forward", "provider"): op["forward"]["speedup"],
+        ("h3_full_attention backward", "provider"): op["backward"]["speedup"],
+        ("h3_full_attention backward", "sdpa_flash"): op["backward"]["baseline_speedup"],
+    }
+    for key, ratio in recorded.items():
+        assert bars[key].ratio == ratio and bars[key].target is None and bars[key].passed is None, key
+    assert len(bars) == 4

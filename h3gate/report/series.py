@@ -197,28 +197,32 @@ class SpeedBar:
 
 
 def op_speeds(doc: dict) -> list[SpeedBar]:
-    """bench (ops): each operator's forward ratio against its declared target, else the not-slower criterion."""
+    """bench (ops): each operator's forward ratio against its declared target, else the not-slower criterion; then
+    what the record holds beside it, ungated: the forward against the provider when the target's baseline is another,
+    and the backward alone against the provider and the declared baseline."""
     noise = (doc.get("criteria") or {}).get("not_slower_noise")
     bars = []
     for op in doc.get("operators") or []:
-        target = op.get("target")
+        name, target = str(op.get("op")), op.get("target")
         fwd = op.get("forward") or {}
         verdict = op.get("verdict")
         passed = None if verdict is None else verdict == "pass"
         if isinstance(target, dict):
+            baseline = str(target.get("baseline"))
             bars.append(
-                SpeedBar(
-                    str(op.get("op")),
-                    target.get("ratio"),
-                    target.get("min_ratio"),
-                    "declared target",
-                    str(target.get("baseline")),
-                    passed,
-                )
+                SpeedBar(name, target.get("ratio"), target.get("min_ratio"), "declared target", baseline, passed)
             )
+            if baseline != "provider":
+                bars.append(SpeedBar(f"{name} forward", fwd.get("speedup"), None, "recorded", "provider", None))
         else:
             floor = None if noise is None else 1.0 - float(noise)
-            bars.append(SpeedBar(str(op.get("op")), fwd.get("speedup"), floor, "not slower", "provider", passed))
+            bars.append(SpeedBar(name, fwd.get("speedup"), floor, "not slower", "provider", passed))
+            baseline = "provider"
+        bwd = op.get("backward") or {}
+        if bwd.get("speedup") is not None:
+            bars.append(SpeedBar(f"{name} backward", bwd["speedup"], None, "recorded", "provider", None))
+        if bwd.get("baseline_speedup") is not None:
+            bars.append(SpeedBar(f"{name} backward", bwd["baseline_speedup"], None, "recorded", baseline, None))
     return bars
 
 
