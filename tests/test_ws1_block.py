@@ -234,6 +234,22 @@ def test_declared_kernels_through_the_gate(small, tmp_path):
             and all(o["actual"] == "provider" or registry.spec(o["op"]).contract.provider_bitwise for o in b["ops"])
         )
     assert (result.verdict == "pass") == (result.failing == []), result.failing
+    # the schedules the candidate's kernels launched, by node, from the kernels themselves (interpreted pointer walks
+    # here; the H200's Gluon / TMA walks show there): the attention node and every GEMM node, nothing else
+    from h3gate.kernels import attention, gemm
+
+    launched = {n["name"]: n["launch"] for n in rep["nodes"] if "launch" in n}
+    gemm_nodes = set(launched) - {"attention"}  # the strict GEMM's callers: the projections and the AdaLN one
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "ffn_gate_up", "ffn_down", "adaln_projection"} == gemm_nodes
+    (att,) = launched["attention"]["h3_full_attention"]
+    q = torch.empty(1, layout.seq_len, cfg.num_attention_heads, cfg.attention_head_dim, dtype=torch.bfloat16)
+    assert att == attention.launch_record(q) and att["forward"] == att["backward"] == "triton_pointer"
+    for name in gemm_nodes:
+        for op, records in launched[name].items():
+            assert records and all(set(r) == {"forward", "dx", "dw", "interpreted"} for r in records), (name, op)
+    wo = params["attn.to_out.0.weight"]  # o_proj: x (1, S, inner) @ Wo^T, one launch
+    x = torch.empty(1, layout.seq_len, wo.shape[1], dtype=wo.dtype)
+    assert launched["o_proj"] == {"h3_attention_o_gemm": [gemm.launch_record(x, wo)]}
     setup = run_setup.Ws1BlockSetup(
         config_name="tiny",
         cfg=cfg,

@@ -55,6 +55,12 @@ def test_the_default_command_passes_with_strict_kernels(default_run) -> None:
     graph = build_model_graph(TINY)
     assert [n["name"] for n in doc["nodes"]] == [n.name for n in graph.nodes]
     assert all(n["binding"]["actual"] == "triton" and not n["binding"]["fallback"] for n in doc["nodes"])
+    # every attention node names the schedule its kernel launched (interpreted pointer walks here), node by node
+    attention_nodes = [n for n in doc["nodes"] if n["ops"] == ["h3_full_attention"]]
+    assert attention_nodes and all(
+        [r["forward"] for r in n["launch"]["h3_full_attention"]] == ["triton_pointer"] for n in attention_nodes
+    )
+    assert not any("launch" in n for n in doc["nodes"] if n["ops"] == ["h3_swiglu"])  # one schedule: nothing noted
     assert doc["model"]["complete"] and doc["model"]["stages"][0] == "embed" and doc["model"]["stages"][-1] == "heads"
     assert {lane["name"] for lane in doc["lanes"]} >= {"golden", "provider", "candidate", "candidate repeat"}
     assert any(lane["batch"] for lane in doc["lanes"] if lane["saved_for_backward"])

@@ -22,6 +22,7 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.graph.core import Graph, Node, OpTable, Values
+from h3gate.kernels import launches
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,13 @@ def run_node(
     params: Mapping[str, torch.Tensor],
     override: Override | None = None,
 ) -> torch.Tensor:
-    """``node``'s output from ``values`` (which hold at least its inputs), through ``override`` when given."""
-    if isinstance(override, NodeOverride):
-        return override.fn(ops, values, params, node)
-    fn = node.fn if override is None else override
-    return fn(ops, {k: values[k] for k in node.inputs}, params)
+    """``node``'s output from ``values`` (which hold at least its inputs), through ``override`` when given; kernel
+    launches noted meanwhile belong to ``node`` (:mod:`h3gate.kernels.launches`)."""
+    with launches.node(node.name):
+        if isinstance(override, NodeOverride):
+            return override.fn(ops, values, params, node)
+        fn = node.fn if override is None else override
+        return fn(ops, {k: values[k] for k in node.inputs}, params)
 
 
 def run_chained(

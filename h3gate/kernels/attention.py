@@ -64,6 +64,7 @@ from triton.language.extra import libdevice
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
+from h3gate.kernels import launches
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor
 from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import mma
@@ -492,6 +493,7 @@ def attention_with(
 ) -> torch.Tensor:
     """The strict attention with an explicit tiling (tests and the GPU bench); validates like :func:`attention`."""
     _check(q, k, v)
+    launches.note(OP, lambda: launch_record(q))
     return _Attention.apply(q, k, v, walk_order(order, q), cfg)
 
 
@@ -499,6 +501,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Te
     """Strict :func:`h3gate.ops.reference.attention`: (B, S, nh, D) x3 -> (B, S, nh*D), scale 1/sqrt(D); rows
     walked in ``order`` (int64 (S,): packed row of canonical row i; None: packed order)."""
     _check(q, k, v)
+    launches.note(OP, lambda: launch_record(q))
     return _Attention.apply(q, k, v, walk_order(order, q), attn_config(q.shape[3], q.dtype, q.shape[1]))
 
 

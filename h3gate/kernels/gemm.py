@@ -39,6 +39,7 @@ import triton.language as tl
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
+from h3gate.kernels import launches
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import f32, helper, rne
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, tail_split
@@ -428,6 +429,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Without an autograd graph to build (grad mode off, or no argument requiring grad) the forward is launched
     directly, skipping ``autograd.Function.apply``: the same launch and bytes, less host time per call."""
     _check(op, x, weight, bias)
+    launches.note(op, lambda: launch_record(x, weight))
     if needs_graph(x, weight, bias):
         return _Linear.apply(x, weight, bias, op)
     return _forward(x, weight, bias)

@@ -38,6 +38,8 @@ from h3gate.gate.rows import row_errors
 from h3gate.gate.variants import Variant, refusal
 from h3gate.graph.core import Node, Values
 from h3gate.graph.execute import run_node
+from h3gate.kernels import launches
+from h3gate.kernels.launches import Log
 from h3gate.runs.block_records import unrelated
 from h3gate.runs.block_rows import RowContext, isolated_envelope
 
@@ -127,13 +129,15 @@ class Forward:
     cand_batch: dict[str, dict]
     ctx: RowContext
     seconds: float
+    launches: Log = field(default_factory=dict)  # node -> op -> schedules the candidate's chained pass launched
 
 
 def forward(gate: BlockGate, ex: _Executions, ctx: RowContext, store: ValueStore) -> Forward:
     """The three passes (module docstring) into ``store``; progress one step per pass."""
     t0 = time.perf_counter()
     ex.step(f"forward: {PASSES[0]}")
-    chained, errors, chained_rows = _chained(gate, ex, ctx, store)
+    with launches.recording() as launched:  # the candidate's kernels note their schedules (the chained pass only)
+        chained, errors, chained_rows = _chained(gate, ex, ctx, store)
     ex.step(f"forward: {PASSES[1]}")
     isolated, isolated_rows = _isolated(gate, ex, ctx, store)
     ex.step(f"forward: {PASSES[2]}")
@@ -142,7 +146,7 @@ def forward(gate: BlockGate, ex: _Executions, ctx: RowContext, store: ValueStore
     cand_rep, cand_batch = _invariance(gate, ex, store, "candidate")
     rows = {n: {"chained": chained_rows[n], "isolated": isolated_rows[n]} for n in chained}
     return Forward(store, chained, isolated, errors, rows, prov_rep, cand_rep, prov_batch, cand_batch, ctx,
-                   time.perf_counter() - t0)  # fmt: skip
+                   time.perf_counter() - t0, launched)  # fmt: skip
 
 
 def _chained(

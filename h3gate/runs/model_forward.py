@@ -22,6 +22,7 @@ from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check
 from h3gate.graph.core import Node, Values, to_float64
 from h3gate.graph.execute import run_node
+from h3gate.kernels import launches
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
@@ -121,7 +122,8 @@ def _stage(
         for n in stage.nodes:
             chained_env[n.name][lane.variant.name] = row_errors(out[n.name], gold[n.name], n.row_dim)
         del out
-    cand = lanes.candidate.run(stage, params)
+    with launches.recording() as launched:  # the candidate's kernels note their schedules, node by node
+        cand = lanes.candidate.run(stage, params)
     mods = {n.name: row_labels(n.meta["rows"], cand[n.name], n.row_dim, gate.modalities) for n in stage.nodes}
     again = lanes.repeat.run(stage, params)
     repeat = {n.name: agreement(again[n.name], cand[n.name], n.row_dim, mods[n.name]) for n in stage.nodes}
@@ -135,6 +137,8 @@ def _stage(
     for node in stage.nodes:
         judged = _node(gate, ctx, node, feed, params, gparams, prov, cand, gold, chained_env, mods[node.name])
         rec = _record(gate, node, judged, repeat[node.name], batch[node.name], prov, cand, mods[node.name])
+        if launched.get(node.name):
+            rec["launch"] = launched[node.name]
         where = {"direction": "forward", "stage": stage.label, "layer": node.layer, "node": node.name}
         findings.note_failures(where, rec["checks"], rec["rows"])
         for key, agree in (("chained", rec["chained"]), ("repeat", repeat[node.name]), ("batch", batch[node.name])):

@@ -272,6 +272,7 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
                 head=head,
                 after_dtype={
                     "binding": nb.record(),
+                    **({"launch": fw.launches[n]} if fw.launches.get(n) else {}),
                     "isolated_bitwise_promise": {"listed": listed, "applies": promised, "reason": reason},
                 },
                 repeat=fw.cand_rep[n],

@@ -1,0 +1,50 @@
+"""Which schedules the strict kernels launched, by graph node: one small mechanism, on only inside
+:func:`recording` (an engine wraps its candidate's pass in it), so a kernel call otherwise costs one lookup.
+
+Kernels whose contract runs as several schedules with the same bytes (the attention's Gluon / TMA / pointer walks,
+a GEMM's tiling by M bucket) call :func:`note` with their ``launch_record``; :func:`h3gate.graph.execute.run_node`
+names the node around each node function. The log maps node -> operator -> the distinct records seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+Log = dict[str, dict[str, list[dict]]]
+
+_LOG: ContextVar[Log | None] = ContextVar("h3gate_launch_log", default=None)
+_NODE: ContextVar[str] = ContextVar("h3gate_launch_node", default="")
+
+
+@contextmanager
+def recording() -> Iterator[Log]:
+    """Within the block, every noted launch goes to the yielded log under the current node's name."""
+    log: Log = {}
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+@contextmanager
+def node(name: str) -> Iterator[None]:
+    """Launches noted within the block belong to node ``name``."""
+    token = _NODE.set(name)
+    try:
+        yield
+    finally:
+        _NODE.reset(token)
+
+
+def note(op: str, describe: Callable[[], dict]) -> None:
+    """Record ``describe()`` for ``op`` under the current node when a log is recording (otherwise nothing runs)."""
+    log = _LOG.get()
+    if log is None:
+        return
+    seen = log.setdefault(_NODE.get(), {}).setdefault(op, [])
+    record = describe()
+    if record not in seen:
+        seen.append(record)
