@@ -11,7 +11,8 @@ Before binding, strict and audit modes refuse (``InputError`` naming what) a mod
 class, parameters that do not match the inventory of the module's own config (names, shapes, dtypes: any size of
 the architecture, a PEFT/LoRA wrapper's extra tensors included), a submodule the architecture does not have, a
 forward or backward hook, an attention processor other than diffusers' default one, or attention kwargs.
-``session.trace`` lists every operator call that ran: node, op, kernel id, requested and actual implementation.
+``session.trace`` lists every operator call that ran: node, op, kernel id, requested and actual implementation;
+``session.launches`` the schedules the kernels launched, by node (:mod:`h3gate.kernels.launches`).
 With ``scheduler=`` (a ``MiniMaxH3Scheduler`` or a pipeline holding its video and audio schedulers) their ``step`` is
 h3gate's Euler step for the block, bitwise diffusers'. PEFT LoRA layers on the block projections run their update
 through the ``h3_lora_update`` operator in the same mode (:mod:`h3gate.strict_lora`). With the module's gradient
@@ -40,6 +41,7 @@ from h3gate.graph.execute import run_node
 from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
 from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
 from h3gate.inventory import expected_inventory
+from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.registry import Binding, bind, check_mode
 from h3gate.strict_lora import (
@@ -72,13 +74,16 @@ class StrictSession:
     observer: Callable[[Node, torch.Tensor], None] | None = None
     overrides: dict[str, Callable] = field(default_factory=dict)
     checkpointed: int = 0
+    launches: launches.Log = field(default_factory=dict)  # node -> op -> schedules the kernels launched (forwards)
 
     def record(self) -> dict:
-        """Evidence: the binding of every node (requested / actual kernel), the LoRA layers and the trace."""
+        """Evidence: the binding of every node (requested / actual kernel), the schedules the kernels launched, the
+        LoRA layers and the trace."""
         return {
             "mode": self.mode,
             "calls": self.calls,
             "bindings": {n: b.record() for n, b in self.bindings.items()},
+            **({"launches": self.launches} if self.launches else {}),
             "lora": lora_record(self.lora),
             "checkpointed_segments": self.checkpointed,
             "trace": list(self.trace),
@@ -251,7 +256,9 @@ def _forward(session: StrictSession, table: OpTable):
         values = {"video_rows": hidden_states, "audio_rows": audio_hidden_states, "text": encoder_hidden_states}
         values.update(derive_metadata(raw, session.cfg, hidden_states.device))
         params = canonical_parameters(model, session.lora)
-        _run_graph(session, segments, _Tracing(table, session), values, params)
+        with launches.recording() as launched:  # the kernels note their schedules, node by node
+            _run_graph(session, segments, _Tracing(table, session), values, params)
+        launches.merge(session.launches, launched)
         session.calls += 1
         video, audio = values[OUTPUTS[0]], values[OUTPUTS[1]]
         if not return_dict:

@@ -1,5 +1,6 @@
 """Which schedules the strict kernels launched, by graph node: one small mechanism, on only inside
-:func:`recording` (an engine wraps its candidate's pass in it), so a kernel call otherwise costs one lookup.
+:func:`recording` (an engine wraps its candidate's pass in it, ``h3gate.strict`` each forward of the user's module),
+so a kernel call otherwise costs one lookup.
 
 Kernels whose contract runs as several schedules with the same bytes (the attention's Gluon / TMA / pointer walks,
 a GEMM's tiling by M bucket) call :func:`note` with their ``launch_record``; :func:`h3gate.graph.execute.run_node`
@@ -48,3 +49,11 @@ def note(op: str, describe: Callable[[], dict]) -> None:
     record = describe()
     if record not in seen:
         seen.append(record)
+
+
+def merge(into: Log, log: Log) -> None:
+    """Add ``log``'s records to ``into`` (node -> op -> distinct records), keeping each distinct record once."""
+    for node_name, ops in log.items():
+        for op, records in ops.items():
+            seen = into.setdefault(node_name, {}).setdefault(op, [])
+            seen += [r for r in records if r not in seen]

@@ -16,6 +16,7 @@ from h3gate.errors import InputError
 from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import bind_graph, candidate_table
 from h3gate.graph.model import OUTPUTS, build_model_graph
+from h3gate.kernels import attention
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import load_layout
 from h3gate.manifests.model_config import load_config
@@ -86,6 +87,10 @@ def test_strict_mode_runs_the_strict_kernels_bitwise_as_the_gates_do(model) -> N
     assert {r["node"] for r in session.trace} == {n.name for n in graph.nodes}
     assert all(r["actual"] == "triton" for r in session.trace if r["op"] in ("h3_qkv_gemm", "h3_full_attention"))
     assert session.record()["bindings"]["block.0.attention"]["actual"] == "triton"
+    # the session names the schedule each kernel launched, node by node (interpreted pointer walks on the CPU)
+    (att,) = session.record()["launches"]["block.0.attention"]["h3_full_attention"]
+    assert att["forward"] == att["backward"] == "triton_pointer" and att["interpreted"] == attention.INTERPRET
+    assert set(session.record()["launches"]["block.0.o_proj"]) == {"h3_attention_o_gemm"}
 
 
 def test_the_session_writes_its_trace_as_evidence(model, tmp_path) -> None:
@@ -96,6 +101,11 @@ def test_the_session_writes_its_trace_as_evidence(model, tmp_path) -> None:
         model(**args)
     doc = json.loads(session.write(tmp_path).read_text(encoding="utf-8"))
     assert doc["kind"] == "strict-session" and doc["calls"] == 1 and len(doc["trace"]) == len(session.trace) > 60
+    assert "launches" not in doc  # mode "off": diffusers' own arithmetic, no strict kernel launched
+    with torch.no_grad(), h3gate.strict(model) as strict_session:
+        model(**args)
+    doc = json.loads(strict_session.write(tmp_path / "strict").read_text(encoding="utf-8"))  # schema-validated
+    assert doc["launches"]["block.0.attention"]["h3_full_attention"][0]["forward"] == "triton_pointer"
 
 
 def test_strict_rows_do_not_depend_on_the_rest_of_the_batch(model) -> None:
