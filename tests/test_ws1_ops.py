@@ -274,12 +274,13 @@ def test_bench_attention_times_the_walk_order_next_to_the_kernel(monkeypatch, tm
     # what ran is named: the attention's schedule and tiling, the GEMM's tiling per product (M = 12: the small bucket)
     from h3gate.kernels import attention, gemm_configs
 
-    assert rec["launch"]["forward"] == rec["launch"]["backward"] == "triton_pointer"
-    assert rec["launch"]["tiling"] == attention.attn_config(128, torch.bfloat16, 12).tag
+    (att,) = rec["launch"]
+    assert att["forward"] == att["backward"] == "triton_pointer"
+    assert att["tiling"] == attention.attn_config(128, torch.bfloat16, 12).tag
     cfg = load_config("tiny").config
     fwd_tag = gemm_configs.gemm_config("fwd", cfg.inner_dim, cfg.hidden_size, torch.bfloat16, 12).tag
-    assert qkv["launch"]["forward"] == {"tiling": fwd_tag, "tma": False} and set(qkv["launch"]) == {
-        "forward", "dx", "dw", "interpreted"}  # fmt: skip
+    (mm,) = qkv["launch"]
+    assert mm["forward"] == {"tiling": fwd_tag, "tma": False} and set(mm) == {"forward", "dx", "dw", "interpreted"}
     write_evidence(tmp_path / "gemm", "bench.json", "bench", bench_body("tiny", "tiny", 12, "cuda", 1.0, [qkv]),
                    command=["test"], device="cpu")  # fmt: skip
 

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from h3gate.kernels.attention import AttnConfig
-from h3gate.kernels.attention_gluon import _exp2, _load, descriptors
+from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
 from h3gate.kernels.common import STRICT_LAUNCH
 
 # Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
@@ -232,19 +232,6 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_emp
 
 
 @gluon.jit
-def _walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP: gl.constexpr,
-                   STAGES: gl.constexpr):  # fmt: skip
-    """The walked operands' ``STEP``-row tiles (q / dout for dK/dV, k / v for dQ), ascending, into the ring."""
-    for j in range(0, gl.cdiv(S, STEP)):
-        slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
-        mbarrier.wait(a_empty.index(slot), free)
-        _load(a_desc, a_smem.index(slot), a_full.index(slot), b, j * STEP, col)
-        mbarrier.wait(b_empty.index(slot), free)
-        _load(b_desc, b_smem.index(slot), b_full.index(slot), b, j * STEP, col)
-
-
-@gluon.jit
 def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, H,
                    qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr,
                    EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr,
@@ -281,7 +268,7 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
                 (_dq_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
                  first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
-                (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
+                (walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
                                   STAGES)),
             ],
             [4, 1],
@@ -296,7 +283,7 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
                 (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
                  b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
                  first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
-                (_walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
+                (walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
                                   STAGES)),
             ],
             [4, 1],

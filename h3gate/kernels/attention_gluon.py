@@ -192,16 +192,24 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty
 
 
 @gluon.jit
+def walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP: gl.constexpr,
+                  STAGES: gl.constexpr):  # fmt: skip
+    """Two walked operands' ``STEP``-row tiles (K / V here, q / dout or k / v in the backward), ascending, into a ring
+    of ``STAGES`` buffers: a slot is reloaded once both consumers released it (``*_empty``)."""
+    for j in range(0, gl.cdiv(S, STEP)):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
+        mbarrier.wait(a_empty.index(slot), free)
+        _load(a_desc, a_smem.index(slot), a_full.index(slot), b, j * STEP, col)
+        mbarrier.wait(b_empty.index(slot), free)
+        _load(b_desc, b_smem.index(slot), b_full.index(slot), b, j * STEP, col)
+
+
+@gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, S, b, col,
                  row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     _load(q_desc, q_smem, q_bar, b, row0, col)  # canonical rows (a copy in canonical order with a walk order)
-    for j in range(0, gl.cdiv(S, BLOCK_N)):
-        slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
-        mbarrier.wait(k_empty.index(slot), free)
-        _load(k_desc, k_smem.index(slot), k_full.index(slot), b, j * BLOCK_N, col)
-        mbarrier.wait(v_empty.index(slot), free)
-        _load(v_desc, v_smem.index(slot), v_full.index(slot), b, j * BLOCK_N, col)
+    walk_producer(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, S, b, col, BLOCK_N, STAGES)
 
 
 @gluon.jit

@@ -64,7 +64,6 @@ class OpCase:
     bytes_moved: int = 0  # forward HBM bytes the operator must read + write (bench roofline)
     flops: int = 0  # forward floating-point operations (bench)
     shape: str = ""  # human-readable shape summary for evidence
-    launch: Callable[[], dict] | None = None  # which kernels and tilings the bound kernel runs for these args, here
 
     def call(self, fn: Callable) -> Any:
         return fn(*self.args, **self.kwargs)

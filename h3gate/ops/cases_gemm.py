@@ -13,7 +13,6 @@ from collections.abc import Callable
 import torch
 
 from h3gate.dtypes import dtype_name
-from h3gate.kernels import attention, gemm
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.cases import CaseBuilder, OpCase, randn
 from h3gate.ops.golden import DENSE_ATTENTION_GOLDEN_BYTES, attention_fp64
@@ -48,7 +47,6 @@ def _linear_case(
         bytes_moved=size * (rows * k + n * k + rows * n + (n if bias else 0)),
         flops=2 * rows * n * k,
         shape=f"M={rows} K={k} N={n} {dtype_name(dtype)}{' +bias' if bias else ''}",
-        launch=lambda: gemm.launch_record(x, w),
     )
 
 
@@ -112,7 +110,6 @@ def _attention(rows: int, cfg: ModelConfig, device, seed: int) -> OpCase:
         flops=4 * rows * rows * h * d,
         bench_variants=orders,
         shape=f"S={rows} heads={h} D={d} bfloat16",
-        launch=lambda: attention.launch_record(q),
     )
 
 
