@@ -129,12 +129,54 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
         records.append(rec)
 
 
+def _split_fns(s: int) -> dict:
+    """The Gluon backward's kernels alone at S = ``s`` (B = 1): dK/dV, dQ with and without its pipelined order, and
+    the whole backward (delta pre-pass included)."""
+    import math
+
+    from h3gate.kernels import attention_bwd_gluon as gb
+
+    (q, k, v, out, lse, grad), _, cfg = _inputs(1, s, seed=11, ordered=False)
+    cfg = dataclasses.replace(cfg, bwd_gluon=True)
+    do = grad.view(q.shape)
+    delta = (out.float() * grad.float()).view(1, s, HEADS, D).sum(-1).transpose(1, 2).reshape(HEADS, s).contiguous()
+    sm, c = 1.0 / math.sqrt(D), attention.qk_scale(D)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def dq_call(pipe: bool):
+        def call():
+            saved, gb.DQ_PIPELINE = gb.DQ_PIPELINE, pipe
+            try:
+                gb.dq_gluon(q, k, v, do, lse, delta, dq, None, cfg, sm, c)
+            finally:
+                gb.DQ_PIPELINE = saved
+
+        return call
+
+    return {
+        "dkdv": lambda: gb.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, None, cfg, sm, c),
+        "dq": dq_call(False),
+        "dq_pipe": dq_call(True),
+        "whole": lambda: backward(q, k, v, out, lse, grad, cfg),
+    }
+
+
+def probe_split(records: list[dict], variants: list[str]) -> None:
+    """Where the Gluon backward's time goes, at S = 3160 and 38974 (``_split_fns``)."""
+    for s in (3160, 38974):
+        rec = {"section": "split", "S": s}
+        time_into(rec, _split_fns(s), 10.0 * s * s * D * HEADS, warmup=100, rep=600 if s < 10000 else 5000)
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+
+
 def main() -> int:
     return probe_main(
         VARIANTS,
         {
             "bytes": lambda records, variants, small: probe_bytes(records, variants, SMALL_CASES if small else CASES),
             "time": lambda records, variants, small: probe_time(records, variants),
+            "split": lambda records, variants, small: probe_split(records, variants),
         },
     )
 

@@ -5,8 +5,10 @@
 #                       SDPA cuDNN / flash, backward TMA / tilings, the walk order vs full copies ($PROBE.json)
 #   attn-gluon          tools/gpu_attention_gluon.py: the warp-specialised Gluon forward's bytes against the Triton
 #                       forward (S = 264 ... 38974, batch 2, walk orders) and its time next to cuDNN / flash
-#   attn-bwd            tools/gpu_attention_bwd.py: the one-pass backward's dq/dk/dv bytes against the three-kernel
-#                       backward and its time next to cuDNN's / flash's backward ($BWD_PROBE.json)
+#   attn-bwd            tools/gpu_attention_bwd.py: the backward variants' dq/dk/dv bytes against the three-kernel
+#                       backward and their time next to cuDNN's / flash's backward ($BWD_PROBE.json; BWD_SECTIONS,
+#                       default bytes,time; split: the Gluon kernels timed alone)
+#   gemm-<layout>       bench --op of the block's four GEMMs at tiny / small / medium / 768p
 #   attn-<layout>       bench --op h3_full_attention at tiny / small / medium / 768p (identity and permuted order arms)
 #   attn-ops[-768p|-tiny-small]  run ws1-ops of h3_full_attention at medium / 768p / tiny and small (bitwise /
 #                       accuracy against the provider)
@@ -23,12 +25,15 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
-    attn-gluon) step 240 attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws_s2,ws_s3}" \
+    attn-gluon) step "${GLUON_CAP:-240}" attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws}" \
       --out "$ev/${PROBE:-perf-probe-16}.json";;
     attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \
       --variants fused --out "$ev/attention-bwd-smoke.json";;
     attn-bwd) step 300 attention-bwd python3 tools/gpu_attention_bwd.py --variants "${BWD_VARIANTS:-fused,fused_s2,fused_ptr}" \
-      --out "$ev/${BWD_PROBE:-perf-probe-17}.json";;
+      --sections "${BWD_SECTIONS:-bytes,time}" --out "$ev/${BWD_PROBE:-perf-probe-17}.json";;
+    gemm-tiny|gemm-small|gemm-medium|gemm-768p) L=${s#gemm-}
+      step 200 "bench-ops-gemm-$L" $H bench --device cuda --config real --layout "$L" --op h3_qkv_gemm \
+        --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3_ffn_down_gemm --out "$ev/bench-ops-gemm-$L";;
     attn-tiny|attn-small|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;

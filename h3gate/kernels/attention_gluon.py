@@ -38,6 +38,8 @@ keeps its ``wgmma`` asynchronous and spills nothing.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -124,44 +126,72 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
 
 
 # Registers a thread: the worker consumer and the producer (setmaxnreg); the default consumer gets what the launch's
-# limit leaves (12 warps x 168 = the 64K registers of an SM).
-CONSUMER_REGS = gl.constexpr(232)
-PRODUCER_REGS = gl.constexpr(40)
+# limit leaves (12 warps x 168 = the 64K registers of an SM). Read at launch (a probe may set them).
+REGS = (232, 40)
 WS_MAXNREG = 168
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr, ord_ptr, S,
-                 bh, base, row0, qk_scale, stride_s, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+def _tile(t, m_tiles, H, stride_b, D: gl.constexpr, ROWS: gl.constexpr):
+    """Tile ``t`` (query blocks of one (batch, head) adjacent, as a (m_tiles, B * H) grid orders them): (bh, b,
+    head column, base offset of (b, head), first query row)."""
+    bh = t // m_tiles
+    b = bh // H
+    col = (bh % H) * D
+    return bh, b, col, b.to(gl.int64) * stride_b + col, (t % m_tiles) * ROWS
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
+                 ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, C: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
                  ORDERED: gl.constexpr):  # fmt: skip
+    """This consumer's 64 query rows of every tile the program walks (tiles ``pid``, ``pid + programs``, ...)."""
+    n_blocks = gl.cdiv(S, BLOCK_N)
+    tile_i = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
+                      ord_ptr, S, H, t, m_tiles, qk_scale, stride_b, stride_s, tile_i, n_blocks, C, BLOCK_M, BLOCK_N,
+                      D, STAGES, EXP2, FMA, ORDERED)  # fmt: skip
+        tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
+
+
+@gluon.jit
+def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
+                  ord_ptr, S, H, t, m_tiles, qk_scale, stride_b, stride_s, tile_i, n_blocks, C: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """One tile: the program's ``tile_i``-th, so its K/V steps are the ring's ``tile_i * n_blocks + j`` and its turns
+    the ``tile_i * (n_blocks - 1) + j``-th (both consumers take the same number of turns a tile)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # fmt: skip
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    mbarrier.wait(q_bar, 0)
+    step0 = tile_i * n_blocks
+    turn0 = tile_i * (n_blocks - 1)
+    mbarrier.wait(q_bar, tile_i & 1)
     q_tile = q_smem.reshape([2 * BLOCK_M, D]).slice(C * BLOCK_M, BLOCK_M)
-    n_blocks = gl.cdiv(S, BLOCK_N)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    mbarrier.wait(k_full.index(0), 0)
-    qk = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
+    mbarrier.wait(k_full.index(step0 % STAGES), (step0 // STAGES) & 1)
+    qk = warpgroup_mma(q_tile, k_smem.index(step0 % STAGES).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
+                       is_async=True)  # fmt: skip
     qk = warpgroup_mma_wait(0, deps=(qk,))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(step0 % STAGES), count=1)
     p, alpha, m_i, l_i = _softmax_block(qk, m_i, l_i, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     for j in range(0, n_blocks - 1):
-        nxt = (j + 1) % STAGES
-        cur = j % STAGES
-        mbarrier.wait(turn.index(C), j & 1)  # this consumer's turn to issue MMAs
-        mbarrier.wait(k_full.index(nxt), ((j + 1) // STAGES) & 1)
+        cur = (step0 + j) % STAGES
+        nxt = (step0 + j + 1) % STAGES
+        mbarrier.wait(turn.index(C), (turn0 + j) & 1)  # this consumer's turn to issue MMAs
+        mbarrier.wait(k_full.index(nxt), ((step0 + j + 1) // STAGES) & 1)
         qk_next = warpgroup_mma(q_tile, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
                                 is_async=True)  # fmt: skip
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        mbarrier.wait(v_full.index(cur), (j // STAGES) & 1)
+        mbarrier.wait(v_full.index(cur), ((step0 + j) // STAGES) & 1)
         pv = warpgroup_mma(p_op, v_smem.index(cur).reshape([BLOCK_N, D]), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - C), count=1)  # the other consumer's turn
         qk = warpgroup_mma_wait(1, deps=(qk_next,))
@@ -170,14 +200,17 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty
                                             FMA)  # fmt: skip
         acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
         mbarrier.arrive(v_empty.index(cur), count=1)
-    last = n_blocks - 1
+    mbarrier.arrive(q_empty, count=1)  # every q k^T of this tile has retired: the producer may load the next q
+    last = (step0 + n_blocks - 1) % STAGES
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    mbarrier.wait(v_full.index(last % STAGES), (last // STAGES) & 1)
-    pv = warpgroup_mma(p_op, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+    mbarrier.wait(v_full.index(last), ((step0 + n_blocks - 1) // STAGES) & 1)
+    pv = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(pv, p_op))
+    mbarrier.arrive(v_empty.index(last), count=1)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = gl.div_rn(acc, gl.expand_dims(l_o, 1)).to(gl.bfloat16)
+    bh, b, col, base, row0 = _tile(t, m_tiles, H, stride_b, D, 2 * BLOCK_M)
     first = row0 + C * BLOCK_M
     offs_m = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     if ORDERED:
@@ -193,12 +226,13 @@ def _ws_consumer(q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty
 
 @gluon.jit
 def walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP: gl.constexpr,
-                  STAGES: gl.constexpr):  # fmt: skip
+                  STAGES: gl.constexpr, step0=0):  # fmt: skip
     """Two walked operands' ``STEP``-row tiles (K / V here, q / dout or k / v in the backward), ascending, into a ring
-    of ``STAGES`` buffers: a slot is reloaded once both consumers released it (``*_empty``)."""
+    of ``STAGES`` buffers: a slot is reloaded once both consumers released it (``*_empty``). ``step0``: the ring steps
+    this program loaded before (its earlier tiles)."""
     for j in range(0, gl.cdiv(S, STEP)):
-        slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
+        slot = (step0 + j) % STAGES
+        free = (((step0 + j) // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
         mbarrier.wait(a_empty.index(slot), free)
         _load(a_desc, a_smem.index(slot), a_full.index(slot), b, j * STEP, col)
         mbarrier.wait(b_empty.index(slot), free)
@@ -206,33 +240,41 @@ def walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_emp
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, S, b, col,
-                 row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    _load(q_desc, q_smem, q_bar, b, row0, col)  # canonical rows (a copy in canonical order with a walk order)
-    walk_producer(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, S, b, col, BLOCK_N, STAGES)
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, S,
+                 H, n_tiles, m_tiles, D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):  # fmt: skip
+    """Per tile: its query rows once both consumers retired the last tile's ``q k^T`` (canonical rows: a copy in
+    canonical order with a walk order), then its K/V walk; the ring runs on across tiles."""
+    n_blocks = gl.cdiv(S, BLOCK_N)
+    tile_i = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        bh, b, col, base, row0 = _tile(t, m_tiles, H, 0, D, ROWS)
+        mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
+        _load(q_desc, q_smem, q_bar, b, row0, col)
+        walk_producer(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, S, b, col, BLOCK_N, STAGES,
+                      tile_i * n_blocks)  # fmt: skip
+        tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
-                        D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
-    """``BLOCK_M`` rows per consumer, 2 * BLOCK_M per program; ``num_warps`` = 4 (one consumer warpgroup)."""
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H
-    col = (bh % H) * D
-    base = b.to(gl.int64) * stride_b + col
-    row0 = pid_m * (2 * BLOCK_M)
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b,
+                        stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, REGS_C: gl.constexpr,
+                        REGS_P: gl.constexpr):  # fmt: skip
+    """``BLOCK_M`` rows per consumer, 2 * BLOCK_M per tile; ``n_tiles`` = ``m_tiles`` query blocks x B x H, walked
+    ``pid``, ``pid + programs``, ...; ``num_warps`` = 4 (one consumer warpgroup)."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
@@ -243,18 +285,28 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, q
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     gl.warp_specialize(
         [
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
-                            ord_ptr, S, bh, base, row0, qk_scale, stride_s, 0, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA,
-                            ORDERED)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
-                            ord_ptr, S, bh, base, row0, qk_scale, stride_s, 1, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA,
-                            ORDERED)),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty,
-                            S, b, col, row0, BLOCK_N, STAGES)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
+                            lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, 0, BLOCK_M,
+                            BLOCK_N, D, STAGES, EXP2, FMA, ORDERED)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
+                            lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, 1, BLOCK_M,
+                            BLOCK_N, D, STAGES, EXP2, FMA, ORDERED)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+                            v_empty, S, H, n_tiles, m_tiles, D, 2 * BLOCK_M, BLOCK_N, STAGES)),
         ],
         [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+        [REGS_C, REGS_P],
     )  # fmt: skip
+
+
+# The forward's launch: False = one program a tile (the grid of sessions 12-14's measurements); True = one persistent
+# program an SM (at most one tile each), walking tiles pid, pid + programs, ... (a probe knob until measured).
+PERSISTENT = False
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def forward_gluon_ws(
@@ -275,10 +327,13 @@ def forward_gluon_ws(
     # With a walk order the query rows come as a canonical copy too (TMA has no row gather on Hopper; one copy of q,
     # about 0.3 % of the kernel's time at 768p), and each output row is stored to its packed row through order[i].
     q_desc, k_desc, v_desc = descriptors(gather_rows(q, order), k, v, 2 * rows, cfg.fwd_n)
-    grid = (triton.cdiv(s, 2 * rows), b * h)
-    _attn_fwd_ws_kernel[grid](
-        q_desc, k_desc, v_desc, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0),
-        q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
-        ORDERED=order is not None, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
+    m_tiles = triton.cdiv(s, 2 * rows)
+    n_tiles = m_tiles * b * h
+    programs = min(n_tiles, _sm_count(q.device.index)) if PERSISTENT else n_tiles
+    _attn_fwd_ws_kernel[(programs,)](
+        q_desc, k_desc, v_desc, out, lse, q if order is None else order, s, h, n_tiles, m_tiles, qk_scale(d),
+        q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code,
+        FMA=cfg.fwd_fma, ORDERED=order is not None, REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4, maxnreg=WS_MAXNREG,
+        **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse

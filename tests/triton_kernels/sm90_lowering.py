@@ -19,7 +19,7 @@ from h3gate.kernels import attention, attention_bwd, attention_bwd_gluon, attent
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
 
 _TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr": "*i32", "ord_ptr": "*i64",
-          "S": "i32", "H": "i32", "qk_scale": "fp32",
+          "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32"}  # fmt: skip
 
 
@@ -68,7 +68,7 @@ def gluon_facts(ordered: bool) -> dict:
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
     args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64)}
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
-              "ORDERED": ordered}  # fmt: skip
+              "ORDERED": ordered, "REGS_C": attention_gluon.REGS[0], "REGS_P": attention_gluon.REGS[1]}  # fmt: skip
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
