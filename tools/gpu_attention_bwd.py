@@ -36,8 +36,10 @@ VARIANTS = {
     "gluon": {"bwd_gluon": True},
     "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
     "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
+    "gluon_plain": {"bwd_gluon": True, "dq_pipe": False, "stats_tma": False},
+    "gluon_stats": {"bwd_gluon": True, "dq_pipe": True, "stats_tma": True},
 }
-_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE"}  # variant key -> attention_bwd_gluon attribute
+_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE", "stats_tma": "STATS_TMA"}  # variant key -> attention_bwd_gluon attribute
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
@@ -143,20 +145,28 @@ def _split_fns(s: int) -> dict:
     sm, c = 1.0 / math.sqrt(D), attention.qk_scale(D)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def dq_call(pipe: bool):
+    def knob(attr: str, value: bool, fn):
         def call():
-            saved, gb.DQ_PIPELINE = gb.DQ_PIPELINE, pipe
+            saved = getattr(gb, attr)
+            setattr(gb, attr, value)
             try:
-                gb.dq_gluon(q, k, v, do, lse, delta, dq, None, cfg, sm, c)
+                fn()
             finally:
-                gb.DQ_PIPELINE = saved
+                setattr(gb, attr, saved)
 
         return call
 
+    def dq_call():
+        gb.dq_gluon(q, k, v, do, lse, delta, dq, None, cfg, sm, c)
+
+    def dkdv_call():
+        gb.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, None, cfg, sm, c)
+
     return {
-        "dkdv": lambda: gb.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, None, cfg, sm, c),
-        "dq": dq_call(False),
-        "dq_pipe": dq_call(True),
+        "dkdv": knob("STATS_TMA", False, dkdv_call),
+        "dkdv_stats_tma": knob("STATS_TMA", True, dkdv_call),
+        "dq": knob("DQ_PIPELINE", False, dq_call),
+        "dq_pipe": knob("DQ_PIPELINE", True, dq_call),
         "whole": lambda: backward(q, k, v, out, lse, grad, cfg),
     }
 

@@ -178,7 +178,9 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 # so below the bound 2048 (between the measured 925 and 3160, a choice, not a measured crossover) the pointer
 # kernels with 3 backward stages run. The warp-specialised Gluon forward (same bytes) was 6 % faster than the TMA
 # kernel at 3160 and 38974 and slower at 264 (host descriptors and one wave of 128-row programs): from 2048 on as well
-# (perf-probe-16).
+# (perf-probe-16). Persistent (one program an SM walking tiles), it is also faster than the pointer kernel at S = 925
+# (0.085 against 0.105 ms) and still slower at 264 (0.089 against 0.032; perf-probe-22): so from 512 on (between the
+# measured 264 and 925, a choice), while below 2048 the backward keeps the pointer kernels.
 # The KV walk itself (fwd_n, not a launch field) is 128 keys since kernel id v2 (session 13): in the Gluon kernel it
 # was 17 / 20 % faster than the 64-key walk at S = 3160 / 38974 (0.561 vs 0.528 ms cuDNN, 72.5 vs 75.8 ms cuDNN,
 # perf-probe-17-fwd.json), where the Triton kernels had shown 1 % (perf-probe-14): a contract change (other bytes, new
@@ -209,20 +211,11 @@ LAUNCH_FIELDS = frozenset(
         "q_stages",
     }
 )
+_BWD_POINTER = {"bwd_tma": False, "bwd_gluon": False, "kv_stages": 3, "q_stages": 3}
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
     (128, "bfloat16"): (
-        (
-            2048,
-            {
-                "fwd_m": 128,
-                "fwd_tma": False,
-                "fwd_gluon": False,
-                "bwd_tma": False,
-                "bwd_gluon": False,
-                "kv_stages": 3,
-                "q_stages": 3,
-            },
-        ),  # fmt: skip
+        (512, {"fwd_m": 128, "fwd_tma": False, "fwd_gluon": False, **_BWD_POINTER}),
+        (2048, {"fwd_m": 128, "fwd_tma": False, **_BWD_POINTER}),  # the Gluon forward (Hopper), else pointer
     ),
 }
 

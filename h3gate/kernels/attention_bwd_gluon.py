@@ -14,7 +14,7 @@ owns 128 rows (KV rows for dK/dV, query rows for dQ; ``_bwd_ws_kernel``, ``DQ`` 
     ``dv += cast(p^T) dout``, ``dk += ds^T q`` issued together (ds^T before dv: fewer live registers,
     perf-probe-18);
   - dQ: ``qk = q k^T``, ``dp = dout v^T``; ``p``; ``ds = cast(p * (dp - delta))``; ``dq += ds k``. ``DQ_PIPELINE``
-    (a probe knob, off) issues step j + 1's scores before step j's ``dq`` product.
+    (on) issues step j + 1's scores before step j's ``dq`` product.
   Every MMA group is retired within its step (ptxas serialises ``wgmma`` when a group stays in flight across the
   loop's back edge).
 
@@ -45,16 +45,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.attention import AttnConfig
-from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
+from h3gate.kernels.attention_gluon import _exp2, _tma_load, descriptors, walk_producer
 from h3gate.kernels.common import STRICT_LAUNCH
 
 # Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
 # dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-DQ_PIPELINE = False  # the dQ consumer's software-pipelined step order (``_dq_consumer``'s PIPE); measured by the probe
+# The dQ consumer's software-pipelined step order (``_dq_consumer``'s PIPE): the same bytes, the dQ kernel 5.1 / 5.7 %
+# faster at S = 38974 / 3160 (perf-probe-20, -22-bwd-split); False gives the plain order (a probe knob).
+DQ_PIPELINE = True
+# The dK/dV walk's lse2 / delta of each query step: loaded into shared memory by the producer's TMA beside q and
+# dout (True) or by the consumers from global memory each step (False; session 14). A probe knob until measured.
+STATS_TMA = False
 WS_MAXNREG = 168
 
 
@@ -77,11 +83,12 @@ def _own_rows(k_ptr, v_ptr, k_smem, v_smem, ord_ptr, S, base, first, stride_s, K
 
 @gluon.jit
 def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr):
-    """``_dkdv_block``'s p^T from the raw scores (KV rows x query rows), zero in query columns past S."""
+    """``_dkdv_block``'s p^T from the raw scores (KV rows x query rows) and the (1, query rows) lse2, zero in query
+    columns past S."""
     if FMA:
-        p = _exp2(gl.fma(qk, qk_scale, -gl.expand_dims(lse, 0)), EXP2)
+        p = _exp2(gl.fma(qk, qk_scale, -lse), EXP2)
     else:
-        p = _exp2(qk * qk_scale - gl.expand_dims(lse, 0), EXP2)
+        p = _exp2(qk * qk_scale - lse, EXP2)
     if MASK:
         p = gl.where(gl.expand_dims(offs_q, 0) < S, p, 0.0)
     return p
@@ -89,10 +96,11 @@ def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, F
 
 @gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do_empty, k_ptr, v_ptr, dk_ptr, dv_ptr,
-                   lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
+                   lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s, lse_smem, dl_smem,
                    BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr,
-                   FMA: gl.constexpr, ORDERED: gl.constexpr, PIPE: gl.constexpr):  # fmt: skip
-    """``_dkdv_kernel``'s walk for 64 KV rows (``PIPE`` is the dQ walk's; unused here)."""
+                   FMA: gl.constexpr, ORDERED: gl.constexpr, STATS_TMA: gl.constexpr):  # fmt: skip
+    """``_dkdv_kernel``'s walk for 64 KV rows. The walked query rows' lse2 and delta: loaded per step from global
+    memory, or (``STATS_TMA``) read from the shared-memory ring the producer fills with them beside q and dout."""
     KV: gl.constexpr = 64
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -107,21 +115,25 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
         slot = j % STAGES
         phase = (j // STAGES) & 1
         offs_q = j * BLOCK_M + offs_q0
-        lse = gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
-        dl = gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0)
+        if not STATS_TMA:
+            lse = gl.expand_dims(gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0), 0)
+            dl = gl.expand_dims(gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0), 0)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
         mbarrier.wait(q_full.index(slot), phase)
         qk = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, is_async=True)
         mbarrier.wait(do_full.index(slot), phase)
         dp = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, is_async=True)
+        if STATS_TMA:  # zeros past S (TMA fill), as the masked loads give
+            lse = lse_smem.index(slot).load(s_layout)
+            dl = dl_smem.index(slot).load(s_layout)
         qk = warpgroup_mma_wait(1, deps=(qk,))
         if (j + 1) * BLOCK_M > S:
             p = _p_t(qk, lse, offs_q, S, qk_scale, True, EXP2, FMA)
         else:
             p = _p_t(qk, lse, offs_q, S, qk_scale, False, EXP2, FMA)
         dp = warpgroup_mma_wait(0, deps=(dp,))  # both products issued once ds^T is formed (fewer live registers)
-        ds_op = gl.convert_layout((p * (dp - gl.expand_dims(dl, 0))).to(gl.bfloat16), op_layout)
+        ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
         p_op = gl.convert_layout(p.to(gl.bfloat16), op_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
@@ -232,12 +244,31 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_emp
 
 
 @gluon.jit
-def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, H,
-                   qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr,
-                   EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr,
-                   PIPE: gl.constexpr):  # fmt: skip
+def _stats_walk_producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
+                         b_empty, S, b, bh, col, STEP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """``walk_producer`` with each walked tile's per-row statistics (lse2 with q, delta with dout: (1, STEP) FP32
+    boxes of the (B * nh, S) arrays, zeros past S) loaded into their own ring on the same barriers."""
+    for j in range(0, gl.cdiv(S, STEP)):
+        slot = j % STAGES
+        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
+        mbarrier.wait(a_empty.index(slot), free)
+        mbarrier.expect(a_full.index(slot), a_desc.block_type.nbytes + la_desc.block_type.nbytes)
+        _tma_load(a_desc, [b, j * STEP, col], a_full.index(slot), a_smem.index(slot))
+        _tma_load(la_desc, [bh, j * STEP], a_full.index(slot), la_smem.index(slot))
+        mbarrier.wait(b_empty.index(slot), free)
+        mbarrier.expect(b_full.index(slot), b_desc.block_type.nbytes + lb_desc.block_type.nbytes)
+        _tma_load(b_desc, [b, j * STEP, col], b_full.index(slot), b_smem.index(slot))
+        _tma_load(lb_desc, [bh, j * STEP], b_full.index(slot), lb_smem.index(slot))
+
+
+@gluon.jit
+def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr,
+                   ord_ptr, S, H, qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr, STEP: gl.constexpr,
+                   STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
+                   DQ: gl.constexpr, PIPE: gl.constexpr, STATS_TMA: gl.constexpr):  # fmt: skip
     """128 owned rows a program (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``), the walked operands
-    (a, b) ``STEP`` rows a step; ``num_warps`` = 4."""
+    (a, b) ``STEP`` rows a step; ``num_warps`` = 4. ``la_desc`` / ``lb_desc``: lse2 / delta descriptors (read by the
+    dK/dV walk with ``STATS_TMA``)."""
     pid = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
@@ -275,20 +306,42 @@ def _bwd_ws_kernel(a_desc, b_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, l
             [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
     else:
-        gl.warp_specialize(
-            [
-                (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
-                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
-                (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
-                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                 first + 64, qk_scale, sm_scale, stride_s, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE)),
-                (walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP,
-                                  STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+        la_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], la_desc.layout)
+        lb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], lb_desc.layout)
+        if STATS_TMA:
+            gl.warp_specialize(
+                [
+                    (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
+                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                     first, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
+                     STATS_TMA)),
+                    (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
+                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                     first + 64, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
+                     STATS_TMA)),
+                    (_stats_walk_producer, (a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem,
+                                            a_full, b_full, a_empty, b_empty, S, b, bh, col, STEP, STAGES)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
+                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                     first, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
+                     STATS_TMA)),
+                    (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
+                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                     first + 64, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
+                     STATS_TMA)),
+                    (walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col,
+                                      STEP, STAGES)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
 
 
 def check_tiling(cfg: AttnConfig) -> None:
@@ -302,13 +355,29 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
             order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool) -> None:  # fmt: skip
     b, s, h, d = own_a.shape
     a_desc, b_desc, _ = descriptors(walk_a.view(b, s, h, d), walk_b.view(b, s, h, d), walk_a.view(b, s, h, d), 64, 64)
+    la_desc, lb_desc = stats_descriptors(lse, delta, 64)
     _bwd_ws_kernel[(triton.cdiv(s, 128), b * h)](
-        a_desc, b_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s, h, c, sm_scale,
-        own_a.stride(0), own_a.stride(1), D=d, STEP=64, STAGES=cfg.kv_stages if not dq else cfg.q_stages,
-        EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=order is not None, DQ=dq, PIPE=dq and DQ_PIPELINE,
-        num_warps=4, maxnreg=WS_MAXNREG,
-        **STRICT_LAUNCH,
+        a_desc, b_desc, la_desc, lb_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s,
+        h, c, sm_scale, own_a.stride(0), own_a.stride(1), D=d, STEP=64,
+        STAGES=cfg.kv_stages if not dq else cfg.q_stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
+        ORDERED=order is not None, DQ=dq, PIPE=dq and DQ_PIPELINE, STATS_TMA=not dq and STATS_TMA, num_warps=4,
+        maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
+
+
+def stats_descriptors(lse: torch.Tensor, delta: torch.Tensor, step: int) -> tuple:
+    """Host TMA descriptors over the (B * nh, S) FP32 lse2 and delta with (1, ``step``) boxes (zeros past S). TMA
+    needs 16-byte row strides: where S is not a multiple of 4 the rows are copied into a zero-padded buffer (2 x 4 S
+    bytes a head, about 17 MB at 768p)."""
+    rows, s = lse.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+    def desc(t: torch.Tensor) -> TensorDescriptor:
+        if s % 4:
+            t = torch.nn.functional.pad(t, (0, 4 - s % 4))
+        return TensorDescriptor(t, [rows, s], [t.stride(0), 1], [1, step], layout)
+
+    return desc(lse), desc(delta)
 
 
 def dkdv_gluon(q_c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do_c: torch.Tensor, lse: torch.Tensor,

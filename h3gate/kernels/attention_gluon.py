@@ -126,8 +126,9 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
 
 
 # Registers a thread: the worker consumer and the producer (setmaxnreg); the default consumer gets what the launch's
-# limit leaves (12 warps x 168 = the 64K registers of an SM). Read at launch (a probe may set them).
-REGS = (232, 40)
+# limit leaves (12 warps x 168 = the 64K registers of an SM). Read at launch (a probe may set them). 240 / 24: 3.3 %
+# faster than 232 / 40 at S = 3160 and 2.8 % at 38974 in the persistent kernel, no spills either way (perf-probe-22).
+REGS = (240, 24)
 WS_MAXNREG = 168
 
 
@@ -299,9 +300,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, n
     )  # fmt: skip
 
 
-# The forward's launch: False = one program a tile (the grid of sessions 12-14's measurements); True = one persistent
-# program an SM (at most one tile each), walking tiles pid, pid + programs, ... (a probe knob until measured).
-PERSISTENT = False
+# The forward's launch: one persistent program an SM (never more than the tiles), walking tiles pid, pid + programs,
+# ...; False launches one program a tile (sessions 12-14's grid; a probe knob). Persistent with 240 / 24 registers was
+# 6.5 / 3.6 / 1.6 % faster than session 14's kernel at S = 3160 / 38974 / 925, bytes equal (perf-probe-22.json).
+PERSISTENT = True
 
 
 @functools.cache

@@ -72,14 +72,17 @@ def gluon_facts(ordered: bool) -> dict:
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
-def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False) -> dict:
-    """The warp-specialised Gluon backward: the dK/dV walk, or the dQ walk (``pipe``: its probe-only step order)."""
+def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool = False) -> dict:
+    """The warp-specialised Gluon backward: the dK/dV walk (``stats_tma``: lse2 / delta by the producer's TMA), or
+    the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``)."""
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     a_desc, b_desc, _ = attention_gluon.descriptors(t, t, t, 64, 64)
-    args = {"a_desc": a_desc, "b_desc": b_desc, "ord_ptr": torch.empty(1, dtype=torch.int64)}
+    la_desc, lb_desc = attention_bwd_gluon.stats_descriptors(torch.empty(2, 300), torch.empty(2, 300), 64)
+    args = {"a_desc": a_desc, "b_desc": b_desc, "la_desc": la_desc, "lb_desc": lb_desc,
+            "ord_ptr": torch.empty(1, dtype=torch.int64)}  # fmt: skip
     consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
-              "ORDERED": ordered, "DQ": dq, "PIPE": pipe}  # fmt: skip
+              "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "STATS_TMA": stats_tma}  # fmt: skip
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
@@ -104,6 +107,7 @@ def main() -> None:
         out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)
         out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
     out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
+    out["dkdv_gluon_stats_tma"] = gluon_bwd_facts(False, True, stats_tma=True)
     json.dump(out, sys.stdout)
 
 

@@ -251,8 +251,8 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
 
 def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> None:
     """``launch_record`` follows the dispatch: on a Hopper GPU (stubbed here: the predicates the kernels themselves
-    call) the warp-specialised Gluon walks from S = 2048, the Triton pointer walks below; the one-pass backward when
-    the tiling asks for it (it takes precedence over ``bwd_gluon``)."""
+    call) the warp-specialised Gluon forward from S = 512 and backward from 2048, the Triton pointer walks below; the
+    one-pass backward when the tiling asks for it (it takes precedence over ``bwd_gluon``)."""
     monkeypatch.setattr(attn, "INTERPRET", False)
     monkeypatch.setattr(attn, "_hopper", lambda index: True)
     from h3gate.kernels import attention_bwd, attention_tma
@@ -265,12 +265,13 @@ def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> Non
         def __init__(self, s: int) -> None:
             self.shape, self.dtype, self.device = (1, s, 56, 128), BF16, cuda
 
-    long, short = attn.launch_record(Meta(3160)), attn.launch_record(Meta(264))
+    long, short, middle = attn.launch_record(Meta(3160)), attn.launch_record(Meta(264)), attn.launch_record(Meta(925))
     table = attn.attn_config(128, BF16, 3160)
     assert attn.uses_gluon(table, Meta(3160), backward=True)
     assert not attn.uses_gluon(attn.replace(table, bwd_fused=True), Meta(3160), backward=True)
     assert long["forward"] == long["backward"] == "gluon_warp_specialised" and not long["interpreted"]
     assert short["forward"] == short["backward"] == "triton_pointer"
+    assert (middle["forward"], middle["backward"]) == ("gluon_warp_specialised", "triton_pointer")
     assert long["tiling"] == attn.attn_config(128, BF16, 3160).tag != short["tiling"]
     table = attn.ATTN_TABLE[(128, "bfloat16")]
     monkeypatch.setitem(attn.ATTN_TABLE, (128, "bfloat16"), attn.replace(table, bwd_fused=True, fwd_gluon=False))
@@ -298,7 +299,9 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16), backward=True)  # and the Triton backward
     assert not small.bwd_gluon and "bwd_gluon" in attn.LAUNCH_FIELDS and table.tag.endswith("_gluon")
-    assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
+    assert attn.attn_config(128, BF16, 511) == small and attn.attn_config(128, BF16, 2048) == table
+    # from 512 the Gluon forward (persistent, perf-probe-22), the backward still the pointer kernels below 2048
+    assert attn.attn_config(128, BF16, 512) == attn.attn_config(128, BF16, 2047) == attn.replace(small, fwd_gluon=True)
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     # heights of the rows a program owns (the interpreter sums a whole MMA tile before adding the accumulator, so the
     # reduction-step heights kv_m / q_n, bitwise on the GPU by the MMA's k-step chain, are compared there only)

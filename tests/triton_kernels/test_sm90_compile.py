@@ -73,10 +73,11 @@ def test_one_pass_backward_lowers_with_asynchronous_wgmma(facts) -> None:
 def test_gluon_backward_keeps_its_mmas_asynchronous_and_the_declared_math(facts) -> None:
     """The warp-specialised Gluon backward (``attention_bwd_gluon``, in production from S = 2048): per consumer
     warpgroup the dK/dV walk issues 8 + 8 score and 4 + 4 gradient k-steps (2 x 24 wgmma), the dQ walk 8 + 8 + 4
-    (2 x 20; its probe-only pipelined order adds a prologue and an epilogue: 80), two TMA loads in the producer, the
-    contract's ex2.approx.ftz + fma, never serialised. Spills: the dQ walk none; the dK/dV walk holds two 64 x 128 FP32
-    accumulators a thread and spills 268-284 bytes under Triton 3.6 / 3.7 and 160 under 3.9 (measured in session 14,
-    when the kernel was written; the H200 timings include them): the bound 320 guards against growth."""
+    (2 x 20 in the plain order; the pipelined order production runs adds a prologue and an epilogue: 80), two TMA
+    loads in the producer, the contract's ex2.approx.ftz + fma, never serialised. Spills: the dQ walk none; the dK/dV
+    walk holds two 64 x 128 FP32 accumulators a thread and spills 268-284 bytes under Triton 3.6 / 3.7 and 160 under
+    3.9 (measured in session 14, when the kernel was written; the H200 timings include them): the bound 320 guards
+    against growth."""
     for ordered in (False, True):
         dkdv, dq = facts[f"dkdv_gluon_ordered={ordered}"], facts[f"dq_gluon_ordered={ordered}"]
         assert dkdv["wgmma.mma_async"] == 48 and dq["wgmma.mma_async"] == 40, (dkdv, dq)
