@@ -72,9 +72,11 @@ def gluon_facts(ordered: bool) -> dict:
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
-def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool = False) -> dict:
+def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool | None = None) -> dict:
     """The warp-specialised Gluon backward: the dK/dV walk (``stats_tma``: lse2 / delta by the producer's TMA), or
-    the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``)."""
+    the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``). ``stats_tma``
+    None: production's ``STATS_TMA``."""
+    stats_tma = attention_bwd_gluon.STATS_TMA if stats_tma is None else stats_tma
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     a_desc, b_desc, _ = attention_gluon.descriptors(t, t, t, 64, 64)
@@ -107,7 +109,7 @@ def main() -> None:
         out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)
         out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
     out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
-    out["dkdv_gluon_stats_tma"] = gluon_bwd_facts(False, True, stats_tma=True)
+    out["dkdv_gluon_global_stats"] = gluon_bwd_facts(False, True, stats_tma=False)
     json.dump(out, sys.stdout)
 
 
