@@ -246,21 +246,26 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_emp
 
 
 @gluon.jit
-def _stats_walk_producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                         b_empty, S, b, bh, col, STEP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """``walk_producer`` with each walked tile's per-row statistics (lse2 with q, delta with dout: (1, STEP) FP32
-    boxes of the (B * nh, S) arrays, zeros past S) loaded into their own ring on the same barriers."""
-    for j in range(0, gl.cdiv(S, STEP)):
-        slot = j % STAGES
-        free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
-        mbarrier.wait(a_empty.index(slot), free)
-        mbarrier.expect(a_full.index(slot), a_desc.block_type.nbytes + la_desc.block_type.nbytes)
-        _tma_load(a_desc, [b, j * STEP, col], a_full.index(slot), a_smem.index(slot))
-        _tma_load(la_desc, [bh, j * STEP], a_full.index(slot), la_smem.index(slot))
-        mbarrier.wait(b_empty.index(slot), free)
-        mbarrier.expect(b_full.index(slot), b_desc.block_type.nbytes + lb_desc.block_type.nbytes)
-        _tma_load(b_desc, [b, j * STEP, col], b_full.index(slot), b_smem.index(slot))
-        _tma_load(lb_desc, [bh, j * STEP], b_full.index(slot), lb_smem.index(slot))
+def _dkdv_producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
+                   b_empty, S, b, bh, col, STEP: gl.constexpr, STAGES: gl.constexpr,
+                   STATS_TMA: gl.constexpr):  # fmt: skip
+    """The dK/dV walk's producer: ``walk_producer`` (q, dout), and with ``STATS_TMA`` each walked tile's per-row
+    statistics beside it (lse2 with q, delta with dout: (1, STEP) FP32 boxes of the (B * nh, S) arrays, zeros past S)
+    in their own ring on the same barriers."""
+    if not STATS_TMA:
+        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES)
+    else:
+        for j in range(0, gl.cdiv(S, STEP)):
+            slot = j % STAGES
+            free = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
+            mbarrier.wait(a_empty.index(slot), free)
+            mbarrier.expect(a_full.index(slot), a_desc.block_type.nbytes + la_desc.block_type.nbytes)
+            _tma_load(a_desc, [b, j * STEP, col], a_full.index(slot), a_smem.index(slot))
+            _tma_load(la_desc, [bh, j * STEP], a_full.index(slot), la_smem.index(slot))
+            mbarrier.wait(b_empty.index(slot), free)
+            mbarrier.expect(b_full.index(slot), b_desc.block_type.nbytes + lb_desc.block_type.nbytes)
+            _tma_load(b_desc, [b, j * STEP, col], b_full.index(slot), b_smem.index(slot))
+            _tma_load(lb_desc, [bh, j * STEP], b_full.index(slot), lb_smem.index(slot))
 
 
 @gluon.jit
@@ -310,40 +315,22 @@ def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a
     else:
         la_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], la_desc.layout)
         lb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], lb_desc.layout)
-        if STATS_TMA:
-            gl.warp_specialize(
-                [
-                    (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
-                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                     first, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
-                     STATS_TMA)),
-                    (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
-                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                     first + 64, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
-                     STATS_TMA)),
-                    (_stats_walk_producer, (a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem,
-                                            a_full, b_full, a_empty, b_empty, S, b, bh, col, STEP, STAGES)),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )  # fmt: skip
-        else:
-            gl.warp_specialize(
-                [
-                    (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
-                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                     first, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
-                     STATS_TMA)),
-                    (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
-                     b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
-                     first + 64, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
-                     STATS_TMA)),
-                    (walk_producer, (a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col,
-                                      STEP, STAGES)),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_dkdv_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty,
+                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                 first, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
+                 STATS_TMA)),
+                (_dkdv_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty,
+                 b_empty, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base,
+                 first + 64, qk_scale, sm_scale, stride_s, la_smem, lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED,
+                 STATS_TMA)),
+                (_dkdv_producer, (a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full,
+                                  b_full, a_empty, b_empty, S, b, bh, col, STEP, STAGES, STATS_TMA)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 def check_tiling(cfg: AttnConfig) -> None:

@@ -79,6 +79,22 @@ def test_gluon_backward_is_a_schedule_the_cpu_runs_as_the_triton_kernels() -> No
         assert torch.equal(got, want)
 
 
+def test_the_dkdv_walks_statistics_reach_tma_as_16_byte_rows_with_zeros_past_s() -> None:
+    """The Gluon dK/dV walk reads each query step's lse2 and delta by TMA ((1, 64) boxes of the (B * nh, S) FP32
+    arrays). TMA needs 16-byte row strides, so where S is not a multiple of 4 the rows are a zero-padded copy; the
+    descriptor's shape stays S, so the box past S is zero-filled either way (the masked loads' ``other=0``)."""
+    from h3gate.kernels.attention_bwd_gluon import stats_descriptors
+
+    lse = torch.arange(2 * 301, dtype=torch.float32).view(2, 301) - 300.0
+    la, lb = stats_descriptors(lse, lse * 2, 64)
+    for desc, want in ((la, lse), (lb, lse * 2)):
+        assert desc.shape == [2, 301] and desc.strides == [304, 1] and desc.block_shape == [1, 64]
+        assert torch.equal(desc.base[:, :301], want) and not desc.base[:, 301:].any()
+    even = lse[:, :300].contiguous()
+    la, _ = stats_descriptors(even, even, 64)
+    assert la.base is even and la.strides == [300, 1]  # 1200-byte rows: no copy
+
+
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("s", [17, 70])
 @pytest.mark.parametrize("cfg", [None, SMALL, FAST], ids=["default", "small", "fast"])
