@@ -38,8 +38,10 @@ VARIANTS = {
     "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
     "gluon_plain": {"bwd_gluon": True, "dq_pipe": False, "stats_tma": False},
     "gluon_stats": {"bwd_gluon": True, "dq_pipe": True, "stats_tma": True},
+    "gluon_persistent": {"bwd_gluon": True, "persistent": True},
 }
-_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE", "stats_tma": "STATS_TMA"}  # variant key -> attention_bwd_gluon attribute
+# variant key -> attention_bwd_gluon attribute
+_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE", "stats_tma": "STATS_TMA", "persistent": "PERSISTENT"}
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
@@ -165,8 +167,10 @@ def _split_fns(s: int) -> dict:
     return {
         "dkdv": knob("STATS_TMA", False, dkdv_call),
         "dkdv_stats_tma": knob("STATS_TMA", True, dkdv_call),
+        "dkdv_persistent": knob("PERSISTENT", True, dkdv_call),
         "dq": knob("DQ_PIPELINE", False, dq_call),
         "dq_pipe": knob("DQ_PIPELINE", True, dq_call),
+        "dq_persistent": knob("PERSISTENT", True, dq_call),
         "whole": lambda: backward(q, k, v, out, lse, grad, cfg),
     }
 

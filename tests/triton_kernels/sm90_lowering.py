@@ -72,10 +72,12 @@ def gluon_facts(ordered: bool) -> dict:
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
-def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool | None = None) -> dict:
+def gluon_bwd_facts(
+    dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool | None = None, persistent: bool = False
+) -> dict:
     """The warp-specialised Gluon backward: the dK/dV walk (``stats_tma``: lse2 / delta by the producer's TMA), or
     the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``). ``stats_tma``
-    None: production's ``STATS_TMA``."""
+    None: production's ``STATS_TMA``; ``persistent``: the probe knob's tile loop."""
     stats_tma = attention_bwd_gluon.STATS_TMA if stats_tma is None else stats_tma
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
@@ -84,7 +86,7 @@ def gluon_bwd_facts(dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool
     args = {"a_desc": a_desc, "b_desc": b_desc, "la_desc": la_desc, "lb_desc": lb_desc,
             "ord_ptr": torch.empty(1, dtype=torch.int64)}  # fmt: skip
     consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
-              "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "STATS_TMA": stats_tma}  # fmt: skip
+              "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "STATS_TMA": stats_tma, "PERSISTENT": persistent}  # fmt: skip
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
@@ -110,6 +112,8 @@ def main() -> None:
         out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
     out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
     out["dkdv_gluon_global_stats"] = gluon_bwd_facts(False, True, stats_tma=False)
+    out["dkdv_gluon_persistent"] = gluon_bwd_facts(False, True, persistent=True)
+    out["dq_gluon_persistent"] = gluon_bwd_facts(True, True, pipe=True, persistent=True)
     json.dump(out, sys.stdout)
 
 
