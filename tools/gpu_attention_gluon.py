@@ -18,7 +18,6 @@ A variant that fails to compile or run is recorded with its error, never fatal. 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import traceback
 
@@ -31,15 +30,15 @@ from h3gate.kernels.attention_gluon import forward_gluon_ws
 HEADS, D = 56, 128
 # name -> the warp-specialised kernel's K/V buffers, KV walk width (128 keys: kernel id v2's walk; 64: v1's, compared
 # with the Triton forward of the same walk), launch (persistent: one program an SM walking tiles) and register split.
-# "session14" runs the kernel as committed at the end of session 14 (one program a tile), from a copy of that file
-# the probe run carries (tools/_session14_attention_gluon.py, `git show 659521a:h3gate/kernels/attention_gluon.py`).
+# (perf-probe-22 also ran session 14's kernel, `git show 659521a:h3gate/kernels/attention_gluon.py`, from an untracked
+# copy under tools/: see evidence/h200/PROVENANCE.md, session 15.)
 _V = {"stages": 2, "walk": 128, "persistent": False, "regs": (232, 40)}
 VARIANTS = {
-    "session14": {**_V, "old": True},
     "ws": _V,
     "ws_persistent": {**_V, "persistent": True},
     "ws_persistent_r240": {**_V, "persistent": True, "regs": (240, 24)},
-    "ws_persistent_s3": {**_V, "persistent": True, "stages": 3},
+    # production with a third K/V buffer: 32 KB of q + 3 x 2 x 32 KB of K/V tiles, the most that fits (227 KB)
+    "ws_persistent_s3": {**_V, "persistent": True, "regs": (240, 24), "stages": 3},
 }
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
 TIMED = (264, 925, 3160, 38974)
@@ -50,24 +49,10 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
 
 
-@functools.cache
-def _session14():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).with_name("_session14_attention_gluon.py")
-    spec = importlib.util.spec_from_file_location("_session14_attention_gluon", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gluon(q, k, v, name: str, order=None):
     var = VARIANTS[name]
     k, v = attention.gather_rows(k, order), attention.gather_rows(v, order)
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=var["walk"])
-    if var.get("old"):
-        return _session14().forward_gluon_ws(q, k, v, cfg, order, stages=var["stages"])
     saved = attention_gluon.PERSISTENT, attention_gluon.REGS
     attention_gluon.PERSISTENT, attention_gluon.REGS = var["persistent"], var["regs"]
     try:

@@ -52,8 +52,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.attention import AttnConfig
-from h3gate.kernels.attention_gluon import _exp2, _sm_count, _tma_load, descriptors, walk_producer
+from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
+from h3gate.kernels.attention_gluon import _tile as _fwd_tile
 from h3gate.kernels.common import STRICT_LAUNCH
+from h3gate.kernels.gemm import _num_sms
 
 # Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
 # dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
@@ -261,36 +263,11 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_emp
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-            b_empty, S, b, bh, col, step0, STEP: gl.constexpr, STAGES: gl.constexpr,
-            STATS_TMA: gl.constexpr):  # fmt: skip
-    """The walks' producer: ``walk_producer`` (q and dout for dK/dV, k and v for dQ), and with ``STATS_TMA`` each
-    walked tile's per-row statistics beside it (lse2 with q, delta with dout: (1, STEP) FP32 boxes of the (B * nh, S)
-    arrays, zeros past S) in their own ring on the same barriers. ``step0``: the ring steps loaded before."""
-    if not STATS_TMA:
-        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0)
-    else:
-        for j in range(0, gl.cdiv(S, STEP)):
-            slot = (step0 + j) % STAGES
-            free = (((step0 + j) // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first loads do not wait
-            mbarrier.wait(a_empty.index(slot), free)
-            mbarrier.expect(a_full.index(slot), a_desc.block_type.nbytes + la_desc.block_type.nbytes)
-            _tma_load(a_desc, [b, j * STEP, col], a_full.index(slot), a_smem.index(slot))
-            _tma_load(la_desc, [bh, j * STEP], a_full.index(slot), la_smem.index(slot))
-            mbarrier.wait(b_empty.index(slot), free)
-            mbarrier.expect(b_full.index(slot), b_desc.block_type.nbytes + lb_desc.block_type.nbytes)
-            _tma_load(b_desc, [b, j * STEP, col], b_full.index(slot), b_smem.index(slot))
-            _tma_load(lb_desc, [bh, j * STEP], b_full.index(slot), lb_smem.index(slot))
-
-
-@gluon.jit
 def _tile(t, m_tiles, H, stride_b, S, D: gl.constexpr):
-    """Tile ``t`` of the (m_tiles, B * H) grid the one-tile launch runs: (bh, b, head column, base offset of (b, head),
-    lse2 / delta row offset, first owned row)."""
-    bh = t // m_tiles
-    b = bh // H
-    col = (bh % H) * D
-    return bh, b, col, b.to(gl.int64) * stride_b + col, bh.to(gl.int64) * S, (t % m_tiles) * 128
+    """Tile ``t`` of the (m_tiles, B * H) grid the one-tile launch runs (the forward's ``_tile``, 128 owned rows):
+    (bh, b, head column, base offset of (b, head), lse2 / delta row offset, first owned row)."""
+    bh, b, col, base, first = _fwd_tile(t, m_tiles, H, stride_b, D, 128)
+    return bh, b, col, base, bh.to(gl.int64) * S, first
 
 
 @gluon.jit
@@ -333,7 +310,9 @@ def _consumer_tiles(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_emp
 def _producer_tiles(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
                     b_empty, S, b, bh, col, H, n_tiles, m_tiles, STEP: gl.constexpr, D: gl.constexpr,
                     STAGES: gl.constexpr, STATS_TMA: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
-    """The producer of this program's tile, or with ``PERSISTENT`` of each tile it walks, in the consumers' order."""
+    """The producer of this program's tile, or with ``PERSISTENT`` of each tile it walks, in the consumers' order:
+    ``walk_producer`` (q and dout for dK/dV, k and v for dQ), and with ``STATS_TMA`` each walked tile's lse2 (with q)
+    and delta (with dout) beside it, (1, STEP) FP32 boxes of the (B * nh, S) arrays, zeros past S."""
     if PERSISTENT:
         n_steps = gl.cdiv(S, STEP)
         tile_i = 0
@@ -345,6 +324,16 @@ def _producer_tiles(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, l
     else:
         _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
                   b_empty, S, b, bh, col, 0, STEP, STAGES, STATS_TMA)  # fmt: skip
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty, b_empty,
+              S, b, bh, col, step0, STEP: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):  # fmt: skip
+    if STATS_TMA:
+        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0,
+                      la_desc, lb_desc, la_smem, lb_smem, bh)  # fmt: skip
+    else:
+        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0)
 
 
 @gluon.jit
@@ -418,7 +407,7 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
     la_desc, lb_desc = stats_descriptors(lse, delta, 64)
     m_tiles = triton.cdiv(s, 128)
     n_tiles = m_tiles * b * h
-    grid = (min(n_tiles, _sm_count(own_a.device.index)), 1) if PERSISTENT else (m_tiles, b * h)
+    grid = (min(n_tiles, _num_sms(own_a.device)), 1) if PERSISTENT else (m_tiles, b * h)
     _bwd_ws_kernel[grid](
         a_desc, b_desc, la_desc, lb_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s,
         h, n_tiles, m_tiles, c, sm_scale, own_a.stride(0), own_a.stride(1), D=d, STEP=64,

@@ -3,14 +3,15 @@ instructions scheduled as FlashAttention-3 schedules them (``AttnConfig.fwd_gluo
 
 Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator (Triton's
 ``WGMMAPipeline.cpp``, rule 3), so the Triton kernels (:mod:`h3gate.kernels.attention`, ``attention_tma``) wait for
-each ``q k^T`` before its softmax, and the softmax runs while no MMA is in flight. Here one program of 128 query rows
-has three partitions:
+each ``q k^T`` before its softmax, and the softmax runs while no MMA is in flight. Here a tile of 128 query rows of one
+(batch, head) is run by three partitions, and one persistent program an SM walks the tiles ``pid``, ``pid + programs``,
+... (``PERSISTENT``), its K/V ring and the consumers' turns running on from tile to tile:
 
-* a one-warp producer issuing every TMA load: its 128 query rows, then each 64-row K and V tile into a ring of
-  ``STAGES`` buffers (``*_full`` barriers: loaded; ``*_empty``: both consumers done with it). With a walk order Q,
-  like K and V, arrives as a copy in canonical order, and each output row is stored to its packed row through
-  ``order[i]``;
-* two consumer warpgroups of 64 query rows each (the default partition and a worker, 232 registers a thread) that
+* a one-warp producer issuing every TMA load: a tile's 128 query rows (once both consumers retired the last tile's
+  ``q k^T``: ``q_empty``), then each ``fwd_n``-row K and V tile into a ring of ``STAGES`` buffers (``*_full``
+  barriers: loaded; ``*_empty``: both consumers done with it). With a walk order Q, like K and V, arrives as a copy
+  in canonical order, and each output row is stored to its packed row through ``order[i]``;
+* two consumer warpgroups of 64 query rows each (the default partition and a worker, 240 registers a thread) that
   take turns issuing their MMAs (``turn`` barriers), so one's softmax runs on the CUDA cores while the other's MMAs
   run on the tensor cores. Per KV block ``j`` a consumer issues ``S_{j+1} = q k_{j+1}^T``, rescales ``acc`` by
   ``alpha_j`` and issues ``acc += P_j V_j`` (both asynchronous ``wgmma``), hands the turn over, waits for
@@ -28,8 +29,8 @@ The KV walk is ``attention``'s: ``fwd_n``-wide blocks (128 keys: ``q k^T`` by m6
 ascending order, the last one masked where its rows pass S. K/V/Q come by host TMA descriptors over (B, S, nh * D) views
 with (1, rows, D) boxes, so rows past S are zeros (as the pointer kernel's masked loads give), never the next batch
 item's. Only the order in which independent instructions are issued differs: the bytes are the Triton kernels' at every
-S, batch and walk order probed on the H200 (``docs/measurements/perf-probe-16.json``); the contract and kernel id are
-:mod:`h3gate.kernels.attention`'s.
+S, batch and walk order probed on the H200 (``docs/measurements/perf-probe-16.json``, persistent: ``-22``); the contract
+and kernel id are :mod:`h3gate.kernels.attention`'s.
 
 GPU only (Gluon has no interpreter; the CPU interpreter runs the pointer kernel, the same arithmetic); sm_90,
 bfloat16, D = 128. ``tests/triton_kernels/sm90_lowering.py`` compiles it for sm_90 on the CPU and checks that ptxas
@@ -37,8 +38,6 @@ keeps its ``wgmma`` asynchronous and spills nothing.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -55,6 +54,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
 from h3gate.kernels.common import STRICT_LAUNCH
+from h3gate.kernels.gemm import _num_sms
 
 # Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -226,18 +226,32 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
 
 
 @gluon.jit
+def _load_with(desc, ring, bars, slot, coord0, coord1, coord2, row_desc, row_ring, row):
+    """:func:`_load` into ``ring``'s ``slot`` (signalled on ``bars``' ``slot``), and with ``row_desc`` (not None) the
+    tile's per-row (1, rows) FP32 box at (``row``, ``coord1``) into ``row_ring``'s ``slot`` on the same barrier."""
+    if row_desc is None:
+        _load(desc, ring.index(slot), bars.index(slot), coord0, coord1, coord2)
+    else:
+        mbarrier.expect(bars.index(slot), desc.block_type.nbytes + row_desc.block_type.nbytes)
+        _tma_load(desc, [coord0, coord1, coord2], bars.index(slot), ring.index(slot))
+        _tma_load(row_desc, [row, coord1], bars.index(slot), row_ring.index(slot))
+
+
+@gluon.jit
 def walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP: gl.constexpr,
-                  STAGES: gl.constexpr, step0=0):  # fmt: skip
+                  STAGES: gl.constexpr, step0=0, la_desc=None, lb_desc=None, la_smem=None, lb_smem=None,
+                  row=0):  # fmt: skip
     """Two walked operands' ``STEP``-row tiles (K / V here, q / dout or k / v in the backward), ascending, into a ring
     of ``STAGES`` buffers: a slot is reloaded once both consumers released it (``*_empty``). ``step0``: the ring steps
-    this program loaded before (its earlier tiles)."""
+    this program loaded before (its earlier tiles). With ``la_desc`` / ``lb_desc`` each tile's per-row statistics
+    (row ``row`` of a (rows, S) FP32 array: the backward's lse2 / delta) come into ``la_smem`` / ``lb_smem`` with it."""
     for j in range(0, gl.cdiv(S, STEP)):
         slot = (step0 + j) % STAGES
         free = (((step0 + j) // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
         mbarrier.wait(a_empty.index(slot), free)
-        _load(a_desc, a_smem.index(slot), a_full.index(slot), b, j * STEP, col)
+        _load_with(a_desc, a_smem, a_full, slot, b, j * STEP, col, la_desc, la_smem, row)
         mbarrier.wait(b_empty.index(slot), free)
-        _load(b_desc, b_smem.index(slot), b_full.index(slot), b, j * STEP, col)
+        _load_with(b_desc, b_smem, b_full, slot, b, j * STEP, col, lb_desc, lb_smem, row)
 
 
 @gluon.jit
@@ -306,11 +320,6 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, n
 PERSISTENT = True
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def forward_gluon_ws(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -331,7 +340,7 @@ def forward_gluon_ws(
     q_desc, k_desc, v_desc = descriptors(gather_rows(q, order), k, v, 2 * rows, cfg.fwd_n)
     m_tiles = triton.cdiv(s, 2 * rows)
     n_tiles = m_tiles * b * h
-    programs = min(n_tiles, _sm_count(q.device.index)) if PERSISTENT else n_tiles
+    programs = min(n_tiles, _num_sms(q.device)) if PERSISTENT else n_tiles
     _attn_fwd_ws_kernel[(programs,)](
         q_desc, k_desc, v_desc, out, lse, q if order is None else order, s, h, n_tiles, m_tiles, qk_scale(d),
         q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code,
