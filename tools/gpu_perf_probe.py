@@ -369,6 +369,41 @@ def profile_section() -> dict:
     return out
 
 
+def cublas_kernels_section(m_list: tuple[int, ...] = (264, 925, 3160)) -> dict:
+    """Which kernels cuBLAS runs for the block's four shapes (``F.linear``, bf16, TF32 off) and how long each takes on
+    the device (torch.profiler, 20 calls, L2 not flushed), next to the strict ``gemm.linear``: the kernel names say
+    the tile shape and whether K is split (cuBLAS's ``splitK`` / ``segment_k_on`` / reduction kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from h3gate.kernels import gemm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict = {}
+    for name, (k, n) in SHAPES.items():
+        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
+        for m in m_list:
+            x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+            rec: dict = {}
+            calls = {"cublas": lambda x=x, w=w: F.linear(x, w), "strict": lambda x=x, w=w: gemm.linear(x, w)}
+            for who, fn in calls.items():
+                with torch.no_grad():
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(20):
+                            fn()
+                        torch.cuda.synchronize()
+                rec[who] = [
+                    {"kernel": e.key[:240], "calls": e.count, "device_us_per_call": e.device_time_total / 20.0}
+                    for e in prof.key_averages()
+                    if e.device_time_total > 0
+                ]
+            out[f"{name}@M{m}"] = rec
+            print(name, m, json.dumps(rec)[:800], flush=True)
+    return out
+
+
 def hostcost_section(calls: int = 300) -> dict:
     """Where the host time of one strict GEMM call goes at M = 264 (qkv: pointer path, ffn_down: TMA path): each
     stage of ``gemm.linear`` timed alone over back-to-back calls (no sync inside), plus a cProfile of the whole call."""
@@ -634,6 +669,8 @@ def main() -> None:
             elif sec == "attn_tma":
                 seqs = tuple(int(m) for m in args.ms.split(",")) if args.ms else (264, 925, 3160, 38974)
                 body[sec] = attn_tma_section(seqs)
+            elif sec == "cublas_kernels":
+                body[sec] = cublas_kernels_section()
             elif sec == "hostcost":
                 body[sec] = hostcost_section()
             elif sec == "norm":

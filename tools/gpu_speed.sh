@@ -8,6 +8,8 @@
 #   attn-bwd            tools/gpu_attention_bwd.py: the backward variants' dq/dk/dv bytes against the three-kernel
 #                       backward and their time next to cuDNN's / flash's backward ($BWD_PROBE.json; BWD_SECTIONS,
 #                       default bytes,time; split: the Gluon kernels timed alone)
+#   gemm-kernels        tools/gpu_perf_probe.py --sections cublas_kernels: the kernels cuBLAS and the strict GEMM run for
+#                       the block's four shapes at M = 264 / 925 / 3160 (names, device us; $PROBE.json)
 #   gemm-<layout>       bench --op of the block's four GEMMs at tiny / small / medium / 768p
 #   attn-<layout>       bench --op h3_full_attention at tiny / small / medium / 768p (identity and permuted order arms)
 #   attn-ops[-768p|-tiny-small]  run ws1-ops of h3_full_attention at medium / 768p / tiny and small (bitwise /
@@ -25,6 +27,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
+    gemm-kernels) P=${PROBE:-perf-probe-26}; step 200 "$P" python3 tools/gpu_perf_probe.py --sections cublas_kernels \
+      --out "$ev/$P.json";;
     attn-gluon) step "${GLUON_CAP:-240}" attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws}" \
       --out "$ev/${PROBE:-perf-probe-16}.json";;
     attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bench.nodes import node_times
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
@@ -99,6 +100,9 @@ def bench_block(
                 {who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S
             )
             results[phase] = {**stats, **ratios(stats)}
+        if progress is not None:
+            progress("forward node by node (provider and strict)")
+        nodes = node_times(graph, x, params, tables)
         body = {
             "config": setup.config_name,
             "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
@@ -111,5 +115,6 @@ def bench_block(
             "bindings": {name: nb.record() for name, nb in bindings.items()},
             **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),
             "results": results,
+            "forward_nodes": nodes,
         }
     return body, setup.manifests

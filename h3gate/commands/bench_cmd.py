@@ -70,7 +70,7 @@ def _bench_block(layout: str, config: str, device: str, out: Path | None, json_:
     from h3gate.evidence.writer import write_evidence
 
     with strict_numerics(device):
-        with progress("bench ws1-block", 2) as step:
+        with progress("bench ws1-block", 3) as step:
             body, manifests = bench_block(layout, config, device, progress=step, merge=merge)
         folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
         path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
@@ -121,8 +121,27 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
         table.add_row(*cells)
     console = stdout_console()
     console.print(table)
+    if "forward_nodes" in body:
+        console.print(_node_table(body["forward_nodes"]))
     console.print(f"evidence: {display(path)}")
     return EXIT_PASS
+
+
+def _node_table(nodes: dict) -> Table:
+    """The forward node by node: each arm's median milliseconds and strict / provider, with the sums."""
+    arms = nodes["arms"]
+    table = Table(title="forward node by node (median ms)")
+    for col in ("node", *(f"{arm} ms" for arm in arms), "strict / provider"):
+        table.add_column(col)
+    for name in arms["strict"]["nodes"]:
+        ms = [arms[arm]["nodes"][name] for arm in arms]
+        prov = arms["provider"]["nodes"][name]
+        ratio = arms["strict"]["nodes"][name] / prov if prov > 0 else float("nan")
+        table.add_row(name, *(f"{t:.3f}" for t in ms), f"{ratio:.2f}x")
+    sums = [arms[arm]["sum_ms"] for arm in arms]
+    table.add_row("sum (whole)", *(f"{arms[a]['sum_ms']:.3f} ({arms[a]['whole_ms']:.3f})" for a in arms),
+                  f"{sums[list(arms).index('strict')] / arms['provider']['sum_ms']:.2f}x")  # fmt: skip
+    return table
 
 
 def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
