@@ -39,9 +39,15 @@ VARIANTS = {
     "gluon_plain": {"bwd_gluon": True, "dq_pipe": False, "stats_tma": False},
     "gluon_stats": {"bwd_gluon": True, "dq_pipe": True, "stats_tma": True},
     "gluon_persistent": {"bwd_gluon": True, "persistent": True},
+    "gluon_streams": {"bwd_gluon": True, "side_stream": True},
 }
 # variant key -> attention_bwd_gluon attribute
-_GLUON_KNOBS = {"dq_pipe": "DQ_PIPELINE", "stats_tma": "STATS_TMA", "persistent": "PERSISTENT"}
+_GLUON_KNOBS = {
+    "dq_pipe": "DQ_PIPELINE",
+    "stats_tma": "STATS_TMA",
+    "persistent": "PERSISTENT",
+    "side_stream": "SIDE_STREAM",
+}
 
 
 def _variant(args: tuple, cfg, name: str, order=None):

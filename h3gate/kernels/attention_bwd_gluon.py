@@ -39,6 +39,9 @@ CPU.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -71,6 +74,11 @@ STATS_TMA = True
 # The launch: one program a tile (False, what the evidence ran), or one persistent program an SM walking the tiles,
 # the ring running on across them (True; as the forward, session 15). A probe knob: not measured yet.
 PERSISTENT = False
+# The dQ walk on a second CUDA stream (True), so that its programs fill the SMs the dK/dV walk's last wave leaves idle
+# (at S = 3160, 25 x 56 = 1400 tiles a walk are 10.6 waves on 132 SMs), or after the dK/dV walk on the caller's stream
+# (False, what the evidence ran). Each kernel writes only its own outputs and both only read the same inputs, so the
+# bytes cannot change; a probe knob until measured.
+SIDE_STREAM = False
 WS_MAXNREG = 168
 
 
@@ -430,6 +438,28 @@ def stats_descriptors(lse: torch.Tensor, delta: torch.Tensor, step: int) -> tupl
         return TensorDescriptor(t, [rows, s], [t.stride(0), 1], [1, step], layout)
 
     return desc(lse), desc(delta)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.device) -> None:
+    """The dK/dV walk, then the dQ walk; with ``SIDE_STREAM`` the dQ walk is enqueued on a side stream that waits
+    for what the caller's stream has queued so far, and the caller's stream waits for it before its next work (the
+    two kernels may then run at once; each reads the same inputs and writes only its own outputs). Temporaries the
+    dQ walk allocates belong to the side stream; everything else it touches outlives the join."""
+    if not SIDE_STREAM:
+        dkdv()
+        dq()
+        return
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(main)
+    dkdv()
+    with torch.cuda.stream(side):
+        dq()
+    main.wait_stream(side)
 
 
 def dkdv_gluon(q_c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do_c: torch.Tensor, lse: torch.Tensor,
