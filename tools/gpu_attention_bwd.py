@@ -9,7 +9,8 @@
   blocks, a batch of 2 and a permuted walk; each variant run twice must repeat bitwise.
 * ``time``: backward-only medians (``triton.testing.do_bench``, the same forward's out / lse2 / gradient) at S = 264,
   925, 3160 and 38974 (B = 1, 56 heads): the three Triton kernels, every variant, and SDPA's backward
-  pinned to cuDNN and to flash (``torch.autograd.grad`` of its forward, graph retained).
+  pinned to cuDNN and to flash (``torch.autograd.grad`` of its forward, graph retained); at 3160 and 38974 every
+  variant also walking a layout's order (``NAME@layout``).
 
 A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
 """
@@ -21,7 +22,7 @@ import json
 import traceback
 
 import torch
-from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into
+from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into, walk_order
 
 from h3gate.kernels import attention
 from h3gate.kernels.attention_bwd import backward
@@ -40,46 +41,53 @@ VARIANTS = {
     "gluon_stats": {"bwd_gluon": True, "dq_pipe": True, "stats_tma": True},
     "gluon_persistent": {"bwd_gluon": True, "persistent": True},
     "gluon_streams": {"bwd_gluon": True, "side_stream": True},
+    "gluon_one_stream": {"bwd_gluon": True, "side_stream": False},
+    # the walked operands in canonical order as whole copies first (sessions 13-15), not through tile sources
+    "gluon_copies": {"bwd_gluon": True, "sources": False},
 }
-# variant key -> attention_bwd_gluon attribute
+# variant key -> (module, attribute) of a Gluon knob
 _GLUON_KNOBS = {
-    "dq_pipe": "DQ_PIPELINE",
-    "stats_tma": "STATS_TMA",
-    "persistent": "PERSISTENT",
-    "side_stream": "SIDE_STREAM",
+    "dq_pipe": ("attention_bwd_gluon", "DQ_PIPELINE"),
+    "stats_tma": ("attention_bwd_gluon", "STATS_TMA"),
+    "persistent": ("attention_bwd_gluon", "PERSISTENT"),
+    "side_stream": ("attention_bwd_gluon", "SIDE_STREAM"),
+    "sources": ("attention_gluon", "TILE_SOURCES"),
 }
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
-    """A call of the backward with variant ``name``'s tiling (and its Gluon ordering flag)."""
-    from h3gate.kernels import attention_bwd_gluon
+    """A call of the backward with variant ``name``'s tiling (and its Gluon knobs)."""
+    from h3gate.kernels import attention_bwd_gluon, attention_gluon
 
+    mods = {"attention_bwd_gluon": attention_bwd_gluon, "attention_gluon": attention_gluon}
     over = dict(VARIANTS[name])
-    knobs = {attr: over.pop(key) for key, attr in _GLUON_KNOBS.items() if key in over}
+    knobs = {_GLUON_KNOBS[key]: over.pop(key) for key in list(over) if key in _GLUON_KNOBS}
     vcfg = dataclasses.replace(cfg, **over)
-    defaults = {attr: getattr(attention_bwd_gluon, attr) for attr in _GLUON_KNOBS.values()}
+    defaults = {(m, a): getattr(mods[m], a) for m, a in _GLUON_KNOBS.values()}
 
     def call():
-        for attr, value in knobs.items():
-            setattr(attention_bwd_gluon, attr, value)
+        for (m, a), value in knobs.items():
+            setattr(mods[m], a, value)
         try:
             return backward(*args, vcfg, order)
         finally:
-            for attr, value in defaults.items():
-                setattr(attention_bwd_gluon, attr, value)
+            for (m, a), value in defaults.items():
+                setattr(mods[m], a, value)
 
     return call
 
 
-CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
+CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),
+         (1, 3160, "layout"), (2, 3160, "layout"), (1, 38974, "layout")]  # fmt: skip
 TIMED = (264, 925, 3160, 38974)
+ORDERED_TIMED = (3160, 38974)  # also timed with the "layout" walk order
 
 
 def _inputs(b: int, s: int, seed: int, ordered: bool):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     grad = torch.randn(b, s, HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
-    order = torch.randperm(s, device="cuda", generator=g) if ordered else None
+    order = torch.randperm(s, device="cuda", generator=g) if ordered is True else walk_order(ordered, s)
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), bwd_gluon=False)  # the Triton kernels
     out, lse = attention.forward(q, k, v, cfg, order)
     return (q, k, v, out, lse, grad), order, cfg
@@ -135,6 +143,10 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
         time_into(rec, fns, flops, warmup=100, rep=600 if s < 10000 else 5000)
         rec["best_fused_vs_cudnn"] = best_over(rec, variants, "cudnn")
         rec["best_fused_vs_three_kernel"] = best_over(rec, variants, "three_kernel")
+        if s in ORDERED_TIMED:  # the same tensors walked in a layout's order (the block's case)
+            largs, order, lcfg = _inputs(1, s, seed=11, ordered="layout")
+            layout_fns = {f"{name}@layout": _variant(largs, lcfg, name, order) for name in variants}
+            time_into(rec, layout_fns, flops, warmup=100, rep=600 if s < 10000 else 5000)
         print(json.dumps(rec), flush=True)
         records.append(rec)
 

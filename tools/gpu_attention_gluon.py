@@ -6,9 +6,11 @@
 * ``bytes``: the Gluon forward's output and lse2 against the Triton forward (``attention.forward`` with
   ``fwd_gluon`` off: the pointer kernel below S = 2048, the TMA kernel from there; with the variant's KV walk
   width), byte for byte, for each number of K/V buffers and walk width, at several (B, S, walk order) cases: a
-  batch of 2 with a partial last block (rows past S must be zeros, not the next item's), a permuted walk order.
+  batch of 2 with a partial last block (rows past S must be zeros, not the next item's), a random walk order (every
+  tile copied) and a layout's walk order (most tiles read in place, ``gpu_probe_common.walk_order``).
 * ``time``: forward medians (``triton.testing.do_bench``, the same inputs) at S = 264, 925, 3160 and 38974 (B = 1, 56
-  heads): the Triton forward, every Gluon variant, SDPA pinned to cuDNN and to flash.
+  heads): the Triton forward, every Gluon variant, SDPA pinned to cuDNN and to flash; at 3160 and 38974 every Gluon
+  variant also walking a layout's order (``NAME@layout``: tile sources against whole canonical copies).
 
 (Session 12's first round also timed a single-partition Gluon kernel, ``perf-probe-16-round1.json``.)
 
@@ -22,7 +24,7 @@ import json
 import traceback
 
 import torch
-from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into
+from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into, walk_order
 
 from h3gate.kernels import attention, attention_gluon
 from h3gate.kernels.attention_gluon import forward_gluon_ws
@@ -39,9 +41,15 @@ VARIANTS = {
     "ws_persistent_r240": {**_V, "persistent": True, "regs": (240, 24)},
     # production with a third K/V buffer: 32 KB of q + 3 x 2 x 32 KB of K/V tiles, the most that fits (227 KB)
     "ws_persistent_s3": {**_V, "persistent": True, "regs": (240, 24), "stages": 3},
+    # production (tile sources: the packed q / k / v read in canonical order where tiles are consecutive packed rows)
+    # and production with whole canonical copies first (sessions 12-15)
+    "prod": {**_V, "persistent": True, "regs": (240, 24), "sources": True},
+    "prod_copies": {**_V, "persistent": True, "regs": (240, 24), "sources": False},
 }
-CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False)]
+CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),
+         (1, 3160, "layout"), (2, 3160, "layout"), (2, 925, "layout"), (1, 38974, "layout")]  # fmt: skip
 TIMED = (264, 925, 3160, 38974)
+ORDERED_TIMED = (3160, 38974)  # also timed with the "layout" walk order
 
 
 def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -51,24 +59,20 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _gluon(q, k, v, name: str, order=None):
     var = VARIANTS[name]
-    k, v = attention.gather_rows(k, order), attention.gather_rows(v, order)
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=var["walk"])
-    saved = attention_gluon.PERSISTENT, attention_gluon.REGS
+    saved = attention_gluon.PERSISTENT, attention_gluon.REGS, attention_gluon.TILE_SOURCES
     attention_gluon.PERSISTENT, attention_gluon.REGS = var["persistent"], var["regs"]
+    attention_gluon.TILE_SOURCES = var.get("sources", True)
     try:
         return forward_gluon_ws(q, k, v, cfg, order, stages=var["stages"])
     finally:
-        attention_gluon.PERSISTENT, attention_gluon.REGS = saved
+        attention_gluon.PERSISTENT, attention_gluon.REGS, attention_gluon.TILE_SOURCES = saved
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
     for b, s, ordered in cases:
         q, k, v = _inputs(b, s, seed=s + 7 * b)
-        order = (
-            torch.randperm(s, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
-            if ordered
-            else None
-        )
+        order = walk_order(ordered, s)
         refs = {}
         for walk in sorted({VARIANTS[name]["walk"] for name in variants}):
             cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False, fwd_n=walk)
@@ -118,6 +122,13 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
         time_into(rec, fns, flops, warmup=200, rep=1000 if s < 10000 else 4000)
         rec["best_gluon_vs_cudnn"] = best_over(rec, variants, "cudnn")
         rec["best_gluon_vs_triton"] = best_over(rec, variants, "triton")
+        if s in ORDERED_TIMED:  # the same inputs walked in a layout's order (the block's case)
+            order = walk_order("layout", s)
+            layout_fns = {
+                f"{name}@layout": (lambda name=name, q=q, k=k, v=v, order=order: _gluon(q, k, v, name, order))
+                for name in variants
+            }
+            time_into(rec, layout_fns, flops, warmup=200, rep=1000 if s < 10000 else 4000)
         print(json.dumps(rec), flush=True)
         records.append(rec)
 

@@ -13,6 +13,20 @@ import torch
 import triton
 
 SMALL_CASES = [(1, 264, False), (2, 300, True)]  # (B, S, walk order): a smoke run's byte cases
+# (text, audio) rows of the layouts whose walk order "layout" imitates; other S: S // 15 and S // 40
+LAYOUT_ROWS = {3160: (206, 74), 38974: (256, 414)}
+
+
+def walk_order(kind: bool | str, s: int, device: str = "cuda") -> torch.Tensor | None:
+    """A case's walk order: False none; True a seeded random permutation (every tile copied); "layout" the order of a
+    ``[text | video | audio]`` packing walked ``[text | audio | video]`` (medium / 768p's rows at S = 3160 / 38974):
+    a few runs of consecutive packed rows, as real layouts give (most tiles read in place)."""
+    if kind is False:
+        return None
+    if kind is True:
+        return torch.randperm(s, device=device, generator=torch.Generator(device=device).manual_seed(5))
+    t, a = LAYOUT_ROWS.get(s, (s // 15, s // 40))
+    return torch.cat([torch.arange(0, t), torch.arange(s - a, s), torch.arange(t, s - a)]).to(device)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

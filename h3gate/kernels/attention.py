@@ -379,11 +379,11 @@ def forward(
     """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows)."""
     from h3gate.kernels import attention_tma
 
-    k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
-    if uses_gluon(cfg, q):
+    if uses_gluon(cfg, q):  # reads packed q, k and v in canonical order itself
         from h3gate.kernels.attention_gluon import forward_gluon_ws
 
         return forward_gluon_ws(q, k, v, cfg, order)
+    k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
     if attention_tma.uses_tma(cfg, q):
         return attention_tma.forward_tma(q, k, v, cfg, order)
     b, s, h, d = q.shape

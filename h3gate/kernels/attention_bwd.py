@@ -264,13 +264,11 @@ def backward(
     if uses_gluon(cfg, q, backward=True):
         from h3gate.kernels.attention_bwd_gluon import both_walks, dkdv_gluon, dq_gluon
 
-        both_walks(
-            lambda: dkdv_gluon(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, order, cfg,
-                               sm_scale, c),
-            lambda: dq_gluon(q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, order, cfg,
-                             sm_scale, c),
+        both_walks(  # the walked operands packed: the kernels read them in canonical order themselves
+            lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c),
+            lambda: dq_gluon(q, k, v, grad, lse, delta, dq, order, cfg, sm_scale, c),
             q.device,
-        )  # fmt: skip
+        )
         return dq, dk, dv
     _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](  # acc_ptr / sem_ptr (lse twice): unused unless FUSED
         gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, lse, lse, ord_arg, s, h, c,

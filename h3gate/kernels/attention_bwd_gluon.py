@@ -54,9 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3gate.kernels.attention import AttnConfig
+from h3gate.kernels import attention_gluon
+from h3gate.kernels.attention import AttnConfig, gather_rows
 from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
 from h3gate.kernels.attention_gluon import _tile as _fwd_tile
+from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm import _num_sms
 
@@ -76,9 +78,9 @@ STATS_TMA = True
 PERSISTENT = False
 # The dQ walk on a second CUDA stream (True), so that its programs fill the SMs the dK/dV walk's last wave leaves idle
 # (at S = 3160, 25 x 56 = 1400 tiles a walk are 10.6 waves on 132 SMs), or after the dK/dV walk on the caller's stream
-# (False, what the evidence ran). Each kernel writes only its own outputs and both only read the same inputs, so the
-# bytes cannot change; a probe knob until measured.
-SIDE_STREAM = False
+# (False, sessions 14-15). Each kernel writes only its own outputs and both only read the same inputs, so the bytes
+# cannot change (bitwise in perf-probe-27); the backward 0.9 % faster at S = 3160 (1.645 vs 1.660 ms), equal at 38974.
+SIDE_STREAM = True
 WS_MAXNREG = 168
 
 
@@ -316,38 +318,43 @@ def _consumer_tiles(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_emp
 
 @gluon.jit
 def _producer_tiles(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                    b_empty, S, b, bh, col, H, n_tiles, m_tiles, STEP: gl.constexpr, D: gl.constexpr,
-                    STAGES: gl.constexpr, STATS_TMA: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+                    b_empty, S, b, bh, col, H, n_tiles, m_tiles, tile_map, a_copy, b_copy, STEP: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
+                    PERSISTENT: gl.constexpr):  # fmt: skip
     """The producer of this program's tile, or with ``PERSISTENT`` of each tile it walks, in the consumers' order:
     ``walk_producer`` (q and dout for dK/dV, k and v for dQ), and with ``STATS_TMA`` each walked tile's lse2 (with q)
-    and delta (with dout) beside it, (1, STEP) FP32 boxes of the (B * nh, S) arrays, zeros past S."""
+    and delta (with dout) beside it, (1, STEP) FP32 boxes of the (B * nh, S) arrays, zeros past S. With ``tile_map``
+    the walked operands are the packed tensors and ``a_copy`` / ``b_copy`` their copied tiles."""
     if PERSISTENT:
         n_steps = gl.cdiv(S, STEP)
         tile_i = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             bh_t, b_t, col_t, base_t, stat_t, first_t = _tile(t, m_tiles, H, 0, S, D)
             _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                      b_empty, S, b_t, bh_t, col_t, tile_i * n_steps, STEP, STAGES, STATS_TMA)  # fmt: skip
+                      b_empty, S, b_t, bh_t, col_t, tile_i * n_steps, tile_map, a_copy, b_copy, STEP, STAGES,
+                      STATS_TMA)  # fmt: skip
             tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
     else:
         _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                  b_empty, S, b, bh, col, 0, STEP, STAGES, STATS_TMA)  # fmt: skip
+                  b_empty, S, b, bh, col, 0, tile_map, a_copy, b_copy, STEP, STAGES, STATS_TMA)  # fmt: skip
 
 
 @gluon.jit
 def _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty, b_empty,
-              S, b, bh, col, step0, STEP: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr):  # fmt: skip
+              S, b, bh, col, step0, tile_map, a_copy, b_copy, STEP: gl.constexpr, STAGES: gl.constexpr,
+              STATS_TMA: gl.constexpr):  # fmt: skip
     if STATS_TMA:
         walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0,
-                      la_desc, lb_desc, la_smem, lb_smem, bh)  # fmt: skip
+                      la_desc, lb_desc, la_smem, lb_smem, bh, tile_map, a_copy, b_copy)  # fmt: skip
     else:
-        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0)
+        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0,
+                      tile_map=tile_map, a_copy=a_copy, b_copy=b_copy)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr,
-                   ord_ptr, S, H, n_tiles, m_tiles, qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr,
-                   STEP: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                   ord_ptr, tile_map, a_copy, b_copy, S, H, n_tiles, m_tiles, qk_scale, sm_scale, stride_b, stride_s,
+                   D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
                    ORDERED: gl.constexpr, DQ: gl.constexpr, PIPE: gl.constexpr, STATS_TMA: gl.constexpr,
                    PERSISTENT: gl.constexpr):  # fmt: skip
     """128 owned rows a tile (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``), the walked operands
@@ -393,8 +400,8 @@ def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a
              sm_scale, stride_s, la_smem, lb_smem, H, stride_b, n_tiles, m_tiles, 64, STEP, D, STAGES, EXP2, FMA,
              ORDERED, DQ, PIPE, WALK_STATS, PERSISTENT)),
             (_producer_tiles, (a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full,
-                               a_empty, b_empty, S, b, bh, col, H, n_tiles, m_tiles, STEP, D, STAGES, WALK_STATS,
-                               PERSISTENT)),
+                               a_empty, b_empty, S, b, bh, col, H, n_tiles, m_tiles, tile_map, a_copy, b_copy, STEP,
+                               D, STAGES, WALK_STATS, PERSISTENT)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -410,16 +417,26 @@ def check_tiling(cfg: AttnConfig) -> None:
 def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own_b: torch.Tensor,
             out_a: torch.Tensor, out_b: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
             order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool) -> None:  # fmt: skip
+    """The walk of ``walk_a`` / ``walk_b`` (packed rows, walked in ``order``: through their tile sources, or whole
+    canonical copies when ``attention_gluon.TILE_SOURCES`` is off) against the owned rows ``own_a`` / ``own_b``."""
     b, s, h, d = own_a.shape
-    a_desc, b_desc, _ = descriptors(walk_a.view(b, s, h, d), walk_b.view(b, s, h, d), walk_a.view(b, s, h, d), 64, 64)
+    walk_a, walk_b = walk_a.view(b, s, h, d), walk_b.view(b, s, h, d)
+    tile_map = copies = None
+    if order is not None and attention_gluon.TILE_SOURCES:
+        src = tile_sources(order, 64)
+        tile_map = src.tile_map
+        copies = descriptors(copied_tiles(walk_a, src), copied_tiles(walk_b, src), walk_a, 64, 64)[:2]
+    elif order is not None:
+        walk_a, walk_b = gather_rows(walk_a, order), gather_rows(walk_b, order)
+    a_desc, b_desc, _ = descriptors(walk_a, walk_b, walk_a, 64, 64)
     la_desc, lb_desc = stats_descriptors(lse, delta, 64)
     m_tiles = triton.cdiv(s, 128)
     n_tiles = m_tiles * b * h
     grid = (min(n_tiles, _num_sms(own_a.device)), 1) if PERSISTENT else (m_tiles, b * h)
     _bwd_ws_kernel[grid](
-        a_desc, b_desc, la_desc, lb_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order, s,
-        h, n_tiles, m_tiles, c, sm_scale, own_a.stride(0), own_a.stride(1), D=d, STEP=64,
-        STAGES=cfg.kv_stages if not dq else cfg.q_stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
+        a_desc, b_desc, la_desc, lb_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order,
+        tile_map, *(copies or (None, None)), s, h, n_tiles, m_tiles, c, sm_scale, own_a.stride(0), own_a.stride(1),
+        D=d, STEP=64, STAGES=cfg.kv_stages if not dq else cfg.q_stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
         ORDERED=order is not None, DQ=dq, PIPE=dq and DQ_PIPELINE, STATS_TMA=not dq and STATS_TMA,
         PERSISTENT=PERSISTENT, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
@@ -462,19 +479,19 @@ def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.d
     main.wait_stream(side)
 
 
-def dkdv_gluon(q_c: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do_c: torch.Tensor, lse: torch.Tensor,
+def dkdv_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig,
                sm_scale: float, c: float) -> None:  # fmt: skip
-    """dK and dV into ``dk`` / ``dv`` (packed rows) from canonical copies ``q_c`` / ``do_c`` (contiguous bfloat16),
-    ``k`` / ``v`` read through ``order`` (None: packed order), lse2 and delta (canonical rows)."""
+    """dK and dV into ``dk`` / ``dv`` (packed rows): the walk of ``q`` / ``do`` (contiguous bfloat16, packed rows) in
+    ``order`` (None: packed order), the owned ``k`` / ``v`` rows read through it, lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    _launch(q_c, do_c, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, dq=False)
+    _launch(q, do, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, dq=False)
 
 
-def dq_gluon(q: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+def dq_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float,
              c: float) -> None:  # fmt: skip
-    """dQ into ``dq`` (packed rows) from canonical copies ``k_c`` / ``v_c`` (contiguous bfloat16), ``q`` / ``do``
-    read through ``order``, lse2 and delta (canonical rows)."""
+    """dQ into ``dq`` (packed rows): the walk of ``k`` / ``v`` (contiguous bfloat16, packed rows) in ``order``, the
+    owned ``q`` / ``do`` rows read through it, lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    _launch(k_c, v_c, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, dq=True)
+    _launch(k, v, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, dq=True)

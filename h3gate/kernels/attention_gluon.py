@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
+from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm import _num_sms
 
@@ -226,56 +227,81 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
 
 
 @gluon.jit
-def _load_with(desc, ring, bars, slot, coord0, coord1, coord2, row_desc, row_ring, row):
+def _load_with(desc, ring, bars, slot, coord0, coord1, coord2, row_desc, row_ring, row, row_col):
     """:func:`_load` into ``ring``'s ``slot`` (signalled on ``bars``' ``slot``), and with ``row_desc`` (not None) the
-    tile's per-row (1, rows) FP32 box at (``row``, ``coord1``) into ``row_ring``'s ``slot`` on the same barrier."""
+    tile's per-row (1, rows) FP32 box at (``row``, ``row_col``) into ``row_ring``'s ``slot`` on the same barrier."""
     if row_desc is None:
         _load(desc, ring.index(slot), bars.index(slot), coord0, coord1, coord2)
     else:
         mbarrier.expect(bars.index(slot), desc.block_type.nbytes + row_desc.block_type.nbytes)
         _tma_load(desc, [coord0, coord1, coord2], bars.index(slot), ring.index(slot))
-        _tma_load(row_desc, [row, coord1], bars.index(slot), row_ring.index(slot))
+        _tma_load(row_desc, [row, row_col], bars.index(slot), row_ring.index(slot))
+
+
+@gluon.jit
+def _load_tile(desc, copy_desc, tile_map, ring, bars, slot, b, j, col, STEP: gl.constexpr, row_desc, row_ring, row):
+    """Tile ``j`` of a walk in canonical order (rows ``j * STEP`` ...): from ``desc`` at that row, or with a
+    ``tile_map`` (:mod:`h3gate.kernels.attention_sources`) from the packed ``desc`` at row ``tile_map[j]`` or from
+    ``copy_desc`` at row ``(-1 - tile_map[j]) * STEP``; the per-row statistics stay at canonical row ``j * STEP``."""
+    if tile_map is None:
+        _load_with(desc, ring, bars, slot, b, j * STEP, col, row_desc, row_ring, row, j * STEP)
+    else:
+        src = gl.load(tile_map + j)
+        if src >= 0:
+            _load_with(desc, ring, bars, slot, b, src, col, row_desc, row_ring, row, j * STEP)
+        else:
+            _load_with(copy_desc, ring, bars, slot, b, (-1 - src) * STEP, col, row_desc, row_ring, row, j * STEP)
 
 
 @gluon.jit
 def walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP: gl.constexpr,
                   STAGES: gl.constexpr, step0=0, la_desc=None, lb_desc=None, la_smem=None, lb_smem=None,
-                  row=0):  # fmt: skip
+                  row=0, tile_map=None, a_copy=None, b_copy=None):  # fmt: skip
     """Two walked operands' ``STEP``-row tiles (K / V here, q / dout or k / v in the backward), ascending, into a ring
     of ``STAGES`` buffers: a slot is reloaded once both consumers released it (``*_empty``). ``step0``: the ring steps
     this program loaded before (its earlier tiles). With ``la_desc`` / ``lb_desc`` each tile's per-row statistics
-    (row ``row`` of a (rows, S) FP32 array: the backward's lse2 / delta) come into ``la_smem`` / ``lb_smem`` with it."""
+    (row ``row`` of a (rows, S) FP32 array: the backward's lse2 / delta) come into ``la_smem`` / ``lb_smem`` with it.
+    With ``tile_map`` the operands are the packed tensors and ``a_copy`` / ``b_copy`` their copied tiles
+    (:func:`_load_tile`)."""
     for j in range(0, gl.cdiv(S, STEP)):
         slot = (step0 + j) % STAGES
         free = (((step0 + j) // STAGES) & 1) ^ 1  # a fresh barrier passes parity 1: the first STAGES loads do not wait
         mbarrier.wait(a_empty.index(slot), free)
-        _load_with(a_desc, a_smem, a_full, slot, b, j * STEP, col, la_desc, la_smem, row)
+        _load_tile(a_desc, a_copy, tile_map, a_smem, a_full, slot, b, j, col, STEP, la_desc, la_smem, row)
         mbarrier.wait(b_empty.index(slot), free)
-        _load_with(b_desc, b_smem, b_full, slot, b, j * STEP, col, lb_desc, lb_smem, row)
+        _load_tile(b_desc, b_copy, tile_map, b_smem, b_full, slot, b, j, col, STEP, lb_desc, lb_smem, row)
 
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, S,
-                 H, n_tiles, m_tiles, D: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
-    """Per tile: its query rows once both consumers retired the last tile's ``q k^T`` (canonical rows: a copy in
-    canonical order with a walk order), then its K/V walk; the ring runs on across tiles."""
+                 H, n_tiles, m_tiles, tile_map, q_copy, k_copy, v_copy, D: gl.constexpr, ROWS: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Per tile: its query rows once both consumers retired the last tile's ``q k^T``, then its K/V walk; the ring
+    runs on across tiles. Canonical rows: with a walk order, whole canonical copies, or with ``tile_map`` the packed
+    tensors and their copied tiles (:mod:`h3gate.kernels.attention_sources`)."""
     n_blocks = gl.cdiv(S, BLOCK_N)
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         bh, b, col, base, row0 = _tile(t, m_tiles, H, 0, D, ROWS)
         mbarrier.wait(q_empty, (tile_i & 1) ^ 1)
-        _load(q_desc, q_smem, q_bar, b, row0, col)
+        if tile_map is None:
+            _load(q_desc, q_smem, q_bar, b, row0, col)
+        else:  # the query tile is tile row0 / ROWS of the same map (ROWS == BLOCK_N)
+            src = gl.load(tile_map + t % m_tiles)
+            if src >= 0:
+                _load(q_desc, q_smem, q_bar, b, src, col)
+            else:
+                _load(q_copy, q_smem, q_bar, b, (-1 - src) * ROWS, col)
         walk_producer(k_desc, v_desc, k_smem, v_smem, k_full, v_full, k_empty, v_empty, S, b, col, BLOCK_N, STAGES,
-                      tile_i * n_blocks)  # fmt: skip
+                      tile_i * n_blocks, tile_map=tile_map, a_copy=k_copy, b_copy=v_copy)  # fmt: skip
         tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b,
-                        stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                        EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, REGS_C: gl.constexpr,
-                        REGS_P: gl.constexpr):  # fmt: skip
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, tile_map, q_copy, k_copy, v_copy, S, H,
+                        n_tiles, m_tiles, qk_scale, stride_b, stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                        ORDERED: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
     """``BLOCK_M`` rows per consumer, 2 * BLOCK_M per tile; ``n_tiles`` = ``m_tiles`` query blocks x B x H, walked
     ``pid``, ``pid + programs``, ...; ``num_warps`` = 4 (one consumer warpgroup)."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BLOCK_M, D], q_desc.layout)
@@ -307,7 +333,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, n
                             lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, 1, BLOCK_M,
                             BLOCK_N, D, STAGES, EXP2, FMA, ORDERED)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                            v_empty, S, H, n_tiles, m_tiles, D, 2 * BLOCK_M, BLOCK_N, STAGES)),
+                            v_empty, S, H, n_tiles, m_tiles, tile_map, q_copy, k_copy, v_copy, D, 2 * BLOCK_M,
+                            BLOCK_N, STAGES)),
         ],
         [4, 1],
         [REGS_C, REGS_P],
@@ -318,6 +345,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, S, H, n
 # ...; False launches one program a tile (sessions 12-14's grid; a probe knob). Persistent with 240 / 24 registers was
 # 6.5 / 3.6 / 1.6 % faster than session 14's kernel at S = 3160 / 38974 / 925, bytes equal (perf-probe-22.json).
 PERSISTENT = True
+# With a walk order: q, k and v read through their tile sources (the packed tensors where a tile is consecutive
+# packed rows, a copy of the other tiles; True), or whole canonical copies first (False, sessions 12-15; a probe knob).
+# The same bytes in shared memory either way (h3gate.kernels.attention_sources).
+TILE_SOURCES = True
 
 
 def forward_gluon_ws(
@@ -328,23 +359,30 @@ def forward_gluon_ws(
     order: torch.Tensor | None = None,
     stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`h3gate.kernels.attention.forward` on Hopper (contiguous bfloat16 q, k, v of D = 128; k and v already
-    in canonical order when ``order`` is given): (out, lse2). 2 x 64 query rows a program (``cfg.fwd_m`` unused);
-    ``stages`` K/V buffers (2, 3 and 4 measured equal, perf-probe-16)."""
+    """:func:`h3gate.kernels.attention.forward` on Hopper (contiguous bfloat16 q, k, v of D = 128, packed rows):
+    (out, lse2). 2 x 64 query rows a program (``cfg.fwd_m`` unused); ``stages`` K/V buffers (2, 3 and 4 measured
+    equal, perf-probe-16). With a walk order, q, k and v are read in canonical order through their tile sources
+    (``TILE_SOURCES``; otherwise whole canonical copies), and each output row is stored to its packed row through
+    ``order[i]``."""
     b, s, h, d = q.shape
     rows = 64
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    # With a walk order the query rows come as a canonical copy too (TMA has no row gather on Hopper; one copy of q,
-    # about 0.3 % of the kernel's time at 768p), and each output row is stored to its packed row through order[i].
-    q_desc, k_desc, v_desc = descriptors(gather_rows(q, order), k, v, 2 * rows, cfg.fwd_n)
+    tile_map = copies = None
+    if order is not None and TILE_SOURCES and cfg.fwd_n == 2 * rows:
+        src = tile_sources(order, 2 * rows)
+        tile_map = src.tile_map
+        copies = descriptors(*(copied_tiles(t, src) for t in (q, k, v)), 2 * rows, cfg.fwd_n)
+    elif order is not None:  # whole canonical copies (TMA has no row gather on Hopper)
+        q, k, v = (gather_rows(t, order) for t in (q, k, v))
+    q_desc, k_desc, v_desc = descriptors(q, k, v, 2 * rows, cfg.fwd_n)
     m_tiles = triton.cdiv(s, 2 * rows)
     n_tiles = m_tiles * b * h
     programs = min(n_tiles, _num_sms(q.device)) if PERSISTENT else n_tiles
     _attn_fwd_ws_kernel[(programs,)](
-        q_desc, k_desc, v_desc, out, lse, q if order is None else order, s, h, n_tiles, m_tiles, qk_scale(d),
-        q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages, EXP2=cfg.exp2_code,
-        FMA=cfg.fwd_fma, ORDERED=order is not None, REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4, maxnreg=WS_MAXNREG,
-        **STRICT_LAUNCH,
+        q_desc, k_desc, v_desc, out, lse, q if order is None else order, tile_map, *(copies or (None,) * 3), s, h,
+        n_tiles, m_tiles, qk_scale(d), q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages,
+        EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None, REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4,
+        maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse

@@ -61,23 +61,37 @@ def _gluon_ptx(kernel, args: dict, consts: dict, maxnreg: int) -> dict:
     return {**{w: ptx.count(w) for w in FACTS}, **ptxas_report(ptx)}
 
 
-def gluon_facts(ordered: bool) -> dict:
-    """The warp-specialised Gluon forward."""
+def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
+    """A walk through tile sources (``mapped``: a tile map and the copies' descriptors) or none (None constants)."""
+    if mapped:
+        args.update(tile_map=torch.empty(1, dtype=torch.int32), **copies)
+    else:
+        consts.update(tile_map=None, **dict.fromkeys(copies))
+
+
+def gluon_facts(ordered: bool, mapped: bool = False) -> dict:
+    """The warp-specialised Gluon forward (``mapped``: walking its tile sources)."""
     cfg = attention.attn_config(128, torch.bfloat16)
     q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
     args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64)}
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
               "ORDERED": ordered, "REGS_C": attention_gluon.REGS[0], "REGS_P": attention_gluon.REGS[1]}  # fmt: skip
+    _sources(args, consts, {"q_copy": descs["q_desc"], "k_copy": descs["k_desc"], "v_copy": descs["v_desc"]}, mapped)
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
 def gluon_bwd_facts(
-    dq: bool, ordered: bool, pipe: bool = False, stats_tma: bool | None = None, persistent: bool = False
+    dq: bool,
+    ordered: bool,
+    pipe: bool = False,
+    stats_tma: bool | None = None,
+    persistent: bool = False,
+    mapped: bool = False,
 ) -> dict:
     """The warp-specialised Gluon backward: the dK/dV walk (``stats_tma``: lse2 / delta by the producer's TMA), or
     the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``). ``stats_tma``
-    None: production's ``STATS_TMA``; ``persistent``: the probe knob's tile loop."""
+    None: production's ``STATS_TMA``; ``persistent``: the probe knob's tile loop; ``mapped``: walking tile sources."""
     stats_tma = attention_bwd_gluon.STATS_TMA if stats_tma is None else stats_tma
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
@@ -87,6 +101,7 @@ def gluon_bwd_facts(
             "ord_ptr": torch.empty(1, dtype=torch.int64)}  # fmt: skip
     consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
               "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "STATS_TMA": stats_tma, "PERSISTENT": persistent}  # fmt: skip
+    _sources(args, consts, {"a_copy": a_desc, "b_copy": b_desc}, mapped)
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
@@ -114,6 +129,9 @@ def main() -> None:
     out["dkdv_gluon_global_stats"] = gluon_bwd_facts(False, True, stats_tma=False)
     out["dkdv_gluon_persistent"] = gluon_bwd_facts(False, True, persistent=True)
     out["dq_gluon_persistent"] = gluon_bwd_facts(True, True, pipe=True, persistent=True)
+    out["fwd_gluon_sources"] = gluon_facts(True, mapped=True)
+    out["dkdv_gluon_sources"] = gluon_bwd_facts(False, True, mapped=True)
+    out["dq_gluon_sources"] = gluon_bwd_facts(True, True, pipe=True, mapped=True)
     json.dump(out, sys.stdout)
 
 

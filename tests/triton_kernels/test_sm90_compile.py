@@ -101,3 +101,19 @@ def test_persistent_gluon_backward_compiles_with_the_same_mmas(facts) -> None:
     assert dkdv["spill_bytes"] <= 128 and dq["spill_bytes"] == 0, (dkdv, dq)
     pipe = facts["dq_gluon_pipe"]
     assert pipe["wgmma.mma_async"] == 80 and pipe["wgmma_serialized"] is False and pipe["spill_bytes"] == 0, pipe
+
+
+def test_gluon_walks_through_tile_sources_keep_their_mmas(facts) -> None:
+    """With a walk order the Gluon kernels read the packed operands through their tile sources (``tile_map``: each
+    tile from the packed tensor or from the copied tiles; :mod:`h3gate.kernels.attention_sources`): twice the TMA
+    load sites (one a source), the same wgmma, never serialised. Spills when written (session 16): the forward and
+    the dQ walk none under Triton 3.6, 3.7 and 3.9; the dK/dV walk 36 / 16 / 0 bytes (20 / 0 / 0 without the map),
+    bound 64 set from these compiles before any run."""
+    fwd, dkdv, dq = facts["fwd_gluon_sources"], facts["dkdv_gluon_sources"], facts["dq_gluon_sources"]
+    assert (fwd["wgmma.mma_async"], dkdv["wgmma.mma_async"], dq["wgmma.mma_async"]) == (64, 48, 80)
+    assert fwd["cp.async.bulk.tensor"] == 2 * facts["fwd_gluon_ordered=True"]["cp.async.bulk.tensor"], fwd
+    assert dq["cp.async.bulk.tensor"] == 2 * facts["dq_gluon_pipe"]["cp.async.bulk.tensor"], dq
+    assert dkdv["cp.async.bulk.tensor"] > facts["dkdv_gluon_ordered=True"]["cp.async.bulk.tensor"], dkdv
+    for got in (fwd, dkdv, dq):
+        assert got["wgmma_serialized"] is False and got["ex2.approx.ftz.f32"] and got["fma.rn.f32"], got
+    assert fwd["spill_bytes"] == 0 and dq["spill_bytes"] == 0 and dkdv["spill_bytes"] <= 64, (fwd, dq, dkdv)

@@ -1,0 +1,105 @@
+"""Tile sources of a walk in canonical order (``h3gate.kernels.attention_sources``): every tile the Gluon kernels load
+from the packed tensor or from the copy of a few tiles must hold exactly the rows of a whole canonical copy, zeros
+past S (the kernels' own bytes are compared on the H200: perf-probe-28 / -29). Here the host mirror of their loads,
+``canonical_tile``, is checked against ``gather_rows`` for orders of every kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3gate.kernels.attention import gather_rows
+from h3gate.kernels.attention_sources import TileSources, canonical_tile, copied_tiles, tile_sources
+
+
+def _layout_order(s: int, text: int, audio: int) -> torch.Tensor:
+    """A ``[text | video | audio]`` packing walked ``[text | audio | video]`` (the medium layout: 206 / 2880 / 74)."""
+    return torch.cat([torch.arange(0, text), torch.arange(s - audio, s), torch.arange(text, s - audio)])
+
+
+def _tiles_match(t: torch.Tensor, order: torch.Tensor, src: TileSources) -> bool:
+    want = gather_rows(t, order)
+    copy = copied_tiles(t, src)
+    s, step = t.shape[1], src.step
+    for j in range(src.tile_map.numel()):
+        got = canonical_tile(t, copy, src, j)
+        rows = want[:, j * step : (j + 1) * step]
+        if not torch.equal(got[:, : rows.shape[1]], rows) or got[:, rows.shape[1] :].any():
+            return False
+    return src.tile_map.numel() == -(-s // step)
+
+
+ORDERS = {
+    "identity": lambda s: torch.arange(s),
+    "layout": lambda s: _layout_order(s, s // 15 + 3, s // 40 + 1),
+    "reversed": lambda s: torch.arange(s - 1, -1, -1),
+    "random": lambda s: torch.randperm(s, generator=torch.Generator().manual_seed(3)),
+    "rotated": lambda s: torch.roll(torch.arange(s), 37),
+}
+
+
+@pytest.mark.parametrize("kind", list(ORDERS))
+@pytest.mark.parametrize("s", [128, 300, 3160])
+@pytest.mark.parametrize("step", [64, 128])
+def test_every_tile_holds_the_canonical_rows(kind, s, step) -> None:
+    order = ORDERS[kind](s)
+    t = torch.randn(2, s, 3, 8, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16)
+    src = tile_sources(order, step)
+    assert _tiles_match(t, order, src)
+    copied = int((src.tile_map < 0).sum())
+    assert src.copied == copied and src.copy_rows.numel() == sum(
+        min(step, s - j * step) for j, p in enumerate(src.tile_map.tolist()) if p < 0
+    )
+    if copied:
+        assert copied_tiles(t, src).shape[1] == src.copy_rows.numel()
+    if kind == "identity":
+        assert copied == 0 and copied_tiles(t, src) is t
+    if kind == "random" and s > 2 * step:
+        assert copied == src.tile_map.numel()  # no run of consecutive rows a tile long
+
+
+def test_medium_layout_copies_only_the_tiles_across_a_modality_boundary() -> None:
+    """Medium (text 206, video 2880, audio 74; packed text | video | audio): with 128-row tiles, tiles 1 and 2 straddle
+    the text / audio / video boundaries and the last (88 rows) ends at packed row 3086, not S; 22 of 25 are read in
+    place. With 64-row tiles (the backward's walks), 3 of 50 are copied."""
+    order = _layout_order(3160, 206, 74)
+    fwd = tile_sources(order, 128)
+    assert [j for j, p in enumerate(fwd.tile_map.tolist()) if p < 0] == [1, 2, 24]
+    assert fwd.tile_map[0] == 0 and fwd.tile_map[3] == 384 - 74 and fwd.copy_rows.numel() == 2 * 128 + 88
+    bwd = tile_sources(order, 64)
+    assert [j for j, p in enumerate(bwd.tile_map.tolist()) if p < 0] == [3, 4, 49]
+
+
+def test_a_partial_last_tile_is_read_in_place_only_where_its_rows_end_at_s() -> None:
+    """TMA fills a box's rows past the tensor's end with zeros; rows past S of a tile must be zeros (what the whole
+    copy held), so a partial last tile of consecutive rows is read in place only when those rows end at S. Negative
+    control: read in place anyway, the tile holds the next packed rows where zeros belong."""
+    s, step = 300, 128  # last tile: canonical rows 256..299 (44 rows)
+    tail_at_end = torch.cat([torch.arange(44, 300), torch.arange(0, 44)])  # last tile = packed rows 0..43
+    src = tile_sources(tail_at_end, step)
+    assert src.tile_map[-1] < 0
+    t = torch.randn(1, s, 2, 8, generator=torch.Generator().manual_seed(1))
+    wrong = TileSources(step, torch.tensor([*src.tile_map[:-1].tolist(), 0], dtype=torch.int32), src.copy_rows, 0)
+    assert not _tiles_match(t, tail_at_end, wrong)
+    assert _tiles_match(t, tail_at_end, src)
+    ends_at_s = torch.cat([torch.arange(128, 256), torch.arange(0, 128), torch.arange(256, 300)])
+    assert tile_sources(ends_at_s, step).tile_map.tolist() == [128, 0, 256]
+    assert _tiles_match(t, ends_at_s, tile_sources(ends_at_s, step))
+
+
+def test_a_tile_map_pointing_at_the_wrong_rows_is_caught() -> None:
+    """Negative control of the check itself: shift one in-place tile's packed row by one."""
+    order = _layout_order(3160, 206, 74)
+    src = tile_sources(order, 128)
+    t = torch.randn(1, 3160, 2, 8, generator=torch.Generator().manual_seed(2))
+    bad_map = src.tile_map.clone()
+    bad_map[5] += 1
+    assert not _tiles_match(t, order, TileSources(128, bad_map, src.copy_rows, src.copied))
+
+
+def test_sources_are_memoised_per_order_tensor_and_step() -> None:
+    order = _layout_order(300, 20, 7)
+    a, b = tile_sources(order, 64), tile_sources(order, 64)
+    assert a is b and tile_sources(order, 128) is not a
+    order[0], order[1] = order[1].item(), order[0].item()  # in place: a new version, a new plan
+    assert tile_sources(order, 64) is not a and tile_sources(order, 64).tile_map[0] < 0
