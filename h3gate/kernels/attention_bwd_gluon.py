@@ -425,7 +425,7 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
     if order is not None and attention_gluon.TILE_SOURCES:
         src = tile_sources(order, 64)
         tile_map = src.tile_map
-        copies = descriptors(copied_tiles(walk_a, src), copied_tiles(walk_b, src), walk_a, 64, 64)[:2]
+        copies = descriptors(*(copied_tiles(t, src) for t in (walk_a, walk_b, walk_a)), 64, 64)[:2]
     elif order is not None:
         walk_a, walk_b = gather_rows(walk_a, order), gather_rows(walk_b, order)
     a_desc, b_desc, _ = descriptors(walk_a, walk_b, walk_a, 64, 64)

@@ -114,12 +114,13 @@ def _load(desc, smem, bar, coord0, coord1, coord2):
 
 
 def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int) -> tuple:
-    """Host TMA descriptors over (B, S, nh * D) views, one (1, rows, D) box per (batch, rows, head): rows past S
-    are filled with zeros, never read from the next batch item."""
-    b, s, h, d = q.shape
+    """Host TMA descriptors over (B, rows, nh * D) views of each (B, rows, nh, D) tensor (its own row count: a copy
+    of a few tiles has fewer), one (1, rows, D) box per (batch, rows, head): rows past the tensor's end are filled
+    with zeros, never read from the next batch item."""
+    d = q.shape[3]
 
     def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        view = t.view(b, s, h * d)
+        view = t.view(t.shape[0], t.shape[1], t.shape[2] * d)
         layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
         return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], layout)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3gate.kernels.attention import gather_rows
+from h3gate.kernels.attention import attn_config, gather_rows
 from h3gate.kernels.attention_sources import TileSources, canonical_tile, copied_tiles, tile_sources
 
 
@@ -103,3 +103,63 @@ def test_sources_are_memoised_per_order_tensor_and_step() -> None:
     assert a is b and tile_sources(order, 128) is not a
     order[0], order[1] = order[1].item(), order[0].item()  # in place: a new version, a new plan
     assert tile_sources(order, 64) is not a and tile_sources(order, 64).tile_map[0] < 0
+
+
+class _Launch:
+    """A stand-in for a Gluon kernel: ``kernel[grid](*args, **kw)`` records its arguments."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((args, kw))
+
+
+def _rows(desc) -> torch.Tensor:
+    """The (B, rows, nh * D) tensor a host TMA descriptor reads."""
+    assert desc.shape == list(desc.base.shape)
+    return desc.base
+
+
+@pytest.mark.parametrize("sources", [True, False], ids=["tile_sources", "whole_copies"])
+def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_tiles(monkeypatch, sources) -> None:
+    """The host side of the Gluon forward and both backward walks with a layout's walk order (the kernels faked: the
+    launch arguments are checked): with tile sources, the main descriptors read the packed tensors, the copy
+    descriptors exactly the copied tiles' rows (their own row count), and the tile map is the order's plan at the
+    walk's tile height; without, whole canonical copies and no map. (A copy viewed with the packed tensor's row count
+    crashed the first H200 run of the backward, session 16.)"""
+    from h3gate.kernels import attention_bwd_gluon as gb
+    from h3gate.kernels import attention_gluon as gf
+
+    monkeypatch.setattr(gf, "TILE_SOURCES", sources)
+    monkeypatch.setattr(gf, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(gb, "_num_sms", lambda device: 4)
+    fwd, bwd = _Launch(), _Launch()
+    monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
+    monkeypatch.setattr(gb, "_bwd_ws_kernel", bwd)
+    b, s, h, d = 2, 300, 2, 128
+    order = _layout_order(s, 23, 9)
+    q, k, v, do = (
+        torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(4)
+    )
+    cfg = attn_config(d, torch.bfloat16)
+    assert cfg.fwd_n == 128 and cfg.bwd_gluon
+    gf.forward_gluon_ws(q, k, v, cfg, order)
+    lse = torch.zeros(b * h, s)
+    gb._launch(q, do, k, v, k, v, lse, lse, order, cfg, 1.0, 1.0, dq=False)
+    gb._launch(k, v, q, do, q, q, lse, lse, order, cfg, 1.0, 1.0, dq=True)
+    ((f_args, _),) = fwd.calls
+    launches = [(f_args[:3], f_args[6], f_args[7:10], 128, (q, k, v))]
+    for (args, _), walked in zip(bwd.calls, ((q, do), (k, v)), strict=True):
+        launches.append((args[:2], args[11], args[12:14], 64, walked))
+    for mains, tile_map, copies, step, walked in launches:
+        if sources:
+            plan = tile_sources(order, step)
+            assert torch.equal(tile_map, plan.tile_map) and plan.copied > 0
+            for desc, copy, t in zip(mains, copies, walked, strict=True):
+                assert _rows(desc).data_ptr() == t.data_ptr()  # the packed tensor itself
+                assert torch.equal(_rows(copy), t.index_select(1, plan.copy_rows).flatten(2))
+        else:
+            assert tile_map is None and all(c is None for c in copies)
+            for desc, t in zip(mains, walked, strict=True):
+                assert torch.equal(_rows(desc), gather_rows(t, order).flatten(2))
