@@ -31,6 +31,8 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   put there, so the bytes are those of the kernels on gathered copies scattered back (tested), with two of the old
   four forward copies (and four of eight backward ones): on the H200 indexed loads in the inner loop ran 1.46x
   (medium) / 1.6x (768p) the packed-order kernel, slower than copying (``docs/measurements/perf-probe-14.json``).
+  The Gluon kernels (Hopper) copy less: each walked tile of consecutive packed rows is loaded in place by TMA and
+  only the other tiles are copied (:mod:`h3gate.kernels.attention_sources`; the same tiles in shared memory).
   Forward and gradients of a logical row are byte-equal under any consistent permutation of the packed rows.
   ``order=None`` walks packed order; an identity order takes the plain kernels without copies (decided once per
   order tensor: ``common.cached``, one host read, not per call).
