@@ -516,3 +516,32 @@ def test_the_attention_bench_figure_holds_the_ungated_provider_and_backward_timi
     for key, ratio in recorded.items():
         assert bars[key].ratio == ratio and bars[key].target is None and bars[key].passed is None, key
     assert len(bars) == 4
+
+
+def test_a_block_bench_with_its_forward_node_by_node_gets_the_node_figure():
+    """``bench ws1-block`` records since session 16 hold the forward node by node: the page draws one figure per such
+    record (provider and strict bars per node, in graph order, from the record's medians) and states the sums; a
+    record without them (or with an arm missing) gets none."""
+    from h3gate.report import charts, series
+    from h3gate.report.loader import load_inventory
+    from h3gate.report.plan import plan
+
+    folder = H200 / "bench-ws1-block-medium"
+    doc = json.loads((folder / "bench-ws1-block.json").read_text())
+    times = series.node_times(doc, "medium")
+    arms = doc["forward_nodes"]["arms"]
+    assert times.nodes == list(arms["strict"]["nodes"]) and len(times.nodes) == 17
+    assert times.strict == list(arms["strict"]["nodes"].values()) and times.provider_sum == arms["provider"]["sum_ms"]
+    fig = charts.draw_node_times(times, "t")
+    (ax,) = fig.axes
+    assert len(ax.patches) == 2 * 17 and [t.get_text() for t in ax.get_yticklabels()] == times.nodes
+    assert series.node_times({k: v for k, v in doc.items() if k != "forward_nodes"}, "x") is None
+    one_arm = {**doc, "forward_nodes": {"arms": {"strict": arms["strict"]}}}
+    assert series.node_times(one_arm, "x") is None
+    sections, _ = plan(load_inventory([folder], verify=False))
+    (entry,) = sections[0].entries
+    assert [f.id for f in entry.figures] == [
+        "benchmarks-block-model.speed",
+        "benchmarks-block-model.nodes-bench-ws1-block-medium",
+    ]
+    assert any(text.startswith("sum of the nodes: strict ") for _, text in entry.facts)

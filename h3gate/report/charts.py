@@ -11,6 +11,7 @@ from h3gate.report.series import (
     AblationRow,
     ArmDrift,
     GateSpeeds,
+    NodeTimes,
     OpError,
     ProbeGrid,
     SpeedBar,
@@ -322,4 +323,21 @@ def draw_gate_speeds(groups: list[GateSpeeds], title: str) -> Figure:
     ax.set_xlabel("speed relative to the provider = provider median / strict median (log2; > 1 is faster)")
     ax.set_title("No speed target is recorded in these records: the line at 1 is parity with the provider.",
                  fontsize=9, loc="left", style="italic")  # fmt: skip
+    return fig
+
+
+def draw_node_times(times: NodeTimes, title: str) -> Figure:
+    """bench-ws1-block: the forward's device milliseconds node by node, the provider's beside the strict path's."""
+    n = len(times.nodes)
+    fig = new_figure(11.0, 1.6 + 0.3 * n, title)
+    ax = fig.subplots()
+    ys = list(range(n))
+    ax.barh([y - 0.2 for y in ys], times.provider, height=0.4, color="#9e9e9e", label="provider")
+    ax.barh([y + 0.2 for y in ys], times.strict, height=0.4, color="#2c7bb6", label="strict")
+    ax.set_yticks(ys, times.nodes, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("median device milliseconds of the node (CUDA events between nodes, L2 flushed before the forward)")
+    ax.set_title(f"sum of the nodes: provider {times.provider_sum:.3f} ms, strict {times.strict_sum:.3f} ms",
+                 fontsize=9, loc="left", style="italic")  # fmt: skip
+    ax.legend(loc="lower right", fontsize=8)
     return fig

@@ -359,6 +359,17 @@ def _gate_bench_entry(docs: list[Document], ids: Callable[[str], str]) -> Entry:
     entry.notes.append("These records carry no speed target: the figure shows the ratio to the provider only.")
     title = "block and model benchmarks: strict / provider speed, forward and forward + backward"
     entry.figures.append(FigureSpec(ids("speed"), title, partial(charts.draw_gate_speeds, groups, title)))
+    for d in docs:
+        times = series.node_times(d.doc, name_of(d))
+        if times is None:
+            continue
+        label = f"{name_of(d)}: where the forward's time goes, node by node"
+        entry.facts.append(
+            (label, f"sum of the nodes: strict {times.strict_sum:.3f} ms, provider {times.provider_sum:.3f} ms")
+        )
+        entry.figures.append(
+            FigureSpec(ids(f"nodes-{slug(name_of(d))}"), label, partial(charts.draw_node_times, times, label))
+        )
     return entry
 
 

@@ -247,6 +247,36 @@ def gate_speeds(doc: dict, label: str) -> GateSpeeds:
     return out
 
 
+@dataclass
+class NodeTimes:
+    """bench-ws1-block's ``forward_nodes``: per node (graph order) the provider's and the strict median ms, with the
+    sums of each arm."""
+
+    label: str
+    nodes: list[str]
+    provider: list[float]
+    strict: list[float]
+    provider_sum: float
+    strict_sum: float
+
+
+def node_times(doc: dict, label: str) -> NodeTimes | None:
+    """The record's forward node by node, or None where it has none (records before session 16)."""
+    arms = (doc.get("forward_nodes") or {}).get("arms") or {}
+    prov, strict = arms.get("provider") or {}, arms.get("strict") or {}
+    names = list(strict.get("nodes") or {})
+    if not names or set(names) != set(prov.get("nodes") or {}):
+        return None
+    return NodeTimes(
+        label,
+        names,
+        [float(prov["nodes"][n]) for n in names],
+        [float(strict["nodes"][n]) for n in names],
+        float(prov.get("sum_ms") or 0.0),
+        float(strict.get("sum_ms") or 0.0),
+    )
+
+
 COMPOSITIONS = ("alone", "batch.pass1", "batch.pass2")
 OPERATORS = {"P": "diffusers", "R": "h3gate.strict"}
 
