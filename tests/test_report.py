@@ -160,7 +160,7 @@ def test_a_page_from_small_evidence_draws_every_kind(small_report):
     figures = _figures(page)
     assert {f["id"].rsplit(".", 1)[1] for f in figures} == {
         "node-map", "first-drift-rows", "error-vs-bound", "invariance", "drift-per-step", "arms-drift", "matrix",
-        "speed",
+        "speed", "nodes-bench-ws1-block-medium",  # the block bench's forward node by node
     }  # fmt: skip
     assert sorted(p.name for p in out.glob("*.png")) == sorted(f"{f['id']}.png" for f in figures)
     embedded = re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="[^"]*" width="(\d+)" height="(\d+)"', page)
