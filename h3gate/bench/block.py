@@ -96,10 +96,10 @@ def bench_block(
         for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
             if progress is not None:
                 progress(f"{phase} (provider and strict, {ITERS} rounds)")
-            stats = side_by_side(
-                {who: make(t) for who, t in tables.items()}, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S
-            )
-            results[phase] = {**stats, **ratios(stats)}
+            clocks: dict = {}
+            fns = {who: make(t) for who, t in tables.items()}
+            stats = side_by_side(fns, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
+            results[phase] = {**stats, **ratios(stats), "device_clocks": clocks}
         if progress is not None:
             progress("forward node by node (provider and strict)")
         nodes = node_times(graph, x, params, tables)
@@ -110,7 +110,8 @@ def bench_block(
             "method": (
                 f"h3gate.bench.timing.side_by_side: warm-up rounds (at least {WARMUP} and {WARMUP_S} s), then {ITERS} "
                 "interleaved rounds (provider, strict), L2 flushed before each call, CUDA events per call; "
-                "median / min / max"
+                "median / min / max; host_ms: the host's time to enqueue each call; device_clocks: the SM clock, "
+                "power and clock-event reasons sampled during each arm's calls (h3gate.bench.clocks)"
             ),
             "bindings": {name: nb.record() for name, nb in bindings.items()},
             **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),

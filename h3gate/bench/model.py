@@ -27,12 +27,15 @@ parameters, inputs and the 256 MiB L2-flush buffer included. TF32 is off for bot
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from h3gate.bench.block import ratios, seg8_arm
+from h3gate.bench.nodes import method as step_method
+from h3gate.bench.nodes import step_times
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
@@ -58,6 +61,7 @@ WARMUP_S = 0.0
 SMALL_ROWS = 10_000  # layouts with fewer packed rows get ITERS_SMALL rounds, the others ITERS_LARGE
 ITERS_SMALL = 5
 ITERS_LARGE = 3
+STAGE_HEAD_START_US = 100_000.0  # the host enqueues a medium model's forward in well under this (bench host_ms)
 SEED = 0
 PARAM_GRADS = (
     "parameter gradients computed per stage and released, as a streamed optimizer step or a reduce-scatter would"
@@ -128,6 +132,44 @@ def forward_backward_arm(
         return model_backward(stages, inputs, params, table, cotangents, per_stage)["video_rows"]
 
     return run
+
+
+def stage_times(
+    stages: Sequence[Stage],
+    inputs: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    tables: Mapping[str, OpTable],
+    iters: int,
+    warmup: int = 1,
+    head_start_us: float = STAGE_HEAD_START_US,
+) -> dict:
+    """The forward stage by stage (:func:`h3gate.bench.nodes.step_times`): per arm every stage's median ms, and the
+    embedded blocks' spread (``blocks``: count, median / min / max, sum) beside the rest (``other_ms``)."""
+    per_stage = stage_params(stages, params)
+
+    def forward(table: OpTable):
+        return lambda mark: forward_stages(stages, inputs, per_stage, table, after=lambda _stage: mark())
+
+    labels = [stage.label for stage in stages]
+    blocks = [stage.label for stage in stages if stage.label.startswith("block.")]
+    arms = step_times({arm: forward(t) for arm, t in tables.items()}, labels, iters, warmup, head_start_us)
+    out: dict = {"method": step_method("stage", head_start_us, iters, warmup, "h3gate.bench.model"), "arms": {}}
+    for arm, rec in arms.items():
+        times = rec.pop("times")
+        spread = [times[b] for b in blocks]
+        out["arms"][arm] = {
+            "stages": times,
+            "blocks": {
+                "count": len(spread),
+                "median_ms": statistics.median(spread),
+                "min_ms": min(spread),
+                "max_ms": max(spread),
+                "sum_ms": sum(spread),
+            },
+            "other_ms": sum(t for label, t in times.items() if label not in blocks),
+            **rec,
+        }
+    return out
 
 
 def _with_peak(fn: Callable[[], object], peaks: dict[str, int], who: str) -> Callable[[], object]:
@@ -226,8 +268,12 @@ def bench_model(
             progress(f"{phase} (provider and strict, {WARMUP} warm-up and {iters} timed rounds)")
         peaks: dict[str, int] = {}
         fns = {who: _with_peak(make(t), peaks, who) for who, t in tables.items()}
-        stats = side_by_side(fns, iters=iters, warmup=WARMUP, warmup_s=WARMUP_S)
-        results[phase] = {**stats, **ratios(stats), "max_memory_allocated_bytes": peaks}
+        clocks: dict = {}
+        stats = side_by_side(fns, iters=iters, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
+        results[phase] = {**stats, **ratios(stats), "max_memory_allocated_bytes": peaks, "device_clocks": clocks}
+    if progress is not None:
+        progress("forward stage by stage (provider and strict)")
+    stages_rec = stage_times(stages, inputs, params, tables, iters)
     body = {
         "config": name,
         "layout": {"name": layout, "seq_len": packed.seq_len, "rows": packed.rows_per_modality()},
@@ -243,7 +289,8 @@ def bench_model(
             "order under no_grad. Forward + backward: a no_grad forward saving each stage's inputs, then each stage "
             "recomputed under autograd and back-propagated in reverse order (cotangents drawn before timing). "
             "max_memory_allocated_bytes: the peak of each arm's first call (parameters, inputs and the L2-flush "
-            "buffer included)"
+            "buffer included); host_ms: the host's time to enqueue each call; device_clocks: the SM clock, power "
+            "and clock-event reasons sampled during each arm's calls (h3gate.bench.clocks)"
         ),
         "loss": LOSS,
         "recomputation": RECOMPUTATION,
@@ -251,5 +298,6 @@ def bench_model(
         "bindings": operator_bindings(bindings),
         **({"seg8_bindings": operator_bindings(seg8)} if seg8 else {}),
         "results": results,
+        "forward_stages": stages_rec,
     }
     return body, manifests

@@ -84,7 +84,7 @@ def _bench_model(layout: str, config: str, device: str, out: Path | None, json_:
     from h3gate.evidence.writer import write_evidence
 
     with strict_numerics(device):
-        with progress("bench ws1-model", 3) as step:
+        with progress("bench ws1-model", 4) as step:
             body, manifests = bench_model(layout, config, device, progress=step, merge=merge)
         folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-model-{body['config']}-{layout}"
         path = write_evidence(
@@ -110,6 +110,9 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
         table.add_column("strict seg8 ms (/ strict)")
     if memory:
         table.add_column("peak GiB provider / strict")
+    host = all("host_ms" in r["strict"] for r in body["results"].values())
+    if host:
+        table.add_column("host enqueue ms provider / strict")
     for phase, r in body["results"].items():
         cells = [phase, f"{r['provider']['median_ms']:.3f}", f"{r['strict']['median_ms']:.3f}"]
         cells.append(f"{r['strict_over_provider']:.2f}x")
@@ -118,11 +121,18 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
         if memory:
             peak = r["max_memory_allocated_bytes"]
             cells.append(f"{peak['provider'] / 2**30:.1f} / {peak['strict'] / 2**30:.1f}")
+        if host:
+            cells.append(f"{r['provider']['host_ms']['median_ms']:.3f} / {r['strict']['host_ms']['median_ms']:.3f}")
         table.add_row(*cells)
     console = stdout_console()
     console.print(table)
+    clocks = _clock_table(body["results"])
+    if clocks is not None:
+        console.print(clocks)
     if "forward_nodes" in body:
         console.print(_node_table(body["forward_nodes"]))
+    if "forward_stages" in body:
+        console.print(_stage_table(body["forward_stages"]))
     console.print(f"evidence: {display(path)}")
     return EXIT_PASS
 
@@ -141,6 +151,51 @@ def _node_table(nodes: dict) -> Table:
     sums = [arms[arm]["sum_ms"] for arm in arms]
     table.add_row("sum (whole)", *(f"{arms[a]['sum_ms']:.3f} ({arms[a]['whole_ms']:.3f})" for a in arms),
                   f"{sums[list(arms).index('strict')] / arms['provider']['sum_ms']:.2f}x")  # fmt: skip
+    return table
+
+
+def _clock_table(results: dict) -> Table | None:
+    """Per phase and arm, the device's SM clock and power during its timed calls (None: nothing recorded)."""
+    rows = [(phase, r["device_clocks"]) for phase, r in results.items() if "device_clocks" in r]
+    if not rows:
+        return None
+    table = Table(title="device clocks during the timed calls (NVML samples)")
+    for col in ("phase", "arm", "samples", "SM MHz median (min)", "power W median (max)", "clock-event reasons"):
+        table.add_column(col)
+    for phase, rec in rows:
+        if "unavailable" in rec:
+            table.add_row(phase, "-", "0", "-", "-", escape(rec["unavailable"]))
+            continue
+        for arm, a in rec["arms"].items():
+            if not a["samples"]:
+                table.add_row(phase, arm, "0", "-", "-", "-")
+                continue
+            mhz, watts = a["sm_mhz"], a["power_w"]
+            reasons = ", ".join(f"{k} {n}" for k, n in a["reasons"].items()) or "none"
+            table.add_row(phase, arm, str(a["samples"]), f"{mhz['median']:.0f} ({mhz['min']:.0f})",
+                          f"{watts['median']:.0f} ({watts['max']:.0f})", reasons)  # fmt: skip
+    return table
+
+
+def _stage_table(stages: dict) -> Table:
+    """The model's forward stage by stage, summarised: the blocks' spread and the other stages, per arm."""
+    arms = stages["arms"]
+    table = Table(title="forward stage by stage (median ms)")
+    for col in ("", *(f"{arm} ms" for arm in arms), "strict / provider"):
+        table.add_column(col)
+
+    def row(label: str, get) -> None:
+        ms = [get(arms[arm]) for arm in arms]
+        prov = get(arms["provider"])
+        table.add_row(label, *(f"{t:.3f}" for t in ms), f"{get(arms['strict']) / prov:.2f}x" if prov > 0 else "-")
+
+    n = arms["strict"]["blocks"]["count"]
+    row(f"block median ({n} blocks)", lambda a: a["blocks"]["median_ms"])
+    row("block min", lambda a: a["blocks"]["min_ms"])
+    row("block max", lambda a: a["blocks"]["max_ms"])
+    row("blocks, sum", lambda a: a["blocks"]["sum_ms"])
+    row("other stages, sum", lambda a: a["other_ms"])
+    row("whole forward", lambda a: a["whole_ms"])
     return table
 
 

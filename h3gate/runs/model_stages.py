@@ -16,7 +16,7 @@ So memory holds one stage's activations and parameters at a time, plus each stag
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -208,10 +208,11 @@ def forward_stages(
     per_stage: Mapping[str, Mapping[str, torch.Tensor]],
     table: OpTable,
     saved: dict[str, dict[str, torch.Tensor]] | None = None,
+    after: Callable[[Stage], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The two velocity outputs, stage by stage, keeping only what later stages read (a value is dropped after its
     last reader). With ``saved``, each stage's external inputs are kept under its label (what a per-stage
-    backward recomputes from)."""
+    backward recomputes from); ``after(stage)`` is called once each stage is enqueued (the bench's events)."""
     last = last_readers(stages)
     values = dict(inputs)
     for i, stage in enumerate(stages):
@@ -222,6 +223,8 @@ def forward_stages(
         del out
         for name in [k for k in values if last.get(k, -1) <= i and k not in OUTPUTS]:
             del values[name]
+        if after is not None:
+            after(stage)
     return {k: values[k] for k in OUTPUTS}
 
 
