@@ -18,7 +18,7 @@ from pathlib import Path
 import h3gate
 
 # Import names whose distribution is spelled otherwise.
-DIST_OF = {"yaml": "pyyaml", "PIL": "pillow"}
+DIST_OF = {"yaml": "pyyaml", "PIL": "pillow", "pynvml": "nvidia-ml-py"}
 EXTRAS_NOT_RUNTIME = ("test",)  # extras that are not a runtime feature: never a place for h3gate's own imports
 
 

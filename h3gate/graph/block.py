@@ -78,54 +78,61 @@ def _meta(dtype: str, casts: str, maths: str) -> dict[str, str]:
     return {"dtype": dtype, "casts": casts, "maths": maths}
 
 
-def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
-    """The 17-node graph of block ``layer`` for ``cfg``; the node functions close over widths and epsilons."""
-    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-    eps, qk_eps = cfg.norm_eps, cfg.qk_norm_eps
+def _table(x: Inputs, k: int, hidden: int) -> torch.Tensor:
+    """The k-th (3T, H) view of the AdaLN projection."""
+    return reference.adaln_table(x["adaln_projection"], hidden)[k]
 
-    def table(x: Inputs, k: int) -> torch.Tensor:
-        return reference.adaln_table(x["adaln_projection"], hidden)[k]
 
-    def adaln_projection(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        w = p["adaln_proj.linear.weight"]
-        act = ops["adaln_silu_cast"](x["temb"], w.dtype)
-        return ops["adaln_projection_3mod"](act, w, p["adaln_proj.linear.bias"])
+def _adaln_projection(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+    w = p["adaln_proj.linear.weight"]
+    act = ops["adaln_silu_cast"](x["temb"], w.dtype)
+    return ops["adaln_projection_3mod"](act, w, p["adaln_proj.linear.bias"])
 
-    def norm(source: str, weight: str, shift: int, scale: int):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops["h3_rmsnorm_modulate"](
-                x[source], p[weight], table(x, shift), table(x, scale), x["adaln_indices"], eps
-            )
 
-        return fn
+def _norm(source: str, weight: str, shift: int, scale: int, hidden: int, eps: float):
+    def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        shift_t, scale_t = _table(x, shift, hidden), _table(x, scale, hidden)
+        return ops["h3_rmsnorm_modulate"](x[source], p[weight], shift_t, scale_t, x["adaln_indices"], eps)
 
-    def rope(source: str):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops["h3_mm_rope_3axis_partial"](x[source], x["rope_cos"], x["rope_sin"])
+    return fn
 
-        return fn
 
-    def residual(source: str, branch: str, gate: int):
-        def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-            return ops["adaln_gate_residual"](x[source], x[branch], table(x, gate), x["adaln_indices"])
+def _rope_node(w: str) -> Node:
+    """rope_q / rope_k on q_norm / k_norm."""
+    source = f"{w}_norm"
 
-        return fn
+    def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["h3_mm_rope_3axis_partial"](x[source], x["rope_cos"], x["rope_sin"])
 
-    body = body_specs(heads, qk_eps, "rope_q", "rope_k", "attention_order")
+    rope = "h3_mm_rope_3axis_partial"
+    return Node(f"rope_{w}", rope, (rope,), (source, "rope_cos", "rope_sin"), fn, meta=_meta(_BF16, *_ROPE))
 
-    def shared(name: str, meta: dict[str, str]) -> Node:
-        op, inputs, fn = body[name]
-        return Node(name, op, (op,), inputs, fn, meta=meta)
 
-    bf16, acc = "activation dtype (BF16)", "accumulate wider, one rounding to BF16"
-    mod = "(3T, H) AdaLN views of adaln_projection gathered by adaln_indices"
-    nodes = (
+def _residual(source: str, branch: str, gate: int, hidden: int):
+    def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops["adaln_gate_residual"](x[source], x[branch], _table(x, gate, hidden), x["adaln_indices"])
+
+    return fn
+
+
+_BF16, _ACC = "activation dtype (BF16)", "accumulate wider, one rounding to BF16"
+_MOD = "(3T, H) AdaLN views of adaln_projection gathered by adaln_indices"
+_NORM_CASTS = "none: nn.RMSNorm at BF16, modulation at BF16"
+_ROPE = ("FP32 cos/sin cast to BF16 first", "x*cos + rotate_half(x)*sin on R of D, rest copied")
+_GATE_CASTS = "none: gate * y rounded, then the add rounded (BF16)"
+
+
+def _attention_half(cfg: ModelConfig, shared) -> tuple[Node, ...]:
+    """adaln_projection .. residual_attn: the AdaLN projection, norm1, q/k/v, their norms and RoPE, attention, o."""
+    hidden, eps = cfg.hidden_size, cfg.norm_eps
+    qk_norm = "unflatten to (nh, D), rmsnorm over D"
+    return (
         Node(
             "adaln_projection",
             "adaln_projection_3mod",
             ("adaln_silu_cast", "adaln_projection_3mod"),
             ("temb",),
-            adaln_projection,
+            _adaln_projection,
             row_dim=None,
             meta=_meta(
                 "temb FP32 in, (T, 18H) at the projection dtype (BF16) out",
@@ -138,71 +145,71 @@ def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
             "h3_rmsnorm",
             ("h3_rmsnorm_modulate",),
             ("hidden_states", "adaln_projection", "adaln_indices"),
-            norm("hidden_states", "norm1.weight", SHIFT_MSA, SCALE_MSA),
-            meta=_meta(
-                bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(x) * (1 + scale) + shift; {mod}"
-            ),
+            _norm("hidden_states", "norm1.weight", SHIFT_MSA, SCALE_MSA, hidden, eps),
+            meta=_meta(_BF16, _NORM_CASTS, f"rmsnorm(x) * (1 + scale) + shift; {_MOD}"),
         ),
-        shared("q_proj", _meta(bf16, acc, "n1 @ Wq.T, H -> nh*D")),
-        shared("k_proj", _meta(bf16, acc, "n1 @ Wk.T, H -> nh*D")),
-        shared("v_proj", _meta(bf16, acc, "n1 @ Wv.T, H -> nh*D")),
-        shared("q_norm", _meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D")),
-        shared("k_norm", _meta(bf16, "none: nn.RMSNorm over D at BF16", "unflatten to (nh, D), rmsnorm over D")),
-        Node(
-            "rope_q",
-            "h3_mm_rope_3axis_partial",
-            ("h3_mm_rope_3axis_partial",),
-            ("q_norm", "rope_cos", "rope_sin"),
-            rope("q_norm"),
-            meta=_meta(bf16, "FP32 cos/sin cast to BF16 first", "x*cos + rotate_half(x)*sin on R of D, rest copied"),
-        ),
-        Node(
-            "rope_k",
-            "h3_mm_rope_3axis_partial",
-            ("h3_mm_rope_3axis_partial",),
-            ("k_norm", "rope_cos", "rope_sin"),
-            rope("k_norm"),
-            meta=_meta(bf16, "FP32 cos/sin cast to BF16 first", "x*cos + rotate_half(x)*sin on R of D, rest copied"),
-        ),
+        shared("q_proj", _meta(_BF16, _ACC, "n1 @ Wq.T, H -> nh*D")),
+        shared("k_proj", _meta(_BF16, _ACC, "n1 @ Wk.T, H -> nh*D")),
+        shared("v_proj", _meta(_BF16, _ACC, "n1 @ Wv.T, H -> nh*D")),
+        shared("q_norm", _meta(_BF16, "none: nn.RMSNorm over D at BF16", qk_norm)),
+        shared("k_norm", _meta(_BF16, "none: nn.RMSNorm over D at BF16", qk_norm)),
+        _rope_node("q"),
+        _rope_node("k"),
         shared(
             "attention",
             _meta(
-                bf16,
+                _BF16,
                 "the SDPA backend's own; output type_as(q)",
                 "softmax(q k^T / sqrt(D)) v over all S rows (strict: walked in attention_order)",
             ),
         ),
-        shared("o_proj", _meta(bf16, acc, "a @ Wo.T, nh*D -> H")),
+        shared("o_proj", _meta(_BF16, _ACC, "a @ Wo.T, nh*D -> H")),
         Node(
             "residual_attn",
             "adaln_gate_residual",
             ("adaln_gate_residual",),
             ("hidden_states", "o_proj", "adaln_projection", "adaln_indices"),
-            residual("hidden_states", "o_proj", GATE_MSA),
-            meta=_meta(bf16, "none: gate * y rounded, then the add rounded (BF16)", f"x + gate_msa * o; {mod}"),
+            _residual("hidden_states", "o_proj", GATE_MSA, hidden),
+            meta=_meta(_BF16, _GATE_CASTS, f"x + gate_msa * o; {_MOD}"),
         ),
+    )
+
+
+def _mlp_half(cfg: ModelConfig, shared) -> tuple[Node, ...]:
+    """norm2 .. residual_mlp: the modulated norm, the SwiGLU feed-forward and the gated residual."""
+    hidden, eps = cfg.hidden_size, cfg.norm_eps
+    return (
         Node(
             "norm2",
             "h3_rmsnorm",
             ("h3_rmsnorm_modulate",),
             ("residual_attn", "adaln_projection", "adaln_indices"),
-            norm("residual_attn", "norm2.weight", SHIFT_MLP, SCALE_MLP),
-            meta=_meta(
-                bf16, "none: nn.RMSNorm at BF16, modulation at BF16", f"rmsnorm(h) * (1 + scale) + shift; {mod}"
-            ),
+            _norm("residual_attn", "norm2.weight", SHIFT_MLP, SCALE_MLP, hidden, eps),
+            meta=_meta(_BF16, _NORM_CASTS, f"rmsnorm(h) * (1 + scale) + shift; {_MOD}"),
         ),
-        shared("ffn_gate_up", _meta(bf16, acc, "n2 @ W1.T, H -> 2F (value | gate)")),
-        shared("swiglu", _meta(bf16, "none: silu and product each rounded to BF16", "u[:F] * silu(u[F:])")),
-        shared("ffn_down", _meta(bf16, acc, "s @ W2.T, F -> H")),
+        shared("ffn_gate_up", _meta(_BF16, _ACC, "n2 @ W1.T, H -> 2F (value | gate)")),
+        shared("swiglu", _meta(_BF16, "none: silu and product each rounded to BF16", "u[:F] * silu(u[F:])")),
+        shared("ffn_down", _meta(_BF16, _ACC, "s @ W2.T, F -> H")),
         Node(
             "residual_mlp",
             "adaln_gate_residual",
             ("adaln_gate_residual",),
             ("residual_attn", "ffn_down", "adaln_projection", "adaln_indices"),
-            residual("residual_attn", "ffn_down", GATE_MLP),
-            meta=_meta(bf16, "none: gate * y rounded, then the add rounded (BF16)", f"h + gate_mlp * d; {mod}"),
+            _residual("residual_attn", "ffn_down", GATE_MLP, hidden),
+            meta=_meta(_BF16, _GATE_CASTS, f"h + gate_mlp * d; {_MOD}"),
         ),
     )
+
+
+def build_block_graph(cfg: ModelConfig, layer: int = 0) -> Graph:
+    """The 17-node graph of block ``layer`` for ``cfg``; the node functions close over widths and epsilons."""
+    body = body_specs(cfg.num_attention_heads, cfg.qk_norm_eps, "rope_q", "rope_k", "attention_order")
+
+    def shared(name: str, meta: dict[str, str]) -> Node:
+        op, inputs, fn = body[name]
+        return Node(name, op, (op,), inputs, fn, meta=meta)
+
+    nodes = (*_attention_half(cfg, shared), *_mlp_half(cfg, shared))
     nodes = tuple(Node(n.name, n.owner_row, n.ops, n.inputs, n.fn, n.row_dim, layer, n.step, n.meta) for n in nodes)
     return Graph(f"block{layer}", nodes, GRAPH_INPUTS, "residual_mlp")
 

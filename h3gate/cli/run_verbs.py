@@ -1,0 +1,276 @@
+"""``h3gate run ...``: the gates, each a thin verb over one command function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from h3gate.cli.base import (
+    CheckpointOpt,
+    DeviceOpt,
+    FaultOpt,
+    JsonOpt,
+    MergeOpt,
+    ModelConfigOpt,
+    ModeOpt,
+    OutOpt,
+    SeedOpt,
+    TolOpt,
+    done,
+    run_app,
+)
+from h3gate.numerics import resolve_device
+
+
+@run_app.command("ws1-block")
+def run_ws1_block(
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "tiny",
+    config: ModelConfigOpt = None,
+    checkpoint: CheckpointOpt = None,
+    device: DeviceOpt = "auto",
+    mode: ModeOpt = "strict",
+    backward: Annotated[
+        bool, typer.Option("--backward/--no-backward", help="Also gate the backward pass (gradients).")
+    ] = True,
+    tolerance: TolOpt = "ws1-block",
+    seed: SeedOpt = 0,
+    save_tensors: Annotated[
+        Path | None,
+        typer.Option("--save-tensors", help="Write inputs/provider/candidate/golden .safetensors into this folder."),
+    ] = None,
+    fault_matrix: Annotated[
+        bool,
+        typer.Option(
+            "--fault-matrix",
+            help="Also prove the gate catches one wrong packed row: every node, forward and backward, first and last "
+            "tile, scaled by 1 + 2^-6 and last 16 columns zeroed; exit 1 unless every fault is caught and located.",
+        ),
+    ] = False,
+    fault: FaultOpt = None,
+    merge_order: MergeOpt = "single",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP64 golden."""
+    device = resolve_device(device)
+    from h3gate.commands.run_cmd import ws1_block_command
+
+    done(
+        ws1_block_command(
+            layout,
+            config,
+            checkpoint,
+            device,
+            mode,
+            backward,
+            tolerance,
+            seed,
+            save_tensors,
+            out,
+            json_,
+            fault_matrix=fault_matrix,
+            fault=fault,
+            merge=merge_order,
+        )  # fmt: skip
+    )
+
+
+@run_app.command("ws1-model")
+def run_ws1_model(
+    layout: Annotated[
+        str | None, typer.Option("--layout", help="A layout of manifests/layouts.yaml (default: micro).")
+    ] = None,
+    config: ModelConfigOpt = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option("--checkpoint", help="diffusers transformer folder, read one layer at a time (else synthetic)."),
+    ] = None,
+    device: DeviceOpt = "auto",
+    mode: ModeOpt = "strict",
+    backward: Annotated[
+        bool, typer.Option("--backward/--no-backward", help="Also gate the complete backward (every gradient).")
+    ] = True,
+    layers: Annotated[
+        str | None,
+        typer.Option("--layers", help="A:B runs transformer blocks A .. B-1 only (a truncated model; default all)."),
+    ] = None,
+    tolerance: TolOpt = "ws1-model",
+    seed: SeedOpt = 0,
+    save_tensors: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-tensors",
+            help="Write inputs (diffusers' forward arguments) and provider/candidate/golden node values there.",
+        ),
+    ] = None,
+    fault: FaultOpt = None,
+    merge_order: MergeOpt = "single",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The whole-model gate: every node of every stage and every gradient, provider vs strict vs FP64 golden."""
+    device = resolve_device(device)
+    from h3gate.commands.model_cmd import ws1_model_command
+
+    done(
+        ws1_model_command(
+            layout,
+            config,
+            checkpoint,
+            device,
+            mode,
+            backward,
+            layers,
+            tolerance,
+            seed,
+            save_tensors,
+            out,
+            json_,
+            fault=fault,
+            merge=merge_order,
+        )  # fmt: skip
+    )
+
+
+@run_app.command("ws1-trajectory")
+def run_ws1_trajectory(
+    out: OutOpt = None,
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
+    config: ModelConfigOpt = None,
+    checkpoint: CheckpointOpt = None,
+    steps: Annotated[int, typer.Option("--steps", help="Sigma grid points (steps - 1 model evaluations).")] = 6,
+    shift: Annotated[float, typer.Option("--shift", help="The video grid's shift (audio keeps 3.0).")] = 12.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and the request.")] = 0,
+    mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off (the provider)")] = "strict",
+    device: DeviceOpt = "auto",
+    batch_with: Annotated[
+        int | None,
+        typer.Option("--batch-with", help="Evaluate every step beside an unrelated request drawn from this seed."),
+    ] = None,
+    until: Annotated[int | None, typer.Option("--until", help="Stop after this step (0-based).")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue RUNDIR after its last complete step (every saved step checked).")
+    ] = False,
+    verify_last: Annotated[
+        bool, typer.Option("--verify-last", help="Recompute RUNDIR's last saved step and require it bitwise.")
+    ] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """A dual-scheduler trajectory saved one model evaluation at a time in --out RUNDIR: resumable, verifiable."""
+    device = resolve_device(device)
+    from h3gate.commands.trajectory_cmd import ws1_trajectory_command
+    from h3gate.runs.ws1_trajectory import TrajectorySettings
+
+    settings = TrajectorySettings(layout, config, checkpoint, device, mode, steps, shift, seed, batch_with)
+    done(ws1_trajectory_command(settings, out, until, resume, verify_last, json_))
+
+
+@run_app.command("arms")
+def run_arms(
+    arms: Annotated[
+        str, typer.Option("--arms", help="Training/rollout operators: P/P,R/P,P/R,R/R (P provider, R strict).")
+    ] = "P/P,R/P,P/R,R/R",
+    config: ModelConfigOpt = None,
+    checkpoint: CheckpointOpt = None,
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
+    layers: Annotated[int | None, typer.Option("--layers", help="Keep the config's first N blocks.")] = None,
+    steps: Annotated[
+        int,
+        typer.Option(
+            "--steps", help="Sigma grid points, as the pipeline's num_inference_steps (steps - 1 evaluations)."
+        ),
+    ] = 4,
+    batch: Annotated[int, typer.Option("--batch", help="Requests rolled out together (B).")] = 2,
+    lora_rank: Annotated[
+        int | None, typer.Option("--lora-rank", help="Train a PEFT LoRA of this rank (base frozen).")
+    ] = None,
+    shift: Annotated[float, typer.Option("--shift", help="The video grid's shift (audio keeps 3.0).")] = 12.0,
+    seed: SeedOpt = 0,
+    fault: Annotated[
+        str | None,
+        typer.Option(
+            "--fault",
+            help="NODE:ROW[:scale|zero_tail][:forward|backward] on R training's second pass (negative control).",
+        ),
+    ] = None,
+    device: DeviceOpt = "auto",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Train/rollout arms on diffusers' own module: velocity bytes per step, first drift, gradient repeat, LoRA gate."""
+    device = resolve_device(device)
+    from h3gate.arms.stack import ArmsSettings, parse_arms
+    from h3gate.commands.arms_cmd import arms_command
+
+    settings = ArmsSettings(
+        parse_arms(arms), config, checkpoint, layout, layers, device, steps, shift, batch, lora_rank, seed, fault
+    )
+    done(arms_command(settings, out, json_))
+
+
+@run_app.command("ws2")
+def run_ws2(
+    topology: Annotated[
+        str,
+        typer.Option(
+            "--topology", help="tp1 | tp2 | tp4 | tp8 | cp2 | tp2cp2 | tp4cp2 | tp2sp | tp2cp2sp | tp4cp2sp (sp: SP)."
+        ),
+    ],
+    scope: Annotated[str, typer.Option("--scope", help="block (block 0) | model (the whole transformer).")] = "block",
+    backend: Annotated[
+        str | None, typer.Option("--backend", help="gloo (CPU ranks) | nccl (one GPU per rank); default by device.")
+    ] = None,
+    config: Annotated[str, typer.Option("--config", help="A config name or PATH.yaml.")] = "ws2-tiny",
+    layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
+    seed: SeedOpt = 0,
+    fault: Annotated[
+        list[str] | None,
+        typer.Option("--fault", help="RANK:NODE:ROW[:forward|backward]: one row scaled on one rank (repeatable)."),
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu | cuda (default cpu).")] = "cpu",
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """TP/CP/SP ranks against TP1 (one device, seg8 merge order): every value and gradient byte for byte."""
+    from h3gate.commands.ws2_cmd import ws2_command
+    from h3gate.parallel.ws2 import Ws2Settings
+
+    settings = Ws2Settings(topology, scope, backend, resolve_device(device), config, layout, seed, fault or [])
+    done(ws2_command(settings, out, json_))
+
+
+@run_app.command("vae")
+def run_vae(
+    modality: Annotated[str, typer.Option("--modality", help="video | audio")],
+    mode: Annotated[str, typer.Option("--mode", help="strict (one batch row a call, deterministic) | off")] = "strict",
+    device: DeviceOpt = "auto",
+    geometry: Annotated[str, typer.Option("--geometry", help="tiny (CI) | real (124 frames at 768x1344).")] = "tiny",
+    seed: SeedOpt = 0,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Phase B: a seeded VAE (diffusers' class) encode/decode repeat-bitwise, batch-invariant, its latent
+    normalisation and layout against the pipeline's helpers; decoded media hashed, not gated."""
+    device = resolve_device(device)
+    from h3gate.commands.vae_cmd import vae_command
+
+    done(vae_command(modality, mode, device, geometry, seed, out, json_))
+
+
+@run_app.command("ws1-ops")
+def run_ws1_ops(
+    op: Annotated[list[str] | None, typer.Option("--op", help="Operator name (repeatable; default all).")] = None,
+    layouts: Annotated[str, typer.Option("--layouts", help="Comma-separated layouts giving row counts.")] = "tiny",
+    config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "tiny",
+    device: DeviceOpt = "auto",
+    seed: SeedOpt = 0,
+    out: OutOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Per-operator evidence: accuracy vs FP32/FP64, invariance, provider-bitwise flag, kernel id."""
+    device = resolve_device(device)
+    from h3gate.commands.ops_cmd import ws1_ops_command
+
+    done(ws1_ops_command(op or [], layouts, config, device, seed, out, json_))
