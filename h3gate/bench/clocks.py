@@ -166,3 +166,40 @@ def attribute(
             }
         out[arm] = rec
     return out
+
+
+class Watch:
+    """The sampler of one timed section and its time base (module docstring): :meth:`begin` before the timed calls,
+    :meth:`end` with their (start, end) events after the caller's synchronize."""
+
+    def __init__(self, reader, anchor=None, t0: float = 0.0) -> None:
+        self.reader, self.anchor, self.t0 = reader, anchor, t0
+        self.sampler = None if isinstance(reader, str) else ClockSampler(reader)
+
+    @classmethod
+    def begin(cls) -> Watch:
+        """Synchronize, record the anchor event, read the host clock, start sampling (when NVML answers)."""
+        reader = nvml_reader(str(torch.device("cuda", torch.cuda.current_device())))
+        torch.cuda.synchronize()
+        anchor = torch.cuda.Event(enable_timing=True)
+        anchor.record()
+        watch = cls(reader, anchor, time.perf_counter())
+        if watch.sampler is not None:
+            watch.sampler.start()
+        return watch
+
+    def end(self, events: dict[str, list]) -> dict:
+        """Stop sampling (after the caller's synchronize) and attribute the samples to each callable's calls."""
+        if self.sampler is None:
+            return {"unavailable": self.reader}
+        self.sampler.stop()
+        windows = {
+            name: [(float(self.anchor.elapsed_time(s)), float(self.anchor.elapsed_time(e))) for s, e in pairs]
+            for name, pairs in events.items()
+        }
+        return {
+            "source": self.reader.source,
+            "period_ms": self.sampler.period_s * 1e3,
+            "method": METHOD,
+            "arms": attribute(self.sampler.samples, self.t0, windows),
+        }

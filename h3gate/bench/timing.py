@@ -52,8 +52,8 @@ def side_by_side(
     a device-side spin between the flush and the start event).
 
     With ``observe`` (a dict, filled in place): each callable's stats also get ``host_ms`` (median / max host
-    seconds from the call to its return, the enqueue time: as long as the device time, the arm is host-bound), and
-    ``observe`` receives :func:`observed_clocks`'s record of the device's clocks during each callable's calls."""
+    milliseconds from the call to its return, the enqueue time: as long as the device time, the arm is host-bound),
+    and ``observe`` receives the device's clocks during each callable's calls (:class:`h3gate.bench.clocks.Watch`)."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     cycles = spin_cycles(head_start_us) if head_start_us > 0 else 0
     rounds, start_s = 0, time.perf_counter()
@@ -65,7 +65,7 @@ def side_by_side(
         rounds += 1
     events: dict[str, list] = {name: [] for name in fns}
     host: dict[str, list[float]] = {name: [] for name in fns}
-    watch = _Watch.begin() if observe is not None else None
+    watch = clocks.Watch.begin() if observe is not None else None
     for _ in range(iters):
         for name, fn in fns.items():
             flush.zero_()
@@ -90,45 +90,9 @@ def side_by_side(
         }
         if observe is not None:
             out[name]["host_ms"] = {"median_ms": statistics.median(host[name]), "max_ms": max(host[name])}
-    if watch is not None and observe is not None:
+    if watch is not None:
         observe.update(watch.end(events))
     return out
-
-
-class _Watch:
-    """The clock sampler of one timed section and its time base (module :mod:`h3gate.bench.clocks`)."""
-
-    def __init__(self, reader, anchor=None, t0: float = 0.0) -> None:
-        self.reader, self.anchor, self.t0 = reader, anchor, t0
-        self.sampler = None if isinstance(reader, str) else clocks.ClockSampler(reader)
-
-    @classmethod
-    def begin(cls) -> _Watch:
-        """Synchronize, record the anchor event, read the host clock, start sampling (when NVML answers)."""
-        reader = clocks.nvml_reader(str(torch.device("cuda", torch.cuda.current_device())))
-        torch.cuda.synchronize()
-        anchor = torch.cuda.Event(enable_timing=True)
-        anchor.record()
-        watch = cls(reader, anchor, time.perf_counter())
-        if watch.sampler is not None:
-            watch.sampler.start()
-        return watch
-
-    def end(self, events: dict[str, list]) -> dict:
-        """Stop sampling (after the caller's synchronize) and attribute the samples to each callable's calls."""
-        if self.sampler is None:
-            return {"unavailable": self.reader}
-        self.sampler.stop()
-        windows = {
-            name: [(float(self.anchor.elapsed_time(s)), float(self.anchor.elapsed_time(e))) for s, e in pairs]
-            for name, pairs in events.items()
-        }
-        return {
-            "source": self.reader.source,
-            "period_ms": self.sampler.period_s * 1e3,
-            "method": clocks.METHOD,
-            "arms": clocks.attribute(self.sampler.samples, self.t0, windows),
-        }
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = COPY_BYTES, iters: int = 20) -> float:
