@@ -4,8 +4,8 @@
     python3 tools/wheelhouse.py [--python-version 3.12] [--platform TAG ...] [--with-diffusers]
                                 [--host-has tools/gpu-host-packages.txt] [--dest .whl]
 
-1. resolves h3gate's ``[project].dependencies`` without torch and triton (the host has its own CUDA builds), plus
-   the test extra's ``diffusers`` pin with ``--with-diffusers`` (the parity oracle), for the target Python and
+1. resolves h3gate's ``[project].dependencies`` without torch and triton (the host has its own CUDA builds) and the
+   ``clocks`` extra (NVML, for the bench's clock samples), plus the test extra's ``diffusers`` pin with ``--with-diffusers`` (the parity oracle), for the target Python and
    platforms (``pip install --dry-run --report``: nothing is installed);
 2. leaves out every distribution named in ``--host-has`` (default: the GPU host image's list; ``--host-has ''``
    keeps everything);
@@ -45,6 +45,7 @@ def requirements(with_diffusers: bool) -> list[str]:
     """h3gate's runtime requirements (torch/triton excluded), and the test extra's diffusers pin on request."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     reqs = [r for r in project["dependencies"] if requirement_name(r) not in HOST_PROVIDES]
+    reqs += project["optional-dependencies"]["clocks"]  # bench's NVML clock sampler (bench/clocks.py)
     if with_diffusers:
         reqs += [r for r in project["optional-dependencies"]["test"] if requirement_name(r) == "diffusers"]
     return reqs
