@@ -5,8 +5,9 @@
                                 [--host-has tools/gpu-host-packages.txt] [--dest .whl]
 
 1. resolves h3gate's ``[project].dependencies`` without torch and triton (the host has its own CUDA builds) and the
-   ``clocks`` extra (NVML, for the bench's clock samples), plus the test extra's ``diffusers`` pin with ``--with-diffusers`` (the parity oracle), for the target Python and
-   platforms (``pip install --dry-run --report``: nothing is installed);
+   ``clocks`` extra (NVML, for the bench's clock samples), plus the test extra's ``diffusers`` pin with
+   ``--with-diffusers`` (the parity oracle), for the target Python and platforms (``pip install --dry-run
+   --report``: nothing is installed);
 2. leaves out every distribution named in ``--host-has`` (default: the GPU host image's list; ``--host-has ''``
    keeps everything);
 3. downloads the rest as binary wheels and builds h3gate's own wheel, into ``--dest`` (its old wheels removed first,
