@@ -3,6 +3,8 @@
 # carried:  bash tools/gpu_speed.sh SECTION [SECTION ...]
 #   attn-probe          tools/gpu_perf_probe.py --sections attn_tma: TMA-load forward tilings (bitwise vs production),
 #                       SDPA cuDNN / flash, backward TMA / tilings, the walk order vs full copies ($PROBE.json)
+#   gemm-gluon          tools/gpu_gemm_gluon.py: the warp-specialised Gluon GEMM forward's bytes against the Triton
+#                       forward and its time next to cuBLAS at the block's four layers, M = 264 ... 38974 ($PROBE.json)
 #   attn-gluon          tools/gpu_attention_gluon.py: the warp-specialised Gluon forward's bytes against the Triton
 #                       forward (S = 264 ... 38974, batch 2, walk orders) and its time next to cuDNN / flash
 #   attn-bwd            tools/gpu_attention_bwd.py: the backward variants' dq/dk/dv bytes against the three-kernel
@@ -29,6 +31,8 @@ for s in "$@"; do
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
     gemm-kernels) P=${PROBE:-perf-probe-26}; step 200 "$P" python3 tools/gpu_perf_probe.py --sections cublas_kernels \
       --out "$ev/$P.json";;
+    gemm-gluon) step "${GLUON_CAP:-420}" gemm-gluon python3 tools/gpu_gemm_gluon.py --variants "${GEMM_VARIANTS:-all}" \
+      --sections "${GEMM_SECTIONS:-bytes,time}" --out "$ev/${PROBE:-perf-probe-30}.json";;
     attn-gluon) step "${GLUON_CAP:-240}" attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws}" \
       --out "$ev/${PROBE:-perf-probe-16}.json";;
     attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""H200 probe of the warp-specialised Gluon GEMM forward (``h3gate/kernels/gemm_gluon.py``), from the repo root:
+
+    python3 tools/gpu_gemm_gluon.py --out $OUT/perf-probe-30.json [--variants a,b] [--sections bytes,time]
+
+* ``bytes``: each variant's output against the production strict forward (``gemm.linear``, the Triton kernel),
+  byte for byte, for the block's four layers at M = 264, 925, 3160 (and 38974 at ``time``), plus one case with a bias;
+* ``time``: device-only medians (``triton.testing.do_bench_cudagraph``) and eager medians (``do_bench``) of cuBLAS
+  (``F.linear``), the production strict forward and every variant at M = 264, 925, 3160 and 38974.
+
+A variant that fails to compile, launch or run is recorded with its error, never fatal. Prints one line per record.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+from gpu_probe_common import bits_equal, error_text, probe_main
+
+from h3gate.kernels import gemm, gemm_gluon
+
+LAYERS = {"qkv": (7168, 5376), "o_proj": (5376, 7168), "ffn_gate_up": (28672, 5376), "ffn_down": (5376, 14336)}
+ROWS = (264, 925, 3160, 38974)
+# name -> (block_b, group, stages, swap): B-tile rows (weight rows, or tokens when swapped), GROUP swizzle, ring depth
+VARIANTS = {
+    "n256_s3_g8": (256, 8, 3, False),
+    "n256_s3_g16": (256, 16, 3, False),
+    "n128_s4_g8": (128, 8, 4, False),
+    "n128_s5_g8": (128, 8, 5, False),
+    "sw256_s4": (256, 1, 4, True),
+    "sw128_s5": (128, 1, 5, True),
+    "sw64_s6": (64, 1, 6, True),
+}
+
+
+def _inputs(m: int, n: int, k: int, seed: int, bias: bool = False) -> tuple:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g) if bias else None
+    return x, w, b
+
+
+def _variant(name: str):
+    block_b, group, stages, swap = VARIANTS[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def run(x, w, b):
+        y = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
+        return gemm_gluon.matmul_ws(x, w, y, b, block_b=block_b, block_k=64, group=group, stages=stages, swap=swap,
+                                    programs=sms)  # fmt: skip
+
+    return run
+
+
+def _bytes(records: list, variants: list[str], small: bool) -> None:
+    cases = [(layer, m, False) for layer in LAYERS for m in ROWS[:3]] + [("qkv", 925, True)]
+    for layer, m, bias in cases[:2] if small else cases:
+        n, k = LAYERS[layer]
+        x, w, b = _inputs(m, n, k, seed=m + n, bias=bias)
+        with torch.no_grad():
+            ref = gemm.linear(x, w, b)
+        rec = {"section": "bytes", "layer": layer, "m": m, "bias": bias, "equal": {}, "errors": {}}
+        for name in variants:
+            try:
+                rec["equal"][name] = bits_equal(_variant(name)(x, w, b), ref)
+            except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
+                rec["equal"][name] = None
+                rec["errors"][name] = error_text(exc)
+        torch.cuda.synchronize()
+        print(rec, flush=True)
+        records.append(rec)
+
+
+def _time_one(fn, graph: bool) -> float:
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=15, rep=60, return_mode="median")
+
+
+def _time(records: list, variants: list[str], small: bool) -> None:
+    for layer, (n, k) in LAYERS.items():
+        for m in ROWS[:1] if small else ROWS:
+            x, w, _ = _inputs(m, n, k, seed=7)
+            fns = {"cublas": lambda x=x, w=w: F.linear(x, w), "strict": lambda x=x, w=w: gemm.linear(x, w)}
+            ref = gemm.linear(x, w)
+            for name in variants:
+                run = _variant(name)
+                fns[name] = lambda x=x, w=w, run=run: run(x, w, None)
+            rec = {"section": "time", "layer": layer, "m": m, "tflops_per_ms": 2 * m * n * k / 1e9,
+                   "graph_ms": {}, "eager_ms": {}, "equal": {}, "errors": {}}  # fmt: skip
+            with torch.no_grad():
+                for name, fn in fns.items():
+                    try:
+                        if name not in ("cublas", "strict"):
+                            rec["equal"][name] = bits_equal(fn(), ref)
+                        rec["graph_ms"][name] = _time_one(fn, True)
+                        rec["eager_ms"][name] = _time_one(fn, False)
+                    except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
+                        rec["errors"][name] = error_text(exc)
+            g = rec["graph_ms"]
+            cb = g.get("cublas")
+            rec["vs_cublas_graph"] = {nm: cb / t for nm, t in g.items() if cb and t}
+            print({key: rec[key] for key in ("layer", "m", "vs_cublas_graph", "equal", "errors")}, flush=True)
+            records.append(rec)
+            del x, w, ref
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "all" in sys.argv:  # --variants all
+        sys.argv[sys.argv.index("all")] = ",".join(VARIANTS)
+    raise SystemExit(probe_main(VARIANTS, {"bytes": _bytes, "time": _time}))
