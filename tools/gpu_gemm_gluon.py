@@ -13,24 +13,32 @@ A variant that fails to compile, launch or run is recorded with its error, never
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 import triton
 from gpu_probe_common import bits_equal, error_text, probe_main
 
 from h3gate.kernels import gemm, gemm_gluon
+from h3gate.kernels.gemm_configs import GemmConfig
 
 LAYERS = {"qkv": (7168, 5376), "o_proj": (5376, 7168), "ffn_gate_up": (28672, 5376), "ffn_down": (5376, 14336)}
 ROWS = (264, 925, 3160, 38974)
-# name -> (block_b, group, stages, swap): B-tile rows (weight rows, or tokens when swapped), GROUP swizzle, ring depth
+# name -> the Gluon tiling (GemmConfig with gluon=True: block_n = the wide tile's B rows, tail_m a second MMA's B rows,
+# tail_block_n the narrow tiles of the last columns, group_m, num_stages the ring depth); "sw": Y^T = W X^T.
+_N = GemmConfig(128, 256, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
+_SW = GemmConfig(128, 128, 64, 1, 4, 5, persistent=True, tma=True, swap_ab=True, tail_m=8, gluon=True)
 VARIANTS = {
-    "n256_s3_g8": (256, 8, 3, False),
-    "n256_s3_g16": (256, 16, 3, False),
-    "n128_s4_g8": (128, 8, 4, False),
-    "n128_s5_g8": (128, 8, 5, False),
-    "sw256_s4": (256, 1, 4, True),
-    "sw128_s5": (128, 1, 5, True),
-    "sw64_s6": (64, 1, 6, True),
+    "n256_g8": replace(_N, group_m=8),
+    "n256_g16": _N,
+    "n256_g32": replace(_N, group_m=32),
+    "n256_g16_t128": replace(_N, tail_block_n=128),
+    "sw128t8_s5": _SW,
+    "sw128t8_s6": replace(_SW, num_stages=6),
+    "sw128t32_s5": replace(_SW, tail_m=32),
+    "sw64t32_s6": replace(_SW, block_n=64, tail_m=32, num_stages=6),
+    "sw128t16_s5": replace(_SW, tail_m=16),
 }
 
 
@@ -43,19 +51,18 @@ def _inputs(m: int, n: int, k: int, seed: int, bias: bool = False) -> tuple:
 
 
 def _variant(name: str):
-    block_b, group, stages, swap = VARIANTS[name]
+    cfg = VARIANTS[name]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def run(x, w, b):
         y = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
-        return gemm_gluon.matmul_ws(x, w, y, b, block_b=block_b, block_k=64, group=group, stages=stages, swap=swap,
-                                    programs=sms)  # fmt: skip
+        return gemm_gluon.matmul_ws(x, w, y, b, cfg, sms)
 
     return run
 
 
 def _bytes(records: list, variants: list[str], small: bool) -> None:
-    cases = [(layer, m, False) for layer in LAYERS for m in ROWS[:3]] + [("qkv", 925, True)]
+    cases = [(layer, m, False) for layer in LAYERS for m in ROWS[:3]] + [("qkv", 925, True), ("o_proj", 300, True)]
     for layer, m, bias in cases[:2] if small else cases:
         n, k = LAYERS[layer]
         x, w, b = _inputs(m, n, k, seed=m + n, bias=bias)

@@ -72,8 +72,15 @@ class GemmConfig:
     # block_m + tail_m tokens (tail_m = 0 or a power of two in [16, block_m]), so a chunk need not be a power of two.
     swap_ab: bool = False
     tail_m: int = 0
+    # Forward, bfloat16, Hopper: run by the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon; same K walk and
+    # bytes), always persistent, block_m 128 (two consumers of 64 rows); tail_m there is a second MMA of tail_m more
+    # B rows (8 ... block_n, a power of two), so a wide tile is block_n + tail_m B rows.
+    gluon: bool = False
 
     def __post_init__(self) -> None:
+        if self.gluon:
+            self._check_gluon()
+            return
         t = self.tail_block_n
         if t and (not self.persistent or not 16 <= t < self.block_n or self.block_n % t):
             raise ValueError(
@@ -86,6 +93,21 @@ class GemmConfig:
         if self.swap_ab and (self.persistent or t or self.group_m != 1):
             raise ValueError(f"GemmConfig {self.tag}: swap_ab launches one program per tile (group_m 1, no tails)")
 
+    def _check_gluon(self) -> None:
+        u, n, t = self.tail_m, self.block_n, self.tail_block_n
+        pow2 = all(v & (v - 1) == 0 for v in (n, u, t))
+        if (
+            self.block_m != 128
+            or not pow2
+            or not 8 <= n <= 256
+            or (u and not 8 <= u <= n)
+            or (t and (self.swap_ab or u or not 16 <= t < n))
+        ):
+            raise ValueError(
+                f"GemmConfig {self.tag}: a Gluon tiling has block_m 128, block_n a power of two in [8, 256], tail_m 0 "
+                "or a power of two in [8, block_n], and tail_block_n only unswapped without tail_m (16 <= it < block_n)"
+            )
+
     @property
     def tag(self) -> str:
         variant = ("tma" if self.tma else "ptr") + ("_pers" if self.persistent else "")
@@ -93,6 +115,8 @@ class GemmConfig:
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_w{self.num_warps}_s{self.num_stages}_"
             f"{variant}{f'_t{self.tail_block_n}' if self.tail_block_n else ''}"
             f"{('_swap' + (str(self.tail_m) if self.tail_m else '')) if self.swap_ab else ''}"
+            f"{('_tail' + str(self.tail_m)) if self.tail_m and not self.swap_ab else ''}"
+            f"{'_gluon' if self.gluon else ''}"
         )
 
 

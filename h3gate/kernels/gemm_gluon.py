@@ -27,6 +27,8 @@ GPU only (Gluon has no interpreter; the CPU interpreter runs the Triton kernel, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -40,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.common import STRICT_LAUNCH
+from h3gate.kernels.gemm_configs import GemmConfig, tail_split
 
 # Triton 3.6 and 3.7 name the TMA copies async_copy_global_to_shared / async_copy_shared_to_global, 3.9 async_load /
 # async_store (same positional arguments).
@@ -63,81 +66,174 @@ def _tile_coords(tile_id, num_pid_a, num_pid_b, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_ring, b_ring, full, empty, num_tiles, num_pid_a, num_pid_b, k_tiles,
-              BLOCK_B: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Every tile's chunks in ascending K into the ring; a slot is reloaded once both consumers released it."""
-    step = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+def _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, n_tiles, num_pid_a,
+             num_pid_b, col0, k_tiles, NB: gl.constexpr, NT: gl.constexpr, BLOCK_K: gl.constexpr,
+             GROUP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Tiles ``first``, ``first + programs``, ... of ``n_tiles`` (B rows ``col0 + pid_b * (NB + NT)``): each chunk's A
+    tile, NB B rows (``b_desc``) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is reloaded once
+    both consumers released it. Returns the ring step after the last."""
+    for t in range(first, n_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
+        off_b = col0 + pid_b * (NB + NT)
         for ki in range(k_tiles):
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             bar = full.index(slot)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if NT > 0:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + bt_desc.block_type.nbytes)
+                _tma_load(bt_desc, [off_b + NB, ki * BLOCK_K], bar, bt_ring.index(slot))
+            else:
+                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [pid_a * 128, ki * BLOCK_K], bar, a_ring.index(slot))
-            _tma_load(b_desc, [pid_b * BLOCK_B, ki * BLOCK_K], bar, b_ring.index(slot))
+            _tma_load(b_desc, [off_b, ki * BLOCK_K], bar, b_ring.index(slot).slice(0, NB))
             step += 1
+    return step
 
 
 @gluon.jit
-def _mainloop(a_ring, b_ring, full, empty, step, k_tiles, acc, C: gl.constexpr, STAGES: gl.constexpr):
-    """This consumer's 64 A rows of one tile: ``acc += A_chunk B_chunk^T`` over the ascending chunks, one MMA in
-    flight; returns (acc, the ring step after the tile)."""
+def _producer(a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles, num_pid_a,
+              num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
+              NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+              STAGES: gl.constexpr):  # fmt: skip
+    """The wide tiles, then (``NARROW`` > 0) the narrow tiles of the last columns, dealt on from the program after
+    the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles)."""
+    step = _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0, gl.program_id(0),
+                    num_tiles, num_pid_a, num_pid_b, 0, k_tiles, BLOCK_B, B_TAIL, BLOCK_K, GROUP, STAGES)  # fmt: skip
+    if NARROW > 0:
+        programs = gl.num_programs(0)
+        first = (gl.program_id(0) + programs - num_tiles % programs) % programs
+        _produce(a_desc, bn_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, num_narrow, num_pid_a,
+                 num_pid_n, n_split, k_tiles, NARROW, 0, BLOCK_K, GROUP, STAGES)  # fmt: skip
+
+
+@gluon.jit
+def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
+               NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more)."""
+    slot = step % STAGES
+    mbarrier.wait(full.index(slot), (step // STAGES) & 1)
+    a = a_ring.index(slot).slice(C * 64, 64)
+    acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
+    if NT > 0:
+        acc_t = warpgroup_mma(a, bt_ring.index(slot).permute((1, 0)), acc_t, is_async=True)
+    return acc, acc_t
+
+
+@gluon.jit
+def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
+              NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
+    chunk's barrier is awaited; returns (acc, acc_t, the ring step after the tile)."""
     for ki in range(k_tiles):
-        slot = step % STAGES
-        mbarrier.wait(full.index(slot), (step // STAGES) & 1)
-        acc = warpgroup_mma(a_ring.index(slot).slice(C * 64, 64), b_ring.index(slot).permute((1, 0)), acc,
-                            is_async=True)  # fmt: skip
-        acc = warpgroup_mma_wait(1, deps=(acc,))  # the previous chunk's MMA has retired: release its slot
+        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES)
+        if NT > 0:
+            acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # the previous chunk's MMAs have retired
+        else:
+            acc = warpgroup_mma_wait(1, deps=(acc,))
         if ki > 0:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
         step += 1
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+    if NT > 0:
+        acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-    return acc, step
+    return acc, acc_t, step
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a,
-              num_pid_b, k_tiles, C: gl.constexpr, BLOCK_B: gl.constexpr, GROUP: gl.constexpr,
-              STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """Consumer ``C``: rows ``C * 64 ...`` of every tile the program walks, then the tile's epilogue."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_B, 16])  # fmt: skip
-    step = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+def _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NJ: gl.constexpr, SWAP: gl.constexpr,
+           HAS_BIAS: gl.constexpr):  # fmt: skip
+    """Bias in FP32, one rounding to bfloat16, stored element by element: rows ``offs_i`` of A, NJ rows of B from
+    ``off_j`` (swapped: A rows are output columns, B rows output rows)."""
+    offs_j = off_j + gl.arange(0, NJ, layout=gl.SliceLayout(0, acc.type.layout))
+    if SWAP:  # i: weight row (output column), j: token (output row)
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_i, mask=offs_i < N, other=0.0).to(gl.float32), 1)
+        ptrs = c_ptr + gl.expand_dims(offs_j.to(gl.int64), 0) * stride_cm + gl.expand_dims(offs_i, 1)
+        mask = gl.expand_dims(offs_j < M, 0) & gl.expand_dims(offs_i < N, 1)
+    else:  # i: token, j: weight row
+        if HAS_BIAS:
+            acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_j, mask=offs_j < N, other=0.0).to(gl.float32), 0)
+        ptrs = c_ptr + gl.expand_dims(offs_i.to(gl.int64), 1) * stride_cm + gl.expand_dims(offs_j, 0)
+        mask = gl.expand_dims(offs_i < M, 1) & gl.expand_dims(offs_j < N, 0)
+    gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, step, first,
+             n_tiles, num_pid_a, num_pid_b, col0, k_tiles, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr,
+             GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+             TMA_STORE: gl.constexpr):  # fmt: skip
+    """Consumer ``C``'s rows ``C * 64 ...`` of the tiles :func:`_produce` loads with the same arguments, each then
+    stored (``TMA_STORE``: its bf16 half tile through shared memory by TMA; else from registers)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
+    NT_L: gl.constexpr = NT if NT > 0 else 8
+    layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, NT_L, 16])  # fmt: skip
+    for t in range(first, n_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
-        acc = gl.zeros([64, BLOCK_B], gl.float32, acc_layout)
-        acc, step = _mainloop(a_ring, b_ring, full, empty, step, k_tiles, acc, C, STAGES)
-        offs_i = pid_a * 128 + C * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
-        offs_j = pid_b * BLOCK_B + gl.arange(0, BLOCK_B, layout=gl.SliceLayout(0, acc_layout))
-        if SWAP:  # i: weight row (output column), j: token (output row)
+        acc = gl.zeros([64, NB], gl.float32, layout)
+        acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
+        acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C, NB, NT,
+                                     STAGES)  # fmt: skip
+        off_i = pid_a * 128 + C * 64
+        off_j = col0 + pid_b * (NB + NT)
+        if TMA_STORE:
+            acc_c = acc
             if HAS_BIAS:
-                acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_i, mask=offs_i < N, other=0.0).to(gl.float32), 1)
-            ptrs = c_ptr + gl.expand_dims(offs_j.to(gl.int64), 0) * stride_cm + gl.expand_dims(offs_i, 1)
-            gl.store(ptrs, acc.to(gl.bfloat16), mask=gl.expand_dims(offs_j < M, 0) & gl.expand_dims(offs_i < N, 1))
-        else:  # i: token, j: weight row
-            if HAS_BIAS:
-                acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_j, mask=offs_j < N, other=0.0).to(gl.float32), 0)
+                offs_n = off_j + gl.arange(0, NB, layout=gl.SliceLayout(0, layout))
+                bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
+                acc_c = acc + gl.expand_dims(bias, 0)
             tma.store_wait(0)  # this consumer's last store has read its half of c_smem
             half = c_smem.index(C)
-            half.store(acc.to(gl.bfloat16))
+            half.store(acc_c.to(gl.bfloat16))
             fence_async_shared()
-            _tma_store(c_desc, [pid_a * 128 + C * 64, pid_b * BLOCK_B], half)
-    if not SWAP:
+            _tma_store(c_desc, [off_i, off_j], half)
+        else:
+            offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, SWAP, HAS_BIAS)
+            if NT > 0:
+                offs_it = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout_t))
+                _store(acc_t, c_ptr, bias_ptr, offs_it, off_j + NB, M, N, stride_cm, NT, SWAP, HAS_BIAS)
+    return step
+
+
+@gluon.jit
+def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
+              num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, C: gl.constexpr, BLOCK_B: gl.constexpr,
+              B_TAIL: gl.constexpr, NARROW: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              SWAP: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
+    """The wide tiles (stored by TMA unless swapped or split in two), then the narrow ones (stored from registers)."""
+    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
+                    k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, k_tiles, C, BLOCK_B, B_TAIL,
+                    GROUP, STAGES, SWAP, HAS_BIAS, not SWAP and B_TAIL == 0)  # fmt: skip
+    if NARROW > 0:
+        programs = gl.num_programs(0)
+        first = (gl.program_id(0) + programs - num_tiles % programs) % programs
+        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, step, first,
+                 num_narrow, num_pid_a, num_pid_n, n_split, k_tiles, C, NARROW, 0, GROUP, STAGES, SWAP, HAS_BIAS,
+                 False)  # fmt: skip
+    if not SWAP and B_TAIL == 0:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _gemm_ws_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b,
-                    k_tiles, BLOCK_B: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                    SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, REGS_C: gl.constexpr,
+def _gemm_ws_kernel(a_desc, b_desc, bt_desc, bn_desc, c_desc, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
+                    num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B: gl.constexpr,
+                    B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+                    STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, REGS_C: gl.constexpr,
                     REGS_P: gl.constexpr):  # fmt: skip
-    """``num_warps`` = 4 (one consumer warpgroup); the other consumer and the producer are workers."""
+    """``num_warps`` = 4 (one consumer warpgroup); the other consumer and the producer are workers. A tile is 128 A
+    rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split`` on are NARROW-wide tiles."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
-    if SWAP:
-        c_smem = a_ring  # unused: the swapped epilogue stores from registers
+    if B_TAIL > 0:
+        bt_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, B_TAIL, BLOCK_K], bt_desc.layout)
+    else:
+        bt_ring = b_ring  # unused
+    if SWAP or B_TAIL > 0:
+        c_smem = a_ring  # unused: stored from registers
     else:
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BLOCK_B], c_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -147,12 +243,15 @@ def _gemm_ws_kernel(a_desc, b_desc, c_desc, c_ptr, bias_ptr, M, N, stride_cm, nu
         mbarrier.init(empty.index(i), count=2)
     gl.warp_specialize(
         [
-            (_consumer, (a_ring, b_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
-                         num_pid_a, num_pid_b, k_tiles, 0, BLOCK_B, GROUP, STAGES, SWAP, HAS_BIAS)),
-            (_consumer, (a_ring, b_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
-                         num_pid_a, num_pid_b, k_tiles, 1, BLOCK_B, GROUP, STAGES, SWAP, HAS_BIAS)),
-            (_producer, (a_desc, b_desc, a_ring, b_ring, full, empty, num_tiles, num_pid_a, num_pid_b, k_tiles,
-                         BLOCK_B, BLOCK_K, GROUP, STAGES)),
+            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
+                         num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, 0, BLOCK_B, B_TAIL,
+                         NARROW, GROUP, STAGES, SWAP, HAS_BIAS)),
+            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
+                         num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, 1, BLOCK_B, B_TAIL,
+                         NARROW, GROUP, STAGES, SWAP, HAS_BIAS)),
+            (_producer, (a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
+                         num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B, B_TAIL, NARROW,
+                         BLOCK_K, GROUP, STAGES)),
         ],
         [4, 1],
         [REGS_C, REGS_P],
@@ -164,43 +263,74 @@ def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_b: int, block_k: int, swap: bool) -> tuple:
-    """Host TMA descriptors: (A, B, C) for the forward ``y = x @ w^T`` (C, a consumer's 64-row half of a tile, only
-    without ``swap``)."""
-    a, b = (w, x) if swap else (x, w)
-    return _desc(a, [BLOCK_A, block_k]), _desc(b, [block_b, block_k]), None if swap else _desc(y, [64, block_b])
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def launch_args(m: int, n: int, k: int, block_b: int, block_k: int, swap: bool, programs: int) -> tuple[int, ...]:
-    """(programs, num_tiles, A tiles, B tiles, K chunks) of one launch."""
-    a_rows, b_rows = (n, m) if swap else (m, n)
-    pid_a, pid_b = -(-a_rows // BLOCK_A), -(-b_rows // block_b)
-    tiles = pid_a * pid_b
-    return min(tiles, programs), tiles, pid_a, pid_b, -(-k // block_k)
+@dataclass(frozen=True)
+class Launch:
+    """One launch's geometry: A is X (or W swapped), B the other; a wide tile is 128 A rows x (block_b + b_tail) B
+    rows; with ``n_split`` set, B rows from it on are ``narrow``-wide tiles dealt after the wide ones."""
+
+    grid: int
+    tiles: int
+    pid_a: int
+    pid_b: int
+    n_split: int | None
+    narrow_tiles: int
+    pid_n: int
+    k_tiles: int
+
+
+def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
+    """The launch of ``cfg`` (``gluon``) for Y (m, n) = X (m, k) W (n, k)^T on ``programs`` SMs: the persistent grid
+    is sized from the wide tiles as :func:`h3gate.kernels.gemm.matmul` sizes it, the narrow split from
+    :func:`h3gate.kernels.gemm_configs.tail_split` (normal orientation without a B tail only)."""
+    a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
+    pid_a = _cdiv(a_rows, BLOCK_A)
+    width = cfg.block_n + cfg.tail_m
+    grid = min(pid_a * _cdiv(b_rows, width), programs)
+    n_split = None
+    if cfg.tail_block_n and not cfg.swap_ab and not cfg.tail_m:
+        n_split = tail_split(pid_a, b_rows, cfg.block_n, cfg.tail_block_n, grid)
+    split = b_rows if n_split is None else n_split
+    pid_b = _cdiv(split, width)
+    pid_n = 0 if n_split is None else _cdiv(b_rows - split, cfg.tail_block_n)
+    return Launch(grid, pid_a * pid_b, pid_a, pid_b, n_split, pid_a * pid_n, pid_n, _cdiv(k, cfg.block_k))
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> tuple:
+    """Host TMA descriptors (A, B, B tail, B narrow, C): the tail / narrow / C ones None where unused (C, a
+    consumer's 64-row half of a wide tile, only for TMA-stored tiles: normal orientation without a B tail)."""
+    a, b = (w, x) if cfg.swap_ab else (x, w)
+    bk = cfg.block_k
+    tma_store = not cfg.swap_ab and not cfg.tail_m
+    return (
+        _desc(a, [BLOCK_A, bk]),
+        _desc(b, [cfg.block_n, bk]),
+        _desc(b, [cfg.tail_m, bk]) if cfg.tail_m else None,
+        _desc(b, [cfg.tail_block_n, bk]) if split else None,
+        _desc(y, [64, cfg.block_n]) if tma_store else None,
+    )
 
 
 def matmul_ws(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    y: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    block_b: int,
-    block_k: int,
-    group: int,
-    stages: int,
-    swap: bool,
-    programs: int,
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig, programs: int
 ) -> torch.Tensor:
-    """``y (M, N) = x (M, K) @ w (N, K)^T [+ bias]`` (contiguous bfloat16, 16-byte aligned, CUDA): FP32 accumulation
-    over ascending ``block_k`` chunks, one rounding; ``programs``: the persistent grid (the SM count)."""
+    """``y (M, N) = x (M, K) @ w (N, K)^T [+ bias]`` (contiguous bfloat16, 16-byte aligned rows and bases, CUDA) with
+    ``cfg``'s tiling read this way: ``block_n`` the wide tile's B rows (weight rows, or tokens with ``swap_ab``),
+    ``tail_m`` more B rows in a second MMA (0: none), ``tail_block_n`` the narrow tiles' width (normal orientation),
+    ``group_m`` the swizzle, ``num_stages`` the ring depth; ``block_m`` is 128 (two consumers of 64 A rows).
+    FP32 accumulation over ascending ``block_k`` chunks, one rounding; ``programs``: the SM count."""
     m, k = x.shape
     n = w.shape[0]
-    a_desc, b_desc, c_desc = descriptors(x, w, y, block_b, block_k, swap)
-    grid, tiles, pid_a, pid_b, k_tiles = launch_args(m, n, k, block_b, block_k, swap, programs)
-    _gemm_ws_kernel[(grid,)](
-        a_desc, b_desc, c_desc, y, bias if bias is not None else y, m, n, y.stride(0), tiles, pid_a, pid_b, k_tiles,
-        BLOCK_B=block_b, BLOCK_K=block_k, GROUP=group, STAGES=stages, SWAP=swap, HAS_BIAS=bias is not None,
-        REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
+    p = plan(m, n, k, cfg, programs)
+    a_desc, b_desc, bt_desc, bn_desc, c_desc = descriptors(x, w, y, cfg, p.n_split is not None)
+    _gemm_ws_kernel[(p.grid,)](
+        a_desc, b_desc, bt_desc, bn_desc, c_desc, y, bias if bias is not None else y, m, n, y.stride(0), p.tiles,
+        p.pid_a, p.pid_b, p.n_split or 0, p.narrow_tiles, p.pid_n, p.k_tiles, BLOCK_B=cfg.block_n, B_TAIL=cfg.tail_m,
+        NARROW=cfg.tail_block_n if p.n_split is not None else 0, BLOCK_K=cfg.block_k, GROUP=cfg.group_m,
+        STAGES=cfg.num_stages, SWAP=cfg.swap_ab, HAS_BIAS=bias is not None, REGS_C=REGS[0], REGS_P=REGS[1],
+        num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
     return y
