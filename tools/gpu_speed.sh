@@ -14,6 +14,8 @@
 #                       the block's four shapes at M = 264 / 925 / 3160 (names, device us; $PROBE.json)
 #   gemm-<layout>       bench --op of the block's four GEMMs at tiny / small / medium / 768p
 #   attn-<layout>       bench --op h3_full_attention at tiny / small / medium / 768p (identity and permuted order arms)
+#   gemm-ops[-768p]     run ws1-ops of the block's four GEMMs at tiny, small, medium / 768p (bytes / accuracy against
+#                       the provider, the prefix probe across M buckets: the Gluon and Triton kernels)
 #   attn-ops[-768p|-tiny-small]  run ws1-ops of h3_full_attention at medium / 768p / tiny and small (bitwise /
 #                       accuracy against the provider)
 #   block-<layout>      bench ws1-block at medium / 768p (strict next to the provider)
@@ -25,6 +27,7 @@
 # all of it in $OUT/evidence.tgz.
 . tools/gpu_common.sh
 H="python3 -m h3gate"
+BLOCK_GEMM="--op h3_qkv_gemm --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3_ffn_down_gemm"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
@@ -45,6 +48,10 @@ for s in "$@"; do
     attn-tiny|attn-small|attn-medium|attn-768p) L=${s#attn-}
       step 240 "bench-attention-$L" $H bench --device cuda --config real --layout "$L" --op h3_full_attention \
         --out "$ev/bench-attention-$L";;
+    gemm-ops) step 240 ws1-ops-gemm-block $H run ws1-ops --device cuda --config real --layouts tiny,small,medium \
+      $BLOCK_GEMM --out "$ev/ws1-ops-gemm-block";;
+    gemm-ops-768p) step 200 ws1-ops-gemm-768p $H run ws1-ops --device cuda --config real --layouts 768p $BLOCK_GEMM \
+      --out "$ev/ws1-ops-gemm-768p";;
     attn-ops) step 200 ws1-ops-attention-medium $H run ws1-ops --device cuda --config real --layouts medium \
       --op h3_full_attention --out "$ev/ws1-ops-attention-medium";;
     attn-ops-768p) step 200 ws1-ops-attention-768p $H run ws1-ops --device cuda --config real --layouts 768p \

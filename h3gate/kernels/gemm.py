@@ -26,6 +26,11 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   with one rounding to the parameter's dtype. Every operand (dY^T, W^T in the forward) is loaded as a tile of its
   stored row-major layout (coalesced along the contiguous axis; TMA descriptors in the ``tma`` variant) and
   transposed on chip; ``persistent``/``group_m`` only change which program owns a tile.
+* kernels - the forward of a layer listed in ``gemm_configs.GLUON_BUCKETS`` at its M runs, bfloat16 on a Hopper GPU,
+  the warp-specialised Gluon kernel (:mod:`h3gate.kernels.gemm_gluon`): the same per-element K walk (ascending BLOCK_K
+  chunks of the same MMA instruction steps onto an FP32 accumulator from zero), bias and rounding, its tiles and
+  their order scheduled differently (bytes equal to the Triton kernel's, ``docs/measurements/perf-probe-{30,31}.json``);
+  everywhere else, and always under the interpreter, the Triton kernel. ``launch_record`` names which ran.
 * compilation - every launch uses :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no FTZ).
 """
 
@@ -42,7 +47,7 @@ from h3gate.errors import InputError
 from h3gate.kernels import launches
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
 from h3gate.kernels.exact import f32, helper, rne
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, tail_split
+from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, gluon_tiling, tail_split
 from h3gate.kernels.gemm_swapped import matmul_swapped
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
@@ -373,7 +378,14 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype, x2.shape[0]), a_trans=False, b_trans=True)
+    glu = gluon_tiling(x, weight) if x2.shape[0] else None
+    if glu is not None:  # contiguous, 16-byte aligned copies where needed: the same bytes
+        from h3gate.kernels.gemm_gluon import matmul_ws
+
+        x2, w2 = (_aligned(t.contiguous()) for t in (x2, weight))
+        matmul_ws(x2, w2, y, bias, glu, _num_sms(x.device))
+    else:
+        matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype, x2.shape[0]), a_trans=False, b_trans=True)
     return y.view(*x.shape[:-1], n)
 
 
@@ -414,11 +426,19 @@ def launch_record(x: torch.Tensor, weight: torch.Tensor) -> dict:
     dw; every M bucket and load path has this contract's K walk, so the same bytes), and whether TMA loads them."""
     n, k = weight.shape
     m = x.numel() // k
-    cfgs = {"forward": gemm_config("fwd", n, k, x.dtype, m), "dx": gemm_config("dx", n, k, x.dtype),
+    glu = gluon_tiling(x, weight) if m else None
+    cfgs = {"forward": glu or gemm_config("fwd", n, k, x.dtype, m), "dx": gemm_config("dx", n, k, x.dtype),
             "dw": gemm_config("dw", n, k, x.dtype)}  # fmt: skip
     cuda = x.device.type == "cuda"
     return {
-        **{name: {"tiling": c.tag, "tma": bool(c.tma and cuda)} for name, c in cfgs.items()},
+        **{
+            name: {
+                "tiling": c.tag,
+                "tma": bool(c.tma and cuda),
+                "kernel": "gluon_warp_specialised" if c.gluon else "triton",
+            }  # fmt: skip
+            for name, c in cfgs.items()
+        },
         "interpreted": INTERPRET,
     }
 

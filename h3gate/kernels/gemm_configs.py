@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from h3gate.dtypes import dtype_name
+from h3gate.kernels.common import INTERPRET
 
 ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
 
@@ -224,6 +225,56 @@ def _check_m_buckets() -> None:
 _check_m_buckets()
 
 
+# The forward by the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon) on a Hopper GPU, bfloat16: (bound, table)
+# in ascending bound order as M_BUCKETS (the last bound None: every larger M); a layer or bucket absent here runs the
+# Triton kernel with gemm_config's tiling. Every entry keeps its layer's BLOCK_K (checked at import). Winners of
+# docs/measurements/perf-probe-31.json (H200, device-only ratios to cuBLAS; every variant's bytes equal the Triton
+# kernel's at M = 264, 925, 3160, 38974 and with a bias), against the Triton tilings in the same run:
+# * M < 512: 128 weight rows x (128 + 8) tokens (qkv 0.90 vs 0.87, gate-up 0.83 vs 0.83) or x (64 + 32) tokens (o 0.90
+#   vs 0.77, down 0.88 vs 0.78): 264 tokens are two or three tiles, 84-126 programs, one wave;
+# * 512 <= M < 1024: 128 tokens x 256 weight rows for qkv (0.93 vs 0.90) and gate-up (0.93 vs 0.90); o / down keep the
+#   Triton swapped tiling (0.90 / 0.93; the Gluon ones read 0.85 / 0.86);
+# * 1024 <= M < 8192 (M = 3160): o (1.03 vs 1.00), gate-up (0.97 vs 0.96), down (1.03 vs 1.03); qkv keeps the Triton
+#   tiling with its 128-wide tail (0.95 vs 0.95; the Gluon tail split read 0.94);
+# * M >= 8192 (M = 38974): 128 x 256 with 128-wide narrow tiles at the end (qkv 0.99 vs 0.97, o 1.00 vs 0.99, gate-up
+#   1.01 vs 0.99, down 1.00 vs 0.99).
+_GLUON_WIDE = GemmConfig(128, 256, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
+_GLUON_SWAP8 = GemmConfig(128, 128, 64, 1, 4, 5, persistent=True, tma=True, swap_ab=True, tail_m=8, gluon=True)
+_GLUON_SWAP32 = replace(_GLUON_SWAP8, block_n=64, tail_m=32, num_stages=6)
+_QKV, _O, _GATE_UP, _DOWN = (("fwd", 7168, 5376, _BF16), ("fwd", 5376, 7168, _BF16), ("fwd", 28672, 5376, _BF16),
+                             ("fwd", 5376, 14336, _BF16))  # fmt: skip
+GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfig]], ...] = (
+    (512, {_QKV: _GLUON_SWAP8, _GATE_UP: _GLUON_SWAP8, _O: _GLUON_SWAP32, _DOWN: _GLUON_SWAP32}),
+    (1024, {_QKV: _GLUON_WIDE, _GATE_UP: _GLUON_WIDE}),
+    (8192, {_O: _GLUON_WIDE, _GATE_UP: _GLUON_WIDE, _DOWN: _GLUON_WIDE}),
+    (None, {key: replace(_GLUON_WIDE, tail_block_n=128) for key in (_QKV, _O, _GATE_UP, _DOWN)}),
+)
+
+
+def _check_gluon_buckets() -> None:
+    """Bounds ascend (the last None), every entry is a Gluon forward tiling of a layer in TABLE with its BLOCK_K."""
+    bounds = [bound for bound, _ in GLUON_BUCKETS]
+    if bounds[-1] is not None or bounds[:-1] != sorted(set(bounds[:-1])):
+        raise AssertionError(f"gemm_configs.GLUON_BUCKETS: bounds must strictly ascend and end with None, got {bounds}")
+    for bound, table in GLUON_BUCKETS:
+        for key, cfg in table.items():
+            large = TABLE.get(key)
+            if key[0] != "fwd" or key[3] != _BF16 or not cfg.gluon or large is None or large.block_k != cfg.block_k:
+                raise AssertionError(f"gemm_configs.GLUON_BUCKETS[M < {bound}]{key}: a bf16 forward Gluon tiling with "
+                                     "its layer's BLOCK_K")  # fmt: skip
+
+
+_check_gluon_buckets()
+
+
+def gluon_config(n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig | None:
+    """The Gluon tiling of the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows, or None (the
+    Triton kernel runs it). Whether the Gluon kernel can run here is the caller's question (Hopper, alignment)."""
+    key = ("fwd", n, k, dtype_name(dtype))
+    table = next(t for bound, t in GLUON_BUCKETS if bound is None or m < bound)
+    return table.get(key)
+
+
 def _pow2_at_least(n: int, lo: int, hi: int) -> int:
     p = lo
     while p < n and p < hi:
@@ -305,3 +356,22 @@ def tail_split(m_tiles: int, n: int, block_n: int, tail_n: int, programs: int) -
         if cost < best_cost:
             best, best_cost = wide_cols * block_n, cost
     return best
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The Gluon tiling when the warp-specialised Gluon kernel runs the forward of ``x (..., K) @ weight (N, K)^T``
+    here (``gemm_configs.GLUON_BUCKETS`` lists the layer at this M; bfloat16 on a Hopper GPU; not interpreted),
+    else None (the Triton kernel runs it). Both have this contract's K walk and bytes."""
+    if INTERPRET or x.device.type != "cuda" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return None
+    n, k = weight.shape
+    cfg = gluon_config(n, k, x.dtype, x.numel() // k if k else 0)
+    if cfg is None or (k * 2) % 16 or (n * 2) % 16:  # TMA: 16-byte aligned row strides
+        return None
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return cfg if _hopper(index) else None

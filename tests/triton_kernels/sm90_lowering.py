@@ -14,7 +14,15 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
-from h3gate.kernels import attention, attention_bwd, attention_bwd_gluon, attention_gluon, attention_tma
+from h3gate.kernels import (
+    attention,
+    attention_bwd,
+    attention_bwd_gluon,
+    attention_gluon,
+    attention_tma,
+    gemm_configs,
+    gemm_gluon,
+)
 
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
 
@@ -105,6 +113,24 @@ def gluon_bwd_facts(
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
+def gemm_gluon_facts(cfg, bias: bool) -> dict:
+    """The warp-specialised Gluon GEMM forward with tiling ``cfg`` (a production ``GLUON_BUCKETS`` entry)."""
+    x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
+    y = torch.empty(300, 512, dtype=torch.bfloat16)
+    split = bool(cfg.tail_block_n)
+    names = ("a_desc", "b_desc", "bt_desc", "bn_desc", "c_desc")
+    descs = dict(zip(names, gemm_gluon.descriptors(x, w, y, cfg, split), strict=True))
+    args = {"c_ptr": y, "bias_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
+    consts = {n: None for n, d in descs.items() if d is None}
+    consts.update(BLOCK_B=cfg.block_n, B_TAIL=cfg.tail_m, NARROW=cfg.tail_block_n if split else 0,
+                  BLOCK_K=cfg.block_k, GROUP=cfg.group_m, STAGES=cfg.num_stages, SWAP=cfg.swap_ab, HAS_BIAS=bias,
+                  REGS_C=gemm_gluon.REGS[0], REGS_P=gemm_gluon.REGS[1])  # fmt: skip
+    types = ("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow", "num_pid_n",
+             "k_tiles")  # fmt: skip
+    _TYPES.update(dict.fromkeys(types, "i32"))
+    return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, gemm_gluon.WS_MAXNREG)
+
+
 def main() -> None:
     cfg = attention.attn_config(128, torch.bfloat16)
     fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n}
@@ -132,6 +158,9 @@ def main() -> None:
     out["fwd_gluon_sources"] = gluon_facts(True, mapped=True)
     out["dkdv_gluon_sources"] = gluon_bwd_facts(False, True, mapped=True)
     out["dq_gluon_sources"] = gluon_bwd_facts(True, True, pipe=True, mapped=True)
+    tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
+    for i, (tag, cfg) in enumerate(sorted(tilings.items())):
+        out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
     json.dump(out, sys.stdout)
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("triton.backends.nvidia")
 def facts() -> dict:
     script = Path(__file__).with_name("sm90_lowering.py")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -117,3 +117,19 @@ def test_gluon_walks_through_tile_sources_keep_their_mmas(facts) -> None:
     for got in (fwd, dkdv, dq):
         assert got["wgmma_serialized"] is False and got["ex2.approx.ftz.f32"] and got["fma.rn.f32"], got
     assert fwd["spill_bytes"] == 0 and dq["spill_bytes"] == 0 and dkdv["spill_bytes"] <= 64, (fwd, dq, dkdv)
+
+
+def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
+    """Every production Gluon GEMM tiling (gemm_configs.GLUON_BUCKETS) lowers for sm_90 with TMA loads (A, B, and the
+    B tail or the narrow tiles' B where it has them), both consumers' wgmma (2 x 4 k16 steps a chunk, twice that with
+    a B tail MMA or narrow tiles), register reallocation, no spill, and ptxas keeps the wgmma asynchronous."""
+    from h3gate.kernels import gemm_configs
+
+    tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
+    assert len(tilings) >= 3
+    for tag, cfg in tilings.items():
+        got = facts[f"gemm_gluon:{tag}"]
+        two = cfg.tail_m or cfg.tail_block_n
+        assert got["wgmma.mma_async"] == (16 if two else 8), (tag, got)
+        assert got["cp.async.bulk.tensor"] >= (3 if two else 2) and got["setmaxnreg"] >= 4, (tag, got)
+        assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, (tag, got)
