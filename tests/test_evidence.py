@@ -265,15 +265,16 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
     [
         ("e20ba97", "evidence/h200/bench-ops-gemm-attention-medium-2/bench-ops.json"),  # manifests/, schemas/ on top
         ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
-        ("1c4860f", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, kernel id v2
+        ("e65e6b1", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, the Gluon GEMM
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
-        ("6697ac4", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # walk orders through tile sources
-        ("18747e7", "evidence/h200/bench-ws1-block-768p/bench-ws1-block.json"),  # the forward node by node
-        ("173d860", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # the small-M GEMM tilings benched
+        ("e65e6b1", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # the Gluon GEMM forward
+        ("dadeede", "evidence/h200/bench-attention-medium/bench-ops.json"),  # walk orders through tile sources
+        ("e65e6b1", "evidence/h200/bench-ws1-block-768p/bench-ws1-block.json"),  # the forward node by node
+        ("e65e6b1", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # the small-M Gluon tilings benched
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
         ("e976b6d", "evidence/h200/vae-video-real-strict/vae.json"),  # run vae at the released geometry
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
-        ("6697ac4", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, session 16's attention
+        ("e65e6b1", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, the Gluon GEMM forward
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
