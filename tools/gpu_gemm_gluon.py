@@ -13,6 +13,7 @@ A variant that fails to compile, launch or run is recorded with its error, never
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
@@ -39,7 +40,18 @@ VARIANTS = {
     "sw128t32_s5": replace(_SW, tail_m=32),
     "sw64t32_s6": replace(_SW, block_n=64, tail_m=32, num_stages=6),
     "sw128t16_s5": replace(_SW, tail_m=16),
+    # round 3 (M = 3160's 5.3 waves of 128 x 256 tiles for qkv / gate-up): wider tiles of 256 + 32 weight rows
+    # (qkv 25 x 25 = 625 tiles, 4.7 waves; gate-up 2500, 18.9) or 128 + 16 (1250, 9.5), stored from registers
+    "n256t32_g16_s4": replace(_N, tail_m=32, num_stages=4),
+    "n256t32_g8_s4": replace(_N, tail_m=32, num_stages=4, group_m=8),
+    "n256t32_g16_s3": replace(_N, tail_m=32),
+    "n128t16_g16_s5": replace(_N, block_n=128, tail_m=16, num_stages=5),
 }
+# GEMM_LAYERS / GEMM_ROWS (comma lists) narrow a run to some layers and M
+if os.environ.get("GEMM_LAYERS"):
+    LAYERS = {k: v for k, v in LAYERS.items() if k in os.environ["GEMM_LAYERS"].split(",")}
+if os.environ.get("GEMM_ROWS"):
+    ROWS = tuple(int(r) for r in os.environ["GEMM_ROWS"].split(","))
 
 
 def _inputs(m: int, n: int, k: int, seed: int, bias: bool = False) -> tuple:
@@ -62,7 +74,9 @@ def _variant(name: str):
 
 
 def _bytes(records: list, variants: list[str], small: bool) -> None:
-    cases = [(layer, m, False) for layer in LAYERS for m in ROWS[:3]] + [("qkv", 925, True), ("o_proj", 300, True)]
+    cases = [(layer, m, False) for layer in LAYERS for m in ROWS if m < 38974]
+    with_bias = (("qkv", 925), ("o_proj", 300), ("ffn_gate_up", 3160))
+    cases += [(layer, m, True) for layer, m in with_bias if layer in LAYERS]
     for layer, m, bias in cases[:2] if small else cases:
         n, k = LAYERS[layer]
         x, w, b = _inputs(m, n, k, seed=m + n, bias=bias)
