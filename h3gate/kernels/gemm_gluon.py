@@ -8,19 +8,23 @@ three partitions of one persistent program an SM, walking output tiles ``pid``, 
 GROUP_M-swizzled order of :func:`h3gate.kernels.gemm._tile_coords`:
 
 * a one-warp producer issuing every TMA load: per tile, per ascending ``BLOCK_K`` chunk, the (128 x BLOCK_K) A tile
-  and the (BLOCK_B x BLOCK_K) B tile into a ring of ``STAGES`` buffers (``full``: loaded; ``empty``: both consumers
-  done with it); the ring runs on across tiles, so the next tile's first chunks load during this tile's epilogue;
-* two consumer warpgroups of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64, N = BLOCK_B, k16 steps)
-  onto a zero FP32 accumulator, one MMA kept in flight (``warpgroup_mma_wait(1)``) while the next chunk's barrier is
-  awaited; the epilogue adds the bias in FP32 and rounds once to bfloat16 (round to nearest even).
+  and the (BLOCK_B x BLOCK_K) B tile (and a (B_TAIL x BLOCK_K) B tail) into a ring of ``STAGES`` buffers (``full``:
+  loaded; ``empty``: both consumers done with it); the ring runs on across tiles, so the next tile's first chunks load
+  during this tile's epilogue;
+* two consumer warpgroups of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64, N = BLOCK_B, k16 steps; a
+  second one, N = B_TAIL, over the tail) onto zero FP32 accumulators, the chunk's MMAs kept in flight while the next
+  chunk's barrier is awaited; the epilogue adds the bias in FP32 and rounds once to bfloat16 (round to nearest even).
 
-The forward ``Y (M, N) = X (M, K) @ W (N, K)^T`` runs it either way round: ``swap=False`` with A = X, B = W (a tile is
-128 token rows x BLOCK_B weight rows, stored through shared memory by TMA), or ``swap=True`` with A = W, B = X
-(``Y^T = W X^T``: 128 weight rows x BLOCK_B tokens, BLOCK_B any multiple of 8 up to 256, so 264 tokens are two tiles
-of 136; stored transposed, element by element). Either way each output element is one FP32 sum over K in ascending
-BLOCK_K chunks, each chunk the MMA's k16 steps in ascending order, the walk of the Triton kernel's ``tl.dot``
-(lowered to the same ``wgmma`` shape); the K tail past K reads TMA's zero fill. Which program, partition or tile holds
-an element is scheduling. The bytes are checked against the Triton kernel on the H200 (``tools/gpu_gemm_gluon.py``).
+The forward ``Y (M, N) = X (M, K) @ W (N, K)^T`` runs it either way round (``GemmConfig.swap_ab``): unswapped, A = X and
+B = W (a tile is 128 tokens x ``block_n`` weight rows, stored through shared memory by TMA; with ``tail_block_n`` the
+last columns are narrower tiles dealt after the wide ones, stored from registers), or swapped, A = W and B = X
+(``Y^T = W X^T``: 128 weight rows x ``block_n + tail_m`` tokens, two MMAs since register tiles are powers of two, so
+264 tokens are two tiles of 128 + 8; stored transposed from registers). Either way each output element is one FP32 sum
+over K in ascending BLOCK_K chunks, each chunk the MMA's k16 steps in ascending order, the walk of the Triton kernel's
+``tl.dot`` (lowered to the same ``wgmma`` steps); the K tail past K and rows past M or N read TMA's zero fill and are
+never stored. Which program, partition, tile or MMA holds an element is scheduling. The bytes equal the Triton
+kernel's on the H200 at every case probed (``tools/gpu_gemm_gluon.py``,
+``docs/measurements/perf-probe-{30,31,32}.json``).
 
 GPU only (Gluon has no interpreter; the CPU interpreter runs the Triton kernel, the same arithmetic); sm_90, bfloat16.
 """
