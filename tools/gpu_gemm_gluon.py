@@ -130,8 +130,4 @@ def _time(records: list, variants: list[str], small: bool) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    if "all" in sys.argv:  # --variants all
-        sys.argv[sys.argv.index("all")] = ",".join(VARIANTS)
     raise SystemExit(probe_main(VARIANTS, {"bytes": _bytes, "time": _time}))

@@ -34,7 +34,7 @@ for s in "$@"; do
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
     gemm-kernels) P=${PROBE:-perf-probe-26}; step 200 "$P" python3 tools/gpu_perf_probe.py --sections cublas_kernels \
       --out "$ev/$P.json";;
-    gemm-gluon) step "${GLUON_CAP:-420}" gemm-gluon python3 tools/gpu_gemm_gluon.py --variants "${GEMM_VARIANTS:-all}" \
+    gemm-gluon) step "${GLUON_CAP:-420}" gemm-gluon python3 tools/gpu_gemm_gluon.py ${GEMM_VARIANTS:+--variants "$GEMM_VARIANTS"} \
       --sections "${GEMM_SECTIONS:-bytes,time}" --out "$ev/${PROBE:-perf-probe-30}.json";;
     attn-gluon) step "${GLUON_CAP:-240}" attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws}" \
       --out "$ev/${PROBE:-perf-probe-16}.json";;

@@ -55,7 +55,6 @@ Contract (restated in ``manifests/operators/attention.yaml``):
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -67,7 +66,7 @@ from triton.language.extra import libdevice
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels import launches
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor, hopper
 from h3gate.kernels.exact import helper, rne
 from h3gate.kernels.gemm import mma
 
@@ -407,12 +406,7 @@ def uses_gluon(cfg: AttnConfig, q: torch.Tensor, backward: bool = False) -> bool
     asked = cfg.bwd_gluon and not cfg.bwd_fused if backward else cfg.fwd_gluon
     if not (asked and q.device.type == "cuda" and q.dtype == torch.bfloat16 and not INTERPRET):
         return False
-    return _hopper(q.device.index)
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
+    return hopper(q.device.index)
 
 
 def launch_record(q: torch.Tensor) -> dict:

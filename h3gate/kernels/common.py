@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -119,6 +120,12 @@ def needs_graph(*tensors: torch.Tensor | None) -> bool:
 
     Otherwise operators launch their forward directly: the same launch and bytes, less host time per call."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+@functools.cache
+def hopper(index: int | None) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) is a Hopper GPU (sm_90): where the Gluon kernels run."""
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def next_pow2(n: int) -> int:

@@ -378,7 +378,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    glu = gluon_tiling(x, weight) if x2.shape[0] else None
+    glu = gluon_tiling(x, weight)
     if glu is not None:  # contiguous, 16-byte aligned copies where needed: the same bytes
         from h3gate.kernels.gemm_gluon import matmul_ws
 
@@ -426,7 +426,7 @@ def launch_record(x: torch.Tensor, weight: torch.Tensor) -> dict:
     dw; every M bucket and load path has this contract's K walk, so the same bytes), and whether TMA loads them."""
     n, k = weight.shape
     m = x.numel() // k
-    glu = gluon_tiling(x, weight) if m else None
+    glu = gluon_tiling(x, weight)
     cfgs = {"forward": glu or gemm_config("fwd", n, k, x.dtype, m), "dx": gemm_config("dx", n, k, x.dtype),
             "dw": gemm_config("dw", n, k, x.dtype)}  # fmt: skip
     cuda = x.device.type == "cuda"

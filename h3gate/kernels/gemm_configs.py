@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from h3gate.dtypes import dtype_name
-from h3gate.kernels.common import INTERPRET
+from h3gate.kernels.common import INTERPRET, hopper
 
 ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
 
@@ -99,14 +99,16 @@ class GemmConfig:
         pow2 = all(v & (v - 1) == 0 for v in (n, u, t))
         if (
             self.block_m != 128
+            or (self.num_warps, self.persistent, self.tma) != (4, True, True)
             or not pow2
             or not 8 <= n <= 256
             or (u and not 8 <= u <= n)
             or (t and (self.swap_ab or u or not 16 <= t < n))
         ):
             raise ValueError(
-                f"GemmConfig {self.tag}: a Gluon tiling has block_m 128, block_n a power of two in [8, 256], tail_m 0 "
-                "or a power of two in [8, block_n], and tail_block_n only unswapped without tail_m (16 <= it < block_n)"
+                f"GemmConfig {self.tag}: a Gluon tiling is persistent TMA on 4 warps a partition, block_m 128, block_n "
+                "a power of two in [8, 256], tail_m 0 or a power of two in [8, block_n], and tail_block_n only "
+                "unswapped without tail_m (16 <= it < block_n)"
             )
 
     @property
@@ -252,16 +254,21 @@ GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfi
 
 
 def _check_gluon_buckets() -> None:
-    """Bounds ascend (the last None), every entry is a Gluon forward tiling of a layer in TABLE with its BLOCK_K."""
+    """Bounds ascend (the last None), every entry is a Gluon forward tiling of a layer in TABLE with its BLOCK_K, and
+    the layer's rows are 16-byte aligned (TMA)."""
     bounds = [bound for bound, _ in GLUON_BUCKETS]
     if bounds[-1] is not None or bounds[:-1] != sorted(set(bounds[:-1])):
         raise AssertionError(f"gemm_configs.GLUON_BUCKETS: bounds must strictly ascend and end with None, got {bounds}")
     for bound, table in GLUON_BUCKETS:
         for key, cfg in table.items():
             large = TABLE.get(key)
-            if key[0] != "fwd" or key[3] != _BF16 or not cfg.gluon or large is None or large.block_k != cfg.block_k:
+            _, n, k, dtype = key
+            aligned = (n * 2) % 16 == 0 and (k * 2) % 16 == 0
+            if key[0] != "fwd" or dtype != _BF16 or not cfg.gluon or large is None or large.block_k != cfg.block_k:
                 raise AssertionError(f"gemm_configs.GLUON_BUCKETS[M < {bound}]{key}: a bf16 forward Gluon tiling with "
                                      "its layer's BLOCK_K")  # fmt: skip
+            if not aligned:
+                raise AssertionError(f"gemm_configs.GLUON_BUCKETS[M < {bound}]{key}: rows not 16-byte aligned (TMA)")
 
 
 _check_gluon_buckets()
@@ -358,20 +365,13 @@ def tail_split(m_tiles: int, n: int, block_n: int, tail_n: int, programs: int) -
     return best
 
 
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
     """The Gluon tiling when the warp-specialised Gluon kernel runs the forward of ``x (..., K) @ weight (N, K)^T``
     here (``gemm_configs.GLUON_BUCKETS`` lists the layer at this M; bfloat16 on a Hopper GPU; not interpreted),
-    else None (the Triton kernel runs it). Both have this contract's K walk and bytes."""
+    else None (the Triton kernel runs it; also for an empty call). Both have this contract's K walk and bytes."""
     if INTERPRET or x.device.type != "cuda" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return None
     n, k = weight.shape
-    cfg = gluon_config(n, k, x.dtype, x.numel() // k if k else 0)
-    if cfg is None or (k * 2) % 16 or (n * 2) % 16:  # TMA: 16-byte aligned row strides
-        return None
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return cfg if _hopper(index) else None
+    m = x.numel() // k if k else 0
+    cfg = gluon_config(n, k, x.dtype, m) if m else None
+    return cfg if cfg is not None and hopper(x.device.index) else None

@@ -28,7 +28,9 @@ FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.r
 
 _TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr": "*i32", "ord_ptr": "*i64",
           "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
-          "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32"}  # fmt: skip
+          "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32",
+          **dict.fromkeys(("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow",
+                           "num_pid_n", "k_tiles"), "i32")}  # fmt: skip
 
 
 def ptx_facts(kernel, consts: dict, warps: int, stages: int, ptxas: bool = False) -> dict:
@@ -125,9 +127,6 @@ def gemm_gluon_facts(cfg, bias: bool) -> dict:
     consts.update(BLOCK_B=cfg.block_n, B_TAIL=cfg.tail_m, NARROW=cfg.tail_block_n if split else 0,
                   BLOCK_K=cfg.block_k, GROUP=cfg.group_m, STAGES=cfg.num_stages, SWAP=cfg.swap_ab, HAS_BIAS=bias,
                   REGS_C=gemm_gluon.REGS[0], REGS_P=gemm_gluon.REGS[1])  # fmt: skip
-    types = ("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow", "num_pid_n",
-             "k_tiles")  # fmt: skip
-    _TYPES.update(dict.fromkeys(types, "i32"))
     return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, gemm_gluon.WS_MAXNREG)
 
 

@@ -308,7 +308,7 @@ def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> Non
     call) the warp-specialised Gluon forward from S = 512 and backward from 2048, the Triton pointer walks below; the
     one-pass backward when the tiling asks for it (it takes precedence over ``bwd_gluon``)."""
     monkeypatch.setattr(attn, "INTERPRET", False)
-    monkeypatch.setattr(attn, "_hopper", lambda index: True)
+    monkeypatch.setattr(attn, "hopper", lambda index: True)
     from h3gate.kernels import attention_bwd, attention_tma
 
     monkeypatch.setattr(attention_tma, "INTERPRET", False)

@@ -33,7 +33,7 @@ def _weight(n: int, k: int, dtype: torch.dtype = BF16) -> SimpleNamespace:
 def hopper(monkeypatch):
     """A Hopper GPU outside the interpreter, as the dispatch sees it."""
     monkeypatch.setattr(gemm_configs, "INTERPRET", False)
-    monkeypatch.setattr(gemm_configs, "_hopper", lambda index: True)
+    monkeypatch.setattr(gemm_configs, "hopper", lambda index: True)
 
 
 @pytest.mark.parametrize(
@@ -55,8 +55,8 @@ def test_forward_runs_gluon_where_its_buckets_list_the_layer(hopper, layer, m, t
     got = gemm_configs.gluon_tiling(x, w)
     assert (got.tag if got else None) == tag
     rec = gemm.launch_record(x, w)
-    expect = tag or gemm_configs.gemm_config("fwd", n, k, BF16, m).tag
-    assert rec["forward"] == {"tiling": expect, "tma": True if tag else rec["forward"]["tma"],
+    ran = got or gemm_configs.gemm_config("fwd", n, k, BF16, m)
+    assert rec["forward"] == {"tiling": ran.tag, "tma": ran.tma,
                               "kernel": "gluon_warp_specialised" if tag else "triton"}  # fmt: skip
     assert rec["dx"]["kernel"] == rec["dw"]["kernel"] == "triton"  # the backward is the Triton kernel's
 
@@ -66,9 +66,10 @@ def test_gluon_never_runs_interpreted_off_hopper_or_outside_bfloat16(monkeypatch
     assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is not None
     assert gemm_configs.gluon_tiling(_stub(264, k, torch.float32), _weight(n, k, torch.float32)) is None
     assert gemm_configs.gluon_tiling(_stub(264, k, device="cpu"), _weight(n, k)) is None
-    monkeypatch.setattr(gemm_configs, "_hopper", lambda index: False)
+    assert gemm_configs.gluon_tiling(_stub(0, k), _weight(n, k)) is None  # an empty call: nothing to launch
+    monkeypatch.setattr(gemm_configs, "hopper", lambda index: False)
     assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is None
-    monkeypatch.setattr(gemm_configs, "_hopper", lambda index: True)
+    monkeypatch.setattr(gemm_configs, "hopper", lambda index: True)
     monkeypatch.setattr(gemm_configs, "INTERPRET", True)
     assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is None
 
@@ -93,6 +94,11 @@ def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> 
     monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((None, {key: bad}),))
     with pytest.raises(AssertionError, match=r"GLUON_BUCKETS\[M < None\].*BLOCK_K"):
         gemm_configs._check_gluon_buckets()
+    odd = ("fwd", 7, 64, "bfloat16")  # 14-byte weight rows: no TMA descriptor
+    monkeypatch.setitem(gemm_configs.TABLE, odd, GemmConfig(128, 256, 64))
+    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((None, {odd: gemm_configs._GLUON_WIDE}),))
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        gemm_configs._check_gluon_buckets()
     monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((1024, {}), (512, {}), (None, {})))
     with pytest.raises(AssertionError, match="strictly ascend"):
         gemm_configs._check_gluon_buckets()
@@ -105,6 +111,7 @@ def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> 
     "fields",
     [
         {"block_m": 64},  # two consumers of 64 rows: 128
+        {"num_warps": 8},  # one warpgroup a consumer: the tag would misstate the launch
         {"block_n": 136},  # register tiles are powers of two: 128 + a tail of 8 instead
         {"tail_m": 4},  # the MMA's N is at least 8
         {"swap_ab": True, "tail_block_n": 128},  # narrow tiles only unswapped
