@@ -45,9 +45,13 @@ VARIANTS = {
     # and production with whole canonical copies first (sessions 12-15)
     "prod": {**_V, "persistent": True, "regs": (240, 24), "sources": True},
     "prod_copies": {**_V, "persistent": True, "regs": (240, 24), "sources": False},
+    # production with the output stored from registers (sessions 12-19) instead of through shared memory by TMA
+    "prod_regstore": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store": False},
 }
+# 3100: the last tile's second half lies wholly past S (a box with no row to store)
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),
-         (1, 3160, "layout"), (2, 3160, "layout"), (2, 925, "layout"), (1, 38974, "layout")]  # fmt: skip
+         (1, 3160, "layout"), (2, 3160, "layout"), (2, 925, "layout"), (1, 38974, "layout"),
+         (2, 3100, False), (2, 3100, "layout")]  # fmt: skip
 TIMED = (264, 925, 3160, 38974)
 ORDERED_TIMED = (3160, 38974)  # also timed with the "layout" walk order
 
@@ -60,13 +64,14 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 def _gluon(q, k, v, name: str, order=None):
     var = VARIANTS[name]
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=var["walk"])
-    saved = attention_gluon.PERSISTENT, attention_gluon.REGS, attention_gluon.TILE_SOURCES
-    attention_gluon.PERSISTENT, attention_gluon.REGS = var["persistent"], var["regs"]
-    attention_gluon.TILE_SOURCES = var.get("sources", True)
+    g = attention_gluon
+    saved = g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE
+    g.PERSISTENT, g.REGS = var["persistent"], var["regs"]
+    g.TILE_SOURCES, g.TMA_STORE = var.get("sources", True), var.get("tma_store", True)
     try:
         return forward_gluon_ws(q, k, v, cfg, order, stages=var["stages"])
     finally:
-        attention_gluon.PERSISTENT, attention_gluon.REGS, attention_gluon.TILE_SOURCES = saved
+        g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE = saved
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:

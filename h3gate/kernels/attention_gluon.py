@@ -45,6 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -59,6 +60,7 @@ from h3gate.kernels.gemm import _num_sms
 
 # Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -118,13 +120,15 @@ def descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int,
     of a few tiles has fewer), one (1, rows, D) box per (batch, rows, head): rows past the tensor's end are filled
     with zeros, never read from the next batch item."""
     d = q.shape[3]
+    return row_descriptor(q, block_m, d), row_descriptor(k, block_n, d), row_descriptor(v, block_n, d)
 
-    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
-        view = t.view(t.shape[0], t.shape[1], t.shape[2] * d)
-        layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
-        return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], layout)
 
-    return desc(q, block_m), desc(k, block_n), desc(v, block_n)
+def row_descriptor(t: torch.Tensor, rows: int, d: int) -> TensorDescriptor:
+    """A host TMA descriptor over the (B, S, nh * d) view of ``t`` ((B, S, nh, d) or (B, S, nh * d), viewed, never
+    copied) with (1, ``rows``, d) boxes: a load's rows past S are zeros, a store's are dropped (not the next item's)."""
+    view = t.view(t.shape[0], t.shape[1], -1)
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], layout)
 
 
 # Registers a thread: the worker consumer and the producer (setmaxnreg); the default consumer gets what the launch's
@@ -145,25 +149,29 @@ def _tile(t, m_tiles, H, stride_b, D: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
-                 ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, C: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                 ORDERED: gl.constexpr):  # fmt: skip
+def _ws_consumer(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
+                 o_desc, lse_ptr, ord_ptr, tile_map, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s,
+                 C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                 EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
+                 TMA_STORE: gl.constexpr):  # fmt: skip
     """This consumer's 64 query rows of every tile the program walks (tiles ``pid``, ``pid + programs``, ...)."""
     n_blocks = gl.cdiv(S, BLOCK_N)
     tile_i = 0
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
-                      ord_ptr, S, H, t, m_tiles, qk_scale, stride_b, stride_s, tile_i, n_blocks, C, BLOCK_M, BLOCK_N,
-                      D, STAGES, EXP2, FMA, ORDERED)  # fmt: skip
+        _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
+                      o_desc, lse_ptr, ord_ptr, tile_map, S, H, t, m_tiles, qk_scale, stride_b, stride_s, tile_i,
+                      n_blocks, C, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA, ORDERED, TMA_STORE)  # fmt: skip
         tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
+    if TMA_STORE:
+        tma.store_wait(0)  # the last tile's output has left shared memory before the program ends
 
 
 @gluon.jit
-def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr, lse_ptr,
-                  ord_ptr, S, H, t, m_tiles, qk_scale, stride_b, stride_s, tile_i, n_blocks, C: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                  EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+def _consume_tile(q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
+                  o_desc, lse_ptr, ord_ptr, tile_map, S, H, t, m_tiles, qk_scale, stride_b, stride_s, tile_i, n_blocks,
+                  C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr,
+                  TMA_STORE: gl.constexpr):  # fmt: skip
     """One tile: the program's ``tile_i``-th, so its K/V steps are the ring's ``tile_i * n_blocks + j`` and its turns
     the ``tile_i * (n_blocks - 1) + j``-th (both consumers take the same number of turns a tile)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -215,6 +223,36 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     out = gl.div_rn(acc, gl.expand_dims(l_o, 1)).to(gl.bfloat16)
     bh, b, col, base, row0 = _tile(t, m_tiles, H, stride_b, D, 2 * BLOCK_M)
     first = row0 + C * BLOCK_M
+    offs_l = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + bh.to(gl.int64) * S + offs_l, m_i + libdevice.log2(l_i), mask=offs_l < S)
+    if TMA_STORE and not ORDERED:
+        _store_tma(o_desc, o_smem, out, C, b, first, col, BLOCK_M, D)
+    elif TMA_STORE and tile_map is not None:
+        src = gl.load(tile_map + t % m_tiles)
+        if src >= 0:  # the tile is consecutive packed rows from src (a partial last one ends at S)
+            _store_tma(o_desc, o_smem, out, C, b, src + C * BLOCK_M, col, BLOCK_M, D)
+        else:
+            _store_rows(out, o_ptr, ord_ptr, base, first, S, stride_s, o_layout, BLOCK_M, D, ORDERED)
+    else:
+        _store_rows(out, o_ptr, ord_ptr, base, first, S, stride_s, o_layout, BLOCK_M, D, ORDERED)
+
+
+@gluon.jit
+def _store_tma(o_desc, o_smem, out, C: gl.constexpr, b, row, col, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """Consumer ``C``'s bf16 output rows by TMA from its half of ``o_smem``: packed rows ``row ...`` of item ``b``,
+    columns ``col ...`` (rows past S are dropped by the box). The store runs on while the next tile is walked; this
+    consumer's previous store must have read its half first."""
+    half = o_smem.index(C)
+    tma.store_wait(0)
+    half.reshape([BLOCK_M, D]).store(out)
+    fence_async_shared()
+    _tma_store(o_desc, [b, row, col], half)
+
+
+@gluon.jit
+def _store_rows(out, o_ptr, ord_ptr, base, first, S, stride_s, o_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                D: gl.constexpr, ORDERED: gl.constexpr):  # fmt: skip
+    """Canonical rows ``first ...`` stored from registers, each to its packed row (``order[i]`` when ``ORDERED``)."""
     offs_m = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     if ORDERED:
         rows = gl.load(ord_ptr + offs_m, mask=offs_m < S, other=0)
@@ -223,8 +261,6 @@ def _consume_tile(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empt
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     gl.store(o_ptr + base + gl.expand_dims(rows, 1) * stride_s + gl.expand_dims(cols, 0), out,
              mask=gl.expand_dims(offs_m < S, 1))  # fmt: skip
-    offs_l = first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + bh.to(gl.int64) * S + offs_l, m_i + libdevice.log2(l_i), mask=offs_l < S)
 
 
 @gluon.jit
@@ -299,15 +335,20 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
 
 
 @gluon.jit
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, tile_map, q_copy, k_copy, v_copy, S, H,
-                        n_tiles, m_tiles, qk_scale, stride_b, stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr,
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, tile_map, q_copy, k_copy, v_copy, o_desc, S,
+                        H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, D: gl.constexpr, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                        ORDERED: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
+                        ORDERED: gl.constexpr, TMA_STORE: gl.constexpr, REGS_C: gl.constexpr,
+                        REGS_P: gl.constexpr):  # fmt: skip
     """``BLOCK_M`` rows per consumer, 2 * BLOCK_M per tile; ``n_tiles`` = ``m_tiles`` query blocks x B x H, walked
     ``pid``, ``pid + programs``, ...; ``num_warps`` = 4 (one consumer warpgroup)."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 1, BLOCK_N, D], v_desc.layout)
+    if TMA_STORE:  # each consumer's output rows on their way out by TMA
+        o_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 1, BLOCK_M, D], o_desc.layout)
+    else:
+        o_smem = q_smem  # unused: stored from registers
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -327,12 +368,12 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, tile_ma
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     gl.warp_specialize(
         [
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
-                            lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, 0, BLOCK_M,
-                            BLOCK_N, D, STAGES, EXP2, FMA, ORDERED)),
-            (_ws_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn, o_ptr,
-                            lse_ptr, ord_ptr, S, H, n_tiles, m_tiles, qk_scale, stride_b, stride_s, 1, BLOCK_M,
-                            BLOCK_N, D, STAGES, EXP2, FMA, ORDERED)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn,
+                            o_ptr, o_desc, lse_ptr, ord_ptr, tile_map, S, H, n_tiles, m_tiles, qk_scale, stride_b,
+                            stride_s, 0, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA, ORDERED, TMA_STORE)),
+            (_ws_consumer, (q_smem, k_smem, v_smem, o_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turn,
+                            o_ptr, o_desc, lse_ptr, ord_ptr, tile_map, S, H, n_tiles, m_tiles, qk_scale, stride_b,
+                            stride_s, 1, BLOCK_M, BLOCK_N, D, STAGES, EXP2, FMA, ORDERED, TMA_STORE)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                             v_empty, S, H, n_tiles, m_tiles, tile_map, q_copy, k_copy, v_copy, D, 2 * BLOCK_M,
                             BLOCK_N, STAGES)),
@@ -350,6 +391,10 @@ PERSISTENT = True
 # packed rows, a copy of the other tiles; True), or whole canonical copies first (False, sessions 12-15; a probe knob).
 # The same bytes in shared memory either way (h3gate.kernels.attention_sources).
 TILE_SOURCES = True
+# Each consumer's output rows leave through shared memory by TMA, the store running on while the next tile is walked
+# (True; a tile read through a copy, or any tile of a walk in whole copies, still stores row by row through the order),
+# or are stored from registers (False, sessions 12-19; a probe knob). The same bytes either way.
+TMA_STORE = True
 
 
 def forward_gluon_ws(
@@ -377,13 +422,15 @@ def forward_gluon_ws(
     elif order is not None:  # whole canonical copies (TMA has no row gather on Hopper)
         q, k, v = (gather_rows(t, order) for t in (q, k, v))
     q_desc, k_desc, v_desc = descriptors(q, k, v, 2 * rows, cfg.fwd_n)
+    o_desc = row_descriptor(out, rows, d)
     m_tiles = triton.cdiv(s, 2 * rows)
     n_tiles = m_tiles * b * h
     programs = min(n_tiles, _num_sms(q.device)) if PERSISTENT else n_tiles
     _attn_fwd_ws_kernel[(programs,)](
-        q_desc, k_desc, v_desc, out, lse, q if order is None else order, tile_map, *(copies or (None,) * 3), s, h,
-        n_tiles, m_tiles, qk_scale(d), q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n, STAGES=stages,
-        EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None, REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4,
+        q_desc, k_desc, v_desc, out, lse, q if order is None else order, tile_map, *(copies or (None,) * 3), o_desc,
+        s, h, n_tiles, m_tiles, qk_scale(d), q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n,
+        STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None, TMA_STORE=TMA_STORE,
+        REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4,
         maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse

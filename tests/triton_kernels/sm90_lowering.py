@@ -24,7 +24,8 @@ from h3gate.kernels import (
     gemm_gluon,
 )
 
-FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg")
+FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg",
+         "cp.async.bulk.tensor.3d.global.shared")  # fmt: skip
 
 _TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr": "*i32", "ord_ptr": "*i64",
           "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
@@ -79,14 +80,18 @@ def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
         consts.update(tile_map=None, **dict.fromkeys(copies))
 
 
-def gluon_facts(ordered: bool, mapped: bool = False) -> dict:
-    """The warp-specialised Gluon forward (``mapped``: walking its tile sources)."""
+def gluon_facts(ordered: bool, mapped: bool = False, tma_store: bool | None = None) -> dict:
+    """The warp-specialised Gluon forward (``mapped``: walking its tile sources; ``tma_store`` None: production's
+    ``TMA_STORE``)."""
+    tma_store = attention_gluon.TMA_STORE if tma_store is None else tma_store
     cfg = attention.attn_config(128, torch.bfloat16)
     q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
-    args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64)}
+    args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64),
+            "o_desc": attention_gluon.row_descriptor(q, 64, 128)}  # fmt: skip
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
-              "ORDERED": ordered, "REGS_C": attention_gluon.REGS[0], "REGS_P": attention_gluon.REGS[1]}  # fmt: skip
+              "ORDERED": ordered, "TMA_STORE": tma_store, "REGS_C": attention_gluon.REGS[0],
+              "REGS_P": attention_gluon.REGS[1]}  # fmt: skip
     _sources(args, consts, {"q_copy": descs["q_desc"], "k_copy": descs["k_desc"], "v_copy": descs["v_desc"]}, mapped)
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
@@ -155,6 +160,7 @@ def main() -> None:
     out["dkdv_gluon_persistent"] = gluon_bwd_facts(False, True, persistent=True)
     out["dq_gluon_persistent"] = gluon_bwd_facts(True, True, pipe=True, persistent=True)
     out["fwd_gluon_sources"] = gluon_facts(True, mapped=True)
+    out["fwd_gluon_regstore"] = gluon_facts(False, tma_store=False)
     out["dkdv_gluon_sources"] = gluon_bwd_facts(False, True, mapped=True)
     out["dq_gluon_sources"] = gluon_bwd_facts(True, True, pipe=True, mapped=True)
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}

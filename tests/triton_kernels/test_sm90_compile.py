@@ -17,6 +17,15 @@ import pytest
 pytest.importorskip("triton.backends.nvidia")
 
 
+# Spills of the Gluon forward with its output stored by TMA (attention_gluon.TMA_STORE), bounds set from compiles
+# before any H200 run: the TMA store's elected-thread predicate, one 4-byte value kept from the program's start and
+# reloaded once a tile, 8 bytes under Triton 3.7.1 and 3.9 (12 with tile sources under 3.7.1, 76 under 3.9: the
+# branch between the TMA store of an in-place tile and the row stores of a copied one). The row-stored forward (the
+# knob off) spills nothing.
+TMA_STORE_SPILL = 8
+TMA_STORE_SPILL_SOURCES = 80
+
+
 @pytest.fixture(scope="module")
 def facts() -> dict:
     script = Path(__file__).with_name("sm90_lowering.py")
@@ -52,7 +61,11 @@ def test_gluon_forward_keeps_its_mmas_asynchronous_and_the_declared_math(facts) 
         got = facts[f"fwd_gluon_ordered={ordered}"]
         assert got["wgmma.mma_async"] == 64 and got["setmaxnreg"] >= 4 and got["cp.async.bulk.tensor"] >= 3, got
         assert got["ex2.approx.ftz.f32"] and got["fma.rn.f32"], got
-        assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
+        # the output by TMA (one store site a consumer) without a walk order; with whole canonical copies, by rows
+        assert got["cp.async.bulk.tensor.3d.global.shared"] == (0 if ordered else 2), got
+        assert got["wgmma_serialized"] is False and got["spill_bytes"] <= TMA_STORE_SPILL, got
+    regs = facts["fwd_gluon_regstore"]
+    assert regs["cp.async.bulk.tensor.3d.global.shared"] == 0 and regs["spill_bytes"] == 0, regs
 
 
 def test_one_pass_backward_lowers_with_asynchronous_wgmma(facts) -> None:
@@ -111,12 +124,15 @@ def test_gluon_walks_through_tile_sources_keep_their_mmas(facts) -> None:
     bound 64 set from these compiles before any run."""
     fwd, dkdv, dq = facts["fwd_gluon_sources"], facts["dkdv_gluon_sources"], facts["dq_gluon_sources"]
     assert (fwd["wgmma.mma_async"], dkdv["wgmma.mma_async"], dq["wgmma.mma_async"]) == (64, 48, 80)
-    assert fwd["cp.async.bulk.tensor"] == 2 * facts["fwd_gluon_ordered=True"]["cp.async.bulk.tensor"], fwd
+    stores = fwd["cp.async.bulk.tensor.3d.global.shared"]  # in-place tiles' output by TMA, one site a consumer
+    assert stores == 2 and fwd["cp.async.bulk.tensor"] - stores == 2 * facts["fwd_gluon_ordered=True"][
+        "cp.async.bulk.tensor"], fwd  # fmt: skip
     assert dq["cp.async.bulk.tensor"] == 2 * facts["dq_gluon_pipe"]["cp.async.bulk.tensor"], dq
     assert dkdv["cp.async.bulk.tensor"] > facts["dkdv_gluon_ordered=True"]["cp.async.bulk.tensor"], dkdv
     for got in (fwd, dkdv, dq):
         assert got["wgmma_serialized"] is False and got["ex2.approx.ftz.f32"] and got["fma.rn.f32"], got
-    assert fwd["spill_bytes"] == 0 and dq["spill_bytes"] == 0 and dkdv["spill_bytes"] <= 64, (fwd, dq, dkdv)
+    assert fwd["spill_bytes"] <= TMA_STORE_SPILL_SOURCES and dq["spill_bytes"] == 0 and dkdv["spill_bytes"] <= 64, (
+        fwd, dq, dkdv)  # fmt: skip
 
 
 def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
