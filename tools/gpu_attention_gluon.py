@@ -45,8 +45,10 @@ VARIANTS = {
     # and production with whole canonical copies first (sessions 12-15)
     "prod": {**_V, "persistent": True, "regs": (240, 24), "sources": True},
     "prod_copies": {**_V, "persistent": True, "regs": (240, 24), "sources": False},
-    # production with the output stored from registers (sessions 12-19) instead of through shared memory by TMA
-    "prod_regstore": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store": False},
+    # production with the output stored through shared memory by TMA at every S / from registers at every S
+    # (sessions 12-19); production switches at attention_gluon.TMA_STORE_FROM
+    "prod_tma": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store_from": 0},
+    "prod_regstore": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store_from": 1 << 62},
 }
 # 3100: the last tile's second half lies wholly past S (a box with no row to store)
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),
@@ -65,13 +67,13 @@ def _gluon(q, k, v, name: str, order=None):
     var = VARIANTS[name]
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=var["walk"])
     g = attention_gluon
-    saved = g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE
+    saved = g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE_FROM
     g.PERSISTENT, g.REGS = var["persistent"], var["regs"]
-    g.TILE_SOURCES, g.TMA_STORE = var.get("sources", True), var.get("tma_store", True)
+    g.TILE_SOURCES, g.TMA_STORE_FROM = var.get("sources", True), var.get("tma_store_from", saved[3])
     try:
         return forward_gluon_ws(q, k, v, cfg, order, stages=var["stages"])
     finally:
-        g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE = saved
+        g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE_FROM = saved
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:

@@ -391,10 +391,13 @@ PERSISTENT = True
 # packed rows, a copy of the other tiles; True), or whole canonical copies first (False, sessions 12-15; a probe knob).
 # The same bytes in shared memory either way (h3gate.kernels.attention_sources).
 TILE_SOURCES = True
-# Each consumer's output rows leave through shared memory by TMA, the store running on while the next tile is walked
-# (True; a tile read through a copy, or any tile of a walk in whole copies, still stores row by row through the order),
-# or are stored from registers (False, sessions 12-19; a probe knob). The same bytes either way.
-TMA_STORE = True
+# From S = TMA_STORE_FROM rows on, each consumer's output rows leave through shared memory by TMA, the store running
+# on while the next tile is walked (a tile read through a copy, or any tile of a walk in whole copies, still stores row
+# by row through the order); below it they are stored from registers (sessions 12-19). The same bytes either way at
+# every case probed (perf-probe-33.json); by TMA 0.508 vs 0.532 ms at S = 3160 (0.536 vs 0.546 in a layout's order),
+# 70.98 vs 71.33 at 38974, but 0.0952 vs 0.0928 at 925 (and 0.197 vs 0.093 at 264, where the Triton kernel runs).
+# Read at launch (a probe may set it).
+TMA_STORE_FROM = 2048
 
 
 def forward_gluon_ws(
@@ -429,7 +432,7 @@ def forward_gluon_ws(
     _attn_fwd_ws_kernel[(programs,)](
         q_desc, k_desc, v_desc, out, lse, q if order is None else order, tile_map, *(copies or (None,) * 3), o_desc,
         s, h, n_tiles, m_tiles, qk_scale(d), q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n,
-        STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None, TMA_STORE=TMA_STORE,
+        STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None, TMA_STORE=s >= TMA_STORE_FROM,
         REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4,
         maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip

@@ -81,9 +81,9 @@ def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
 
 
 def gluon_facts(ordered: bool, mapped: bool = False, tma_store: bool | None = None) -> dict:
-    """The warp-specialised Gluon forward (``mapped``: walking its tile sources; ``tma_store`` None: production's
-    ``TMA_STORE``)."""
-    tma_store = attention_gluon.TMA_STORE if tma_store is None else tma_store
+    """The warp-specialised Gluon forward (``mapped``: walking its tile sources; ``tma_store`` None: production's at
+    the medium and 768p layouts' S, the output by TMA)."""
+    tma_store = attention_gluon.TMA_STORE_FROM <= 3160 if tma_store is None else tma_store
     cfg = attention.attn_config(128, torch.bfloat16)
     q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))

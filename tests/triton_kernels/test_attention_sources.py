@@ -163,3 +163,23 @@ def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_ti
             assert tile_map is None and all(c is None for c in copies)
             for desc, t in zip(mains, walked, strict=True):
                 assert torch.equal(_rows(desc), gather_rows(t, order).flatten(2))
+
+
+@pytest.mark.parametrize("s", [925, 2047, 2048, 3160])
+def test_the_gluon_forward_stores_its_output_by_tma_from_the_declared_rows_on(monkeypatch, s) -> None:
+    """The Gluon forward's output descriptor is the returned tensor itself, (1, 64, D) boxes of its (B, S, nh * D)
+    rows (a box's rows past S are dropped, not written into the next item), and the kernel is told to store by TMA
+    exactly from ``TMA_STORE_FROM`` rows on (the launch faked; the bytes are the H200's, perf-probe-33)."""
+    from h3gate.kernels import attention_gluon as gf
+
+    monkeypatch.setattr(gf, "_num_sms", lambda device: 4)
+    fwd = _Launch()
+    monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
+    b, h, d = 2, 2, 128
+    q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
+    out, _ = gf.forward_gluon_ws(q, q, q, attn_config(d, torch.bfloat16))
+    ((args, kw),) = fwd.calls
+    o_desc = args[10]
+    assert _rows(o_desc).data_ptr() == out.data_ptr() and list(o_desc.shape) == [b, s, h * d]
+    assert list(o_desc.block_shape) == [1, 64, d]
+    assert kw["TMA_STORE"] is (s >= gf.TMA_STORE_FROM) and gf.TMA_STORE_FROM == 2048

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton.backends.nvidia")
 
 
-# Spills of the Gluon forward with its output stored by TMA (attention_gluon.TMA_STORE), bounds set from compiles
+# Spills of the Gluon forward with its output stored by TMA (attention_gluon.TMA_STORE_FROM), bounds set from compiles
 # before any H200 run: the TMA store's elected-thread predicate, one 4-byte value kept from the program's start and
 # reloaded once a tile, 8 bytes under Triton 3.7.1 and 3.9 (12 with tile sources under 3.7.1, 76 under 3.9: the
 # branch between the TMA store of an in-place tile and the row stores of a copied one). The row-stored forward (the
