@@ -2,7 +2,7 @@
 #   make demo          install into .venv and run the one-block gate on the embedded default (tiny, CPU when no GPU)
 #   make test          install the test extra into .venv and run lint + the test suite but the tests marked slow
 #   make test-slow     the tests marked slow (multi-rank TP8 / TP4xCP2 and the whole model under ws2, the fault
-#                      matrix at the small and medium layouts); CI runs both
+#                      matrix at the small and medium layouts, run arms' four-arm acceptance); CI runs both
 # and, for CI and the GPU host:
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
 #   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere

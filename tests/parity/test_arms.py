@@ -2,11 +2,12 @@
 config's diffusers module with a PEFT LoRA, plus the negative controls that must fail and be located, and the bad
 inputs (exit 2, one line).
 
-The acceptance run is made as a user makes it: the CLI in a subprocess, strict Triton kernels under the CPU
-interpreter. The negative controls keep one block (``--layers 1``) and one step (``--steps 2``) of R/R only: a
-one-row fault on the strict training side's second pass, forward (the velocities drift: located to the node, packed
-row and modality) and backward (the gradients do not repeat: the first differing gradient is named). The faulted
-row is a video row: with one block, a text row's last-block values reach neither velocity nor loss.
+The acceptance run (marked slow: ``make test-slow``, which CI runs beside ``make test``) is made as a user makes it:
+the CLI in a subprocess, strict Triton kernels under the CPU interpreter. The negative controls keep one block
+(``--layers 1``) and one step (``--steps 2``) of R/R only: a one-row fault on the strict training side's second
+pass, forward (the velocities drift: located to the node, packed row and modality) and backward (the gradients do
+not repeat: the first differing gradient is named). The faulted row is a video row: with one block, a text row's
+last-block values reach neither velocity nor loss.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def acceptance(tmp_path_factory) -> tuple[int, dict, dict, str]:
     return code, brief, doc, log
 
 
+@pytest.mark.slow  # the acceptance run, 220 s of make test's 600 on two cores: make test-slow (.ci/run runs both)
 def test_all_four_arms_three_steps_r_r_byte_equal_and_the_lora_gate(acceptance) -> None:
     code, brief, doc, log = acceptance
     assert code == 0, log
@@ -61,6 +63,7 @@ def test_all_four_arms_three_steps_r_r_byte_equal_and_the_lora_gate(acceptance) 
     assert full["R/R"]["rollout_trace_ops"]["h3_full_attention triton"] > 0
 
 
+@pytest.mark.slow  # the same acceptance run
 def test_mixed_arms_drift_and_the_drift_is_located(acceptance) -> None:
     _, brief, doc, _ = acceptance
     arms = {a["arm"]: a for a in brief["arms"]}
