@@ -265,7 +265,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
     [
         ("e20ba97", "evidence/h200/bench-ops-gemm-attention-medium-2/bench-ops.json"),  # manifests/, schemas/ on top
         ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
-        ("e65e6b1", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, the Gluon GEMM
+        ("a169940", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, the attention by TMA
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
         ("bdfd5df", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # the attention output by TMA
         ("54f7fd5", "evidence/h200/bench-attention-medium/bench-ops.json"),  # the attention output by TMA, benched
