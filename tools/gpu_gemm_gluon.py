@@ -46,7 +46,16 @@ VARIANTS = {
     "n256t32_g8_s4": replace(_N, tail_m=32, num_stages=4, group_m=8),
     "n256t32_g16_s3": replace(_N, tail_m=32),
     "n128t16_g16_s5": replace(_N, block_n=128, tail_m=16, num_stages=5),
+    # round 4 (qkv's 5.3 waves at M = 3160): three consumers, tiles of 192 tokens x (128 + 64) weight rows (17 x 38 =
+    # 646 tiles, 4.9 waves; 96 / 85 MACs a loaded element against 128 x 256's 85) or x (128 + 32) (765, 5.8 waves),
+    # both parts stored by TMA (gemm_gluon.TAIL_TMA_STORE) or, "_reg", from registers (a fourth stage fits then)
+    "m192t64_g16_s3": replace(_N, block_m=192, block_n=128, tail_m=64),
+    "m192t64_g8_s3": replace(_N, block_m=192, block_n=128, tail_m=64, group_m=8),
+    "m192t64_g16_s4_reg": replace(_N, block_m=192, block_n=128, tail_m=64, num_stages=4),
+    "m192t32_g16_s3": replace(_N, block_m=192, block_n=128, tail_m=32),
 }
+# variant -> module knobs of gemm_gluon set for its calls only
+KNOBS = {"m192t64_g16_s4_reg": {"TAIL_TMA_STORE": False}}
 # GEMM_LAYERS / GEMM_ROWS (comma lists) narrow a run to some layers and M
 if os.environ.get("GEMM_LAYERS"):
     LAYERS = {k: v for k, v in LAYERS.items() if k in os.environ["GEMM_LAYERS"].split(",")}
@@ -66,9 +75,18 @@ def _variant(name: str):
     cfg = VARIANTS[name]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
+    knobs = KNOBS.get(name, {})
+
     def run(x, w, b):
         y = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
-        return gemm_gluon.matmul_ws(x, w, y, b, cfg, sms)
+        saved = {key: getattr(gemm_gluon, key) for key in knobs}
+        for key, value in knobs.items():
+            setattr(gemm_gluon, key, value)
+        try:
+            return gemm_gluon.matmul_ws(x, w, y, b, cfg, sms)
+        finally:
+            for key, value in saved.items():
+                setattr(gemm_gluon, key, value)
 
     return run
 

@@ -4,26 +4,27 @@ as :mod:`h3gate.kernels.gemm`, its instructions scheduled explicitly (``GemmConf
 Triton 3.6's own Hopper GEMM issues each ``wgmma`` from the warps that also wait for the loads, and its automatic warp
 specialisation gave nothing on sm_90 (``docs/measurements/gemm-gap-profile.md``). Here the product
 ``C[i, j] = sum_k A[i, k] B[j, k]`` of two K-contiguous operands (A: ``a_rows`` x K, B: ``b_rows`` x K) is run by
-three partitions of one persistent program an SM, walking output tiles ``pid``, ``pid + programs``, ... in the
+the partitions of one persistent program an SM, walking output tiles ``pid``, ``pid + programs``, ... in the
 GROUP_M-swizzled order of :func:`h3gate.kernels.gemm._tile_coords`:
 
-* a one-warp producer issuing every TMA load: per tile, per ascending ``BLOCK_K`` chunk, the (128 x BLOCK_K) A tile
-  and the (BLOCK_B x BLOCK_K) B tile (and a (B_TAIL x BLOCK_K) B tail) into a ring of ``STAGES`` buffers (``full``:
-  loaded; ``empty``: both consumers done with it); the ring runs on across tiles, so the next tile's first chunks load
-  during this tile's epilogue;
-* two consumer warpgroups of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64, N = BLOCK_B, k16 steps; a
-  second one, N = B_TAIL, over the tail) onto zero FP32 accumulators, the chunk's MMAs kept in flight while the next
-  chunk's barrier is awaited; the epilogue adds the bias in FP32 and rounds once to bfloat16 (round to nearest even).
+* a one-warp producer issuing every TMA load: per tile, per ascending ``BLOCK_K`` chunk, the (A_ROWS x BLOCK_K) A
+  tile and the (BLOCK_B x BLOCK_K) B tile (and a (B_TAIL x BLOCK_K) B tail) into a ring of ``STAGES`` buffers
+  (``full``: loaded; ``empty``: every consumer done with it); the ring runs on across tiles, so the next tile's first
+  chunks load during this tile's epilogue;
+* A_ROWS / 64 consumer warpgroups (two or three) of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64,
+  N = BLOCK_B, k16 steps; a second one, N = B_TAIL, over the tail) onto zero FP32 accumulators, the chunk's MMAs kept
+  in flight while the next chunk's barrier is awaited; the epilogue adds the bias in FP32 and rounds once to bfloat16
+  (round to nearest even).
 
-The forward ``Y (M, N) = X (M, K) @ W (N, K)^T`` runs it either way round (``GemmConfig.swap_ab``): unswapped, A = X and
-B = W (a tile is 128 tokens x ``block_n`` weight rows, stored through shared memory by TMA; with ``tail_block_n`` the
-last columns are narrower tiles dealt after the wide ones, stored from registers), or swapped, A = W and B = X
-(``Y^T = W X^T``: 128 weight rows x ``block_n + tail_m`` tokens, two MMAs since register tiles are powers of two, so
-264 tokens are two tiles of 128 + 8; stored transposed from registers). Either way each output element is one FP32 sum
-over K in ascending BLOCK_K chunks, each chunk the MMA's k16 steps in ascending order, the walk of the Triton kernel's
-``tl.dot`` (lowered to the same ``wgmma`` steps); the K tail past K and rows past M or N read TMA's zero fill and are
-never stored. Which program, partition, tile or MMA holds an element is scheduling. The bytes equal the Triton
-kernel's on the H200 at every case probed (``tools/gpu_gemm_gluon.py``,
+The forward ``Y (M, N) = X (M, K) @ W (N, K)^T`` runs it either way round (``GemmConfig.swap_ab``): unswapped,
+A = X and B = W (a tile is ``block_m`` tokens x ``block_n`` (+ ``tail_m``) weight rows, stored through shared memory
+by TMA; with ``tail_block_n`` the last columns are narrower tiles dealt after the wide ones, stored from registers),
+or swapped, A = W and B = X (``Y^T = W X^T``: 128 weight rows x ``block_n + tail_m`` tokens, two MMAs since register
+tiles are powers of two, so 264 tokens are two tiles of 128 + 8; stored transposed from registers). Either way each
+output element is one FP32 sum over K in ascending BLOCK_K chunks, each chunk the MMA's k16 steps in ascending order,
+the walk of the Triton kernel's ``tl.dot`` (lowered to the same ``wgmma`` steps); the K tail past K and rows past M or
+N read TMA's zero fill and are never stored. Which program, partition, tile or MMA holds an element is scheduling.
+The bytes equal the Triton kernel's on the H200 at every case probed (``tools/gpu_gemm_gluon.py``,
 ``docs/measurements/perf-probe-{30,31,32}.json``).
 
 GPU only (Gluon has no interpreter; the CPU interpreter runs the Triton kernel, the same arithmetic); sm_90, bfloat16.
@@ -53,11 +54,15 @@ from h3gate.kernels.gemm_configs import GemmConfig, tail_split
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-BLOCK_A = 128  # two consumer warpgroups of 64 A rows
-# Registers a thread (setmaxnreg): the worker consumer and the producer; the default consumer gets what the launch's
-# limit leaves (the attention's split, h3gate.kernels.attention_gluon.REGS).
-REGS = (240, 24)
-WS_MAXNREG = 168
+# Registers a thread (setmaxnreg) by consumer count (A rows / 64): (worker consumers, producer) and the launch's
+# limit; the default consumer gets what the limit leaves. Warp specialisation reserves a warpgroup for the one-warp
+# producer, so two consumers are 12 warps (12 x 168 = the 64K registers of an SM; the attention's split,
+# h3gate.kernels.attention_gluon.REGS) and three are 16 (16 x 128; 3 x 128 x 160 + 128 x 24 = 64K).
+REGS = {2: (240, 24), 3: (160, 24)}
+WS_MAXNREG = {2: 168, 3: 128}
+# Unswapped tiles with a B tail (block_n + tail_m weight rows): each consumer's two parts through shared memory by
+# TMA (True) or stored from registers. Read at launch (a probe may set it).
+TAIL_TMA_STORE = True
 
 
 @gluon.jit
@@ -72,10 +77,10 @@ def _tile_coords(tile_id, num_pid_a, num_pid_b, GROUP: gl.constexpr):
 @gluon.jit
 def _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, n_tiles, num_pid_a,
              num_pid_b, col0, k_tiles, NB: gl.constexpr, NT: gl.constexpr, BLOCK_K: gl.constexpr,
-             GROUP: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+             GROUP: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
     """Tiles ``first``, ``first + programs``, ... of ``n_tiles`` (B rows ``col0 + pid_b * (NB + NT)``): each chunk's A
-    tile, NB B rows (``b_desc``) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is reloaded once
-    both consumers released it. Returns the ring step after the last."""
+    tile (A_ROWS rows), NB B rows (``b_desc``) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is
+    reloaded once every consumer released it. Returns the ring step after the last."""
     for t in range(first, n_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
         off_b = col0 + pid_b * (NB + NT)
@@ -83,12 +88,15 @@ def _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             bar = full.index(slot)
+            a_bytes: gl.constexpr = a_desc.block_type.nbytes * (A_ROWS // A_BOX)
             if NT > 0:
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes + bt_desc.block_type.nbytes)
+                mbarrier.expect(bar, a_bytes + b_desc.block_type.nbytes + bt_desc.block_type.nbytes)
                 _tma_load(bt_desc, [off_b + NB, ki * BLOCK_K], bar, bt_ring.index(slot))
             else:
-                mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [pid_a * 128, ki * BLOCK_K], bar, a_ring.index(slot))
+                mbarrier.expect(bar, a_bytes + b_desc.block_type.nbytes)
+            for i in gl.static_range(A_ROWS // A_BOX):
+                _tma_load(a_desc, [pid_a * A_ROWS + i * A_BOX, ki * BLOCK_K], bar,
+                          a_ring.index(slot * (A_ROWS // A_BOX) + i))  # fmt: skip
             _tma_load(b_desc, [off_b, ki * BLOCK_K], bar, b_ring.index(slot).slice(0, NB))
             step += 1
     return step
@@ -97,26 +105,29 @@ def _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step
 @gluon.jit
 def _producer(a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles, num_pid_a,
               num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
-              NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
+              NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+              A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
     """The wide tiles, then (``NARROW`` > 0) the narrow tiles of the last columns, dealt on from the program after
     the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles)."""
     step = _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0, gl.program_id(0),
-                    num_tiles, num_pid_a, num_pid_b, 0, k_tiles, BLOCK_B, B_TAIL, BLOCK_K, GROUP, STAGES)  # fmt: skip
+                    num_tiles, num_pid_a, num_pid_b, 0, k_tiles, BLOCK_B, B_TAIL, BLOCK_K, GROUP, STAGES,
+                    A_ROWS, A_BOX)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
         _produce(a_desc, bn_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, num_narrow, num_pid_a,
-                 num_pid_n, n_split, k_tiles, NARROW, 0, BLOCK_K, GROUP, STAGES)  # fmt: skip
+                 num_pid_n, n_split, k_tiles, NARROW, 0, BLOCK_K, GROUP, STAGES, A_ROWS,
+                 A_BOX)  # fmt: skip
 
 
 @gluon.jit
 def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-               NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more)."""
+               NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+    """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more);
+    a slot holds A_ROWS / A_BOX A boxes, consumer C's 64 rows in box (C * 64) // A_BOX."""
     slot = step % STAGES
     mbarrier.wait(full.index(slot), (step // STAGES) & 1)
-    a = a_ring.index(slot).slice(C * 64, 64)
+    a = a_ring.index(slot * (A_ROWS // A_BOX) + (C * 64) // A_BOX).slice((C * 64) % A_BOX, 64)
     acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
     if NT > 0:
         acc_t = warpgroup_mma(a, bt_ring.index(slot).permute((1, 0)), acc_t, is_async=True)
@@ -125,11 +136,11 @@ def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr,
 
 @gluon.jit
 def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-              NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
     """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
     chunk's barrier is awaited; returns (acc, acc_t, the ring step after the tile)."""
     for ki in range(k_tiles):
-        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES)
+        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES, A_ROWS, A_BOX)
         if NT > 0:
             acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # the previous chunk's MMAs have retired
         else:
@@ -165,12 +176,25 @@ def _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NJ: gl.constexp
 
 
 @gluon.jit
-def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, step, first,
-             n_tiles, num_pid_a, num_pid_b, col0, k_tiles, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr,
-             GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
-             TMA_STORE: gl.constexpr):  # fmt: skip
+def _store_tma(acc, desc, smem, bias_ptr, off_i, off_j, N, NJ: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Bias in FP32, one rounding to bfloat16 into ``smem`` (this consumer's buffer, once its last store has read
+    it), then one TMA store of the (64, NJ) box at (``off_i``, ``off_j``): rows past M, columns past N dropped."""
+    if HAS_BIAS:
+        offs_n = off_j + gl.arange(0, NJ, layout=gl.SliceLayout(0, acc.type.layout))
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 0)
+    tma.store_wait(0)
+    smem.store(acc.to(gl.bfloat16))
+    fence_async_shared()
+    _tma_store(desc, [off_i, off_j], smem)
+
+
+@gluon.jit
+def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
+             stride_cm, step, first, n_tiles, num_pid_a, num_pid_b, col0, k_tiles, C: gl.constexpr, NB: gl.constexpr,
+             NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+             TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
     """Consumer ``C``'s rows ``C * 64 ...`` of the tiles :func:`_produce` loads with the same arguments, each then
-    stored (``TMA_STORE``: its bf16 half tile through shared memory by TMA; else from registers)."""
+    stored (``TMA_STORE``: its bf16 part tiles through shared memory by TMA; else from registers)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     NT_L: gl.constexpr = NT if NT > 0 else 8
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -180,20 +204,13 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_p
         acc = gl.zeros([64, NB], gl.float32, layout)
         acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
         acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C, NB, NT,
-                                     STAGES)  # fmt: skip
-        off_i = pid_a * 128 + C * 64
+                                     STAGES, A_ROWS, A_BOX)  # fmt: skip
+        off_i = pid_a * A_ROWS + C * 64
         off_j = col0 + pid_b * (NB + NT)
         if TMA_STORE:
-            acc_c = acc
-            if HAS_BIAS:
-                offs_n = off_j + gl.arange(0, NB, layout=gl.SliceLayout(0, layout))
-                bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)
-                acc_c = acc + gl.expand_dims(bias, 0)
-            tma.store_wait(0)  # this consumer's last store has read its half of c_smem
-            half = c_smem.index(C)
-            half.store(acc_c.to(gl.bfloat16))
-            fence_async_shared()
-            _tma_store(c_desc, [off_i, off_j], half)
+            _store_tma(acc, c_desc, c_smem.index(C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
+            if NT > 0:
+                _store_tma(acc_t, ct_desc, ct_smem.index(C), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, SWAP, HAS_BIAS)
@@ -204,62 +221,95 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_p
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
-              num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, C: gl.constexpr, BLOCK_B: gl.constexpr,
-              B_TAIL: gl.constexpr, NARROW: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              SWAP: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """The wide tiles (stored by TMA unless swapped or split in two), then the narrow ones (stored from registers)."""
-    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
-                    k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, k_tiles, C, BLOCK_B, B_TAIL,
-                    GROUP, STAGES, SWAP, HAS_BIAS, not SWAP and B_TAIL == 0)  # fmt: skip
+def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
+              stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, C: gl.constexpr,
+              BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr, GROUP: gl.constexpr,
+              STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+              A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+    """The wide tiles (stored by TMA where ``TMA_STORE``), then the narrow ones (stored from registers)."""
+    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
+                    stride_cm, k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, k_tiles, C, BLOCK_B,
+                    B_TAIL, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS, A_BOX)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
-        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm, step, first,
-                 num_narrow, num_pid_a, num_pid_n, n_split, k_tiles, C, NARROW, 0, GROUP, STAGES, SWAP, HAS_BIAS,
-                 False)  # fmt: skip
-    if not SWAP and B_TAIL == 0:
+        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
+                 stride_cm, step, first, num_narrow, num_pid_a, num_pid_n, n_split, k_tiles, C, NARROW, 0, GROUP,
+                 STAGES, SWAP, HAS_BIAS, False, A_ROWS, A_BOX)  # fmt: skip
+    if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _gemm_ws_kernel(a_desc, b_desc, bt_desc, bn_desc, c_desc, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
+def _gemm_ws_kernel(a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
                     num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B: gl.constexpr,
                     B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-                    STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, REGS_C: gl.constexpr,
-                    REGS_P: gl.constexpr):  # fmt: skip
-    """``num_warps`` = 4 (one consumer warpgroup); the other consumer and the producer are workers. A tile is 128 A
-    rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split`` on are NARROW-wide tiles."""
-    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
+                    STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+                    A_ROWS: gl.constexpr, A_BOX: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
+    """``num_warps`` = 4 (one consumer warpgroup); the other consumers (A_ROWS / 64 in all: 2 or 3) and the producer
+    are workers. A tile is A_ROWS A rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split``
+    on are NARROW-wide tiles. ``TMA_STORE`` (unswapped only): wide tiles through shared memory by TMA."""
+    CONSUMERS: gl.constexpr = A_ROWS // 64
+    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (A_ROWS // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
     if B_TAIL > 0:
         bt_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, B_TAIL, BLOCK_K], bt_desc.layout)
     else:
         bt_ring = b_ring  # unused
-    if SWAP or B_TAIL > 0:
-        c_smem = a_ring  # unused: stored from registers
+    if TMA_STORE:
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, BLOCK_B], c_desc.layout)
+        if B_TAIL > 0:
+            ct_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, B_TAIL], ct_desc.layout)
+        else:
+            ct_smem = c_smem  # unused
     else:
-        c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BLOCK_B], c_desc.layout)
+        c_smem = a_ring  # unused: stored from registers
+        ct_smem = a_ring
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    gl.warp_specialize(
-        [
-            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
-                         num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, 0, BLOCK_B, B_TAIL,
-                         NARROW, GROUP, STAGES, SWAP, HAS_BIAS)),
-            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
-                         num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, 1, BLOCK_B, B_TAIL,
-                         NARROW, GROUP, STAGES, SWAP, HAS_BIAS)),
-            (_producer, (a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
-                         num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B, B_TAIL, NARROW,
-                         BLOCK_K, GROUP, STAGES)),
-        ],
-        [4, 1],
-        [REGS_C, REGS_P],
-    )  # fmt: skip
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    if CONSUMERS == 3:
+        gl.warp_specialize(
+            [
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
+                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
+                             k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                             A_BOX)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
+                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
+                             k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                             A_BOX)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
+                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
+                             k_tiles, 2, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                             A_BOX)),
+                (_producer, (a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
+                             num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B, B_TAIL, NARROW,
+                             BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX)),
+            ],
+            [4, 4, 1],
+            [REGS_C, REGS_C, REGS_P],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
+                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
+                             k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                             A_BOX)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
+                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
+                             k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                             A_BOX)),
+                (_producer, (a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
+                             num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B, B_TAIL, NARROW,
+                             BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX)),
+            ],
+            [4, 1],
+            [REGS_C, REGS_P],
+        )  # fmt: skip
 
 
 def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -271,10 +321,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def a_box(cfg: GemmConfig) -> int:
+    """Rows of one A load (TMA boxes are powers of two): the whole 128-row A tile, or each consumer's 64 of 192."""
+    return cfg.block_m if cfg.block_m & (cfg.block_m - 1) == 0 else 64
+
+
+def tma_stored(cfg: GemmConfig) -> bool:
+    """Whether ``cfg``'s wide tiles are stored by TMA: unswapped, and without a B tail or with ``TAIL_TMA_STORE``."""
+    return not cfg.swap_ab and (not cfg.tail_m or TAIL_TMA_STORE)
+
+
 @dataclass(frozen=True)
 class Launch:
-    """One launch's geometry: A is X (or W swapped), B the other; a wide tile is 128 A rows x (block_b + b_tail) B
-    rows; with ``n_split`` set, B rows from it on are ``narrow``-wide tiles dealt after the wide ones."""
+    """One launch's geometry: A is X (or W swapped), B the other; a wide tile is ``block_m`` A rows x (block_b +
+    b_tail) B rows; with ``n_split`` set, B rows from it on are ``narrow``-wide tiles dealt after the wide ones."""
 
     grid: int
     tiles: int
@@ -291,7 +351,7 @@ def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
     is sized from the wide tiles as :func:`h3gate.kernels.gemm.matmul` sizes it, the narrow split from
     :func:`h3gate.kernels.gemm_configs.tail_split` (normal orientation without a B tail only)."""
     a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
-    pid_a = _cdiv(a_rows, BLOCK_A)
+    pid_a = _cdiv(a_rows, cfg.block_m)
     width = cfg.block_n + cfg.tail_m
     grid = min(pid_a * _cdiv(b_rows, width), programs)
     n_split = None
@@ -304,37 +364,47 @@ def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> tuple:
-    """Host TMA descriptors (A, B, B tail, B narrow, C): the tail / narrow / C ones None where unused (C, a
-    consumer's 64-row half of a wide tile, only for TMA-stored tiles: normal orientation without a B tail)."""
+    """Host TMA descriptors (A, B, B tail, B narrow, C, C tail): None where unused (C, a consumer's 64 rows of a wide
+    tile's first ``block_n`` columns, and C tail, its ``tail_m`` more, only for TMA-stored tiles)."""
     a, b = (w, x) if cfg.swap_ab else (x, w)
     bk = cfg.block_k
-    tma_store = not cfg.swap_ab and not cfg.tail_m
+    stored = tma_stored(cfg)
     return (
-        _desc(a, [BLOCK_A, bk]),
+        _desc(a, [a_box(cfg), bk]),
         _desc(b, [cfg.block_n, bk]),
         _desc(b, [cfg.tail_m, bk]) if cfg.tail_m else None,
         _desc(b, [cfg.tail_block_n, bk]) if split else None,
-        _desc(y, [64, cfg.block_n]) if tma_store else None,
+        _desc(y, [64, cfg.block_n]) if stored else None,
+        _desc(y, [64, cfg.tail_m]) if stored and cfg.tail_m else None,
     )
+
+
+def launch_constants(cfg: GemmConfig, split: bool, bias: bool) -> dict:
+    """The kernel's compile-time constants for ``cfg`` (``split``: narrow tiles launched; ``bias``: a bias added) and
+    the launch's register limit (``maxnreg``): everything :func:`matmul_ws` passes but the tensors and sizes."""
+    consumers = cfg.block_m // 64
+    return {"BLOCK_B": cfg.block_n, "B_TAIL": cfg.tail_m, "NARROW": cfg.tail_block_n if split else 0,
+            "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages, "SWAP": cfg.swap_ab,
+            "HAS_BIAS": bias, "TMA_STORE": tma_stored(cfg), "A_ROWS": cfg.block_m, "A_BOX": a_box(cfg),
+            "REGS_C": REGS[consumers][0], "REGS_P": REGS[consumers][1], "maxnreg": WS_MAXNREG[consumers]}  # fmt: skip
 
 
 def matmul_ws(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig, programs: int
 ) -> torch.Tensor:
     """``y (M, N) = x (M, K) @ w (N, K)^T [+ bias]`` (contiguous bfloat16, 16-byte aligned rows and bases, CUDA) with
-    ``cfg``'s tiling read this way: ``block_n`` the wide tile's B rows (weight rows, or tokens with ``swap_ab``),
-    ``tail_m`` more B rows in a second MMA (0: none), ``tail_block_n`` the narrow tiles' width (normal orientation),
-    ``group_m`` the swizzle, ``num_stages`` the ring depth; ``block_m`` is 128 (two consumers of 64 A rows).
-    FP32 accumulation over ascending ``block_k`` chunks, one rounding; ``programs``: the SM count."""
+    ``cfg``'s tiling read this way: ``block_m`` the A rows of a tile (128 or 192: two or three consumers of 64),
+    ``block_n`` the wide tile's B rows (weight rows, or tokens with ``swap_ab``), ``tail_m`` more B rows in a second
+    MMA (0: none), ``tail_block_n`` the narrow tiles' width (normal orientation), ``group_m`` the swizzle,
+    ``num_stages`` the ring depth. FP32 accumulation over ascending ``block_k`` chunks, one rounding; ``programs``:
+    the SM count."""
     m, k = x.shape
     n = w.shape[0]
     p = plan(m, n, k, cfg, programs)
-    a_desc, b_desc, bt_desc, bn_desc, c_desc = descriptors(x, w, y, cfg, p.n_split is not None)
+    a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc = descriptors(x, w, y, cfg, p.n_split is not None)
     _gemm_ws_kernel[(p.grid,)](
-        a_desc, b_desc, bt_desc, bn_desc, c_desc, y, bias if bias is not None else y, m, n, y.stride(0), p.tiles,
-        p.pid_a, p.pid_b, p.n_split or 0, p.narrow_tiles, p.pid_n, p.k_tiles, BLOCK_B=cfg.block_n, B_TAIL=cfg.tail_m,
-        NARROW=cfg.tail_block_n if p.n_split is not None else 0, BLOCK_K=cfg.block_k, GROUP=cfg.group_m,
-        STAGES=cfg.num_stages, SWAP=cfg.swap_ab, HAS_BIAS=bias is not None, REGS_C=REGS[0], REGS_P=REGS[1],
-        num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
+        a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc, y, bias if bias is not None else y, m, n, y.stride(0),
+        p.tiles, p.pid_a, p.pid_b, p.n_split or 0, p.narrow_tiles, p.pid_n, p.k_tiles, num_warps=4,
+        **launch_constants(cfg, p.n_split is not None, bias is not None), **STRICT_LAUNCH,
     )  # fmt: skip
     return y

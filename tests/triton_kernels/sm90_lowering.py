@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -125,14 +126,12 @@ def gemm_gluon_facts(cfg, bias: bool) -> dict:
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
     y = torch.empty(300, 512, dtype=torch.bfloat16)
     split = bool(cfg.tail_block_n)
-    names = ("a_desc", "b_desc", "bt_desc", "bn_desc", "c_desc")
+    names = ("a_desc", "b_desc", "bt_desc", "bn_desc", "c_desc", "ct_desc")
     descs = dict(zip(names, gemm_gluon.descriptors(x, w, y, cfg, split), strict=True))
     args = {"c_ptr": y, "bias_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
     consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(BLOCK_B=cfg.block_n, B_TAIL=cfg.tail_m, NARROW=cfg.tail_block_n if split else 0,
-                  BLOCK_K=cfg.block_k, GROUP=cfg.group_m, STAGES=cfg.num_stages, SWAP=cfg.swap_ab, HAS_BIAS=bias,
-                  REGS_C=gemm_gluon.REGS[0], REGS_P=gemm_gluon.REGS[1])  # fmt: skip
-    return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, gemm_gluon.WS_MAXNREG)
+    consts.update(gemm_gluon.launch_constants(cfg, split, bias))
+    return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, consts.pop("maxnreg"))
 
 
 def main() -> None:
@@ -166,6 +165,8 @@ def main() -> None:
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     for i, (tag, cfg) in enumerate(sorted(tilings.items())):
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
+    three = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)  # three consumers, a B tail
+    out["gemm_gluon:three_consumers"] = gemm_gluon_facts(three, bias=True)
     json.dump(out, sys.stdout)
 
 

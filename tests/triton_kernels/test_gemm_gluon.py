@@ -85,7 +85,7 @@ def test_shipped_gluon_buckets_keep_each_layers_k_tiling() -> None:
     assert bounds == [512, 1024, 8192, None]
     for _, table in gemm_configs.GLUON_BUCKETS:
         for key, cfg in table.items():
-            assert cfg.gluon and cfg.block_m == 128 and cfg.block_k == gemm_configs.TABLE[key].block_k, key
+            assert cfg.gluon and cfg.block_m in (128, 192) and cfg.block_k == gemm_configs.TABLE[key].block_k, key
 
 
 def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> None:
@@ -110,7 +110,8 @@ def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> 
 @pytest.mark.parametrize(
     "fields",
     [
-        {"block_m": 64},  # two consumers of 64 rows: 128
+        {"block_m": 64},  # two or three consumers of 64 rows: 128 or 192
+        {"block_m": 256},  # four consumers' accumulators do not fit the register file
         {"num_warps": 8},  # one warpgroup a consumer: the tag would misstate the launch
         {"block_n": 136},  # register tiles are powers of two: 128 + a tail of 8 instead
         {"tail_m": 4},  # the MMA's N is at least 8
@@ -135,17 +136,24 @@ def _dealt(p, programs: int) -> tuple[list[int], list[int]]:
     return wide, narrow
 
 
-@pytest.mark.parametrize("m", [1, 7, 136, 137, 264, 300, 925, 3160, 38974])
+# Three consumers of 64 rows with a B tail (192 x (128 + 64)), beside the shipped tilings.
+THREE_CONSUMERS = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)
+
+
+@pytest.mark.parametrize("m", [1, 7, 136, 137, 191, 192, 193, 264, 300, 925, 3160, 38974])
 def test_every_output_tile_is_computed_exactly_once(m) -> None:
-    """For every shipped Gluon tiling: A tiles cover the A rows, wide tiles the B rows up to the split, narrow tiles
-    the rest, the K chunks all of K, and the persistent deal hands each tile to exactly one program."""
+    """For every shipped Gluon tiling (and a three-consumer one): A tiles cover the A rows, wide tiles the B rows up
+    to the split, narrow tiles the rest, the K chunks all of K, and the persistent deal hands each tile to exactly
+    one program."""
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
+    tilings[THREE_CONSUMERS.tag] = THREE_CONSUMERS
     for cfg in tilings.values():
         for n, k in (QKV, O_PROJ, GATE_UP, DOWN):
             p = gemm_gluon.plan(m, n, k, cfg, programs=132)
             a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
             width = cfg.block_n + cfg.tail_m
-            assert p.pid_a * 128 >= a_rows > (p.pid_a - 1) * 128 and p.k_tiles * cfg.block_k >= k
+            rows = cfg.block_m
+            assert p.pid_a * rows >= a_rows > (p.pid_a - 1) * rows and p.k_tiles * cfg.block_k >= k
             split = b_rows if p.n_split is None else p.n_split
             assert p.pid_b * width >= split > (p.pid_b - 1) * width and p.tiles == p.pid_a * p.pid_b
             if p.n_split is not None:
@@ -161,3 +169,26 @@ def test_small_m_tilings_fill_one_wave_at_the_tiny_layout() -> None:
     cfg_o = gemm_configs.gluon_config(*O_PROJ, BF16, 264)
     assert gemm_gluon.plan(264, *QKV, cfg_qkv, 132).grid == 112
     assert gemm_gluon.plan(264, *O_PROJ, cfg_o, 132).grid == 126
+
+
+def test_three_consumers_load_a_in_64_row_boxes_and_store_both_parts_by_tma(monkeypatch) -> None:
+    """TMA boxes are powers of two: a 192-row A tile is three 64-row boxes (one a consumer), a 128-row one a single
+    box; the B tail's columns get their own C box where the wide tile is stored by TMA, none when it is swapped or
+    the knob stores it from registers. Three consumers launch with 16 warps' registers (16 x 128 = 64K)."""
+    x, w = torch.zeros(300, 256, dtype=BF16), torch.zeros(512, 256, dtype=BF16)
+    y = torch.zeros(300, 512, dtype=BF16)
+    a, b, bt, bn, c, ct = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
+    assert a.block_shape == [64, 64] and b.block_shape == [128, 64] and bt.block_shape == [64, 64] and bn is None
+    assert c.block_shape == [64, 128] and ct.block_shape == [64, 64]
+    consts = gemm_gluon.launch_constants(THREE_CONSUMERS, split=False, bias=False)
+    assert (consts["A_ROWS"], consts["A_BOX"], consts["TMA_STORE"], consts["maxnreg"]) == (192, 64, True, 128)
+    assert 3 * 128 * consts["REGS_C"] + 128 * consts["REGS_P"] <= 16 * 32 * consts["maxnreg"] == 65536
+    wide = gemm_configs._GLUON_WIDE
+    assert gemm_gluon.descriptors(x, w, y, wide, split=False)[0].block_shape == [128, 64]
+    two = gemm_gluon.launch_constants(wide, split=False, bias=True)
+    assert (two["A_ROWS"], two["A_BOX"], two["maxnreg"]) == (128, 128, 168) and 12 * 32 * 168 <= 65536
+    monkeypatch.setattr(gemm_gluon, "TAIL_TMA_STORE", False)
+    *_, c, ct = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
+    assert c is None and ct is None and not gemm_gluon.launch_constants(THREE_CONSUMERS, False, False)["TMA_STORE"]
+    swapped = gemm_configs._GLUON_SWAP8
+    assert gemm_gluon.descriptors(x, w, y, swapped, split=False)[4:] == (None, None)
