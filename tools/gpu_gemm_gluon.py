@@ -6,7 +6,11 @@
 * ``bytes``: each variant's output against the production strict forward (``gemm.linear``, the Triton kernel),
   byte for byte, for the block's four layers at M = 264, 925, 3160 (and 38974 at ``time``), plus one case with a bias;
 * ``time``: device-only medians (``triton.testing.do_bench_cudagraph``) and eager medians (``do_bench``) of cuBLAS
-  (``F.linear``), the production strict forward and every variant at M = 264, 925, 3160 and 38974.
+  (``F.linear``), the production strict forward and every variant at M = 264, 925, 3160 and 38974;
+* ``grouped``: q, k, v (three (7168, 5376) weights on one X) by one grouped launch (``gemm_gluon.matmul_ws_grouped``,
+  group_m 8 / 16 / 32) against the production strict forward called three times, byte for byte at M = 925, 1000,
+  3160, 3163 (and 38974 when timed), and timed beside cuBLAS called three times and cuBLAS on the weights
+  concatenated once beforehand (one (21504, 5376) product; its output columns are q, k, v side by side).
 
 A variant that fails to compile, launch or run is recorded with its error, never fatal. Prints one line per record.
 """
@@ -147,5 +151,58 @@ def _time(records: list, variants: list[str], small: bool) -> None:
             torch.cuda.empty_cache()
 
 
+GROUPED = {f"grouped_g{g}": replace(_N, group_m=g) for g in (8, 16, 32)}
+
+
+def _grouped_case(m: int) -> tuple:
+    n, k = LAYERS.get("qkv", (7168, 5376))
+    x, wq, _ = _inputs(m, n, k, seed=m)
+    _, wk, _ = _inputs(1, n, k, seed=m + 1)
+    _, wv, _ = _inputs(1, n, k, seed=m + 2)
+    return x, (wq, wk, wv)
+
+
+def _grouped_fn(cfg: GemmConfig, x: torch.Tensor, ws: tuple):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ys = [torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+    return lambda: gemm_gluon.matmul_ws_grouped(x, ws, ys, cfg, sms)
+
+
+def _grouped_fns(x: torch.Tensor, ws: tuple) -> dict:
+    cat = torch.cat(ws)
+    fns = {"cublas3": lambda: [F.linear(x, w) for w in ws], "cublas_cat": lambda: F.linear(x, cat),
+           "strict3": lambda: [gemm.linear(x, w) for w in ws]}  # fmt: skip
+    return {**fns, **{name: _grouped_fn(cfg, x, ws) for name, cfg in GROUPED.items()}}
+
+
+def _grouped(records: list, variants: list[str], small: bool) -> None:
+    for m in (925, 1000, 3160, 3163, 38974):
+        if small and m != 3160:
+            continue
+        x, ws = _grouped_case(m)
+        with torch.no_grad():
+            ref = [gemm.linear(x, w) for w in ws]
+            fns = _grouped_fns(x, ws)
+            n, k = ws[0].shape
+            rec = {"section": "grouped", "m": m, "tflops_per_ms": 3 * 2 * m * n * k / 1e9, "graph_ms": {},
+                   "equal": {}, "errors": {}}  # fmt: skip
+            for name, fn in fns.items():
+                try:
+                    if name.startswith("grouped"):
+                        rec["equal"][name] = all(bits_equal(a, b) for a, b in zip(fn(), ref, strict=True))
+                    if m in (925, 3160, 38974):
+                        rec["graph_ms"][name] = _time_one(fn, True)
+                except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
+                    rec["errors"][name] = error_text(exc)
+        g = rec["graph_ms"]
+        rec["vs_cublas3_graph"] = {nm: g["cublas3"] / t for nm, t in g.items() if g.get("cublas3") and t}
+        rec["vs_cublas_cat_graph"] = {nm: g["cublas_cat"] / t for nm, t in g.items() if g.get("cublas_cat") and t}
+        keys = ("m", "vs_cublas3_graph", "vs_cublas_cat_graph", "equal", "errors")
+        print({key: rec[key] for key in keys}, flush=True)
+        records.append(rec)
+        del x, ws, ref, fns
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    raise SystemExit(probe_main(VARIANTS, {"bytes": _bytes, "time": _time}))
+    raise SystemExit(probe_main(VARIANTS, {"bytes": _bytes, "time": _time, "grouped": _grouped}))

@@ -253,6 +253,15 @@ GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfi
 )
 
 
+# Sibling projections (q, k, v: weights of one shape on the same X) as one grouped Gluon launch
+# (h3gate.kernels.gemm_gluon.matmul_ws_grouped) from GROUPED_FROM rows: 128 x 256 tiles over the weights'
+# concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes; it exists for the waves
+# (q, k, v at M = 3160: 700 tiles each, 5.3 waves on 132 SMs, 2100 together, 15.9).
+GLUON_GROUPED = _GLUON_WIDE
+GROUPED_FROM = 512
+GROUPED_LAYERS = (_QKV,)
+
+
 def _check_gluon_buckets() -> None:
     """Bounds ascend (the last None), every entry is a Gluon forward tiling of a layer in TABLE with its BLOCK_K, and
     the layer's rows are 16-byte aligned (TMA)."""
@@ -272,6 +281,8 @@ def _check_gluon_buckets() -> None:
 
 
 _check_gluon_buckets()
+if any(TABLE[key].block_k != GLUON_GROUPED.block_k or key[0] != "fwd" for key in GROUPED_LAYERS):
+    raise AssertionError("gemm_configs.GROUPED_LAYERS: forward layers whose BLOCK_K is GLUON_GROUPED's")
 
 
 def gluon_config(n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig | None:
@@ -375,3 +386,17 @@ def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
     m = x.numel() // k if k else 0
     cfg = gluon_config(n, k, x.dtype, m) if m else None
     return cfg if cfg is not None and hopper(x.device.index) else None
+
+
+def grouped_tiling(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> GemmConfig | None:
+    """The tiling when one grouped Gluon launch runs ``x (..., K) @ w^T`` for every ``w`` in ``weights`` (two or three
+    of one shape, a layer in GROUPED_LAYERS, at least GROUPED_FROM rows, each weight's own forward a Gluon tiling
+    here), else None: the caller runs them one by one, with the same bytes."""
+    if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
+        return None
+    n, k = weights[0].shape
+    if ("fwd", n, k, dtype_name(x.dtype)) not in GROUPED_LAYERS or n % GLUON_GROUPED.block_n:
+        return None
+    if x.numel() // k < GROUPED_FROM or gluon_tiling(x, weights[0]) is None:
+        return None
+    return GLUON_GROUPED

@@ -27,11 +27,15 @@ N read TMA's zero fill and are never stored. Which program, partition, tile or M
 The bytes equal the Triton kernel's on the H200 at every case probed (``tools/gpu_gemm_gluon.py``,
 ``docs/measurements/perf-probe-{30,31,32}.json``).
 
+A grouped launch (:func:`matmul_ws_grouped`) runs two or three weights of one shape on the same X (q, k, v) as one
+product over the weights' concatenation, each tile's B loads and C store addressed to its own weight and output.
+
 GPU only (Gluon has no interpreter; the CPU interpreter runs the Triton kernel, the same arithmetic); sm_90, bfloat16.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +79,34 @@ def _tile_coords(tile_id, num_pid_a, num_pid_b, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, n_tiles, num_pid_a,
-             num_pid_b, col0, k_tiles, NB: gl.constexpr, NT: gl.constexpr, BLOCK_K: gl.constexpr,
-             GROUP: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+def _group_of(pid_b, per_group, NB: gl.constexpr):
+    """Grouped launches: B tile ``pid_b`` of the operands' concatenation is tile ``pid_b - g * per_group`` of operand
+    ``g``; returns (g, its first B row there)."""
+    g = pid_b // per_group
+    return g, (pid_b - g * per_group) * NB
+
+
+@gluon.jit
+def _load_b(b_desc, b1_desc, b2_desc, pid_b, per_group, k0, bar, dst, NB: gl.constexpr):
+    """Grouped launches: the NB rows of B tile ``pid_b`` at column ``k0`` from operand ``pid_b // per_group``."""
+    g, off = _group_of(pid_b, per_group, NB)
+    if g == 0:
+        _tma_load(b_desc, [off, k0], bar, dst)
+    elif g == 1:
+        _tma_load(b1_desc, [off, k0], bar, dst)
+    else:
+        _tma_load(b2_desc, [off, k0], bar, dst)
+
+
+@gluon.jit
+def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, n_tiles,
+             num_pid_a, num_pid_b, col0, per_group, k_tiles, NB: gl.constexpr, NT: gl.constexpr,
+             BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr,
+             A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """Tiles ``first``, ``first + programs``, ... of ``n_tiles`` (B rows ``col0 + pid_b * (NB + NT)``): each chunk's A
-    tile (A_ROWS rows), NB B rows (``b_desc``) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is
-    reloaded once every consumer released it. Returns the ring step after the last."""
+    tile (A_ROWS rows), NB B rows (``b_desc``; grouped: of ``b_desc``, ``b1_desc`` or ``b2_desc``, ``per_group`` B
+    tiles each) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is reloaded once every consumer
+    released it. Returns the ring step after the last."""
     for t in range(first, n_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
         off_b = col0 + pid_b * (NB + NT)
@@ -97,27 +123,31 @@ def _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step
             for i in gl.static_range(A_ROWS // A_BOX):
                 _tma_load(a_desc, [pid_a * A_ROWS + i * A_BOX, ki * BLOCK_K], bar,
                           a_ring.index(slot * (A_ROWS // A_BOX) + i))  # fmt: skip
-            _tma_load(b_desc, [off_b, ki * BLOCK_K], bar, b_ring.index(slot).slice(0, NB))
+            if GROUPS > 1:
+                _load_b(b_desc, b1_desc, b2_desc, pid_b, per_group, ki * BLOCK_K, bar, b_ring.index(slot).slice(0, NB),
+                        NB)  # fmt: skip
+            else:
+                _tma_load(b_desc, [off_b, ki * BLOCK_K], bar, b_ring.index(slot).slice(0, NB))
             step += 1
     return step
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles, num_pid_a,
-              num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
-              NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-              A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
+              num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles, BLOCK_B: gl.constexpr,
+              B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
+              STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The wide tiles, then (``NARROW`` > 0) the narrow tiles of the last columns, dealt on from the program after
     the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles)."""
-    step = _produce(a_desc, b_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0, gl.program_id(0),
-                    num_tiles, num_pid_a, num_pid_b, 0, k_tiles, BLOCK_B, B_TAIL, BLOCK_K, GROUP, STAGES,
-                    A_ROWS, A_BOX)  # fmt: skip
+    step = _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0,
+                    gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles, BLOCK_B, B_TAIL,
+                    BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX, GROUPS)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
-        _produce(a_desc, bn_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, num_narrow, num_pid_a,
-                 num_pid_n, n_split, k_tiles, NARROW, 0, BLOCK_K, GROUP, STAGES, A_ROWS,
-                 A_BOX)  # fmt: skip
+        _produce(a_desc, bn_desc, bn_desc, bn_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first,
+                 num_narrow, num_pid_a, num_pid_n, n_split, 0, k_tiles, NARROW, 0, BLOCK_K, GROUP, STAGES, A_ROWS,
+                 A_BOX, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -189,12 +219,14 @@ def _store_tma(acc, desc, smem, bias_ptr, off_i, off_j, N, NJ: gl.constexpr, HAS
 
 
 @gluon.jit
-def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
-             stride_cm, step, first, n_tiles, num_pid_a, num_pid_b, col0, k_tiles, C: gl.constexpr, NB: gl.constexpr,
-             NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
-             TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem, c_ptr,
+             bias_ptr, M, N, stride_cm, step, first, n_tiles, num_pid_a, num_pid_b, col0, per_group, k_tiles,
+             C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
+             SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr,
+             A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """Consumer ``C``'s rows ``C * 64 ...`` of the tiles :func:`_produce` loads with the same arguments, each then
-    stored (``TMA_STORE``: its bf16 part tiles through shared memory by TMA; else from registers)."""
+    stored (``TMA_STORE``: its bf16 part tiles through shared memory by TMA, grouped: into output ``c_desc``,
+    ``c1_desc`` or ``c2_desc`` by the tile's operand; else from registers)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     NT_L: gl.constexpr = NT if NT > 0 else 8
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -207,7 +239,15 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_s
                                      STAGES, A_ROWS, A_BOX)  # fmt: skip
         off_i = pid_a * A_ROWS + C * 64
         off_j = col0 + pid_b * (NB + NT)
-        if TMA_STORE:
+        if GROUPS > 1:  # unswapped, no B tail, no bias, TMA-stored (matmul_ws_grouped)
+            g, off_g = _group_of(pid_b, per_group, NB)
+            if g == 0:
+                _store_tma(acc, c_desc, c_smem.index(C), bias_ptr, off_i, off_g, N, NB, False)
+            elif g == 1:
+                _store_tma(acc, c1_desc, c_smem.index(C), bias_ptr, off_i, off_g, N, NB, False)
+            else:
+                _store_tma(acc, c2_desc, c_smem.index(C), bias_ptr, off_i, off_g, N, NB, False)
+        elif TMA_STORE:
             _store_tma(acc, c_desc, c_smem.index(C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
             if NT > 0:
                 _store_tma(acc_t, ct_desc, ct_smem.index(C), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
@@ -221,34 +261,38 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_s
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
-              stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, C: gl.constexpr,
-              BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr, GROUP: gl.constexpr,
-              STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-              A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem, c_ptr,
+              bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group,
+              k_tiles, C: gl.constexpr, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr,
+              GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+              TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The wide tiles (stored by TMA where ``TMA_STORE``), then the narrow ones (stored from registers)."""
-    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
-                    stride_cm, k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, k_tiles, C, BLOCK_B,
-                    B_TAIL, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS, A_BOX)  # fmt: skip
+    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem, c_ptr,
+                    bias_ptr, M, N, stride_cm, k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0,
+                    per_group, k_tiles, C, BLOCK_B, B_TAIL, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS, A_BOX,
+                    GROUPS)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
-        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr, M, N,
-                 stride_cm, step, first, num_narrow, num_pid_a, num_pid_n, n_split, k_tiles, C, NARROW, 0, GROUP,
-                 STAGES, SWAP, HAS_BIAS, False, A_ROWS, A_BOX)  # fmt: skip
-    if TMA_STORE:
+        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_desc, c_desc, ct_desc, c_smem, ct_smem, c_ptr,
+                 bias_ptr, M, N, stride_cm, step, first, num_narrow, num_pid_a, num_pid_n, n_split, 0, k_tiles, C,
+                 NARROW, 0, GROUP, STAGES, SWAP, HAS_BIAS, False, A_ROWS, A_BOX, 1)  # fmt: skip
+    if TMA_STORE or GROUPS > 1:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _gemm_ws_kernel(a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc, c_ptr, bias_ptr, M, N, stride_cm, num_tiles,
-                    num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B: gl.constexpr,
-                    B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-                    STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
-                    A_ROWS: gl.constexpr, A_BOX: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
+def _gemm_ws_kernel(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, c_desc, c1_desc, c2_desc, ct_desc, c_ptr,
+                    bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
+                    per_group, k_tiles, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr,
+                    BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr,
+                    GROUPS: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
     """``num_warps`` = 4 (one consumer warpgroup); the other consumers (A_ROWS / 64 in all: 2 or 3) and the producer
     are workers. A tile is A_ROWS A rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split``
-    on are NARROW-wide tiles. ``TMA_STORE`` (unswapped only): wide tiles through shared memory by TMA."""
+    on are NARROW-wide tiles. ``TMA_STORE`` (unswapped only): wide tiles through shared memory by TMA. ``GROUPS`` > 1
+    (:func:`matmul_ws_grouped`): B is the concatenation of ``b_desc``, ``b1_desc`` (and ``b2_desc``), ``per_group``
+    B tiles each, the outputs ``c_desc``, ``c1_desc`` (and ``c2_desc``)."""
     CONSUMERS: gl.constexpr = A_ROWS // 64
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (A_ROWS // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
@@ -273,21 +317,21 @@ def _gemm_ws_kernel(a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc, c_ptr, bi
     if CONSUMERS == 3:
         gl.warp_specialize(
             [
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
-                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
-                             k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
-                             A_BOX)),
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
-                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
-                             k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
-                             A_BOX)),
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
-                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
-                             k_tiles, 2, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
-                             A_BOX)),
-                (_producer, (a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
-                             num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B, B_TAIL, NARROW,
-                             BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
+                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
+                             num_pid_n, per_group, k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
+                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
+                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
+                             num_pid_n, per_group, k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
+                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
+                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
+                             num_pid_n, per_group, k_tiles, 2, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
+                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
+                (_producer, (a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty,
+                             num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles,
+                             BLOCK_B, B_TAIL, NARROW, BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX, GROUPS)),
             ],
             [4, 4, 1],
             [REGS_C, REGS_C, REGS_P],
@@ -295,17 +339,17 @@ def _gemm_ws_kernel(a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc, c_ptr, bi
     else:
         gl.warp_specialize(
             [
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
-                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
-                             k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
-                             A_BOX)),
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, ct_desc, c_smem, ct_smem, c_ptr, bias_ptr,
-                             M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
-                             k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
-                             A_BOX)),
-                (_producer, (a_desc, b_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
-                             num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, k_tiles, BLOCK_B, B_TAIL, NARROW,
-                             BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
+                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
+                             num_pid_n, per_group, k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
+                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
+                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
+                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
+                             num_pid_n, per_group, k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
+                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
+                (_producer, (a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty,
+                             num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles,
+                             BLOCK_B, B_TAIL, NARROW, BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX, GROUPS)),
             ],
             [4, 1],
             [REGS_C, REGS_P],
@@ -363,30 +407,37 @@ def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
     return Launch(grid, pid_a * pid_b, pid_a, pid_b, n_split, pid_a * pid_n, pid_n, _cdiv(k, cfg.block_k))
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> tuple:
-    """Host TMA descriptors (A, B, B tail, B narrow, C, C tail): None where unused (C, a consumer's 64 rows of a wide
-    tile's first ``block_n`` columns, and C tail, its ``tail_m`` more, only for TMA-stored tiles)."""
+def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> dict:
+    """Host TMA descriptors by kernel argument: A, B, B tail, B narrow, C (a consumer's 64 rows of a wide tile's first
+    ``block_n`` columns) and C tail (its ``tail_m`` more), the last two only for TMA-stored tiles, and the grouped
+    launch's further B and C (``b1_desc`` ...): None where unused."""
     a, b = (w, x) if cfg.swap_ab else (x, w)
     bk = cfg.block_k
     stored = tma_stored(cfg)
-    return (
-        _desc(a, [a_box(cfg), bk]),
-        _desc(b, [cfg.block_n, bk]),
-        _desc(b, [cfg.tail_m, bk]) if cfg.tail_m else None,
-        _desc(b, [cfg.tail_block_n, bk]) if split else None,
-        _desc(y, [64, cfg.block_n]) if stored else None,
-        _desc(y, [64, cfg.tail_m]) if stored and cfg.tail_m else None,
-    )
+    return {
+        "a_desc": _desc(a, [a_box(cfg), bk]),
+        "b_desc": _desc(b, [cfg.block_n, bk]),
+        "b1_desc": None,
+        "b2_desc": None,
+        "bt_desc": _desc(b, [cfg.tail_m, bk]) if cfg.tail_m else None,
+        "bn_desc": _desc(b, [cfg.tail_block_n, bk]) if split else None,
+        "c_desc": _desc(y, [64, cfg.block_n]) if stored else None,
+        "c1_desc": None,
+        "c2_desc": None,
+        "ct_desc": _desc(y, [64, cfg.tail_m]) if stored and cfg.tail_m else None,
+    }
 
 
-def launch_constants(cfg: GemmConfig, split: bool, bias: bool) -> dict:
-    """The kernel's compile-time constants for ``cfg`` (``split``: narrow tiles launched; ``bias``: a bias added) and
-    the launch's register limit (``maxnreg``): everything :func:`matmul_ws` passes but the tensors and sizes."""
+def launch_constants(cfg: GemmConfig, split: bool, bias: bool, groups: int = 1) -> dict:
+    """The kernel's compile-time constants for ``cfg`` (``split``: narrow tiles launched; ``bias``: a bias added;
+    ``groups``: operands of a grouped launch) and the launch's register limit (``maxnreg``): everything
+    :func:`matmul_ws` and :func:`matmul_ws_grouped` pass but the tensors and sizes."""
     consumers = cfg.block_m // 64
     return {"BLOCK_B": cfg.block_n, "B_TAIL": cfg.tail_m, "NARROW": cfg.tail_block_n if split else 0,
             "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages, "SWAP": cfg.swap_ab,
             "HAS_BIAS": bias, "TMA_STORE": tma_stored(cfg), "A_ROWS": cfg.block_m, "A_BOX": a_box(cfg),
-            "REGS_C": REGS[consumers][0], "REGS_P": REGS[consumers][1], "maxnreg": WS_MAXNREG[consumers]}  # fmt: skip
+            "GROUPS": groups, "REGS_C": REGS[consumers][0], "REGS_P": REGS[consumers][1],
+            "maxnreg": WS_MAXNREG[consumers]}  # fmt: skip
 
 
 def matmul_ws(
@@ -401,10 +452,44 @@ def matmul_ws(
     m, k = x.shape
     n = w.shape[0]
     p = plan(m, n, k, cfg, programs)
-    a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc = descriptors(x, w, y, cfg, p.n_split is not None)
     _gemm_ws_kernel[(p.grid,)](
-        a_desc, b_desc, bt_desc, bn_desc, c_desc, ct_desc, y, bias if bias is not None else y, m, n, y.stride(0),
-        p.tiles, p.pid_a, p.pid_b, p.n_split or 0, p.narrow_tiles, p.pid_n, p.k_tiles, num_warps=4,
+        **descriptors(x, w, y, cfg, p.n_split is not None), c_ptr=y, bias_ptr=bias if bias is not None else y, M=m,
+        N=n, stride_cm=y.stride(0), num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, n_split=p.n_split or 0,
+        num_narrow=p.narrow_tiles, num_pid_n=p.pid_n, per_group=0, k_tiles=p.k_tiles, num_warps=4,
         **launch_constants(cfg, p.n_split is not None, bias is not None), **STRICT_LAUNCH,
     )  # fmt: skip
     return y
+
+
+def groupable(cfg: GemmConfig, n: int, groups: int) -> bool:
+    """Whether :func:`matmul_ws_grouped` runs ``groups`` weights of ``n`` rows with ``cfg``: unswapped, no B tail,
+    two or three operands, ``n`` a multiple of ``block_n`` (no tile straddles two weights)."""
+    return not cfg.swap_ab and not cfg.tail_m and groups in (2, 3) and n % cfg.block_n == 0
+
+
+def matmul_ws_grouped(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], cfg: GemmConfig, programs: int
+) -> Sequence[torch.Tensor]:
+    """``ys[g] (M, N) = x (M, K) @ ws[g] (N, K)^T`` for two or three weights of one shape in one persistent launch
+    (no bias; :func:`groupable`): the tiles of the weights' concatenation (``G * N`` columns, ``block_n``-wide, none
+    straddling two weights) in :func:`matmul_ws`'s swizzled order, no narrow tiles. Each output element is the same
+    FP32 sum over ascending ``block_k`` chunks as :func:`matmul_ws` computes; only which program holds it differs, and
+    the tail of one weight's tiles fills the wave the next weight's begin (q, k, v at M = 3160: 2100 tiles, 15.9 waves
+    on 132 SMs, against 5.3 a weight)."""
+    m, k = x.shape
+    n, groups = ws[0].shape[0], len(ws)
+    if not groupable(cfg, n, groups) or any(w.shape != ws[0].shape for w in ws) or len(ys) != groups:
+        raise ValueError(f"gemm_gluon.matmul_ws_grouped: {groups} weights of {[tuple(w.shape) for w in ws]} with {cfg}")
+    per_group, pid_a = n // cfg.block_n, _cdiv(m, cfg.block_m)
+    tiles = pid_a * per_group * groups
+    descs = descriptors(x, ws[0], ys[0], cfg, False)
+    pairs = zip(ws[1:], ys[1:], strict=True)
+    extra = [(_desc(w, [cfg.block_n, cfg.block_k]), _desc(y, [64, cfg.block_n])) for w, y in pairs]
+    extra += extra[-1:] * (3 - groups)  # an unused third operand repeats the second
+    descs.update(b1_desc=extra[0][0], c1_desc=extra[0][1], b2_desc=extra[1][0], c2_desc=extra[1][1])
+    _gemm_ws_kernel[(min(tiles, programs),)](
+        **descs, c_ptr=ys[0], bias_ptr=ys[0], M=m, N=n, stride_cm=ys[0].stride(0), num_tiles=tiles, num_pid_a=pid_a,
+        num_pid_b=per_group * groups, n_split=0, num_narrow=0, num_pid_n=0, per_group=per_group,
+        k_tiles=_cdiv(k, cfg.block_k), num_warps=4, **launch_constants(cfg, False, False, groups), **STRICT_LAUNCH,
+    )  # fmt: skip
+    return ys

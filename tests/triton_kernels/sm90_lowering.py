@@ -32,7 +32,7 @@ _TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr
           "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32",
           **dict.fromkeys(("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow",
-                           "num_pid_n", "k_tiles"), "i32")}  # fmt: skip
+                           "num_pid_n", "per_group", "k_tiles"), "i32")}  # fmt: skip
 
 
 def ptx_facts(kernel, consts: dict, warps: int, stages: int, ptxas: bool = False) -> dict:
@@ -121,16 +121,19 @@ def gluon_bwd_facts(
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
-def gemm_gluon_facts(cfg, bias: bool) -> dict:
-    """The warp-specialised Gluon GEMM forward with tiling ``cfg`` (a production ``GLUON_BUCKETS`` entry)."""
+def gemm_gluon_facts(cfg, bias: bool, groups: int = 1) -> dict:
+    """The warp-specialised Gluon GEMM forward with tiling ``cfg`` (a production ``GLUON_BUCKETS`` entry); ``groups``
+    > 1: the grouped launch of that many weights (``matmul_ws_grouped``)."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
     y = torch.empty(300, 512, dtype=torch.bfloat16)
-    split = bool(cfg.tail_block_n)
-    names = ("a_desc", "b_desc", "bt_desc", "bn_desc", "c_desc", "ct_desc")
-    descs = dict(zip(names, gemm_gluon.descriptors(x, w, y, cfg, split), strict=True))
+    split = bool(cfg.tail_block_n) and groups == 1
+    descs = gemm_gluon.descriptors(x, w, y, cfg, split)
+    if groups > 1:
+        descs.update(b1_desc=descs["b_desc"], b2_desc=descs["b_desc"], c1_desc=descs["c_desc"],
+                     c2_desc=descs["c_desc"])  # fmt: skip
     args = {"c_ptr": y, "bias_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
     consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(gemm_gluon.launch_constants(cfg, split, bias))
+    consts.update(gemm_gluon.launch_constants(cfg, split, bias, groups))
     return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, consts.pop("maxnreg"))
 
 
@@ -167,6 +170,7 @@ def main() -> None:
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
     three = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)  # three consumers, a B tail
     out["gemm_gluon:three_consumers"] = gemm_gluon_facts(three, bias=True)
+    out["gemm_gluon:grouped_qkv"] = gemm_gluon_facts(gemm_configs.GLUON_GROUPED, bias=False, groups=3)
     json.dump(out, sys.stdout)
 
 

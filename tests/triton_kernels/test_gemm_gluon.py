@@ -177,18 +177,22 @@ def test_three_consumers_load_a_in_64_row_boxes_and_store_both_parts_by_tma(monk
     the knob stores it from registers. Three consumers launch with 16 warps' registers (16 x 128 = 64K)."""
     x, w = torch.zeros(300, 256, dtype=BF16), torch.zeros(512, 256, dtype=BF16)
     y = torch.zeros(300, 512, dtype=BF16)
-    a, b, bt, bn, c, ct = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
+    d = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
+    a, b, bt, bn, c, ct = (d[f"{n}_desc"] for n in ("a", "b", "bt", "bn", "c", "ct"))
+    assert d["b1_desc"] is d["b2_desc"] is d["c1_desc"] is d["c2_desc"] is None  # grouped launches only
     assert a.block_shape == [64, 64] and b.block_shape == [128, 64] and bt.block_shape == [64, 64] and bn is None
     assert c.block_shape == [64, 128] and ct.block_shape == [64, 64]
     consts = gemm_gluon.launch_constants(THREE_CONSUMERS, split=False, bias=False)
     assert (consts["A_ROWS"], consts["A_BOX"], consts["TMA_STORE"], consts["maxnreg"]) == (192, 64, True, 128)
     assert 3 * 128 * consts["REGS_C"] + 128 * consts["REGS_P"] <= 16 * 32 * consts["maxnreg"] == 65536
     wide = gemm_configs._GLUON_WIDE
-    assert gemm_gluon.descriptors(x, w, y, wide, split=False)[0].block_shape == [128, 64]
+    assert gemm_gluon.descriptors(x, w, y, wide, split=False)["a_desc"].block_shape == [128, 64]
     two = gemm_gluon.launch_constants(wide, split=False, bias=True)
     assert (two["A_ROWS"], two["A_BOX"], two["maxnreg"]) == (128, 128, 168) and 12 * 32 * 168 <= 65536
     monkeypatch.setattr(gemm_gluon, "TAIL_TMA_STORE", False)
-    *_, c, ct = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
-    assert c is None and ct is None and not gemm_gluon.launch_constants(THREE_CONSUMERS, False, False)["TMA_STORE"]
+    d = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
+    assert d["c_desc"] is None and d["ct_desc"] is None
+    assert not gemm_gluon.launch_constants(THREE_CONSUMERS, False, False)["TMA_STORE"]
     swapped = gemm_configs._GLUON_SWAP8
-    assert gemm_gluon.descriptors(x, w, y, swapped, split=False)[4:] == (None, None)
+    d = gemm_gluon.descriptors(x, w, y, swapped, split=False)
+    assert d["c_desc"] is None and d["ct_desc"] is None

@@ -139,7 +139,8 @@ def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
     """Every production Gluon GEMM tiling (gemm_configs.GLUON_BUCKETS), and a three-consumer one (192 x (128 + 64),
     both parts stored by TMA), lowers for sm_90 with TMA loads (A, B, and the B tail or the narrow tiles' B where it
     has them), every consumer's wgmma (4 k16 steps a chunk a consumer, twice that with a B tail MMA or narrow tiles),
-    register reallocation, no spill, and ptxas keeps the wgmma asynchronous."""
+    register reallocation, no spill, and ptxas keeps the wgmma asynchronous; so does the grouped q / k / v launch
+    (three weights' B loads and C stores)."""
     from dataclasses import replace
 
     from h3gate.kernels import gemm_configs
@@ -156,3 +157,6 @@ def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
         assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, (tag, got)
     three = facts["gemm_gluon:three_consumers"]  # three A boxes, B, B tail loads; two C stores per consumer
     assert three["cp.async.bulk.tensor"] >= 5 + 2 * 3, three
+    grouped = facts["gemm_gluon:grouped_qkv"]  # q, k, v in one launch: A, a B load and a C store for each weight
+    assert grouped["wgmma.mma_async"] == 8 and grouped["cp.async.bulk.tensor"] >= 1 + 3 + 3, grouped
+    assert grouped["wgmma_serialized"] is False and grouped["spill_bytes"] == 0, grouped
