@@ -185,6 +185,30 @@ def test_bench_declared_gemm_target(monkeypatch, tmp_path, rows, kernel_ms, buck
     assert not (tmp_path / "bad" / "bench-ops.json").exists()
 
 
+def test_bench_times_the_grouped_qkv_call_beside_one_by_one_and_concatenated(monkeypatch, tmp_path):
+    """The qkv GEMM's strict entry groups sibling calls: the bench times the grouped call on three weights next to
+    the kernel and the provider once a weight and the provider on the concatenated weights, records the ratios and
+    whether the outputs equal the one-by-one kernel's, and gates nothing with it. Other GEMMs record no group."""
+    from h3gate.bench import ops as bench_ops
+    from h3gate.commands.bench_cmd import bench_body
+    from h3gate.evidence.writer import write_evidence
+
+    real_case = bench_ops.build_case
+    monkeypatch.setattr(bench_ops, "build_case", lambda op, rows, cfg, dev, seed: real_case(op, 9, cfg, dev, seed))
+    ms = {"kernel": 1.0, "provider": 1.0, "kernel.grouped": 2.5, "kernel.one_by_one": 3.0,
+          "provider.one_by_one": 2.75, "provider.concatenated": 2.5}  # fmt: skip
+    monkeypatch.setattr(bench_ops, "side_by_side", _fake_timer(ms))
+    cfg = load_config("tiny").config
+    rec = bench_ops.bench_op("h3_qkv_gemm", 3160, cfg, "cpu", copy_gbs=1.0)
+    g = rec["grouped"]
+    assert g["weights"] == 3 and g["bitwise_one_by_one"] is True
+    assert (g["speedup"], g["vs_provider_concatenated"], g["vs_kernel_one_by_one"]) == (1.1, 1.0, 1.2)
+    assert rec["checks"]["target"] is True  # the single product's target, as before
+    write_evidence(tmp_path, "bench-ops.json", "bench", bench_body("tiny", "t", 3160, "cuda", 1.0, [rec]),
+                   command=["test"], device="cpu")  # fmt: skip
+    assert "grouped" not in bench_ops.bench_op("h3_attention_o_gemm", 3160, cfg, "cpu", copy_gbs=1.0)
+
+
 def test_side_by_side_spins_the_device_before_each_timed_call(monkeypatch):
     """With a head start, each timed call is flush -> calibrated device spin -> start event -> call -> end event, so
     the device reaches the start event only after the host has enqueued the call (CUDA faked: the order is checked)."""

@@ -15,6 +15,12 @@ Criteria (forward only; forward + backward is recorded, not gated). An operator 
   (:mod:`h3gate.bench.baselines`) timed in the same interleaved run next to kernel and provider. ``kind: compute``
   marks the copy-bandwidth check not applicable.
 
+An operator whose strict entry point groups sibling calls (``fn.grouped``: q, k, v of the qkv GEMM) is also timed
+as one grouped call on the case's weight and two more of its shape (``kernel.grouped``), next to the kernel and the
+provider called once a weight and the provider on the three weights concatenated beforehand (one product, its output
+columns side by side), and recorded under ``grouped`` with whether its outputs equal the one-by-one kernel's; it
+gates nothing.
+
 A case's ``bench_variants`` (attention: the walk order given as the identity and as a seeded permutation, i.e.
 the row gathers and scatters of the canonical order) are timed as ``kernel.<label>`` in the same interleaved runs
 and recorded under ``variants`` with their ratio to the plain kernel; they gate nothing.
@@ -140,6 +146,44 @@ def _variants_record(case: OpCase, fwd: dict, fb: dict | None) -> dict:
     return out
 
 
+GROUPED_TIMINGS = ("kernel.grouped", "kernel.one_by_one", "provider.one_by_one", "provider.concatenated")
+
+
+def _grouped_fns(case: OpCase, grouped: Callable, kernel: Callable, ref: Callable) -> tuple[dict, list]:
+    """Timed callables for the grouped record and its weights: the case's and two more of its shape (seeded)."""
+    x, w = case.args[0], case.args[1]
+    gen = torch.Generator(device=w.device).manual_seed(2)
+    ws = [w, *(randn(tuple(w.shape), w.dtype, w.device, gen) for _ in range(2))]
+    cat = torch.cat(ws)
+
+    def one_by_one(fn: Callable) -> Callable:
+        return lambda: [fn(x, v) for v in ws]
+
+    fns = (lambda: grouped(x, ws), one_by_one(kernel), one_by_one(ref), lambda: ref(x, cat))
+    return {name: _no_grad(fn) for name, fn in zip(GROUPED_TIMINGS, fns, strict=True)}, ws
+
+
+def _no_grad(fn: Callable) -> Callable:
+    def run():
+        with torch.no_grad():
+            return fn()
+
+    return run
+
+
+def _grouped_record(fwd: dict, bitwise: bool) -> dict:
+    """The grouped call's timing next to the one-by-one calls and the concatenated provider product, and its ratios."""
+    g = fwd["kernel.grouped"]["median_ms"]
+    return {
+        "weights": 3,
+        **{name.replace(".", "_"): fwd[name] for name in GROUPED_TIMINGS},
+        "speedup": _ratio(fwd["provider.one_by_one"]["median_ms"], g),
+        "vs_provider_concatenated": _ratio(fwd["provider.concatenated"]["median_ms"], g),
+        "vs_kernel_one_by_one": _ratio(fwd["kernel.one_by_one"]["median_ms"], g),
+        "bitwise_one_by_one": bitwise,
+    }
+
+
 def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int = 50) -> dict:
     """One operator's record: forward (gated), forward + backward and the backward alone (recorded; next to the
     declared baseline too, when there is one) timings, achieved bandwidth."""
@@ -149,9 +193,15 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
     target = registry.spec(op).bench
     variants = _variant_cases(case)
     baseline = BASELINES[target.baseline](ref) if target is not None and target.baseline != "provider" else None
+    grouped_fns, bitwise = {}, False
+    if getattr(binding.fn, "grouped", None) is not None:
+        grouped_fns, ws = _grouped_fns(case, binding.fn.grouped, binding.fn, ref)
     with launches.recording() as launched, torch.no_grad():  # one untimed call: the schedules the kernel notes
         case.call(binding.fn)
-    fns = {"kernel": _forward(case, binding.fn), "provider": _forward(case, ref)}
+        if grouped_fns:
+            outs = grouped_fns["kernel.grouped"]()
+            bitwise = all(torch.equal(o, binding.fn(case.args[0], w)) for o, w in zip(outs, ws, strict=True))
+    fns = {"kernel": _forward(case, binding.fn), "provider": _forward(case, ref), **grouped_fns}
     if baseline is not None:
         fns["baseline"] = _forward(case, baseline)
     fns.update({name: _forward(c, binding.fn) for name, c in variants.items()})
@@ -201,6 +251,7 @@ def bench_op(op: str, rows: int, cfg, device: str, copy_gbs: float, iters: int =
         "backward": None if bwd is None else _backward_record(bwd),
         "target": declared,
         **({"variants": _variants_record(case, fwd, fb)} if variants else {}),
+        **({"grouped": _grouped_record(fwd, bitwise)} if grouped_fns else {}),
         **({"launch": launched[""][op]} if op in launched.get("", {}) else {}),
         "checks": checks,
         "verdict": "pass" if all(v is not False for v in checks.values()) else "fail",

@@ -19,6 +19,7 @@ refiner reads ``q_norm``/``k_norm``. No cast anywhere: every op runs at its oper
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -42,13 +43,22 @@ BODY_PARAMS: tuple[str, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """A bias-free linear node function, ``ops[op](x[source], p[weight])``. Nodes whose functions are Gemms of one
+    operator on one source (q, k, v) may run as one grouped launch (:func:`h3gate.graph.execute.sibling_gemms`)."""
+
+    op: str
+    source: str
+    weight: str
+
+    def __call__(self, ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
+        return ops[self.op](x[self.source], p[self.weight])
+
+
 def gemm(op: str, source: str, weight: str) -> NodeFn:
-    """``ops[op](x[source], p[weight])``: a bias-free linear."""
-
-    def fn(ops: OpTable, x: Inputs, p: Inputs) -> torch.Tensor:
-        return ops[op](x[source], p[weight])
-
-    return fn
+    """``ops[op](x[source], p[weight])``: a bias-free linear (a :class:`Gemm`)."""
+    return Gemm(op, source, weight)
 
 
 def body_specs(heads: int, qk_eps: float, q: str, k: str, order: str | None = None) -> dict[str, BodySpec]:

@@ -7,6 +7,10 @@
   GPU), with overrides that may read any earlier value;
 * :func:`run_backward` - a chained forward under autograd on the caller's leaves, then ``out.backward(g)``.
 
+Sibling GEMMs (:func:`sibling_gemms`: consecutive :class:`~h3gate.graph.body_nodes.Gemm` nodes of one operator on
+one source, q / k / v, none overridden) run as one call of the bound operator's ``grouped`` where it has one (the
+strict GEMM: one grouped launch, the same bytes as one a node); :func:`run_node` alone always runs one node.
+
 Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
 own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
 every value computed so far (the ablation probes and run ws2's rank-local nodes). A stage runner that
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.errors import InputError
+from h3gate.graph.body_nodes import Gemm
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.kernels import launches
 
@@ -55,6 +60,41 @@ def run_node(
         return fn(ops, {k: values[k] for k in node.inputs}, params)
 
 
+def sibling_gemms(graph: Graph, k: int, ops: OpTable, overrides: Mapping[str, Override]) -> tuple[Node, ...]:
+    """Node ``k`` and the one or two nodes right after it when one grouped call may compute them: each a
+    :class:`Gemm` of the same operator on the same source, none overridden, and the table's callable for that
+    operator has a ``grouped`` (``fn(x, weights) -> outputs``, bitwise the calls one by one); else ()."""
+    first = graph.nodes[k].fn
+    if not isinstance(first, Gemm) or getattr(ops[first.op], "grouped", None) is None:
+        return ()
+    group: list[Node] = []
+    for node in graph.nodes[k : k + 3]:
+        fn = node.fn
+        if not isinstance(fn, Gemm) or (fn.op, fn.source) != (first.op, first.source) or node.name in overrides:
+            break
+        group.append(node)
+    return tuple(group) if len(group) > 1 else ()
+
+
+def _run_siblings(
+    graph: Graph,
+    k: int,
+    ops: OpTable,
+    values: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    overrides: Mapping[str, Override],
+) -> dict[str, torch.Tensor]:
+    """The outputs of :func:`sibling_gemms` ``(graph, k)`` by one grouped call, by node name (launches noted for each
+    of them), or {} where there are none."""
+    nodes = sibling_gemms(graph, k, ops, overrides)
+    if not nodes:
+        return {}
+    fns = [node.fn for node in nodes]
+    with launches.node(*(node.name for node in nodes)):
+        outs = ops[fns[0].op].grouped(values[fns[0].source], [params[fn.weight] for fn in fns])
+    return {node.name: out for node, out in zip(nodes, outs, strict=True)}
+
+
 def run_chained(
     graph: Graph,
     inputs: Mapping[str, torch.Tensor],
@@ -65,8 +105,12 @@ def run_chained(
     """Execute every node on its own upstream. Returns graph inputs plus every node output, by name."""
     values: Values = dict(inputs)
     overrides = node_overrides or {}
-    for node in graph.nodes:
-        values[node.name] = run_node(node, ops, values, params, overrides.get(node.name))
+    grouped: dict[str, torch.Tensor] = {}
+    for k, node in enumerate(graph.nodes):
+        if node.name not in grouped:
+            grouped = _run_siblings(graph, k, ops, values, params, overrides)
+        out = grouped.pop(node.name, None)
+        values[node.name] = run_node(node, ops, values, params, overrides.get(node.name)) if out is None else out
     return values
 
 
@@ -103,8 +147,13 @@ def iter_graph(
         raise InputError(f"graph {graph.name}: input {missing[0]} missing")
     last_use = last_uses(graph, overrides)
     values: dict[str, torch.Tensor] = dict(inputs)
+    grouped: dict[str, torch.Tensor] = {}
     for k, node in enumerate(graph.nodes):
-        out = run_node(node, ops, values, params, overrides.get(node.name))
+        if node.name not in grouped:
+            grouped = _run_siblings(graph, k, ops, values, params, overrides)
+        out = grouped.pop(node.name, None)
+        if out is None:
+            out = run_node(node, ops, values, params, overrides.get(node.name))
         values[node.name] = out
         yield node, out
         for name in [n for n, last in last_use.items() if last == k and n not in graph.inputs]:

@@ -36,6 +36,7 @@ import torch
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.graph.block import build_block_graph
+from h3gate.graph.body_nodes import Gemm
 from h3gate.graph.core import Graph, Node, OpTable
 from h3gate.graph.execute import NodeOverride as NodeOverride  # re-exported
 from h3gate.graph.execute import iter_graph as iter_graph  # re-exported
@@ -93,6 +94,9 @@ def _embed(sub: Graph, prefix: str, param_prefix: str, rename: Mapping[str, str]
 
         def fn(ops, x, p, _fn=node.fn, _local=node.inputs, _global=inputs):
             return _fn(ops, {lo: x[gl] for lo, gl in zip(_local, _global, strict=True)}, PrefixParams(p, param_prefix))
+
+        if isinstance(node.fn, Gemm):  # the same call on global names, still a Gemm (grouped launches)
+            fn = Gemm(node.fn.op, inputs[node.inputs.index(node.fn.source)], param_prefix + node.fn.weight)
 
         meta = {**node.meta, "rows": rows if node.row_dim is not None else "timestep", "stage": prefix[:-1]}
         meta["param_prefix"] = param_prefix

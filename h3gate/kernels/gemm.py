@@ -30,7 +30,9 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   the warp-specialised Gluon kernel (:mod:`h3gate.kernels.gemm_gluon`): the same per-element K walk (ascending BLOCK_K
   chunks of the same MMA instruction steps onto an FP32 accumulator from zero), bias and rounding, its tiles and
   their order scheduled differently (bytes equal to the Triton kernel's, ``docs/measurements/perf-probe-{30,31}.json``);
-  everywhere else, and always under the interpreter, the Triton kernel. ``launch_record`` names which ran.
+  everywhere else, and always under the interpreter, the Triton kernel. ``launch_record`` names which ran. Sibling
+  projections (q, k, v) may run as one grouped launch of the Gluon kernel (:mod:`h3gate.kernels.gemm_grouped`: each
+  element the same walk; bytes equal to one launch a weight, ``docs/measurements/perf-probe-36.json``).
 * compilation - every launch uses :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no FTZ).
 """
 
@@ -470,6 +472,20 @@ def _operator(op: str, impl=None, what: str = "the strict deterministic GEMM"):
 
 
 h3_qkv_gemm = _operator("h3_qkv_gemm")
+
+
+def _grouped(op: str):
+    """``fn(x, weights)``: operator ``op`` on sibling weights, one launch where it can (:mod:`.gemm_grouped`)."""
+
+    def fn(x: torch.Tensor, weights) -> list[torch.Tensor]:
+        from h3gate.kernels.gemm_grouped import linear_grouped
+
+        return linear_grouped(x, weights, op=op)
+
+    return fn
+
+
+h3_qkv_gemm.grouped = _grouped("h3_qkv_gemm")  # q, k, v (h3gate.graph.execute.sibling_gemms)
 h3_attention_o_gemm = _operator("h3_attention_o_gemm")
 h3_ffn_gate_up_gemm = _operator("h3_ffn_gate_up_gemm")
 h3_ffn_down_gemm = _operator("h3_ffn_down_gemm")

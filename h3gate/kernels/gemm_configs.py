@@ -254,11 +254,14 @@ GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfi
 
 
 # Sibling projections (q, k, v: weights of one shape on the same X) as one grouped Gluon launch
-# (h3gate.kernels.gemm_gluon.matmul_ws_grouped) from GROUPED_FROM rows: 128 x 256 tiles over the weights'
-# concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes; it exists for the waves
-# (q, k, v at M = 3160: 700 tiles each, 5.3 waves on 132 SMs, 2100 together, 15.9).
+# (h3gate.kernels.gemm_gluon.matmul_ws_grouped) for GROUPED_FROM <= M < GROUPED_BELOW: 128 x 256 tiles over the
+# weights' concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes (perf-probe-36.json:
+# equal at M = 925, 1000, 3160, 3163, 38974). It exists for the waves: q, k, v at M = 3160 are 700 tiles each, 5.3
+# waves on 132 SMs, 2100 together, 15.9; measured device-only against cuBLAS called three times 1.012x (GROUP_M 16;
+# one launch a weight 0.939x in the same run; cuBLAS on the weights concatenated 1.016x). Not at 925 (0.914 vs
+# 0.924) nor at 38974 (0.953-0.976 vs 0.981, where each weight's launch ends in narrow tiles).
 GLUON_GROUPED = _GLUON_WIDE
-GROUPED_FROM = 512
+GROUPED_FROM, GROUPED_BELOW = 1024, 8192
 GROUPED_LAYERS = (_QKV,)
 
 
@@ -390,13 +393,13 @@ def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
 
 def grouped_tiling(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> GemmConfig | None:
     """The tiling when one grouped Gluon launch runs ``x (..., K) @ w^T`` for every ``w`` in ``weights`` (two or three
-    of one shape, a layer in GROUPED_LAYERS, at least GROUPED_FROM rows, each weight's own forward a Gluon tiling
+    of one shape, a layer in GROUPED_LAYERS, GROUPED_FROM <= M < GROUPED_BELOW, each weight's own forward a Gluon tiling
     here), else None: the caller runs them one by one, with the same bytes."""
     if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
         return None
     n, k = weights[0].shape
     if ("fwd", n, k, dtype_name(x.dtype)) not in GROUPED_LAYERS or n % GLUON_GROUPED.block_n:
         return None
-    if x.numel() // k < GROUPED_FROM or gluon_tiling(x, weights[0]) is None:
+    if not GROUPED_FROM <= x.numel() // k < GROUPED_BELOW or gluon_tiling(x, weights[0]) is None:
         return None
     return GLUON_GROUPED

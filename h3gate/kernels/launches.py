@@ -16,7 +16,7 @@ from contextvars import ContextVar
 Log = dict[str, dict[str, list[dict]]]
 
 _LOG: ContextVar[Log | None] = ContextVar("h3gate_launch_log", default=None)
-_NODE: ContextVar[str] = ContextVar("h3gate_launch_node", default="")
+_NODE: ContextVar[tuple[str, ...]] = ContextVar("h3gate_launch_node", default=("",))
 
 
 @contextmanager
@@ -31,9 +31,10 @@ def recording() -> Iterator[Log]:
 
 
 @contextmanager
-def node(name: str) -> Iterator[None]:
-    """Launches noted within the block belong to node ``name``."""
-    token = _NODE.set(name)
+def node(*names: str) -> Iterator[None]:
+    """Launches noted within the block belong to node ``names[0]`` (and to every further name: nodes one grouped
+    launch computes together)."""
+    token = _NODE.set(names)
     try:
         yield
     finally:
@@ -45,10 +46,11 @@ def note(op: str, describe: Callable[[], dict]) -> None:
     log = _LOG.get()
     if log is None:
         return
-    seen = log.setdefault(_NODE.get(), {}).setdefault(op, [])
     record = describe()
-    if record not in seen:
-        seen.append(record)
+    for name in _NODE.get():
+        seen = log.setdefault(name, {}).setdefault(op, [])
+        if record not in seen:
+            seen.append(record)
 
 
 def merge(into: Log, log: Log) -> None:
