@@ -383,23 +383,29 @@ def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
     """The Gluon tiling when the warp-specialised Gluon kernel runs the forward of ``x (..., K) @ weight (N, K)^T``
     here (``gemm_configs.GLUON_BUCKETS`` lists the layer at this M; bfloat16 on a Hopper GPU; not interpreted),
     else None (the Triton kernel runs it; also for an empty call). Both have this contract's K walk and bytes."""
-    if INTERPRET or x.device.type != "cuda" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return None
     n, k = weight.shape
     m = x.numel() // k if k else 0
     cfg = gluon_config(n, k, x.dtype, m) if m else None
-    return cfg if cfg is not None and hopper(x.device.index) else None
+    return cfg if cfg is not None and gluon_runs(x) else None
+
+
+def gluon_runs(x: torch.Tensor) -> bool:
+    """Whether the Gluon kernels can run on ``x``'s device here: a Hopper GPU, not interpreted."""
+    return not INTERPRET and x.device.type == "cuda" and hopper(x.device.index)
 
 
 def grouped_tiling(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> GemmConfig | None:
     """The tiling when one grouped Gluon launch runs ``x (..., K) @ w^T`` for every ``w`` in ``weights`` (two or three
-    of one shape, a layer in GROUPED_LAYERS, GROUPED_FROM <= M < GROUPED_BELOW, each weight's own forward a Gluon tiling
-    here), else None: the caller runs them one by one, with the same bytes."""
+    of one shape, bfloat16, a layer in GROUPED_LAYERS, GROUPED_FROM <= M < GROUPED_BELOW, the Gluon kernels runnable
+    here: :func:`gluon_runs`), else None: the caller runs them one by one, with the same bytes. Each weight's own
+    launch need not be Gluon's (qkv at M = 3160 runs the Triton tiling alone): the K walk is the layer's either way."""
     if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
         return None
     n, k = weights[0].shape
     if ("fwd", n, k, dtype_name(x.dtype)) not in GROUPED_LAYERS or n % GLUON_GROUPED.block_n:
         return None
-    if not GROUPED_FROM <= x.numel() // k < GROUPED_BELOW or gluon_tiling(x, weights[0]) is None:
+    if x.dtype != torch.bfloat16 or not GROUPED_FROM <= x.numel() // k < GROUPED_BELOW or not gluon_runs(x):
         return None
     return GLUON_GROUPED
