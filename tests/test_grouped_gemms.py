@@ -7,6 +7,8 @@ The grouped Gluon launch itself runs on the H200 only (``tools/gpu_gemm_gluon.py
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -160,3 +162,38 @@ def test_launches_noted_for_a_group_belong_to_every_node_in_it() -> None:
     with launches.recording() as log, launches.node("a", "b"):
         launches.note("op", lambda: {"interpreted": True})
     assert log == {"a": {"op": [{"interpreted": True}]}, "b": {"op": [{"interpreted": True}]}}
+
+
+def test_the_benches_time_q_k_v_one_by_one_beside_grouped_in_the_forward_only(block, tmp_path) -> None:
+    """``strict_one_by_one``: the strict table with the qkv GEMM's grouped call hidden (the same bytes, one launch a
+    weight), an arm of the forward phase only, its ratio to strict recorded and valid in both bench schemas."""
+    from h3gate.bench.block import ONE_BY_ONE, phase_tables, ratios
+    from h3gate.bench.model import KIND
+    from h3gate.evidence.schema import validate_document
+    from h3gate.evidence.writer import write_evidence
+
+    graph, params, inputs = block
+    tables = {"provider": provider_table(), "strict": candidate_table(bind_graph(graph, "strict", "cpu"))}
+    forward = phase_tables(tables, graph, "forward")
+    assert (
+        list(forward) == ["provider", "strict", ONE_BY_ONE]
+        and phase_tables(tables, graph, "forward_backward") is tables
+    )
+    alone = forward[ONE_BY_ONE]
+    assert (
+        getattr(alone["h3_qkv_gemm"], "grouped", None) is None and alone["h3_swiglu"] is tables["strict"]["h3_swiglu"]
+    )
+    assert sibling_gemms(graph, _index(graph, "q_proj"), alone, {}) == ()
+    plain, grouped = (run_chained(graph, inputs, params, t) for t in (alone, tables["strict"]))
+    assert all(torch.equal(plain[n], grouped[n]) for n in plain)
+    no_group = {"provider": provider_table(), "strict": provider_table()}  # nothing groups: no arm to add
+    assert ONE_BY_ONE not in phase_tables(no_group, graph, "forward")
+    timing = {"median_ms": 2.0, "min_ms": 1.9, "max_ms": 2.2, "iters": 3}
+    stats = {"provider": timing, "strict": timing, ONE_BY_ONE: {**timing, "median_ms": 2.2}}
+    assert ratios(stats) == {"strict_over_provider": 1.0, "strict_one_by_one_over_strict": pytest.approx(1.1)}
+    from tests.test_bench_model import _body
+
+    body = _body()
+    body["results"]["forward"] = {**body["results"]["forward"], **stats, **ratios(stats)}
+    body["results"]["forward"]["max_memory_allocated_bytes"] = {"provider": 1, "strict": 1, ONE_BY_ONE: 1}
+    validate_document(json.loads(write_evidence(tmp_path, f"{KIND}.json", KIND, body).read_text(encoding="utf-8")))

@@ -18,8 +18,8 @@ import torch
 from h3gate.bench.nodes import node_times
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
-from h3gate.graph.core import OpTable
-from h3gate.graph.execute import run_backward, run_chained
+from h3gate.graph.core import Graph, OpTable
+from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import stand_in
 from h3gate.numerics import strict_numerics
@@ -42,10 +42,26 @@ def seg8_arm(tables: dict, graph, device: str, merge: str) -> dict:
     return bindings
 
 
+ONE_BY_ONE = "strict_one_by_one"
+
+
+def phase_tables(tables: dict[str, OpTable], graph: Graph, phase: str) -> dict[str, OpTable]:
+    """The arms a phase times: every table, and in the forward ``strict_one_by_one`` - the strict table with sibling
+    GEMMs (q, k, v) launched one by one instead of grouped (:func:`h3gate.graph.execute.without_grouped`), where an
+    operator of ``graph`` groups. The autograd forward never groups, so forward + backward has no such arm."""
+    if phase != "forward":
+        return tables
+    ungrouped = without_grouped(tables["strict"], {op for node in graph.nodes for op in node.ops})
+    return tables if ungrouped is tables["strict"] else {**tables, ONE_BY_ONE: ungrouped}
+
+
 def ratios(stats: dict) -> dict:
-    """strict / provider, and with a seg8 arm seg8 / strict and seg8 / provider (medians)."""
+    """strict / provider, with a seg8 arm seg8 / strict and seg8 / provider, with a one-by-one arm one-by-one /
+    strict (medians)."""
     med = {who: s["median_ms"] for who, s in stats.items()}
     out = {"strict_over_provider": med["strict"] / med["provider"]}
+    if ONE_BY_ONE in med:
+        out["strict_one_by_one_over_strict"] = med[ONE_BY_ONE] / med["strict"]
     if "strict_seg8" in med:
         out["strict_seg8_over_strict"] = med["strict_seg8"] / med["strict"]
         out["strict_seg8_over_provider"] = med["strict_seg8"] / med["provider"]
@@ -97,7 +113,7 @@ def bench_block(
             if progress is not None:
                 progress(f"{phase} (provider and strict, {ITERS} rounds)")
             clocks: dict = {}
-            fns = {who: make(t) for who, t in tables.items()}
+            fns = {who: make(t) for who, t in phase_tables(tables, graph, phase).items()}
             stats = side_by_side(fns, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
             results[phase] = {**stats, **ratios(stats), "device_clocks": clocks}
         if progress is not None:

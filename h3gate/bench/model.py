@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from h3gate.bench.block import ratios, seg8_arm
+from h3gate.bench.block import phase_tables, ratios, seg8_arm
 from h3gate.bench.nodes import method as step_method
 from h3gate.bench.nodes import step_times
 from h3gate.bench.timing import side_by_side
@@ -267,7 +267,7 @@ def bench_model(
         if progress is not None:
             progress(f"{phase} (provider and strict, {WARMUP} warm-up and {iters} timed rounds)")
         peaks: dict[str, int] = {}
-        fns = {who: _with_peak(make(t), peaks, who) for who, t in tables.items()}
+        fns = {who: _with_peak(make(t), peaks, who) for who, t in phase_tables(tables, graph, phase).items()}
         clocks: dict = {}
         stats = side_by_side(fns, iters=iters, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
         results[phase] = {**stats, **ratios(stats), "max_memory_allocated_bytes": peaks, "device_clocks": clocks}

@@ -108,6 +108,9 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
         table.add_column(col)
     if seg8:
         table.add_column("strict seg8 ms (/ strict)")
+    one = any("strict_one_by_one" in r for r in body["results"].values())
+    if one:
+        table.add_column("q/k/v one by one ms (/ strict)")
     if memory:
         table.add_column("peak GiB provider / strict")
     host = all("host_ms" in r["strict"] for r in body["results"].values())
@@ -118,6 +121,11 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
         cells.append(f"{r['strict_over_provider']:.2f}x")
         if seg8:
             cells.append(f"{r['strict_seg8']['median_ms']:.3f} ({r['strict_seg8_over_strict']:.3f}x)")
+        if one:
+            alone = r.get("strict_one_by_one")
+            cells.append(
+                "-" if alone is None else f"{alone['median_ms']:.3f} ({r['strict_one_by_one_over_strict']:.3f}x)"
+            )
         if memory:
             peak = r["max_memory_allocated_bytes"]
             cells.append(f"{peak['provider'] / 2**30:.1f} / {peak['strict'] / 2**30:.1f}")

@@ -19,7 +19,7 @@ groups nodes itself (``ablate.arms.backward_stream`` under activation checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +93,20 @@ def _run_siblings(
     with launches.node(*(node.name for node in nodes)):
         outs = ops[fns[0].op].grouped(values[fns[0].source], [params[fn.weight] for fn in fns])
     return {node.name: out for node, out in zip(nodes, outs, strict=True)}
+
+
+def without_grouped(table: OpTable, ops: Iterable[str]) -> OpTable:
+    """``table`` with each of ``ops`` whose callable offers ``grouped`` wrapped so that it does not: sibling GEMMs
+    launched one by one, the same bytes (a bench arm's comparison); ``table`` itself when none of them groups."""
+
+    def plain(fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return run
+
+    plain_ops = {op: plain(table[op]) for op in ops if getattr(table[op], "grouped", None) is not None}
+    return table.with_overrides(plain_ops) if plain_ops else table
 
 
 def run_chained(
