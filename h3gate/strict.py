@@ -12,7 +12,9 @@ class, parameters that do not match the inventory of the module's own config (na
 the architecture, a PEFT/LoRA wrapper's extra tensors included), a submodule the architecture does not have, a
 forward or backward hook, an attention processor other than diffusers' default one, or attention kwargs.
 ``session.trace`` lists every operator call that ran: node, op, kernel id, requested and actual implementation;
-``session.launches`` the schedules the kernels launched, by node (:mod:`h3gate.kernels.launches`).
+``session.launches`` the schedules the kernels launched, by node (:mod:`h3gate.kernels.launches`). As the graph
+executor does, the adapter runs a block's q, k and v projections as one grouped call of the strict GEMM (one
+launch from 1024 to 8191 rows on a Hopper GPU, the same bytes; one trace record a node); not with LoRA layers.
 With ``scheduler=`` (a ``MiniMaxH3Scheduler`` or a pipeline holding its video and audio schedulers) their ``step`` is
 h3gate's Euler step for the block, bitwise diffusers'. PEFT LoRA layers on the block projections run their update
 through the ``h3_lora_update`` operator in the same mode (:mod:`h3gate.strict_lora`). With the module's gradient
@@ -37,7 +39,7 @@ import torch
 from h3gate.checkpoint import parse_diffusers_config
 from h3gate.errors import InputError
 from h3gate.graph.core import Graph, Node, OpTable
-from h3gate.graph.execute import run_node
+from h3gate.graph.execute import run_node, run_siblings
 from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
 from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
 from h3gate.inventory import expected_inventory
@@ -172,9 +174,25 @@ class _Tracing(OpTable):
             return fn(*args, **kwargs)
 
         if self.update_binding is None:
+            if getattr(fn, "grouped", None) is not None:  # sibling GEMMs (q, k, v) in one call: one record a node
+                traced.grouped = self._traced_grouped(op, binding, fn.grouped)
             return traced
         update = self.update_binding.fn
         return with_lora(op, traced, self.by_id, update, lambda a: self._record(UPDATE_OP, self.update_binding))
+
+    def _traced_grouped(self, op: str, binding, grouped: Callable) -> Callable:
+        """``grouped(x, weights)`` recording one trace record for each node it computes (the nodes
+        :func:`h3gate.graph.execute.run_siblings` names around the call). With LoRA layers nothing is grouped."""
+
+        def run(x: torch.Tensor, weights) -> list[torch.Tensor]:
+            node = self.node
+            for name in launches.current_nodes():
+                self.node = name
+                self._record(op, binding)
+            self.node = node
+            return grouped(x, weights)
+
+        return run
 
 
 @dataclass(frozen=True)
@@ -218,9 +236,13 @@ def _run_graph(session: StrictSession, segments: list[_Segment], ops: _Tracing, 
     overrides = session.overrides
 
     def run(seg: _Segment, local: dict) -> None:
-        for node in seg.nodes:
+        grouped: dict[str, torch.Tensor] = {}
+        for k, node in enumerate(seg.nodes):
             ops.node = node.name
-            local[node.name] = run_node(node, ops, local, params, overrides.get(node.name))
+            if node.name not in grouped:  # q, k, v as one call where the bound operator groups
+                grouped = run_siblings(seg.nodes, k, ops, local, params, overrides)
+            out = grouped.pop(node.name, None)
+            local[node.name] = run_node(node, ops, local, params, overrides.get(node.name)) if out is None else out
             if session.observer is not None and ops.phase == "forward":
                 session.observer(node, local[node.name])
 

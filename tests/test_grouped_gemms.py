@@ -67,11 +67,12 @@ def test_q_k_v_are_siblings_where_the_operator_groups_and_nothing_is_overridden(
     graph, _, _ = block
     k = _index(graph, "q_proj")
     table = _grouping_table([])
-    assert [n.name for n in sibling_gemms(graph, k, table, {})] == list(QKV)
-    assert sibling_gemms(graph, k, provider_table(), {}) == ()  # the provider's reference has no grouped call
-    assert sibling_gemms(graph, _index(graph, "o_proj"), table, {}) == ()  # a Gemm of another operator, alone
-    assert sibling_gemms(graph, k, table, {"k_proj": lambda *a: None}) == ()  # a fault on k: q alone, not grouped
-    assert [n.name for n in sibling_gemms(graph, k + 1, table, {"q_proj": lambda *a: None})] == ["k_proj", "v_proj"]
+    assert [n.name for n in sibling_gemms(graph.nodes, k, table, {})] == list(QKV)
+    assert sibling_gemms(graph.nodes, k, provider_table(), {}) == ()  # the provider's reference has no grouped call
+    assert sibling_gemms(graph.nodes, _index(graph, "o_proj"), table, {}) == ()  # a Gemm of another operator, alone
+    assert sibling_gemms(graph.nodes, k, table, {"k_proj": lambda *a: None}) == ()  # a fault on k: q alone, not grouped
+    after_q = sibling_gemms(graph.nodes, k + 1, table, {"q_proj": lambda *a: None})
+    assert [n.name for n in after_q] == ["k_proj", "v_proj"]
 
 
 def test_the_model_graph_keeps_each_blocks_q_k_v_as_siblings_on_global_names() -> None:
@@ -81,7 +82,7 @@ def test_the_model_graph_keeps_each_blocks_q_k_v_as_siblings_on_global_names() -
     firsts = [i for i, n in enumerate(graph.nodes) if n.name.endswith(".q_proj") and n.layer is not None]
     assert len(firsts) == 2
     for k in firsts:
-        group = sibling_gemms(graph, k, table, {})
+        group = sibling_gemms(graph.nodes, k, table, {})
         assert len(group) == 3 and all(isinstance(n.fn, Gemm) for n in group)
         layer = group[0].layer
         assert group[2].fn.weight == f"transformer_blocks.{layer}.attn.to_v.weight"
@@ -183,7 +184,7 @@ def test_the_benches_time_q_k_v_one_by_one_beside_grouped_in_the_forward_only(bl
     assert (
         getattr(alone["h3_qkv_gemm"], "grouped", None) is None and alone["h3_swiglu"] is tables["strict"]["h3_swiglu"]
     )
-    assert sibling_gemms(graph, _index(graph, "q_proj"), alone, {}) == ()
+    assert sibling_gemms(graph.nodes, _index(graph, "q_proj"), alone, {}) == ()
     plain, grouped = (run_chained(graph, inputs, params, t) for t in (alone, tables["strict"]))
     assert all(torch.equal(plain[n], grouped[n]) for n in plain)
     no_group = {"provider": provider_table(), "strict": provider_table()}  # nothing groups: no arm to add

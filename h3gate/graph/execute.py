@@ -19,7 +19,7 @@ groups nodes itself (``ablate.arms.backward_stream`` under activation checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +60,15 @@ def run_node(
         return fn(ops, {k: values[k] for k in node.inputs}, params)
 
 
-def sibling_gemms(graph: Graph, k: int, ops: OpTable, overrides: Mapping[str, Override]) -> tuple[Node, ...]:
-    """Node ``k`` and the one or two nodes right after it when one grouped call may compute them: each a
+def sibling_gemms(nodes: Sequence[Node], k: int, ops: OpTable, overrides: Mapping[str, Override]) -> tuple[Node, ...]:
+    """``nodes[k]`` and the one or two nodes right after it when one grouped call may compute them: each a
     :class:`Gemm` of the same operator on the same source, none overridden, and the table's callable for that
     operator has a ``grouped`` (``fn(x, weights) -> outputs``, bitwise the calls one by one); else ()."""
-    first = graph.nodes[k].fn
+    first = nodes[k].fn
     if not isinstance(first, Gemm) or getattr(ops[first.op], "grouped", None) is None:
         return ()
     group: list[Node] = []
-    for node in graph.nodes[k : k + 3]:
+    for node in nodes[k : k + 3]:
         fn = node.fn
         if not isinstance(fn, Gemm) or (fn.op, fn.source) != (first.op, first.source) or node.name in overrides:
             break
@@ -76,23 +76,23 @@ def sibling_gemms(graph: Graph, k: int, ops: OpTable, overrides: Mapping[str, Ov
     return tuple(group) if len(group) > 1 else ()
 
 
-def _run_siblings(
-    graph: Graph,
+def run_siblings(
+    nodes: Sequence[Node],
     k: int,
     ops: OpTable,
     values: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     overrides: Mapping[str, Override],
 ) -> dict[str, torch.Tensor]:
-    """The outputs of :func:`sibling_gemms` ``(graph, k)`` by one grouped call, by node name (launches noted for each
-    of them), or {} where there are none."""
-    nodes = sibling_gemms(graph, k, ops, overrides)
-    if not nodes:
+    """The outputs of :func:`sibling_gemms` ``(nodes, k)`` by one grouped call, by node name (launches noted for each
+    of them: :func:`h3gate.kernels.launches.current_nodes` names them during the call), or {} where there are none."""
+    group = sibling_gemms(nodes, k, ops, overrides)
+    if not group:
         return {}
-    fns = [node.fn for node in nodes]
-    with launches.node(*(node.name for node in nodes)):
+    fns = [node.fn for node in group]
+    with launches.node(*(node.name for node in group)):
         outs = ops[fns[0].op].grouped(values[fns[0].source], [params[fn.weight] for fn in fns])
-    return {node.name: out for node, out in zip(nodes, outs, strict=True)}
+    return {node.name: out for node, out in zip(group, outs, strict=True)}
 
 
 def without_grouped(table: OpTable, ops: Iterable[str]) -> OpTable:
@@ -122,7 +122,7 @@ def run_chained(
     grouped: dict[str, torch.Tensor] = {}
     for k, node in enumerate(graph.nodes):
         if node.name not in grouped:
-            grouped = _run_siblings(graph, k, ops, values, params, overrides)
+            grouped = run_siblings(graph.nodes, k, ops, values, params, overrides)
         out = grouped.pop(node.name, None)
         values[node.name] = run_node(node, ops, values, params, overrides.get(node.name)) if out is None else out
     return values
@@ -164,7 +164,7 @@ def iter_graph(
     grouped: dict[str, torch.Tensor] = {}
     for k, node in enumerate(graph.nodes):
         if node.name not in grouped:
-            grouped = _run_siblings(graph, k, ops, values, params, overrides)
+            grouped = run_siblings(graph.nodes, k, ops, values, params, overrides)
         out = grouped.pop(node.name, None)
         if out is None:
             out = run_node(node, ops, values, params, overrides.get(node.name))

@@ -41,6 +41,11 @@ def node(*names: str) -> Iterator[None]:
         _NODE.reset(token)
 
 
+def current_nodes() -> tuple[str, ...]:
+    """The node names launches noted now belong to (several inside a grouped call; ``("",)`` outside any node)."""
+    return _NODE.get()
+
+
 def note(op: str, describe: Callable[[], dict]) -> None:
     """Record ``describe()`` for ``op`` under the current node when a log is recording (otherwise nothing runs)."""
     log = _LOG.get()

@@ -13,7 +13,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 
 import h3gate.strict
 from h3gate.errors import InputError
-from h3gate.graph.execute import run_chained
+from h3gate.graph.execute import run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table
 from h3gate.graph.model import OUTPUTS, build_model_graph
 from h3gate.kernels import attention
@@ -91,6 +91,34 @@ def test_strict_mode_runs_the_strict_kernels_bitwise_as_the_gates_do(model) -> N
     (att,) = session.record()["launches"]["block.0.attention"]["h3_full_attention"]
     assert att["forward"] == att["backward"] == "triton_pointer" and att["interpreted"] == attention.INTERPRET
     assert set(session.record()["launches"]["block.0.o_proj"]) == {"h3_attention_o_gemm"}
+
+
+def test_strict_mode_groups_each_blocks_q_k_v_into_one_call_traced_per_node(model, monkeypatch) -> None:
+    """As the graph executor, the adapter hands a block's q, k and v to the strict GEMM's grouped call (one Gluon
+    launch on an H200 at 1024-8191 rows; here it runs them one by one, the same bytes): one call a block, one trace
+    record a node, the outputs those of the ungrouped graph."""
+    from h3gate.kernels import gemm_grouped
+
+    calls: list[int] = []
+    real = gemm_grouped.linear_grouped
+
+    def counted(x, weights, *, op="linear"):
+        calls.append(len(weights))
+        return real(x, weights, op=op)
+
+    monkeypatch.setattr(gemm_grouped, "linear_grouped", counted)
+    args, x = _args()
+    graph = build_model_graph(CFG)
+    with torch.no_grad():
+        with h3gate.strict(model) as session:
+            bound = model(**args)
+        table = candidate_table(bind_graph(graph, "strict", "cpu"))
+        ours = run_chained(graph, x, dict(model.named_parameters()), without_grouped(table, ["h3_qkv_gemm"]))
+    assert _same(bound, (ours[OUTPUTS[0]], ours[OUTPUTS[1]]))
+    assert calls == [3] * CFG.num_layers + [3] * CFG.num_refiner_layers  # every transformer and refiner block
+    qkv = [r["node"] for r in session.trace if r["op"] == "h3_qkv_gemm"]
+    assert sorted(qkv) == sorted(n.name for n in graph.nodes if n.ops == ("h3_qkv_gemm",))
+    assert len(qkv) == len(set(qkv))
 
 
 def test_the_session_writes_its_trace_as_evidence(model, tmp_path) -> None:
