@@ -39,7 +39,7 @@ import torch
 from h3gate.checkpoint import parse_diffusers_config
 from h3gate.errors import InputError
 from h3gate.graph.core import Graph, Node, OpTable
-from h3gate.graph.execute import run_node, run_siblings
+from h3gate.graph.execute import run_nodes
 from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
 from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
 from h3gate.inventory import expected_inventory
@@ -182,7 +182,7 @@ class _Tracing(OpTable):
 
     def _traced_grouped(self, op: str, binding, grouped: Callable) -> Callable:
         """``grouped(x, weights)`` recording one trace record for each node it computes (the nodes
-        :func:`h3gate.graph.execute.run_siblings` names around the call). With LoRA layers nothing is grouped."""
+        :func:`h3gate.graph.execute.run_nodes` names around the call). With LoRA layers nothing is grouped."""
 
         def run(x: torch.Tensor, weights) -> list[torch.Tensor]:
             node = self.node
@@ -235,16 +235,14 @@ def _run_graph(session: StrictSession, segments: list[_Segment], ops: _Tracing, 
     checkpointing = torch.is_grad_enabled() and bool(getattr(session.model, "gradient_checkpointing", False))
     overrides = session.overrides
 
+    def name(node: Node) -> None:
+        ops.node = node.name
+
     def run(seg: _Segment, local: dict) -> None:
-        grouped: dict[str, torch.Tensor] = {}
-        for k, node in enumerate(seg.nodes):
-            ops.node = node.name
-            if node.name not in grouped:  # q, k, v as one call where the bound operator groups
-                grouped = run_siblings(seg.nodes, k, ops, local, params, overrides)
-            out = grouped.pop(node.name, None)
-            local[node.name] = run_node(node, ops, local, params, overrides.get(node.name)) if out is None else out
+        for node, out in run_nodes(seg.nodes, ops, local, params, overrides, before=name):  # q, k, v: one call
+            local[node.name] = out
             if session.observer is not None and ops.phase == "forward":
-                session.observer(node, local[node.name])
+                session.observer(node, out)
 
     for seg in segments:
         if not (checkpointing and seg.checkpoint):

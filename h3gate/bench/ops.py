@@ -56,11 +56,7 @@ HEAD_START_US = 300.0
 
 
 def _forward(case: OpCase, fn):
-    def run():
-        with torch.no_grad():
-            return case.call(fn)
-
-    return run
+    return _no_grad(lambda: case.call(fn))
 
 
 def _grad_leaves(case: OpCase) -> tuple[list, list[torch.Tensor]]:

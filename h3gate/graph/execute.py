@@ -7,9 +7,10 @@
   GPU), with overrides that may read any earlier value;
 * :func:`run_backward` - a chained forward under autograd on the caller's leaves, then ``out.backward(g)``.
 
-Sibling GEMMs (:func:`sibling_gemms`: consecutive :class:`~h3gate.graph.body_nodes.Gemm` nodes of one operator on
-one source, q / k / v, none overridden) run as one call of the bound operator's ``grouped`` where it has one (the
-strict GEMM: one grouped launch, the same bytes as one a node); :func:`run_node` alone always runs one node.
+``run_chained``, ``iter_graph`` and the strict adapter run their nodes through :func:`run_nodes`: sibling GEMMs
+(:func:`sibling_gemms`: consecutive :class:`~h3gate.graph.body_nodes.Gemm` nodes of one operator on one source,
+q / k / v, none overridden) run as one call of the bound operator's ``grouped`` where it has one (the strict GEMM:
+one grouped launch, the same bytes as one a node); :func:`run_node` alone always runs one node.
 
 Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
 own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
@@ -76,7 +77,7 @@ def sibling_gemms(nodes: Sequence[Node], k: int, ops: OpTable, overrides: Mappin
     return tuple(group) if len(group) > 1 else ()
 
 
-def run_siblings(
+def _run_siblings(
     nodes: Sequence[Node],
     k: int,
     ops: OpTable,
@@ -93,6 +94,27 @@ def run_siblings(
     with launches.node(*(node.name for node in group)):
         outs = ops[fns[0].op].grouped(values[fns[0].source], [params[fn.weight] for fn in fns])
     return {node.name: out for node, out in zip(group, outs, strict=True)}
+
+
+def run_nodes(
+    nodes: Sequence[Node],
+    ops: OpTable,
+    values: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    overrides: Mapping[str, Override],
+    before: Callable[[Node], None] | None = None,
+) -> Iterator[tuple[Node, torch.Tensor]]:
+    """``(node, output)`` for each of ``nodes`` in order, reading ``values``, which the caller updates with each
+    output before asking for the next: sibling GEMMs by one grouped call (:func:`sibling_gemms`), every other node
+    by :func:`run_node`; ``before(node)`` is called first for each node (the strict adapter names it for its trace)."""
+    grouped: dict[str, torch.Tensor] = {}
+    for k, node in enumerate(nodes):
+        if before is not None:
+            before(node)
+        if node.name not in grouped:
+            grouped = _run_siblings(nodes, k, ops, values, params, overrides)
+        out = grouped.pop(node.name, None)
+        yield node, run_node(node, ops, values, params, overrides.get(node.name)) if out is None else out
 
 
 def without_grouped(table: OpTable, ops: Iterable[str]) -> OpTable:
@@ -119,12 +141,8 @@ def run_chained(
     """Execute every node on its own upstream. Returns graph inputs plus every node output, by name."""
     values: Values = dict(inputs)
     overrides = node_overrides or {}
-    grouped: dict[str, torch.Tensor] = {}
-    for k, node in enumerate(graph.nodes):
-        if node.name not in grouped:
-            grouped = run_siblings(graph.nodes, k, ops, values, params, overrides)
-        out = grouped.pop(node.name, None)
-        values[node.name] = run_node(node, ops, values, params, overrides.get(node.name)) if out is None else out
+    for node, out in run_nodes(graph.nodes, ops, values, params, overrides):
+        values[node.name] = out
     return values
 
 
@@ -161,13 +179,7 @@ def iter_graph(
         raise InputError(f"graph {graph.name}: input {missing[0]} missing")
     last_use = last_uses(graph, overrides)
     values: dict[str, torch.Tensor] = dict(inputs)
-    grouped: dict[str, torch.Tensor] = {}
-    for k, node in enumerate(graph.nodes):
-        if node.name not in grouped:
-            grouped = run_siblings(graph.nodes, k, ops, values, params, overrides)
-        out = grouped.pop(node.name, None)
-        if out is None:
-            out = run_node(node, ops, values, params, overrides.get(node.name))
+    for k, (node, out) in enumerate(run_nodes(graph.nodes, ops, values, params, overrides)):
         values[node.name] = out
         yield node, out
         for name in [n for n, last in last_use.items() if last == k and n not in graph.inputs]:
