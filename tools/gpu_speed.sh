@@ -68,7 +68,7 @@ for s in "$@"; do
     gate-model) step 300 ws1-model-real-medium $H run ws1-model --config real --layout medium --device cuda \
       --mode strict --out "$ev/ws1-model-real-medium";;
     block-medium|block-768p) L=${s#block-}
-      step 200 "bench-ws1-block-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
+      step 300 "bench-ws1-block-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
         --out "$ev/bench-ws1-block-$L";;
     gate-block) step 200 ws1-block-real-medium $H run ws1-block --config real --layout medium --device cuda \
       --mode strict --out "$ev/ws1-block-real-medium";;

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bench import energy
 from h3gate.bench.nodes import node_times
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
@@ -119,6 +120,14 @@ def bench_block(
         if progress is not None:
             progress("forward node by node (provider and strict)")
         nodes = node_times(graph, x, params, tables)
+        if progress is not None:
+            progress("sustained: each arm back to back, ms and joules per call (the forward, then node by node)")
+        forwards = {who: forward(t) for who, t in phase_tables(tables, graph, "forward").items()}
+        steady = {
+            "method": energy.METHOD,
+            "forward": energy.sustained(forwards),
+            "forward_nodes": energy.per_node(graph, x, params, tables),
+        }
         body = {
             "config": setup.config_name,
             "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
@@ -133,5 +142,6 @@ def bench_block(
             **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),
             "results": results,
             "forward_nodes": nodes,
+            "sustained": steady,
         }
     return body, setup.manifests

@@ -93,6 +93,22 @@ def nvml_reader(device: str) -> Reader | str:
     return Reader(read, f"NVML via nvidia-ml-py {version}: {name}")
 
 
+def nvml_energy(device: str) -> Callable[[], float] | str:
+    """A callable returning the board's total energy in joules since the driver loaded
+    (``nvmlDeviceGetTotalEnergyConsumption``, mJ; Volta and later), or one line saying why there is none."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py (pynvml) is not installed"
+    try:
+        pynvml.nvmlInit()
+        handle = _handle(pynvml, device)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception as exc:  # noqa: BLE001 - any NVML failure only means no energy record
+        return f"NVML energy counter unavailable: {type(exc).__name__}: {str(exc).strip()[:120]}"
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0
+
+
 def _reasons_call(pynvml) -> Callable:
     """``nvmlDeviceGetCurrentClocksEventReasons``, or its older name ``...ClocksThrottleReasons``."""
     for name in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bench import energy
 from h3gate.bench.block import phase_tables, ratios, seg8_arm
 from h3gate.bench.nodes import method as step_method
 from h3gate.bench.nodes import step_times
@@ -274,6 +275,12 @@ def bench_model(
     if progress is not None:
         progress("forward stage by stage (provider and strict)")
     stages_rec = stage_times(stages, inputs, params, tables, iters)
+    if progress is not None:
+        progress("sustained forward: each arm back to back, ms and joules per call")
+    arms = phase_tables(tables, graph, "forward")
+    forwards = {who: forward_arm(stages, inputs, params, t) for who, t in arms.items()}
+    rounds = energy.ROUNDS if packed.seq_len < SMALL_ROWS else 1
+    steady = {"method": energy.METHOD, "forward": energy.sustained(forwards, rounds=rounds)}
     body = {
         "config": name,
         "layout": {"name": layout, "seq_len": packed.seq_len, "rows": packed.rows_per_modality()},
@@ -299,5 +306,6 @@ def bench_model(
         **({"seg8_bindings": operator_bindings(seg8)} if seg8 else {}),
         "results": results,
         "forward_stages": stages_rec,
+        "sustained": steady,
     }
     return body, manifests

@@ -141,6 +141,8 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
         console.print(_node_table(body["forward_nodes"]))
     if "forward_stages" in body:
         console.print(_stage_table(body["forward_stages"]))
+    if "sustained" in body:
+        console.print(_sustained_table(body["sustained"]))
     console.print(f"evidence: {display(path)}")
     return EXIT_PASS
 
@@ -159,6 +161,33 @@ def _node_table(nodes: dict) -> Table:
     sums = [arms[arm]["sum_ms"] for arm in arms]
     table.add_row("sum (whole)", *(f"{arms[a]['sum_ms']:.3f} ({arms[a]['whole_ms']:.3f})" for a in arms),
                   f"{sums[list(arms).index('strict')] / arms['provider']['sum_ms']:.2f}x")  # fmt: skip
+    return table
+
+
+def _sustained_table(steady: dict) -> Table:
+    """The steady state (each arm back to back): ms and joules per call and mean watts, the forward and each node."""
+    rows = {"forward": steady["forward"], **steady.get("forward_nodes", {}).get("nodes", {})}
+    arms = list(steady["forward"]["arms"])
+    table = Table(title="sustained, each arm back to back: ms / J per call (mean W)")
+    for col in ("", *arms, "strict / provider ms (J)"):
+        table.add_column(col)
+    for label, rec in rows.items():
+        cells = []
+        for arm in arms:
+            a = rec["arms"].get(arm)
+            joules = f" / {a['j_per_call']:.4g} J ({a['mean_w']:.0f} W)" if a and "j_per_call" in a else ""
+            cells.append("-" if a is None else f"{a['ms_per_call']:.4g}{joules}")
+        ratio = rec.get("strict_over_provider_ms")
+        j = rec.get("strict_over_provider_j")
+        table.add_row(label, *cells, "-" if ratio is None else f"{ratio:.3f}x" + (f" ({j:.3f}x)" if j else ""))
+    if "forward_nodes" in steady:
+        sums = steady["forward_nodes"]["sums"]
+        table.add_row("nodes, sum", *(
+            "-" if arm not in sums else f"{sums[arm]['ms_per_call']:.4g}"
+            + (f" / {sums[arm]['j_per_call']:.4g} J" if "j_per_call" in sums[arm] else "") for arm in arms
+        ), "")  # fmt: skip
+    if "unavailable" in steady["forward"]["energy"]:
+        table.caption = escape(steady["forward"]["energy"]["unavailable"])
     return table
 
 

@@ -1,0 +1,187 @@
+"""``h3gate.bench.energy``: milliseconds and joules per call in the steady state, each arm back to back (CUDA and
+NVML faked: every call advances a device clock and an energy counter by known amounts; the real tiny block runs on
+the CPU for the per-node record)."""
+
+from __future__ import annotations
+
+import time
+
+import jsonschema
+import pytest
+
+from h3gate.bench import energy
+from h3gate.evidence.schema import registry
+
+
+def _check(ref: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({"$ref": f"common.schema.json#/$defs/{ref}"}, registry=registry())
+
+
+class _Device:
+    """A device clock (ms) and an energy counter (J) that the fake calls advance; events read the clock."""
+
+    def __init__(self) -> None:
+        self.ms, self.joules, self.syncs = 0.0, 0.0, 0
+
+    def patch(self, monkeypatch, counter: bool = True) -> None:
+        dev = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = dev.ms
+
+            def synchronize(self):
+                dev.syncs += 1
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        def sync():
+            dev.syncs += 1
+
+        monkeypatch.setattr(energy.torch.cuda, "Event", Event)
+        monkeypatch.setattr(energy.torch.cuda, "synchronize", sync)
+        monkeypatch.setattr(energy.torch.cuda, "current_device", lambda: 0)
+        reading = (lambda: dev.joules) if counter else "NVML energy counter unavailable: NVMLError: Not Supported"
+        monkeypatch.setattr(energy.clocks, "nvml_energy", lambda device: reading)
+
+    def call(self, ms: float, joules: float, host_s: float = 0.0):
+        def run():
+            if host_s:
+                time.sleep(host_s)
+            self.ms += ms
+            self.joules += joules
+
+        return run
+
+
+def test_sustained_gives_ms_and_joules_per_call_and_their_ratios(monkeypatch):
+    dev = _Device()
+    dev.patch(monkeypatch)
+    fns = {"provider": dev.call(2.0, 1.0, 0.002), "strict": dev.call(1.5, 0.6, 0.002)}
+    out = energy.sustained(fns, seconds=0.03, warm_s=0.01, rounds=2)
+    p, s = out["arms"]["provider"], out["arms"]["strict"]
+    assert p["ms_per_call"] == pytest.approx(2.0) and s["ms_per_call"] == pytest.approx(1.5)
+    assert p["j_per_call"] == pytest.approx(1.0) and s["j_per_call"] == pytest.approx(0.6)
+    assert p["mean_w"] == pytest.approx(500.0) and s["mean_w"] == pytest.approx(400.0)
+    assert out["strict_over_provider_ms"] == pytest.approx(0.75)
+    assert out["strict_over_provider_j"] == pytest.approx(0.6)
+    # The count fills `seconds` at the warm-up's rate (2 ms of host sleep a call: about 15, never the minimum).
+    assert energy.MIN_CALLS <= p["calls"] <= 16 and p["host_ms_per_call"] >= 2.0
+    assert out["energy"] == {"source": "NVML nvmlDeviceGetTotalEnergyConsumption"}
+    _check("sustained").validate(out)
+
+
+def test_the_joules_are_the_counter_difference_over_the_span_only(monkeypatch):
+    """Energy spent outside the measured span (the warm-up's calls) is not charged to the calls."""
+    dev = _Device()
+    dev.patch(monkeypatch)
+    warm = {"left": 3}
+
+    def run():
+        if warm["left"]:  # the first calls are the warm-up: expensive, and not measured
+            warm["left"] -= 1
+            dev.joules += 100.0
+        else:
+            dev.joules += 2.0
+        dev.ms += 4.0
+
+    out = energy.sustained({"provider": run}, seconds=0.0, warm_s=0.0, rounds=1, min_calls=3)
+    # warm-up: 1 call (warm_s = 0); span: 3 calls, of which the first two still cost 100 J.
+    assert out["arms"]["provider"]["calls"] == 3
+    assert out["arms"]["provider"]["j_per_call"] == pytest.approx((100 + 100 + 2) / 3)
+    assert "strict_over_provider_ms" not in out
+
+
+def test_without_an_energy_counter_the_milliseconds_remain_and_the_record_says_why(monkeypatch):
+    dev = _Device()
+    dev.patch(monkeypatch, counter=False)
+    out = energy.sustained({"provider": dev.call(2.0, 1.0), "strict": dev.call(1.0, 1.0)}, 0.0, 0.0, 1)
+    assert out["energy"] == {"unavailable": "NVML energy counter unavailable: NVMLError: Not Supported"}
+    assert set(out["arms"]["strict"]) == {"calls", "ms_per_call", "host_ms_per_call"}
+    assert out["strict_over_provider_ms"] == pytest.approx(0.5) and "strict_over_provider_j" not in out
+    _check("sustained").validate(out)
+
+
+def test_the_sustained_schema_refuses_malformed_records():
+    arm = {"calls": 3, "ms_per_call": 1.0, "host_ms_per_call": 0.1, "j_per_call": 0.5, "mean_w": 500.0}
+    good = {"arms": {"provider": arm}, "energy": {"source": "NVML"}, "strict_over_provider_ms": 0.8}
+    check = _check("sustained")
+    check.validate(good)
+    bads = [
+        {**good, "arms": {"provider": {k: v for k, v in arm.items() if k != "mean_w"}}},  # joules without watts
+        {**good, "arms": {"provider": {**arm, "calls": 0}}},
+        {**good, "arms": {"provider": {**arm, "ms_per_call": 0.0}}},
+        {**good, "energy": {"source": "NVML", "unavailable": "both"}},
+        {**good, "energy": {"unavailable": ""}},
+        {**good, "strict_over_provider_j": 0.7, "strict_over_provider_ms": None},
+        {k: v for k, v in good.items() if k != "energy"},
+        {**good, "arms": {}},
+    ]
+    for bad in bads:
+        with pytest.raises(jsonschema.ValidationError):
+            check.validate(bad)
+
+
+def test_per_node_runs_every_node_alone_and_sums_per_arm(monkeypatch):
+    """The tiny block's 17 nodes, each on the CPU: the provider's node calls cost 1 ms / 0.5 J, the strict's 0.5 ms /
+    0.2 J on the fake device; per node and summed, the record says so, and the schema takes it."""
+    from h3gate.graph.executions import candidate_table, provider_table
+    from h3gate.runs.setup import prepare
+
+    setup = prepare("tiny", "tiny", None, "cpu", 0, "strict")
+    tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
+    dev = _Device()
+    dev.patch(monkeypatch)
+    cost = {id(tables["provider"]): (1.0, 0.5), id(tables["strict"]): (0.5, 0.2)}
+    real = energy.run_node
+    seen: list[str] = []
+
+    def run_node(node, table, values, params, override=None):
+        ms, joules = cost[id(table)]
+        dev.ms += ms
+        dev.joules += joules
+        seen.append(node.name)
+        return real(node, table, values, params, override)
+
+    monkeypatch.setattr(energy, "run_node", run_node)
+    out = energy.per_node(setup.graph, setup.inputs.tensors, setup.params, tables, seconds=0.0, warm_s=0.0)
+    names = [n.name for n in setup.graph.nodes]
+    assert list(out["nodes"]) == names and set(seen) == set(names)
+    for rec in out["nodes"].values():
+        assert rec["arms"]["strict"]["j_per_call"] == pytest.approx(0.2)
+        assert rec["strict_over_provider_ms"] == pytest.approx(0.5)
+    assert out["sums"]["provider"] == {"ms_per_call": pytest.approx(17.0), "j_per_call": pytest.approx(8.5)}
+    assert out["sums"]["strict"]["j_per_call"] == pytest.approx(17 * 0.2)
+    _check("sustained_nodes").validate(out)
+    with pytest.raises(jsonschema.ValidationError):
+        _check("sustained_nodes").validate({**out, "sums": {"strict": {"j_per_call": 1.0}}})  # no ms
+
+
+def test_the_bench_table_shows_the_sustained_forward_and_nodes():
+    from rich.console import Console
+
+    from h3gate.commands.bench_cmd import _sustained_table
+
+    arm = {"calls": 9, "ms_per_call": 230.0, "host_ms_per_call": 120.0, "j_per_call": 158.7, "mean_w": 690.0}
+    node = {"arms": {"provider": {**arm, "ms_per_call": 1.0}, "strict": {**arm, "ms_per_call": 0.5}},
+            "energy": {"source": "NVML"}, "strict_over_provider_ms": 0.5, "strict_over_provider_j": 0.9}  # fmt: skip
+    steady = {
+        "method": "m",
+        "forward": {"arms": {"provider": arm, "strict": arm}, "energy": {"source": "NVML"},
+                    "strict_over_provider_ms": 1.0, "strict_over_provider_j": 1.0},  # fmt: skip
+        "forward_nodes": {"method": "m", "nodes": {"o_proj": node},
+                          "sums": {"provider": {"ms_per_call": 1.0, "j_per_call": 2.0}, "strict": {"ms_per_call": 0.5}}},
+    }  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(_sustained_table(steady))
+    text = console.export_text()
+    assert "230 / 158.7 J (690 W)" in text and "o_proj" in text and "0.500x (0.900x)" in text
+    assert "nodes, sum" in text and "1 / 2 J" in text
+    blind = {**steady["forward"], "energy": {"unavailable": "NVML energy counter unavailable: X"}}
+    console = Console(width=200, record=True)
+    console.print(_sustained_table({"method": "m", "forward": blind}))
+    assert "NVML energy counter unavailable: X" in console.export_text()
