@@ -12,6 +12,10 @@
   3160, 3163 (and 38974 when timed), and timed beside cuBLAS called three times and cuBLAS on the weights
   concatenated once beforehand (one (21504, 5376) product; its output columns are q, k, v side by side).
 
+* ``sustained``: each arm back to back in the power-capped steady state (``h3gate.bench.energy.sustained``: SUST_S
+  seconds a span, default 2, after 1 s of warm-up, 2 rounds): ms and joules per call of cuBLAS, the production strict
+  forward and every variant, with the variants' bytes against the production forward.
+
 A variant that fails to compile, launch or run is recorded with its error, never fatal. Prints one line per record.
 """
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 import triton
 from gpu_probe_common import bits_equal, error_text, probe_main
 
+from h3gate.bench import energy
 from h3gate.kernels import gemm, gemm_gluon
 from h3gate.kernels.gemm_configs import GemmConfig
 
@@ -204,5 +209,35 @@ def _grouped(records: list, variants: list[str], small: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def _sustained(records: list, variants: list[str], small: bool) -> None:
+    seconds = float(os.environ.get("SUST_S", "2.0"))
+    for layer, (n, k) in LAYERS.items():
+        for m in ROWS[:1] if small else ROWS:
+            x, w, _ = _inputs(m, n, k, seed=7)
+            fns = {"cublas": lambda x=x, w=w: F.linear(x, w), "strict": lambda x=x, w=w: gemm.linear(x, w)}
+            rec = {"section": "sustained", "layer": layer, "m": m, "seconds": seconds, "equal": {}, "errors": {}}
+            with torch.no_grad():
+                ref = gemm.linear(x, w)
+                for name in variants:
+                    run = _variant(name)
+                    try:
+                        rec["equal"][name] = bits_equal(run(x, w, None), ref)
+                        fns[name] = lambda x=x, w=w, run=run: run(x, w, None)
+                    except Exception as exc:  # noqa: BLE001 - recorded, the probe goes on
+                        rec["errors"][name] = error_text(exc)
+                out = energy.sustained(fns, seconds=seconds, warm_s=1.0, rounds=2)
+            rec.update(out)
+            base = out["arms"]["cublas"]
+            rec["vs_cublas_ms"] = {nm: a["ms_per_call"] / base["ms_per_call"] for nm, a in out["arms"].items()}
+            if "j_per_call" in base:
+                rec["vs_cublas_j"] = {nm: a["j_per_call"] / base["j_per_call"] for nm, a in out["arms"].items()}
+            print({key: rec.get(key) for key in ("layer", "m", "vs_cublas_ms", "vs_cublas_j", "equal", "errors")},
+                  flush=True)  # fmt: skip
+            records.append(rec)
+            del x, w, ref, fns
+            torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    raise SystemExit(probe_main(VARIANTS, {"bytes": _bytes, "time": _time, "grouped": _grouped}))
+    sections = {"bytes": _bytes, "time": _time, "grouped": _grouped, "sustained": _sustained}
+    raise SystemExit(probe_main(VARIANTS, sections))
