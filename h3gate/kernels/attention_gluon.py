@@ -57,6 +57,7 @@ from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm import _num_sms
+from h3gate.kernels.gemm_gluon import nvmma_layout
 
 # Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -127,8 +128,7 @@ def row_descriptor(t: torch.Tensor, rows: int, d: int) -> TensorDescriptor:
     """A host TMA descriptor over the (B, S, nh * d) view of ``t`` ((B, S, nh, d) or (B, S, nh * d), viewed, never
     copied) with (1, ``rows``, d) boxes: a load's rows past S are zeros, a store's are dropped (not the next item's)."""
     view = t.view(t.shape[0], t.shape[1], -1)
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, d], gl.bfloat16)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], layout)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], nvmma_layout((1, rows, d)))
 
 
 # Registers a thread: the worker consumer and the producer (setmaxnreg); the default consumer gets what the launch's
