@@ -269,9 +269,9 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
         ("219473d", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # q, k, v as one grouped launch
         ("54f7fd5", "evidence/h200/bench-attention-medium/bench-ops.json"),  # the attention output by TMA, benched
-        ("bdfd5df", "evidence/h200/bench-ws1-block-768p/bench-ws1-block.json"),  # the forward node by node
+        ("c25ebbd", "evidence/h200/bench-ws1-block-768p/bench-ws1-block.json"),  # sustained: ms and J per call
         ("e65e6b1", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # the small-M Gluon tilings benched
-        ("88447d1", "evidence/h200/bench-ws1-model-medium/bench-ws1-model.json"),  # q / k / v one by one, an arm
+        ("9410b47", "evidence/h200/bench-ws1-model-medium/bench-ws1-model.json"),  # the sustained forward
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
         ("e976b6d", "evidence/h200/vae-video-real-strict/vae.json"),  # run vae at the released geometry
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
