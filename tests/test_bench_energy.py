@@ -72,6 +72,8 @@ def test_sustained_gives_ms_and_joules_per_call_and_their_ratios(monkeypatch):
     # The count fills `seconds` at the warm-up's rate (2 ms of host sleep a call: about 15, never the minimum).
     assert energy.MIN_CALLS <= p["calls"] <= 16 and p["host_ms_per_call"] >= 2.0
     assert out["energy"] == {"source": "NVML nvmlDeviceGetTotalEnergyConsumption"}
+    # 2 ms of host sleep a call against 2.0 / 1.5 ms of device: the host is the limit, and the record says so.
+    assert p["host_bound"] is True and s["host_bound"] is True
     _check("sustained").validate(out)
 
 
@@ -101,7 +103,8 @@ def test_without_an_energy_counter_the_milliseconds_remain_and_the_record_says_w
     dev.patch(monkeypatch, counter=False)
     out = energy.sustained({"provider": dev.call(2.0, 1.0), "strict": dev.call(1.0, 1.0)}, 0.0, 0.0, 1)
     assert out["energy"] == {"unavailable": "NVML energy counter unavailable: NVMLError: Not Supported"}
-    assert set(out["arms"]["strict"]) == {"calls", "ms_per_call", "host_ms_per_call"}
+    assert set(out["arms"]["strict"]) == {"calls", "ms_per_call", "host_ms_per_call", "host_bound"}
+    assert out["arms"]["strict"]["host_bound"] is False  # no host work: the device is the limit
     assert out["strict_over_provider_ms"] == pytest.approx(0.5) and "strict_over_provider_j" not in out
     _check("sustained").validate(out)
 
@@ -115,6 +118,7 @@ def test_the_sustained_schema_refuses_malformed_records():
         {**good, "arms": {"provider": {k: v for k, v in arm.items() if k != "mean_w"}}},  # joules without watts
         {**good, "arms": {"provider": {**arm, "calls": 0}}},
         {**good, "arms": {"provider": {**arm, "ms_per_call": 0.0}}},
+        {**good, "arms": {"provider": {**arm, "host_bound": "yes"}}},
         {**good, "energy": {"source": "NVML", "unavailable": "both"}},
         {**good, "energy": {"unavailable": ""}},
         {**good, "strict_over_provider_j": 0.7, "strict_over_provider_ms": None},
@@ -167,20 +171,23 @@ def test_the_bench_table_shows_the_sustained_forward_and_nodes():
     from h3gate.commands.bench_cmd import _sustained_table
 
     arm = {"calls": 9, "ms_per_call": 230.0, "host_ms_per_call": 120.0, "j_per_call": 158.7, "mean_w": 690.0}
-    node = {"arms": {"provider": {**arm, "ms_per_call": 1.0}, "strict": {**arm, "ms_per_call": 0.5}},
+    looped = {**arm, "ms_per_call": 0.5, "host_ms_per_call": 0.5, "host_bound": True}
+    node = {"arms": {"provider": {**arm, "ms_per_call": 1.0}, "strict": looped},
             "energy": {"source": "NVML"}, "strict_over_provider_ms": 0.5, "strict_over_provider_j": 0.9}  # fmt: skip
     steady = {
         "method": "m",
         "forward": {"arms": {"provider": arm, "strict": arm}, "energy": {"source": "NVML"},
                     "strict_over_provider_ms": 1.0, "strict_over_provider_j": 1.0},  # fmt: skip
         "forward_nodes": {"method": "m", "nodes": {"o_proj": node},
-                          "sums": {"provider": {"ms_per_call": 1.0, "j_per_call": 2.0}, "strict": {"ms_per_call": 0.5}}},
+                          "sums": {"provider": {"ms_per_call": 1.0, "j_per_call": 2.0},
+                                   "strict": {"ms_per_call": 0.5}}},
     }  # fmt: skip
     console = Console(width=200, record=True)
     console.print(_sustained_table(steady))
     text = console.export_text()
     assert "230 / 158.7 J (690 W)" in text and "o_proj" in text and "0.500x (0.900x)" in text
     assert "nodes, sum" in text and "1 / 2 J" in text
+    assert text.count("host-bound") == 1 and "0.5 / 158.7 J (690 W) host-bound" in text
     blind = {**steady["forward"], "energy": {"unavailable": "NVML energy counter unavailable: X"}}
     console = Console(width=200, record=True)
     console.print(_sustained_table({"method": "m", "forward": blind}))

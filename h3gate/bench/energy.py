@@ -15,9 +15,10 @@ Two arms equal in cold time can then differ, because one needs more joules for t
    counter is read again (``E1``).
 
 Per call: ``ms = span / n`` and ``J = (E1 - E0) / n``; the round's mean power is ``W = (E1 - E0) / span``, and
-``host_ms`` is the host's enqueue time over ``n`` (near ``ms``, the arm is host-bound: the device waited for
-launches). Each arm's record is the median over ``rounds``. There is no L2 flush: in a stream a call finds the L2 its
-own previous call left. The counter is read before and after spans of at least ``seconds``. Measured on the H200
+``host_ms`` is the host's enqueue time over ``n``. ``host_bound`` says it reached :data:`HOST_BOUND` of ``ms``: the
+device waited for launches, so ``ms`` is the host's launch time, not the device's (small kernels looped alone). Each
+arm's record is the median over ``rounds``. There is no L2 flush: in a stream a call finds the L2 its own previous
+call left. The counter is read before and after spans of at least ``seconds``. Measured on the H200
 (``docs/measurements/perf-probe-38.json``, 1.5 s spans), two arms running the same kernel agree within 0.3 % in ms
 but only within 6 % in joules, so the ms at the cap is the number to compare; joules show where power goes. Without
 NVML, the joules are replaced by one line saying why, and the milliseconds are still recorded.
@@ -44,6 +45,7 @@ NODE_SECONDS = 1.0
 NODE_WARM_S = 0.3
 MIN_CALLS = 3
 MAX_CALLS = 200_000
+HOST_BOUND = 0.9
 METHOD = (
     "h3gate.bench.energy.sustained: per round and arm, warm_s of synchronised calls, then n calls (filling "
     "seconds) enqueued back to back between two reads of NVML's total-energy counter and two CUDA events; ms and "
@@ -90,8 +92,9 @@ def sustained(
     rounds: int = ROUNDS,
     min_calls: int = MIN_CALLS,
 ) -> dict:
-    """Per arm ``{"calls", "ms_per_call", "host_ms_per_call"[, "j_per_call", "mean_w"]}`` (medians over rounds), the
-    ``strict`` / ``provider`` ratios where both arms exist, and ``energy`` (the counter's source, or why none)."""
+    """Per arm ``{"calls", "ms_per_call", "host_ms_per_call", "host_bound"[, "j_per_call", "mean_w"]}`` (medians over
+    rounds), the ``strict`` / ``provider`` ratios where both arms exist, and ``energy`` (the counter's source, or why
+    none)."""
     counter = clocks.nvml_energy(str(torch.device("cuda", torch.cuda.current_device())))
     energy = None if isinstance(counter, str) else counter
     spans: dict[str, list[dict[str, float]]] = {name: [] for name in fns}
@@ -105,6 +108,8 @@ def sustained(
         name: {"calls": calls[name], **{k: statistics.median(s[k] for s in rec) for k in rec[0]}}
         for name, rec in spans.items()
     }
+    for arm in arms.values():
+        arm["host_bound"] = arm["host_ms_per_call"] >= HOST_BOUND * arm["ms_per_call"]
     source = {"source": "NVML nvmlDeviceGetTotalEnergyConsumption"} if energy is not None else {"unavailable": counter}
     out: dict = {"arms": arms, "energy": source}
     if "strict" in arms and "provider" in arms:

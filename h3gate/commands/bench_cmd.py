@@ -176,7 +176,8 @@ def _sustained_table(steady: dict) -> Table:
         for arm in arms:
             a = rec["arms"].get(arm)
             joules = f" / {a['j_per_call']:.4g} J ({a['mean_w']:.0f} W)" if a and "j_per_call" in a else ""
-            cells.append("-" if a is None else f"{a['ms_per_call']:.4g}{joules}")
+            bound = " host-bound" if a and a.get("host_bound") else ""
+            cells.append("-" if a is None else f"{a['ms_per_call']:.4g}{joules}{bound}")
         ratio = rec.get("strict_over_provider_ms")
         j = rec.get("strict_over_provider_j")
         table.add_row(label, *cells, "-" if ratio is None else f"{ratio:.3f}x" + (f" ({j:.3f}x)" if j else ""))
