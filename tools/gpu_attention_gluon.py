@@ -12,6 +12,9 @@
   heads): the Triton forward, every Gluon variant, SDPA pinned to cuDNN and to flash; at 3160 and 38974 every Gluon
   variant also walking a layout's order (``NAME@layout``: tile sources against whole canonical copies).
 
+* ``sustained``: each arm back to back at the power cap (``h3gate.bench.energy.sustained``: 2 s spans after 1 s of
+  warm-up, 2 rounds) at S = 3160 and 38974: ms and joules per call of cuDNN, the Triton forward and every variant.
+
 (Session 12's first round also timed a single-partition Gluon kernel, ``perf-probe-16-round1.json``.)
 
 A variant that fails to compile or run is recorded with its error, never fatal. Prints one line per result.
@@ -140,12 +143,45 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
         records.append(rec)
 
 
+def _sustained_at(s: int, variants: list[str]) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from h3gate.bench import energy
+
+    q, k, v = _inputs(1, s, seed=11)
+    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                    v.transpose(1, 2))  # fmt: skip
+
+    fns = {"cudnn": cudnn, "triton": lambda: attention.forward(q, k, v, cfg)}
+    fns.update({name: (lambda name=name: _gluon(q, k, v, name)) for name in variants})
+    with torch.no_grad():
+        return energy.sustained(fns, seconds=2.0, warm_s=1.0, rounds=2)
+
+
+def probe_sustained(records: list[dict], variants: list[str]) -> None:
+    for s in (3160, 38974):
+        out = _sustained_at(s, variants)
+        base = out["arms"]["cudnn"]
+        rec = {"section": "sustained", "S": s, **out,
+               "vs_cudnn_ms": {n: a["ms_per_call"] / base["ms_per_call"] for n, a in out["arms"].items()}}  # fmt: skip
+        if "j_per_call" in base:
+            rec["vs_cudnn_j"] = {n: a["j_per_call"] / base["j_per_call"] for n, a in out["arms"].items()}
+        print(json.dumps({key: rec.get(key) for key in ("S", "vs_cudnn_ms", "vs_cudnn_j")}), flush=True)
+        records.append(rec)
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     return probe_main(
         VARIANTS,
         {
             "bytes": lambda records, variants, small: probe_bytes(records, variants, SMALL_CASES if small else CASES),
             "time": lambda records, variants, small: probe_time(records, variants),
+            "sustained": lambda records, variants, small: probe_sustained(records, variants),
         },
     )
 

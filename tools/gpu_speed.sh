@@ -7,6 +7,7 @@
 #                       forward and its time next to cuBLAS at the block's four layers, M = 264 ... 38974 ($PROBE.json)
 #   attn-gluon          tools/gpu_attention_gluon.py: the warp-specialised Gluon forward's bytes against the Triton
 #                       forward (S = 264 ... 38974, batch 2, walk orders) and its time next to cuDNN / flash
+#                       (ATTN_SECTIONS, default bytes,time; sustained: back to back at the power cap)
 #   attn-bwd            tools/gpu_attention_bwd.py: the backward variants' dq/dk/dv bytes against the three-kernel
 #                       backward and their time next to cuDNN's / flash's backward ($BWD_PROBE.json; BWD_SECTIONS,
 #                       default bytes,time; split: the Gluon kernels timed alone)
@@ -36,7 +37,7 @@ for s in "$@"; do
       --out "$ev/$P.json";;
     gemm-gluon) step "${GLUON_CAP:-420}" gemm-gluon python3 tools/gpu_gemm_gluon.py ${GEMM_VARIANTS:+--variants "$GEMM_VARIANTS"} \
       --sections "${GEMM_SECTIONS:-bytes,time}" --out "$ev/${PROBE:-perf-probe-30}.json";;
-    attn-gluon) step "${GLUON_CAP:-240}" attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws}" \
+    attn-gluon) step "${GLUON_CAP:-240}" attention-gluon python3 tools/gpu_attention_gluon.py --variants "${GLUON_VARIANTS:-ws}" --sections "${ATTN_SECTIONS:-bytes,time}" \
       --out "$ev/${PROBE:-perf-probe-16}.json";;
     attn-bwd-smoke) step 120 attention-bwd-smoke python3 tools/gpu_attention_bwd.py --small --sections bytes \
       --variants fused --out "$ev/attention-bwd-smoke.json";;
