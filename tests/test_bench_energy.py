@@ -152,7 +152,8 @@ def test_per_node_runs_every_node_alone_and_sums_per_arm(monkeypatch):
         return real(node, table, values, params, override)
 
     monkeypatch.setattr(energy, "run_node", run_node)
-    out = energy.per_node(setup.graph, setup.inputs.tensors, setup.params, tables, seconds=0.0, warm_s=0.0)
+    out = energy.per_node(setup.graph, setup.inputs.tensors, setup.params, tables, seconds=0.0, warm_s=0.0,
+                          min_calls=1)  # fmt: skip
     names = [n.name for n in setup.graph.nodes]
     assert list(out["nodes"]) == names and set(seen) == set(names)
     for rec in out["nodes"].values():

@@ -128,6 +128,7 @@ def per_node(
     tables: Mapping[str, OpTable],
     seconds: float = NODE_SECONDS,
     warm_s: float = NODE_WARM_S,
+    min_calls: int = MIN_CALLS,
 ) -> dict:
     """:func:`sustained` for every node of ``graph`` alone (one round; each arm's node inputs from one no_grad forward
     of that arm, ``run_node``: q, k and v one launch each), and per arm the sums over the nodes."""
@@ -144,6 +145,7 @@ def per_node(
                 seconds,
                 warm_s,
                 rounds=1,
+                min_calls=min_calls,
             )
             for node in graph.nodes
         }
