@@ -196,7 +196,8 @@ def bench(
     json_: JsonOpt = False,
 ) -> None:
     """Time strict kernels next to the provider in one run (median of CUDA-event timings): operators (--op), the
-    block (ws1-block), or the whole model forward and forward + backward (ws1-model)."""
+    block (ws1-block), or the whole model forward and forward + backward (ws1-model). The block and the model also
+    record the forward in the power-capped steady state: ms and joules per call, each arm back to back."""
     from h3gate.commands.bench_cmd import bench_command, check_bench_merge
 
     check_bench_merge(target, merge_order)
