@@ -545,3 +545,22 @@ def test_a_block_bench_with_its_forward_node_by_node_gets_the_node_figure():
         "benchmarks-block-model.nodes-bench-ws1-block-medium",
     ]
     assert any(text.startswith("sum of the nodes: strict ") for _, text in entry.facts)
+    (steady,) = [text for label, text in entry.facts if label.endswith("the forward at the power cap")]
+    fwd = doc["sustained"]["forward"]["arms"]
+    assert f"strict {fwd['strict']['ms_per_call']:.3f} ms, provider {fwd['provider']['ms_per_call']:.3f} ms" in steady
+    assert " J (" in steady and "looped alone" not in steady  # these records predate host_bound
+
+
+def test_the_sustained_line_names_host_bound_nodes_and_says_nothing_without_a_record():
+    from h3gate.report import series
+
+    arm = {"calls": 3, "ms_per_call": 2.0, "host_ms_per_call": 0.5, "host_bound": False}
+    node = {"arms": {"provider": arm, "strict": {**arm, "host_ms_per_call": 2.0, "host_bound": True}}}
+    doc = {"sustained": {"forward": {"arms": {"provider": {**arm, "ms_per_call": 4.0}, "strict": arm},
+                                     "energy": {"unavailable": "no NVML"}},
+                         "forward_nodes": {"nodes": {"norm1": node, "o_proj": {"arms": {"strict": arm}}}}}}  # fmt: skip
+    text = series.sustained_text(doc)
+    assert "strict 2.000 ms, provider 4.000 ms a forward (0.500x)" in text and " J" not in text
+    assert text.endswith("looped alone, the host was the limit for norm1")
+    assert series.sustained_text({}) is None
+    assert series.sustained_text({"sustained": {"forward": {"arms": {"strict": arm}}}}) is None

@@ -360,6 +360,9 @@ def _gate_bench_entry(docs: list[Document], ids: Callable[[str], str]) -> Entry:
     title = "block and model benchmarks: strict / provider speed, forward and forward + backward"
     entry.figures.append(FigureSpec(ids("speed"), title, partial(charts.draw_gate_speeds, groups, title)))
     for d in docs:
+        steady = series.sustained_text(d.doc)
+        if steady is not None:
+            entry.facts.append((f"{name_of(d)}: the forward at the power cap", steady))
         times = series.node_times(d.doc, name_of(d))
         if times is None:
             continue

@@ -277,6 +277,31 @@ def node_times(doc: dict, label: str) -> NodeTimes | None:
     )
 
 
+def sustained_text(doc: dict) -> str | None:
+    """The record's forward at the power cap (``sustained``, session 23 on) as one line: each arm's ms a forward and
+    their ratio, with joules and watts where the energy counter answered, and the nodes whose loop was host-bound;
+    None without it."""
+    steady = doc.get("sustained") or {}
+    arms = (steady.get("forward") or {}).get("arms") or {}
+    strict, prov = arms.get("strict"), arms.get("provider")
+    if not strict or not prov:
+        return None
+    text = (
+        f"each arm back to back at the board's steady state: strict {strict['ms_per_call']:.3f} ms, provider "
+        f"{prov['ms_per_call']:.3f} ms a forward ({strict['ms_per_call'] / prov['ms_per_call']:.3f}x)"
+    )
+    if "j_per_call" in strict and "j_per_call" in prov:
+        text += (
+            f"; {strict['j_per_call']:.4g} / {prov['j_per_call']:.4g} J "
+            f"({strict['j_per_call'] / prov['j_per_call']:.3f}x) at {strict['mean_w']:.0f} / {prov['mean_w']:.0f} W"
+        )
+    nodes = (steady.get("forward_nodes") or {}).get("nodes") or {}
+    bound = [name for name, rec in nodes.items() if any(a.get("host_bound") for a in rec["arms"].values())]
+    if bound:
+        text += f"; looped alone, the host was the limit for {', '.join(bound)}"
+    return text
+
+
 COMPOSITIONS = ("alone", "batch.pass1", "batch.pass2")
 OPERATORS = {"P": "diffusers", "R": "h3gate.strict"}
 
