@@ -57,7 +57,7 @@ from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm import _num_sms
-from h3gate.kernels.gemm_gluon import nvmma_layout
+from h3gate.kernels.gemm_gluon_plan import nvmma_layout
 
 # Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared

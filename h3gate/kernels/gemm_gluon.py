@@ -35,9 +35,7 @@ GPU only (Gluon has no interpreter; the CPU interpreter runs the Triton kernel, 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -49,25 +47,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm_configs import GemmConfig, tail_split
+from h3gate.kernels.gemm_configs import GemmConfig
+from h3gate.kernels.gemm_gluon_plan import (  # noqa: F401 - groupable: read here by the grouped launch's callers
+    desc,
+    descriptors,
+    groupable,
+    launch_constants,
+    plan,
+)
 
 # Triton 3.6 and 3.7 name the TMA copies async_copy_global_to_shared / async_copy_shared_to_global, 3.9 async_load /
 # async_store (same positional arguments).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-
-# Registers a thread (setmaxnreg) by consumer count (A rows / 64): (worker consumers, producer) and the launch's
-# limit; the default consumer gets what the limit leaves. Warp specialisation reserves a warpgroup for the one-warp
-# producer, so two consumers are 12 warps (12 x 168 = the 64K registers of an SM; the attention's split,
-# h3gate.kernels.attention_gluon.REGS) and three are 16 (16 x 128; 3 x 128 x 160 + 128 x 24 = 64K).
-REGS = {2: (240, 24), 3: (160, 24)}
-WS_MAXNREG = {2: 168, 3: 128}
-# Unswapped tiles with a B tail (block_n + tail_m weight rows): each consumer's two parts through shared memory by
-# TMA (True) or stored from registers. Read at launch (a probe may set it).
-TAIL_TMA_STORE = True
 
 
 @gluon.jit
@@ -357,95 +351,6 @@ def _gemm_ws_kernel(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, c_desc, 
         )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=64)
-def nvmma_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
-    """The default bf16 NVMMA shared layout of a ``block`` box, built once (about 14 us of host time a descriptor)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
-
-
-def _desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(tuple(block)))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def a_box(cfg: GemmConfig) -> int:
-    """Rows of one A load (TMA boxes are powers of two): the whole 128-row A tile, or each consumer's 64 of 192."""
-    return cfg.block_m if cfg.block_m & (cfg.block_m - 1) == 0 else 64
-
-
-def tma_stored(cfg: GemmConfig) -> bool:
-    """Whether ``cfg``'s wide tiles are stored by TMA: unswapped, and without a B tail or with ``TAIL_TMA_STORE``."""
-    return not cfg.swap_ab and (not cfg.tail_m or TAIL_TMA_STORE)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One launch's geometry: A is X (or W swapped), B the other; a wide tile is ``block_m`` A rows x (block_b +
-    b_tail) B rows; with ``n_split`` set, B rows from it on are ``narrow``-wide tiles dealt after the wide ones."""
-
-    grid: int
-    tiles: int
-    pid_a: int
-    pid_b: int
-    n_split: int | None
-    narrow_tiles: int
-    pid_n: int
-    k_tiles: int
-
-
-def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
-    """The launch of ``cfg`` (``gluon``) for Y (m, n) = X (m, k) W (n, k)^T on ``programs`` SMs: the persistent grid
-    is sized from the wide tiles as :func:`h3gate.kernels.gemm.matmul` sizes it, the narrow split from
-    :func:`h3gate.kernels.gemm_configs.tail_split` (normal orientation without a B tail only)."""
-    a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
-    pid_a = _cdiv(a_rows, cfg.block_m)
-    width = cfg.block_n + cfg.tail_m
-    grid = min(pid_a * _cdiv(b_rows, width), programs)
-    n_split = None
-    if cfg.tail_block_n and not cfg.swap_ab and not cfg.tail_m:
-        n_split = tail_split(pid_a, b_rows, cfg.block_n, cfg.tail_block_n, grid)
-    split = b_rows if n_split is None else n_split
-    pid_b = _cdiv(split, width)
-    pid_n = 0 if n_split is None else _cdiv(b_rows - split, cfg.tail_block_n)
-    return Launch(grid, pid_a * pid_b, pid_a, pid_b, n_split, pid_a * pid_n, pid_n, _cdiv(k, cfg.block_k))
-
-
-def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> dict:
-    """Host TMA descriptors by kernel argument: A, B, B tail, B narrow, C (a consumer's 64 rows of a wide tile's first
-    ``block_n`` columns) and C tail (its ``tail_m`` more), the last two only for TMA-stored tiles, and the grouped
-    launch's further B and C (``b1_desc`` ...): None where unused."""
-    a, b = (w, x) if cfg.swap_ab else (x, w)
-    bk = cfg.block_k
-    stored = tma_stored(cfg)
-    return {
-        "a_desc": _desc(a, [a_box(cfg), bk]),
-        "b_desc": _desc(b, [cfg.block_n, bk]),
-        "b1_desc": None,
-        "b2_desc": None,
-        "bt_desc": _desc(b, [cfg.tail_m, bk]) if cfg.tail_m else None,
-        "bn_desc": _desc(b, [cfg.tail_block_n, bk]) if split else None,
-        "c_desc": _desc(y, [64, cfg.block_n]) if stored else None,
-        "c1_desc": None,
-        "c2_desc": None,
-        "ct_desc": _desc(y, [64, cfg.tail_m]) if stored and cfg.tail_m else None,
-    }
-
-
-def launch_constants(cfg: GemmConfig, split: bool, bias: bool, groups: int = 1) -> dict:
-    """The kernel's compile-time constants for ``cfg`` (``split``: narrow tiles launched; ``bias``: a bias added;
-    ``groups``: operands of a grouped launch) and the launch's register limit (``maxnreg``): everything
-    :func:`matmul_ws` and :func:`matmul_ws_grouped` pass but the tensors and sizes."""
-    consumers = cfg.block_m // 64
-    return {"BLOCK_B": cfg.block_n, "B_TAIL": cfg.tail_m, "NARROW": cfg.tail_block_n if split else 0,
-            "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages, "SWAP": cfg.swap_ab,
-            "HAS_BIAS": bias, "TMA_STORE": tma_stored(cfg), "A_ROWS": cfg.block_m, "A_BOX": a_box(cfg),
-            "GROUPS": groups, "REGS_C": REGS[consumers][0], "REGS_P": REGS[consumers][1],
-            "maxnreg": WS_MAXNREG[consumers]}  # fmt: skip
-
-
 def matmul_ws(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig, programs: int
 ) -> torch.Tensor:
@@ -467,12 +372,6 @@ def matmul_ws(
     return y
 
 
-def groupable(cfg: GemmConfig, n: int, groups: int) -> bool:
-    """Whether :func:`matmul_ws_grouped` runs ``groups`` weights of ``n`` rows with ``cfg``: unswapped, no B tail,
-    two or three operands, ``n`` a multiple of ``block_n`` (no tile straddles two weights)."""
-    return not cfg.swap_ab and not cfg.tail_m and groups in (2, 3) and n % cfg.block_n == 0
-
-
 def matmul_ws_grouped(
     x: torch.Tensor, ws: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], cfg: GemmConfig, programs: int
 ) -> Sequence[torch.Tensor]:
@@ -486,16 +385,16 @@ def matmul_ws_grouped(
     n, groups = ws[0].shape[0], len(ws)
     if not groupable(cfg, n, groups) or any(w.shape != ws[0].shape for w in ws) or len(ys) != groups:
         raise ValueError(f"gemm_gluon.matmul_ws_grouped: {groups} weights of {[tuple(w.shape) for w in ws]} with {cfg}")
-    per_group, pid_a = n // cfg.block_n, _cdiv(m, cfg.block_m)
+    per_group, pid_a = n // cfg.block_n, -(-m // cfg.block_m)
     tiles = pid_a * per_group * groups
     descs = descriptors(x, ws[0], ys[0], cfg, False)
     pairs = zip(ws[1:], ys[1:], strict=True)
-    extra = [(_desc(w, [cfg.block_n, cfg.block_k]), _desc(y, [64, cfg.block_n])) for w, y in pairs]
+    extra = [(desc(w, [cfg.block_n, cfg.block_k]), desc(y, [64, cfg.block_n])) for w, y in pairs]
     extra += extra[-1:] * (3 - groups)  # an unused third operand repeats the second
     descs.update(b1_desc=extra[0][0], c1_desc=extra[0][1], b2_desc=extra[1][0], c2_desc=extra[1][1])
     _gemm_ws_kernel[(min(tiles, programs),)](
         **descs, c_ptr=ys[0], bias_ptr=ys[0], M=m, N=n, stride_cm=ys[0].stride(0), num_tiles=tiles, num_pid_a=pid_a,
         num_pid_b=per_group * groups, n_split=0, num_narrow=0, num_pid_n=0, per_group=per_group,
-        k_tiles=_cdiv(k, cfg.block_k), num_warps=4, **launch_constants(cfg, False, False, groups), **STRICT_LAUNCH,
+        k_tiles=-(-k // cfg.block_k), num_warps=4, **launch_constants(cfg, False, False, groups), **STRICT_LAUNCH,
     )  # fmt: skip
     return ys

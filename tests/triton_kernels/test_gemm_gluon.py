@@ -15,6 +15,7 @@ from h3gate.kernels import gemm, gemm_configs
 from h3gate.kernels.gemm_configs import GemmConfig
 
 gemm_gluon = pytest.importorskip("h3gate.kernels.gemm_gluon")  # Triton's Gluon (3.6 and later)
+gemm_gluon_plan = pytest.importorskip("h3gate.kernels.gemm_gluon_plan")
 
 BF16 = torch.bfloat16
 QKV, O_PROJ, GATE_UP, DOWN = (7168, 5376), (5376, 7168), (28672, 5376), (5376, 14336)
@@ -189,7 +190,7 @@ def test_three_consumers_load_a_in_64_row_boxes_and_store_both_parts_by_tma(monk
     assert gemm_gluon.descriptors(x, w, y, wide, split=False)["a_desc"].block_shape == [128, 64]
     two = gemm_gluon.launch_constants(wide, split=False, bias=True)
     assert (two["A_ROWS"], two["A_BOX"], two["maxnreg"]) == (128, 128, 168) and 12 * 32 * 168 <= 65536
-    monkeypatch.setattr(gemm_gluon, "TAIL_TMA_STORE", False)
+    monkeypatch.setattr(gemm_gluon_plan, "TAIL_TMA_STORE", False)
     d = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
     assert d["c_desc"] is None and d["ct_desc"] is None
     assert not gemm_gluon.launch_constants(THREE_CONSUMERS, False, False)["TMA_STORE"]
