@@ -62,12 +62,6 @@ VARIANTS = {
     "m192t64_g8_s3": replace(_N, block_m=192, block_n=128, tail_m=64, group_m=8),
     "m192t64_g16_s4_reg": replace(_N, block_m=192, block_n=128, tail_m=64, num_stages=4),
     "m192t32_g16_s3": replace(_N, block_m=192, block_n=128, tail_m=32),
-    # round 5 (session 23): 256 token rows a tile on two consumers of 128 (two m64 MMAs each against the same B tile):
-    # cuBLAS's 256 x 144 at qkv / 3160 (13 x 50 = 650 tiles, 4.9 waves) and 256 x 160, and 256 x 128; L2 bytes a MAC
-    # 7 % / 13 % / 0 % below 128 x 256's
-    "m256t16_s3": replace(_N, block_m=256, block_n=128, tail_m=16),
-    "m256t32_s3": replace(_N, block_m=256, block_n=128, tail_m=32),
-    "m256n128_s4": replace(_N, block_m=256, block_n=128, num_stages=4),
 }
 # variant -> module knobs of gemm_gluon_plan set for its calls only
 KNOBS = {"m192t64_g16_s4_reg": {"TAIL_TMA_STORE": False}}

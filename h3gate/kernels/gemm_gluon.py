@@ -11,10 +11,10 @@ GROUP_M-swizzled order of :func:`h3gate.kernels.gemm._tile_coords`:
   tile and the (BLOCK_B x BLOCK_K) B tile (and a (B_TAIL x BLOCK_K) B tail) into a ring of ``STAGES`` buffers
   (``full``: loaded; ``empty``: every consumer done with it); the ring runs on across tiles, so the next tile's first
   chunks load during this tile's epilogue;
-* A_ROWS / 64 consumer warpgroups (two or three) of 64 A rows each, or two of 128 rows for 256 A rows, every chunk
-  one asynchronous ``wgmma`` (m64, N = BLOCK_B, k16 steps; a second one, N = B_TAIL, over the tail) per 64 rows onto
-  zero FP32 accumulators, the chunk's MMAs kept in flight while the next chunk's barrier is awaited; the epilogue adds
-  the bias in FP32 and rounds once to bfloat16 (round to nearest even).
+* A_ROWS / 64 consumer warpgroups (two or three) of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64,
+  N = BLOCK_B, k16 steps; a second one, N = B_TAIL, over the tail) onto zero FP32 accumulators, the chunk's MMAs kept
+  in flight while the next chunk's barrier is awaited; the epilogue adds the bias in FP32 and rounds once to bfloat16
+  (round to nearest even).
 
 The forward ``Y (M, N) = X (M, K) @ W (N, K)^T`` runs it either way round (``GemmConfig.swap_ab``): unswapped,
 A = X and B = W (a tile is ``block_m`` tokens x ``block_n`` (+ ``tail_m``) weight rows, stored through shared memory
@@ -146,62 +146,39 @@ def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring
 
 
 @gluon.jit
-def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, acc2, acc_t2, C: gl.constexpr, NB: gl.constexpr,
+def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
                NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
     """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more);
-    a slot holds A_ROWS / A_BOX A boxes, consumer C's first 64 rows at C * 64 * SUB. With 256 A rows (SUB = 2: two
-    consumers of 128 rows) ``acc2`` / ``acc_t2`` take the consumer's second 64 rows against the same B tiles."""
-    SUB: gl.constexpr = 2 if A_ROWS == 256 else 1
-    ROW: gl.constexpr = C * 64 * SUB
+    a slot holds A_ROWS / A_BOX A boxes, consumer C's 64 rows in box (C * 64) // A_BOX."""
     slot = step % STAGES
     mbarrier.wait(full.index(slot), (step // STAGES) & 1)
-    a = a_ring.index(slot * (A_ROWS // A_BOX) + ROW // A_BOX).slice(ROW % A_BOX, 64)
-    b = b_ring.index(slot).slice(0, NB).permute((1, 0))
-    acc = warpgroup_mma(a, b, acc, is_async=True)
+    a = a_ring.index(slot * (A_ROWS // A_BOX) + (C * 64) // A_BOX).slice((C * 64) % A_BOX, 64)
+    acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
     if NT > 0:
         acc_t = warpgroup_mma(a, bt_ring.index(slot).permute((1, 0)), acc_t, is_async=True)
-    if SUB == 2:
-        a2 = a_ring.index(slot * (A_ROWS // A_BOX) + (ROW + 64) // A_BOX).slice((ROW + 64) % A_BOX, 64)
-        acc2 = warpgroup_mma(a2, b, acc2, is_async=True)
-        if NT > 0:
-            acc_t2 = warpgroup_mma(a2, bt_ring.index(slot).permute((1, 0)), acc_t2, is_async=True)
-    return acc, acc_t, acc2, acc_t2
+    return acc, acc_t
 
 
 @gluon.jit
-def _retire(acc, acc_t, acc2, acc_t2, PENDING: gl.constexpr, NT: gl.constexpr, SUB: gl.constexpr):
-    """Wait until at most PENDING of this consumer's MMA groups are in flight (deps: the accumulators in use)."""
-    if SUB == 2:
-        if NT > 0:
-            acc, acc_t, acc2, acc_t2 = warpgroup_mma_wait(PENDING, deps=(acc, acc_t, acc2, acc_t2))
-        else:
-            acc, acc2 = warpgroup_mma_wait(PENDING, deps=(acc, acc2))
-    elif NT > 0:
-        acc, acc_t = warpgroup_mma_wait(PENDING, deps=(acc, acc_t))
-    else:
-        acc = warpgroup_mma_wait(PENDING, deps=(acc,))
-    return acc, acc_t, acc2, acc_t2
-
-
-@gluon.jit
-def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, acc2, acc_t2, C: gl.constexpr,
-              NB: gl.constexpr, NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr,
-              A_BOX: gl.constexpr):  # fmt: skip
-    """This consumer's A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
-    chunk's barrier is awaited; returns (acc, acc_t, acc2, acc_t2, the ring step after the tile)."""
-    SUB: gl.constexpr = 2 if A_ROWS == 256 else 1
-    PER_CHUNK: gl.constexpr = SUB * (2 if NT > 0 else 1)
+def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
+              NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+    """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
+    chunk's barrier is awaited; returns (acc, acc_t, the ring step after the tile)."""
     for ki in range(k_tiles):
-        acc, acc_t, acc2, acc_t2 = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, acc2, acc_t2, C, NB,
-                                              NT, STAGES, A_ROWS, A_BOX)  # fmt: skip
-        # the previous chunk's MMAs have retired
-        acc, acc_t, acc2, acc_t2 = _retire(acc, acc_t, acc2, acc_t2, PER_CHUNK, NT, SUB)
+        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES, A_ROWS, A_BOX)
+        if NT > 0:
+            acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # the previous chunk's MMAs have retired
+        else:
+            acc = warpgroup_mma_wait(1, deps=(acc,))
         if ki > 0:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
         step += 1
-    acc, acc_t, acc2, acc_t2 = _retire(acc, acc_t, acc2, acc_t2, 0, NT, SUB)
+    if NT > 0:
+        acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
     mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
-    return acc, acc_t, acc2, acc_t2, step
+    return acc, acc_t, step
 
 
 @gluon.jit
@@ -245,26 +222,17 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_
     """Consumer ``C``'s rows ``C * 64 ...`` of the tiles :func:`_produce` loads with the same arguments, each then
     stored (``TMA_STORE``: its bf16 part tiles through shared memory by TMA, grouped: into output ``c_desc``,
     ``c1_desc`` or ``c2_desc`` by the tile's operand; else from registers)."""
-    SUB: gl.constexpr = 2 if A_ROWS == 256 else 1
-    gl.static_assert(SUB == 1 or (TMA_STORE and GROUPS == 1), "256 A rows: stored by TMA, not grouped")
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     NT_L: gl.constexpr = NT if NT > 0 else 8
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, NT_L, 16])  # fmt: skip
-    N2: gl.constexpr = NB if SUB == 2 else 8  # the second 64 rows' accumulators: placeholders when SUB = 1
-    NT2: gl.constexpr = NT_L if SUB == 2 else 8
-    layout2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N2, 16])
-    layout_t2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, NT2, 16])  # fmt: skip
     for t in range(first, n_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
         acc = gl.zeros([64, NB], gl.float32, layout)
         acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
-        acc2 = gl.zeros([64, N2], gl.float32, layout2)
-        acc_t2 = gl.zeros([64, NT2], gl.float32, layout_t2)
-        acc, acc_t, acc2, acc_t2, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t,
-                                                   acc2, acc_t2, C, NB, NT, STAGES, A_ROWS, A_BOX)  # fmt: skip
-        off_i = pid_a * A_ROWS + C * 64 * SUB
+        acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C, NB, NT,
+                                     STAGES, A_ROWS, A_BOX)  # fmt: skip
+        off_i = pid_a * A_ROWS + C * 64
         off_j = col0 + pid_b * (NB + NT)
         if GROUPS > 1:  # unswapped, no B tail, no bias, TMA-stored (matmul_ws_grouped)
             g, off_g = _group_of(pid_b, per_group, NB)
@@ -278,10 +246,6 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_
             _store_tma(acc, c_desc, c_smem.index(C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
             if NT > 0:
                 _store_tma(acc_t, ct_desc, ct_smem.index(C), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
-            if SUB == 2:  # the consumer's second 64 rows, through the same buffers
-                _store_tma(acc2, c_desc, c_smem.index(C), bias_ptr, off_i + 64, off_j, N, NB, HAS_BIAS)
-                if NT > 0:
-                    _store_tma(acc_t2, ct_desc, ct_smem.index(C), bias_ptr, off_i + 64, off_j + NB, N, NT, HAS_BIAS)
         else:
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, SWAP, HAS_BIAS)
@@ -319,12 +283,12 @@ def _gemm_ws_kernel(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, c_desc, 
                     BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
                     HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr,
                     GROUPS: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
-    """``num_warps`` = 4 (one consumer warpgroup); the other consumers (A_ROWS / 64 in all: 2 or 3; 2 of 128 rows for
-    A_ROWS = 256) and the producer are workers. A tile is A_ROWS A rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the
-    columns from ``n_split`` on are NARROW-wide tiles. ``TMA_STORE`` (unswapped only): wide tiles through shared memory
-    by TMA. ``GROUPS`` > 1 (:func:`matmul_ws_grouped`): B is the concatenation of ``b_desc``, ``b1_desc`` (and
-    ``b2_desc``), ``per_group`` B tiles each, the outputs ``c_desc``, ``c1_desc`` (and ``c2_desc``)."""
-    CONSUMERS: gl.constexpr = A_ROWS // 64 if A_ROWS < 256 else 2  # 256 A rows: two consumers of 128
+    """``num_warps`` = 4 (one consumer warpgroup); the other consumers (A_ROWS / 64 in all: 2 or 3) and the producer
+    are workers. A tile is A_ROWS A rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split``
+    on are NARROW-wide tiles. ``TMA_STORE`` (unswapped only): wide tiles through shared memory by TMA. ``GROUPS`` > 1
+    (:func:`matmul_ws_grouped`): B is the concatenation of ``b_desc``, ``b1_desc`` (and ``b2_desc``), ``per_group``
+    B tiles each, the outputs ``c_desc``, ``c1_desc`` (and ``c2_desc``)."""
+    CONSUMERS: gl.constexpr = A_ROWS // 64
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (A_ROWS // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
     if B_TAIL > 0:

@@ -40,8 +40,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def a_box(cfg: GemmConfig) -> int:
-    """Rows of one A load (TMA boxes are powers of two, at most 256): the whole 128- or 256-row A tile, or each
-    consumer's 64 of 192."""
+    """Rows of one A load (TMA boxes are powers of two): the whole 128-row A tile, or each consumer's 64 of 192."""
     return cfg.block_m if cfg.block_m & (cfg.block_m - 1) == 0 else 64
 
 
@@ -103,16 +102,11 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConf
     }
 
 
-def consumers_of(cfg: GemmConfig) -> int:
-    """Consumer warpgroups of ``cfg``'s tiles: 128 / 192 A rows are two / three of 64 rows, 256 two of 128 rows."""
-    return 2 if cfg.block_m == 256 else cfg.block_m // 64
-
-
 def launch_constants(cfg: GemmConfig, split: bool, bias: bool, groups: int = 1) -> dict:
     """The kernel's compile-time constants for ``cfg`` (``split``: narrow tiles launched; ``bias``: a bias added;
     ``groups``: operands of a grouped launch) and the launch's register limit (``maxnreg``): everything
     :func:`matmul_ws` and :func:`matmul_ws_grouped` pass but the tensors and sizes."""
-    consumers = consumers_of(cfg)
+    consumers = cfg.block_m // 64
     return {"BLOCK_B": cfg.block_n, "B_TAIL": cfg.tail_m, "NARROW": cfg.tail_block_n if split else 0,
             "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages, "SWAP": cfg.swap_ab,
             "HAS_BIAS": bias, "TMA_STORE": tma_stored(cfg), "A_ROWS": cfg.block_m, "A_BOX": a_box(cfg),
@@ -122,5 +116,5 @@ def launch_constants(cfg: GemmConfig, split: bool, bias: bool, groups: int = 1) 
 
 def groupable(cfg: GemmConfig, n: int, groups: int) -> bool:
     """Whether :func:`matmul_ws_grouped` runs ``groups`` weights of ``n`` rows with ``cfg``: unswapped, no B tail,
-    not 256 A rows, two or three operands, ``n`` a multiple of ``block_n`` (no tile straddles two weights)."""
-    return not cfg.swap_ab and not cfg.tail_m and cfg.block_m != 256 and groups in (2, 3) and n % cfg.block_n == 0
+    two or three operands, ``n`` a multiple of ``block_n`` (no tile straddles two weights)."""
+    return not cfg.swap_ab and not cfg.tail_m and groups in (2, 3) and n % cfg.block_n == 0

@@ -170,8 +170,6 @@ def main() -> None:
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
     three = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)  # three consumers, a B tail
     out["gemm_gluon:three_consumers"] = gemm_gluon_facts(three, bias=True)
-    rows_256 = replace(gemm_configs._GLUON_WIDE, block_m=256, block_n=128, tail_m=16)  # two consumers of 128 rows
-    out["gemm_gluon:rows_256"] = gemm_gluon_facts(rows_256, bias=True)
     out["gemm_gluon:grouped_qkv"] = gemm_gluon_facts(gemm_configs.GLUON_GROUPED, bias=False, groups=3)
     json.dump(out, sys.stdout)
 

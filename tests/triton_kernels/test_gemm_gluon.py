@@ -111,10 +111,8 @@ def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> 
 @pytest.mark.parametrize(
     "fields",
     [
-        {"block_m": 64},  # two or three consumers of 64 rows, or two of 128: 128, 192 or 256
-        {"block_m": 320},  # five consumers' accumulators do not fit the register file
-        {"block_m": 256, "tail_block_n": 128},  # 256 rows: no narrow tiles (stored from registers)
-        {"block_m": 256, "swap_ab": True, "group_m": 1, "tail_m": 8},  # 256 rows: unswapped only
+        {"block_m": 64},  # two or three consumers of 64 rows: 128 or 192
+        {"block_m": 256},  # four consumers' accumulators do not fit the register file
         {"num_warps": 8},  # one warpgroup a consumer: the tag would misstate the launch
         {"block_n": 136},  # register tiles are powers of two: 128 + a tail of 8 instead
         {"tail_m": 4},  # the MMA's N is at least 8
@@ -139,20 +137,17 @@ def _dealt(p, programs: int) -> tuple[list[int], list[int]]:
     return wide, narrow
 
 
-# Three consumers of 64 rows with a B tail (192 x (128 + 64)), and two of 128 rows (256 x (128 + 16)), beside the
-# shipped tilings.
+# Three consumers of 64 rows with a B tail (192 x (128 + 64)), beside the shipped tilings.
 THREE_CONSUMERS = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)
-ROWS_256 = replace(gemm_configs._GLUON_WIDE, block_m=256, block_n=128, tail_m=16)
 
 
 @pytest.mark.parametrize("m", [1, 7, 136, 137, 191, 192, 193, 264, 300, 925, 3160, 38974])
 def test_every_output_tile_is_computed_exactly_once(m) -> None:
-    """For every shipped Gluon tiling (and a three-consumer one, and one of 256 rows): A tiles cover the A rows, wide
-    tiles the B rows up to the split, narrow tiles the rest, the K chunks all of K, and the persistent deal hands each
-    tile to exactly one program."""
+    """For every shipped Gluon tiling (and a three-consumer one): A tiles cover the A rows, wide tiles the B rows up
+    to the split, narrow tiles the rest, the K chunks all of K, and the persistent deal hands each tile to exactly
+    one program."""
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     tilings[THREE_CONSUMERS.tag] = THREE_CONSUMERS
-    tilings[ROWS_256.tag] = ROWS_256
     for cfg in tilings.values():
         for n, k in (QKV, O_PROJ, GATE_UP, DOWN):
             p = gemm_gluon.plan(m, n, k, cfg, programs=132)
@@ -202,22 +197,3 @@ def test_three_consumers_load_a_in_64_row_boxes_and_store_both_parts_by_tma(monk
     swapped = gemm_configs._GLUON_SWAP8
     d = gemm_gluon.descriptors(x, w, y, swapped, split=False)
     assert d["c_desc"] is None and d["ct_desc"] is None
-
-
-def test_256_rows_are_one_a_box_on_two_consumers_of_128_and_do_not_group() -> None:
-    """256 A rows a tile (two consumers, each two m64 MMAs against the same B tile): one 256-row A box, 64-row C
-    boxes (each consumer stores its two halves through its buffer in turn), two consumers' registers (12 warps x 168),
-    and never the grouped launch (its epilogue stores one 64-row part a consumer). At qkv / 3160 rows the tile is
-    cuBLAS's 256 x 144: 13 x 50 = 650 tiles, 4.9 waves on 132 SMs."""
-    x, w = torch.zeros(300, 256, dtype=BF16), torch.zeros(512, 256, dtype=BF16)
-    y = torch.zeros(300, 512, dtype=BF16)
-    d = gemm_gluon.descriptors(x, w, y, ROWS_256, split=False)
-    assert d["a_desc"].block_shape == [256, 64] and d["b_desc"].block_shape == [128, 64]
-    assert d["bt_desc"].block_shape == [16, 64] and d["c_desc"].block_shape == [64, 128]
-    assert d["ct_desc"].block_shape == [64, 16]
-    consts = gemm_gluon.launch_constants(ROWS_256, split=False, bias=False)
-    assert (consts["A_ROWS"], consts["A_BOX"], consts["TMA_STORE"], consts["maxnreg"]) == (256, 256, True, 168)
-    assert gemm_gluon_plan.consumers_of(ROWS_256) == 2 and gemm_gluon_plan.consumers_of(THREE_CONSUMERS) == 3
-    p = gemm_gluon.plan(3160, *QKV, ROWS_256, programs=132)
-    assert (p.pid_a, p.pid_b, p.tiles, p.grid) == (13, 50, 650, 132)
-    assert not gemm_gluon.groupable(ROWS_256, 7168, 3) and gemm_gluon.groupable(gemm_configs._GLUON_WIDE, 7168, 3)

@@ -136,11 +136,11 @@ def test_gluon_walks_through_tile_sources_keep_their_mmas(facts) -> None:
 
 
 def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
-    """Every production Gluon GEMM tiling (gemm_configs.GLUON_BUCKETS), a three-consumer one (192 x (128 + 64), both
-    parts stored by TMA) and one of 256 rows on two consumers of 128 (256 x (128 + 16)), lowers for sm_90 with TMA loads
-    (A, B, and the B tail or the narrow tiles' B where it has them), every consumer's wgmma (4 k16 steps a chunk a
-    consumer, twice that with a B tail MMA or narrow tiles), register reallocation, no spill, and ptxas keeps the wgmma
-    asynchronous; so does the grouped q / k / v launch (three weights' B loads and C stores)."""
+    """Every production Gluon GEMM tiling (gemm_configs.GLUON_BUCKETS), and a three-consumer one (192 x (128 + 64),
+    both parts stored by TMA), lowers for sm_90 with TMA loads (A, B, and the B tail or the narrow tiles' B where it
+    has them), every consumer's wgmma (4 k16 steps a chunk a consumer, twice that with a B tail MMA or narrow tiles),
+    register reallocation, no spill, and ptxas keeps the wgmma asynchronous; so does the grouped q / k / v launch
+    (three weights' B loads and C stores)."""
     from dataclasses import replace
 
     from h3gate.kernels import gemm_configs
@@ -148,12 +148,11 @@ def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
     tilings = {f"gemm_gluon:{cfg.tag}": cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     assert len(tilings) >= 3
     tilings["gemm_gluon:three_consumers"] = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)
-    tilings["gemm_gluon:rows_256"] = replace(gemm_configs._GLUON_WIDE, block_m=256, block_n=128, tail_m=16)
     for tag, cfg in tilings.items():
         got = facts[tag]
         two = cfg.tail_m or cfg.tail_block_n
-        consumers, sub = (2, 2) if cfg.block_m == 256 else (cfg.block_m // 64, 1)  # 256 rows: two of 128
-        assert got["wgmma.mma_async"] == consumers * sub * (8 if two else 4), (tag, got)
+        consumers = cfg.block_m // 64
+        assert got["wgmma.mma_async"] == consumers * (8 if two else 4), (tag, got)
         assert got["cp.async.bulk.tensor"] >= (3 if two else 2) and got["setmaxnreg"] >= 4, (tag, got)
         assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, (tag, got)
     three = facts["gemm_gluon:three_consumers"]  # three A boxes, B, B tail loads; two C stores per consumer
