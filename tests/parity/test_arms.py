@@ -91,6 +91,7 @@ def test_a_forward_fault_on_the_strict_training_side_fails_r_r_and_is_located(tm
     assert "R/R.byte_equal (first drift at step 0)" in brief["failing_checks"]
 
 
+@pytest.mark.slow  # 40 s of make test's 600 on two cores (the forward fault above stays there): make test-slow
 def test_a_backward_fault_fails_the_gradient_repeat_and_names_the_gradient(tmp_path) -> None:
     args = ["--arms", "R/R", "--steps", "2", "--layers", "1", "--fault", "block.0.q_proj:30:backward"]
     code, brief, log = _run(args, tmp_path)
