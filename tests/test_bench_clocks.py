@@ -341,3 +341,58 @@ def test_nvml_reader_reads_clock_power_and_reasons_from_the_binding(monkeypatch)
     assert reader.read() == (1755.0, 612.5, 0x4)
     fake.nvmlDeviceGetClockInfo = lambda h, which: (_ for _ in ()).throw(NVMLError("GPU is lost"))
     assert clocks.nvml_reader("cuda:1") == "NVML unavailable: NVMLError: GPU is lost"
+
+
+class _FakeNvml:
+    """A stand-in nvidia-ml-py: a counter in mJ, a clock and power, or an error from every call (``broken``)."""
+
+    __version__ = "fake"
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, broken: bool = False) -> None:
+        self.broken, self.mj = broken, 12_345
+
+    def _answer(self, value):
+        if self.broken:
+            raise self.NVMLError("Not Supported")
+        return value
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return self._answer(self.mj)
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        return self._answer(1755)
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self._answer(690_500)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return self._answer(0x4)
+
+    def nvmlDeviceGetName(self, handle):
+        return b"Fake H200"
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_nvml_readers_answer_or_say_why_in_one_line(monkeypatch, broken):
+    """Both readers open the device the same way: with answers, joules from the mJ counter and the clock reader's
+    (MHz, W, reasons); with an NVML error on the probe call, one line naming what is unavailable and the error."""
+    import sys
+
+    fake = _FakeNvml(broken)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(clocks, "_handle", lambda pynvml, device: "h0")
+    energy, reader = clocks.nvml_energy("cuda:0"), clocks.nvml_reader("cuda:0")
+    if broken:
+        assert energy == "NVML energy counter unavailable: NVMLError: Not Supported"
+        assert reader == "NVML unavailable: NVMLError: Not Supported"
+        return
+    assert energy() == 12.345
+    fake.mj += 2_000
+    assert energy() == 14.345
+    assert reader.read() == (1755.0, 690.5, 0x4) and reader.source == "NVML via nvidia-ml-py fake: Fake H200"

@@ -110,11 +110,12 @@ def bench_block(
             return run
 
         results: dict[str, dict] = {}
+        timed: dict[str, dict[str, Callable[[], object]]] = {}
         for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
             if progress is not None:
                 progress(f"{phase} (provider and strict, {ITERS} rounds)")
             clocks: dict = {}
-            fns = {who: make(t) for who, t in phase_tables(tables, graph, phase).items()}
+            fns = timed[phase] = {who: make(t) for who, t in phase_tables(tables, graph, phase).items()}
             stats = side_by_side(fns, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
             results[phase] = {**stats, **ratios(stats), "device_clocks": clocks}
         if progress is not None:
@@ -122,10 +123,9 @@ def bench_block(
         nodes = node_times(graph, x, params, tables)
         if progress is not None:
             progress("sustained: each arm back to back, ms and joules per call (the forward, then node by node)")
-        forwards = {who: forward(t) for who, t in phase_tables(tables, graph, "forward").items()}
         steady = {
             "method": energy.METHOD,
-            "forward": energy.sustained(forwards),
+            "forward": energy.sustained(timed["forward"]),
             "forward_nodes": energy.per_node(graph, x, params, tables),
         }
         body = {

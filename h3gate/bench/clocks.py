@@ -62,9 +62,9 @@ class Reader:
     source: str
 
 
-def nvml_reader(device: str) -> Reader | str:
-    """An NVML :class:`Reader` for ``device`` (matched by UUID when torch knows it, else by index), or one line
-    saying why there is none."""
+def _open(device: str, probe: Callable, what: str) -> tuple | str:
+    """``(pynvml, handle)`` of torch's ``device`` once ``probe(pynvml, handle)`` answered, or one line saying why
+    not (no binding; ``what`` unavailable: the NVML error)."""
     try:
         import pynvml
     except ImportError:
@@ -72,10 +72,20 @@ def nvml_reader(device: str) -> Reader | str:
     try:
         pynvml.nvmlInit()
         handle = _handle(pynvml, device)
-        reasons = _reasons_call(pynvml)
-        pynvml.nvmlDeviceGetClockInfo(handle, NVML_CLOCK_SM)
-    except Exception as exc:  # noqa: BLE001 - any NVML failure only means no clock record
-        return f"NVML unavailable: {type(exc).__name__}: {str(exc).strip()[:120]}"
+        probe(pynvml, handle)
+    except Exception as exc:  # noqa: BLE001 - any NVML failure only means no record
+        return f"{what} unavailable: {type(exc).__name__}: {str(exc).strip()[:120]}"
+    return pynvml, handle
+
+
+def nvml_reader(device: str) -> Reader | str:
+    """An NVML :class:`Reader` for ``device`` (matched by UUID when torch knows it, else by index), or one line
+    saying why there is none."""
+    opened = _open(device, lambda nv, h: (_reasons_call(nv), nv.nvmlDeviceGetClockInfo(h, NVML_CLOCK_SM)), "NVML")
+    if isinstance(opened, str):
+        return opened
+    pynvml, handle = opened
+    reasons = _reasons_call(pynvml)
 
     def read() -> tuple[float, float, int]:
         return (
@@ -96,16 +106,10 @@ def nvml_reader(device: str) -> Reader | str:
 def nvml_energy(device: str) -> Callable[[], float] | str:
     """A callable returning the board's total energy in joules since the driver loaded
     (``nvmlDeviceGetTotalEnergyConsumption``, mJ; Volta and later), or one line saying why there is none."""
-    try:
-        import pynvml
-    except ImportError:
-        return "nvidia-ml-py (pynvml) is not installed"
-    try:
-        pynvml.nvmlInit()
-        handle = _handle(pynvml, device)
-        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception as exc:  # noqa: BLE001 - any NVML failure only means no energy record
-        return f"NVML energy counter unavailable: {type(exc).__name__}: {str(exc).strip()[:120]}"
+    opened = _open(device, lambda nv, h: nv.nvmlDeviceGetTotalEnergyConsumption(h), "NVML energy counter")
+    if isinstance(opened, str):
+        return opened
+    pynvml, handle = opened
     return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0
 
 

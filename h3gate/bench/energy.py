@@ -38,7 +38,7 @@ import torch
 
 from h3gate.bench import clocks
 from h3gate.graph.core import Graph, OpTable
-from h3gate.graph.execute import run_node
+from h3gate.graph.execute import run_chained, run_node
 
 SECONDS = 2.0
 WARM_S = 0.5
@@ -133,12 +133,7 @@ def per_node(
     """:func:`sustained` for every node of ``graph`` alone (one round; each arm's node inputs from one no_grad forward
     of that arm, ``run_node``: q, k and v one launch each), and per arm the sums over the nodes."""
     with torch.no_grad():
-        values = {}
-        for arm, table in tables.items():
-            vals = dict(inputs)
-            for node in graph.nodes:
-                vals[node.name] = run_node(node, table, vals, params)
-            values[arm] = vals
+        values = {arm: run_chained(graph, inputs, params, table) for arm, table in tables.items()}
         nodes = {
             node.name: sustained(
                 {arm: partial(run_node, node, table, values[arm], params) for arm, table in tables.items()},

@@ -264,11 +264,14 @@ def bench_model(
         "forward_backward": lambda t: forward_backward_arm(stages, inputs, params, t, cot),
     }
     results: dict[str, dict] = {}
+    timed: dict[str, dict[str, Callable[[], object]]] = {}
     for phase, make in makers.items():
         if progress is not None:
             progress(f"{phase} (provider and strict, {WARMUP} warm-up and {iters} timed rounds)")
         peaks: dict[str, int] = {}
-        fns = {who: _with_peak(make(t), peaks, who) for who, t in phase_tables(tables, graph, phase).items()}
+        fns = timed[phase] = {
+            who: _with_peak(make(t), peaks, who) for who, t in phase_tables(tables, graph, phase).items()
+        }
         clocks: dict = {}
         stats = side_by_side(fns, iters=iters, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
         results[phase] = {**stats, **ratios(stats), "max_memory_allocated_bytes": peaks, "device_clocks": clocks}
@@ -277,10 +280,8 @@ def bench_model(
     stages_rec = stage_times(stages, inputs, params, tables, iters)
     if progress is not None:
         progress("sustained forward: each arm back to back, ms and joules per call")
-    arms = phase_tables(tables, graph, "forward")
-    forwards = {who: forward_arm(stages, inputs, params, t) for who, t in arms.items()}
     rounds = energy.ROUNDS if packed.seq_len < SMALL_ROWS else 1
-    steady = {"method": energy.METHOD, "forward": energy.sustained(forwards, rounds=rounds)}
+    steady = {"method": energy.METHOD, "forward": energy.sustained(timed["forward"], rounds=rounds)}
     body = {
         "config": name,
         "layout": {"name": layout, "seq_len": packed.seq_len, "rows": packed.rows_per_modality()},

@@ -50,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm_configs import GemmConfig
-from h3gate.kernels.gemm_gluon_plan import (  # noqa: F401 - groupable: read here by the grouped launch's callers
+from h3gate.kernels.gemm_gluon_plan import (
+    cdiv,
     desc,
     descriptors,
     groupable,
@@ -385,7 +386,7 @@ def matmul_ws_grouped(
     n, groups = ws[0].shape[0], len(ws)
     if not groupable(cfg, n, groups) or any(w.shape != ws[0].shape for w in ws) or len(ys) != groups:
         raise ValueError(f"gemm_gluon.matmul_ws_grouped: {groups} weights of {[tuple(w.shape) for w in ws]} with {cfg}")
-    per_group, pid_a = n // cfg.block_n, -(-m // cfg.block_m)
+    per_group, pid_a = n // cfg.block_n, cdiv(m, cfg.block_m)
     tiles = pid_a * per_group * groups
     descs = descriptors(x, ws[0], ys[0], cfg, False)
     pairs = zip(ws[1:], ys[1:], strict=True)
@@ -395,6 +396,6 @@ def matmul_ws_grouped(
     _gemm_ws_kernel[(min(tiles, programs),)](
         **descs, c_ptr=ys[0], bias_ptr=ys[0], M=m, N=n, stride_cm=ys[0].stride(0), num_tiles=tiles, num_pid_a=pid_a,
         num_pid_b=per_group * groups, n_split=0, num_narrow=0, num_pid_n=0, per_group=per_group,
-        k_tiles=-(-k // cfg.block_k), num_warps=4, **launch_constants(cfg, False, False, groups), **STRICT_LAUNCH,
+        k_tiles=cdiv(k, cfg.block_k), num_warps=4, **launch_constants(cfg, False, False, groups), **STRICT_LAUNCH,
     )  # fmt: skip
     return ys

@@ -35,7 +35,8 @@ def desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, nvmma_layout(tuple(block)))
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive integers."""
     return -(-a // b)
 
 
@@ -69,16 +70,16 @@ def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
     is sized from the wide tiles as :func:`h3gate.kernels.gemm.matmul` sizes it, the narrow split from
     :func:`h3gate.kernels.gemm_configs.tail_split` (normal orientation without a B tail only)."""
     a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
-    pid_a = _cdiv(a_rows, cfg.block_m)
+    pid_a = cdiv(a_rows, cfg.block_m)
     width = cfg.block_n + cfg.tail_m
-    grid = min(pid_a * _cdiv(b_rows, width), programs)
+    grid = min(pid_a * cdiv(b_rows, width), programs)
     n_split = None
     if cfg.tail_block_n and not cfg.swap_ab and not cfg.tail_m:
         n_split = tail_split(pid_a, b_rows, cfg.block_n, cfg.tail_block_n, grid)
     split = b_rows if n_split is None else n_split
-    pid_b = _cdiv(split, width)
-    pid_n = 0 if n_split is None else _cdiv(b_rows - split, cfg.tail_block_n)
-    return Launch(grid, pid_a * pid_b, pid_a, pid_b, n_split, pid_a * pid_n, pid_n, _cdiv(k, cfg.block_k))
+    pid_b = cdiv(split, width)
+    pid_n = 0 if n_split is None else cdiv(b_rows - split, cfg.tail_block_n)
+    return Launch(grid, pid_a * pid_b, pid_a, pid_b, n_split, pid_a * pid_n, pid_n, cdiv(k, cfg.block_k))
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> dict:

@@ -157,8 +157,12 @@ def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
         assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, (tag, got)
     three = facts["gemm_gluon:three_consumers"]  # three A boxes, B, B tail loads; two C stores per consumer
     assert three["cp.async.bulk.tensor"] >= 5 + 2 * 3, three
-    # q, k, v in one launch: the A load, and the B load and C store of whichever weight a tile is (Triton 3.7 emits
-    # one TMA instruction per weight in each branch, 3.9 selects the descriptor first and emits one)
+    # q, k, v in one launch: the A load, and the B load and C store of whichever weight a tile is. Triton 3.7 emits
+    # one TMA instruction per weight in each branch (1 + 3 + 3), 3.9 selects the descriptor first and emits one of
+    # each; the 3.7 count is kept where it is known, the three distinct copies everywhere else
+    import triton
+
+    tma_copies = 7 if triton.__version__.startswith("3.7.") else 3
     grouped = facts["gemm_gluon:grouped_qkv"]
-    assert grouped["wgmma.mma_async"] == 8 and grouped["cp.async.bulk.tensor"] >= 3, grouped
+    assert grouped["wgmma.mma_async"] == 8 and grouped["cp.async.bulk.tensor"] >= tma_copies, grouped
     assert grouped["wgmma_serialized"] is False and grouped["spill_bytes"] == 0, grouped
