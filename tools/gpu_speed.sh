@@ -11,6 +11,8 @@
 #   attn-bwd            tools/gpu_attention_bwd.py: the backward variants' dq/dk/dv bytes against the three-kernel
 #                       backward and their time next to cuDNN's / flash's backward ($BWD_PROBE.json; BWD_SECTIONS,
 #                       default bytes,time; split: the Gluon kernels timed alone)
+#   floor               tools/gpu_floor_probe.py: the block forward at the power cap with every elementwise node's output
+#                       cached (no launch), strict and provider, and with only the fusable ones cached ($PROBE.json)
 #   gemm-kernels        tools/gpu_perf_probe.py --sections cublas_kernels: the kernels cuBLAS and the strict GEMM run for
 #                       the block's four shapes at M = 264 / 925 / 3160 (names, device us; $PROBE.json)
 #   gemm-<layout>       bench --op of the block's four GEMMs at tiny / small / medium / 768p
@@ -33,6 +35,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
     attn-probe) P=${PROBE:-perf-probe-15}; step 300 "$P" python3 tools/gpu_perf_probe.py --sections attn_tma --out "$ev/$P.json";;
+    floor) step 420 floor-probe python3 tools/gpu_floor_probe.py --out "$ev/${PROBE:-perf-probe-41}.json";;
     gemm-kernels) P=${PROBE:-perf-probe-26}; step 200 "$P" python3 tools/gpu_perf_probe.py --sections cublas_kernels \
       --out "$ev/$P.json";;
     gemm-gluon) step "${GLUON_CAP:-420}" gemm-gluon python3 tools/gpu_gemm_gluon.py ${GEMM_VARIANTS:+--variants "$GEMM_VARIANTS"} \
