@@ -15,9 +15,13 @@ Two arms equal in cold time can then differ, because one needs more joules for t
    counter is read again (``E1``).
 
 Per call: ``ms = span / n`` and ``J = (E1 - E0) / n``; the round's mean power is ``W = (E1 - E0) / span``, and
-``host_ms`` is the host's enqueue time over ``n``. ``host_bound`` says it reached :data:`HOST_BOUND` of ``ms``: the
-device waited, or nearly, for launches, so ``ms`` is partly the host's launch time (small kernels looped alone; the
-block's attention node alone enqueued in 0.52 ms a call against 0.59 ms of device time at medium, where the bare
+``host_ms`` is the host's time over the span's ``n`` calls. Once the device's launch queue is full the host waits for
+a slot, so in a device-bound stream ``host_ms`` approaches ``ms`` whatever the enqueue costs (the medium block: 3.9
+to 5.3 ms a call against 1.7 to 2.6 ms of enqueue behind a device spin, ``host-profile-2.json``, ``perf-probe-41``).
+``enqueue_ms`` is the enqueue itself: the median, over the warm-up's calls, of one call's time to return, each started
+on an idle device (synchronised before it). ``host_bound`` says ``enqueue_ms`` reached :data:`HOST_BOUND` of ``ms``:
+the device waited, or nearly, for launches, so ``ms`` is partly the host's launch time (small kernels looped alone;
+the block's attention node alone enqueued in 0.52 ms a call against 0.59 ms of device time at medium, where the bare
 kernel reads 0.51 ms, ``perf-probe-39.json``). Each
 arm's record is the median over ``rounds``. There is no L2 flush: in a stream a call finds the L2 its own previous
 call left. The counter is read before and after spans of at least ``seconds``. Measured on the H200
@@ -55,15 +59,19 @@ METHOD = (
 )
 
 
-def _count(fn: Callable[[], object], warm_s: float, seconds: float, min_calls: int) -> int:
-    """Run ``fn`` (synchronised) for ``warm_s``; return how many calls fill ``seconds`` at that rate."""
-    calls, start = 0, time.perf_counter()
+def _count(fn: Callable[[], object], warm_s: float, seconds: float, min_calls: int) -> tuple[int, float]:
+    """Run ``fn`` (synchronised) for ``warm_s``; return how many calls fill ``seconds`` at that rate, and the median
+    ms a call took to return (its enqueue, each call started on an idle device)."""
+    calls, start, enqueue = 0, time.perf_counter(), []
     while calls < 1 or time.perf_counter() - start < warm_s:
+        t = time.perf_counter()
         fn()
+        enqueue.append((time.perf_counter() - t) * 1e3)
         torch.cuda.synchronize()
         calls += 1
     per_call = (time.perf_counter() - start) / calls
-    return min(MAX_CALLS, max(min_calls, math.ceil(seconds / max(per_call, 1e-9))))
+    n = min(MAX_CALLS, max(min_calls, math.ceil(seconds / max(per_call, 1e-9))))
+    return n, statistics.median(enqueue)
 
 
 def _span(fn: Callable[[], object], n: int, energy: Callable[[], float] | None) -> dict[str, float]:
@@ -94,24 +102,24 @@ def sustained(
     rounds: int = ROUNDS,
     min_calls: int = MIN_CALLS,
 ) -> dict:
-    """Per arm ``{"calls", "ms_per_call", "host_ms_per_call", "host_bound"[, "j_per_call", "mean_w"]}`` (medians over
-    rounds), the ``strict`` / ``provider`` ratios where both arms exist, and ``energy`` (the counter's source, or why
-    none)."""
+    """Per arm ``{"calls", "ms_per_call", "host_ms_per_call", "enqueue_ms", "host_bound"[, "j_per_call", "mean_w"]}``
+    (medians over rounds), the ``strict`` / ``provider`` ratios where both arms exist, and ``energy`` (the counter's
+    source, or why none)."""
     counter = clocks.nvml_energy(str(torch.device("cuda", torch.cuda.current_device())))
     energy = None if isinstance(counter, str) else counter
     spans: dict[str, list[dict[str, float]]] = {name: [] for name in fns}
     calls: dict[str, int] = {}
     for _ in range(rounds):
         for name, fn in fns.items():
-            n = _count(fn, warm_s, seconds, min_calls)
+            n, enqueue_ms = _count(fn, warm_s, seconds, min_calls)
             calls[name] = n
-            spans[name].append(_span(fn, n, energy))
+            spans[name].append({**_span(fn, n, energy), "enqueue_ms": enqueue_ms})
     arms = {
         name: {"calls": calls[name], **{k: statistics.median(s[k] for s in rec) for k in rec[0]}}
         for name, rec in spans.items()
     }
     for arm in arms.values():
-        arm["host_bound"] = arm["host_ms_per_call"] >= HOST_BOUND * arm["ms_per_call"]
+        arm["host_bound"] = arm["enqueue_ms"] >= HOST_BOUND * arm["ms_per_call"]
     source = {"source": "NVML nvmlDeviceGetTotalEnergyConsumption"} if energy is not None else {"unavailable": counter}
     out: dict = {"arms": arms, "energy": source}
     if "strict" in arms and "provider" in arms:
