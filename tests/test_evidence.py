@@ -267,7 +267,8 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
         ("a169940", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, the attention by TMA
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
-        ("219473d", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # q, k, v as one grouped launch
+        ("631a468", "evidence/h200/ws1-block-real-medium/ws1-block.json"),  # the gates re-run at session 23's end
+        ("1d6f47d", "evidence/h200/ws1-block-real-768p-forward/ws1-block.json"),  # and at 768p, session 24
         ("54f7fd5", "evidence/h200/bench-attention-medium/bench-ops.json"),  # the attention output by TMA, benched
         ("c25ebbd", "evidence/h200/bench-ws1-block-768p/bench-ws1-block.json"),  # sustained: ms and J per call
         ("e65e6b1", "evidence/h200/bench-ops-gemm-tiny/bench-ops.json"),  # the small-M Gluon tilings benched
@@ -275,7 +276,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
         ("9bf7165", "evidence/h200/ws1-block-real-ref2va-768p-forward/ws1-block.json"),  # the streamed forward
         ("e976b6d", "evidence/h200/vae-video-real-strict/vae.json"),  # run vae at the released geometry
         ("d263c02", "evidence/h200/ws1-model-real-medium-calibration/ws1-model.json"),  # whole model, calibration
-        ("219473d", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, q / k / v grouped
+        ("631a468", "evidence/h200/ws1-model-real-medium/ws1-model.json"),  # whole model, q / k / v grouped
         ("315738a", "evidence/h200/ws1-trajectory-real-medium-A/ws1-trajectory.json"),  # trajectory
         ("98dcd59", "evidence/h200/ws1-trajectory-real-768p-A/ws1-trajectory.json"),  # 768p, across two calls
         ("1d6b27d", "evidence/h200/arms-real-medium-lora/arms.json"),  # run arms
