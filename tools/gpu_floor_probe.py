@@ -26,6 +26,7 @@ import json
 import time
 
 import torch
+from gpu_probe_common import records_file
 
 from h3gate.bench import energy
 from h3gate.graph.execute import run_chained
@@ -79,18 +80,13 @@ def main() -> int:
     ap.add_argument("--layouts", default="medium,768p")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "method": energy.METHOD}
-    records: list[dict] = []
-    try:
+    with records_file(args.out, method=energy.METHOD) as records:
         for layout in args.layouts.split(","):
             seconds = 2.0 if layout != "768p" else 3.0
             rec = probe(layout, seconds, args.rounds if layout != "768p" else 2)
             print(json.dumps({k: rec[k] for k in ("layout", "over_provider_ms", "wall_s")}), flush=True)
             records.append(rec)
             torch.cuda.empty_cache()
-    finally:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
     return 0
 
 

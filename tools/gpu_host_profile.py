@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from gpu_probe_common import records_file
 
 from h3gate.bench.timing import spin_cycles
 from h3gate.graph.execute import run_nodes
@@ -75,27 +76,21 @@ def main() -> int:
     ap.add_argument("--layout", default="medium")
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
-    records: list[dict] = []
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "layout": args.layout}
-    try:
-        with strict_numerics("cuda"):
-            setup = prepare(args.layout, "real", None, "cuda", 0, "strict")
-            tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
-            x, params, graph = setup.inputs.tensors, setup.params, setup.graph
-            cycles = spin_cycles(200_000)
-            for arm, table in tables.items():
-                _node_host_ms(graph, x, params, table, 3, cycles)  # warm-up: compiles, caches
-                host = _node_host_ms(graph, x, params, table, args.rounds, cycles)
-                rec = {"arm": arm, "node_host_ms": host, "sum_ms": sum(host.values())}
-                print(json.dumps(rec), flush=True)
-                records.append(rec)
-            prof = _profile(graph, x, params, tables["strict"], args.rounds, cycles)
-            records.append({"arm": "strict", "profile": prof})
-            print(prof["tottime"][:6000], flush=True)
-            print(prof["cumulative"][:6000], flush=True)
-    finally:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
+    with records_file(args.out, layout=args.layout) as records, strict_numerics("cuda"):
+        setup = prepare(args.layout, "real", None, "cuda", 0, "strict")
+        tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
+        x, params, graph = setup.inputs.tensors, setup.params, setup.graph
+        cycles = spin_cycles(200_000)
+        for arm, table in tables.items():
+            _node_host_ms(graph, x, params, table, 3, cycles)  # warm-up: compiles, caches
+            host = _node_host_ms(graph, x, params, table, args.rounds, cycles)
+            rec = {"arm": arm, "node_host_ms": host, "sum_ms": sum(host.values())}
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+        prof = _profile(graph, x, params, tables["strict"], args.rounds, cycles)
+        records.append({"arm": "strict", "profile": prof})
+        print(prof["tottime"][:6000], flush=True)
+        print(prof["cumulative"][:6000], flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""What the H200 attention probes (``tools/gpu_attention_gluon.py``, ``tools/gpu_attention_bwd.py``) share: byte
-equality, medians with failures recorded, and the JSON file every probe writes even when a section fails.
+"""What the H200 probes (``tools/gpu_attention_gluon.py``, ``tools/gpu_attention_bwd.py``, ``tools/gpu_floor_probe.py``,
+...) share: byte equality, medians with failures recorded, and the JSON file every probe writes even when a section
+fails (:func:`records_file`).
 Imported by those scripts from their own folder (``python3 tools/NAME.py`` puts it on ``sys.path``)."""
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -70,12 +72,21 @@ def probe_main(variants: dict, sections: dict[str, Callable[[list, list[str], bo
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    records: list[dict] = []
-    meta = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
-    try:
+    with records_file(args.out) as records:
         for section in args.sections.split(","):
             sections[section](records, args.variants.split(","), args.small)
-    finally:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "records": records}, f, indent=1)
     return 0
+
+
+@contextmanager
+def records_file(path: str, **meta: object) -> Iterator[list[dict]]:
+    """The probe's record list; on leaving, ``{"meta", "records"}`` is written to ``path`` whatever happened (a failed
+    section keeps what ran before it). ``meta``: torch, Triton and the device, and the keys given."""
+    records: list[dict] = []
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    head = {"torch": torch.__version__, "triton": triton.__version__, "device": device, **meta}
+    try:
+        yield records
+    finally:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"meta": head, "records": records}, f, indent=1)

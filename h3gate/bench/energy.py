@@ -20,11 +20,9 @@ a slot, so in a device-bound stream ``host_ms`` approaches ``ms`` whatever the e
 to 5.3 ms a call against 1.7 to 2.6 ms of enqueue behind a device spin, ``host-profile-2.json``, ``perf-probe-41``).
 ``enqueue_ms`` is the enqueue itself: the median, over the warm-up's calls, of one call's time to return, each started
 on an idle device (synchronised before it). ``host_bound`` says ``enqueue_ms`` reached :data:`HOST_BOUND` of ``ms``:
-the device waited, or nearly, for launches, so ``ms`` is partly the host's launch time (small kernels looped alone;
-the block's attention node alone enqueued in 0.52 ms a call against 0.59 ms of device time at medium, where the bare
-kernel reads 0.51 ms, ``perf-probe-39.json``). Each
-arm's record is the median over ``rounds``. There is no L2 flush: in a stream a call finds the L2 its own previous
-call left. The counter is read before and after spans of at least ``seconds``. Measured on the H200
+the device waited, or nearly, for launches, so ``ms`` is partly the host's launch time (small kernels looped alone).
+Each arm's record is the median over ``rounds``. There is no L2 flush: in a stream a call finds the L2 its own
+previous call left. The counter is read before and after spans of at least ``seconds``. Measured on the H200
 (``docs/measurements/perf-probe-38.json``, 1.5 s spans), two arms running the same kernel agree within 0.3 % in ms
 but only within 6 % in joules, so the ms at the cap is the number to compare; joules show where power goes. Without
 NVML, the joules are replaced by one line saying why, and the milliseconds are still recorded.
