@@ -38,10 +38,11 @@ import torch
 
 from h3gate.checkpoint import parse_diffusers_config
 from h3gate.errors import InputError
-from h3gate.graph.core import Graph, Node, OpTable
-from h3gate.graph.execute import run_nodes
+from h3gate.graph.core import Node, OpTable
+from h3gate.graph.execute import Hooks
 from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
 from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
+from h3gate.graph.stages import Stage, iter_stages, split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
@@ -195,74 +196,29 @@ class _Tracing(OpTable):
         return run
 
 
-@dataclass(frozen=True)
-class _Segment:
-    """Consecutive nodes of one stage; ``inputs`` are the values it reads from outside, ``outputs`` the values of
-    its nodes read after it (or returned); ``checkpoint``: a transformer or refiner block."""
-
-    nodes: tuple[Node, ...]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    checkpoint: bool
-
-
-def _segments(graph: Graph) -> list[_Segment]:
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    read_last: dict[str, int] = {name: len(graph.nodes) for name in OUTPUTS}
-    for i, node in enumerate(graph.nodes):
-        for name in node.inputs:
-            read_last[name] = max(read_last.get(name, -1), i)
-    segments, current = [], []
-    for node in graph.nodes:
-        if current and current[-1].meta["stage"] != node.meta["stage"]:
-            segments.append(current)
-            current = []
-        current.append(node)
-    segments.append(current)
-    out = []
-    for nodes in segments:
-        names = {n.name for n in nodes}
-        last = order[nodes[-1].name]
-        inputs = tuple(dict.fromkeys(i for n in nodes for i in n.inputs if i not in names))
-        outputs = tuple(n.name for n in nodes if read_last.get(n.name, -1) > last)
-        stage = nodes[0].meta["stage"]
-        out.append(_Segment(tuple(nodes), inputs, outputs, stage.startswith(("block.", "refiner."))))
-    return out
-
-
-def _run_graph(session: StrictSession, segments: list[_Segment], ops: _Tracing, values: dict, params: Mapping) -> None:
-    """Every node in order; a block segment under ``torch.utils.checkpoint`` when the module checkpoints."""
+def _run_graph(session: StrictSession, stages: list[Stage], ops: _Tracing, values: dict, params: Mapping) -> None:
+    """Every stage in order (:func:`h3gate.graph.stages.iter_stages`); a transformer or refiner block under
+    ``torch.utils.checkpoint`` when the module checkpoints and grad is enabled."""
     checkpointing = torch.is_grad_enabled() and bool(getattr(session.model, "gradient_checkpointing", False))
-    overrides = session.overrides
 
     def name(node: Node) -> None:
         ops.node = node.name
 
-    def run(seg: _Segment, local: dict) -> None:
-        for node, out in run_nodes(seg.nodes, ops, local, params, overrides, before=name):  # q, k, v: one call
-            local[node.name] = out
-            if session.observer is not None and ops.phase == "forward":
-                session.observer(node, out)
+    def observe(node: Node, out: torch.Tensor) -> None:
+        if session.observer is not None and ops.phase == "forward":
+            session.observer(node, out)
 
-    for seg in segments:
-        if not (checkpointing and seg.checkpoint):
-            run(seg, values)
-            continue
+    def checkpointed(stage: Stage) -> bool:
+        return checkpointing and stage.checkpointable
 
-        def segment_fn(*tensors: torch.Tensor, _seg: _Segment = seg) -> tuple[torch.Tensor, ...]:
-            local = dict(zip(_seg.inputs, tensors, strict=True))
-            run(_seg, local)
-            return tuple(local[o] for o in _seg.outputs)
-
-        outs = torch.utils.checkpoint.checkpoint(segment_fn, *(values[i] for i in seg.inputs), use_reentrant=False)
-        values.update(zip(seg.outputs, outs, strict=True))
-        session.checkpointed += 1
+    hooks = Hooks(before=name, after=observe)
+    for stage, _ in iter_stages(stages, values, ops, lambda stage: params, session.overrides, hooks, checkpointed):
+        session.checkpointed += int(checkpointed(stage))
     ops.phase = "recompute"  # what runs after the forward returned is a checkpoint's recomputation
 
 
 def _forward(session: StrictSession, table: OpTable):
-    graph = build_model_graph(session.cfg)
-    segments = _segments(graph)
+    stages = split_stages(build_model_graph(session.cfg))
     model = session.model
 
     def forward(
@@ -277,7 +233,7 @@ def _forward(session: StrictSession, table: OpTable):
         values.update(derive_metadata(raw, session.cfg, hidden_states.device))
         params = canonical_parameters(model, session.lora)
         with launches.recording() as launched:  # the kernels note their schedules, node by node
-            _run_graph(session, segments, _Tracing(table, session), values, params)
+            _run_graph(session, stages, _Tracing(table, session), values, params)
         launches.merge(session.launches, launched)
         session.calls += 1
         video, audio = values[OUTPUTS[0]], values[OUTPUTS[1]]

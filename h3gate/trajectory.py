@@ -27,14 +27,13 @@ import torch
 from h3gate.errors import InputError
 from h3gate.gate.compare import tensor_sha256
 from h3gate.graph.core import Graph, Node, OpTable
+from h3gate.graph.execute import NodeOverride, iter_graph
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import (
     METADATA,
     OUTPUTS,
-    NodeOverride,
     RawMetadata,
     derive_metadata,
-    iter_graph,
     metadata_nodes,
     raw_metadata,
 )

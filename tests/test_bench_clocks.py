@@ -182,16 +182,17 @@ def test_the_bench_schemas_take_host_time_and_clocks_and_refuse_malformed_ones(k
 def tiny_model(tiny_params):
     from h3gate.graph.executions import bind_graph, candidate_table, provider_table
     from h3gate.graph.model import build_model_graph
+    from h3gate.graph.stages import split_stages
     from h3gate.layout import build_layout
     from h3gate.manifests.layouts import load_layout
     from h3gate.manifests.model_config import load_config
-    from h3gate.runs.model_stages import model_inputs, model_stages
+    from h3gate.runs.model_stages import model_inputs
 
     cfg = load_config("tiny").config
     graph = build_model_graph(cfg)
     inputs, _ = model_inputs(build_layout(load_layout("tiny"), "tiny"), cfg, 0, "cpu")
     tables = {"provider": provider_table(), "strict": candidate_table(bind_graph(graph, "strict", "cpu"))}
-    return model_stages(graph), inputs, tiny_params, tables
+    return split_stages(graph), inputs, tiny_params, tables
 
 
 def test_stage_times_are_the_gaps_between_stage_events(tiny_model, monkeypatch):
@@ -199,7 +200,7 @@ def test_stage_times_are_the_gaps_between_stage_events(tiny_model, monkeypatch):
     provider twice that): the record's stages, block spread, rest and whole follow, and the schema takes it."""
     from h3gate.bench import model as bench_model
     from h3gate.bench import nodes as bench_nodes
-    from h3gate.runs import model_stages as ms
+    from h3gate.graph import stages as ms
 
     stages, inputs, params, tables = tiny_model
     clock = {"t": 0.0}
@@ -223,9 +224,9 @@ def test_stage_times_are_the_gaps_between_stage_events(tiny_model, monkeypatch):
     def cost(label: str) -> float:
         return 1.0 + 0.5 * int(label.split(".")[1]) if label.startswith("block.") else 0.1
 
-    def run_stage(stage, values, p, table, overrides=None):
+    def run_stage(stage, values, p, table, *rest):
         clock["t"] += cost(stage.label) * (2.0 if names[id(table)] == "provider" else 1.0)
-        return real(stage, values, p, table, overrides)
+        return real(stage, values, p, table, *rest)
 
     monkeypatch.setattr(ms, "run_stage", run_stage)
     monkeypatch.setattr(bench_nodes, "_l2_flush_buffer", lambda: type("F", (), {"zero_": lambda self: None})())
@@ -300,7 +301,7 @@ def test_the_bench_tables_print_clocks_and_stages():
 
 
 def test_forward_stages_calls_after_once_per_stage_in_order(tiny_model):
-    from h3gate.runs.model_stages import forward_stages, stage_params
+    from h3gate.graph.stages import forward_stages, stage_params
 
     stages, inputs, params, tables = tiny_model
     seen: list[str] = []

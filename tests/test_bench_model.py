@@ -17,15 +17,16 @@ from h3gate.errors import InputError
 @pytest.fixture(scope="module")
 def tiny_model(tiny_params):
     from h3gate.graph.model import build_model_graph
+    from h3gate.graph.stages import split_stages
     from h3gate.layout import build_layout
     from h3gate.manifests.layouts import load_layout
     from h3gate.manifests.model_config import load_config
-    from h3gate.runs.model_stages import model_inputs, model_stages
+    from h3gate.runs.model_stages import model_inputs
 
     cfg = load_config("tiny").config
     graph = build_model_graph(cfg)
     inputs, _ = model_inputs(build_layout(load_layout("tiny"), "tiny"), cfg, 0, "cpu")
-    return graph, model_stages(graph), inputs, tiny_params
+    return graph, split_stages(graph), inputs, tiny_params
 
 
 def test_cli_refuses_cpu_in_one_line(run_cli, tmp_path):

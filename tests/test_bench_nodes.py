@@ -9,6 +9,7 @@ import pytest
 from h3gate.bench import nodes as bench_nodes
 from h3gate.commands.bench_cmd import _node_table
 from h3gate.evidence.schema import read_schema, schema_path
+from h3gate.graph import execute
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.runs.setup import prepare
 
@@ -49,12 +50,12 @@ def _fake_cuda(monkeypatch, tables, cost, left_spin):
             clock["round"] += 1
             log.append("flush")
 
-    real = bench_nodes.run_node
-    names = {id(t): arm for arm, t in tables.items()}
+    real = execute.run_node
+    names = {id(t._resolve): arm for arm, t in tables.items()}  # node_times runs each arm's table ungrouped
 
     def run_node(node, table, values, params, override=None):
         k = [n.name for n in node_order].index(node.name)
-        clock["t"] += cost(names[id(table)], k, clock["round"])
+        clock["t"] += cost(names[id(table._resolve)], k, clock["round"])
         log.append(node.name)
         return real(node, table, values, params, override)
 
@@ -64,7 +65,7 @@ def _fake_cuda(monkeypatch, tables, cost, left_spin):
     monkeypatch.setattr(bench_nodes.torch.cuda, "_sleep", lambda cycles: log.append(("spin", cycles)))
     monkeypatch.setattr(bench_nodes.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench_nodes, "spin_cycles", lambda us: int(us))
-    monkeypatch.setattr(bench_nodes, "run_node", run_node)
+    monkeypatch.setattr(execute, "run_node", run_node)  # the executor's node loop calls it for every node
     return log, node_order
 
 

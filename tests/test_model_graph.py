@@ -9,22 +9,20 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.graph.block import BLOCK_NODES
-from h3gate.graph.execute import run_chained
+from h3gate.graph.execute import NodeOverride, iter_graph, run_chained
 from h3gate.graph.executions import provider_table
 from h3gate.graph.inputs import TimestepPlan
 from h3gate.graph.model import (
     MODEL_INPUTS,
     OUTPUTS,
-    NodeOverride,
     PrefixParams,
     build_model_graph,
     derive_metadata,
-    iter_graph,
     load_model_params,
     raw_metadata,
-    stages,
 )
 from h3gate.graph.refiner import REFINER_NODES
+from h3gate.graph.stages import split_stages
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import load_layout
 from h3gate.manifests.model_config import load_config
@@ -58,7 +56,8 @@ def test_stages_and_node_names_follow_the_forward(model):
     assert names[names.index("block.0.adaln_projection") :][:per_block] == [f"block.0.{n}" for n in BLOCK_NODES]
     assert names.index("embed.pack") < names.index("time.sinusoid") < names.index("block.0.adaln_projection")
     assert names[-4:] == ["heads.video_proj", "heads.video_select", "heads.audio_proj", "heads.audio_select"]
-    assert stages(graph) == ["embed", "refiner.0", "refiner", "time", "block.0", "block.1", "final", "heads"]
+    labels = [s.label for s in split_stages(graph)]
+    assert labels == ["embed", "refiner.0", "refiner", "embed.pack", "time", "block.0", "block.1", "final", "heads"]
     assert graph.inputs == MODEL_INPUTS
     for node in graph.nodes:
         assert node.meta["rows"] in ("packed", "text", "video", "audio", "timestep"), node.name

@@ -18,9 +18,9 @@ import pytest
 
 from h3gate.errors import InputError
 from h3gate.graph.model import build_model_graph
+from h3gate.graph.stages import split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.manifests.model_config import load_config
-from h3gate.runs.model_stages import model_stages
 
 H3GATE = [sys.executable, "-m", "h3gate"]
 TINY = load_config("tiny").config
@@ -166,7 +166,7 @@ def test_a_run_whose_memory_estimate_exceeds_the_device_is_refused(monkeypatch) 
 def test_every_checkpoint_tensor_belongs_to_exactly_one_stage(config) -> None:
     cfg = load_config(config).config
     names = [s.name for s in expected_inventory(cfg)]
-    stages = model_stages(build_model_graph(cfg))
+    stages = split_stages(build_model_graph(cfg))
     owned = [n for stage in stages for n in stage.param_names(names)]
     assert sorted(owned) == sorted(names) and len(owned) == len(set(owned))
     assert len(stages) == cfg.num_layers + cfg.num_refiner_layers + 6  # embed, final norm, pack, time, final, heads

@@ -14,15 +14,14 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from h3gate.graph.core import Graph, Node, OpTable
-from h3gate.graph.execute import NodeOverride, iter_graph, run_node
+from h3gate.graph.execute import NodeOverride, iter_graph
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import OUTPUTS, RawMetadata, adaln_rule_h3, derive_metadata, metadata_nodes, raw_metadata
+from h3gate.graph.stages import iter_stages, split_stages
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
-from h3gate.runs.model_stages import model_stages
 from h3gate.schedule import Schedule
 from h3gate.trajectory import Recipe, Request, initial_latents, iter_trajectory
 
@@ -116,11 +115,6 @@ def trajectory_stream(arm: Arm, graph: Graph, cfg: ModelConfig, device) -> Strea
     )
 
 
-def _stage_groups(graph: Graph) -> list[list[Node]]:
-    """The model's stages (``h3gate.runs.model_stages``) as node lists."""
-    return [list(stage.nodes) for stage in model_stages(graph)]
-
-
 @torch.enable_grad()
 def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device, grad_params=None) -> Stream:
     """Forward with autograd (each ``refiner.i`` / ``block.i`` stage under ``torch.utils.checkpoint`` when the arm
@@ -135,32 +129,10 @@ def backward_stream(arm: Arm, graph: Graph, cfg: ModelConfig, plan: dict, device
         params[name] = arm.params[name].detach().clone().requires_grad_(True)
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in request.items()}
     values: dict[str, torch.Tensor] = {**leaves, **meta}
-    ops = arm.ops
-    produced_later: dict[str, int] = {}
-    groups = _stage_groups(graph)
-    for gi, group in enumerate(groups):
-        for node in group:
-            for name in node.inputs:
-                produced_later[name] = gi
-    for gi, group in enumerate(groups):
-        own = {n.name for n in group}
-        external = list(dict.fromkeys(i for n in group for i in n.inputs if i not in own))
-        keep = [n.name for n in group if produced_later.get(n.name, -1) > gi or n.name in OUTPUTS]
-
-        def run(*ext, _group=group, _external=external, _keep=keep):
-            local = dict(zip(_external, ext, strict=True))
-            for n in _group:
-                local[n.name] = run_node(n, ops, local, params)
-            return tuple(local[k] for k in _keep)
-
-        stage = group[0].meta["stage"]
-        ext_values = [values[e] for e in external]
-        if arm.checkpointing and (stage.startswith("block.") or stage.startswith("refiner.")) and stage[-1].isdigit():
-            outs = checkpoint(run, *ext_values, use_reentrant=False)
-        else:
-            outs = run(*ext_values)
-        for name, value in zip(keep, outs, strict=True):
-            values[name] = value
+    checkpointed = (lambda stage: stage.checkpointable) if arm.checkpointing else None
+    stages = split_stages(graph)
+    for _, outputs in iter_stages(stages, values, arm.ops, lambda stage: params, checkpointed=checkpointed):
+        for name, value in outputs.items():
             yield graph.node(name), value.detach()
     video, audio = values[OUTPUTS[0]], values[OUTPUTS[1]]
     cv = seeded_normal(0, "cotangent:video", tuple(video.shape)).to(device)

@@ -2,7 +2,7 @@
 
 An arm probe ``fn(ctx, arm) -> Arm`` changes one factor: metadata (``raw_hook``, ``adaln_rule``, layout
 permutation), an operator (``OpTable.with_overrides`` wrapping the arm's own binding, so a probe perturbs whatever
-execution runs), a node (:class:`~h3gate.graph.model.NodeOverride`), the weights, the batch, or the sampler
+execution runs), a node (:class:`~h3gate.graph.execute.NodeOverride`), the weights, the batch, or the sampler
 (:class:`~h3gate.trajectory.Recipe`). Registered by name in :data:`ARM_PROBES` (the name a row's ``probe`` or
 ``strict`` gives); check rows name :data:`h3gate.ablate.checks.CHECKS`, multi-rank rows
 :data:`h3gate.ablate.multirank.PLANS`.

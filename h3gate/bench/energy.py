@@ -34,13 +34,12 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from functools import partial
 
 import torch
 
 from h3gate.bench import clocks
 from h3gate.graph.core import Graph, OpTable
-from h3gate.graph.execute import run_chained, run_node
+from h3gate.graph.execute import node_calls, run_chained
 
 SECONDS = 2.0
 WARM_S = 0.5
@@ -137,18 +136,14 @@ def per_node(
     min_calls: int = MIN_CALLS,
 ) -> dict:
     """:func:`sustained` for every node of ``graph`` alone (one round; each arm's node inputs from one no_grad forward
-    of that arm, ``run_node``: q, k and v one launch each), and per arm the sums over the nodes."""
+    of that arm, :func:`~h3gate.graph.execute.node_calls`: q, k and v one launch each), and per arm the sums over
+    the nodes."""
     with torch.no_grad():
         values = {arm: run_chained(graph, inputs, params, table) for arm, table in tables.items()}
+        calls = {arm: node_calls(graph, table, values[arm], params) for arm, table in tables.items()}
         nodes = {
-            node.name: sustained(
-                {arm: partial(run_node, node, table, values[arm], params) for arm, table in tables.items()},
-                seconds,
-                warm_s,
-                rounds=1,
-                min_calls=min_calls,
-            )
-            for node in graph.nodes
+            name: sustained({arm: calls[arm][name] for arm in tables}, seconds, warm_s, rounds=1, min_calls=min_calls)
+            for name in calls[next(iter(tables))]
         }
     first = next(iter(nodes.values()))["arms"]
     keys = ("ms_per_call", "j_per_call")

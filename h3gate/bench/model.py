@@ -10,14 +10,14 @@ references (``provider_table``), the strict arm the bound Triton kernels (``cand
 What is timed, per arm (:func:`h3gate.bench.timing.side_by_side`: warm-up, then interleaved rounds, L2 flushed
 before each call, CUDA events per call; median / min / max ms and the strict / provider ratio of the medians):
 
-* ``forward`` - under ``no_grad``, stage by stage (:func:`h3gate.runs.model_stages.run_stage`), each value dropped
+* ``forward`` - under ``no_grad``, stage by stage (:func:`h3gate.graph.stages.run_stage`), each value dropped
   after the last stage that reads it; returns ``(video, audio)`` = ``heads.video_select``, ``heads.audio_select``.
 * ``forward_backward`` - the gradient of the declared loss (:data:`~h3gate.runs.model_stages.LOSS`)
   ``L = sum(video.float() * c_v) + sum(audio.float() * c_a)`` by per-stage recomputation
   (:data:`~h3gate.runs.model_stages.RECOMPUTATION`): a ``no_grad`` forward that saves each stage's external
   inputs, then in reverse stage order ``g = stage_vjp(stage, saved, params_stage, table, incoming)`` - the stage
   recomputed under autograd and back-propagated from the gradients its outputs received - and
-  ``incoming += g.inputs`` (:func:`~h3gate.runs.model_stages.accumulate`). Parameter gradients are computed per
+  ``incoming += g.inputs`` (:func:`~h3gate.graph.stages.accumulate`). Parameter gradients are computed per
   stage and released (:data:`PARAM_GRADS`); the seeded cotangents are drawn once, before timing. Returns
   ``dL/d video_rows``.
 
@@ -42,19 +42,8 @@ from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
 from h3gate.graph.model import build_model_graph
-from h3gate.runs.model_stages import (
-    LEAVES,
-    LOSS,
-    RECOMPUTATION,
-    Stage,
-    accumulate,
-    forward_stages,
-    model_cotangents,
-    model_inputs,
-    model_stages,
-    stage_params,
-    stage_vjp,
-)
+from h3gate.graph.stages import Stage, backward_stages, forward_stages, split_stages, stage_params
+from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, model_cotangents, model_inputs
 
 KIND = "bench-ws1-model"
 WARMUP = 1
@@ -95,14 +84,7 @@ def model_backward(
         outputs = forward_stages(stages, inputs, per_stage, table, saved)
     incoming: Tensors = dict(cotangents if cotangents is not None else model_cotangents(SEED, outputs))
     del outputs
-    for stage in reversed(stages):
-        g = stage_vjp(stage, saved.pop(stage.label), per_stage[stage.label], table, incoming)
-        for name in stage.outputs:
-            incoming.pop(name, None)
-        accumulate(incoming, g.inputs)
-        if param_grads is not None:
-            param_grads.update(g.params)
-        del g
+    incoming = backward_stages(stages, saved, per_stage, table, incoming, param_grads)
     return {k: incoming[k] for k in LEAVES if k in incoming}
 
 
@@ -235,7 +217,7 @@ def _setup(layout: str, config: str, device: str):
     bindings = bind_graph(graph, "strict", device)
     source = SyntheticSource(named.config, SEED, generator_device=device, variant=layout_variant(spec.kind))
     manifests = [path, LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
-    return named.name, named.config, packed, graph, model_stages(graph), bindings, source, manifests
+    return named.name, named.config, packed, graph, split_stages(graph), bindings, source, manifests
 
 
 def bench_model(

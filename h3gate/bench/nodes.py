@@ -21,7 +21,7 @@ import torch
 
 from h3gate.bench.timing import FLUSH_BYTES, spin_cycles
 from h3gate.graph.core import Graph, OpTable
-from h3gate.graph.execute import run_node
+from h3gate.graph.execute import Hooks, run_chained, without_grouped
 
 HEAD_START_US = 20_000.0
 
@@ -109,11 +109,10 @@ def node_times(
     """Per arm: ``{"nodes": {name: median ms}, "sum_ms", "whole_ms", "host_behind_rounds"}``, plus the method."""
 
     def forward(table: OpTable) -> Forward:
+        ungrouped = without_grouped(table, {op for node in graph.nodes for op in node.ops})
+
         def run(mark: Mark) -> None:
-            values = dict(inputs)
-            for node in graph.nodes:
-                values[node.name] = run_node(node, table, values, params)
-                mark()
+            run_chained(graph, inputs, params, ungrouped, hooks=Hooks(after=lambda node, out: mark()))
 
         return run
 

@@ -1,27 +1,33 @@
-"""The one graph executor: every engine runs a :class:`~h3gate.graph.core.Graph` through these functions.
+"""The one graph executor: every engine runs a :class:`~h3gate.graph.core.Graph` through these functions, and no other
+module iterates a graph's nodes to run them (``tests/test_architecture.py`` fails if one does).
 
 * :func:`run_node` - the shared core: one node on the values computed so far (or on another execution's: isolated),
   or its override;
+* :func:`run_nodes` - the node loop: sibling GEMMs (:func:`sibling_gemms`: consecutive
+  :class:`~h3gate.graph.body_nodes.Gemm` nodes of one operator on one source, q / k / v, none overridden) run as one
+  call of the bound operator's ``grouped`` where it has one (the strict GEMM: one grouped launch, the same bytes as
+  one a node), every other node by :func:`run_node`; :class:`Hooks` see each node before it runs and its output;
 * :func:`run_chained` - every node on its own upstream (all values kept);
 * :func:`iter_graph` - streaming: node by node, each output dropped after its last consumer (a 50-layer model on a
   GPU), with overrides that may read any earlier value;
-* :func:`run_backward` - a chained forward under autograd on the caller's leaves, then ``out.backward(g)``.
+* :func:`run_backward` - a chained forward under autograd on the caller's leaves, then ``out.backward(g)``;
+* :func:`iter_isolated` / :func:`iter_node_vjps` - each node alone on values the caller feeds (normally another
+  execution's: the isolated view, forward and backward), :func:`node_vjp` one node's backward;
+* :func:`node_calls` - a no-argument call per node on fixed values (the bench times nodes alone).
 
-``run_chained``, ``iter_graph`` and the strict adapter run their nodes through :func:`run_nodes`: sibling GEMMs
-(:func:`sibling_gemms`: consecutive :class:`~h3gate.graph.body_nodes.Gemm` nodes of one operator on one source,
-q / k / v, none overridden) run as one call of the bound operator's ``grouped`` where it has one (the strict GEMM:
-one grouped launch, the same bytes as one a node); :func:`run_node` alone always runs one node.
+Stages (:mod:`h3gate.graph.stages`) run through :func:`run_chained` on a stage's sub-graph.
 
 Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
 own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
-every value computed so far (the ablation probes and run ws2's rank-local nodes). A stage runner that
-groups nodes itself (``ablate.arms.backward_stream`` under activation checkpointing) calls :func:`run_node` per node.
+every value computed so far (the ablation probes and run ws2's rank-local nodes, which call :func:`run_node` on the
+node they wrap).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -43,6 +49,20 @@ class NodeOverride:
 
 
 Override = Callable | NodeOverride
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a node loop tells its caller: ``before(node)`` right before the node runs (the strict adapter names the
+    node its trace records belong to), ``after(node, out)`` with each output as it is made (observers, the bench's
+    per-node events). Both are called for every node in order; grouped siblings run in one call at the first one's
+    turn, so the first one's ``before`` precedes that call and the others' come after it."""
+
+    before: Callable[[Node], None] | None = None
+    after: Callable[[Node, torch.Tensor], None] | None = None
+
+
+NO_HOOKS = Hooks()
 
 
 def run_node(
@@ -102,19 +122,22 @@ def run_nodes(
     values: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     overrides: Mapping[str, Override],
-    before: Callable[[Node], None] | None = None,
+    hooks: Hooks = NO_HOOKS,
 ) -> Iterator[tuple[Node, torch.Tensor]]:
     """``(node, output)`` for each of ``nodes`` in order, reading ``values``, which the caller updates with each
     output before asking for the next: sibling GEMMs by one grouped call (:func:`sibling_gemms`), every other node
-    by :func:`run_node`; ``before(node)`` is called first for each node (the strict adapter names it for its trace)."""
+    by :func:`run_node`; ``hooks`` see each node before it runs and each output."""
     grouped: dict[str, torch.Tensor] = {}
     for k, node in enumerate(nodes):
-        if before is not None:
-            before(node)
+        if hooks.before is not None:
+            hooks.before(node)
         if node.name not in grouped:
             grouped = _run_siblings(nodes, k, ops, values, params, overrides)
         out = grouped.pop(node.name, None)
-        yield node, run_node(node, ops, values, params, overrides.get(node.name)) if out is None else out
+        out = run_node(node, ops, values, params, overrides.get(node.name)) if out is None else out
+        if hooks.after is not None:
+            hooks.after(node, out)
+        yield node, out
 
 
 def without_grouped(table: OpTable, ops: Iterable[str]) -> OpTable:
@@ -137,11 +160,12 @@ def run_chained(
     params: Mapping[str, torch.Tensor],
     ops: OpTable,
     node_overrides: Mapping[str, Override] | None = None,
+    hooks: Hooks = NO_HOOKS,
 ) -> Values:
     """Execute every node on its own upstream. Returns graph inputs plus every node output, by name."""
     values: Values = dict(inputs)
     overrides = node_overrides or {}
-    for node, out in run_nodes(graph.nodes, ops, values, params, overrides):
+    for node, out in run_nodes(graph.nodes, ops, values, params, overrides, hooks):
         values[node.name] = out
     return values
 
@@ -170,6 +194,7 @@ def iter_graph(
     params: Mapping[str, torch.Tensor],
     ops: OpTable,
     overrides: Mapping[str, Override] | None = None,
+    hooks: Hooks = NO_HOOKS,
 ) -> Iterator[tuple[Node, torch.Tensor]]:
     """Run ``graph`` node by node, yielding ``(node, output)``; an output is dropped after its last consumer, so
     memory stays at the live set (what a 50-layer model needs on a GPU)."""
@@ -179,7 +204,7 @@ def iter_graph(
         raise InputError(f"graph {graph.name}: input {missing[0]} missing")
     last_use = last_uses(graph, overrides)
     values: dict[str, torch.Tensor] = dict(inputs)
-    for k, (node, out) in enumerate(run_nodes(graph.nodes, ops, values, params, overrides)):
+    for k, (node, out) in enumerate(run_nodes(graph.nodes, ops, values, params, overrides, hooks)):
         values[node.name] = out
         yield node, out
         for name in [n for n, last in last_use.items() if last == k and n not in graph.inputs]:
@@ -209,3 +234,70 @@ def run_backward(
         out = values[graph.output]
         out.backward(cotangent.to(out.dtype))
     return values
+
+
+Feed = Callable[[Node, tuple[str, ...]], Mapping[str, torch.Tensor]]
+
+
+def iter_isolated(
+    nodes: Iterable[Node],
+    ops: OpTable,
+    feed: Feed,
+    params: Mapping[str, torch.Tensor],
+    overrides: Mapping[str, Override] | None = None,
+) -> Iterator[tuple[Node, Mapping[str, torch.Tensor], torch.Tensor]]:
+    """``(node, fed values, output)``: each of ``nodes`` alone under ``no_grad`` on ``feed(node, reads)`` (values
+    holding at least its inputs and, for a :class:`NodeOverride`, the earlier values it ``reads``), normally another
+    execution's values: the isolated view, which separates a node's own drift from the drift it inherited."""
+    overrides = overrides or {}
+    for node in nodes:
+        override = overrides.get(node.name)
+        fed = feed(node, getattr(override, "reads", ()))
+        with torch.no_grad():
+            out = run_node(node, ops, fed, params, override)
+        yield node, fed, out
+
+
+def node_vjp(
+    node: Node,
+    ops: OpTable,
+    feed: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    cotangent: torch.Tensor,
+    wrt_inputs: Sequence[str],
+    override: Override | None = None,
+) -> dict[str, torch.Tensor]:
+    """The gradients ``node``'s backward returns for ``wrt_inputs`` and its parameters, given ``cotangent`` (cast to
+    the output's dtype): ``{"<node>:d<input or parameter>": gradient}``, unused leaves left out."""
+    x = {k: (v.detach().clone().requires_grad_(True) if k in wrt_inputs else v) for k, v in feed.items()}
+    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    with torch.enable_grad():
+        out = run_node(node, ops, x, p, override)
+        leaves = [*(x[k] for k in wrt_inputs), *p.values()]
+        grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype), allow_unused=True)
+    keys = [*wrt_inputs, *p]
+    return {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
+
+
+def iter_node_vjps(
+    nodes: Iterable[Node],
+    ops: OpTable,
+    feed: Callable[[Node], tuple[Mapping[str, torch.Tensor], Sequence[str]]],
+    params: Mapping[str, torch.Tensor],
+    cotangent: Callable[[Node], torch.Tensor],
+    overrides: Mapping[str, Override] | None = None,
+) -> Iterator[tuple[Node, Mapping[str, torch.Tensor], Sequence[str], dict[str, torch.Tensor]]]:
+    """``(node, fed values, wrt, gradients)``: each of ``nodes`` alone, its backward (:func:`node_vjp`) of
+    ``cotangent(node)`` on the values and inputs ``feed(node)`` names: the isolated view of the backward."""
+    overrides = overrides or {}
+    for node in nodes:
+        fed, wrt = feed(node)
+        yield node, fed, wrt, node_vjp(node, ops, fed, params, cotangent(node), wrt, overrides.get(node.name))
+
+
+def node_calls(
+    graph: Graph, ops: OpTable, values: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Node name -> a call running that node alone on ``values`` (every sibling its own launch): what a bench
+    times one node at a time."""
+    return {node.name: partial(run_node, node, ops, values, params) for node in graph.nodes}

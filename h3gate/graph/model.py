@@ -38,8 +38,6 @@ from h3gate.errors import InputError
 from h3gate.graph.block import build_block_graph
 from h3gate.graph.body_nodes import Gemm
 from h3gate.graph.core import Graph, Node, OpTable
-from h3gate.graph.execute import NodeOverride as NodeOverride  # re-exported
-from h3gate.graph.execute import iter_graph as iter_graph  # re-exported
 from h3gate.graph.refiner import build_refiner_graph
 from h3gate.inventory import expected_inventory
 from h3gate.layout import canonical_order
@@ -269,15 +267,6 @@ def _head_nodes(cfg: ModelConfig, hidden: str) -> list[Node]:
         _node("heads.audio_select", sel, (sel,), ("heads.audio_proj", "audio_select"),
               select("heads.audio_proj", "audio_select"), "audio", stage="heads"),
     ]  # fmt: skip
-
-
-def stages(graph: Graph) -> list[str]:
-    """Stage names in execution order (``embed``, ``refiner.0``, ``time``, ``block.3``, ``final``, ``heads``...)."""
-    seen: list[str] = []
-    for node in graph.nodes:
-        if node.meta["stage"] not in seen:
-            seen.append(node.meta["stage"])
-    return seen
 
 
 # -- metadata ------------------------------------------------------------------------------------------------------

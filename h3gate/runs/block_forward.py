@@ -37,7 +37,7 @@ from h3gate.gate.invariance import PLACEMENTS, merge_placements, place, placemen
 from h3gate.gate.rows import row_errors
 from h3gate.gate.variants import Variant, refusal
 from h3gate.graph.core import Node, Values
-from h3gate.graph.execute import run_node
+from h3gate.graph.execute import iter_isolated
 from h3gate.kernels import launches
 from h3gate.kernels.launches import Log
 from h3gate.runs.block_records import unrelated
@@ -189,14 +189,11 @@ def _isolated(
 ) -> tuple[dict[str, dict], dict[str, dict]]:
     """Pass 2: per node (isolated agreement, isolated row check); with ``ctx.keep`` the node-local golden and
     envelope are kept for the fault matrix."""
-    overrides = gate.node_overrides or {}
     agree: dict[str, dict] = {}
     rows: dict[str, dict] = {}
-    for node in gate.graph.nodes:
-        n, override = node.name, overrides.get(node.name)
-        feed = store.feed(node, getattr(override, "reads", ()))
-        with torch.no_grad():
-            iso = run_node(node, ex.tables["candidate"], feed, gate.params, override)
+    nodes = iter_isolated(gate.graph.nodes, ex.tables["candidate"], store.feed, gate.params, gate.node_overrides)
+    for node, feed, iso in nodes:
+        n = node.name
         agree[n] = agreement(iso, feed[n], node.row_dim, gate.inputs.modalities)
         local, envelope = isolated_envelope(ctx, node, feed, gate.params, ex.golden_params)
         rows[n] = ctx.judge(iso, envelope, local, node.row_dim)

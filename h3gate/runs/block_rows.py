@@ -37,6 +37,7 @@ from h3gate.gate.rows import (
 )
 from h3gate.gate.variants import Variant, provider_variants, refusal
 from h3gate.graph.core import Graph, Node, OpTable, Values
+from h3gate.graph.execute import iter_node_vjps, node_vjp, run_node
 from h3gate.graph.executions import golden_table, provider_table
 from h3gate.manifests.tolerances import RowRule
 
@@ -167,39 +168,18 @@ def isolated_envelope(
     """(node-local FP64 golden, per-variant row errors of the provider's node on the provider's inputs)."""
     table, golden = provider_table(), golden_table()
     with torch.no_grad():
-        local = node.fn(golden, node_inputs(node, prov, upcast=True), golden_params)
+        local = run_node(node, golden, node_inputs(node, prov, upcast=True), golden_params)
     isolated = {"default": row_errors(prov[node.name], local, node.row_dim)}
     for variant in ctx.variants[1:]:
 
         def node_errors() -> torch.Tensor:
             with torch.no_grad():
-                return row_errors(node.fn(table, node_inputs(node, prov, False), params), local, node.row_dim)
+                return row_errors(run_node(node, table, node_inputs(node, prov, False), params), local, node.row_dim)
 
         got = run_variant(variant, node_errors, ctx.skipped)
         if got is not None:
             isolated[variant.name] = got
     return local, isolated
-
-
-def node_vjp(
-    node: Node,
-    table: OpTable,
-    feed: Mapping[str, torch.Tensor],
-    params: Mapping[str, torch.Tensor],
-    cotangent: torch.Tensor,
-    wrt_inputs: Sequence[str],
-    override: Callable | None = None,
-) -> dict[str, torch.Tensor]:
-    """The gradients ``node``'s backward returns for ``wrt_inputs`` and its parameters, given ``cotangent``."""
-    x = {k: (v.detach().clone().requires_grad_(True) if k in wrt_inputs else v) for k, v in feed.items()}
-    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    fn = override or node.fn
-    with torch.enable_grad():
-        out = fn(table, x, p)
-        leaves = [*(x[k] for k in wrt_inputs), *p.values()]
-        grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype), allow_unused=True)
-    keys = [*wrt_inputs, *p]
-    return {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
 
 
 def vjp_rows(
@@ -215,27 +195,23 @@ def vjp_rows(
 ) -> dict[str, dict]:
     """Per ``"<node>:d<input>"``: the row check of the candidate's node VJP vs the FP64 VJP (module docstring);
     ``only`` restricts it to some nodes."""
-    table, golden = provider_table(), golden_table()
     node_names = {n.name for n in graph.nodes}
-    out: dict[str, dict] = {}
-    for node in reversed(graph.nodes):
-        cot = prov_grads.get(node.name)
-        if cot is None or (only is not None and node.name not in only):
-            continue
+
+    def feed(node: Node) -> tuple[Values, list[str]]:
         wrt = [k for k in node.inputs if (k in node_names or k in LEAF_INPUTS) and prov[k].is_floating_point()]
-        feed = node_inputs(node, prov, upcast=False)
-        gold = node_vjp(node, golden, node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
-        cand = node_vjp(node, candidate_table, feed, params, cot, wrt, (overrides or {}).get(node.name))
-        errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in gold}
-        dims = {k: _grad_row_dim(ctx, k) for k in gold}
-        for variant in ctx.variants:
-            provider_vjp = functools.partial(node_vjp, node, table, feed, params, cot, wrt)
-            got = run_variant(variant, provider_vjp, ctx.skipped)
-            if got is not None:
-                for k in gold:
-                    errs[k][variant.name] = row_errors(got[k], gold[k], dims[k])
+        return node_inputs(node, prov, upcast=False), wrt
+
+    def cotangent(node: Node) -> torch.Tensor:
+        return prov_grads[node.name]
+
+    wanted = [n for n in reversed(graph.nodes) if only is None or n.name in only]
+    nodes = [n for n in wanted if prov_grads.get(n.name) is not None]
+    out: dict[str, dict] = {}
+    for node, fed, wrt, cand in iter_node_vjps(nodes, candidate_table, feed, params, cotangent, overrides):
+        cot = prov_grads[node.name]
+        gold, errs, dims = vjp_envelope(ctx, node, fed, prov, cot, wrt, params, golden_params)
         if ctx.keep:
-            ctx.kept.setdefault("vjp", {})[node.name] = {"feed": feed, "cot": cot, "wrt": wrt, "gold": gold,
+            ctx.kept.setdefault("vjp", {})[node.name] = {"feed": fed, "cot": cot, "wrt": wrt, "gold": gold,
                                                           "errs": errs, "dims": dims}  # fmt: skip
         for k in gold:
             check = ctx.judge(cand[k], errs[k], gold[k], dims[k])
@@ -243,6 +219,30 @@ def vjp_rows(
                       "dtype": str(cand[k].dtype).removeprefix("torch."), "rows": check}  # fmt: skip
         del cand
     return out
+
+
+def vjp_envelope(
+    ctx: RowContext,
+    node: Node,
+    fed: Values,
+    prov: Values,
+    cot: torch.Tensor,
+    wrt: Sequence[str],
+    params: Mapping[str, torch.Tensor],
+    golden_params: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, int | None]]:
+    """(node-local FP64 VJP, per-variant row errors of the provider's node VJP against it, each gradient's row
+    axis), on the provider's inputs and incoming gradient: the backward twin of :func:`isolated_envelope`."""
+    table, golden = provider_table(), golden_table()
+    gold = node_vjp(node, golden, node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
+    errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in gold}
+    dims = {k: _grad_row_dim(ctx, k) for k in gold}
+    for variant in ctx.variants:
+        got = run_variant(variant, functools.partial(node_vjp, node, table, fed, params, cot, wrt), ctx.skipped)
+        if got is not None:
+            for k in gold:
+                errs[k][variant.name] = row_errors(got[k], gold[k], dims[k])
+    return gold, errs, dims
 
 
 def _grad_row_dim(ctx: RowContext, key: str) -> int | None:

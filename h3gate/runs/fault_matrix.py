@@ -18,7 +18,8 @@ import torch
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.rows import as_rows
 from h3gate.graph.core import Graph, Node, OpTable, Values
-from h3gate.runs.block_rows import RowContext, node_inputs, node_vjp
+from h3gate.graph.execute import node_vjp, run_node
+from h3gate.runs.block_rows import RowContext, node_inputs
 
 
 def fault_rows(count: int) -> list[int]:
@@ -30,7 +31,7 @@ def _judge_forward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable,
                    params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
     gold, errs = ctx.kept["forward"][node.name]
     with torch.no_grad():
-        out = fault.override(node, ctx.row_dims)(table, node_inputs(node, prov, upcast=False), params)
+        out = run_node(node, table, node_inputs(node, prov, upcast=False), params, fault.override(node, ctx.row_dims))
     return ctx.judge(out, errs, gold, node.row_dim)
 
 
@@ -49,6 +50,20 @@ def _row_count(node: Node, direction: str, ctx: RowContext, prov: Values) -> int
     return as_rows(prov[source], ctx.row_dims.get(source)).shape[0]
 
 
+def _faults(
+    graph: Graph, ctx: RowContext, prov: Values, kinds: Sequence[str], directions: Sequence[str]
+) -> list[tuple[Node, RowFault]]:
+    """Every fault of the matrix, in node order: per node whose isolated state ``ctx.kept`` holds, per direction
+    (backward where its VJP was kept), per row of :func:`fault_rows`, per kind."""
+    faults = []
+    kept_forward, kept_vjp = ctx.kept.get("forward", {}), ctx.kept.get("vjp", {})
+    for node in (n for n in graph.nodes if n.name in kept_forward):
+        for direction in (d for d in directions if d == "forward" or node.name in kept_vjp):
+            rows = fault_rows(_row_count(node, direction, ctx, prov))
+            faults += [(node, RowFault(node.name, row, kind, direction)) for row in rows for kind in kinds]
+    return faults
+
+
 def run_fault_matrix(
     graph: Graph,
     ctx: RowContext,
@@ -61,28 +76,20 @@ def run_fault_matrix(
     """The ``fault_matrix`` evidence section: one record per fault, and the counts caught / located. Nodes whose
     isolated state ``ctx.kept`` lacks are not faulted (a sample: see ``tests/test_fault_matrix_layouts.py``)."""
     records = []
-    for node in graph.nodes:
-        if node.name not in ctx.kept.get("forward", {}):
-            continue
-        for direction in directions:
-            if direction == "backward" and node.name not in ctx.kept.get("vjp", {}):
-                continue
-            for row in fault_rows(_row_count(node, direction, ctx, prov)):
-                for kind in kinds:
-                    fault = RowFault(node.name, row, kind, direction)
-                    if direction == "forward":
-                        check = _judge_forward(node, fault, ctx, table, prov, params)
-                        view = "isolated"
-                    else:
-                        check = _judge_backward(node, fault, ctx, table, params)
-                        view = f"vjp d{node.inputs[0]}"
-                    caught = not check["pass"]
-                    located = caught and check["first_over_row"] == row
-                    modality = check["first_over_modality"] if located else None
-                    records.append({"fault": fault.label(), "node": node.name, "direction": direction,
-                                    "kind": kind, "row": row, "view": view, "caught": caught, "located": located,
-                                    "located_modality": modality, "ratio": check["ratio"],
-                                    "rows_over": check["rows_over"]})  # fmt: skip
+    for node, fault in _faults(graph, ctx, prov, kinds, directions):
+        if fault.direction == "forward":
+            check = _judge_forward(node, fault, ctx, table, prov, params)
+            view = "isolated"
+        else:
+            check = _judge_backward(node, fault, ctx, table, params)
+            view = f"vjp d{node.inputs[0]}"
+        caught = not check["pass"]
+        located = caught and check["first_over_row"] == fault.row
+        modality = check["first_over_modality"] if located else None
+        records.append({"fault": fault.label(), "node": node.name, "direction": fault.direction,
+                        "kind": fault.kind, "row": fault.row, "view": view, "caught": caught, "located": located,
+                        "located_modality": modality, "ratio": check["ratio"],
+                        "rows_over": check["rows_over"]})  # fmt: skip
     return {
         "method": __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
         "total": len(records),

@@ -25,11 +25,12 @@ from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.gate.variants import refusal
 from h3gate.graph.core import to_float64
 from h3gate.graph.model import OUTPUTS
+from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_forward import Findings, Lanes
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
-from h3gate.runs.model_stages import LEAVES, Stage, StageGrads, accumulate, model_cotangents, stage_vjp
+from h3gate.runs.model_stages import LEAVES, model_cotangents
 
 if TYPE_CHECKING:
     from h3gate.runs.ws1_model import ModelGate

@@ -21,12 +21,12 @@ from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check
 from h3gate.graph.core import Node, Values, to_float64
-from h3gate.graph.execute import run_node
+from h3gate.graph.execute import iter_isolated
+from h3gate.graph.stages import Stage, last_readers
 from h3gate.kernels import launches
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
-from h3gate.runs.model_stages import Stage, last_readers
 
 if TYPE_CHECKING:
     from h3gate.runs.ws1_model import ModelGate
@@ -134,8 +134,10 @@ def _stage(
         for who, values in (("provider", prov), ("candidate", cand), ("golden", gold)):
             gate.kept.setdefault(who, {}).update({k: v.detach().cpu().clone() for k, v in values.items()})
     records = []
-    for node in stage.nodes:
-        judged = _node(gate, ctx, node, feed, params, gparams, prov, cand, gold, chained_env, mods[node.name])
+    table, overrides = gate.tables["candidate"], gate.node_overrides
+    for node, _, iso in iter_isolated(stage.nodes, table, lambda node, reads: feed, params, overrides):
+        judged = _node(ctx, node, iso, feed, params, gparams, prov, cand, gold, chained_env, mods[node.name])
+        judged.error["bound"] = _bound(gate, judged.error)
         rec = _record(gate, node, judged, repeat[node.name], batch[node.name], prov, cand, mods[node.name])
         if launched.get(node.name):
             rec["launch"] = launched[node.name]
@@ -171,11 +173,8 @@ class _Judged:
     error: dict
 
 
-def _node(gate, ctx, node: Node, feed, params, gparams, prov, cand, gold, chained_env, mods) -> _Judged:
-    """The node alone on the provider's inputs, and the row rule's chained and isolated views."""
-    override = (gate.node_overrides or {}).get(node.name)
-    with torch.no_grad():
-        iso = run_node(node, gate.tables["candidate"], feed, params, override)
+def _node(ctx, node: Node, iso: torch.Tensor, feed, params, gparams, prov, cand, gold, chained_env, mods) -> _Judged:
+    """The node alone on the provider's inputs (``iso``), and the row rule's chained and isolated views."""
     local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
     least = contract_floor(ctx.rule.contract_floor, node.ops, "forward", cand[node.name].dtype)
     rows = {
@@ -184,10 +183,13 @@ def _node(gate, ctx, node: Node, feed, params, gparams, prov, cand, gold, chaine
                              mods=mods, key=f"forward.chained.{node.name}"),
     }  # fmt: skip
     del local
-    tol = gate.tolerance.forward
     err_c, err_p = error(cand[node.name], gold[node.name]), error(prov[node.name], gold[node.name])
-    bound = error_check(err_c, err_p, tol.error_metric, tol.error_factor, tol.error_floor)
-    return _Judged(iso, rows, {"candidate": err_c, "provider": err_p, "bound": bound})
+    return _Judged(iso, rows, {"candidate": err_c, "provider": err_p})
+
+
+def _bound(gate: ModelGate, err: dict) -> dict:
+    tol = gate.tolerance.forward
+    return error_check(err["candidate"], err["provider"], tol.error_metric, tol.error_factor, tol.error_floor)
 
 
 def promised(gate: ModelGate, node: Node) -> tuple[bool, bool]:

@@ -18,7 +18,7 @@ from h3gate.gate.variants import Variant, refusal
 from h3gate.graph.core import OpTable, Values
 from h3gate.graph.execute import Override
 from h3gate.graph.model import OUTPUTS
-from h3gate.runs.model_stages import Stage, run_stage
+from h3gate.graph.stages import Stage, run_stage
 from h3gate.runs.ws1_ops import bounds
 
 ROW_KINDS = ("packed", "text", "video", "audio")

@@ -17,13 +17,14 @@ from h3gate.errors import InputError
 from h3gate.graph.core import Graph
 from h3gate.graph.executions import NodeBinding, bind_graph
 from h3gate.graph.model import build_model_graph
+from h3gate.graph.stages import Stage, split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.registry import check_mode
 from h3gate.paths import MANIFESTS
-from h3gate.runs.model_stages import Stage, StageWeights, model_inputs, model_stages
+from h3gate.runs.model_stages import StageWeights, model_inputs
 from h3gate.runs.setup import check_device, config_for
 
 UNRELATED_ITEMS = 2  # batch placements need at most two unrelated requests (a batch of 3)
@@ -126,7 +127,7 @@ def prepare_model(
     packed = build_layout(spec, layout)
     span = parse_layers(layers, cfg)
     graph = build_model_graph(cfg, span)
-    stages = model_stages(graph)
+    stages = split_stages(graph)
     what = f"--checkpoint {checkpoint}" if checkpoint is not None else "synthetic weights"
     check_weights(source, stages, cfg, what)
     need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), lanes, backward)

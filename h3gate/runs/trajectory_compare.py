@@ -18,9 +18,9 @@ from h3gate.errors import InputError
 from h3gate.evidence.provenance import code_sha256
 from h3gate.gate.compare import agreement, bitwise_equal, error
 from h3gate.graph.model import derive_metadata, raw_metadata
+from h3gate.graph.stages import run_stage
 from h3gate.paths import display
 from h3gate.runs.model_lanes import row_labels, select_item
-from h3gate.runs.model_stages import run_stage
 from h3gate.runs.trajectory_files import complete_steps, load_step, read_manifest
 from h3gate.runs.ws1_trajectory import Trajectory, TrajectorySettings, prepare_trajectory
 

@@ -27,6 +27,7 @@ import torch
 from h3gate.gate.variants import provider_variants
 from h3gate.graph.core import OpTable, Values, to_float64
 from h3gate.graph.executions import NodeBinding, candidate_table, golden_table, provider_table
+from h3gate.graph.stages import Stage
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.numerics import strict_numerics
 from h3gate.runs.block_rows import RowContext
@@ -34,7 +35,7 @@ from h3gate.runs.model_backward import backward
 from h3gate.runs.model_forward import Findings, Lanes, forward
 from h3gate.runs.model_lanes import Lane
 from h3gate.runs.model_setup import ModelSetup
-from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, Stage, StageWeights
+from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, StageWeights
 
 # Batch placements of the request: last of 3 (forward), and second of 2 with its own cotangent (forward and
 # backward); without the backward, first of 2 takes the second's place.

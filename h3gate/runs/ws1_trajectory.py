@@ -26,9 +26,9 @@ from h3gate.gate.compare import bitwise_equal
 from h3gate.graph.core import OpTable
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
+from h3gate.graph.stages import forward_stages, stage_params
 from h3gate.paths import display
 from h3gate.runs.model_setup import ModelSetup, prepare_model
-from h3gate.runs.model_stages import forward_stages, stage_params
 from h3gate.runs.trajectory_files import (
     MANIFEST,
     STEPS,
