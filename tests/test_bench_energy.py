@@ -163,9 +163,9 @@ def test_per_node_runs_every_node_alone_and_sums_per_arm(monkeypatch):
     """The tiny block's 17 nodes, each on the CPU: the provider's node calls cost 1 ms / 0.5 J, the strict's 0.5 ms /
     0.2 J on the fake device; per node and summed, the record says so, and the schema takes it."""
     from h3gate.graph.executions import candidate_table, provider_table
-    from h3gate.runs.setup import prepare
+    from h3gate.runs.setup import RunSpec, prepare
 
-    setup = prepare("tiny", "tiny", None, "cpu", 0, "strict")
+    setup = prepare(RunSpec("block", "tiny", "tiny"))
     tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
     dev = _Device()
     dev.patch(monkeypatch)

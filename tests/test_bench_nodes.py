@@ -11,7 +11,7 @@ from h3gate.commands.bench_cmd import _node_table
 from h3gate.evidence.schema import read_schema, schema_path
 from h3gate.graph import execute
 from h3gate.graph.executions import candidate_table, provider_table
-from h3gate.runs.setup import prepare
+from h3gate.runs.setup import RunSpec, prepare
 
 
 def _schema() -> dict:
@@ -20,7 +20,7 @@ def _schema() -> dict:
 
 @pytest.fixture(scope="module")
 def tiny():
-    setup = prepare("tiny", "tiny", None, "cpu", 0, "strict")
+    setup = prepare(RunSpec("block", "tiny", "tiny"))
     tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
     return setup, tables
 

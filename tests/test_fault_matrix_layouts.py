@@ -18,7 +18,7 @@ from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.manifests.tolerances import load_tolerance
 from h3gate.runs.block_rows import RowContext, isolated_envelope, vjp_rows
 from h3gate.runs.fault_matrix import run_fault_matrix
-from h3gate.runs.setup import prepare
+from h3gate.runs.setup import RunSpec, prepare
 from h3gate.runs.ws1_block import BlockGate, _Executions
 
 # Per layout: at small a norm, a GEMM, attention, SwiGLU and a gated residual; at medium (12x the rows, every kernel
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(SAMPLES))
 def test_a_sample_of_the_fault_matrix_is_caught_and_located(layout):
     sample = SAMPLES[layout]
-    setup = prepare(layout, None, None, "cpu", 0, "strict")
+    setup = prepare(RunSpec("block", layout))
     graph = setup.graph
     tol = load_tolerance("ws1-block")
     ctx = RowContext.build(tol.row_rule, graph, "cpu", setup.inputs.modalities, keep=True)

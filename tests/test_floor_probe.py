@@ -16,7 +16,7 @@ import torch
 from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.numerics import strict_numerics
-from h3gate.runs.setup import prepare
+from h3gate.runs.setup import RunSpec, prepare
 
 _TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(_TOOLS))  # the probes import gpu_probe_common from their own folder, as `python3 tools/X.py`
@@ -39,7 +39,7 @@ def test_a_probe_that_fails_part_way_still_writes_what_it_recorded(tmp_path):
 
 def test_the_cached_arms_skip_exactly_the_named_nodes_and_keep_the_output():
     with strict_numerics("cpu"):
-        setup = prepare("tiny", None, None, "cpu", 0, "strict")
+        setup = prepare(RunSpec("block", "tiny"))
         graph, x, params = setup.graph, setup.inputs.tensors, setup.params
         names = {node.name for node in graph.nodes}
         assert set(floor.FUSABLE) < set(floor.ELEMENTWISE) < names  # a renamed node would fail here, not run

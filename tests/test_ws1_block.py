@@ -21,6 +21,7 @@ from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
 from h3gate.manifests.tolerances import load_tolerance, tolerance_path
 from h3gate.ops import registry
+from h3gate.runs import memory_plan
 from h3gate.runs import setup as run_setup
 from h3gate.runs.ws1_block import BlockGate, run_block_gate
 from h3gate.synth import SyntheticSource, write_checkpoint
@@ -250,17 +251,9 @@ def test_declared_kernels_through_the_gate(small, tmp_path):
     wo = params["attn.to_out.0.weight"]  # o_proj: x (1, S, inner) @ Wo^T, one launch
     x = torch.empty(1, layout.seq_len, wo.shape[1], dtype=wo.dtype)
     assert launched["o_proj"] == {"h3_attention_o_gemm": [gemm.launch_record(x, wo)]}
-    setup = run_setup.Ws1BlockSetup(
-        config_name="tiny",
-        cfg=cfg,
-        layout=layout,
-        source=None,
-        checkpoint={"kind": "synthetic", "path": None, "seed": 0},
-        device="cpu",
-        params=params,
-        inputs=inputs,
-        manifests=[],
-    )
+    checkpoint = {"kind": "synthetic", "path": None, "seed": 0}
+    setup = run_setup.Run(run_setup.RunSpec("block", mode="auto"), "tiny", cfg, layout, None, checkpoint, [],
+                          block=run_setup.BlockData(params, inputs))  # fmt: skip
     tol = load_tolerance("ws1-block")
     body = run_cmd.build_body(setup, result, "auto", 0, tol, tolerance_path("ws1-block"))
     write_evidence(tmp_path, "ws1-block.json", "ws1-block", body)  # validates against the schema
@@ -315,7 +308,7 @@ def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, 
     """768p at real widths on the CPU would hold tens of GiB: refused up front (exit 2), nothing written. The bound
     is the streamed forward's (--no-backward): weights, pass 1's golden + 3 provider lanes + candidate at the widest
     node, and the value store (on the CPU, the host is the device)."""
-    monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 4 * 2**30)
     monkeypatch.setattr(
         run_setup, "block_params", lambda *a, **k: pytest.fail("weights loaded before the memory check")
     )
@@ -334,8 +327,8 @@ def test_cpu_run_too_large_for_memory_refuses_before_loading(run_cli, tmp_path, 
 def test_cpu_memory_lower_bound_counts_weights_and_kept_values():
     cfg = load_config("tiny").config
     h, nd, f = 192, 256, 384
-    assert run_setup.block_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
-    kept = run_setup.block_lower_bound_bytes(cfg, 264) - run_setup.block_lower_bound_bytes(cfg, 0)
+    assert memory_plan.block_lower_bound_bytes(cfg, 0) == (4 * h * nd + 3 * h * f) * 10
+    kept = memory_plan.block_lower_bound_bytes(cfg, 264) - memory_plan.block_lower_bound_bytes(cfg, 0)
     assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 14  # float64 golden, provider, candidate chained and isolated
 
 
@@ -343,7 +336,7 @@ def test_the_memory_bound_refuses_the_released_ref2va_block_on_one_h200():
     """Measured on the H200 (139.3 GiB free): 768p's block gate ran; ref2va-768p's ran out of memory in the golden
     (session 11). The bound keeps the first and refuses the second before any weight is read."""
     cfg, h200 = load_config("real").config, 139.3 * 2**30
-    assert run_setup.block_lower_bound_bytes(cfg, 38974) < h200 < run_setup.block_lower_bound_bytes(cfg, 83386)
+    assert memory_plan.block_lower_bound_bytes(cfg, 38974) < h200 < memory_plan.block_lower_bound_bytes(cfg, 83386)
 
 
 class _Drop:
@@ -464,11 +457,11 @@ def test_the_streamed_forward_fits_the_released_ref2va_block_on_one_h200(monkeyp
 
     cfg, gib = load_config("real").config, 2**30
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: int(139.3 * gib))
-    monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 120 * gib)
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 120 * gib)
 
     def plan(name: str, **needs):
         packed = build_layout(load_layout(name), name)
-        return run_setup.plan_block_memory(cfg, packed, name, "real", "cuda", run_setup.GateNeeds(7, **needs))
+        return memory_plan.plan_block_memory(cfg, packed, name, "real", "cuda", memory_plan.GateNeeds(7, **needs))
 
     released = plan("ref2va-768p", backward=False)
     assert (released.store, round(released.device_bytes / gib, 1), round(released.host_bytes / gib, 1)) == (
@@ -477,7 +470,7 @@ def test_the_streamed_forward_fits_the_released_ref2va_block_on_one_h200(monkeyp
     assert plan("768p", backward=False).store == "device"
     with pytest.raises(InputError, match=r"\(S=83386\): needs at least 147\.8 GiB.*; use a smaller layout or --no-b"):
         plan("ref2va-768p", backward=True)
-    monkeypatch.setattr(run_setup, "available_memory_bytes", lambda: 32 * gib)
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 32 * gib)
     with pytest.raises(InputError, match=r"value store needs at least 41\.2 GiB of host memory, 32\.0 GiB available"):
         plan("ref2va-768p", backward=False)
 
@@ -489,7 +482,7 @@ def test_the_streamed_peak_is_the_block_s_widest_live_set(small):
     from h3gate.graph.executions import provider_table
 
     cfg, layout, params, inputs = small
-    graph, widths = build_block_graph(cfg), run_setup.row_widths(cfg)
+    graph, widths = build_block_graph(cfg), memory_plan.row_widths(cfg)
     rows = layout.seq_len
     with torch.no_grad():
         for node, out in iter_graph(graph, inputs.tensors, params, provider_table()):
@@ -497,7 +490,7 @@ def test_the_streamed_peak_is_the_block_s_widest_live_set(small):
     k = [n.name for n in graph.nodes].index("swiglu")
     assert set(live_at(graph, k)) == {"adaln_projection", "residual_attn", "ffn_gate_up", "swiglu"}
     real = load_config("real").config
-    assert run_setup.streamed_peak_width(real) == 3 * real.ffn_dim + 2 * real.hidden_size
+    assert memory_plan.streamed_peak_width(real) == 3 * real.ffn_dim + 2 * real.hidden_size
 
 
 def test_a_host_store_gives_the_same_records_and_runs_forward_only(small):

@@ -155,11 +155,11 @@ def test_bad_input_is_exit_2_with_one_line(run_cli, tmp_path, args, message) -> 
 
 def test_a_run_whose_memory_estimate_exceeds_the_device_is_refused(monkeypatch) -> None:
     from h3gate import memory
-    from h3gate.runs.model_setup import prepare_model
+    from h3gate.runs.setup import ModelNeeds, RunSpec, prepare
 
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: 1 << 20)
     with pytest.raises(InputError, match=r"ws1-model --layout micro --config tiny \(S=84\): needs at least"):
-        prepare_model("micro", None, None, "cpu", 0, "strict")
+        prepare(RunSpec("model", "micro"), ModelNeeds())
 
 
 @pytest.mark.parametrize("config", ["tiny", "real"])
@@ -174,9 +174,9 @@ def test_every_checkpoint_tensor_belongs_to_exactly_one_stage(config) -> None:
 
 def test_save_tensors_beyond_host_memory_is_refused_before_running(monkeypatch) -> None:
     from h3gate import memory
-    from h3gate.runs.model_setup import prepare_model
+    from h3gate.runs.setup import ModelNeeds, RunSpec, prepare
 
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: 12_500_000)  # between the two estimates
-    prepare_model("micro", None, None, "cpu", 0, "strict", None, False)  # without --save-tensors: fits
+    prepare(RunSpec("model", "micro"), ModelNeeds(backward=False))  # without --save-tensors: fits
     with pytest.raises(InputError, match=r"--save-tensors at --layout micro --config tiny .*bound it with --layers"):
-        prepare_model("micro", None, None, "cpu", 0, "strict", None, False, save_tensors=True)
+        prepare(RunSpec("model", "micro"), ModelNeeds(backward=False, save_tensors=True))

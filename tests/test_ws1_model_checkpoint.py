@@ -92,10 +92,10 @@ def test_layers_that_skip_the_missing_block_run(run_cli, checkpoints, tmp_path):
 
 
 def test_a_stage_reads_its_own_tensors_and_nothing_else(checkpoints, monkeypatch):
-    from h3gate.runs.model_setup import prepare_model
+    from h3gate.runs.setup import ModelNeeds, RunSpec, prepare
 
     complete, _ = checkpoints
-    setup = prepare_model("micro", None, complete, "cpu", 0, "strict", None, False)
+    setup = prepare(RunSpec("model", "micro", checkpoint=str(complete)), ModelNeeds(backward=False))
     source = setup.weights.source
     read: list[str] = []
     real_load = source.load

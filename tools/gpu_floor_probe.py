@@ -32,7 +32,7 @@ from h3gate.bench import energy
 from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.numerics import strict_numerics
-from h3gate.runs.setup import prepare
+from h3gate.runs.setup import RunSpec, prepare
 
 ELEMENTWISE = ("norm1", "q_norm", "k_norm", "rope_q", "rope_k", "residual_attn", "norm2", "swiglu", "residual_mlp")
 FUSABLE = ("norm1", "q_norm", "k_norm", "norm2", "swiglu")
@@ -54,7 +54,7 @@ def _arm(graph, x, params, table, overrides: dict):
 def probe(layout: str, seconds: float, rounds: int) -> dict:
     t0 = time.perf_counter()
     with strict_numerics("cuda"):
-        setup = prepare(layout, "real", None, "cuda", 0, "strict")
+        setup = prepare(RunSpec("block", layout, "real", None, "cuda"))
         graph, x, params = setup.graph, setup.inputs.tensors, setup.params
         tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
         with torch.no_grad():

@@ -30,7 +30,7 @@ from h3gate.bench.timing import spin_cycles
 from h3gate.graph.execute import run_nodes
 from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.numerics import strict_numerics
-from h3gate.runs.setup import prepare
+from h3gate.runs.setup import RunSpec, prepare
 
 
 def _node_host_ms(graph, x, params, table, rounds: int, cycles: int) -> dict[str, float]:
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     with records_file(args.out, layout=args.layout) as records, strict_numerics("cuda"):
-        setup = prepare(args.layout, "real", None, "cuda", 0, "strict")
+        setup = prepare(RunSpec("block", args.layout, "real", None, "cuda"))
         tables = {"provider": provider_table(), "strict": candidate_table(setup.bindings)}
         x, params, graph = setup.inputs.tensors, setup.params, setup.graph
         cycles = spin_cycles(200_000)

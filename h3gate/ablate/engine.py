@@ -31,6 +31,8 @@ from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.ablations import ANY, ROW_SYMBOL, AblationRow, Signature
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.memory import BIG_MODEL_PARAMS
+from h3gate.runs.setup import RunSpec, prepare
+from h3gate.synth import layout_variant
 from h3gate.trajectory import Recipe, Request, make_request
 
 HASHED = (*OUTPUTS, "scheduler.video_step", "scheduler.audio_step", "init.condition_rows")
@@ -280,32 +282,23 @@ def device_synthetic_source(cfg: ModelConfig, seed: int, device: str, variant: s
 def build_context(
     config: str, layout: str, device: str, seed: int = 0, mode: str = "off", steps: int = 4, checkpoint=None
 ) -> Context:
-    """Load the config, layout and weights once; bind the strict arm's op table for ``mode`` on ``device``.
-
-    Issue 14: ``h3gate.runs.setup.prepare`` resolves the block-0 graph only; when it (or a sibling) covers the whole
-    model graph, this becomes a call to it."""
-    from h3gate.checkpoint import open_checkpoint
-    from h3gate.graph.executions import bind_graph, candidate_table, provider_table
+    """The shared context on a prepared whole-model run (:func:`h3gate.runs.setup.prepare`): its config, layout,
+    graph and bindings (``mode`` on ``device``), every parameter loaded, the strict arm's op table."""
     from h3gate.graph.inputs import TimestepPlan
-    from h3gate.graph.model import build_model_graph, load_model_params
-    from h3gate.manifests.layouts import load_layout
-    from h3gate.manifests.model_config import load_config
-    from h3gate.synth import SyntheticSource, layout_variant
+    from h3gate.graph.model import load_model_params
+    from h3gate.synth import SyntheticSource
 
-    cfg = load_config(config).config
-    packed = build_layout(load_layout(layout), layout)
-    variant = layout_variant(packed.spec.kind)
-    graph = build_model_graph(cfg)
-    bindings = bind_graph(graph, mode, device)
-    ops = provider_table() if mode == "off" else candidate_table(bindings)
-    per_op = {b.op: b.record() for nb in bindings.values() for b in nb.bindings}
+    ckpt = None if checkpoint is None else str(checkpoint)
+    run = prepare(RunSpec("model", layout, config, ckpt, device, seed, mode, draw="device"))
+    cfg, packed, variant = run.cfg, run.layout, layout_variant(run.layout.spec.kind)
+    ops = run.tables()["candidate"]
+    per_op = {b.op: b.record() for nb in run.bindings.values() for b in nb.bindings}
     on_device = device != "cpu" and checkpoint is None
 
     def factory(s: int, v: str):
         return device_synthetic_source(cfg, s, device, v) if on_device else SyntheticSource(cfg, s, variant=v)
 
-    source = open_checkpoint(checkpoint) if checkpoint is not None else factory(seed, variant)
-    params = load_model_params(source, cfg, device)
+    params = load_model_params(run.source, cfg, device)
     drawn = f" drawn on {device}'s generator" if on_device else " (CPU-seeded)"
     weights = f"synthetic seed {seed} {variant}/{drawn}"
     execution = {
@@ -317,22 +310,8 @@ def build_context(
         "provider_ops": sorted(op for op, rec in per_op.items() if rec["actual"] == "provider"),
         "outside_graph": "sampler arithmetic (sigma grid, Euler step, noise mix) runs h3gate.schedule (the reference)",
     }
-    ctx = Context(
-        cfg,
-        packed,
-        device,
-        seed,
-        graph,
-        params,
-        ops,
-        Recipe(steps=steps),
-        TimestepPlan().resolve(),
-        execution,
-        config,
-        None if checkpoint is None else str(checkpoint),
-        factory,
-        variant=variant,
-    )
+    ctx = Context(cfg, packed, device, seed, run.graph, params, ops, Recipe(steps=steps), TimestepPlan().resolve(),
+                  execution, config, ckpt, factory, variant=variant)  # fmt: skip
     if sum(p.numel() for p in params.values()) > BIG_MODEL_PARAMS:  # H-C6 on a real-size model: bounded gradients
         last = f"transformer_blocks.{cfg.num_layers - 1}."
         ctx.cache["grad_params"] = [

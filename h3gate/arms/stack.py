@@ -22,13 +22,11 @@ import torch
 from h3gate.errors import InputError
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import raw_metadata
-from h3gate.layout import PackedLayout, build_layout
-from h3gate.manifests.layouts import load_layout
+from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
-from h3gate.runs.setup import check_device, config_for
+from h3gate.runs.setup import RunSpec, prepare
 from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from h3gate.strict_lora import LORA_TARGETS
-from h3gate.synth import SyntheticSource
 from h3gate.trajectory import Recipe, Request, initial_latents, make_request, row_timestep_plan
 
 ARMS = ("P/P", "R/P", "P/R", "R/R")  # training operators / rollout operators (RFC 6.4)
@@ -141,24 +139,16 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
         require_peft()
         if settings.lora_rank < 1:
             raise InputError(f"--lora-rank {settings.lora_rank}: must be at least 1")
-    device = check_device(settings.device)
     if settings.batch < 1:
         raise InputError(f"--batch {settings.batch}: must be at least 1")
     if settings.steps < 2:
         raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
-    spec = load_layout(settings.layout)
-    config_name, cfg, source, ckpt, _ = config_for(settings.config, settings.checkpoint, settings.seed, spec.kind)
-    if settings.layers is not None:
-        if not 1 <= settings.layers <= cfg.num_layers:
-            raise InputError(f"--layers {settings.layers}: must be in 1..{cfg.num_layers} (the config's blocks)")
-        cfg = cfg.model_copy(update={"num_layers": settings.layers})
-    layout = build_layout(spec, settings.layout)
-    if ckpt["kind"] == "synthetic":
-        source = SyntheticSource(cfg, settings.seed, variant=source.variant)  # the config with --layers
-        if device != "cpu":
-            # Drawn on the device's own generator, as the whole-model gates draw them (values are per device kind).
-            source = source.drawn_on(device)
-        ckpt = source.record()
+    checkpoint = None if settings.checkpoint is None else str(settings.checkpoint)
+    run = prepare(RunSpec("model", settings.layout, settings.config, checkpoint, settings.device, settings.seed,
+                          "strict", blocks=settings.layers, draw="device"))  # fmt: skip
+    config_name, cfg, layout, source, ckpt, device = (
+        run.config_name, run.cfg, run.layout, run.source, run.checkpoint, run.device
+    )  # fmt: skip
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     plan = row_timestep_plan(layout, recipe, *recipe.schedules())
     requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]

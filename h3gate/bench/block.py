@@ -24,7 +24,7 @@ from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import stand_in
 from h3gate.numerics import strict_numerics
-from h3gate.runs.setup import prepare
+from h3gate.runs.setup import RunSpec, prepare
 
 KIND = "bench-ws1-block"
 WARMUP = 3
@@ -81,7 +81,7 @@ def bench_block(
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
     with strict_numerics(device):
-        setup = prepare(layout, config, None, device, 0, "strict")
+        setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict"))
         graph, bindings = setup.graph, setup.bindings
         tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
         seg8 = seg8_arm(tables, graph, device, merge)

@@ -40,10 +40,10 @@ from h3gate.bench.nodes import step_times
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
-from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, provider_table
-from h3gate.graph.model import build_model_graph
-from h3gate.graph.stages import Stage, backward_stages, forward_stages, split_stages, stage_params
-from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, model_cotangents, model_inputs
+from h3gate.graph.executions import NodeBinding, candidate_table, provider_table
+from h3gate.graph.stages import Stage, backward_stages, forward_stages, stage_params
+from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, model_cotangents
+from h3gate.runs.setup import Run, RunSpec, prepare, read_inputs
 
 KIND = "bench-ws1-model"
 WARMUP = 1
@@ -196,28 +196,12 @@ def _check_memory(source, layout, cfg, what: str, device: str) -> int:
     return nbytes
 
 
-def _setup(layout: str, config: str, device: str):
-    """(config name, config, packed layout, graph, stages, bindings, weight source, manifests read); strict binding
-    runs before anything touches the device."""
-    from h3gate.layout import build_layout
-    from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
-    from h3gate.manifests.model_config import load_config
-    from h3gate.paths import MANIFESTS
-    from h3gate.runs.setup import check_device
-    from h3gate.synth import SyntheticSource, layout_variant
-
+def _setup(layout: str, config: str, device: str) -> Run:
+    """The bench's whole-model run: strict bindings (bound before anything touches the device), synthetic weights
+    drawn on the device's generator, nothing read yet."""
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
-    check_device(device)
-    named = load_config(config)
-    path = Path(config) if Path(config).suffix in (".yaml", ".yml") else MANIFESTS / "configs" / f"{config}.yaml"
-    spec = load_layout(layout)
-    packed = build_layout(spec, layout)
-    graph = build_model_graph(named.config)
-    bindings = bind_graph(graph, "strict", device)
-    source = SyntheticSource(named.config, SEED, generator_device=device, variant=layout_variant(spec.kind))
-    manifests = [path, LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
-    return named.name, named.config, packed, graph, split_stages(graph), bindings, source, manifests
+    return prepare(RunSpec("model", layout, config, None, device, SEED, "strict", draw="device"), read=False)
 
 
 def bench_model(
@@ -229,13 +213,15 @@ def bench_model(
     ``progress(label)`` is called before loading and before each timed phase. ``merge="seg8"`` adds the
     ``strict_seg8`` arm (every operator in the seg8 merge order), timed in the same rounds.
     """
-    name, cfg, packed, graph, stages, bindings, source, manifests = _setup(layout, config, device)
+    run = read_inputs(_setup(layout, config, device))
+    name, cfg, packed, graph, bindings = run.config_name, run.cfg, run.layout, run.graph, run.bindings
+    source, stages, manifests = run.source, run.stages, run.manifests
     what = f"bench ws1-model --layout {layout} --config {name} --device {device} (S={packed.seq_len})"
     param_bytes = _check_memory(source, packed, cfg, what, device)
     if progress is not None:
         progress(f"parameters and inputs ({param_bytes / 2**30:.1f} GiB of weights)")
     params = _load_params(source, device)
-    inputs, _ = model_inputs(packed, cfg, SEED, device)
+    inputs = run.inputs
     tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
     seg8 = seg8_arm(tables, graph, device, merge)
     with torch.no_grad():

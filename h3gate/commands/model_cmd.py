@@ -25,15 +25,15 @@ from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, display
-from h3gate.runs.model_setup import ModelSetup, prepare_model
 from h3gate.runs.model_stages import LEAVES
+from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, run_model_gate, steps
 
 KIND = "ws1-model"
 DEFAULT_LAYOUT = "micro"
 
 
-def parse_model_fault(spec: str, setup: ModelSetup) -> RowFault:
+def parse_model_fault(spec: str, setup: Run) -> RowFault:
     """``NODE:ROW[:KIND][:DIRECTION]`` over the model graph's node names (a negative control)."""
     parts = spec.split(":")
     if not 2 <= len(parts) <= 4:
@@ -54,7 +54,7 @@ def parse_model_fault(spec: str, setup: ModelSetup) -> RowFault:
     return RowFault(node, int(row), kind, next((p for p in rest if p in DIRECTIONS), "forward"))
 
 
-def _row_dims(setup: ModelSetup) -> dict[str, int | None]:
+def _row_dims(setup: Run) -> dict[str, int | None]:
     return {**{n.name: n.row_dim for n in setup.graph.nodes}, **dict.fromkeys(LEAVES, 1)}
 
 
@@ -79,10 +79,9 @@ def ws1_model_command(
     layout = layout or DEFAULT_LAYOUT
     tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
     with strict_numerics(device):
-        setup = prepare_model(
-            layout, config, checkpoint, device, seed, mode, layers, backward, save_tensors=save_tensors is not None,
-            merge=merge,
-        )  # fmt: skip
+        spec = RunSpec("model", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
+                       merge, layers, draw="device")  # fmt: skip
+        setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None))
         injected = parse_model_fault(fault, setup) if fault is not None else None
         folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
         setup_s = time.perf_counter() - started
@@ -109,7 +108,7 @@ def ws1_model_command(
     return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
 
 
-def build_body(setup: ModelSetup, result: ModelGateResult, seed: int, tol_name: str, tol_file: Path) -> dict:
+def build_body(setup: Run, result: ModelGateResult, seed: int, tol_name: str, tol_file: Path) -> dict:
     cfg = setup.cfg
     return {
         "config": {
@@ -135,7 +134,7 @@ def build_body(setup: ModelSetup, result: ModelGateResult, seed: int, tol_name: 
     }
 
 
-def diffusers_inputs(setup: ModelSetup) -> dict[str, torch.Tensor]:
+def diffusers_inputs(setup: Run) -> dict[str, torch.Tensor]:
     """The arguments of diffusers' ``MiniMaxH3Transformer3DModel.forward`` under its own names."""
     from h3gate.runs.model_stages import model_inputs
 
@@ -157,7 +156,7 @@ def diffusers_inputs(setup: ModelSetup) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 
 
-def tensors_to_save(setup: ModelSetup, result: ModelGateResult) -> dict[str, dict[str, torch.Tensor]]:
+def tensors_to_save(setup: Run, result: ModelGateResult) -> dict[str, dict[str, torch.Tensor]]:
     """``inputs`` (diffusers' names) and ``provider`` / ``candidate`` / ``golden`` keyed by node name, with the two
     velocities under ``output.video`` and ``output.audio``."""
     files = {"inputs": diffusers_inputs(setup)}

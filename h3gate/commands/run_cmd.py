@@ -25,7 +25,8 @@ from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import check_mode
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.block_rows import value_row_dims
-from h3gate.runs.setup import LAYER, GateNeeds, Ws1BlockSetup, prepare
+from h3gate.runs.memory_plan import GateNeeds
+from h3gate.runs.setup import LAYER, Run, RunSpec, prepare
 from h3gate.runs.ws1_block import (
     BlockGate,
     BlockGateResult,
@@ -189,7 +190,7 @@ def print_table(doc: dict, path: Path) -> None:
 
 
 def build_body(
-    setup: Ws1BlockSetup, result: BlockGateResult, mode: str, seed: int, tol: ToleranceProfile, tol_file: Path
+    setup: Run, result: BlockGateResult, mode: str, seed: int, tol: ToleranceProfile, tol_file: Path
 ) -> dict:
     cfg = setup.cfg
     return {
@@ -240,7 +241,9 @@ def ws1_block_command(
     with strict_numerics(device):
         lanes = len(provider_variants(list(tol.row_rule.variants), device)[0])
         needs = GateNeeds(lanes, backward, fault_matrix, save_golden=save_tensors is not None)
-        setup = prepare(layout, config, checkpoint, device, seed, mode, merge, needs)
+        spec = RunSpec("block", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
+                       merge)  # fmt: skip
+        setup = prepare(spec, needs)
         injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
         folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
         result = _run(setup, tol, backward, injected, fault_matrix, started, save_tensors is not None)
@@ -266,7 +269,7 @@ def ws1_block_command(
 
 
 def _run(
-    setup: Ws1BlockSetup,
+    setup: Run,
     tol: ToleranceProfile,
     backward: bool,
     injected: RowFault | None,
@@ -284,10 +287,8 @@ def _run(
             if injected is None
             else {injected.node: injected.override(graph.node(injected.node), value_row_dims(graph))}
         )
-        store = setup.memory.store if setup.memory is not None else "device"
-        gate = BlockGate(graph, setup.inputs, setup.params, setup.device, setup.mode, tol, backward, overrides,
-                         progress=step, fault_matrix=fault_matrix, bindings=setup.bindings, store=store,
-                         keep_golden=keep_golden)  # fmt: skip
+        gate = BlockGate.of(setup, tol, backward, overrides, progress=step, fault_matrix=fault_matrix,
+                            keep_golden=keep_golden)  # fmt: skip
         result = run_block_gate(gate)
     result.report["timing"]["setup_s"] = round(setup_s, 4)
     return result

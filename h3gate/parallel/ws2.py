@@ -19,8 +19,11 @@ from pathlib import Path
 import torch
 
 from h3gate.errors import InputError
+from h3gate.layout import PackedLayout
+from h3gate.manifests.model_config import ModelConfig
 from h3gate.parallel.launch import run_ranks
 from h3gate.parallel.ws2_partition import Partition
+from h3gate.runs.setup import Run, RunSpec, prepare, read_inputs
 
 KIND = "ws2"
 TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
@@ -60,9 +63,16 @@ class Ws2Plan:
     cp: int
     sp: bool
     backend: str
-    cfg: object
-    layout: object
+    run: Run  # TP1's run, checked and bound, nothing read yet: the parent reads it for the reference
     faults: list
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.run.cfg
+
+    @property
+    def layout(self) -> PackedLayout:
+        return self.run.layout
 
 
 def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1, scope: str = "block",
@@ -104,11 +114,9 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
 
 
 def plan_ws2(s: Ws2Settings) -> Ws2Plan:
-    """Every check that needs no weights: topology, scope, backend and device, config alignment, layout, faults."""
+    """Every check that needs no weights: topology, scope, backend and device, TP1's run (config, layout, graph,
+    seg8 bindings; nothing read), config alignment, row shards, faults."""
     from h3gate.kernels.tp_layers import check_alignment
-    from h3gate.layout import build_layout
-    from h3gate.manifests.layouts import load_layout
-    from h3gate.manifests.model_config import load_config
     from h3gate.parallel.ws2_scope import SCOPES
     from h3gate.runs.setup import check_device
 
@@ -129,12 +137,14 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
         if tp * cp > torch.cuda.device_count():
             raise InputError(f"--topology {s.topology}: {tp * cp} ranks need {tp * cp} GPUs, this machine has "
                              f"{torch.cuda.device_count()} (one NCCL rank per GPU)")  # fmt: skip
-    cfg = load_config(s.config).config
+    device = "cpu" if s.device == "cpu" else "cuda:0"
+    run = prepare(RunSpec(s.scope, s.layout, s.config, None, device, s.seed, "strict", "seg8", draw="device"),
+                  read=False)  # fmt: skip
+    cfg, layout, graph = run.cfg, run.layout, run.graph
     check_alignment(tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, torch.bfloat16)
     if cfg.num_attention_heads % (tp * cp):
         raise InputError(f"--topology {s.topology}: Ulysses attention splits {cfg.num_attention_heads} heads over "
                          f"tp x cp = {tp * cp} ranks; they must divide")  # fmt: skip
-    layout = build_layout(load_layout(s.layout), s.layout)
     shards = tp * cp if sp else cp
     if shards > 1:
         from h3gate.parallel.ulysses import cp_bounds
@@ -143,27 +153,21 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
         if any(bounds[c] == bounds[c + 1] for c in range(shards)):
             raise InputError(f"--layout {s.layout}: {layout.seq_len} packed rows leave a rank of {s.topology} "
                              f"without rows (shards of whole row segments: {list(bounds)})")  # fmt: skip
-    from h3gate.graph.block import build_block_graph
-    from h3gate.graph.model import build_model_graph
-
-    graph = build_block_graph(cfg, 0) if s.scope == "block" else build_model_graph(cfg)
     s.partition.check(tp, cp, sp, s.scope, layout.seq_len)
     faults = [_fault(f, tp * cp, graph, layout.seq_len, tp, cp, s.scope, sp) for f in s.faults]
-    return Ws2Plan(s, tp, cp, sp, backend, cfg, layout, faults)
+    return Ws2Plan(s, tp, cp, sp, backend, run, faults)
 
 
 def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float]:
     """TP1 on this device in the seg8 merge order; writes ``inputs`` and ``reference`` into ``folder``."""
     from safetensors.torch import save_file
 
-    from h3gate.graph.executions import bind_graph, candidate_table
     from h3gate.parallel.ws2_scope import build_scope, cotangents, forward_backward
 
-    s = plan.settings
-    device = "cpu" if s.device == "cpu" else "cuda:0"
-    scope = build_scope(s.scope, plan.cfg, plan.layout, s.seed, device)
-    graph, leaves = scope.graph, scope.leaves
-    bindings = bind_graph(scope.graph, "strict", device, "seg8")
+    s, run = plan.settings, plan.run
+    device = run.device
+    scope = build_scope(read_inputs(run))
+    graph, leaves, bindings = scope.graph, scope.leaves, run.bindings
     cots: dict = {}
 
     def cot_fn(values):
@@ -171,7 +175,7 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
         return cots
 
     started = time.perf_counter()
-    values, grads = forward_backward(scope, scope.inputs, scope.params, candidate_table(bindings), None, cot_fn)
+    values, grads = forward_backward(scope, scope.inputs, scope.params, run.tables()["candidate"], None, cot_fn)
     seconds = time.perf_counter() - started
     tensors = {f"v:{k}": v for k, v in values.items()}
     tensors.update({f"g:{k}": g for k, g in grads.items()})
@@ -180,6 +184,7 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
     save_file({k: v.detach().cpu().clone() for k, v in scope.inputs.items()}, str(folder / "inputs"))
     for held in (scope.params, scope.inputs, values, grads, tensors, cots):
         held.clear()  # the ranks need the device's memory
+    run.block = run.model = None
     if device != "cpu":
         torch.cuda.empty_cache()
     return graph, leaves, bindings, seconds
@@ -188,9 +193,8 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
 def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
     """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3)."""
     s, world = plan.settings, plan.tp * plan.cp
-    spec = {"config": s.config, "layout": s.layout, "scope": s.scope, "seed": s.seed, "mode": "strict",
-            "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp, "backend": plan.backend,
-            "device": s.device, "init_file": str(folder / "rendezvous"),
+    spec = {"run": plan.run.spec.record(), "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp,
+            "backend": plan.backend, "device": s.device, "init_file": str(folder / "rendezvous"),
             "faults": [f.record() for f in plan.faults], "partition": s.partition.record()}  # fmt: skip
     for f in spec["faults"]:
         f.pop("kind")

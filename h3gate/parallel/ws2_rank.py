@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from h3gate.parallel.launch import rank_main
+from h3gate.runs.setup import RunSpec, prepare
 
 NCCL_SETTINGS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
                  "NCCL_IB_DISABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")  # fmt: skip
@@ -63,10 +64,6 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from h3gate.graph.executions import bind_graph, candidate_table
-    from h3gate.layout import build_layout
-    from h3gate.manifests.layouts import load_layout
-    from h3gate.manifests.model_config import load_config
     from h3gate.parallel.shards import RankPlan
     from h3gate.parallel.ws2_partition import Partition
     from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward
@@ -78,13 +75,14 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     if device.startswith("cuda"):
         device = f"cuda:{rank % max(torch.cuda.device_count(), 1)}"
         torch.cuda.set_device(torch.device(device))
-    cfg = load_config(spec["config"]).config  # bad input fails every rank alike, before any rank waits on another
-    layout = build_layout(load_layout(spec["layout"]), spec["layout"])
+    # TP1's run on this rank's device: bad input fails every rank alike, before any rank waits on another
+    run = prepare(RunSpec.from_record(spec["run"]).with_(device=device))
+    cfg = run.cfg
     dist.init_process_group(spec["backend"], init_method=f"file://{spec['init_file']}", rank=rank, world_size=world)
     tp_groups, cp_groups = _groups(tp, cp)
-    scope = build_scope(spec["scope"], cfg, layout, spec["seed"], device)
+    scope = build_scope(run)
     inputs = {k: v.to(device) for k, v in load_file(str(folder / "inputs")).items()}
-    ops = candidate_table(bind_graph(scope.graph, spec["mode"], device, "seg8"))
+    ops = run.tables()["candidate"]
     plan = RankPlan.build(cfg, scope, inputs, rank, tp, cp, tp_groups[rank // tp], cp_groups[rank % tp],
                           spec.get("sp", False), Partition.from_record(spec.get("partition")))  # fmt: skip
     faults = [Fault(**f) for f in spec["faults"] if f["rank"] == rank]

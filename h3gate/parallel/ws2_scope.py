@@ -18,6 +18,7 @@ import torch
 from h3gate.gate.faults import corrupt, grad_fault
 from h3gate.graph.core import Graph
 from h3gate.graph.execute import NodeOverride, run_chained, run_node
+from h3gate.runs.setup import Run
 
 SCOPES = ("block", "model")
 BLOCK_LEAVES = ("hidden_states", "temb")
@@ -35,26 +36,16 @@ class Scope:
     outputs: tuple[str, ...]
 
 
-def build_scope(scope: str, cfg, layout, seed: int, device: str) -> Scope:
-    """The graph, synthetic parameters (seed ``seed``, the layout task's variant) and inputs of ``scope`` at
-    ``layout``, on ``device``."""
-    from h3gate.synth import SyntheticSource, layout_variant
+def build_scope(run: Run) -> Scope:
+    """The graph, parameters and inputs of a prepared run's scope (:func:`h3gate.runs.setup.prepare` with
+    ``scope`` and ``draw="device"``): block 0 with its parameters and inputs, or the whole model with every
+    parameter read."""
+    if run.spec.scope == "block":
+        return Scope("block", run.graph, run.params, dict(run.inputs.tensors), BLOCK_LEAVES, (run.graph.output,))
+    from h3gate.graph.model import OUTPUTS, load_model_params
 
-    source = SyntheticSource(cfg, seed, variant=layout_variant(layout.spec.kind))
-    source = source if device == "cpu" else source.drawn_on(device)
-    if scope == "block":
-        from h3gate.graph.block import block_params, build_block_graph
-        from h3gate.graph.inputs import build_block_inputs
-
-        graph = build_block_graph(cfg, 0)
-        inputs = build_block_inputs(layout, cfg, source, seed, device).tensors
-        return Scope(scope, graph, block_params(source, 0, device), dict(inputs), BLOCK_LEAVES, (graph.output,))
-    from h3gate.graph.model import OUTPUTS, build_model_graph, load_model_params
-    from h3gate.runs.model_stages import model_inputs
-
-    graph = build_model_graph(cfg)
-    inputs, _ = model_inputs(layout, cfg, seed, device)
-    return Scope(scope, graph, load_model_params(source, cfg, device), inputs, MODEL_LEAVES, OUTPUTS)
+    params = load_model_params(run.source, run.cfg, run.device)
+    return Scope("model", run.graph, params, dict(run.inputs), MODEL_LEAVES, OUTPUTS)
 
 
 def cotangents(scope: Scope, values: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -1,52 +1,199 @@
-"""One setup for every engine that runs the block: config, weights, layout, graph and bindings, resolved once.
+"""The one run setup: a verb's options (:class:`RunSpec`) resolved once into a :class:`Run` that every engine takes.
 
-:func:`prepare` checks the cheap things first (device, mode, config, layout, a lower bound on memory), builds the
-graph and binds every op of every node (so strict mode fails closed, naming the node, before any weight is read),
-then reads the block parameters and builds the block inputs. It records every manifest it read; the engines pass
-the bindings down instead of binding again.
+:func:`prepare` is the only place a run's config, weight source, layout, graph, bindings, memory plan and the list
+of manifests it read are resolved. It checks the cheap things first (device, mode, merge order, scope, config,
+layout, a layer range, the weights the graph reads, memory), binds every op of every node (so strict mode fails
+closed, naming the node, before any weight is read), then reads what the scope needs: block 0's parameters and
+inputs, or the whole model's inputs with its weights read one stage at a time. The mode and merge order are decided
+here, once: :meth:`Run.tables` hands out the provider, candidate and golden op tables every engine runs.
+
+A :class:`RunSpec` is plain data (``record`` / ``from_record``), so a ``run ws2`` rank or a torchrun shard rebuilds
+the same run from it in its own process through the same :func:`prepare`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from h3gate.errors import InputError
-from h3gate.graph.block import BLOCK_NODES, block_params, build_block_graph, row_widths
-from h3gate.graph.core import Graph
-from h3gate.graph.execute import live_at
-from h3gate.graph.executions import NodeBinding, bind_graph
+from h3gate.graph.block import block_params, build_block_graph
+from h3gate.graph.core import Graph, OpTable
+from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs, build_block_inputs
+from h3gate.graph.model import build_model_graph
+from h3gate.graph.stages import Stage, split_stages
+from h3gate.inventory import expected_inventory
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
 from h3gate.manifests.model_config import ModelConfig, config_names, load_config
-from h3gate.memory import GIB
-from h3gate.memory import host_available_bytes as available_memory_bytes
-from h3gate.ops.registry import check_mode
+from h3gate.memory import require
+from h3gate.ops.registry import check_merge, check_mode
 from h3gate.paths import MANIFESTS
+from h3gate.runs.memory_plan import (
+    GateNeeds,
+    MemoryPlan,
+    check_memory,
+    model_lower_bound_bytes,
+    plan_block_memory,
+    saved_values_bytes,
+)
+from h3gate.runs.model_stages import StageWeights, model_inputs
 
-LAYER = 0
+LAYER = 0  # the block the one-block gate runs
+SCOPES = ("block", "model")
+DRAWS = ("cpu", "device")
+UNRELATED_ITEMS = 2  # batch placements need at most two unrelated requests (a batch of 3)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What decides a run, as a verb's options say it. ``scope``: ``block`` (block 0 as 17 nodes) or ``model`` (the
+    whole transformer, or blocks ``layers`` = ``"A:B"`` of it); ``blocks``: a model of the config's first N blocks
+    (``run arms --layers``); ``draw``: synthetic weights drawn by the CPU's seeded generator (the same values on
+    every device) or by the run's device (a 33B model is not drawn on a CPU; values are per device kind)."""
+
+    scope: str = "block"
+    layout: str = "tiny"
+    config: str | None = None
+    checkpoint: str | None = None
+    device: str = "cpu"
+    seed: int = 0
+    mode: str = "strict"
+    merge: str = "single"
+    layers: str | None = None
+    blocks: int | None = None
+    draw: str = "cpu"
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RunSpec:
+        return cls(**record)
+
+    def with_(self, **changes: Any) -> RunSpec:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ModelNeeds:
+    """What a whole-model gate holds at once, for its memory bound: ``lanes`` executions advanced together, the
+    backward's saved stage inputs, and ``--save-tensors``' host copy of every node value."""
+
+    lanes: int = 12
+    backward: bool = True
+    save_tensors: bool = False
 
 
 @dataclass
-class Ws1BlockSetup:
-    """Everything a ws1-block run needs, resolved and checked (shared by the gate, the bench and tests)."""
+class BlockData:
+    """Block 0 of a ``block`` run: its parameters (block-relative names) and the graph inputs."""
 
+    params: dict[str, torch.Tensor]
+    inputs: BlockInputs
+
+
+@dataclass
+class ModelData:
+    """A ``model`` run: the blocks it covers, its stages, their weights read on demand, the request's graph inputs
+    and those of unrelated requests (batch placements)."""
+
+    layers: tuple[int, int]
+    stages: list[Stage]
+    weights: StageWeights
+    inputs: dict[str, torch.Tensor]
+    unrelated: list[dict[str, torch.Tensor]]
+
+
+@dataclass
+class Run:
+    """Everything a run needs, resolved and checked once (module docstring)."""
+
+    spec: RunSpec
     config_name: str
     cfg: ModelConfig
     layout: PackedLayout
-    source: object
+    source: Any
     checkpoint: dict
-    device: str
-    params: dict[str, torch.Tensor]
-    inputs: BlockInputs
     manifests: list[Path]
-    graph: Graph | None = None
+    graph: Graph = None  # type: ignore[assignment]  # set by prepare before the run is handed out
     bindings: dict[str, NodeBinding] = field(default_factory=dict)
-    mode: str = "off"
     memory: MemoryPlan | None = None
+    block: BlockData | None = None
+    model: ModelData | None = None
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    @property
+    def mode(self) -> str:
+        return self.spec.mode
+
+    @property
+    def seed(self) -> int:
+        return self.spec.seed
+
+    @property
+    def fallback_is_finding(self) -> bool:
+        """Audit mode: every op that ran the provider instead of its strict kernel is a failing finding."""
+        return self.mode == "audit"
+
+    def tables(self) -> dict[str, OpTable]:
+        """The three executions' op tables: ``provider`` (the references), ``candidate`` (the bound operators: the
+        references themselves in mode off) and ``golden`` (the references for float64 tensors)."""
+        return {"provider": provider_table(), "candidate": candidate_table(self.bindings), "golden": golden_table()}
+
+    def candidate(self, overrides=None) -> OpTable:
+        return candidate_table(self.bindings, overrides)
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Block 0's parameters (a ``block`` run)."""
+        return self._block.params
+
+    @property
+    def inputs(self) -> Any:
+        """The graph inputs: :class:`~h3gate.graph.inputs.BlockInputs` of a ``block`` run, the request's tensors of a
+        ``model`` run."""
+        return self._block.inputs if self.spec.scope == "block" else self._model.inputs
+
+    @property
+    def stages(self) -> list[Stage]:
+        return self._model.stages
+
+    @property
+    def weights(self) -> StageWeights:
+        return self._model.weights
+
+    @property
+    def unrelated(self) -> list[dict[str, torch.Tensor]]:
+        return self._model.unrelated
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self._model.layers
+
+    @property
+    def complete(self) -> bool:
+        return self._model.layers == (0, self.cfg.num_layers)
+
+    @property
+    def _block(self) -> BlockData:
+        if self.block is None:
+            raise ValueError(f"a {self.spec.scope} run has no block data")
+        return self.block
+
+    @property
+    def _model(self) -> ModelData:
+        if self.model is None:
+            raise ValueError(f"a {self.spec.scope} run has no model data")
+        return self.model
 
 
 def check_device(device: str) -> str:
@@ -59,132 +206,8 @@ def check_device(device: str) -> str:
     raise InputError(f"--device {device!r}: must be cpu or cuda")
 
 
-def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
-    """A lower bound on what a ws1-block run holds at once, on the CPU or a GPU (weights and activations only).
-
-    Block weights (q/k/v/o: ``4 H (N D)``, feed-forward: ``3 H F``) in bf16 plus their float64 golden copy
-    (10 bytes each), and the forward values kept of every node for ``rows`` packed rows: six nodes ``H`` wide,
-    eight ``N D`` wide, gate-up ``2F`` and swiglu ``F``, at float64 (golden) + bf16 (provider) + bf16 (candidate,
-    chained) + bf16 (candidate, isolated: all four are held together for the row rule). Without the isolated set the
-    bound let ``ref2va-768p`` (S = 83386) start on the H200 and run out of memory in the golden after the provider
-    and candidate passes (session 11); with it that layout is refused up front, 768p (S = 38974, which ran) is not.
-    """
-    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
-    weights = (4 * h * nd + 3 * h * f) * (2 + 8)
-    values = rows * (6 * h + 8 * nd + 3 * f) * (8 + 2 + 2 + 2)
-    return weights + values
-
-
-def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str) -> None:
-    """The whole-execution lower bound against host memory (CPU) or the GPU's free memory, before any weight is
-    placed there."""
-    _require(block_lower_bound_bytes(cfg, packed.seq_len), packed, layout, config_name, device, "use a smaller layout")
-
-
-@dataclass(frozen=True)
-class GateNeeds:
-    """What a ws1-block run keeps, for its memory plan: ``provider_lanes`` counts the default provider and the
-    variants this device runs (pass 1 streams them all beside the golden and the candidate); the backward and the
-    fault matrix hold whole executions on the device; ``--save-tensors`` keeps the golden's values too."""
-
-    provider_lanes: int
-    backward: bool = True
-    fault_matrix: bool = False
-    save_golden: bool = False
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Where the gate keeps the provider's and candidate's values (``device`` or ``host``) and the estimates the
-    plan compared (lower bounds, bytes)."""
-
-    store: str
-    device_bytes: int
-    host_bytes: int
-    estimate: str
-
-    def record(self) -> dict:
-        return {"store": self.store, "estimate": self.estimate, "device_gib": round(self.device_bytes / GIB, 2),
-                "host_gib": round(self.host_bytes / GIB, 2)}  # fmt: skip
-
-
-def streamed_peak_width(cfg: ModelConfig) -> int:
-    """The most elements per packed row one streamed block execution holds (``graph.execute.iter_graph``): the
-    block input and the node outputs live at the widest node (``swiglu``: 3F + 2H)."""
-    graph, widths = build_block_graph(cfg), row_widths(cfg)
-    return widths["hidden_states"] + max(sum(widths[v] for v in live_at(graph, k)) for k in range(len(graph.nodes)))
-
-
-def block_forward_bytes(cfg: ModelConfig, rows: int, needs: GateNeeds, store_on_device: bool) -> int:
-    """A lower bound on what the streamed forward (``runs/block_forward.py``) holds on the device at once: block
-    weights in bf16 and float64 (10 bytes each), pass 1's lanes at their widest (float64 golden, ``provider_lanes``
-    and the candidate in bf16, :func:`streamed_peak_width` each) and, when it is on the device, the value store."""
-    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
-    weights = (4 * h * nd + 3 * h * f) * (2 + 8)
-    lanes = rows * streamed_peak_width(cfg) * (8 + 2 * (needs.provider_lanes + 1))
-    return weights + lanes + (store_bytes(cfg, rows, needs) if store_on_device else 0)
-
-
-def store_bytes(cfg: ModelConfig, rows: int, needs: GateNeeds) -> int:
-    """The value store: every node value of the provider and the candidate (bf16), and the golden's (float64)."""
-    widths = row_widths(cfg)
-    return rows * sum(widths[n] for n in BLOCK_NODES) * (2 + 2 + (8 if needs.save_golden else 0))
-
-
-def plan_block_memory(
-    cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str, needs: GateNeeds
-) -> MemoryPlan:
-    """Where the value store goes, or an :class:`InputError` before any weight is read.
-
-    The backward and the fault matrix hold whole executions on the device (:func:`block_lower_bound_bytes`,
-    at least the forward's); a forward-only run keeps its store on the device when everything fits, else in host
-    memory with pass 1 on the device (on the CPU both are the host)."""
-    rows = packed.seq_len
-    streamed = block_forward_bytes(cfg, rows, needs, store_on_device=True)
-    if needs.backward or needs.fault_matrix:
-        need = max(block_lower_bound_bytes(cfg, rows), streamed)
-        _require(need, packed, layout, config_name, device, "use a smaller layout or --no-backward")
-        return MemoryPlan("device", need, 0, "whole executions (backward or fault matrix)")
-    from h3gate.memory import device_available_bytes
-
-    available = device_available_bytes(device)
-    if device == "cpu" or available is None or streamed <= available:
-        _require(streamed, packed, layout, config_name, device, "use a smaller layout")
-        return MemoryPlan("device", streamed, 0, "streamed forward, store on the device")
-    need = block_forward_bytes(cfg, rows, needs, store_on_device=False)
-    _require(need, packed, layout, config_name, device, "use a smaller layout")
-    host = store_bytes(cfg, rows, needs)
-    host_free = available_memory_bytes()
-    if host_free is not None and host > host_free:
-        what = _what(packed, layout, config_name, device)
-        raise InputError(
-            f"{what}: its value store needs at least {host / GIB:.1f} GiB of host memory, {host_free / GIB:.1f} GiB "
-            "available; use a smaller layout"
-        )
-    return MemoryPlan("host", need, host, "streamed forward, store in host memory")
-
-
-def _what(packed: PackedLayout, layout: str, config_name: str, device: str) -> str:
-    return f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})"
-
-
-def _require(need: int, packed: PackedLayout, layout: str, config_name: str, device: str, hint: str) -> None:
-    """Refuse ``need`` bytes beyond what ``device`` has (the CPU's message names --device cuda as the way out)."""
-    if device != "cpu":
-        from h3gate.memory import require
-
-        require(need, _what(packed, layout, config_name, device), device, hint=hint)
-        return
-    available = available_memory_bytes()
-    if available is not None and need > available:
-        raise InputError(
-            f"--layout {layout} --config {config_name} --device cpu: needs at least {need / GIB:.1f} GiB "
-            f"(S={packed.seq_len}), {available / GIB:.1f} GiB available; use a smaller layout or --device cuda"
-        )
-
-
 def config_for(
-    config: str | None, checkpoint: Path | None, seed: int, task: str = "t2va"
+    config: str | None, checkpoint: Path | str | None, seed: int, task: str = "t2va"
 ) -> tuple[str, ModelConfig, object, dict, list]:
     """(config name, config, weight source, checkpoint record, manifests read): a named config over synthetic
     weights (default ``tiny``) of the layout task's variant (``synth.layout_variant``: ``transformer_ref`` for
@@ -220,37 +243,122 @@ def config_for(
     return name or "checkpoint", cfg, source, record, manifests
 
 
-def prepare(
-    layout: str,
-    config: str | None,
-    checkpoint: Path | None,
-    device: str,
-    seed: int,
-    mode: str = "off",
-    merge: str = "single",
-    needs: GateNeeds | None = None,
-) -> Ws1BlockSetup:
-    """Resolve config, weights, layout, block-0 graph, bindings, parameters and inputs (bad input -> InputError).
+def parse_layers(spec: str | None, cfg: ModelConfig) -> tuple[int, int]:
+    """``A:B`` -> blocks ``A .. B-1`` (default all); outside the model -> InputError naming it."""
+    if spec is None:
+        return 0, cfg.num_layers
+    parts = spec.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise InputError(f"--layers {spec!r}: expected A:B (blocks A .. B-1), e.g. 0:{cfg.num_layers}")
+    a, b = int(parts[0]), int(parts[1])
+    if not 0 <= a < b <= cfg.num_layers:
+        raise InputError(f"--layers {spec}: outside the model (0 <= A < B <= {cfg.num_layers} blocks)")
+    return a, b
 
-    The cheap checks run first; ``mode`` is bound for every node before any weight is read, so strict mode fails
-    closed (naming the node) without loading anything. The bindings travel in the setup: nothing binds again.
-    With ``needs`` (the gate) the memory is planned (:func:`plan_block_memory`), else bounded as a whole execution.
-    """
-    device = check_device(device)
-    check_mode(mode)
-    spec = load_layout(layout)
-    config_name, cfg, source, ckpt, manifests = config_for(config, checkpoint, seed, spec.kind)
-    packed = build_layout(spec, layout)
-    plan = None
-    if needs is None:
-        check_memory(cfg, packed, layout, config_name, device)
+
+def check_weights(source, stages: list[Stage], cfg: ModelConfig, what: str) -> int:
+    """Every tensor the stages read is in ``source`` with its inventory shape and dtype; returns the count."""
+    have = set(source.names())
+    specs = {s.name: s for s in expected_inventory(cfg)}
+    count = 0
+    for stage in stages:
+        for name in stage.param_names(list(specs)):
+            if name not in have:
+                layer = "" if stage.layer is None else f" (layer {stage.layer})"
+                raise InputError(f"{what}: {name}: missing{layer}")
+            shape, dtype = source.meta(name)
+            spec = specs[name]
+            if tuple(shape) != tuple(spec.shape) or dtype != spec.dtype:
+                raise InputError(f"{what}: {name}: {tuple(shape)} {dtype}, expected {tuple(spec.shape)} {spec.dtype}")
+            count += 1
+    return count
+
+
+def _first_blocks(spec: RunSpec, cfg: ModelConfig, source, ckpt: dict) -> tuple[ModelConfig, object, dict]:
+    """The config cut to its first ``spec.blocks`` blocks (synthetic weights redrawn for it)."""
+    from h3gate.synth import SyntheticSource
+
+    if not 1 <= spec.blocks <= cfg.num_layers:
+        raise InputError(f"--layers {spec.blocks}: must be in 1..{cfg.num_layers} (the config's blocks)")
+    cfg = cfg.model_copy(update={"num_layers": spec.blocks})
+    if ckpt["kind"] == "synthetic":
+        source = SyntheticSource(cfg, spec.seed, variant=source.variant)
+        ckpt = source.record()
+    return cfg, source, ckpt
+
+
+def prepare(spec: RunSpec, needs: GateNeeds | ModelNeeds | None = None, read: bool = True) -> Run:
+    """Resolve and check everything of ``spec`` (module docstring; bad input -> InputError before any weight is
+    read). ``needs`` plans memory: :class:`~h3gate.runs.memory_plan.GateNeeds` for the one-block gate (else a
+    whole execution is bounded), :class:`ModelNeeds` for a whole-model gate (else nothing is bounded). With
+    ``read=False`` nothing is read yet (a plan that only checks; :func:`read_inputs` reads later)."""
+    check_device(spec.device)
+    check_mode(spec.mode)
+    check_merge(spec.merge)
+    if spec.scope not in SCOPES:
+        raise InputError(f"scope {spec.scope!r}: must be one of {', '.join(SCOPES)}")
+    if spec.draw not in DRAWS:
+        raise InputError(f"draw {spec.draw!r}: must be one of {', '.join(DRAWS)}")
+    layout_spec = load_layout(spec.layout)
+    config_name, cfg, source, ckpt, manifests = config_for(spec.config, spec.checkpoint, spec.seed, layout_spec.kind)
+    if spec.blocks is not None:
+        cfg, source, ckpt = _first_blocks(spec, cfg, source, ckpt)
+    packed = build_layout(layout_spec, spec.layout)
+    run = Run(spec, config_name, cfg, packed, source, ckpt, manifests)
+    if spec.scope == "block":
+        _prepare_block(run, needs)
     else:
-        plan = plan_block_memory(cfg, packed, layout, config_name, device, needs)
-    graph = build_block_graph(cfg, LAYER)
-    bindings = bind_graph(graph, mode, device, merge)
-    params = block_params(source, LAYER, device)
-    inputs = build_block_inputs(packed, cfg, source, seed, device)
-    manifests += [LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
-    return Ws1BlockSetup(
-        config_name, cfg, packed, source, ckpt, device, params, inputs, manifests, graph, bindings, mode, plan
-    )
+        _prepare_model(run, needs)
+    run.manifests += [LAYOUTS_FILE, *sorted((MANIFESTS / "operators").glob("*.yaml"))]
+    if read:
+        read_inputs(run)
+    return run
+
+
+def read_inputs(run: Run) -> Run:
+    """Read what the run's scope holds (after every check): block 0's parameters and inputs, or the request's
+    graph inputs with the stage weights read on demand; synthetic weights drawn as ``spec.draw`` says."""
+    spec, cfg, packed, device = run.spec, run.cfg, run.layout, run.device
+    if spec.draw == "device" and run.checkpoint["kind"] == "synthetic" and device != "cpu":
+        run.source = run.source.drawn_on(device)
+        run.checkpoint = run.source.record()
+    if spec.scope == "block":
+        params = block_params(run.source, LAYER, device)
+        run.block = BlockData(params, build_block_inputs(packed, cfg, run.source, spec.seed, device))
+        return run
+    inputs, _ = model_inputs(packed, cfg, spec.seed, device)
+    unrelated = []
+    for item in range(1, UNRELATED_ITEMS + 1):
+        other, _ = model_inputs(packed, cfg, spec.seed, device, item)
+        unrelated.append({k: other[k] for k in ("video_rows", "audio_rows", "text")})
+    span = parse_layers(spec.layers, cfg)
+    run.model = ModelData(span, split_stages(run.graph), StageWeights(run.source, device), inputs, unrelated)
+    return run
+
+
+def _prepare_block(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
+    spec, cfg, packed = run.spec, run.cfg, run.layout
+    if needs is None:
+        check_memory(cfg, packed, spec.layout, run.config_name, run.device)
+    else:
+        run.memory = plan_block_memory(cfg, packed, spec.layout, run.config_name, run.device, needs)
+    run.graph = build_block_graph(cfg, LAYER)
+    run.bindings = bind_graph(run.graph, spec.mode, run.device, spec.merge)
+
+
+def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
+    spec, cfg, packed, device = run.spec, run.cfg, run.layout, run.device
+    span = parse_layers(spec.layers, cfg)
+    run.graph = build_model_graph(cfg, span)
+    stages = split_stages(run.graph)
+    what = f"--checkpoint {spec.checkpoint}" if spec.checkpoint is not None else "synthetic weights"
+    check_weights(run.source, stages, cfg, what)
+    if isinstance(needs, ModelNeeds):
+        need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), needs.lanes, needs.backward)
+        require(need, f"ws1-model --layout {spec.layout} --config {run.config_name} (S={packed.seq_len})", device,
+                hint="use a smaller layout, --layers or --no-backward")  # fmt: skip
+        if needs.save_tensors:
+            require(saved_values_bytes(cfg, packed.seq_len, stages), f"--save-tensors at --layout {spec.layout} "
+                    f"--config {run.config_name} (every node's values, three executions)", "cpu",
+                    hint="bound it with --layers")  # fmt: skip
+    run.bindings = bind_graph(run.graph, spec.mode, device, spec.merge)

@@ -45,6 +45,7 @@ from h3gate.runs.block_forward import PASSES, Forward, Lane, ValueStore, forward
 from h3gate.runs.block_records import bound_check, check, failure, value_record
 from h3gate.runs.block_rows import RowContext, first_row_failure
 from h3gate.runs.fault_matrix import run_fault_matrix
+from h3gate.runs.setup import Run
 
 BACKWARD_STEPS = ("provider", "provider repeat", "candidate", "candidate repeat", "golden")
 NOTES = (
@@ -94,6 +95,15 @@ class BlockGate:
     bindings: Mapping[str, NodeBinding] | None = None  # from h3gate.runs.setup.prepare; None: bound here
     store: str = "device"  # where the provider's and candidate's values are kept: "device" or "host" (forward only)
     keep_golden: bool = False  # keep the golden's values too (--save-tensors)
+
+    @classmethod
+    def of(
+        cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, node_overrides=None, **options
+    ) -> BlockGate:
+        """The gate on a prepared ``block`` run: its graph, inputs, parameters, bindings and memory plan."""
+        store = run.memory.store if run.memory is not None else "device"
+        return cls(run.graph, run.inputs, run.params, run.device, run.mode, tolerance, backward, node_overrides,
+                   bindings=run.bindings, store=store, **options)  # fmt: skip
 
 
 @dataclass

@@ -34,8 +34,8 @@ from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_backward import backward
 from h3gate.runs.model_forward import Findings, Lanes, forward
 from h3gate.runs.model_lanes import Lane
-from h3gate.runs.model_setup import ModelSetup
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, StageWeights
+from h3gate.runs.setup import Run
 
 # Batch placements of the request: last of 3 (forward), and second of 2 with its own cotangent (forward and
 # backward); without the backward, first of 2 takes the second's place.
@@ -64,7 +64,7 @@ NOTES = (
 
 @dataclass
 class ModelGate:
-    setup: ModelSetup
+    setup: Run
     tolerance: ToleranceProfile
     seed: int = 0
     backward: bool = True
@@ -111,12 +111,12 @@ class ModelGateResult:
     values: dict[str, Values] = field(default_factory=dict)
 
 
-def steps(setup: ModelSetup, backward_on: bool) -> list[str]:
+def steps(setup: Run, backward_on: bool) -> list[str]:
     labels = [f"forward: {s.label}" for s in setup.stages]
     return labels + ([f"backward: {s.label}" for s in reversed(setup.stages)] if backward_on else [])
 
 
-def _placed(setup: ModelSetup, size: int, pos: int) -> Values:
+def _placed(setup: Run, size: int, pos: int) -> Values:
     """The graph inputs with the request as item ``pos`` of a batch of ``size`` (unrelated requests around it)."""
     x = dict(setup.inputs)
     for k in LEAVES:

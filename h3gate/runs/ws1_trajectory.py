@@ -24,11 +24,10 @@ from h3gate.evidence.provenance import code_sha256
 from h3gate.fingerprint import canonical_sha256, config_body
 from h3gate.gate.compare import bitwise_equal
 from h3gate.graph.core import OpTable
-from h3gate.graph.executions import candidate_table, provider_table
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.graph.stages import forward_stages, stage_params
 from h3gate.paths import display
-from h3gate.runs.model_setup import ModelSetup, prepare_model
+from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
 from h3gate.runs.trajectory_files import (
     MANIFEST,
     STEPS,
@@ -65,7 +64,7 @@ class Trajectory:
     """A prepared run: the model (weights on the device), the sampler and the request(s)."""
 
     settings: TrajectorySettings
-    setup: ModelSetup
+    setup: Run
     params: dict[str, torch.Tensor]
     table: OpTable
     recipe: Recipe
@@ -84,16 +83,16 @@ def prepare_trajectory(settings: TrajectorySettings) -> Trajectory:
         raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
     if not settings.shift > 0:
         raise InputError(f"--shift {settings.shift}: must be positive")
-    setup = prepare_model(
-        settings.layout, settings.config, settings.checkpoint, settings.device, settings.seed, settings.mode,
-        backward=False, lanes=2,
-    )  # fmt: skip
+    checkpoint = None if settings.checkpoint is None else str(settings.checkpoint)
+    spec = RunSpec("model", settings.layout, settings.config, checkpoint, settings.device, settings.seed,
+                   settings.mode, draw="device")  # fmt: skip
+    setup = prepare(spec, ModelNeeds(lanes=2, backward=False))
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     video, audio = recipe.schedules()
     plan = row_timestep_plan(setup.layout, recipe, video, audio)
     if not plan:
         raise InputError(f"--steps {settings.steps} --shift {settings.shift}: the grids give no model evaluation")
-    table = provider_table() if settings.mode == "off" else candidate_table(setup.bindings)
+    table = setup.tables()["candidate"]
     params: dict[str, torch.Tensor] = {}  # read on the first evaluation, after every check
     device = setup.device
     request = make_request(setup.layout, setup.cfg, settings.seed, 0, device)

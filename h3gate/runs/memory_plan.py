@@ -1,0 +1,161 @@
+"""Memory plans: what a run will hold, estimated from its config and layout before any weight is read, against what
+the device (or host) has; an :class:`~h3gate.errors.InputError` naming the options when it does not fit.
+
+The one-block gate plans where its value store goes (:func:`plan_block_memory`: on the device, or in host memory
+for a forward-only run whose store does not fit beside pass 1); the whole-model gate bounds one stage's weights
+and values per lane (:func:`model_lower_bound_bytes`) and ``--save-tensors``' host copy (:func:`saved_values_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h3gate.errors import InputError
+from h3gate.graph.block import BLOCK_NODES, build_block_graph, row_widths
+from h3gate.graph.execute import live_at
+from h3gate.graph.stages import Stage
+from h3gate.layout import PackedLayout
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.memory import GIB, device_available_bytes, require
+from h3gate.memory import host_available_bytes as available_memory_bytes
+
+
+def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
+    """A lower bound on what a ws1-block run holds at once, on the CPU or a GPU (weights and activations only).
+
+    Block weights (q/k/v/o: ``4 H (N D)``, feed-forward: ``3 H F``) in bf16 plus their float64 golden copy
+    (10 bytes each), and the forward values kept of every node for ``rows`` packed rows: six nodes ``H`` wide,
+    eight ``N D`` wide, gate-up ``2F`` and swiglu ``F``, at float64 (golden) + bf16 (provider) + bf16 (candidate,
+    chained) + bf16 (candidate, isolated: all four are held together for the row rule). The isolated set matters at
+    long S: without it ``ref2va-768p`` (S = 83386) would start on an H200 and run out of memory in the golden; with it
+    that layout is refused up front and 768p (S = 38974) is not.
+    """
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    weights = (4 * h * nd + 3 * h * f) * (2 + 8)
+    values = rows * (6 * h + 8 * nd + 3 * f) * (8 + 2 + 2 + 2)
+    return weights + values
+
+
+def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str) -> None:
+    """The whole-execution lower bound against host memory (CPU) or the GPU's free memory, before any weight is
+    placed there."""
+    _require(block_lower_bound_bytes(cfg, packed.seq_len), packed, layout, config_name, device, "use a smaller layout")
+
+
+@dataclass(frozen=True)
+class GateNeeds:
+    """What a ws1-block run keeps, for its memory plan: ``provider_lanes`` counts the default provider and the
+    variants this device runs (pass 1 streams them all beside the golden and the candidate); the backward and the
+    fault matrix hold whole executions on the device; ``--save-tensors`` keeps the golden's values too."""
+
+    provider_lanes: int
+    backward: bool = True
+    fault_matrix: bool = False
+    save_golden: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the gate keeps the provider's and candidate's values (``device`` or ``host``) and the estimates the
+    plan compared (lower bounds, bytes)."""
+
+    store: str
+    device_bytes: int
+    host_bytes: int
+    estimate: str
+
+    def record(self) -> dict:
+        return {"store": self.store, "estimate": self.estimate, "device_gib": round(self.device_bytes / GIB, 2),
+                "host_gib": round(self.host_bytes / GIB, 2)}  # fmt: skip
+
+
+def streamed_peak_width(cfg: ModelConfig) -> int:
+    """The most elements per packed row one streamed block execution holds (``graph.execute.iter_graph``): the
+    block input and the node outputs live at the widest node (``swiglu``: 3F + 2H)."""
+    graph, widths = build_block_graph(cfg), row_widths(cfg)
+    return widths["hidden_states"] + max(sum(widths[v] for v in live_at(graph, k)) for k in range(len(graph.nodes)))
+
+
+def block_forward_bytes(cfg: ModelConfig, rows: int, needs: GateNeeds, store_on_device: bool) -> int:
+    """A lower bound on what the streamed forward (``runs/block_forward.py``) holds on the device at once: block
+    weights in bf16 and float64 (10 bytes each), pass 1's lanes at their widest (float64 golden, ``provider_lanes``
+    and the candidate in bf16, :func:`streamed_peak_width` each) and, when it is on the device, the value store."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    weights = (4 * h * nd + 3 * h * f) * (2 + 8)
+    lanes = rows * streamed_peak_width(cfg) * (8 + 2 * (needs.provider_lanes + 1))
+    return weights + lanes + (store_bytes(cfg, rows, needs) if store_on_device else 0)
+
+
+def store_bytes(cfg: ModelConfig, rows: int, needs: GateNeeds) -> int:
+    """The value store: every node value of the provider and the candidate (bf16), and the golden's (float64)."""
+    widths = row_widths(cfg)
+    return rows * sum(widths[n] for n in BLOCK_NODES) * (2 + 2 + (8 if needs.save_golden else 0))
+
+
+def plan_block_memory(
+    cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str, needs: GateNeeds
+) -> MemoryPlan:
+    """Where the value store goes, or an :class:`InputError` before any weight is read.
+
+    The backward and the fault matrix hold whole executions on the device (:func:`block_lower_bound_bytes`,
+    at least the forward's); a forward-only run keeps its store on the device when everything fits, else in host
+    memory with pass 1 on the device (on the CPU both are the host)."""
+    rows = packed.seq_len
+    streamed = block_forward_bytes(cfg, rows, needs, store_on_device=True)
+    if needs.backward or needs.fault_matrix:
+        need = max(block_lower_bound_bytes(cfg, rows), streamed)
+        _require(need, packed, layout, config_name, device, "use a smaller layout or --no-backward")
+        return MemoryPlan("device", need, 0, "whole executions (backward or fault matrix)")
+    available = device_available_bytes(device)
+    if device == "cpu" or available is None or streamed <= available:
+        _require(streamed, packed, layout, config_name, device, "use a smaller layout")
+        return MemoryPlan("device", streamed, 0, "streamed forward, store on the device")
+    need = block_forward_bytes(cfg, rows, needs, store_on_device=False)
+    _require(need, packed, layout, config_name, device, "use a smaller layout")
+    host = store_bytes(cfg, rows, needs)
+    host_free = available_memory_bytes()
+    if host_free is not None and host > host_free:
+        what = _what(packed, layout, config_name, device)
+        raise InputError(
+            f"{what}: its value store needs at least {host / GIB:.1f} GiB of host memory, {host_free / GIB:.1f} GiB "
+            "available; use a smaller layout"
+        )
+    return MemoryPlan("host", need, host, "streamed forward, store in host memory")
+
+
+def _what(packed: PackedLayout, layout: str, config_name: str, device: str) -> str:
+    return f"--layout {layout} --config {config_name} --device {device} (S={packed.seq_len})"
+
+
+def _require(need: int, packed: PackedLayout, layout: str, config_name: str, device: str, hint: str) -> None:
+    """Refuse ``need`` bytes beyond what ``device`` has (the CPU's message names --device cuda as the way out)."""
+    if device != "cpu":
+        require(need, _what(packed, layout, config_name, device), device, hint=hint)
+        return
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise InputError(
+            f"--layout {layout} --config {config_name} --device cpu: needs at least {need / GIB:.1f} GiB "
+            f"(S={packed.seq_len}), {available / GIB:.1f} GiB available; use a smaller layout or --device cuda"
+        )
+
+
+def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: int, backward: bool) -> int:
+    """A lower bound on what a ws1-model run holds at once: one block's weights in bf16 + FP64 (twice under the
+    backward: parameter gradients); one block's node values at FP64 (golden) + bf16 for the provider, the
+    candidate and a batch of three; each lane's stage boundaries ``S x H`` (bf16, golden FP64), kept for every
+    stage when the backward runs."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    weights = (4 * h * nd + 3 * h * f) * (2 + 8) * (2 if backward else 1)
+    values = seq_len * (6 * h + 8 * nd + 3 * f) * (8 + 2 * (1 + 1 + 3))
+    boundaries = seq_len * h * (8 + 2 * lanes) * (stages if backward else 2)
+    return weights + values + boundaries
+
+
+def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage]) -> int:
+    """A lower bound on ``--save-tensors``' host memory: every block's and refiner block's node values (six nodes
+    ``H`` wide, eight ``N D``, gate-up ``2F`` and swiglu ``F`` per packed row) at bf16 (provider, candidate) plus
+    float64 (golden)."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    blocks = sum(1 for s in stages if s.label.startswith(("block.", "refiner.")))
+    return blocks * seq_len * (6 * h + 8 * nd + 3 * f) * (2 + 2 + 8)
