@@ -1,8 +1,13 @@
 """The one numerics switch every engine runs under: no TF32, Triton's interpreter on CPU, a fixed thread count.
 
-``with strict_numerics(device, threads=None):`` turns TF32 off for CUDA matmuls and cuDNN
+``with strict_numerics(device=None, threads=None, deterministic=False):`` turns TF32 off for CUDA matmuls and cuDNN
 (``torch.backends.cuda.matmul.allow_tf32`` / ``torch.backends.cudnn.allow_tf32``), sets the intra-op thread
-count when ``threads`` is given, and restores both on exit (nested switches restore to the enclosing state).
+count when ``threads`` is given, with ``deterministic`` turns on torch's deterministic algorithms (and cuBLAS's
+deterministic workspace), and restores all of it on exit (nested switches restore to the enclosing state). It is
+entered in two places: the command line's one boundary (:func:`h3gate.cli.main`, around every verb) and
+``h3gate.strict`` (around a user's own forward); a Python caller of an engine enters it once itself.
+:func:`threads` and :func:`deterministic_algorithms` change one setting inside it; :func:`torch_defaults` puts
+TF32 back to torch's defaults for a run that replays a user's own numerics.
 
 Triton's interpreter is the exception: Triton decides between compiling and interpreting when a kernel is
 decorated, i.e. when ``h3gate.kernels`` is first imported, so ``TRITON_INTERPRET=1`` must be in the environment
@@ -60,19 +65,57 @@ def threads(n: int | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def strict_numerics(device: str, threads: int | None = None) -> Iterator[None]:
-    """TF32 off (matmul and cuDNN), the interpreter selected for CPU, ``threads`` intra-op threads; restored on exit.
+def deterministic_algorithms(on: bool = True) -> Iterator[None]:
+    """torch's deterministic algorithms on (``on``; cuBLAS's deterministic workspace chosen unless the environment
+    already chose one), restored on exit; unchanged when ``on`` is false."""
+    import torch
+
+    if not on:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@contextlib.contextmanager
+def torch_defaults() -> Iterator[None]:
+    """TF32 as torch ships it (CUDA matmuls off, cuDNN on), restored on exit: a provider run "as a user calls it"
+    (``run vae --mode off``) inside the switch."""
+    import torch
+
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+@contextlib.contextmanager
+def strict_numerics(
+    device: str | None = None, threads: int | None = None, deterministic: bool = False
+) -> Iterator[None]:
+    """TF32 off (matmul and cuDNN), the interpreter selected for a CPU ``device``, ``threads`` intra-op threads,
+    deterministic algorithms when asked; restored on exit.
 
     The interpreter selection only helps when Triton has not been imported yet (see the module docstring).
     """
     import torch
 
-    select_interpreter(device)
+    if device is not None:
+        select_interpreter(device)
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     try:
-        with _threads(threads):
+        with _threads(threads), deterministic_algorithms(deterministic):
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul

@@ -22,6 +22,8 @@ checkpointing on (``enable_gradient_checkpointing()``) and grad enabled, every t
 under ``torch.utils.checkpoint`` (non-reentrant), as diffusers' forward does; the strict kernels make the
 recomputation bitwise the first forward. ``session.observer`` (``fn(node, value)``) sees every node output of the
 forward (not of the recomputation); ``session.overrides`` replaces node functions (the gates' row faults).
+The block runs under h3gate's one numerics switch (:func:`h3gate.numerics.strict_numerics`: TF32 off), restored
+on exit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from h3gate.graph.stages import Stage, iter_stages, split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import Binding, bind, check_mode
 from h3gate.strict_lora import (
     UPDATE_OP,
@@ -313,7 +316,8 @@ def strict(
     for s in schedulers:
         s.step = types.MethodType(_scheduler_step(session, s), s)
     try:
-        yield session
+        with strict_numerics(device):  # TF32 off inside the block, restored on exit
+            yield session
     finally:
         del model.forward
         for s in schedulers:

@@ -11,6 +11,16 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+@pytest.fixture(scope="session", autouse=True)
+def strict_numerics_for_every_test():
+    """Every test runs as the command line runs a verb: inside the one numerics switch (h3gate.numerics)."""
+    from h3gate.numerics import strict_numerics
+
+    with strict_numerics():
+        yield
+
+
 # ---- every test on a fresh data-stack chunk ------------------------------------------------------------------------
 # CPython keeps frames on a chunked per-thread stack (16 KiB chunks) and, before the fix for python/cpython#142183
 # (3.13 and 3.14 maintenance releases; the venv runs 3.11), frees a chunk as soon as the frame that opened it returns.

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from h3gate.numerics import strict_numerics
-from h3gate.runs import ws1_block, ws1_ops
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3gate"
 
@@ -48,16 +46,42 @@ def test_switch_restores_on_an_exception(tf32_on):
     assert torch.get_num_threads() == threads
 
 
-@pytest.mark.parametrize(("module", "engine", "inner"), [
-    (ws1_block, lambda: ws1_block.run_block_gate(SimpleNamespace(device="cpu")), "_run_block_gate"),
-    (ws1_ops, lambda: ws1_ops.run_case("rms_norm", 4, None, "cpu", 0), "_run_case"),
-])  # fmt: skip
-def test_engines_run_under_the_switch(tf32_on, monkeypatch, module, engine, inner):
+def test_the_command_line_runs_every_verb_under_the_switch(tf32_on, monkeypatch):
+    """The CLI's boundary enters the switch around the verb (here ``schedule``, its command replaced by a probe) and
+    restores the flags when it returns."""
+    from h3gate import cli
+    from h3gate.commands import schedule_cmd
+
     seen = []
-    monkeypatch.setattr(module, inner, lambda *a, **k: seen.append(_tf32()) or "result")
-    assert engine() == "result"
-    assert seen == [(False, False)]
+    monkeypatch.setattr(schedule_cmd, "schedule_command", lambda *a, **k: seen.append(_tf32()) or 0)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["schedule", "--steps", "4"])
+    assert done.value.code == 0 and seen == [(False, False)]
     assert _tf32() == (True, True)
+
+
+def test_the_switch_is_entered_at_the_boundary_and_in_the_adapter_only():
+    """``with strict_numerics(`` appears in the CLI's boundary and in ``h3gate.strict``, nowhere else (engines run
+    inside it; no second site turns deterministic algorithms on)."""
+    entries = {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "numerics.py" and re.search(r"^\s*with strict_numerics\(", p.read_text(encoding="utf-8"), re.M)
+    }
+    assert entries == {"cli/__init__.py", "strict.py"}
+    deterministic = {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if "use_deterministic_algorithms(" in p.read_text(encoding="utf-8")
+    }
+    assert deterministic == {"numerics.py"}
+
+
+def test_deterministic_algorithms_on_inside_and_restored():
+    before = torch.are_deterministic_algorithms_enabled()
+    with strict_numerics(deterministic=True):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
 
 
 def test_no_module_flips_tf32_but_the_switch():

@@ -23,7 +23,6 @@ from h3gate.graph.core import Graph, OpTable
 from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import stand_in
-from h3gate.numerics import strict_numerics
 from h3gate.runs.setup import RunSpec, prepare
 
 KIND = "bench-ws1-block"
@@ -80,68 +79,67 @@ def bench_block(
     """
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
-    with strict_numerics(device):
-        setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict"))
-        graph, bindings = setup.graph, setup.bindings
-        tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
-        seg8 = seg8_arm(tables, graph, device, merge)
-        x, params = setup.inputs.tensors, setup.params
-        h = x["hidden_states"]
-        cot = stand_in(0, "cotangent", 0, h.shape[1], h.shape[2], h.device)
+    setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict"))
+    graph, bindings = setup.graph, setup.bindings
+    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+    seg8 = seg8_arm(tables, graph, device, merge)
+    x, params = setup.inputs.tensors, setup.params
+    h = x["hidden_states"]
+    cot = stand_in(0, "cotangent", 0, h.shape[1], h.shape[2], h.device)
 
-        def forward(table: OpTable) -> Callable[[], object]:
-            def run() -> object:
-                with torch.no_grad():
-                    return run_chained(graph, x, params, table)[graph.output]
+    def forward(table: OpTable) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return run_chained(graph, x, params, table)[graph.output]
 
-            return run
+        return run
 
-        def forward_backward(table: OpTable) -> Callable[[], object]:
-            leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    def forward_backward(table: OpTable) -> Callable[[], object]:
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
 
-            def run() -> object:
-                hs = h.detach().clone().requires_grad_(True)
-                temb = x["temb"].detach().clone().requires_grad_(True)
-                for p in leaves.values():
-                    p.grad = None
-                run_backward(graph, {**x, "hidden_states": hs, "temb": temb}, leaves, table, cot)
-                return hs.grad
+        def run() -> object:
+            hs = h.detach().clone().requires_grad_(True)
+            temb = x["temb"].detach().clone().requires_grad_(True)
+            for p in leaves.values():
+                p.grad = None
+            run_backward(graph, {**x, "hidden_states": hs, "temb": temb}, leaves, table, cot)
+            return hs.grad
 
-            return run
+        return run
 
-        results: dict[str, dict] = {}
-        timed: dict[str, dict[str, Callable[[], object]]] = {}
-        for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
-            if progress is not None:
-                progress(f"{phase} (provider and strict, {ITERS} rounds)")
-            clocks: dict = {}
-            fns = timed[phase] = {who: make(t) for who, t in phase_tables(tables, graph, phase).items()}
-            stats = side_by_side(fns, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
-            results[phase] = {**stats, **ratios(stats), "device_clocks": clocks}
+    results: dict[str, dict] = {}
+    timed: dict[str, dict[str, Callable[[], object]]] = {}
+    for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
         if progress is not None:
-            progress("forward node by node (provider and strict)")
-        nodes = node_times(graph, x, params, tables)
-        if progress is not None:
-            progress("sustained: each arm back to back, ms and joules per call (the forward, then node by node)")
-        steady = {
-            "method": energy.METHOD,
-            "forward": energy.sustained(timed["forward"]),
-            "forward_nodes": energy.per_node(graph, x, params, tables),
-        }
-        body = {
-            "config": setup.config_name,
-            "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
-            "device": device,
-            "method": (
-                f"h3gate.bench.timing.side_by_side: warm-up rounds (at least {WARMUP} and {WARMUP_S} s), then {ITERS} "
-                "interleaved rounds (provider, strict), L2 flushed before each call, CUDA events per call; "
-                "median / min / max; host_ms: the host's time to enqueue each call; device_clocks: the SM clock, "
-                "power and clock-event reasons sampled during each arm's calls (h3gate.bench.clocks)"
-            ),
-            "bindings": {name: nb.record() for name, nb in bindings.items()},
-            **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),
-            "results": results,
-            "forward_nodes": nodes,
-            "sustained": steady,
-        }
+            progress(f"{phase} (provider and strict, {ITERS} rounds)")
+        clocks: dict = {}
+        fns = timed[phase] = {who: make(t) for who, t in phase_tables(tables, graph, phase).items()}
+        stats = side_by_side(fns, iters=ITERS, warmup=WARMUP, warmup_s=WARMUP_S, observe=clocks)
+        results[phase] = {**stats, **ratios(stats), "device_clocks": clocks}
+    if progress is not None:
+        progress("forward node by node (provider and strict)")
+    nodes = node_times(graph, x, params, tables)
+    if progress is not None:
+        progress("sustained: each arm back to back, ms and joules per call (the forward, then node by node)")
+    steady = {
+        "method": energy.METHOD,
+        "forward": energy.sustained(timed["forward"]),
+        "forward_nodes": energy.per_node(graph, x, params, tables),
+    }
+    body = {
+        "config": setup.config_name,
+        "layout": {"name": layout, "seq_len": setup.layout.seq_len, "rows": setup.layout.rows_per_modality()},
+        "device": device,
+        "method": (
+            f"h3gate.bench.timing.side_by_side: warm-up rounds (at least {WARMUP} and {WARMUP_S} s), then {ITERS} "
+            "interleaved rounds (provider, strict), L2 flushed before each call, CUDA events per call; "
+            "median / min / max; host_ms: the host's time to enqueue each call; device_clocks: the SM clock, "
+            "power and clock-event reasons sampled during each arm's calls (h3gate.bench.clocks)"
+        ),
+        "bindings": {name: nb.record() for name, nb in bindings.items()},
+        **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),
+        "results": results,
+        "forward_nodes": nodes,
+        "sustained": steady,
+    }
     return body, setup.manifests

@@ -22,6 +22,7 @@ import typer
 from h3gate.cli import run_verbs, verbs  # noqa: F401 - importing them registers the verbs
 from h3gate.cli.base import DEBUG, app
 from h3gate.errors import EXIT_INPUT, EXIT_INTERNAL, InputError, crash_folder
+from h3gate.numerics import strict_numerics
 
 __all__ = ["app", "main"]
 
@@ -41,7 +42,8 @@ def _click_errors() -> tuple[type[BaseException], ...]:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: the single error boundary."""
     try:
-        code = app(args=argv, standalone_mode=False)
+        with strict_numerics():  # every verb runs under the one numerics switch (TF32 off), entered here once
+            code = app(args=argv, standalone_mode=False)
     except InputError as exc:
         print(f"h3gate: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_INPUT)

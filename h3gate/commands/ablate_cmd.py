@@ -20,7 +20,7 @@ from rich.table import Table
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablations
-from h3gate.numerics import strict_numerics
+from h3gate.numerics import threads as intra_op_threads
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 
@@ -162,7 +162,7 @@ def ablate_command(
         raise InputError(f"--threads {threads}: must be >= 1")
     # CPU: one intra-op thread unless told otherwise (the tiny shapes gain nothing from more, and idle OpenMP
     # workers spin on a shared machine); every arm, and every gloo rank, runs with the same count.
-    with strict_numerics(device, threads or (1 if device == "cpu" else None)):
+    with intra_op_threads(threads or (1 if device == "cpu" else None)):
         started = time.perf_counter()
         ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
         ctx.execution["threads"] = torch.get_num_threads()

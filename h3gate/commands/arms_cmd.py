@@ -16,7 +16,6 @@ from h3gate.arms.stack import ArmsSettings, plan_stack
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, display
 
 EVIDENCE = f"{KIND}.json"
@@ -25,15 +24,14 @@ EVIDENCE = f"{KIND}.json"
 def arms_command(settings: ArmsSettings, out: Path | None, json_: bool) -> int:
     """Run the arms; writes ``OUT/arms.json`` (rollout step files under ``OUT/rollout-<P|R>/``)."""
     started = time.perf_counter()
-    with strict_numerics(settings.device):
-        stack, source = plan_stack(settings)
-        check_fault(stack)
-        folder = prepare_out(
-            Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{stack.config_name}-{stack.layout.name}"
-        )
-        with progress(KIND, None, started) as step:
-            body = run_arms(stack, source, folder, step)
-        path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
+    stack, source = plan_stack(settings)
+    check_fault(stack)
+    folder = prepare_out(
+        Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{stack.config_name}-{stack.layout.name}"
+    )
+    with progress(KIND, None, started) as step:
+        body = run_arms(stack, source, folder, step)
+    path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
     if json_:
         print(json.dumps({"arms": [_brief(a) for a in body["arms"]], "verdict": body["verdict"],
                           "failing_checks": body["failing_checks"], "evidence": str(path)}, indent=1))  # fmt: skip

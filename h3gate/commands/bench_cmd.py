@@ -16,7 +16,6 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
-from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "bench"
@@ -69,11 +68,10 @@ def _bench_block(layout: str, config: str, device: str, out: Path | None, json_:
     from h3gate.bench.block import bench_block
     from h3gate.evidence.writer import write_evidence
 
-    with strict_numerics(device):
-        with progress("bench ws1-block", 3) as step:
-            body, manifests = bench_block(layout, config, device, progress=step, merge=merge)
-        folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
-        path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
+    with progress("bench ws1-block", 3) as step:
+        body, manifests = bench_block(layout, config, device, progress=step, merge=merge)
+    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
+    path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
     return _print_phases("ws1-block", body, path, json_)
 
 
@@ -83,14 +81,13 @@ def _bench_model(layout: str, config: str, device: str, out: Path | None, json_:
     from h3gate.bench.model import bench_model
     from h3gate.evidence.writer import write_evidence
 
-    with strict_numerics(device):
-        with progress("bench ws1-model", 4) as step:
-            body, manifests = bench_model(layout, config, device, progress=step, merge=merge)
-        folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-model-{body['config']}-{layout}"
-        path = write_evidence(
-            folder, f"{MODEL_KIND}.json", MODEL_KIND, body, command=["h3gate", *sys.argv[1:]], manifests=manifests,
-            device=device,
-        )  # fmt: skip
+    with progress("bench ws1-model", 4) as step:
+        body, manifests = bench_model(layout, config, device, progress=step, merge=merge)
+    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-model-{body['config']}-{layout}"
+    path = write_evidence(
+        folder, f"{MODEL_KIND}.json", MODEL_KIND, body, command=["h3gate", *sys.argv[1:]], manifests=manifests,
+        device=device,
+    )  # fmt: skip
     return _print_phases("ws1-model", body, path, json_)
 
 
@@ -261,14 +258,13 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
         LAYOUTS_FILE,
         *sorted((MANIFESTS / "operators").glob("*.yaml")),
     ]
-    with strict_numerics(device):
-        with progress("bench", len(ops)) as step:
-            copy_gbs, records = bench_ops(ops, rows, cfg.config, device, progress=step)
-        body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
-        path = write_evidence(
-            out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
-            manifests=[p for p in manifests if p.is_file()], device=device,
-        )  # fmt: skip
+    with progress("bench", len(ops)) as step:
+        copy_gbs, records = bench_ops(ops, rows, cfg.config, device, progress=step)
+    body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
+    path = write_evidence(
+        out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
+        manifests=[p for p in manifests if p.is_file()], device=device,
+    )  # fmt: skip
     if json_:
         print(
             json.dumps(

@@ -12,16 +12,14 @@ from pathlib import Path
 from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.trajectory_compare import KIND, compare_runs
 
 
 def compare_command(run_a: Path, run_b: Path, device: str, out: Path | None, json_: bool) -> int:
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{run_a.name}-vs-{run_b.name}")
-    with strict_numerics(device):
-        body = compare_runs(Path(run_a), Path(run_b), device)
-        path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
+    body = compare_runs(Path(run_a), Path(run_b), device)
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
     if json_:
         doc = json.loads(path.read_text(encoding="utf-8"))
         print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}}, indent=1))

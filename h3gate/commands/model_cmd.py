@@ -23,7 +23,6 @@ from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
-from h3gate.numerics import strict_numerics
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.model_stages import LEAVES
 from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
@@ -78,29 +77,28 @@ def ws1_model_command(
     started = time.perf_counter()
     layout = layout or DEFAULT_LAYOUT
     tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
-    with strict_numerics(device):
-        spec = RunSpec("model", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
-                       merge, layers, draw="device")  # fmt: skip
-        setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None))
-        injected = parse_model_fault(fault, setup) if fault is not None else None
-        folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
-        setup_s = time.perf_counter() - started
-        with progress(KIND, len(steps(setup, backward)), started) as step:
-            overrides = None
-            if injected is not None:
-                overrides = {injected.node: injected.override(setup.graph.node(injected.node), _row_dims(setup))}
-            gate = ModelGate(setup, tol, seed, backward, overrides, step, keep_values=save_tensors is not None)
-            result = run_model_gate(gate)
-        body = build_body(setup, result, seed, tol.name, tol_file)
-        body["injected_fault"] = None if injected is None else injected.label()
-        body["timing"]["setup_s"] = round(setup_s, 4)
-        body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
-        if save_tensors is not None:
-            meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": device}
-            save_tensor_files(Path(save_tensors), tensors_to_save(setup, result), meta)
-            body["saved_tensors"] = display(Path(save_tensors))
-        manifests = [*setup.manifests, tol_file]
-        path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=manifests, device=setup.device)
+    spec = RunSpec("model", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
+                   merge, layers, draw="device")  # fmt: skip
+    setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None))
+    injected = parse_model_fault(fault, setup) if fault is not None else None
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+    setup_s = time.perf_counter() - started
+    with progress(KIND, len(steps(setup, backward)), started) as step:
+        overrides = None
+        if injected is not None:
+            overrides = {injected.node: injected.override(setup.graph.node(injected.node), _row_dims(setup))}
+        gate = ModelGate(setup, tol, seed, backward, overrides, step, keep_values=save_tensors is not None)
+        result = run_model_gate(gate)
+    body = build_body(setup, result, seed, tol.name, tol_file)
+    body["injected_fault"] = None if injected is None else injected.label()
+    body["timing"]["setup_s"] = round(setup_s, 4)
+    body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
+    if save_tensors is not None:
+        meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": device}
+        save_tensor_files(Path(save_tensors), tensors_to_save(setup, result), meta)
+        body["saved_tensors"] = display(Path(save_tensors))
+    manifests = [*setup.manifests, tol_file]
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=manifests, device=setup.device)
     if json_:
         print(path.read_text(encoding="utf-8"), end="")
     else:

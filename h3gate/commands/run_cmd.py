@@ -21,7 +21,6 @@ from h3gate.evidence.writer import atomic_write_safetensors, prepare_out, write_
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
-from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import check_mode
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.block_rows import value_row_dims
@@ -238,29 +237,28 @@ def ws1_block_command(
     the gate must fail on (exit 1), recorded in the evidence."""
     started = time.perf_counter()
     tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
-    with strict_numerics(device):
-        lanes = len(provider_variants(list(tol.row_rule.variants), device)[0])
-        needs = GateNeeds(lanes, backward, fault_matrix, save_golden=save_tensors is not None)
-        spec = RunSpec("block", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
-                       merge)  # fmt: skip
-        setup = prepare(spec, needs)
-        injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
-        folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
-        result = _run(setup, tol, backward, injected, fault_matrix, started, save_tensors is not None)
-        body = build_body(setup, result, mode, seed, tol, tol_file)
-        body["injected_fault"] = None if injected is None else injected.label()
-        body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
-        if save_tensors is not None:
-            meta = {
-                "config": setup.config_name,
-                "layout": layout,
-                "mode": mode,
-                "seed": str(seed),
-                "device": setup.device,
-            }
-            save_tensor_files(Path(save_tensors), tensors_to_save(result, setup.graph, setup.inputs), meta)
-            body["saved_tensors"] = display(Path(save_tensors))
-        path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=[*setup.manifests, tol_file], device=device)
+    lanes = len(provider_variants(list(tol.row_rule.variants), device)[0])
+    needs = GateNeeds(lanes, backward, fault_matrix, save_golden=save_tensors is not None)
+    spec = RunSpec("block", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
+                   merge)  # fmt: skip
+    setup = prepare(spec, needs)
+    injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+    result = _run(setup, tol, backward, injected, fault_matrix, started, save_tensors is not None)
+    body = build_body(setup, result, mode, seed, tol, tol_file)
+    body["injected_fault"] = None if injected is None else injected.label()
+    body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
+    if save_tensors is not None:
+        meta = {
+            "config": setup.config_name,
+            "layout": layout,
+            "mode": mode,
+            "seed": str(seed),
+            "device": setup.device,
+        }
+        save_tensor_files(Path(save_tensors), tensors_to_save(result, setup.graph, setup.inputs), meta)
+        body["saved_tensors"] = display(Path(save_tensors))
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=[*setup.manifests, tol_file], device=device)
     if json_:
         print(path.read_text(encoding="utf-8"), end="")
     else:

@@ -14,7 +14,6 @@ from pathlib import Path
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import check_mode
 from h3gate.paths import display
 from h3gate.runs.trajectory_files import STEPS
@@ -56,12 +55,11 @@ def ws1_trajectory_command(
     check_mode(settings.mode)
     rundir = prepare_out(Path(out))
     started = time.perf_counter()
-    with strict_numerics(settings.device):
-        with progress(KIND, None, started) as step:
-            body = run_ws1_trajectory(settings, rundir, until, resume, verify_last, step)
-        body["invocations"] = [*_previous(rundir), body["invocation"]]
-        body["step_files"] = _step_files(rundir)
-        path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.device)
+    with progress(KIND, None, started) as step:
+        body = run_ws1_trajectory(settings, rundir, until, resume, verify_last, step)
+    body["invocations"] = [*_previous(rundir), body["invocation"]]
+    body["step_files"] = _step_files(rundir)
+    path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.device)
     if json_:
         print(path.read_text(encoding="utf-8"), end="")
     else:

@@ -14,7 +14,6 @@ from pathlib import Path
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.numerics import strict_numerics
 from h3gate.parallel.ws2 import KIND, Ws2Settings, plan_ws2, run_ws2
 from h3gate.paths import LOCAL_EVIDENCE, display
 
@@ -24,14 +23,13 @@ EVIDENCE = f"{KIND}.json"
 def ws2_command(settings: Ws2Settings, out: Path | None, json_: bool) -> int:
     """Plan (every input checked), run TP1 and the ranks, write ``OUT/ws2.json``."""
     started = time.perf_counter()
-    with strict_numerics(settings.device):
-        plan = plan_ws2(settings)
-        name = f"{settings.topology}-{settings.scope}-{settings.config}-{settings.layout}"
-        folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
-        with progress(KIND, None, started) as step:
-            step(f"TP1 reference and {plan.tp * plan.cp} {plan.backend} ranks")
-            body = run_ws2(plan)
-        path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
+    plan = plan_ws2(settings)
+    name = f"{settings.topology}-{settings.scope}-{settings.config}-{settings.layout}"
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+    with progress(KIND, None, started) as step:
+        step(f"TP1 reference and {plan.tp * plan.cp} {plan.backend} ranks")
+        body = run_ws2(plan)
+    path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
     if json_:
         keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
                 "gradients_compared", "first_drift", "first_backward_drift", "verdict", "failing_checks")  # fmt: skip

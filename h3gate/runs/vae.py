@@ -7,8 +7,9 @@ latent channels, stereo carried as batch 2), weights drawn under ``torch.manual_
 hashed into the evidence; ``latents_mean`` / ``latents_std`` are seeded, non-trivial config values.
 
 Execution (``--mode``): ``strict`` runs every encode / decode one batch row at a time (a batch of one: an item's
-bytes cannot depend on its neighbours), TF32 off, ``torch.use_deterministic_algorithms(True)``; ``off`` runs the
-provider as a user calls it (one batched call, default numerics). Checks, each pass / fail:
+bytes cannot depend on its neighbours), TF32 off, deterministic algorithms
+(:func:`h3gate.numerics.deterministic_algorithms`); ``off`` runs the provider as a user calls it (one batched call,
+default algorithms). Checks, each pass / fail:
 
 * ``*_repeat_bitwise`` - the same call twice, byte-equal (encode: the posterior mean and log-variance; decode: the
   samples);
@@ -29,7 +30,6 @@ Decoded media are hashed and recorded but never gated (RFC Phase B exit: latent 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.gate.compare import bitwise_equal, error, tensor_sha256
+from h3gate.numerics import deterministic_algorithms, torch_defaults
 
 MODALITIES = ("video", "audio")
 MODES = ("strict", "off")
@@ -139,20 +140,14 @@ def build_vae(modality: str, seed: int, device: str):
 
 @contextmanager
 def execution(mode: str, device: str):
-    """Strict: TF32 off and deterministic algorithms (restored on exit); off: as the caller left torch."""
+    """Strict: deterministic algorithms on (inside the run's numerics switch, which has TF32 off); off: torch's
+    default numerics, as a user's process runs the VAE; restored on exit."""
     if mode != "strict":
-        yield
-        return
-    from h3gate.numerics import strict_numerics
-
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic workspace
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        with strict_numerics(device):
+        with torch_defaults():
             yield
-    finally:
-        torch.use_deterministic_algorithms(before)
+        return
+    with deterministic_algorithms():
+        yield
 
 
 def per_item(mode: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

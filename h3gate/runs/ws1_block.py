@@ -39,7 +39,6 @@ from h3gate.graph.execute import iter_graph, run_backward
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs
 from h3gate.manifests.tolerances import ToleranceProfile
-from h3gate.numerics import strict_numerics
 from h3gate.runs.block_backward import ROW_STEP_BACKWARD, backward
 from h3gate.runs.block_forward import PASSES, Forward, Lane, ValueStore, forward
 from h3gate.runs.block_records import bound_check, check, failure, value_record
@@ -168,13 +167,7 @@ class _Executions:
 
 def run_block_gate(gate: BlockGate) -> BlockGateResult:
     """Run every execution of the one-block gate and evaluate the tolerance profile; see the module docstring.
-
-    Runs under :func:`h3gate.numerics.strict_numerics`; binds the graph only when the gate carries no bindings."""
-    with strict_numerics(gate.device):
-        return _run_block_gate(gate)
-
-
-def _run_block_gate(gate: BlockGate) -> BlockGateResult:
+    Binds the graph only when the gate carries no bindings (a prepared run's travel with it)."""
     started = time.perf_counter()
     graph, tol = gate.graph, gate.tolerance
     names = [n.name for n in graph.nodes]

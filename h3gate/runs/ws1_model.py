@@ -29,7 +29,6 @@ from h3gate.graph.core import OpTable, Values, to_float64
 from h3gate.graph.executions import NodeBinding, candidate_table, golden_table, provider_table
 from h3gate.graph.stages import Stage
 from h3gate.manifests.tolerances import ToleranceProfile
-from h3gate.numerics import strict_numerics
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_backward import backward
 from h3gate.runs.model_forward import Findings, Lanes, forward
@@ -150,11 +149,6 @@ def make_lanes(gate: ModelGate, ctx: RowContext) -> Lanes:
 
 def run_model_gate(gate: ModelGate) -> ModelGateResult:
     """Every lane through every stage, forward then backward; see the module docstring."""
-    with strict_numerics(gate.device):
-        return _run(gate)
-
-
-def _run(gate: ModelGate) -> ModelGateResult:
     started = time.perf_counter()
     gate.tables = {
         "provider": provider_table(),

@@ -37,7 +37,6 @@ from h3gate.gate.variants import provider_variants
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.manifests.tolerances import load_tolerance
-from h3gate.numerics import strict_numerics
 from h3gate.ops import registry
 from h3gate.ops.cases import OpCase, build_case, in_batch, mutate_rows, randn, to_float64
 from h3gate.runs.block_rows import RowContext, run_variant
@@ -160,15 +159,8 @@ def run_case(
     backward: bool = True,
     kernel: Callable | None = None,
 ) -> OpResult:
-    """Everything ws1-ops records for one operator at one row count, under :func:`h3gate.numerics.strict_numerics`.
-    ``kernel`` replaces the bound strict kernel (a negative control: a deliberately wrong kernel must fail)."""
-    with strict_numerics(device):
-        return _run_case(op, rows, cfg, device, seed, backward, kernel)
-
-
-def _run_case(
-    op: str, rows: int, cfg: ModelConfig, device: str, seed: int, backward: bool, kernel: Callable | None
-) -> OpResult:
+    """Everything ws1-ops records for one operator at one row count. ``kernel`` replaces the bound strict kernel (a
+    negative control: a deliberately wrong kernel must fail)."""
     case = build_case(op, rows, cfg, device, seed)
     binding = registry.bind(op, "strict", device)
     kernel_fn = kernel or binding.fn
