@@ -42,14 +42,14 @@ from h3gate.checkpoint import parse_diffusers_config
 from h3gate.errors import InputError
 from h3gate.graph.core import Node, OpTable
 from h3gate.graph.execute import Hooks
-from h3gate.graph.executions import NodeBinding, bind_graph, provider_table
+from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table
 from h3gate.graph.model import OUTPUTS, RawMetadata, build_model_graph, derive_metadata
 from h3gate.graph.stages import Stage, iter_stages, split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.numerics import strict_numerics
-from h3gate.ops.registry import Binding, bind, check_mode
+from h3gate.ops.registry import Binding, bind, fails_closed
 from h3gate.strict_lora import (
     UPDATE_OP,
     LoraSlot,
@@ -62,7 +62,6 @@ from h3gate.strict_lora import (
 
 CLASS_NAME = "MiniMaxH3Transformer3DModel"
 PROCESSOR = "MiniMaxH3AttnProcessor"
-FAIL_CLOSED = ("strict", "audit")
 
 
 @dataclass
@@ -294,12 +293,11 @@ def strict(
 ) -> Iterator[StrictSession]:
     """Bind h3gate's kernels into ``model`` (and h3gate's Euler step into ``scheduler``: a MiniMaxH3Scheduler or a
     pipeline holding them) for the ``with`` block (module docstring); yields the session."""
-    check_mode(mode)
     if type(model).__name__ != CLASS_NAME:
         raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
     cfg = _config(model)
     lora = find_lora(model)  # in every mode: a LoRA layer h3gate cannot replay is refused, naming it
-    if mode in FAIL_CLOSED:
+    if fails_closed(mode):
         check_module(model, cfg, lora)
     if "forward" in vars(model):
         raise InputError("h3gate.strict: the model's forward is already replaced (a nested or foreign binding)")
@@ -308,7 +306,7 @@ def strict(
     graph = build_model_graph(cfg)
     bindings = bind_graph(graph, mode, device)
     session = StrictSession(model, mode, cfg, bindings, lora, bind(UPDATE_OP, mode, device) if lora else None)
-    table = provider_table() if mode == "off" else _candidate(bindings)
+    table = candidate_table(bindings)
     schedulers = [] if scheduler is None else _schedulers(scheduler)
     if any("step" in vars(s) for s in schedulers):
         raise InputError("h3gate.strict: the scheduler's step is already replaced (a nested or foreign binding)")
@@ -322,12 +320,6 @@ def strict(
         del model.forward
         for s in schedulers:
             del s.step
-
-
-def _candidate(bindings: Mapping[str, NodeBinding]) -> OpTable:
-    from h3gate.graph.executions import candidate_table
-
-    return candidate_table(bindings)
 
 
 class _CallableModule(types.ModuleType):

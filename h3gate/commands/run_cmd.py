@@ -21,7 +21,6 @@ from h3gate.evidence.writer import atomic_write_safetensors, prepare_out, write_
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
-from h3gate.ops.registry import check_mode
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.block_rows import value_row_dims
 from h3gate.runs.memory_plan import GateNeeds
@@ -86,7 +85,6 @@ def check_gate_args(
     mode: str, tolerance: str, save_tensors: Path | None, out: Path | None
 ) -> tuple[Path, ToleranceProfile]:
     """The cheap checks every gate command makes first: mode, tolerance profile (loaded), --save-tensors, --out."""
-    check_mode(mode)
     tol_file = tolerance_path(tolerance)
     tol = load_tolerance(tol_file)
     if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():

@@ -14,10 +14,9 @@ from pathlib import Path
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.ops.registry import check_mode
 from h3gate.paths import display
 from h3gate.runs.trajectory_files import STEPS
-from h3gate.runs.ws1_trajectory import KIND, TrajectorySettings, run_ws1_trajectory
+from h3gate.runs.ws1_trajectory import KIND, TrajectorySettings, prepare_trajectory, run_ws1_trajectory
 
 EVIDENCE = f"{KIND}.json"
 
@@ -52,11 +51,13 @@ def ws1_trajectory_command(
     """Start, resume or verify a run; writes ``RUNDIR/ws1-trajectory.json`` (every invocation listed)."""
     if out is None:
         raise InputError("--out RUNDIR: required (the run's folder: manifest, step files, evidence)")
-    check_mode(settings.mode)
-    rundir = prepare_out(Path(out))
     started = time.perf_counter()
+    if until is not None and until < 0:
+        raise InputError(f"--until {until}: must be a step index >= 0")
+    run = prepare_trajectory(settings)  # every check, before the run's folder is made
+    rundir = prepare_out(Path(out))
     with progress(KIND, None, started) as step:
-        body = run_ws1_trajectory(settings, rundir, until, resume, verify_last, step)
+        body = run_ws1_trajectory(run, rundir, until, resume, verify_last, step)
     body["invocations"] = [*_previous(rundir), body["invocation"]]
     body["step_files"] = _step_files(rundir)
     path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.device)

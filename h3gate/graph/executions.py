@@ -62,6 +62,11 @@ class NodeBinding:
         return any(b.fallback for b in self.bindings)
 
     @property
+    def failing_fallback(self) -> bool:
+        """A fallback its mode counts as a failing finding (:func:`h3gate.ops.registry.fallback_fails`)."""
+        return any(b.fallback and registry.fallback_fails(b.mode) for b in self.bindings)
+
+    @property
     def kernel_id(self) -> str:
         return "+".join(b.kernel_id for b in self.bindings)
 
@@ -87,7 +92,6 @@ class NodeBinding:
 def bind_graph(graph: Graph, mode: str, device: str, merge: str = "single") -> dict[str, NodeBinding]:
     """Bind every op of every node for ``mode`` on ``device`` in merge order ``merge``; strict mode raises naming the
     first node that would run anything but its declared strict kernel."""
-    registry.check_mode(mode)
     registry.check_merge(merge)
     out: dict[str, NodeBinding] = {}
     for node in graph.nodes:

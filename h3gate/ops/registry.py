@@ -107,6 +107,18 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def fails_closed(mode: str) -> bool:
+    """Whether ``mode`` refuses what h3gate does not cover before anything runs (strict and audit), rather than
+    running the provider for it (auto) or running only the provider (off)."""
+    return check_mode(mode) in ("strict", "audit")
+
+
+def fallback_fails(mode: str) -> bool:
+    """Whether a fallback (an op bound to the provider reference instead of its strict kernel) is a failing finding
+    in ``mode``: in audit mode (strict refuses to fall back; auto records it; off runs the references)."""
+    return check_mode(mode) == "audit"
+
+
 def check_merge(merge: str) -> str:
     """The one check of ``--merge-order`` (single or seg8)."""
     if merge not in MERGE_ORDERS:

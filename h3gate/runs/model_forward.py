@@ -218,7 +218,7 @@ def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, 
     for view in ("isolated", "chained"):
         row = judged.rows[view]
         checks.append(check(f"row_bound_{view}", row["pass"], "" if row["pass"] else describe(row, mods)))
-    if gate.mode == "audit" and nb.fallback:
+    if nb.failing_fallback:
         why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
         checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
     return {

@@ -31,7 +31,7 @@ from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
 from h3gate.manifests.model_config import ModelConfig, config_names, load_config
 from h3gate.memory import require
-from h3gate.ops.registry import check_merge, check_mode
+from h3gate.ops.registry import check_merge
 from h3gate.paths import MANIFESTS
 from h3gate.runs.memory_plan import (
     GateNeeds,
@@ -138,11 +138,6 @@ class Run:
     @property
     def seed(self) -> int:
         return self.spec.seed
-
-    @property
-    def fallback_is_finding(self) -> bool:
-        """Audit mode: every op that ran the provider instead of its strict kernel is a failing finding."""
-        return self.mode == "audit"
 
     def tables(self) -> dict[str, OpTable]:
         """The three executions' op tables: ``provider`` (the references), ``candidate`` (the bound operators: the
@@ -293,7 +288,6 @@ def prepare(spec: RunSpec, needs: GateNeeds | ModelNeeds | None = None, read: bo
     whole execution is bounded), :class:`ModelNeeds` for a whole-model gate (else nothing is bounded). With
     ``read=False`` nothing is read yet (a plan that only checks; :func:`read_inputs` reads later)."""
     check_device(spec.device)
-    check_mode(spec.mode)
     check_merge(spec.merge)
     if spec.scope not in SCOPES:
         raise InputError(f"scope {spec.scope!r}: must be one of {', '.join(SCOPES)}")

@@ -89,6 +89,12 @@ class VaeRun:
     geometry: str = "tiny"
     seed: int = 0
 
+    @property
+    def strict(self) -> bool:
+        """Strict execution (module docstring): one batch row per call, deterministic algorithms; else the provider
+        as a user calls it. The one place the mode is read."""
+        return self.mode == "strict"
+
 
 def check_settings(run: VaeRun) -> None:
     for flag, value, known in (
@@ -139,10 +145,10 @@ def build_vae(modality: str, seed: int, device: str):
 
 
 @contextmanager
-def execution(mode: str, device: str):
+def execution(strict: bool):
     """Strict: deterministic algorithms on (inside the run's numerics switch, which has TF32 off); off: torch's
     default numerics, as a user's process runs the VAE; restored on exit."""
-    if mode != "strict":
+    if not strict:
         with torch_defaults():
             yield
         return
@@ -150,9 +156,9 @@ def execution(mode: str, device: str):
         yield
 
 
-def per_item(mode: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` over the batch: one row at a time in strict mode, one batched call otherwise."""
-    if mode == "strict":
+def per_item(strict: bool, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` over the batch: one row at a time in strict execution, one batched call otherwise."""
+    if strict:
         return torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
     return fn(x)
 
@@ -167,13 +173,13 @@ def compare(check: str, a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def invariance_checks(
-    stage: str, mode: str, fn: Callable, x: torch.Tensor, other: torch.Tensor
+    stage: str, strict: bool, fn: Callable, x: torch.Tensor, other: torch.Tensor
 ) -> tuple[list[dict], torch.Tensor]:
     """``{stage}_repeat_bitwise`` (``fn`` on ``x`` twice) and ``{stage}_batch_invariant`` (``x`` alone vs after an
     unrelated ``other`` in one batch), ``fn`` run through :func:`per_item`: (the two checks, the first ``fn(x)``)."""
-    first = per_item(mode, fn, x)
-    beside = per_item(mode, fn, torch.cat([other, x]))[other.shape[0] :]
-    return [compare(f"{stage}_repeat_bitwise", first, per_item(mode, fn, x)),
+    first = per_item(strict, fn, x)
+    beside = per_item(strict, fn, torch.cat([other, x]))[other.shape[0] :]
+    return [compare(f"{stage}_repeat_bitwise", first, per_item(strict, fn, x)),
             compare(f"{stage}_batch_invariant", first, beside)], first  # fmt: skip
 
 
@@ -244,7 +250,7 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     frames, (h, w) = FRAMES[run.geometry], PIXELS[run.geometry]
     a, b = (_pixels(run.seed, i, frames, h, w, run.device) for i in (0, 1))
     moments = lambda y: _moments(vae.encode(y, return_dict=False)[0])  # noqa: E731
-    checks, _ = invariance_checks("encode", run.mode, moments, _imagenet(vae, a), _imagenet(vae, b))
+    checks, _ = invariance_checks("encode", run.strict, moments, _imagenet(vae, a), _imagenet(vae, b))
     recipe = pipeline_recipe()
     theirs = encode_vae_condition(vae, a, *recipe)
     checks.append(compare("latent_normalisation", condition_latents(vae, a), theirs))
@@ -263,7 +269,7 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     z = theirs.to(run.device) * std + mean  # the pipeline's denormalisation before decode
     zb = encode_vae_condition(vae, b, *recipe).to(run.device) * std + mean
     decode = lambda y: vae.decode(y, return_dict=False)[0]  # noqa: E731
-    decoded, d1 = invariance_checks("decode", run.mode, decode, z, zb)
+    decoded, d1 = invariance_checks("decode", run.strict, decode, z, zb)
     checks += decoded
     pm, ps = (torch.tensor(v, device=run.device).view(1, -1, 1, 1, 1) for v in (PIXEL_MEAN, PIXEL_STD))
     media = ((d1 * ps + pm).clamp(0, 1) * 255).round().to(torch.uint8)
@@ -283,9 +289,9 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     g = torch.Generator().manual_seed(run.seed + 7)
     a, b = ((torch.rand(2, 1, samples, generator=g) - 0.5).to(run.device) for _ in range(2))  # stereo = batch 2
     moments = lambda y: _moments(vae.encode(y, return_dict=False)[0])  # noqa: E731
-    checks, _ = invariance_checks("encode", run.mode, moments, a, b)
+    checks, _ = invariance_checks("encode", run.strict, moments, a, b)
     c = vae.config.latent_channels
-    mode = per_item(run.mode, lambda y: vae.encode(y, return_dict=False)[0].mode(), a).float().cpu()  # (2, C, T)
+    mode = per_item(run.strict, lambda y: vae.encode(y, return_dict=False)[0].mode(), a).float().cpu()  # (2, C, T)
     mean, std = (
         torch.tensor(vae.config.latents_mean).view(1, 1, -1),
         torch.tensor(vae.config.latents_std).view(1, 1, -1),
@@ -306,9 +312,9 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     detail = f"latents {tuple(mode.shape)} (expected (2, {c}, {t})); {rows.shape[0]} rows, layout {layout_rows}"
     checks.append({"check": "latent_layout", "pass": bool(ok), "detail": detail})
     z = (rows.reshape(2, t, c).permute(0, 2, 1) * std.view(1, -1, 1) + mean.view(1, -1, 1)).to(run.device)
-    zb = per_item(run.mode, lambda y: vae.encode(y, return_dict=False)[0].mode(), b)
+    zb = per_item(run.strict, lambda y: vae.encode(y, return_dict=False)[0].mode(), b)
     decode = lambda y: vae.decode(y, return_dict=False)[0]  # noqa: E731
-    decoded, d1 = invariance_checks("decode", run.mode, decode, z, zb)
+    decoded, d1 = invariance_checks("decode", run.strict, decode, z, zb)
     checks += decoded
     record = {
         "input": {"waveform": [2, 1, samples], "dtype": "float32", "sample_rate": SAMPLE_RATE},
@@ -322,7 +328,7 @@ def run_vae(run: VaeRun) -> dict:
     """The ``vae`` evidence body of one modality (checks, latents, decoded-media hashes, the VAE's record)."""
     check_settings(run)
     vae, vae_record = build_vae(run.modality, run.seed, run.device)
-    with execution(run.mode, run.device), torch.no_grad():
+    with execution(run.strict), torch.no_grad():
         # read inside the run's execution: what the calls ran under (off mode keeps torch's defaults, and on CUDA
         # cuDNN's TF32 default is on: docs/gpu-notes.md)
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32 or (run.device != "cpu" and torch.backends.cudnn.allow_tf32))
@@ -336,7 +342,7 @@ def run_vae(run: VaeRun) -> dict:
         "geometry": run.geometry,
         "seed": run.seed,
         "execution": {
-            "per_item": run.mode == "strict",
+            "per_item": run.strict,
             "deterministic_algorithms": deterministic,
             "tf32": tf32,
         },

@@ -259,7 +259,7 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
         for view in ("isolated", "chained"):
             row = fw.rows[n][view]
             checks.append(check(f"row_bound_{view}", row["pass"], "" if row["pass"] else describe(row, modalities)))
-        if gate.mode == "audit" and nb.fallback:
+        if nb.failing_fallback:
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
             checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
         failing += [failure(f"forward.{n}", c) for c in checks if not c["pass"]]

@@ -294,18 +294,18 @@ def open_rundir(run: Trajectory, rundir: Path, reuse: bool, flag: str = "--resum
 
 
 def run_ws1_trajectory(
-    settings: TrajectorySettings,
+    run: Trajectory,
     rundir: Path,
     until: int | None = None,
     resume: bool = False,
     check_last: bool = False,
     progress: ProgressFn | None = None,
 ) -> dict:
-    """Start, resume or verify a run in ``rundir``; the ``ws1-trajectory`` evidence body of this invocation."""
+    """Start, resume or verify the prepared run (:func:`prepare_trajectory`) in ``rundir``; the ``ws1-trajectory``
+    evidence body of this invocation."""
     started = time.perf_counter()
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
-    run = prepare_trajectory(settings)
     fields = open_rundir(run, rundir, resume or check_last, "--resume" if resume else "--verify-last")
     steps = complete_steps(rundir)
     resumed = replay_saved(run, rundir, steps)
