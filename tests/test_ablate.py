@@ -25,7 +25,7 @@ from h3gate.layout import build_layout
 from h3gate.manifests.ablations import ABLATIONS_FILE, Signature, load_ablations
 from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
-from h3gate.parallel.ulysses import cp_bounds
+from h3gate.parallel.collectives import cp_bounds
 from h3gate.parallel.ws2 import Ws2Settings, plan_ws2
 from h3gate.parallel.ws2_partition import OwnershipError, Partition, check_ownership, metadata_rows
 

@@ -44,7 +44,8 @@ from h3gate.bench.timing import copy_bandwidth_gbs, side_by_side
 from h3gate.errors import InputError
 from h3gate.kernels import launches
 from h3gate.ops import registry
-from h3gate.ops.cases import OpCase, build_case, randn
+from h3gate.ops.case import OpCase, randn
+from h3gate.ops.cases import build_case
 
 MIN_COPY_FRACTION = 0.70
 MEMORY_BOUND_MIN_BYTES = 256 << 20

@@ -14,7 +14,7 @@ import torch
 
 from h3gate.dtypes import dtype_name
 from h3gate.manifests.model_config import ModelConfig
-from h3gate.ops.cases import CaseBuilder, OpCase, randn
+from h3gate.ops.case import CaseBuilder, OpCase, randn
 from h3gate.ops.golden import DENSE_ATTENTION_GOLDEN_BYTES, attention_fp64
 
 BF16, FP32 = torch.bfloat16, torch.float32

@@ -14,7 +14,7 @@ import torch
 
 from h3gate.manifests.model_config import MODALITY_NUM, ModelConfig
 from h3gate.ops import reference
-from h3gate.ops.cases import CaseBuilder, OpCase, randint, randn
+from h3gate.ops.case import CaseBuilder, OpCase, randint, randn
 
 BF16, FP32 = torch.bfloat16, torch.float32
 TIMESTEPS = 2

@@ -14,31 +14,9 @@ import torch
 
 from h3gate.graph.execute import NodeOverride
 from h3gate.kernels.tp_layers import MergeGroup, check_alignment
+from h3gate.parallel.collectives import ROW_META, group_gather
 from h3gate.parallel.tp import TpRank, param_local_name, shard_params, tp_overrides, value_shard
 from h3gate.parallel.ws2_partition import Partition
-
-
-def staged(t: torch.Tensor) -> bool:
-    """Whether a collective on ``t`` goes through host memory: gloo ranks computing on a GPU (ranks sharing GPUs)."""
-    import torch.distributed as dist
-
-    return t.is_cuda and dist.get_backend() == "gloo"
-
-
-def group_gather(group):
-    """All-gather within ``group`` (rank order) as raw bytes: exact for every dtype, on gloo and NCCL alike (gloo
-    ranks on GPUs stage the bytes through host memory: a copy, never arithmetic)."""
-    import torch.distributed as dist
-
-    def gather(t: torch.Tensor) -> list[torch.Tensor]:
-        x = t.contiguous()
-        host = staged(x)
-        raw = (x.cpu() if host else x).reshape(-1).view(torch.uint8)
-        parts = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, raw, group=group)
-        return [(p.to(x.device) if host else p).view(x.dtype).reshape(x.shape) for p in parts]
-
-    return gather
 
 
 @dataclass
@@ -94,8 +72,6 @@ class RankPlan:
     def local_inputs(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = dict(inputs) if self.cp is None else self.cp.local_inputs(inputs)
         if self.partition.cp_metadata == "local":  # the hidden rows sharded alone: metadata by local position
-            from h3gate.parallel.ulysses import ROW_META
-
             out.update({k: inputs[k][: self.cp.hi - self.cp.lo] for k in ROW_META if k in inputs})
         return out
 

@@ -29,7 +29,8 @@ import torch
 
 from h3gate.graph.execute import NodeOverride, run_node
 from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows
-from h3gate.parallel.ulysses import ROW_META, CpRank, _Move, all_to_all
+from h3gate.parallel.collectives import ROW_META, group_gather
+from h3gate.parallel.ulysses import CpRank, _Move, all_to_all
 
 SP_NODES = ("norm1", "residual_attn", "norm2", "residual_mlp", "o_proj", "ffn_down")
 GATHERED_INPUTS = {"q_proj": "norm1", "k_proj": "norm1", "v_proj": "norm1", "ffn_gate_up": "norm2"}
@@ -56,7 +57,6 @@ class SpRank(CpRank):
 
     @classmethod
     def build_sp(cls, scope, inputs, rank: int, tp: int, cp: int, tp_group, cp_group, world_group) -> SpRank:
-        from h3gate.parallel.shards import group_gather
 
         seq_len = inputs["rope_cos"].shape[0]
         c = rank // tp

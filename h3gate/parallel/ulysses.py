@@ -30,17 +30,14 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.graph.execute import NodeOverride, run_node
-from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows
-
-ROW_META = ("adaln_indices", "rope_cos", "rope_sin", "timestep_indices")
+from h3gate.kernels.row_merge import RowGroup, packed_rows
+from h3gate.parallel.collectives import ROW_META, cp_bounds, group_gather, staged
 
 
 def all_to_all(chunks: list[torch.Tensor], shapes: list[tuple[int, ...]], group) -> list[torch.Tensor]:
     """Send ``chunks[j]`` to rank j of ``group``; receive one tensor of ``shapes[j]`` from each (raw bytes: exact for
     every dtype; gloo ranks on GPUs stage through host memory)."""
     import torch.distributed as dist
-
-    from h3gate.parallel.shards import staged
 
     first = chunks[0]
     host = staged(first)
@@ -68,11 +65,6 @@ class _Move(torch.autograd.Function):
         return ctx.back(g.contiguous()), None, None
 
 
-def cp_bounds(seq_len: int, cp: int) -> tuple[int, ...]:
-    """The ``cp + 1`` row boundaries of the CP shards: whole row segments (:func:`cp_row_bounds`)."""
-    return cp_row_bounds(seq_len, cp)
-
-
 def row_sharded(scope: str, name: str) -> bool:
     """Whether node ``name``'s value holds only a CP rank's rows (every block node but the AdaLN projection; in the
     whole model also ``final.norm_out``)."""
@@ -92,7 +84,6 @@ class CpRank:
 
     @classmethod
     def build(cls, scope, inputs, cp_rank: int, cp: int, cp_group) -> CpRank:
-        from h3gate.parallel.shards import group_gather
 
         seq_len = inputs["rope_cos"].shape[0]
         rows = RowGroup(cp, cp_rank, seq_len, group_gather(cp_group))

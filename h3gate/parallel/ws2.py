@@ -94,8 +94,8 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
     if row >= seq_len:
         raise InputError(f"--fault {spec!r}: row {row} must be < {seq_len}")
     if sp:
+        from h3gate.parallel.collectives import cp_bounds
         from h3gate.parallel.sp import sp_node
-        from h3gate.parallel.ulysses import cp_bounds
 
         if sp_node(scope, node):
             bounds = cp_bounds(seq_len, tp * cp)
@@ -104,7 +104,8 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
                                  f"{bounds[rank + 1]}) of {node}, not row {row}")  # fmt: skip
             return Fault(rank, node, row, phase)
     if cp > 1:
-        from h3gate.parallel.ulysses import cp_bounds, row_sharded
+        from h3gate.parallel.collectives import cp_bounds
+        from h3gate.parallel.ulysses import row_sharded
 
         bounds, c = cp_bounds(seq_len, cp), rank // tp
         if row_sharded(scope, node) and not bounds[c] <= row < bounds[c + 1]:
@@ -147,7 +148,7 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
                          f"tp x cp = {tp * cp} ranks; they must divide")  # fmt: skip
     shards = tp * cp if sp else cp
     if shards > 1:
-        from h3gate.parallel.ulysses import cp_bounds
+        from h3gate.parallel.collectives import cp_bounds
 
         bounds = cp_bounds(layout.seq_len, shards)
         if any(bounds[c] == bounds[c + 1] for c in range(shards)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3gate.errors import InputError
+from h3gate.parallel.collectives import ROW_META, cp_bounds
 
 TP_MERGES = ("logical", "rank")
 CP_METADATA = ("co-sharded", "local", "misowned")
@@ -74,8 +75,6 @@ class Partition:
         """:class:`OwnershipError` when the CP ranks' declared metadata rows are not their hidden rows (needs neither
         a device nor weights)."""
         if cp > 1:
-            from h3gate.parallel.ulysses import cp_bounds
-
             bounds = cp_bounds(seq_len, cp)
             check_ownership(metadata_rows(self.cp_metadata, bounds), bounds)
 
@@ -83,7 +82,6 @@ class Partition:
 def metadata_rows(metadata: str, bounds: tuple[int, ...]) -> dict[str, list[list[int]]] | None:
     """The packed rows of each row-metadata tensor every CP rank holds as ``metadata`` declares them (None: ``local``
     declares no ownership; each rank reads rows by local position)."""
-    from h3gate.parallel.ulysses import ROW_META
 
     if metadata == "local":
         return None

@@ -38,7 +38,8 @@ from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.manifests.tolerances import load_tolerance
 from h3gate.ops import registry
-from h3gate.ops.cases import OpCase, build_case, in_batch, mutate_rows, randn, to_float64
+from h3gate.ops.case import OpCase, in_batch, mutate_rows, randn, to_float64
+from h3gate.ops.cases import build_case
 from h3gate.runs.block_rows import RowContext, run_variant
 
 DEFAULT_ACCURACY = {
