@@ -162,6 +162,7 @@ def test_the_sustained_schema_refuses_malformed_records():
 def test_per_node_runs_every_node_alone_and_sums_per_arm(monkeypatch):
     """The tiny block's 17 nodes, each on the CPU: the provider's node calls cost 1 ms / 0.5 J, the strict's 0.5 ms /
     0.2 J on the fake device; per node and summed, the record says so, and the schema takes it."""
+    from h3gate.graph import execute
     from h3gate.graph.executions import candidate_table, provider_table
     from h3gate.runs.setup import RunSpec, prepare
 
@@ -170,7 +171,7 @@ def test_per_node_runs_every_node_alone_and_sums_per_arm(monkeypatch):
     dev = _Device()
     dev.patch(monkeypatch)
     cost = {id(tables["provider"]): (1.0, 0.5), id(tables["strict"]): (0.5, 0.2)}
-    real = energy.run_node
+    real = execute.run_node
     seen: list[str] = []
 
     def run_node(node, table, values, params, override=None):
@@ -180,7 +181,7 @@ def test_per_node_runs_every_node_alone_and_sums_per_arm(monkeypatch):
         seen.append(node.name)
         return real(node, table, values, params, override)
 
-    monkeypatch.setattr(energy, "run_node", run_node)
+    monkeypatch.setattr(execute, "run_node", run_node)  # what the executor's node calls run
     out = energy.per_node(setup.graph, setup.inputs.tensors, setup.params, tables, seconds=0.0, warm_s=0.0,
                           min_calls=1)  # fmt: skip
     names = [n.name for n in setup.graph.nodes]

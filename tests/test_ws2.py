@@ -231,7 +231,7 @@ def test_a_failing_rank_is_an_error_naming_the_rank(tmp_path) -> None:
     from h3gate.parallel.ws2 import Ws2Settings, _launch, plan_ws2
 
     plan = plan_ws2(Ws2Settings("tp2"))
-    plan.settings.config = "no-such-config"  # the ranks cannot load it
+    plan.run.spec = plan.run.spec.with_(config="no-such-config")  # the ranks cannot load it
     with pytest.raises(RuntimeError, match=r"run ws2: rank 0 exit 2: h3gate: error: .*no-such-config"):
         _launch(plan, tmp_path)
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h3gate import memory
 from h3gate.errors import InputError
 from h3gate.graph.block import BLOCK_NODES, build_block_graph, row_widths
 from h3gate.graph.execute import live_at
 from h3gate.graph.stages import Stage
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
-from h3gate.memory import GIB, device_available_bytes, require
+from h3gate.memory import GIB
 from h3gate.memory import host_available_bytes as available_memory_bytes
 
 
@@ -106,7 +107,7 @@ def plan_block_memory(
         need = max(block_lower_bound_bytes(cfg, rows), streamed)
         _require(need, packed, layout, config_name, device, "use a smaller layout or --no-backward")
         return MemoryPlan("device", need, 0, "whole executions (backward or fault matrix)")
-    available = device_available_bytes(device)
+    available = memory.device_available_bytes(device)
     if device == "cpu" or available is None or streamed <= available:
         _require(streamed, packed, layout, config_name, device, "use a smaller layout")
         return MemoryPlan("device", streamed, 0, "streamed forward, store on the device")
@@ -130,7 +131,7 @@ def _what(packed: PackedLayout, layout: str, config_name: str, device: str) -> s
 def _require(need: int, packed: PackedLayout, layout: str, config_name: str, device: str, hint: str) -> None:
     """Refuse ``need`` bytes beyond what ``device`` has (the CPU's message names --device cuda as the way out)."""
     if device != "cpu":
-        require(need, _what(packed, layout, config_name, device), device, hint=hint)
+        memory.require(need, _what(packed, layout, config_name, device), device, hint=hint)
         return
     available = available_memory_bytes()
     if available is not None and need > available:
