@@ -1,0 +1,61 @@
+"""Helpers of the SGLang tests (the fixture is in conftest.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from h3gate.graph.core import Graph
+from h3gate.graph.execute import run_chained
+from h3gate.graph.executions import provider_table
+from h3gate.graph.model import RawMetadata
+from h3gate.layout import PackedLayout, build_layout
+from h3gate.manifests.layouts import load_layout
+from h3gate.manifests.model_config import ModelConfig
+from h3gate.runs.model_stages import model_inputs
+from h3gate.synth import SyntheticSource
+
+REQUIRE = "H3GATE_REQUIRE_SGLANG"
+MARKS = [pytest.mark.sglang, pytest.mark.xdist_group("sglang")]  # every module here: pytestmark = MARKS
+
+
+@dataclass
+class Tiny:
+    cfg: ModelConfig
+    source: SyntheticSource
+    params: dict[str, torch.Tensor]
+    graph: Graph
+    model: torch.nn.Module
+
+
+def batch_inputs(
+    layout_name: str, cfg: ModelConfig, batch: int
+) -> tuple[dict[str, torch.Tensor], RawMetadata, PackedLayout]:
+    """h3gate's graph inputs for ``batch`` requests (items 0 .. batch-1 of seed 0) on one layout, its raw metadata and
+    the layout."""
+    layout = build_layout(load_layout(layout_name), layout_name)
+    items = [model_inputs(layout, cfg, 0, "cpu", item=i) for i in range(batch)]
+    tensors = dict(items[0][0])
+    for key in ("video_rows", "audio_rows", "text"):
+        tensors[key] = torch.cat([inputs[key] for inputs, _ in items])
+    return tensors, items[0][1]["raw"], layout
+
+
+def provider(t: Tiny, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """h3gate's provider replay (diffusers 0.42.1 op for op): every node's value."""
+    with torch.no_grad():
+        return run_chained(t.graph, tensors, t.params, provider_table())
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
