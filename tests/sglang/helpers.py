@@ -59,3 +59,29 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.shape == b.shape else float("inf")
+
+
+def tp_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One TP rank of SGLang's DiT on gloo (``python -c``, one process a rank): torch.distributed first (TCP store on
+    127.0.0.1), then the adapter's runtime at ``tp=world``, the tiny model by SGLang's loader (each rank loads its
+    shards), one forward on the micro layout; rank 0 writes the outputs and the degrees to ``out`` (safetensors)."""
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from h3gate.adapters.sglang import build, inputs, runtime
+    from h3gate.manifests.model_config import load_config
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = load_config("tiny").config
+    runtime.init_runtime(tp=world)
+    model = build.build_model(SyntheticSource(cfg, 0))
+    tensors, raw, layout = batch_inputs("micro", cfg, 1)
+    out_values = inputs.run_forward(model, tensors, raw, inputs.packing(1, layout.seq_len, raw.text_indices))
+    if rank == 0:
+        tp = torch.tensor([runtime.degrees()["tp"]])
+        save_file({**{k: v.contiguous() for k, v in out_values.items()}, "tp": tp}, out)
+    dist.destroy_process_group()

@@ -93,38 +93,44 @@ def _server_args(attention_backend: str | None, hidden_size: int | None) -> Simp
 
 
 def init_runtime(
-    attention_backend: str | None = None, tp: int = 1, sp: int = 1, hidden_size: int | None = None
+    tp: int | None = None, sp: int | None = None, attention_backend: str | None = None, hidden_size: int | None = None
 ) -> RuntimeState:
-    """SGLang's distributed state and global server arguments (see the module docstring). A second call with the
-    same degrees only refreshes the server arguments; other degrees in one process are an InputError."""
+    """SGLang's distributed state and global server arguments (see the module docstring), idempotent: ``tp``/``sp``
+    None take the degrees this process already has (1 / 1 before any); other degrees than those initialised are an
+    InputError. ``attention_backend`` / ``hidden_size`` None keep what was set (the model resolves its attention
+    backend at its first forward, so choose it before that)."""
     require_sglang()
     from sglang.multimodal_gen.runtime.distributed import parallel_state as ps
     from sglang.multimodal_gen.runtime.server_args import set_global_server_args
 
-    if tp < 1 or sp < 1:
-        raise InputError(f"sglang runtime: tp {tp}, sp {sp}: degrees must be >= 1")
     state = _runtime[0]
-    if state is not None and (state.tp, state.sp) != (tp, sp):
-        raise InputError(
-            f"sglang runtime: initialised with tp {state.tp}, sp {state.sp} in this process, not {tp}/{sp}"
-        )
-    set_global_server_args(_server_args(attention_backend, hidden_size))
     if state is not None:
+        want = (tp or state.tp, sp or state.sp)
+        if want != (state.tp, state.sp):
+            have = f"tp {state.tp}, sp {state.sp}"
+            raise InputError(f"sglang runtime: initialised with {have} in this process, not {want[0]}/{want[1]}")
+    else:
+        tp, sp = tp or 1, sp or 1
+        if tp < 1 or sp < 1:
+            raise InputError(f"sglang runtime: tp {tp}, sp {sp}: degrees must be >= 1")
+        init_method = None
+        if not torch.distributed.is_initialized():
+            if tp * sp != 1:
+                raise InputError(
+                    f"sglang runtime: tp {tp} x sp {sp} needs torch.distributed initialised (a process a rank)"
+                )
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+        ps.maybe_init_distributed_environment_and_model_parallel(
+            tp_size=tp, sp_size=sp, ulysses_degree=sp, distributed_init_method=init_method or "env://"
+        )
+        state = RuntimeState(tp, sp, None, init_method, torch.distributed.get_backend())
+        _runtime[0] = state
+    if attention_backend is not None:
         state.attention_backend = attention_backend
-        return state
-    init_method = None
-    if not torch.distributed.is_initialized():
-        if tp * sp != 1:
-            raise InputError(
-                f"sglang runtime: tp {tp} x sp {sp} needs torch.distributed initialised (one process a rank)"
-            )
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        init_method = f"tcp://127.0.0.1:{_free_local_port()}"
-    ps.maybe_init_distributed_environment_and_model_parallel(
-        tp_size=tp, sp_size=sp, ulysses_degree=sp, distributed_init_method=init_method or "env://"
-    )
-    state = RuntimeState(tp, sp, attention_backend, init_method, torch.distributed.get_backend())
-    _runtime[0] = state
+    if hidden_size is not None:
+        state.extras["hidden_size"] = hidden_size
+    set_global_server_args(_server_args(state.attention_backend, state.extras.get("hidden_size")))
     return state
 
 
