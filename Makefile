@@ -1,12 +1,14 @@
 # h3gate: two commands on a fresh machine.
 #   make demo          install into .venv and run the one-block gate on the embedded default (tiny, CPU when no GPU)
 #   make test          install the test extra into .venv and run lint + the test suite but the tests marked slow
+#                      (and those marked sglang, which make test-sglang runs in a pytest of their own)
 #   make test-slow     the tests marked slow (multi-rank TP8 / TP4xCP2 and the whole model under ws2, the fault
 #                      matrix at the small and medium layouts, run arms' four-arm acceptance); CI runs both
 # and, for CI and the GPU host:
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
 #   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere
 #   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks (README, offline GPU host)
+#   make install-sglang  SGLang 0.5.23's MiniMax-H3 DiT (the sglang candidate) into $(VENV); CI runs its tests
 #   make report        evidence/h200-report/: the committed H200 evidence as one HTML page (h3gate report)
 PY      ?= python3
 VENV    ?= .venv
@@ -16,6 +18,8 @@ TSTAMP  := $(VENV)/.h3gate-test-installed
 NVENV   ?= .venv-newest
 NBIN    := $(NVENV)/bin
 NSTAMP  := $(NVENV)/.h3gate-test-installed
+SSTAMP  := $(VENV)/.h3gate-sglang-installed
+SGLANG_REQS ?= tools/sglang-requirements.txt
 PYTEST_ARGS ?= -n 2
 
 # Torch on a machine without an NVIDIA driver (tools/install_torch.sh): the CPU build of torch $(TORCH_VERSION) from
@@ -31,13 +35,15 @@ export TRITON_PYPI ?= 3.7.1
 TRITON_NEWEST ?= 3.9.0
 NO_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 1)
 
-# make wheelhouse: the target host's Python and platform tags, and WITH_DIFFUSERS=1 for the parity oracle.
+# make wheelhouse: the target host's Python and platform tags, WITH_DIFFUSERS=1 for the parity oracle, WITH_SGLANG=1
+# for SGLang's MiniMax-H3 DiT (tools/sglang-requirements.txt).
 WHEEL_PY        ?= 3.12
 WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 WITH_DIFFUSERS  ?=
+WITH_SGLANG     ?=
 HOST_HAS        ?= tools/gpu-host-packages.txt
 
-.PHONY: install install-test demo test test-slow lint format test-newest wheel-smoke wheelhouse report clean
+.PHONY: install install-test install-sglang test-sglang demo test test-slow lint format test-newest wheel-smoke wheelhouse report clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,6 +61,22 @@ $(TSTAMP): pyproject.toml $(STAMP)
 install: $(STAMP)
 install-test: $(TSTAMP)
 
+# SGLang's MiniMax-H3 DiT (h3gate/adapters/sglang): sglang and exactly the packages its import chain needs, pinned in
+# $(SGLANG_REQS) and installed with --no-deps (sglang's metadata pins torch 2.14.1 and CUDA packages the DiT does not
+# use on the CPU; pip cannot express --no-deps in an extra); then the torchvision paired with the installed torch,
+# kept only if it imports (tools/install_torchvision.sh); then the adapter's own check (version, DiT import).
+$(SSTAMP): $(SGLANG_REQS) $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps -r $(SGLANG_REQS)
+	tools/install_torchvision.sh $(BIN)/python
+	$(BIN)/python -c "from h3gate.adapters.sglang.runtime import require_sglang as r; print('install-sglang: sglang', r('make install-sglang'))"
+	@touch $@
+
+install-sglang: $(SSTAMP)
+
+# The sglang tests (tests/sglang, marker sglang), failing instead of skipping when sglang is missing.
+test-sglang: $(TSTAMP) $(SSTAMP)
+	H3GATE_REQUIRE_SGLANG=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m sglang tests/sglang
+
 demo: $(STAMP)
 	$(BIN)/h3gate run ws1-block
 
@@ -67,7 +89,7 @@ format: $(TSTAMP)
 	$(BIN)/ruff check --fix h3gate tests tools
 
 test: lint
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not slow"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not slow and not sglang"
 
 test-slow: $(TSTAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m slow
@@ -89,7 +111,7 @@ wheel-smoke:
 
 wheelhouse:
 	$(PY) tools/wheelhouse.py --python-version $(WHEEL_PY) $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) \
-	  --host-has "$(HOST_HAS)" $(if $(WITH_DIFFUSERS),--with-diffusers)
+	  --host-has "$(HOST_HAS)" $(if $(WITH_DIFFUSERS),--with-diffusers) $(if $(WITH_SGLANG),--with-sglang)
 
 report: $(TSTAMP)
 	$(BIN)/h3gate report evidence/h200 --out evidence/h200-report

@@ -40,6 +40,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gate", ("h3gate.gate",)),
     ("trajectory", ("h3gate.trajectory",)),
     ("runs", ("h3gate.runs",)),
+    ("sglang", ("h3gate.adapters",)),
     ("adapter", ("h3gate.strict", "h3gate.strict_lora")),
     ("arms", ("h3gate.arms",)),
     ("bench", ("h3gate.bench",)),

@@ -20,6 +20,9 @@ import h3gate
 # Import names whose distribution is spelled otherwise.
 DIST_OF = {"yaml": "pyyaml", "PIL": "pillow", "pynvml": "nvidia-ml-py"}
 EXTRAS_NOT_RUNTIME = ("test",)  # extras that are not a runtime feature: never a place for h3gate's own imports
+# Installed apart, by a make target from a pinned requirements file (pip cannot express --no-deps in an extra), and
+# imported only inside functions, as an extra's packages are: top-level module -> its requirements file.
+INSTALLED_APART = {"sglang": "tools/sglang-requirements.txt"}
 
 
 def all_modules() -> list[str]:
@@ -112,8 +115,12 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
     declared, optional = _declared(pyproject), _optional(pyproject)
     used = _third_party_imports(package)
     assert {"torch", "triton", "typer", "yaml", "matplotlib"} <= set(used)  # module and function level imports
-    missing = {top: sorted(files) for top, files in used.items() if _dist(top) not in declared | optional}
+    apart = set(INSTALLED_APART)
+    missing = {top: sorted(files) for top, files in used.items() if _dist(top) not in declared | optional | apart}
     assert not missing, f"imported but not in [project].dependencies or a runtime extra: {missing}"
+    for top, requirements in INSTALLED_APART.items():
+        pins = (package.parent / requirements).read_text(encoding="utf-8").splitlines()
+        assert any(line.startswith(f"{top}==") for line in pins), f"{requirements}: does not pin {top}"
 
 
 def test_optional_extras_are_imported_lazily() -> None:
@@ -125,7 +132,9 @@ def test_optional_extras_are_imported_lazily() -> None:
     assert {"matplotlib", "pillow"} <= optional
     eager = _third_party_imports(package, eager_only=True)
     assert "torch" in eager and "matplotlib" not in eager
-    offenders = {top: sorted(f) for top, f in eager.items() if _dist(top) in optional - declared}
+    offenders = {
+        top: sorted(f) for top, f in eager.items() if _dist(top) in (optional - declared) | set(INSTALLED_APART)
+    }
     assert not offenders, f"optional extras imported at module level (import them inside the function): {offenders}"
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prepare an offline install of h3gate for a GPU host: the wheels it needs there, beyond torch and triton.
 
-    python3 tools/wheelhouse.py [--python-version 3.12] [--platform TAG ...] [--with-diffusers]
+    python3 tools/wheelhouse.py [--python-version 3.12] [--platform TAG ...] [--with-diffusers] [--with-sglang]
                                 [--host-has tools/gpu-host-packages.txt] [--dest .whl]
 
 1. resolves h3gate's ``[project].dependencies`` without torch and triton (the host has its own CUDA builds) and the
@@ -10,7 +10,13 @@
    --report``: nothing is installed);
 2. leaves out every distribution named in ``--host-has`` (default: the GPU host image's list; ``--host-has ''``
    keeps everything);
-3. downloads the rest as binary wheels and builds h3gate's own wheel, into ``--dest`` (its old wheels removed first,
+3. with ``--with-sglang``, adds every pin of ``tools/sglang-requirements.txt`` (sglang 0.5.23 and exactly what its
+   MiniMax-H3 DiT imports, ``make install-sglang``'s list) as it stands, without resolving their dependencies (the
+   list is closed; sglang's own metadata asks for torch 2.14.1 and CUDA packages) and whatever the host holds: the
+   wheelhouse's site folder then shadows the host's copies with the tested versions (torch, triton and torchvision
+   stay the host's). sglang's wheels carry compiled extensions built for ``manylinux_2_34`` (glibc 2.34 or newer on
+   the host), which this option adds to the platform tags;
+4. downloads the rest as binary wheels and builds h3gate's own wheel, into ``--dest`` (its old wheels removed first,
    so that it holds one version of each).
 
 On the host: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (README.md).
@@ -31,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 HOST_PROVIDES = ("torch", "triton")  # always the host's own (CUDA) builds
+SGLANG_REQUIREMENTS = ROOT / "tools" / "sglang-requirements.txt"
+SGLANG_PLATFORM = "manylinux_2_34_x86_64"  # sglang 0.5.23's cp311/cp312 wheels
 
 
 def norm(name: str) -> str:
@@ -50,6 +58,28 @@ def requirements(with_diffusers: bool) -> list[str]:
     if with_diffusers:
         reqs += [r for r in project["optional-dependencies"]["test"] if requirement_name(r) == "diffusers"]
     return reqs
+
+
+def sglang_pins(path: Path = SGLANG_REQUIREMENTS) -> list[tuple[str, str]]:
+    """(name, version) of every ``name==version`` line of the sglang requirements (comments and blanks skipped)."""
+    pins = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            if not sep or not version or requirement_name(name) != norm(name):
+                sys.exit(f"wheelhouse: {path}: {line!r} is not a name==version pin")
+            pins.append((norm(name), version.strip()))
+    return pins
+
+
+def merge_pins(resolved: list[tuple[str, str]], pins: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``resolved`` with the sglang ``pins`` added; a distribution in both takes the pin's version."""
+    pinned = dict(pins)
+    for name, version in resolved:
+        if name in pinned and pinned[name] != version:
+            print(f"wheelhouse: {name} {version} (h3gate's resolution) -> {pinned[name]} (sglang pin)")
+    return sorted([(n, v) for n, v in resolved if n not in pinned] + pins)
 
 
 def target_args(python_version: str, platforms: list[str]) -> list[str]:
@@ -102,16 +132,22 @@ def main() -> int:
     ap.add_argument("--python-version", default="3.12", help="the host's Python, e.g. 3.12 (the H200 image) or 3.11")
     ap.add_argument("--platform", action="append", help=f"wheel platform tag, repeatable (default: {PLATFORMS})")
     ap.add_argument("--with-diffusers", action="store_true", help="add diffusers (the parity oracle) and its needs")
+    ap.add_argument("--with-sglang", action="store_true", help="add sglang 0.5.23 and its DiT's pinned imports")
     ap.add_argument("--host-has", default=str(ROOT / "tools" / "gpu-host-packages.txt"), help="names to leave out")
     ap.add_argument("--dest", default=str(ROOT / ".whl"), help="output folder (default ./.whl)")
     args = ap.parse_args()
-    target = target_args(args.python_version, args.platform or list(PLATFORMS))
+    platforms = args.platform or list(PLATFORMS)
+    if args.with_sglang and SGLANG_PLATFORM not in platforms:
+        platforms = [SGLANG_PLATFORM, *platforms]
+    target = target_args(args.python_version, platforms)
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("*.whl"):
         old.unlink()
     resolved = resolve(requirements(args.with_diffusers), target)
-    skip = host_has(args.host_has) | set(HOST_PROVIDES)
+    pins = sglang_pins() if args.with_sglang else []
+    skip = (host_has(args.host_has) - {n for n, _ in pins}) | set(HOST_PROVIDES)
+    resolved = merge_pins(resolved, pins)
     wanted = [f"{name}=={version}" for name, version in resolved if name not in skip]
     kept = [name for name, _ in resolved if name in skip]
     print(f"wheelhouse: {len(wanted)} to carry, {len(kept)} on the host already: {' '.join(kept)}")

@@ -1,0 +1,133 @@
+"""The SGLang adapter's parts that need no sglang: the pinned install list, the one-line refusals without sglang,
+the torchvision shim, the packing arithmetic, the node map's coverage of the graph and its written table, and the
+wheelhouse's sglang pins. (The adapter against SGLang itself: tests/sglang, ``make test-sglang``.)"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3gate.adapters.sglang import capture, runtime
+from h3gate.adapters.sglang.inputs import packing
+from h3gate.errors import InputError
+from h3gate.graph.model import build_model_graph
+from h3gate.manifests.model_config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = ROOT / "tools" / "sglang-requirements.txt"
+
+
+def _pins() -> dict[str, str]:
+    lines = [line.split("#", 1)[0].strip() for line in REQUIREMENTS.read_text(encoding="utf-8").splitlines()]
+    pins = [line.split("==") for line in lines if line]
+    assert all(len(p) == 2 and re.fullmatch(r"[A-Za-z0-9._-]+", p[0]) and p[1] for p in pins), pins
+    names = [re.sub(r"[-_.]+", "-", n).lower() for n, _ in pins]
+    assert len(set(names)) == len(names), "a distribution pinned twice"
+    return dict(zip(names, (v for _, v in pins), strict=True))
+
+
+def test_the_sglang_requirements_are_exact_pins_beside_h3gates_own():
+    pins = _pins()
+    assert pins["sglang"] == runtime.SGLANG_VERSION
+    own = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    own = {re.split(r"[<>=!~;\[\s]", d, maxsplit=1)[0].lower() for d in own}
+    assert not own & set(pins), f"h3gate's own dependencies are not the sglang list's business: {own & set(pins)}"
+    assert not {"torch", "triton", "torchvision"} & set(pins)  # the installed torch's, never sglang's pins
+
+
+def test_without_sglang_every_entry_point_says_how_to_get_it(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(runtime.importlib.metadata, "version", missing)
+    with pytest.raises(InputError, match=r"^--candidate sglang: needs sglang 0\.5\.23: make install-sglang$"):
+        runtime.require_sglang()
+    monkeypatch.setattr(runtime.importlib.metadata, "version", lambda name: "0.5.22")
+    with pytest.raises(InputError, match=r"sglang 0\.5\.22 is installed, h3gate is tested with 0\.5\.23"):
+        runtime.init_runtime()
+
+
+SHIM_PROBE = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "torchvision":
+            {fail}
+sys.meta_path.insert(0, Block())
+from h3gate.adapters.sglang.tvshim import SHIM_VERSION, ensure_torchvision
+print(ensure_torchvision())
+import torchvision
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms.v2 import functional as tvF
+assert torchvision.__version__ == SHIM_VERSION and "shim" in repr(InterpolationMode.BICUBIC)
+class Resize(tvF.Resize): pass
+for call in (lambda: tvF.resize(None), lambda: Resize()):
+    try:
+        call()
+    except RuntimeError as exc:
+        print(exc)
+"""
+
+
+@pytest.mark.parametrize(
+    ("fail", "record"),
+    [
+        ("raise ModuleNotFoundError(\"No module named 'torchvision'\", name='torchvision')", "shim: not installed"),
+        ("raise RuntimeError('operator torchvision::nms does not exist')", "shim: installed build does not import "
+         "(RuntimeError: operator torchvision::nms does not exist)"),
+    ],
+)  # fmt: skip
+def test_the_torchvision_shim_imports_and_refuses_to_compute(fail, record):
+    code = SHIM_PROBE.replace("{fail}", fail)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == record
+    assert lines[1].startswith("torchvision.transforms.v2.functional.resize: torchvision is not installed here")
+    assert lines[2] == "Resize: needs torchvision, which is not installed here (h3gate shim)"
+
+
+def test_packing_pads_to_the_alignment_and_unpacks():
+    pack = packing(3, 84, torch.arange(24), align=64)
+    assert (pack.total, pack.cu_seqlens, pack.trusted_layout) == (256, (0, 84, 168, 252, 256), False)
+    assert packing(1, 128, torch.arange(24)).cu_seqlens == (0, 128, 128)
+    assert packing(1, 84, torch.arange(24)).trusted_layout and not packing(1, 84, torch.arange(1, 25)).trusted_layout
+    rows = torch.arange(256.0)[:, None]
+    assert torch.equal(pack.unpack(rows)[2, :, 0], torch.arange(168.0, 252.0))
+    with pytest.raises(InputError, match="direct path refines one request's text per forward"):
+        packing(2, 84, torch.arange(24), serving=False)
+
+
+def test_the_node_map_covers_the_graph_and_is_written_down():
+    cfg = load_config("tiny").config
+    points = capture.node_map(cfg)
+    assert [p.node for p in points] == [n.name for n in build_model_graph(cfg).nodes]  # one point a node, in order
+    rows = {tuple(line.split()[:2]) for line in capture.__doc__.splitlines() if line.startswith("    ")}
+    for p in points:
+        node = re.sub(r"^block\.\d+\.", "block.i.", re.sub(r"^refiner\.\d+\.", "refiner.r.", p.node))
+        module = re.sub(r"^token_refiner\.blocks\.\d+", "token_refiner.blocks.r", p.module)
+        module = re.sub(r"^blocks\.\d+", "blocks.i", module) if p.node.startswith("block.") else module
+        assert (node, module or "model") in rows, f"{p.node}: ({node}, {module}) is not a row of capture.py's table"
+
+
+def _wheelhouse():
+    spec = importlib.util.spec_from_file_location("wheelhouse", ROOT / "tools" / "wheelhouse.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_wheelhouse_carries_the_sglang_pins_as_pinned():
+    wheelhouse = _wheelhouse()
+    pins = wheelhouse.sglang_pins()
+    assert dict(pins) == _pins()
+    merged = dict(wheelhouse.merge_pins([("packaging", "25.0"), ("rich", "15.0.0")], pins))
+    assert merged["packaging"] == _pins()["packaging"] and merged["rich"] == "15.0.0"
