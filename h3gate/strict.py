@@ -40,6 +40,7 @@ import torch
 
 from h3gate.checkpoint import parse_diffusers_config
 from h3gate.errors import InputError
+from h3gate.evidence.writer import write_evidence
 from h3gate.graph.core import Node, OpTable
 from h3gate.graph.execute import Hooks
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table
@@ -50,6 +51,7 @@ from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import Binding, bind, fails_closed
+from h3gate.schedule import euler_step
 from h3gate.strict_lora import (
     UPDATE_OP,
     LoraSlot,
@@ -96,7 +98,6 @@ class StrictSession:
 
     def write(self, folder) -> Path:
         """``FOLDER/strict-session.json`` (evidence kind ``strict-session``, schema-validated, provenance stamped)."""
-        from h3gate.evidence.writer import write_evidence
 
         return write_evidence(Path(folder), "strict-session.json", "strict-session", self.record())
 
@@ -255,7 +256,6 @@ def _scheduler_step(session: StrictSession, scheduler: Any):
     """``scheduler.step`` as h3gate's Euler step (:func:`h3gate.schedule.euler_step`: ``x0 = x + (1 - t) v``, then
     ``r x + (1 - r) x0`` with ``r = sigma_{i+1} / sigma_i``, float32 for half-precision samples), on the scheduler's
     own grid and step index; one trace record per call."""
-    from h3gate.schedule import euler_step
 
     def step(self, model_output, timestep, sample, return_dict=True):
         if isinstance(timestep, int) or (isinstance(timestep, torch.Tensor) and not timestep.is_floating_point()):

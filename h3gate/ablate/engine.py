@@ -26,13 +26,14 @@ from h3gate.ablate.arms import Arm, Stream
 from h3gate.errors import InputError
 from h3gate.gate.compare import bitwise_equal, differing_rows, error, tensor_sha256
 from h3gate.graph.core import Graph, Node, OpTable
-from h3gate.graph.model import OUTPUTS
+from h3gate.graph.inputs import TimestepPlan
+from h3gate.graph.model import OUTPUTS, load_model_params
 from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.ablations import ANY, ROW_SYMBOL, AblationRow, Signature
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.memory import BIG_MODEL_PARAMS
 from h3gate.runs.setup import RunSpec, prepare
-from h3gate.synth import layout_variant
+from h3gate.synth import SyntheticSource, layout_variant
 from h3gate.trajectory import Recipe, Request, make_request
 
 HASHED = (*OUTPUTS, "scheduler.video_step", "scheduler.audio_step", "init.condition_rows")
@@ -274,7 +275,6 @@ def device_synthetic_source(cfg: ModelConfig, seed: int, device: str, variant: s
     """Synthetic weights drawn with ``device``'s own generator (same names, shapes, dtypes and init rules as the
     CPU-seeded :class:`h3gate.synth.SyntheticSource`; the values differ). A real-size model is drawn in seconds on a
     GPU instead of minutes on a CPU; both arms of every row read the same tensors."""
-    from h3gate.synth import SyntheticSource
 
     return SyntheticSource(cfg, seed, generator_device=device, variant=variant)
 
@@ -284,9 +284,6 @@ def build_context(
 ) -> Context:
     """The shared context on a prepared whole-model run (:func:`h3gate.runs.setup.prepare`): its config, layout,
     graph and bindings (``mode`` on ``device``), every parameter loaded, the strict arm's op table."""
-    from h3gate.graph.inputs import TimestepPlan
-    from h3gate.graph.model import load_model_params
-    from h3gate.synth import SyntheticSource
 
     ckpt = None if checkpoint is None else str(checkpoint)
     run = prepare(RunSpec("model", layout, config, ckpt, device, seed, mode, draw="device"))

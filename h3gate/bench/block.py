@@ -23,6 +23,7 @@ from h3gate.graph.core import Graph, OpTable
 from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import stand_in
+from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import RunSpec, prepare
 
 KIND = "bench-ws1-block"
@@ -33,7 +34,6 @@ ITERS = 20
 
 def seg8_arm(tables: dict, graph, device: str, merge: str) -> dict:
     """With ``merge == "seg8"``, add the ``strict_seg8`` table (bound strict, seg8 twins) and return its bindings."""
-    from h3gate.ops.registry import check_merge
 
     if check_merge(merge) != "seg8":
         return {}

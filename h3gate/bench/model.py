@@ -42,6 +42,7 @@ from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
 from h3gate.graph.executions import NodeBinding, candidate_table, provider_table
 from h3gate.graph.stages import Stage, backward_stages, forward_stages, stage_params
+from h3gate.memory import require
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, model_cotangents
 from h3gate.runs.setup import Run, RunSpec, prepare, read_inputs
 
@@ -185,7 +186,6 @@ def _load_params(source, device: str) -> Tensors:
 def _check_memory(source, layout, cfg, what: str, device: str) -> int:
     """Refuse before any weight is placed when the parameters plus the saved stage inputs (one packed bf16 hidden
     state per block and one more) cannot fit; returns the parameters' bytes."""
-    from h3gate.memory import require
 
     nbytes = 0
     for name in source.names():

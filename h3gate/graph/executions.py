@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from h3gate.errors import InputError
 from h3gate.graph.core import Graph, OpTable
 from h3gate.ops import registry
+from h3gate.ops.golden import attention_golden, sinusoid_fp64
 from h3gate.ops.registry import Binding
 
 
@@ -30,7 +31,6 @@ def golden_table() -> OpTable:
     """The provider references for float64 tensors, attention chunked over queries where the dense float64 score
     matrix would not fit (``h3gate.ops.golden.attention_golden``; same maths, float64 rounding apart), and the
     timestep sinusoid at float64 (the reference casts to float32, as diffusers does)."""
-    from h3gate.ops.golden import attention_golden, sinusoid_fp64
 
     return provider_table({"h3_full_attention": attention_golden, "timestep_sinusoid_h3": sinusoid_fp64})
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from h3gate.ops import reference
+
 CHUNK_BYTES = 2 << 30
 
 
@@ -86,7 +88,6 @@ def attention_golden(
     """The golden table's attention: the dense reference while its float64 score matrix fits
     :data:`DENSE_ATTENTION_GOLDEN_BYTES`, else :func:`attention_fp64` (same maths, query chunks); ``order``
     ignored."""
-    from h3gate.ops import reference
 
     b, s, nh, _ = q.shape
     if q.dtype != torch.float64 or b * nh * s * s * 8 <= DENSE_ATTENTION_GOLDEN_BYTES:

@@ -15,8 +15,11 @@ import torch
 from h3gate.graph.execute import NodeOverride
 from h3gate.kernels.tp_layers import MergeGroup, check_alignment
 from h3gate.parallel.collectives import ROW_META, group_gather
+from h3gate.parallel.sp import SpRank
 from h3gate.parallel.tp import TpRank, param_local_name, shard_params, tp_overrides, value_shard
+from h3gate.parallel.ulysses import CpRank
 from h3gate.parallel.ws2_partition import Partition
+from h3gate.parallel.ws2_scope import with_fault
 
 
 @dataclass
@@ -46,12 +49,8 @@ class RankPlan:
         plan.partition = part
         plan.row_dims = {n.name: n.row_dim for n in scope.graph.nodes}
         if sp:
-            from h3gate.parallel.sp import SpRank
-
             plan.cp = SpRank.build_sp(scope, inputs, rank, tp, cp, tp_group, cp_group, None)
         elif cp > 1:
-            from h3gate.parallel.ulysses import CpRank
-
             plan.cp = CpRank.build(scope, inputs, rank // tp, cp, cp_group)
         return plan
 
@@ -62,7 +61,6 @@ class RankPlan:
         if self.cp is not None:
             out = self.cp.overrides(self.graph, out)
         nodes = {n.name: n for n in self.graph.nodes}
-        from h3gate.parallel.ws2_scope import with_fault
 
         for fault in faults:
             local = self.local_row(fault.node, fault.row)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h3gate.errors import InputError
 from h3gate.graph.execute import NodeOverride, run_node
 from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows
 from h3gate.parallel.collectives import ROW_META, group_gather
@@ -188,7 +189,6 @@ class SpRank(CpRank):
         return ref
 
     def local_row(self, node: str, row: int) -> int:
-        from h3gate.errors import InputError
 
         span = self.span(node)
         if span is None:

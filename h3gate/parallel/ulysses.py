@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3gate.errors import InputError
 from h3gate.graph.execute import NodeOverride, run_node
 from h3gate.kernels.row_merge import RowGroup, packed_rows
 from h3gate.parallel.collectives import ROW_META, cp_bounds, group_gather, staged
@@ -196,7 +197,6 @@ class CpRank:
         return ref[:, self.lo : self.hi].contiguous() if self.scope == "block" and key == "hidden_states" else ref
 
     def local_row(self, node: str, row: int) -> int:
-        from h3gate.errors import InputError
 
         if not self.sharded(node):
             return row

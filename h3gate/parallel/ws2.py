@@ -19,11 +19,16 @@ from pathlib import Path
 import torch
 
 from h3gate.errors import InputError
+from h3gate.kernels.tp_layers import check_alignment
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.parallel.collectives import cp_bounds
 from h3gate.parallel.launch import run_ranks
+from h3gate.parallel.sp import sp_node
+from h3gate.parallel.ulysses import row_sharded
 from h3gate.parallel.ws2_partition import Partition
-from h3gate.runs.setup import Run, RunSpec, prepare, read_inputs
+from h3gate.parallel.ws2_scope import SCOPES, Fault, build_scope, cotangents, forward_backward
+from h3gate.runs.setup import Run, RunSpec, check_device, prepare, read_inputs
 
 KIND = "ws2"
 TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
@@ -77,7 +82,6 @@ class Ws2Plan:
 
 def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1, scope: str = "block",
            sp: bool = False):  # fmt: skip
-    from h3gate.parallel.ws2_scope import Fault
 
     parts = spec.split(":")
     names = [n.name for n in graph.nodes]
@@ -93,20 +97,13 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
         raise InputError(f"--fault {spec!r}: {phase!r} is neither forward nor backward")
     if row >= seq_len:
         raise InputError(f"--fault {spec!r}: row {row} must be < {seq_len}")
-    if sp:
-        from h3gate.parallel.collectives import cp_bounds
-        from h3gate.parallel.sp import sp_node
-
-        if sp_node(scope, node):
-            bounds = cp_bounds(seq_len, tp * cp)
-            if not bounds[rank] <= row < bounds[rank + 1]:
-                raise InputError(f"--fault {spec!r}: rank {rank} (SP) holds packed rows [{bounds[rank]}, "
-                                 f"{bounds[rank + 1]}) of {node}, not row {row}")  # fmt: skip
-            return Fault(rank, node, row, phase)
+    if sp and sp_node(scope, node):
+        bounds = cp_bounds(seq_len, tp * cp)
+        if not bounds[rank] <= row < bounds[rank + 1]:
+            raise InputError(f"--fault {spec!r}: rank {rank} (SP) holds packed rows [{bounds[rank]}, "
+                             f"{bounds[rank + 1]}) of {node}, not row {row}")  # fmt: skip
+        return Fault(rank, node, row, phase)
     if cp > 1:
-        from h3gate.parallel.collectives import cp_bounds
-        from h3gate.parallel.ulysses import row_sharded
-
         bounds, c = cp_bounds(seq_len, cp), rank // tp
         if row_sharded(scope, node) and not bounds[c] <= row < bounds[c + 1]:
             raise InputError(f"--fault {spec!r}: rank {rank} (CP rank {c}) holds packed rows [{bounds[c]}, "
@@ -117,9 +114,6 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
 def plan_ws2(s: Ws2Settings) -> Ws2Plan:
     """Every check that needs no weights: topology, scope, backend and device, TP1's run (config, layout, graph,
     seg8 bindings; nothing read), config alignment, row shards, faults."""
-    from h3gate.kernels.tp_layers import check_alignment
-    from h3gate.parallel.ws2_scope import SCOPES
-    from h3gate.runs.setup import check_device
 
     if s.topology not in TOPOLOGIES:
         raise InputError(f"--topology {s.topology!r}: must be one of {', '.join(TOPOLOGIES)}")
@@ -148,8 +142,6 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
                          f"tp x cp = {tp * cp} ranks; they must divide")  # fmt: skip
     shards = tp * cp if sp else cp
     if shards > 1:
-        from h3gate.parallel.collectives import cp_bounds
-
         bounds = cp_bounds(layout.seq_len, shards)
         if any(bounds[c] == bounds[c + 1] for c in range(shards)):
             raise InputError(f"--layout {s.layout}: {layout.seq_len} packed rows leave a rank of {s.topology} "
@@ -162,8 +154,6 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
 def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float]:
     """TP1 on this device in the seg8 merge order; writes ``inputs`` and ``reference`` into ``folder``."""
     from safetensors.torch import save_file
-
-    from h3gate.parallel.ws2_scope import build_scope, cotangents, forward_backward
 
     s, run = plan.settings, plan.run
     device = run.device

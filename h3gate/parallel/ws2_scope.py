@@ -18,6 +18,9 @@ import torch
 from h3gate.gate.faults import corrupt, grad_fault
 from h3gate.graph.core import Graph
 from h3gate.graph.execute import NodeOverride, run_chained, run_node
+from h3gate.graph.inputs import seeded_normal
+from h3gate.graph.model import OUTPUTS, load_model_params
+from h3gate.runs.model_stages import model_cotangents
 from h3gate.runs.setup import Run
 
 SCOPES = ("block", "model")
@@ -42,7 +45,6 @@ def build_scope(run: Run) -> Scope:
     parameter read."""
     if run.spec.scope == "block":
         return Scope("block", run.graph, run.params, dict(run.inputs.tensors), BLOCK_LEAVES, (run.graph.output,))
-    from h3gate.graph.model import OUTPUTS, load_model_params
 
     params = load_model_params(run.source, run.cfg, run.device)
     return Scope("model", run.graph, params, dict(run.inputs), MODEL_LEAVES, OUTPUTS)
@@ -50,14 +52,11 @@ def build_scope(run: Run) -> Scope:
 
 def cotangents(scope: Scope, values: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """The seeded cotangent of every output (FP32 draws on the CPU, cast to the output's dtype and device)."""
-    from h3gate.graph.inputs import seeded_normal
 
     if scope.name == "block":
         out = values[scope.graph.output]
         cots = {scope.graph.output: seeded_normal(seed, "cotangent:ws2-block", tuple(out.shape))}
     else:
-        from h3gate.runs.model_stages import model_cotangents
-
         cots = model_cotangents(seed, values)
     return {k: c.to(values[k].dtype).to(values[k].device) for k, c in cots.items()}
 

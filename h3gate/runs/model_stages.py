@@ -15,8 +15,10 @@ from collections.abc import Mapping
 
 import torch
 
-from h3gate.graph.model import OUTPUTS
+from h3gate.graph.inputs import TimestepPlan, seeded_normal
+from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.graph.stages import Stage
+from h3gate.trajectory import Recipe, initial_latents, make_request
 
 LEAVES = ("video_rows", "audio_rows", "text")  # differentiable graph inputs (the request)
 LOSS = (
@@ -47,7 +49,6 @@ def model_cotangents(
     """The seeded FP32 cotangents of the declared loss (:data:`LOSS`): ``cotangent:video|audio`` for the request;
     with ``batch = (size, position)`` the request is item ``position`` and item ``k`` gets its own, unrelated
     ``cotangent:video|audio:k``."""
-    from h3gate.graph.inputs import seeded_normal
 
     out = {}
     for name, tag in zip(OUTPUTS, ("video", "audio"), strict=True):
@@ -65,9 +66,6 @@ def model_inputs(layout, cfg, seed: int, device: str, item: int = 0) -> tuple[di
     """(graph inputs, raw metadata record) of request ``item``: seeded latents and text (``make_request`` and the
     default recipe's first latents, as the trajectory draws them), and the layout's metadata at the default
     one-step timestep plan (``TimestepPlan().resolve()``)."""
-    from h3gate.graph.inputs import TimestepPlan
-    from h3gate.graph.model import derive_metadata, raw_metadata
-    from h3gate.trajectory import Recipe, initial_latents, make_request
 
     plan = TimestepPlan().resolve()
     ts, ti = layout.row_timesteps(plan["video_t"], plan["audio_t"], plan["cond_video_t"], plan["cond_audio_t"])

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from h3gate.checkpoint import VARIANT_FOLDERS, open_checkpoint
 from h3gate.errors import InputError
 from h3gate.graph.block import block_params, build_block_graph
 from h3gate.graph.core import Graph, OpTable
@@ -42,6 +43,7 @@ from h3gate.runs.memory_plan import (
     saved_values_bytes,
 )
 from h3gate.runs.model_stages import StageWeights, model_inputs
+from h3gate.synth import SyntheticSource, layout_variant
 
 LAYER = 0  # the block the one-block gate runs
 SCOPES = ("block", "model")
@@ -208,8 +210,6 @@ def config_for(
     weights (default ``tiny``) of the layout task's variant (``synth.layout_variant``: ``transformer_ref`` for
     ref2va), or a checkpoint whose ``config.json`` must match ``config`` when both are given (its variant is its
     folder's name when that is ``transformer`` or ``transformer_ref``)."""
-    from h3gate.checkpoint import VARIANT_FOLDERS, open_checkpoint
-    from h3gate.synth import SyntheticSource, layout_variant
 
     manifests: list[Path] = []
     named = None
@@ -271,7 +271,6 @@ def check_weights(source, stages: list[Stage], cfg: ModelConfig, what: str) -> i
 
 def _first_blocks(spec: RunSpec, cfg: ModelConfig, source, ckpt: dict) -> tuple[ModelConfig, object, dict]:
     """The config cut to its first ``spec.blocks`` blocks (synthetic weights redrawn for it)."""
-    from h3gate.synth import SyntheticSource
 
     if not 1 <= spec.blocks <= cfg.num_layers:
         raise InputError(f"--layers {spec.blocks}: must be in 1..{cfg.num_layers} (the config's blocks)")

@@ -38,6 +38,8 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.gate.compare import bitwise_equal, error, tensor_sha256
+from h3gate.layout import build_layout, patchify_video_latents
+from h3gate.manifests.layouts import LayoutSpec
 from h3gate.numerics import deterministic_algorithms, torch_defaults
 
 MODALITIES = ("video", "audio")
@@ -195,8 +197,6 @@ def _moments(post) -> torch.Tensor:
 
 def _layout_rows(latent_frames: int, latent_h: int, latent_w: int, audio_latents: int) -> tuple[int, int]:
     """(video rows, audio rows) of h3gate's packed layout for this latent grid (a t2va layout, one text row)."""
-    from h3gate.layout import build_layout
-    from h3gate.manifests.layouts import LayoutSpec
 
     spec = LayoutSpec(
         text_tokens=1,
@@ -244,8 +244,6 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents as their_patchify
     from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
-
-    from h3gate.layout import patchify_video_latents
 
     frames, (h, w) = FRAMES[run.geometry], PIXELS[run.geometry]
     a, b = (_pixels(run.seed, i, frames, h, w, run.device) for i in (0, 1))
