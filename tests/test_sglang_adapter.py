@@ -131,3 +131,53 @@ def test_the_wheelhouse_carries_the_sglang_pins_as_pinned():
     assert dict(pins) == _pins()
     merged = dict(wheelhouse.merge_pins([("packaging", "25.0"), ("rich", "15.0.0")], pins))
     assert merged["packaging"] == _pins()["packaging"] and merged["rich"] == "15.0.0"
+
+
+def test_forcing_writes_back_exactly_what_the_capture_reads():
+    """Teacher forcing inverts the capture's transforms: values recorded at points in SGLang's layout, assembled into
+    h3gate's, then forced into blank tensors of SGLang's layout give back the request rows bit for bit (re-fused q/k/v
+    columns, fc1 halves swapped back, the BF16 rows widened into the FP32 copy, packed rows, text rows call by call),
+    padding rows untouched."""
+    from h3gate.adapters.sglang.capture import Point, Recorder, collect, point_key
+    from h3gate.adapters.sglang.forcing import Forcing
+
+    cfg = load_config("tiny").config
+    nd, f, h = cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim, cfg.hidden_size
+    pack = packing(2, 84, torch.arange(24))
+    g = torch.Generator().manual_seed(0)
+    bf16 = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16)  # noqa: E731
+    points = [
+        *(Point(f"{w}_proj", "attn.qkv_proj", "out", w) for w in "qkv"),
+        Point("ffn_gate_up", "mlp.fc1", "out", "swap"),
+        Point("norm_out", "video_out", "in", "bf16"),
+        Point("embed.text", "condition_proj", "out"),
+        Point("adaln_projection", "adaln_proj.linear", "out"),
+    ]
+    rows = {"embed.text": "text", "adaln_projection": "timestep"}
+    rows = {p.node: rows.get(p.node, "packed") for p in points}
+    calls = {
+        "attn.qkv_proj": [bf16(pack.total, 3 * nd)],
+        "mlp.fc1": [bf16(pack.total, 2 * f)],
+        "video_out": [bf16(pack.total, h).float()],
+        "condition_proj": [bf16(24, h), bf16(24, h)],  # one refiner call per request
+        "adaln_proj.linear": [bf16(3, 18 * h)],
+    }
+    rec = Recorder()
+    for p in points:
+        if point_key(p) not in rec.calls:
+            for value in calls[p.module]:
+                rec.put(point_key(p), value)
+    values, uncovered = collect(points, rec, rows, pack, cfg)
+    assert uncovered == {} and values["norm_out"].dtype == torch.bfloat16 and values["embed.text"].shape == (2, 24, h)
+    forcing = Forcing(points, values, rows, cfg)
+    for module, sources in calls.items():
+        key = point_key(next(p for p in points if p.module == module))
+        for source in sources:
+            blank = torch.zeros_like(source)
+            forcing(key, blank)
+            used = source.shape[0] if module in ("condition_proj", "adaln_proj.linear") else 2 * 84
+            assert torch.equal(blank[:used], source[:used]) and not blank[used:].any()
+    assert all(forcing.complete(p.node) for p in points)
+    wrong = {**values, "norm_out": values["norm_out"].float()}
+    with pytest.raises(InputError, match=r"norm_out: the provider's value \(\(2, 84, 192\) torch.float32\) does not"):
+        Forcing(points, wrong, rows, cfg)(point_key(points[4]), torch.zeros(pack.total, h))

@@ -85,3 +85,17 @@ def tp_rank(rank: int, world: int, port: int, out: str) -> None:
         tp = torch.tensor([runtime.degrees()["tp"]])
         save_file({**{k: v.contiguous() for k, v in out_values.items()}, "tp": tp}, out)
     dist.destroy_process_group()
+
+
+def downstream(graph: Graph, names: set[str]) -> set[str]:
+    """``names`` and every node of ``graph`` that reads one of them, directly or not."""
+    out = set(names)
+    for node in graph.nodes:
+        if any(k in out for k in node.inputs):
+            out.add(node.name)
+    return out
+
+
+def moved_rows(a: torch.Tensor, b: torch.Tensor) -> set[tuple[int, int]]:
+    """(item, row) of every row where two (B, rows, ...) values differ."""
+    return {tuple(r) for r in (a != b).flatten(2).any(-1).nonzero().tolist()}

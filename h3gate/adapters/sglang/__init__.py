@@ -5,7 +5,11 @@
 * :mod:`.build` - ``MiniMaxH3DiTModel`` loaded by SGLang's loader from a diffusers-layout folder of the run's weights;
 * :mod:`.inputs` - h3gate's model inputs as SGLang's forward kwargs (one request, or several packed with cu_seqlens
   and padding) and its outputs back;
-* :mod:`.capture` - the node map: SGLang's values at h3gate's model-graph node names, through forward hooks.
+* :mod:`.capture` - the node map: SGLang's values at h3gate's model-graph node names, through forward hooks;
+* :mod:`.block` - one ``MiniMaxH3DiTBlock`` on h3gate's block inputs, captured at the 17 block-graph nodes;
+* :mod:`.forcing` - teacher forcing: each point overwritten in place by the provider's value (the capture's
+  transforms inverted), so one forward yields every node's isolated value;
+* :mod:`.candidate` - ``SglangCandidate``: chained, repeat, isolated and batch-placed node values for the gate engines.
 
 Nothing here imports sglang at module level: ``import h3gate.adapters.sglang`` works without it, and every entry
 point that needs it raises one-line ``InputError`` naming ``make install-sglang``.

@@ -60,6 +60,11 @@ audio rows come request after request. On the CPU every node is captured. A poin
 node in ``uncovered`` with the reason :data:`ABSENT` gives (on CUDA SGLang's fused paths skip these modules:
 QK-norm + RoPE in one JIT kernel, the RMSNorm + AdaLN site under ``quality="lossless"``). Captures run at TP 1 and
 SP 1 (a sharded rank holds column or row shards that h3gate's nodes do not).
+
+With ``provider`` (the provider's node values), :func:`capture_forward` is the isolated view by teacher forcing:
+each point's value is recorded and then overwritten in place by the provider's value of its node, mapped back into
+SGLang's layout (:mod:`.forcing`), so every later point reads the provider's upstream and one forward yields every
+node's isolated value; a node whose inputs were not all replaced is listed in ``uncovered`` with the reason.
 """
 
 from __future__ import annotations
@@ -98,7 +103,9 @@ class Point:
     part: str = ""
 
 
-def _body(prefix: str, module: str, rope: bool) -> list[Point]:
+def body_points(prefix: str, module: str, rope: bool) -> list[Point]:
+    """The points of one attention + FFN body: SGLang's block ``module`` (a transformer block with ``rope``, a
+    refiner block without), nodes named ``prefix`` + the block graph's names."""
     pts = [
         Point(f"{prefix}norm1", f"{module}.attn", "in"),
         *(Point(f"{prefix}{w}_proj", f"{module}.attn.qkv_proj", "out", w) for w in "qkv"),
@@ -127,7 +134,7 @@ def node_map(cfg: ModelConfig) -> list[Point]:
         Point("embed.text", "condition_proj", "out"),
     ]
     for r in range(cfg.num_refiner_layers):
-        pts += _body(f"refiner.{r}.", f"token_refiner.blocks.{r}", rope=False)
+        pts += body_points(f"refiner.{r}.", f"token_refiner.blocks.{r}", rope=False)
     pts += [
         Point("refiner.final_norm", "token_refiner.final_norm", "out"),
         Point("embed.pack", "blocks.0", "in"),
@@ -138,7 +145,7 @@ def node_map(cfg: ModelConfig) -> list[Point]:
     ]
     for i in range(cfg.num_layers):
         pts += [Point(f"block.{i}.adaln_projection", f"blocks.{i}.adaln_proj.linear", "out")]
-        pts += _body(f"block.{i}.", f"blocks.{i}", rope=True)
+        pts += body_points(f"block.{i}.", f"blocks.{i}", rope=True)
     return pts + [
         Point("final.projection", "final_layer.adaln_proj.linear", "out"),
         Point("final.norm_out", "final_layer.video_out", "in", "bf16"),
@@ -175,19 +182,31 @@ def _slice(value: torch.Tensor, point: Point, cfg: ModelConfig) -> torch.Tensor:
     return value
 
 
-class _Recorder:
-    """Hooks that append a clone of each point's value, per call, under the point's key."""
+Key = tuple[str, str, str]  # (module, where, part for varlen / model points, else "")
+Force = Callable[[Key, torch.Tensor], None]  # overwrites a point's value in place (teacher forcing)
 
-    def __init__(self) -> None:
-        self.calls: dict[tuple[str, str, str], list[torch.Tensor]] = {}
 
-    def put(self, key: tuple[str, str, str], value: torch.Tensor) -> None:
+def point_key(p: Point) -> Key:
+    return (p.module, p.where, p.part if p.where in ("varlen", "model") else "")
+
+
+class Recorder:
+    """Hooks that append a clone of each point's value, per call, under the point's key, and then hand the value
+    to ``force`` (when set), which may overwrite it in place."""
+
+    def __init__(self, force: Force | None = None) -> None:
+        self.calls: dict[Key, list[torch.Tensor]] = {}
+        self.force = force
+
+    def put(self, key: Key, value: torch.Tensor) -> None:
         self.calls.setdefault(key, []).append(value.detach().clone())
+        if self.force is not None and key[1] != "model":
+            self.force(key, value)
 
 
-def _wrap_varlen(impl, module: str, rec: _Recorder) -> None:
-    """Record q and k of every ``forward_varlen`` call of this attention backend instance (an instance attribute
-    shadowing the class's method; deleted again by :func:`_hooks`)."""
+def _wrap_varlen(impl, module: str, rec: Recorder) -> None:
+    """Record (and force) q and k of every ``forward_varlen`` call of this attention backend instance (an instance
+    attribute shadowing the class's method; deleted again by :func:`hooks`)."""
     call = impl.forward_varlen
 
     def varlen(q, k, v, *args, **kwargs):
@@ -199,7 +218,10 @@ def _wrap_varlen(impl, module: str, rec: _Recorder) -> None:
 
 
 @contextlib.contextmanager
-def _hooks(model: torch.nn.Module, points: list[Point], rec: _Recorder) -> Iterator[None]:
+def hooks(model: torch.nn.Module, points: list[Point], rec: Recorder) -> Iterator[None]:
+    """Every point of ``points`` hooked into ``model`` (module paths from the model's root) while the context is
+    open: ``out`` a forward hook, ``in`` a forward pre-hook on the first positional argument (the tensor itself, so
+    an in-place overwrite reaches every reader of it), ``varlen`` the backend's call, ``model`` the outputs."""
     handles, wrapped = [], []
 
     def outputs(m, args, out) -> None:
@@ -239,6 +261,24 @@ def _assemble(node: str, rows: str, calls: list[torch.Tensor], pack: Packing) ->
     return value.reshape(pack.batch, -1, *value.shape[1:])
 
 
+def collect(
+    points: list[Point], rec: Recorder, rows: Mapping[str, str], pack: Packing, cfg: ModelConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(values, uncovered): each point's calls assembled into its node's value in h3gate's shape (``rows``: the
+    node's row kind), or the node uncovered with :data:`ABSENT`'s reason when its point did not fire; model output
+    points are left to the caller."""
+    values, uncovered = {}, {}
+    for p in points:
+        calls = rec.calls.get(point_key(p))
+        if not calls:
+            suffix = p.node.rsplit(".", 1)[-1]
+            uncovered[p.node] = ABSENT.get(suffix, f"{p.module or 'model'} {p.where}: not called in this forward")
+            continue
+        if p.where != "model":
+            values[p.node] = _slice(_assemble(p.node, rows[p.node], calls, pack), p, cfg)
+    return values, uncovered
+
+
 def capture_forward(
     model: torch.nn.Module,
     cfg: ModelConfig,
@@ -247,38 +287,36 @@ def capture_forward(
     pack: Packing,
     graph: Graph | None = None,
     before: Callable[[], contextlib.AbstractContextManager] | None = None,
+    provider: Mapping[str, torch.Tensor] | None = None,
 ) -> Capture:
     """One SGLang forward (the serving path's text refinement and RoPE cache included) with every point of
     :func:`node_map` hooked; ``before()`` (e.g. :func:`row_fault`) is entered first, so its hooks run before the
-    capture's."""
+    capture's. With ``provider`` (node -> the provider's value, h3gate's shapes, batch ``pack.batch``), the isolated
+    view by teacher forcing (module docstring): ``uncovered`` then also names every node whose inputs were not all
+    the provider's."""
+    from h3gate.adapters.sglang.forcing import Forcing, isolation_gaps
+
     if any(d != 1 for d in degrees().values()):
         raise InputError(f"sglang capture: degrees {degrees()}: the node map reads TP 1 / SP 1 values only")
     graph = graph or build_model_graph(cfg)
     points = node_map(cfg)
+    rows = {n.name: n.meta["rows"] for n in graph.nodes}
+    forcing = None if provider is None else Forcing(points, provider, rows, cfg)
     model._resolve_attention_backend_once()  # the backend instances the varlen points wrap
-    rec = _Recorder()
+    rec = Recorder(forcing)
     with contextlib.ExitStack() as stack, torch.no_grad():
         if before is not None:
             stack.enter_context(before())
-        stack.enter_context(_hooks(model, points, rec))
+        stack.enter_context(hooks(model, points, rec))
         out = model(**forward_kwargs(model, inputs, raw, pack))
-    rows = {n.name: n.meta["rows"] for n in graph.nodes}
-    values, uncovered = {}, {}
-    for p in points:
-        key = (p.module, p.where, p.part if p.where in ("varlen", "model") else "")
-        calls = rec.calls.get(key)
-        if not calls:
-            suffix = p.node.rsplit(".", 1)[-1]
-            uncovered[p.node] = ABSENT.get(suffix, f"{p.module or 'model'} {p.where}: not called in this forward")
-            continue
-        if p.where == "model":
-            continue
-        values[p.node] = _slice(_assemble(p.node, rows[p.node], calls, pack), p, cfg)
+    values, uncovered = collect(points, rec, rows, pack, cfg)
     outputs = unpack_outputs(out, pack, int(raw.video_indices.numel()), int(raw.audio_indices.numel()))
     values.update({k: v for k, v in outputs.items() if k not in uncovered})
     missing = [n.name for n in graph.nodes if n.name not in values and n.name not in uncovered]
     for name in missing:
         uncovered[name] = "no SGLang point in the node map"
+    if forcing is not None:
+        uncovered = isolation_gaps(graph.nodes, uncovered, forcing)
     return Capture(values, uncovered, outputs)
 
 
