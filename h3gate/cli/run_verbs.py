@@ -20,6 +20,7 @@ from h3gate.cli.base import (
     TolOpt,
     done,
     run_app,
+    run_command,
 )
 from h3gate.numerics import resolve_device
 
@@ -55,26 +56,30 @@ def run_ws1_block(
 ) -> None:
     """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP64 golden."""
     device = resolve_device(device)
-    from h3gate.commands.run_cmd import ws1_block_command
+    from h3gate.commands.run_cmd import Ws1BlockCommand, ws1_block_command
+    from h3gate.runs.setup import RunSpec
 
-    done(
-        ws1_block_command(
-            layout,
-            config,
-            checkpoint,
-            device,
-            mode,
-            backward,
-            tolerance,
-            seed,
-            save_tensors,
-            out,
-            json_,
-            fault_matrix=fault_matrix,
-            fault=fault,
-            merge=merge_order,
-        )  # fmt: skip
+    run = RunSpec(
+        scope="block",
+        layout=layout,
+        config=config,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+        device=device,
+        seed=seed,
+        mode=mode,
+        merge=merge_order,
     )
+    settings = Ws1BlockCommand(
+        run=run,
+        backward=backward,
+        tolerance=tolerance,
+        save_tensors=save_tensors,
+        fault_matrix=fault_matrix,
+        fault=fault,
+        out=out,
+        json=json_,
+    )
+    run_command(ws1_block_command, settings)
 
 
 @run_app.command("ws1-model")
@@ -112,26 +117,22 @@ def run_ws1_model(
 ) -> None:
     """The whole-model gate: every node of every stage and every gradient, provider vs strict vs FP64 golden."""
     device = resolve_device(device)
-    from h3gate.commands.model_cmd import ws1_model_command
+    from h3gate.commands.model_cmd import MODEL_RUN, Ws1ModelCommand, ws1_model_command
 
-    done(
-        ws1_model_command(
-            layout,
-            config,
-            checkpoint,
-            device,
-            mode,
-            backward,
-            layers,
-            tolerance,
-            seed,
-            save_tensors,
-            out,
-            json_,
-            fault=fault,
-            merge=merge_order,
-        )  # fmt: skip
+    run = MODEL_RUN.with_(
+        layout=layout or MODEL_RUN.layout,
+        config=config,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+        device=device,
+        seed=seed,
+        mode=mode,
+        merge=merge_order,
+        layers=layers,
     )
+    settings = Ws1ModelCommand(
+        run=run, backward=backward, tolerance=tolerance, save_tensors=save_tensors, fault=fault, out=out, json=json_
+    )
+    run_command(ws1_model_command, settings)
 
 
 @run_app.command("ws1-trajectory")
