@@ -50,10 +50,6 @@ FaultOpt = Annotated[
 Settings = TypeVar("Settings")
 
 
-def done(code: int) -> None:
-    raise typer.Exit(code)
-
-
 def run_command(command: Callable[[Settings], int], settings: Settings) -> NoReturn:
     """Call a command function with its one settings object and exit with the code it returns."""
     raise typer.Exit(command(settings))
