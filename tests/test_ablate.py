@@ -45,7 +45,8 @@ def matrix(tmp_path_factory):
     """The CI run: every row but the ws2 rows on the tiny config, CPU, provider ops (A4 plans ws2 and is refused)."""
     out = tmp_path_factory.mktemp("ablate")
     rows = ",".join(r for r in ROWS if r not in WS2_ROWS)
-    code = ablate_cmd.ablate_command(rows, False, False, "tiny", "tiny", "cpu", out, True)
+    settings = ablate_cmd.AblateCommand(row=rows, layout="tiny", config="tiny", device="cpu", out=out, json=True)
+    code = ablate_cmd.ablate_command(settings)
     return code, out, json.loads((out / "ablation.json").read_text())
 
 
@@ -239,7 +240,10 @@ def test_a_partition_ws2_cannot_run_is_an_input_error(topology, scope, partition
 def test_ws2_rows_give_their_expected_outcomes(tmp_path):
     """C0, H17, H-C4 and H-C5 through ``h3gate ablate``: real TP / CP ranks against TP1, forward and backward; C0's
     strict arm is H-C4's probe (one run), and one TP1 serves every plan."""
-    code = ablate_cmd.ablate_command(",".join(WS2_ROWS), False, False, "micro", "ws2-tiny", "cpu", tmp_path, True)
+    settings = ablate_cmd.AblateCommand(
+        row=",".join(WS2_ROWS), layout="micro", config="ws2-tiny", device="cpu", out=tmp_path, json=True
+    )
+    code = ablate_cmd.ablate_command(settings)
     doc = json.loads((tmp_path / "ablation.json").read_text())
     validate_document(doc, "ablation")
     by_id = {r["id"]: r for r in doc["rows"]}

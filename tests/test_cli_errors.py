@@ -133,7 +133,7 @@ def test_out_of_memory_is_one_line_exit_2(run_cli, monkeypatch, exc):
     """A request too large for the machine is refused in one line (no traceback), exit 2."""
     from h3gate.commands import validate_cmd
 
-    def boom(json_: bool) -> int:
+    def boom(settings: object) -> int:
         raise exc()
 
     monkeypatch.setattr(validate_cmd, "validate_command", boom)
@@ -145,7 +145,7 @@ def test_out_of_memory_is_one_line_exit_2(run_cli, monkeypatch, exc):
 def test_other_runtime_errors_are_bugs_exit_3_with_their_traceback_in_a_file(run_cli, monkeypatch):
     from h3gate.commands import validate_cmd
 
-    def boom(json_: bool) -> int:
+    def boom(settings: object) -> int:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(validate_cmd, "validate_command", boom)

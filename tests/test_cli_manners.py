@@ -1,11 +1,14 @@
 """CLI manners: piped tables keep whole words, every option has help, progress lines on stderr (and ``--quiet``),
-and fingerprint says which config fields differ from the manifest and why the checkpoint still matches."""
+fingerprint says which config fields differ from the manifest and why the checkpoint still matches, and every
+command takes one settings object."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +36,35 @@ def test_every_option_and_argument_has_help():
     assert len(params) > 50 and any(p.name == "quiet" for _, p in params)
     missing = [f"{path}: {p.opts[0] if p.opts else p.name}" for path, p in params if not (p.help or "").strip()]
     assert missing == [], "options / arguments without help text:\n" + "\n".join(missing)
+
+
+def _frozen_dataclasses(tree: ast.Module) -> set[str]:
+    def frozen(d: ast.expr) -> bool:
+        return isinstance(d, ast.Call) and any(
+            k.arg == "frozen" and isinstance(k.value, ast.Constant) and k.value.value is True for k in d.keywords
+        )
+
+    return {n.name for n in tree.body if isinstance(n, ast.ClassDef) and any(frozen(d) for d in n.decorator_list)}
+
+
+def test_every_command_takes_one_settings_object():
+    """``commands/<verb>_cmd.py``: each ``*_command`` takes one argument, a frozen dataclass of its module, and
+    returns an exit code (DESIGN.md, "Adding a verb")."""
+    import h3gate.commands
+
+    found, wrong = [], []
+    for path in sorted(Path(h3gate.commands.__file__).parent.glob("*_cmd.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        settings = _frozen_dataclasses(tree)
+        for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_command")):
+            found.append(fn.name)
+            args = fn.args
+            one = len(args.args) == 1 and not (args.posonlyargs or args.kwonlyargs or args.vararg or args.kwarg)
+            hint = ast.unparse(args.args[0].annotation) if one and args.args[0].annotation else None
+            if not one or hint not in settings or fn.returns is None or ast.unparse(fn.returns) != "int":
+                wrong.append(f"{path.name}: {fn.name}({ast.unparse(args)})")
+    assert len(found) >= 18, found
+    assert wrong == [], "commands not taking one frozen settings dataclass:\n" + "\n".join(wrong)
 
 
 def test_ablate_list_piped_keeps_whole_words(run_cli):

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from h3gate.commands.validate_cmd import validate_command
+from h3gate.commands.validate_cmd import ValidateCommand, validate_command
 from h3gate.paths import ROOT
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_validate_passes_on_the_repository(capsys):
-    assert validate_command(json_=True) == 0
+    assert validate_command(ValidateCommand(json=True)) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is True
     kinds = {c["kind"] for c in report["checks"]}

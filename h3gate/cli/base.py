@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 
@@ -46,8 +47,12 @@ FaultOpt = Annotated[
 ]
 
 
-def done(code: int) -> None:
-    raise typer.Exit(code)
+Settings = TypeVar("Settings")
+
+
+def run_command(command: Callable[[Settings], int], settings: Settings) -> NoReturn:
+    """Call a command function with its one settings object and exit with the code it returns."""
+    raise typer.Exit(command(settings))
 
 
 @app.callback()

@@ -1,4 +1,5 @@
-"""``h3gate run ...``: the gates, each a thin verb over one command function."""
+"""``h3gate run ...``: the gates, each a thin verb that builds its command's settings object and calls the command
+through :func:`~h3gate.cli.base.run_command`."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from h3gate.cli.base import (
     OutOpt,
     SeedOpt,
     TolOpt,
-    done,
     run_app,
+    run_command,
 )
 from h3gate.numerics import resolve_device
 
@@ -55,26 +56,30 @@ def run_ws1_block(
 ) -> None:
     """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP64 golden."""
     device = resolve_device(device)
-    from h3gate.commands.run_cmd import ws1_block_command
+    from h3gate.commands.run_cmd import Ws1BlockCommand, ws1_block_command
+    from h3gate.runs.setup import RunSpec
 
-    done(
-        ws1_block_command(
-            layout,
-            config,
-            checkpoint,
-            device,
-            mode,
-            backward,
-            tolerance,
-            seed,
-            save_tensors,
-            out,
-            json_,
-            fault_matrix=fault_matrix,
-            fault=fault,
-            merge=merge_order,
-        )  # fmt: skip
+    run = RunSpec(
+        scope="block",
+        layout=layout,
+        config=config,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+        device=device,
+        seed=seed,
+        mode=mode,
+        merge=merge_order,
     )
+    settings = Ws1BlockCommand(
+        run=run,
+        backward=backward,
+        tolerance=tolerance,
+        save_tensors=save_tensors,
+        fault_matrix=fault_matrix,
+        fault=fault,
+        out=out,
+        json=json_,
+    )
+    run_command(ws1_block_command, settings)
 
 
 @run_app.command("ws1-model")
@@ -112,26 +117,22 @@ def run_ws1_model(
 ) -> None:
     """The whole-model gate: every node of every stage and every gradient, provider vs strict vs FP64 golden."""
     device = resolve_device(device)
-    from h3gate.commands.model_cmd import ws1_model_command
+    from h3gate.commands.model_cmd import MODEL_RUN, Ws1ModelCommand, ws1_model_command
 
-    done(
-        ws1_model_command(
-            layout,
-            config,
-            checkpoint,
-            device,
-            mode,
-            backward,
-            layers,
-            tolerance,
-            seed,
-            save_tensors,
-            out,
-            json_,
-            fault=fault,
-            merge=merge_order,
-        )  # fmt: skip
+    run = MODEL_RUN.with_(
+        layout=layout or MODEL_RUN.layout,
+        config=config,
+        checkpoint=None if checkpoint is None else str(checkpoint),
+        device=device,
+        seed=seed,
+        mode=mode,
+        merge=merge_order,
+        layers=layers,
     )
+    settings = Ws1ModelCommand(
+        run=run, backward=backward, tolerance=tolerance, save_tensors=save_tensors, fault=fault, out=out, json=json_
+    )
+    run_command(ws1_model_command, settings)
 
 
 @run_app.command("ws1-trajectory")
@@ -160,11 +161,24 @@ def run_ws1_trajectory(
 ) -> None:
     """A dual-scheduler trajectory saved one model evaluation at a time in --out RUNDIR: resumable, verifiable."""
     device = resolve_device(device)
-    from h3gate.commands.trajectory_cmd import ws1_trajectory_command
+    from h3gate.commands.trajectory_cmd import Ws1TrajectoryCommand, ws1_trajectory_command
     from h3gate.runs.ws1_trajectory import TrajectorySettings
 
-    settings = TrajectorySettings(layout, config, checkpoint, device, mode, steps, shift, seed, batch_with)
-    done(ws1_trajectory_command(settings, out, until, resume, verify_last, json_))
+    run = TrajectorySettings(
+        layout=layout,
+        config=config,
+        checkpoint=checkpoint,
+        device=device,
+        mode=mode,
+        steps=steps,
+        shift=shift,
+        seed=seed,
+        batch_with=batch_with,
+    )
+    settings = Ws1TrajectoryCommand(
+        run=run, out=out, until=until, resume=resume, verify_last=verify_last, json=json_
+    )  # fmt: skip
+    run_command(ws1_trajectory_command, settings)
 
 
 @run_app.command("arms")
@@ -202,12 +216,23 @@ def run_arms(
     """Train/rollout arms on diffusers' own module: velocity bytes per step, first drift, gradient repeat, LoRA gate."""
     device = resolve_device(device)
     from h3gate.arms.stack import ArmsSettings, parse_arms
-    from h3gate.commands.arms_cmd import arms_command
+    from h3gate.commands.arms_cmd import ArmsCommand, arms_command
 
-    settings = ArmsSettings(
-        parse_arms(arms), config, checkpoint, layout, layers, device, steps, shift, batch, lora_rank, seed, fault
+    run = ArmsSettings(
+        arms=parse_arms(arms),
+        config=config,
+        checkpoint=checkpoint,
+        layout=layout,
+        layers=layers,
+        device=device,
+        steps=steps,
+        shift=shift,
+        batch=batch,
+        lora_rank=lora_rank,
+        seed=seed,
+        fault=fault,
     )
-    done(arms_command(settings, out, json_))
+    run_command(arms_command, ArmsCommand(run=run, out=out, json=json_))
 
 
 @run_app.command("ws2")
@@ -234,11 +259,21 @@ def run_ws2(
     json_: JsonOpt = False,
 ) -> None:
     """TP/CP/SP ranks against TP1 (one device, seg8 merge order): every value and gradient byte for byte."""
-    from h3gate.commands.ws2_cmd import ws2_command
+    device = resolve_device(device)
+    from h3gate.commands.ws2_cmd import Ws2Command, ws2_command
     from h3gate.parallel.ws2 import Ws2Settings
 
-    settings = Ws2Settings(topology, scope, backend, resolve_device(device), config, layout, seed, fault or [])
-    done(ws2_command(settings, out, json_))
+    run = Ws2Settings(
+        topology=topology,
+        scope=scope,
+        backend=backend,
+        device=device,
+        config=config,
+        layout=layout,
+        seed=seed,
+        faults=fault or [],
+    )
+    run_command(ws2_command, Ws2Command(run=run, out=out, json=json_))
 
 
 @run_app.command("vae")
@@ -254,9 +289,11 @@ def run_vae(
     """Phase B: a seeded VAE (diffusers' class) encode/decode repeat-bitwise, batch-invariant, its latent
     normalisation and layout against the pipeline's helpers; decoded media hashed, not gated."""
     device = resolve_device(device)
-    from h3gate.commands.vae_cmd import vae_command
+    from h3gate.commands.vae_cmd import VaeCommand, vae_command
+    from h3gate.runs.vae import VaeRun
 
-    done(vae_command(modality, mode, device, geometry, seed, out, json_))
+    run = VaeRun(modality=modality, mode=mode, device=device, geometry=geometry, seed=seed)
+    run_command(vae_command, VaeCommand(run=run, out=out, json=json_))
 
 
 @run_app.command("ws1-ops")
@@ -271,6 +308,9 @@ def run_ws1_ops(
 ) -> None:
     """Per-operator evidence: accuracy vs FP32/FP64, invariance, provider-bitwise flag, kernel id."""
     device = resolve_device(device)
-    from h3gate.commands.ops_cmd import ws1_ops_command
+    from h3gate.commands.ops_cmd import Ws1OpsCommand, ws1_ops_command
 
-    done(ws1_ops_command(op or [], layouts, config, device, seed, out, json_))
+    settings = Ws1OpsCommand(
+        ops=tuple(op or ()), layouts=layouts, config=config, device=device, seed=seed, out=out, json=json_
+    )
+    run_command(ws1_ops_command, settings)

@@ -1,4 +1,5 @@
-"""The top-level verbs: each parses its options, calls one command function and exits with its code."""
+"""The top-level verbs: each resolves its device (if it has one), builds its command's settings object and calls the
+command through :func:`~h3gate.cli.base.run_command`, which exits with its code."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from h3gate.cli.base import (
     OutOpt,
     SeedOpt,
     app,
-    done,
+    run_command,
 )
 from h3gate.numerics import resolve_device
 
@@ -49,24 +50,23 @@ def layout(
     json_: JsonOpt = False,
 ) -> None:
     """Build a packed layout (bitwise equal to diffusers' build_packed_sequence / build_ref2va_packed_sequence)."""
-    from h3gate.commands.layout_cmd import layout_command
+    from h3gate.commands.layout_cmd import LayoutCommand, layout_command
 
-    done(
-        layout_command(
-            name,
-            text_tokens,
-            latent_frames,
-            latent_height,
-            latent_width,
-            audio_latents,
-            anchor or [],
-            text_vision_rows or [],
-            save,
-            json_,
-            task,
-            ref or [],
-        )
+    settings = LayoutCommand(
+        name=name,
+        text_tokens=text_tokens,
+        latent_frames=latent_frames,
+        latent_height=latent_height,
+        latent_width=latent_width,
+        audio_latents=audio_latents,
+        anchors=tuple(anchor or ()),
+        text_vision_rows=tuple(text_vision_rows or ()),
+        task=task,
+        refs=tuple(ref or ()),
+        save=save,
+        json=json_,
     )
+    run_command(layout_command, settings)
 
 
 @app.command()
@@ -79,9 +79,9 @@ def schedule(
     json_: JsonOpt = False,
 ) -> None:
     """Sigmas and timesteps bitwise equal to MiniMaxH3Scheduler.set_timesteps."""
-    from h3gate.commands.schedule_cmd import schedule_command
+    from h3gate.commands.schedule_cmd import ScheduleCommand, schedule_command
 
-    done(schedule_command(steps, shift, save, json_))
+    run_command(schedule_command, ScheduleCommand(steps=steps, shift=shift, save=save, json=json_))
 
 
 @app.command("synth-checkpoint")
@@ -95,9 +95,10 @@ def synth_checkpoint(
     ] = "transformer",
 ) -> None:
     """Write a seeded diffusers-layout checkpoint (config.json + safetensors, sharded with an index)."""
-    from h3gate.commands.checkpoint_cmd import synth_command
+    from h3gate.commands.checkpoint_cmd import SynthCheckpointCommand, synth_command
 
-    done(synth_command(config, seed, out, shard_size, variant))
+    settings = SynthCheckpointCommand(out=out, config=config, seed=seed, shard_size=shard_size, variant=variant)
+    run_command(synth_command, settings)
 
 
 @app.command()
@@ -116,9 +117,12 @@ def fingerprint(
     json_: JsonOpt = False,
 ) -> None:
     """Fingerprint the manifest, or check a checkpoint's headers against the inventory its config implies."""
-    from h3gate.commands.checkpoint_cmd import fingerprint_command
+    from h3gate.commands.checkpoint_cmd import FingerprintCommand, fingerprint_command
 
-    done(fingerprint_command(manifest, checkpoint, config, hash_tensors, out, json_))
+    settings = FingerprintCommand(
+        manifest=manifest, checkpoint=checkpoint, config=config, hash_tensors=hash_tensors, out=out, json=json_
+    )
+    run_command(fingerprint_command, settings)
 
 
 @app.command()
@@ -132,9 +136,9 @@ def compare(
     """Two trajectory runs step by step: byte equality per modality, drift size, and the first drifting step re-run
     with node capture on both sides to name the first node, layer, packed row and modality."""
     device = resolve_device(device)
-    from h3gate.commands.compare_cmd import compare_command
+    from h3gate.commands.compare_cmd import CompareCommand, compare_command
 
-    done(compare_command(run_a, run_b, device, out, json_))
+    run_command(compare_command, CompareCommand(run_a=run_a, run_b=run_b, device=device, out=out, json=json_))
 
 
 @app.command()
@@ -151,9 +155,9 @@ def seal(
     ] = None,
 ) -> None:
     """Schema-validate every evidence JSON under FOLDER and seal it (or verify an existing seal)."""
-    from h3gate.commands.seal_cmd import seal_command
+    from h3gate.commands.seal_cmd import SealCommand, seal_command
 
-    done(seal_command(folder, verify, key, pubkey))
+    run_command(seal_command, SealCommand(folder=folder, verify=verify, key=key, pubkey=pubkey))
 
 
 @app.command()
@@ -166,9 +170,9 @@ def report(
 ) -> None:
     """Write the evidence as one self-contained HTML page (figures inline, nothing loaded from the network) plus
     the figures as PNG. Needs matplotlib: pip install 'h3gate\\[report]'."""
-    from h3gate.commands.report_cmd import report_command
+    from h3gate.commands.report_cmd import ReportCommand, report_command
 
-    done(report_command(paths, out, open_))
+    run_command(report_command, ReportCommand(paths=tuple(paths), out=out, open_page=open_))
 
 
 @app.command()
@@ -176,9 +180,9 @@ def keygen(
     out: Annotated[Path, typer.Option("--out", help="Private key file to write (KEY.pub is written next to it).")],
 ) -> None:
     """Write a new Ed25519 key for signing seals: KEY (PEM PKCS8, mode 0600) and KEY.pub; never overwrites."""
-    from h3gate.commands.keygen_cmd import keygen_command
+    from h3gate.commands.keygen_cmd import KeygenCommand, keygen_command
 
-    done(keygen_command(out))
+    run_command(keygen_command, KeygenCommand(out=out))
 
 
 @app.command()
@@ -198,12 +202,21 @@ def bench(
     """Time strict kernels next to the provider in one run (median of CUDA-event timings): operators (--op), the
     block (ws1-block), or the whole model forward and forward + backward (ws1-model). The block and the model also
     record the forward in the power-capped steady state: ms and joules per call, each arm back to back."""
-    from h3gate.commands.bench_cmd import bench_command, check_bench_merge
+    from h3gate.commands.bench_cmd import BenchCommand, bench_command, check_bench_merge
 
-    check_bench_merge(target, merge_order)
+    check_bench_merge(target, merge_order)  # before the device: a bad merge order is named even without CUDA
     device = resolve_device(device)
-
-    done(bench_command(target, op or [], layout, config, device, out, json_, merge_order))
+    settings = BenchCommand(
+        target=target,
+        ops=tuple(op or ()),
+        layout=layout,
+        config=config,
+        merge=merge_order,
+        device=device,
+        out=out,
+        json=json_,
+    )
+    run_command(bench_command, settings)
 
 
 @app.command()
@@ -224,9 +237,24 @@ def ablate(
 ) -> None:
     """Run RFC section 6 ablation rows and assert each one's first-drift signature."""
     device = resolve_device(device)
-    from h3gate.commands.ablate_cmd import ablate_command
+    from h3gate.commands.ablate_cmd import AblateCommand, ablate_command
 
-    done(ablate_command(row, all_, list_, layout, config, device, out, json_, mode, steps, seed, checkpoint, threads))
+    settings = AblateCommand(
+        row=row,
+        all_rows=all_,
+        list_rows=list_,
+        layout=layout,
+        config=config,
+        device=device,
+        mode=mode,
+        steps=steps,
+        seed=seed,
+        checkpoint=checkpoint,
+        threads=threads,
+        out=out,
+        json=json_,
+    )
+    run_command(ablate_command, settings)
 
 
 @app.command()
@@ -234,6 +262,6 @@ def validate(
     json_: JsonOpt = False,
 ) -> None:
     """Load and cross-check every manifest (configs, layouts, tolerances, operators, ablations)."""
-    from h3gate.commands.validate_cmd import validate_command
+    from h3gate.commands.validate_cmd import ValidateCommand, validate_command
 
-    done(validate_command(json_))
+    run_command(validate_command, ValidateCommand(json=json_))

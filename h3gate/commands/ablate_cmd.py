@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.markup import escape
@@ -127,53 +129,51 @@ def _body(ctx, config: str, device: str, seed: int, records: list[dict], wall: f
     }
 
 
-def ablate_command(
-    row: str | None,
-    all_: bool,
-    list_: bool,
-    layout: str,
-    config: str,
-    device: str,
-    out: Path | None,
-    json_: bool,
-    mode: str = "off",
-    steps: int = 4,
-    seed: int = 0,
-    checkpoint: Path | None = None,
-    threads: int | None = None,
-) -> int:
-    from h3gate.ablate.engine import build_context
+@dataclass(frozen=True)
+class AblateCommand:
+    """``ablate``'s settings: the rows (``row``: an id or comma-separated ids; ``all_rows``; ``list_rows`` only lists
+    them) and the context they run on (``mode`` off: provider ops; ``threads``: intra-op CPU threads, default 1 on
+    cpu)."""
+
+    row: str | None = None
+    all_rows: bool = False
+    list_rows: bool = False
+    layout: str = "tiny"
+    config: str = "tiny"
+    device: str = "cpu"
+    mode: str = "off"
+    steps: int = 4
+    seed: int = 0
+    checkpoint: Path | None = None
+    threads: int | None = None
+    out: Path | None = None
+    json: bool = False
+
+
+def ablate_command(settings: AblateCommand) -> int:
+    """Run the selected rows, write ``ablation.json`` (and ``trajectory.json`` for trajectory rows), print them;
+    0 every row showed its expected signature, 1 otherwise (``list_rows``: print the rows, 0)."""
     from h3gate.ablate.registry import check_names
-    from h3gate.ablate.runner import run_ablation
     from h3gate.evidence.writer import prepare_out, write_evidence
 
+    config, device, out = settings.config, settings.device, settings.out
     rows = load_ablations()
     check_names(rows)
-    if list_:
-        if row is not None or all_:
+    if settings.list_rows:
+        if settings.row is not None or settings.all_rows:
             raise InputError("ablate: --list takes no ROW and no --all")
-        return _list(rows, json_)
-    selected = select_ablations(rows, row, all_)
+        return _list(rows, settings.json)
+    selected = select_ablations(rows, settings.row, settings.all_rows)
     if out is not None:
         prepare_out(out)
-    if steps < 3:
-        raise InputError(f"--steps {steps}: must be >= 3 (two model evaluations: trajectory rows compare steps)")
-    if threads is not None and threads < 1:
-        raise InputError(f"--threads {threads}: must be >= 1")
-    # CPU: one intra-op thread unless told otherwise (the tiny shapes gain nothing from more, and idle OpenMP
-    # workers spin on a shared machine); every arm, and every gloo rank, runs with the same count.
-    with intra_op_threads(threads or (1 if device == "cpu" else None)):
-        started = time.perf_counter()
-        ctx = build_context(config, layout, device, seed, mode, steps, checkpoint)
-        ctx.execution["threads"] = torch.get_num_threads()
-        with progress("ablate", len(selected), started) as step:
-            records = []
-            for ablation_id in selected:
-                step(f"row {ablation_id} ({rows[ablation_id].run})")
-                records.append(run_ablation(ablation_id, rows[ablation_id], ctx))
-        wall = time.perf_counter() - started
-        trajectory = _trajectory_record(ctx) if any(rows[r].run == "trajectory" for r in selected) else None
-    body = _body(ctx, config, device, seed, records, wall)
+    if settings.steps < 3:
+        raise InputError(
+            f"--steps {settings.steps}: must be >= 3 (two model evaluations: trajectory rows compare steps)"
+        )
+    if settings.threads is not None and settings.threads < 1:
+        raise InputError(f"--threads {settings.threads}: must be >= 1")
+    ctx, records, wall, trajectory = _run_rows(settings, rows, selected)
+    body = _body(ctx, config, device, settings.seed, records, wall)
     folder = Path(out) if out is not None else LOCAL_EVIDENCE / "ablate"
     manifests = [ABLATIONS_FILE, MANIFESTS / "layouts.yaml", *sorted((MANIFESTS / "operators").glob("*.yaml"))]
     manifests += (
@@ -183,9 +183,34 @@ def ablate_command(
     if trajectory is not None:
         write_evidence(folder, "trajectory.json", "trajectory", trajectory, manifests=manifests, device=device)
     ok = body["verdict"] == "pass"
-    if json_:
+    if settings.json:
         print(json.dumps({"evidence": display(path), **body["summary"], "verdict": body["verdict"]}, indent=1))
     else:
-        _render(records, wall, f"h3gate ablate: config {config}, layout {ctx.layout.name}, {device}, mode {mode}")
+        title = f"h3gate ablate: config {config}, layout {ctx.layout.name}, {device}, mode {settings.mode}"
+        _render(records, wall, title)
         stdout_console().print(f"evidence: {escape(display(path))}")
     return EXIT_PASS if ok else EXIT_FAIL
+
+
+def _run_rows(
+    settings: AblateCommand, rows: dict[str, AblationRow], selected: list[str]
+) -> tuple[Any, list[dict], float, dict | None]:
+    """Build the shared context and run every selected row: (context, records, wall seconds, trajectory record)."""
+    from h3gate.ablate.engine import build_context
+    from h3gate.ablate.runner import run_ablation
+
+    s = settings
+    # CPU: one intra-op thread unless told otherwise (the tiny shapes gain nothing from more, and idle OpenMP
+    # workers spin on a shared machine); every arm, and every gloo rank, runs with the same count.
+    with intra_op_threads(s.threads or (1 if s.device == "cpu" else None)):
+        started = time.perf_counter()
+        ctx = build_context(s.config, s.layout, s.device, s.seed, s.mode, s.steps, s.checkpoint)
+        ctx.execution["threads"] = torch.get_num_threads()
+        with progress("ablate", len(selected), started) as step:
+            records = []
+            for ablation_id in selected:
+                step(f"row {ablation_id} ({rows[ablation_id].run})")
+                records.append(run_ablation(ablation_id, rows[ablation_id], ctx))
+        wall = time.perf_counter() - started
+        trajectory = _trajectory_record(ctx) if any(rows[r].run == "trajectory" for r in selected) else None
+    return ctx, records, wall, trajectory

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.arms.engine import KIND, check_fault, run_arms
@@ -21,18 +22,28 @@ from h3gate.paths import LOCAL_EVIDENCE, display
 EVIDENCE = f"{KIND}.json"
 
 
-def arms_command(settings: ArmsSettings, out: Path | None, json_: bool) -> int:
+@dataclass(frozen=True)
+class ArmsCommand:
+    """``run arms``' settings: the run (the engine's settings) and where its evidence goes."""
+
+    run: ArmsSettings = ArmsSettings()
+    out: Path | None = None
+    json: bool = False
+
+
+def arms_command(settings: ArmsCommand) -> int:
     """Run the arms; writes ``OUT/arms.json`` (rollout step files under ``OUT/rollout-<P|R>/``)."""
     started = time.perf_counter()
-    stack, source = plan_stack(settings)
+    out = settings.out
+    stack, source = plan_stack(settings.run)
     check_fault(stack)
     folder = prepare_out(
         Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{stack.config_name}-{stack.layout.name}"
     )
     with progress(KIND, None, started) as step:
         body = run_arms(stack, source, folder, step)
-    path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
-    if json_:
+    path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.run.device)
+    if settings.json:
         print(json.dumps({"arms": [_brief(a) for a in body["arms"]], "verdict": body["verdict"],
                           "failing_checks": body["failing_checks"], "evidence": str(path)}, indent=1))  # fmt: skip
     else:

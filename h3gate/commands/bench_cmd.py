@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.markup import escape
@@ -30,16 +31,25 @@ def check_bench_merge(target: str | None, merge: str) -> None:
         raise InputError("--merge-order: applies to bench ws1-block and ws1-model (operators: --op NAME_seg8)")
 
 
-def bench_command(
-    target: str | None,
-    ops: list[str],
-    layout: str,
-    config: str,
-    device: str,
-    out: Path | None,
-    json_: bool,
-    merge: str = "single",
-) -> int:
+@dataclass(frozen=True)
+class BenchCommand:
+    """``bench``'s settings: a ``target`` (ws1-block, ws1-model) or operators ``ops``, the layout giving the row
+    count, the config giving widths and dtypes, and ``merge`` (seg8: a third arm for the block and the model)."""
+
+    target: str | None = None
+    ops: tuple[str, ...] = ()
+    layout: str = "medium"
+    config: str = "real"
+    merge: str = "single"
+    device: str = "cuda"
+    out: Path | None = None
+    json: bool = False
+
+
+def bench_command(settings: BenchCommand) -> int:
+    """Time what ``settings`` names, write its evidence and print it; 0 every criterion held, 1 otherwise."""
+    target, ops, layout, config = settings.target, list(settings.ops), settings.layout, settings.config
+    device, out, json_, merge = settings.device, settings.out, settings.json, settings.merge
     check_bench_merge(target, merge)
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")

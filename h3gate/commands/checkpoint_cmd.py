@@ -8,6 +8,7 @@ still written), 2 for unreadable input.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,40 @@ def _config_manifest(config: str) -> Path | None:
     return resolve(config, MANIFESTS / "configs", "config")
 
 
-def synth_command(config: str, seed: int, out: Path, shard_size: int | None, variant: str = "transformer") -> int:
+@dataclass(frozen=True)
+class SynthCheckpointCommand:
+    """``synth-checkpoint``'s settings: the folder to write, the config and seed of the weights, the shard size
+    (bytes; none: one file) and the weights ``variant`` (transformer | transformer_ref)."""
+
+    out: Path
+    config: str = "tiny"
+    seed: int = 0
+    shard_size: int | None = None
+    variant: str = "transformer"
+
+
+@dataclass(frozen=True)
+class FingerprintCommand:
+    """``fingerprint``'s settings: the checkpoint manifest, and optionally a checkpoint to check against it (its
+    ``config``: a name, a path or ``auto``, read from its config.json; ``hash_tensors``: stream every tensor)."""
+
+    manifest: str = "minimax-h3-42ed227"
+    checkpoint: Path | None = None
+    config: str = "auto"
+    hash_tensors: bool = False
+    out: Path | None = None
+    json: bool = False
+
+
+def synth_command(settings: SynthCheckpointCommand) -> int:
+    """Write the seeded checkpoint and print its files; 0 when written."""
     from h3gate.manifests.model_config import load_config
     from h3gate.synth import SyntheticSource, check_variant, write_checkpoint
 
+    config, seed, variant = settings.config, settings.seed, settings.variant
     check_variant(variant, "--variant")
     cfg = load_config(config).config
-    summary = write_checkpoint(SyntheticSource(cfg, seed, variant=variant), seed, out, shard_size)
+    summary = write_checkpoint(SyntheticSource(cfg, seed, variant=variant), seed, settings.out, settings.shard_size)
     console = stdout_console()
     table = Table(title=f"synthetic checkpoint {summary['path']} (config {config}, seed {seed}, {variant})")
     for col in ("file", "tensors", "bytes"):
@@ -52,12 +80,13 @@ def synth_command(config: str, seed: int, out: Path, shard_size: int | None, var
     return EXIT_PASS
 
 
-def fingerprint_command(
-    manifest: str, checkpoint: Path | None, config: str, hash_tensors: bool, out: Path | None, json_: bool
-) -> int:
+def fingerprint_command(settings: FingerprintCommand) -> int:
+    """Fingerprint the manifest, or check a checkpoint's headers against it; 0 match, 1 mismatch."""
     from h3gate.evidence.writer import prepare_out, write_evidence
     from h3gate.fingerprint import check_checkpoint, manifest_fingerprint
 
+    manifest, checkpoint, config, out = settings.manifest, settings.checkpoint, settings.config, settings.out
+    hash_tensors = settings.hash_tensors
     if out is not None:
         prepare_out(out)
 
@@ -83,7 +112,7 @@ def fingerprint_command(
     folder = out if out is not None else LOCAL_EVIDENCE / "fingerprint"
     path = write_evidence(folder, "fingerprint.json", "fingerprint", body, manifests=manifests)
     code = EXIT_PASS if report is None or report["match"] else EXIT_FAIL
-    if json_:
+    if settings.json:
         print(json.dumps({**body, "evidence": str(path)}, indent=2))
         return code
     _print(stdout_console(), fp, report, path)

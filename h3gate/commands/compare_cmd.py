@@ -7,6 +7,7 @@ Exit codes: 0 every step saved by both is byte-equal, 1 a step differs (evidence
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.commands.console import stdout_console
@@ -16,11 +17,24 @@ from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.trajectory_compare import KIND, compare_runs
 
 
-def compare_command(run_a: Path, run_b: Path, device: str, out: Path | None, json_: bool) -> int:
+@dataclass(frozen=True)
+class CompareCommand:
+    """``compare``'s settings: two ws1-trajectory RUNDIRs and the device that re-runs the first drifting step."""
+
+    run_a: Path
+    run_b: Path
+    device: str = "cpu"
+    out: Path | None = None
+    json: bool = False
+
+
+def compare_command(settings: CompareCommand) -> int:
+    """Compare the two runs step by step and write ``compare.json``; 0 every step equal, 1 a drift."""
+    run_a, run_b, device, out = settings.run_a, settings.run_b, settings.device, settings.out
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{run_a.name}-vs-{run_b.name}")
     body = compare_runs(Path(run_a), Path(run_b), device)
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
-    if json_:
+    if settings.json:
         doc = json.loads(path.read_text(encoding="utf-8"))
         print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}}, indent=1))
     else:

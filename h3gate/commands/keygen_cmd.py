@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.errors import EXIT_PASS
@@ -9,8 +10,16 @@ from h3gate.evidence.signing import fingerprint, write_keypair
 from h3gate.paths import display
 
 
-def keygen_command(out: Path) -> int:
+@dataclass(frozen=True)
+class KeygenCommand:
+    """``keygen``'s settings: the private key file to write (``KEY.pub`` goes next to it)."""
+
+    out: Path
+
+
+def keygen_command(settings: KeygenCommand) -> int:
     """Write the key pair (refusing to overwrite either file: InputError, exit 2); 0 when written."""
+    out = settings.out
     pub, public = write_keypair(out)
     print(f"private key {display(out)} (mode 0600: keep it secret, never inside an evidence folder)")
     print(f"public key  {display(pub)} (give it to verifiers out of band)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -199,29 +200,31 @@ def _reference_record(layout: PackedLayout) -> dict:
     }
 
 
-def layout_command(
-    name: str | None,
-    text_tokens: int | None,
-    latent_frames: int | None,
-    latent_height: int | None,
-    latent_width: int | None,
-    audio_latents: int | None,
-    anchors: list[str],
-    text_vision_rows: list[str],
-    save: Path | None,
-    json_: bool,
-    task: str | None = None,
-    refs: list[str] | None = None,
-) -> int:
+@dataclass(frozen=True)
+class LayoutCommand:
+    """``layout``'s settings: a named layout (none: ``tiny``), or a custom one from the five geometry fields, its
+    anchors, text rows tagged video, ``task`` and ref2va reference blocks ``refs``; an optional file to save to."""
+
+    name: str | None = None
+    text_tokens: int | None = None
+    latent_frames: int | None = None
+    latent_height: int | None = None
+    latent_width: int | None = None
+    audio_latents: int | None = None
+    anchors: tuple[str, ...] = ()
+    text_vision_rows: tuple[str, ...] = ()
+    task: str | None = None
+    refs: tuple[str, ...] = ()
+    save: Path | None = None
+    json: bool = False
+
+
+def layout_command(settings: LayoutCommand) -> int:
     """``h3gate layout``: build, optionally save (five tensors; the reference row counts as metadata), print."""
-    geometry = {
-        "text_tokens": text_tokens,
-        "latent_frames": latent_frames,
-        "latent_height": latent_height,
-        "latent_width": latent_width,
-        "audio_latents": audio_latents,
-    }
-    layout = resolve_layout(name, geometry, anchors, text_vision_rows, task, refs)
+    save = settings.save
+    geometry = {field: getattr(settings, field) for field in GEOMETRY}
+    anchors, vision_rows, refs = list(settings.anchors), list(settings.text_vision_rows), list(settings.refs)
+    layout = resolve_layout(settings.name, geometry, anchors, vision_rows, settings.task, refs)
     summary = layout_summary(layout)
     if save is not None:
         metadata = {
@@ -233,7 +236,7 @@ def layout_command(
         }
         save_safetensors(save, layout.tensors(), metadata)
         summary["saved"] = str(save)
-    if json_:
+    if settings.json:
         print(json.dumps(summary, indent=2))
         return EXIT_PASS
     console = stdout_console()

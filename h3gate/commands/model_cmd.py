@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +31,20 @@ from h3gate.runs.ws1_model import ModelGate, ModelGateResult, run_model_gate, st
 
 KIND = "ws1-model"
 DEFAULT_LAYOUT = "micro"
+MODEL_RUN = RunSpec("model", DEFAULT_LAYOUT, draw="device")  # synthetic weights drawn on the run's device
+
+
+@dataclass(frozen=True)
+class Ws1ModelCommand:
+    """``run ws1-model``'s settings: the run (model scope, optionally ``layers`` A:B) and what the gate does on it."""
+
+    run: RunSpec = MODEL_RUN
+    backward: bool = True
+    tolerance: str = "ws1-model"
+    save_tensors: Path | None = None
+    fault: str | None = None
+    out: Path | None = None
+    json: bool = False
 
 
 def parse_model_fault(spec: str, setup: Run) -> RowFault:
@@ -57,30 +72,14 @@ def _row_dims(setup: Run) -> dict[str, int | None]:
     return {**{n.name: n.row_dim for n in setup.graph.nodes}, **dict.fromkeys(LEAVES, 1)}
 
 
-def ws1_model_command(
-    layout: str | None,
-    config: str | None,
-    checkpoint: Path | None,
-    device: str,
-    mode: str,
-    backward: bool,
-    layers: str | None,
-    tolerance: str,
-    seed: int,
-    save_tensors: Path | None,
-    out: Path | None,
-    json_: bool,
-    fault: str | None = None,
-    merge: str = "single",
-) -> int:
+def ws1_model_command(settings: Ws1ModelCommand) -> int:
     """Run the whole-model gate and write ``ws1-model.json``; 0 pass / 1 fail (InputError -> 2)."""
     started = time.perf_counter()
-    layout = layout or DEFAULT_LAYOUT
-    tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
-    spec = RunSpec("model", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
-                   merge, layers, draw="device")  # fmt: skip
+    spec, backward, save_tensors, out = settings.run, settings.backward, settings.save_tensors, settings.out
+    layout, mode, seed = spec.layout, spec.mode, spec.seed
+    tol_file, tol = check_gate_args(mode, settings.tolerance, save_tensors, out)
     setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None))
-    injected = parse_model_fault(fault, setup) if fault is not None else None
+    injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
     setup_s = time.perf_counter() - started
     with progress(KIND, len(steps(setup, backward)), started) as step:
@@ -94,12 +93,12 @@ def ws1_model_command(
     body["timing"]["setup_s"] = round(setup_s, 4)
     body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
     if save_tensors is not None:
-        meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": device}
+        meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": spec.device}
         save_tensor_files(Path(save_tensors), tensors_to_save(setup, result), meta)
         body["saved_tensors"] = display(Path(save_tensors))
     manifests = [*setup.manifests, tol_file]
     path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=manifests, device=setup.device)
-    if json_:
+    if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
         print_summary(json.loads(path.read_text(encoding="utf-8")), path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,17 +36,31 @@ def _device(device: str) -> str:
     return device
 
 
-def ws1_ops_command(
-    ops: list[str], layouts: str, config: str, device: str, seed: int, out: Path | None, json_: bool
-) -> int:
+@dataclass(frozen=True)
+class Ws1OpsCommand:
+    """``run ws1-ops``' settings: the operators (none: every one with a strict kernel and a case builder), the
+    layouts giving row counts (comma-separated), the config giving widths and dtypes."""
+
+    ops: tuple[str, ...] = ()
+    layouts: str = "tiny"
+    config: str = "tiny"
+    device: str = "cpu"
+    seed: int = 0
+    out: Path | None = None
+    json: bool = False
+
+
+def ws1_ops_command(settings: Ws1OpsCommand) -> int:
+    """Run every selected operator at every row count and write ``ws1-ops.json``; 0 pass / 1 fail."""
     from h3gate.ops.cases import CASES
     from h3gate.runs import ws1_ops as opsgate
 
-    device = _device(device)
+    ops, seed, out = list(settings.ops), settings.seed, settings.out
+    device = _device(settings.device)
     if out is not None:
         prepare_out(out)
-    cfg_manifest = load_config(config)
-    rows = parse_layouts(layouts)
+    cfg_manifest = load_config(settings.config)
+    rows = parse_layouts(settings.layouts)
     known = sorted(CASES)
     if ops:
         opsgate.check_ops(ops, known)
@@ -54,7 +69,7 @@ def ws1_ops_command(
         selected, not_run = opsgate.default_ops(known)
     headers = {op: opsgate.operator_header(op, device) for op in selected}  # strict binds first: fail before running
 
-    return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, out, json_)
+    return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, out, settings.json)
 
 
 def _run_and_write(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import webbrowser
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.commands.console import progress
@@ -15,9 +16,19 @@ from h3gate.report.figures import MissingMatplotlib
 NEEDS_MATPLOTLIB = "h3gate report: needs matplotlib: pip install 'h3gate[report]'"
 
 
-def report_command(paths: list[Path], out: Path, open_page: bool) -> int:
+@dataclass(frozen=True)
+class ReportCommand:
+    """``report``'s settings: the evidence files or folders to read, the page's folder, whether to open it."""
+
+    paths: tuple[Path, ...]
+    out: Path
+    open_page: bool = False
+
+
+def report_command(settings: ReportCommand) -> int:
     """0: page written (also for inputs holding no evidence: the page says what is missing); 2: matplotlib missing,
     or a missing / unreadable / non-evidence input or a bad ``--out`` (InputError), checked before drawing."""
+    paths, out = list(settings.paths), settings.out
     try:
         with progress("report") as step:
             prepared = prepare(paths, out, step)
@@ -33,6 +44,6 @@ def report_command(paths: list[Path], out: Path, open_page: bool) -> int:
     if not inv.documents:
         where = ", ".join(display(p) for p in paths)
         print(f"h3gate report: no evidence found in {where}; the page says what is missing", file=sys.stderr)
-    if open_page:
+    if settings.open_page:
         webbrowser.open(index.resolve().as_uri())  # returns False when there is no browser: harmless
     return EXIT_PASS

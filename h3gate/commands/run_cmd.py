@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +37,20 @@ from h3gate.runs.ws1_block import (
 )
 
 KIND = "ws1-block"
+
+
+@dataclass(frozen=True)
+class Ws1BlockCommand:
+    """``run ws1-block``'s settings: the run (block scope) and what the gate does on it."""
+
+    run: RunSpec = RunSpec()
+    backward: bool = True
+    tolerance: str = "ws1-block"
+    save_tensors: Path | None = None
+    fault_matrix: bool = False
+    fault: str | None = None
+    out: Path | None = None
+    json: bool = False
 
 
 def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
@@ -212,52 +227,39 @@ def build_body(
     }
 
 
-def ws1_block_command(
-    layout: str,
-    config: str | None,
-    checkpoint: Path | None,
-    device: str,
-    mode: str,
-    backward: bool,
-    tolerance: str,
-    seed: int,
-    save_tensors: Path | None,
-    out: Path | None,
-    json_: bool,
-    fault_matrix: bool = False,
-    fault: str | None = None,
-    merge: str = "single",
-) -> int:
+def ws1_block_command(settings: Ws1BlockCommand) -> int:
     """Run the one-block gate and write ``ws1-block.json``; returns 0 pass / 1 fail (InputError -> 2).
 
     ``fault_matrix`` adds the one-row fault matrix (:mod:`h3gate.runs.fault_matrix`); ``fault`` injects one
     deliberate fault (``NODE:ROW[:scale|zero_tail][:forward|backward]``) into the candidate, a negative control
     the gate must fail on (exit 1), recorded in the evidence."""
+    spec, save_tensors, out = settings.run, settings.save_tensors, settings.out
     started = time.perf_counter()
-    tol_file, tol = check_gate_args(mode, tolerance, save_tensors, out)
-    lanes = len(provider_variants(list(tol.row_rule.variants), device)[0])
-    needs = GateNeeds(lanes, backward, fault_matrix, save_golden=save_tensors is not None)
-    spec = RunSpec("block", layout, config, None if checkpoint is None else str(checkpoint), device, seed, mode,
-                   merge)  # fmt: skip
+    tol_file, tol = check_gate_args(spec.mode, settings.tolerance, save_tensors, out)
+    lanes = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
+    needs = GateNeeds(lanes, settings.backward, settings.fault_matrix, save_golden=save_tensors is not None)
     setup = prepare(spec, needs)
+    fault = settings.fault
     injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
-    result = _run(setup, tol, backward, injected, fault_matrix, started, save_tensors is not None)
-    body = build_body(setup, result, mode, seed, tol, tol_file)
+    name = f"{setup.config_name}-{spec.layout}"
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+    result = _run(setup, tol, settings.backward, injected, settings.fault_matrix, started, save_tensors is not None)
+    body = build_body(setup, result, spec.mode, spec.seed, tol, tol_file)
     body["injected_fault"] = None if injected is None else injected.label()
     body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
     if save_tensors is not None:
         meta = {
             "config": setup.config_name,
-            "layout": layout,
-            "mode": mode,
-            "seed": str(seed),
+            "layout": spec.layout,
+            "mode": spec.mode,
+            "seed": str(spec.seed),
             "device": setup.device,
         }
         save_tensor_files(Path(save_tensors), tensors_to_save(result, setup.graph, setup.inputs), meta)
         body["saved_tensors"] = display(Path(save_tensors))
-    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=[*setup.manifests, tol_file], device=device)
-    if json_:
+    manifests = [*setup.manifests, tol_file]
+    path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=manifests, device=spec.device)
+    if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
         print_table(json.loads(path.read_text(encoding="utf-8")), path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
@@ -25,8 +26,20 @@ def schedule_summary(schedule: Schedule) -> dict:
     }
 
 
-def schedule_command(steps: int, shift: float, save: Path | None, json_: bool) -> int:
-    schedule = build_schedule(steps, shift)
+@dataclass(frozen=True)
+class ScheduleCommand:
+    """``schedule``'s settings: sigma grid points (terminal 0 included), the timestep shift, an optional file."""
+
+    steps: int
+    shift: float = 12.0
+    save: Path | None = None
+    json: bool = False
+
+
+def schedule_command(settings: ScheduleCommand) -> int:
+    """Build the schedule, optionally save it, print it; 0."""
+    save = settings.save
+    schedule = build_schedule(settings.steps, settings.shift)
     summary = schedule_summary(schedule)
     if save is not None:
         metadata = {
@@ -36,7 +49,7 @@ def schedule_command(steps: int, shift: float, save: Path | None, json_: bool) -
         }
         save_safetensors(save, {"sigmas": schedule.sigmas, "timesteps": schedule.timesteps}, metadata)
         summary["saved"] = str(save)
-    if json_:
+    if settings.json:
         print(json.dumps(summary, indent=2))
         return EXIT_PASS
     table = Table(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -78,12 +79,20 @@ def _print_verify(console: Console, folder: Path, report: SealReport) -> None:
     console.print(_signature_line(report), soft_wrap=True, highlight=False)
 
 
-def seal_command(folder: Path, verify: bool, key: Path | None = None, pubkey: Path | None = None) -> int:
-    """0: sealed / seal verified; 1: verification failed (each finding listed); bad input raises InputError (2).
+@dataclass(frozen=True)
+class SealCommand:
+    """``seal``'s settings: the evidence folder, seal it or ``verify`` its seal; ``key`` (sealing) signs the seal
+    with an Ed25519 private key, ``pubkey`` (verifying) requires the seal to be signed by that public key."""
 
-    ``key`` (sealing) signs the seal with an Ed25519 private key; ``pubkey`` (verifying) requires the seal to be
-    signed by that public key.
-    """
+    folder: Path
+    verify: bool = False
+    key: Path | None = None
+    pubkey: Path | None = None
+
+
+def seal_command(settings: SealCommand) -> int:
+    """0: sealed / seal verified; 1: verification failed (each finding listed); bad input raises InputError (2)."""
+    folder, verify, key, pubkey = settings.folder, settings.verify, settings.key, settings.pubkey
     if verify and key is not None:
         raise InputError("--key: only used when sealing (verify takes --pubkey PUB)")
     if not verify and pubkey is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.commands.console import progress, stdout_console
@@ -19,6 +20,19 @@ from h3gate.runs.trajectory_files import STEPS
 from h3gate.runs.ws1_trajectory import KIND, TrajectorySettings, prepare_trajectory, run_ws1_trajectory
 
 EVIDENCE = f"{KIND}.json"
+
+
+@dataclass(frozen=True)
+class Ws1TrajectoryCommand:
+    """``run ws1-trajectory``'s settings: the run (the engine's settings), its RUNDIR and what this invocation does
+    (stop after step ``until``, ``resume`` the RUNDIR, ``verify_last`` recompute its last saved step)."""
+
+    run: TrajectorySettings = TrajectorySettings()
+    out: Path | None = None
+    until: int | None = None
+    resume: bool = False
+    verify_last: bool = False
+    json: bool = False
 
 
 def _previous(rundir: Path) -> list[dict]:
@@ -40,28 +54,22 @@ def _step_files(rundir: Path) -> dict[str, str]:
     return out
 
 
-def ws1_trajectory_command(
-    settings: TrajectorySettings,
-    out: Path | None,
-    until: int | None,
-    resume: bool,
-    verify_last: bool,
-    json_: bool,
-) -> int:
+def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
     """Start, resume or verify a run; writes ``RUNDIR/ws1-trajectory.json`` (every invocation listed)."""
+    out, until = settings.out, settings.until
     if out is None:
         raise InputError("--out RUNDIR: required (the run's folder: manifest, step files, evidence)")
     started = time.perf_counter()
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
-    run = prepare_trajectory(settings)  # every check, before the run's folder is made
+    run = prepare_trajectory(settings.run)  # every check, before the run's folder is made
     rundir = prepare_out(Path(out))
     with progress(KIND, None, started) as step:
-        body = run_ws1_trajectory(run, rundir, until, resume, verify_last, step)
+        body = run_ws1_trajectory(run, rundir, until, settings.resume, settings.verify_last, step)
     body["invocations"] = [*_previous(rundir), body["invocation"]]
     body["step_files"] = _step_files(rundir)
-    path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.device)
-    if json_:
+    path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.run.device)
+    if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
         _summary(body, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
@@ -12,23 +13,36 @@ from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.paths import LOCAL_EVIDENCE
+from h3gate.runs.vae import VaeRun
 
 KIND = "vae"
 
 
-def vae_command(modality: str, mode: str, device: str, geometry: str, seed: int, out: Path | None, json_: bool) -> int:
+@dataclass(frozen=True)
+class VaeCommand:
+    """``run vae``'s settings: the run (the engine's settings: modality, mode, device, geometry, seed) and where its
+    evidence goes."""
+
+    run: VaeRun
+    out: Path | None = None
+    json: bool = False
+
+
+def vae_command(settings: VaeCommand) -> int:
     """0 every check passed, 1 a check failed (evidence written); bad input is an InputError (exit 2) before work."""
     from h3gate.runs.setup import check_device
-    from h3gate.runs.vae import VaeRun, check_settings, run_vae
+    from h3gate.runs.vae import check_settings, run_vae
 
     started = time.perf_counter()
-    run = VaeRun(modality, mode, check_device(device), geometry, seed)
+    run, out = settings.run, settings.out
+    check_device(run.device)
     check_settings(run)
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{modality}-{geometry}-{mode}")
+    name = f"{run.modality}-{run.geometry}-{run.mode}"
+    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
     body = run_vae(run)
     body["timing"] = {"wall_s": round(time.perf_counter() - started, 3)}
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=run.device)
-    if json_:
+    if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
         _print(json.loads(path.read_text(encoding="utf-8")), path)

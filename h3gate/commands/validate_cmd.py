@@ -197,8 +197,16 @@ def _render(checks: list[Check], json_: bool, ok: bool) -> None:
     stdout_console().print(table)
 
 
-def validate_command(json_: bool) -> int:
+@dataclass(frozen=True)
+class ValidateCommand:
+    """``validate``'s settings: JSON instead of a table."""
+
+    json: bool = False
+
+
+def validate_command(settings: ValidateCommand) -> int:
     """0 when every manifest and schema is valid; the first invalid one raises its breadcrumb (exit 2)."""
+    json_ = settings.json
     checks: list[Check] = []
     groups = (
         _config_steps,

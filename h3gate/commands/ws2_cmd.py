@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.commands.console import progress, stdout_console
@@ -20,17 +21,27 @@ from h3gate.paths import LOCAL_EVIDENCE, display
 EVIDENCE = f"{KIND}.json"
 
 
-def ws2_command(settings: Ws2Settings, out: Path | None, json_: bool) -> int:
+@dataclass(frozen=True)
+class Ws2Command:
+    """``run ws2``'s settings: the run (the engine's settings: topology, scope, ...) and where its evidence goes."""
+
+    run: Ws2Settings
+    out: Path | None = None
+    json: bool = False
+
+
+def ws2_command(settings: Ws2Command) -> int:
     """Plan (every input checked), run TP1 and the ranks, write ``OUT/ws2.json``."""
     started = time.perf_counter()
-    plan = plan_ws2(settings)
-    name = f"{settings.topology}-{settings.scope}-{settings.config}-{settings.layout}"
+    run, out = settings.run, settings.out
+    plan = plan_ws2(run)
+    name = f"{run.topology}-{run.scope}-{run.config}-{run.layout}"
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
     with progress(KIND, None, started) as step:
         step(f"TP1 reference and {plan.tp * plan.cp} {plan.backend} ranks")
         body = run_ws2(plan)
-    path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.device)
-    if json_:
+    path = write_evidence(folder, EVIDENCE, KIND, body, device=run.device)
+    if settings.json:
         keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
                 "gradients_compared", "first_drift", "first_backward_drift", "verdict", "failing_checks")  # fmt: skip
         print(json.dumps({**{k: body[k] for k in keys}, "evidence": str(path)}, indent=1))
