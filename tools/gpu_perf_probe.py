@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 
 from h3gate.kernels import norms
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.gemm import matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
@@ -441,7 +441,7 @@ def hostcost_section(calls: int = 300) -> dict:
                 "empty_us": per_call(lambda n=n: torch.empty((264, n), dtype=torch.bfloat16, device="cuda")),
                 "matmul_us": per_call(lambda x=x, w=w, y=y, cfg=cfg: matmul(x, w, y, None, cfg, a_trans=False,
                                                                            b_trans=True)),
-                "set_allocator_us": per_call(lambda: triton.set_allocator(gemm._tma_allocator)),
+                "set_allocator_us": per_call(lambda: triton.set_allocator(tma_allocator)),
             }  # fmt: skip
             prof = cProfile.Profile()
             prof.enable()

@@ -67,8 +67,7 @@ from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels import launches
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor, hopper
-from h3gate.kernels.exact import helper, rne
-from h3gate.kernels.gemm import mma
+from h3gate.kernels.exact import helper, mma, rne
 
 KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v2"
 OP = "h3_full_attention"

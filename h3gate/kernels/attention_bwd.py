@@ -45,9 +45,8 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.attention import AttnConfig, exp2_fwd, gather_rows, packed_rows, qk_scale, uses_gluon
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
-from h3gate.kernels.exact import f32, helper, rne
-from h3gate.kernels.gemm import _tma_allocator, mma
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
+from h3gate.kernels.exact import f32, helper, mma, rne
 
 
 def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
@@ -248,7 +247,7 @@ def backward(
     ordered, ord_arg = order is not None, q if order is None else order
     tma = uses_tma(cfg, q)
     if tma:
-        triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable)
+        triton.set_allocator(tma_allocator)  # device-side descriptors need scratch (a context variable)
     delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(s, 64), b * h)](
         out, grad, delta, ord_arg, s, h, stride_b, stride_s, D=d, BLOCK_M=64, ORDERED=ordered, INTERPRET=INTERPRET,

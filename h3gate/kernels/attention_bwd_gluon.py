@@ -59,8 +59,7 @@ from h3gate.kernels.attention import AttnConfig, gather_rows
 from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
 from h3gate.kernels.attention_gluon import _tile as _fwd_tile
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
-from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm import _num_sms
+from h3gate.kernels.common import STRICT_LAUNCH, num_sms
 
 # Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
 # dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
@@ -432,7 +431,7 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
     la_desc, lb_desc = stats_descriptors(lse, delta, 64)
     m_tiles = triton.cdiv(s, 128)
     n_tiles = m_tiles * b * h
-    grid = (min(n_tiles, _num_sms(own_a.device)), 1) if PERSISTENT else (m_tiles, b * h)
+    grid = (min(n_tiles, num_sms(own_a.device)), 1) if PERSISTENT else (m_tiles, b * h)
     _bwd_ws_kernel[grid](
         a_desc, b_desc, la_desc, lb_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order,
         tile_map, *(copies or (None, None)), s, h, n_tiles, m_tiles, c, sm_scale, own_a.stride(0), own_a.stride(1),

@@ -55,8 +55,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
-from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm import _num_sms
+from h3gate.kernels.common import STRICT_LAUNCH, num_sms
 from h3gate.kernels.gemm_gluon_plan import nvmma_layout
 
 # Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
@@ -428,7 +427,7 @@ def forward_gluon_ws(
     o_desc = row_descriptor(out, rows, d)
     m_tiles = triton.cdiv(s, 2 * rows)
     n_tiles = m_tiles * b * h
-    programs = min(n_tiles, _num_sms(q.device)) if PERSISTENT else n_tiles
+    programs = min(n_tiles, num_sms(q.device)) if PERSISTENT else n_tiles
     _attn_fwd_ws_kernel[(programs,)](
         q_desc, k_desc, v_desc, out, lse, q if order is None else order, tile_map, *(copies or (None,) * 3), o_desc,
         s, h, n_tiles, m_tiles, qk_scale(d), q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n,

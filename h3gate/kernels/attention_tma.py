@@ -27,9 +27,8 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.attention import AttnConfig, fwd_step, log2, packed_rows, qk_scale
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.exact import rne
-from h3gate.kernels.gemm import _tma_allocator
 
 
 def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
@@ -85,7 +84,7 @@ def forward_tma(
     b, s, h, d = q.shape
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable: every launch)
+    triton.set_allocator(tma_allocator)  # device-side descriptors need scratch (a context variable: every launch)
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_tma_kernel[grid](
         q, k, v, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0), q.stride(1),

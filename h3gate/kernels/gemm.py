@@ -47,24 +47,13 @@ import triton.language as tl
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels import launches
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
-from h3gate.kernels.exact import f32, helper, rne
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, aligned, check_tensor, needs_graph, num_sms, tma_allocator
+from h3gate.kernels.exact import helper, mma, rne
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, gluon_tiling, tail_split
 from h3gate.kernels.gemm_swapped import matmul_swapped
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
 _DTYPES = (torch.bfloat16, torch.float32)
-
-
-@helper
-def mma(a, b, acc, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` in FP32. FP32 operands: IEEE FMA dot. BF16 under the interpreter: exact upcast first."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif INTERPRET:
-        return tl.dot(f32(a, INTERPRET), f32(b, INTERPRET), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @helper
@@ -250,29 +239,6 @@ def _colsum_kernel(g_ptr, out_ptr, M, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.cons
 # ----------------------------------------------------------------------------------------------------------- launch
 
 
-@functools.cache
-def _sm_count(device_type: str, index: int | None) -> int:
-    if device_type != "cuda":
-        return 3  # interpreter: a few programs, so the persistent loop really iterates
-    return torch.cuda.get_device_properties(torch.device(device_type, index)).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _sm_count(device.type, index)
-
-
-def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs a 16-byte aligned base: a misaligned view is copied (same bytes) to a fresh allocation."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -294,15 +260,15 @@ def matmul(
     stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
     tma = cfg.tma and out.device.type == "cuda"
     if tma:
-        a, b = _aligned(a), _aligned(b)
-        triton.set_allocator(_tma_allocator)  # a context variable: set on every launch (autograd threads too)
+        a, b = aligned(a), aligned(b)
+        triton.set_allocator(tma_allocator)  # a context variable: set on every launch (autograd threads too)
     if cfg.swap_ab:
         if a_trans or not b_trans:
             raise ValueError(f"GemmConfig {cfg.tag}: swap_ab is a forward tiling (X (M, K) @ W (N, K)^T)")
         return matmul_swapped(a, b, out, bias, cfg)
     m_tiles = -(-m // cfg.block_m)  # ceil divisions (triton.cdiv is a jit wrapper: slower)
     tiles = m_tiles * -(-n // cfg.block_n)
-    progs = min(tiles, _num_sms(out.device)) if cfg.persistent else tiles
+    progs = min(tiles, num_sms(out.device)) if cfg.persistent else tiles
     n_split = tail_split(m_tiles, n, cfg.block_n, cfg.tail_block_n, progs) if cfg.tail_block_n else None
     target = out if not tma or out.data_ptr() % 16 == 0 else torch.empty_like(out)
     _gemm_kernel[(progs,)](
@@ -384,8 +350,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     if glu is not None:  # contiguous, 16-byte aligned copies where needed: the same bytes
         from h3gate.kernels.gemm_gluon import matmul_ws
 
-        x2, w2 = (_aligned(t.contiguous()) for t in (x2, weight))
-        matmul_ws(x2, w2, y, bias, glu, _num_sms(x.device))
+        x2, w2 = (aligned(t.contiguous()) for t in (x2, weight))
+        matmul_ws(x2, w2, y, bias, glu, num_sms(x.device))
     else:
         matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype, x2.shape[0]), a_trans=False, b_trans=True)
     return y.view(*x.shape[:-1], n)

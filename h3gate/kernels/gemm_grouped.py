@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from h3gate.kernels import launches
-from h3gate.kernels.common import needs_graph
-from h3gate.kernels.gemm import _aligned, _check, _num_sms, launch_record, linear
+from h3gate.kernels.common import aligned, needs_graph, num_sms
+from h3gate.kernels.gemm import _check, launch_record, linear
 from h3gate.kernels.gemm_configs import grouped_tiling
 
 
@@ -41,8 +41,8 @@ def linear_grouped(x: torch.Tensor, weights: Sequence[torch.Tensor], *, op: str 
 
     launches.note(op, record)
     n, k = weights[0].shape
-    x2 = _aligned(x.reshape(-1, k).contiguous())
-    ws = [_aligned(w.contiguous()) for w in weights]
+    x2 = aligned(x.reshape(-1, k).contiguous())
+    ws = [aligned(w.contiguous()) for w in weights]
     ys = [torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device) for _ in ws]
-    matmul_ws_grouped(x2, ws, ys, cfg, _num_sms(x.device))
+    matmul_ws_grouped(x2, ws, ys, cfg, num_sms(x.device))
     return [y.view(*x.shape[:-1], n) for y in ys]

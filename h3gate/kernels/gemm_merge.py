@@ -49,11 +49,11 @@ import triton.language as tl
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
-from h3gate.kernels.exact import helper, rne
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph, num_sms, tma_allocator
+from h3gate.kernels.exact import helper, mma, rne
 from h3gate.kernels.gemm import _check as check_linear
-from h3gate.kernels.gemm import _num_sms, _tile_coords, _tma_allocator, mma
 from h3gate.kernels.gemm import _operator as gemm_operator
+from h3gate.kernels.gemm import _tile_coords
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
 KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v2"
@@ -247,11 +247,11 @@ def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: 
     m, n_out = out.shape
     stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
     tiles = -(-m // cfg.block_m) * -(-n_out // cfg.block_n)
-    progs = max(1, min(tiles, _num_sms(out.device)))
+    progs = max(1, min(tiles, num_sms(out.device)))
     scratch = torch.empty((progs, 3, cfg.block_m, cfg.block_n), dtype=torch.float32, device=out.device)
     tma = _tma_fits(a, b)
     if tma:
-        triton.set_allocator(_tma_allocator)
+        triton.set_allocator(tma_allocator)
     _seg8_kernel[(progs,)](
         a, b, out, bias if bias is not None else out, scratch, m, n_out, a.shape[1], seg, a.stride(0), 1, stride_br,
         stride_bn, out.stride(0), progs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

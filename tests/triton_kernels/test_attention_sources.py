@@ -132,8 +132,8 @@ def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_ti
     from h3gate.kernels import attention_gluon as gf
 
     monkeypatch.setattr(gf, "TILE_SOURCES", sources)
-    monkeypatch.setattr(gf, "_num_sms", lambda device: 4)
-    monkeypatch.setattr(gb, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(gf, "num_sms", lambda device: 4)
+    monkeypatch.setattr(gb, "num_sms", lambda device: 4)
     fwd, bwd = _Launch(), _Launch()
     monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
     monkeypatch.setattr(gb, "_bwd_ws_kernel", bwd)
@@ -172,7 +172,7 @@ def test_the_gluon_forward_stores_its_output_by_tma_from_the_declared_rows_on(mo
     exactly from ``TMA_STORE_FROM`` rows on (the launch faked; the bytes are the H200's, perf-probe-33)."""
     from h3gate.kernels import attention_gluon as gf
 
-    monkeypatch.setattr(gf, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(gf, "num_sms", lambda device: 4)
     fwd = _Launch()
     monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
     b, h, d = 2, 2, 128
