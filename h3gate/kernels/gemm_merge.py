@@ -55,10 +55,10 @@ from h3gate.kernels.gemm import _check as check_linear
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import _tile_coords
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
+from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
 
 KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v2"
-SEGMENTS = 8
-DEGREES = (1, 2, 4, 8)
 ROLES = ("fwd", "dx")
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -90,14 +90,6 @@ def segment_bounds(r: int, block_k: int) -> tuple[int, ...]:
     """The 9 boundaries ``b_i = min(i * S, R)``: segment i is the reduction range ``[b_i, b_i+1)``."""
     s = segment_size(r, block_k)
     return tuple(min(i * s, r) for i in range(SEGMENTS + 1))
-
-
-def owned_segments(degree: int, rank: int) -> range:
-    """Segments of rank ``rank`` of TP``degree``: ``[rank * 8/degree, (rank + 1) * 8/degree)``."""
-    if degree not in DEGREES or not 0 <= rank < degree:
-        raise InputError(f"gemm seg8: TP degree {degree} rank {rank}: degree must be one of {DEGREES}, 0 <= rank < it")
-    per = SEGMENTS // degree
-    return range(rank * per, (rank + 1) * per)
 
 
 def rank_slice(role: str, full_shape: tuple[int, int], dtype: torch.dtype, degree: int, rank: int) -> slice:
@@ -361,42 +353,6 @@ def segment_partials(
     return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg)
 
 
-def combine(subtrees: list[torch.Tensor], degree: int, *, op: str = "gemm_seg8") -> torch.Tensor:
-    """The tree's upper log2(degree) levels over the ranks' subtrees, gathered in rank order: FP32 sum.
-
-    ``degree`` 1 returns the single subtree; 2: ``s0 + s1``; 4: ``(s0 + s1) + (s2 + s3)``; 8: the whole tree."""
-    if degree not in DEGREES:
-        raise InputError(f"{op}: degree: {degree!r}, expected one of {DEGREES}")
-    if not isinstance(subtrees, list | tuple) or len(subtrees) != degree:
-        got = len(subtrees) if isinstance(subtrees, list | tuple) else type(subtrees).__name__
-        raise InputError(f"{op}: subtrees: {got} given, expected one per rank ({degree}) in rank order")
-    first = subtrees[0]
-    for i, s in enumerate(subtrees):
-        check_tensor(op, f"subtrees[{i}]", s, (torch.float32,), device=first.device if i else None, contiguous=False)
-        if s.shape != first.shape:
-            raise InputError(f"{op}: subtrees[{i}]: shape {tuple(s.shape)} != subtrees[0] {tuple(first.shape)}")
-    level = list(subtrees)
-    while len(level) > 1:
-        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
-    return level[0]
-
-
-def finish(
-    total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, *, op: str = "gemm_seg8"
-) -> torch.Tensor:
-    """``cast(total + float(bias))``: one IEEE FP32 add (when a bias is given), one RNE rounding to ``dtype``."""
-    check_tensor(op, "total", total, (torch.float32,), contiguous=False)
-    if dtype not in _DTYPES:
-        raise InputError(f"{op}: dtype: {dtype_name(dtype)} not supported (expected bfloat16, float32)")
-    if bias is not None:
-        check_tensor(op, "bias", bias, _DTYPES, ndim=1, device=total.device)
-        if bias.shape[0] != total.shape[-1]:
-            raise InputError(f"{op}: bias: length {bias.shape[0]} != output width {total.shape[-1]}")
-        return (total + bias.float()).to(dtype)
-    out = total.to(dtype)
-    return out.clone() if out.data_ptr() == total.data_ptr() else out
-
-
 # -------------------------------------------------------------------------------------------------- the operator
 
 
@@ -411,8 +367,6 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
 class _LinearSeg8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
-        from h3gate.kernels.rows_seg8 import linear_rows  # it builds on this module
-
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.op, ctx.rows = bias is not None, op, linear_rows(op, x)
         return _forward(x, weight, bias)
@@ -432,8 +386,6 @@ class _LinearSeg8(torch.autograd.Function):
             dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype).view(x.shape)
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_db:
-            from h3gate.kernels.rows_seg8 import linear_row_grads
-
             dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db)
         return dx, dw if ctx.needs_input_grad[1] else None, db, None
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from h3gate.errors import InputError
 from h3gate.kernels import gemm, gemm_merge
-from h3gate.kernels.gemm_merge import combine, finish, linear_merge, owned_segments, rank_slice, segment_partials
+from h3gate.kernels.gemm_merge import linear_merge, rank_slice, segment_partials
+from h3gate.kernels.merge_tree import combine, finish, owned_segments
 from h3gate.kernels.row_merge import one_device
 from h3gate.kernels.rows_seg8 import linear_row_grads
 from h3gate.manifests.model_config import load_config
