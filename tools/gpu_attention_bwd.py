@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""H200 probe of the attention backward's variants (the one-pass ``attention_bwd_fused``, the warp-specialised Gluon
-``attention_bwd_gluon``), from the repo root:
+"""H200 probe of the attention backward's variants (the warp-specialised Gluon ``attention_bwd_gluon``), from the
+repo root:
 
     python3 tools/gpu_attention_bwd.py --out $OUT/attention-bwd.json
 
-* ``bytes``: dq, dk and dv of every variant (one-pass ``bwd_fused``, the Gluon kernels ``bwd_gluon``) against the
+* ``bytes``: dq, dk and dv of every variant (the Gluon kernels ``bwd_gluon``) against the
   three Triton kernels of the same tiling (both off), byte for byte, at (B, S, walk order) cases with partial last
   blocks, a batch of 2 and a permuted walk; each variant run twice must repeat bitwise.
 * ``time``: backward-only medians (``triton.testing.do_bench``, the same forward's out / lse2 / gradient) at S = 264,
@@ -31,9 +31,6 @@ HEADS, D = 56, 128
 # name -> AttnConfig overrides on top of the production tiling at that S, and attention_bwd_gluon knobs
 # (perf-probe-18 / -18b / -21 measured the dK/dV kernel's EARLY_DV, COMPACT, REGS and DKDV_SPLIT, since removed).
 VARIANTS = {
-    "fused": {"bwd_fused": True},
-    "fused_s2": {"bwd_fused": True, "kv_stages": 2},
-    "fused_ptr": {"bwd_fused": True, "bwd_tma": False, "kv_stages": 3},
     "gluon": {"bwd_gluon": True},
     "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
     "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
@@ -141,8 +138,8 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
             except Exception as exc:  # noqa: BLE001
                 rec.setdefault("errors", {})[label] = error_text(exc)
         time_into(rec, fns, flops, warmup=100, rep=600 if s < 10000 else 5000)
-        rec["best_fused_vs_cudnn"] = best_over(rec, variants, "cudnn")
-        rec["best_fused_vs_three_kernel"] = best_over(rec, variants, "three_kernel")
+        rec["best_variant_vs_cudnn"] = best_over(rec, variants, "cudnn")
+        rec["best_variant_vs_three_kernel"] = best_over(rec, variants, "three_kernel")
         if s in ORDERED_TIMED:  # the same tensors walked in a layout's order (the block's case)
             largs, order, lcfg = _inputs(1, s, seed=11, ordered="layout")
             layout_fns = {f"{name}@layout": _variant(largs, lcfg, name, order) for name in variants}

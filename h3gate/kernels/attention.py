@@ -100,7 +100,6 @@ class AttnConfig:
     fwd_ws: bool = False  # with fwd_tma: Triton's warp specialisation of the KV loop
     fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
     bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
-    bwd_fused: bool = False  # dQ's chain carried by the dK/dV walk (attention_bwd_fused: same bytes, one pass)
     bwd_gluon: bool = False  # dK/dV by the warp-specialised Gluon kernel on Hopper (attention_bwd_gluon: same bytes)
 
     @property
@@ -108,7 +107,7 @@ class AttnConfig:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
         load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "") + ("_gluon" if self.fwd_gluon else "")
-        bmath += ("_tma" if self.bwd_tma else "") + ("_fused" if self.bwd_fused else "")
+        bmath += "_tma" if self.bwd_tma else ""
         bmath += "_gluon" if self.bwd_gluon else ""
         return (
             f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
@@ -199,7 +198,6 @@ LAUNCH_FIELDS = frozenset(
         "fwd_ws",
         "fwd_gluon",
         "bwd_tma",
-        "bwd_fused",
         "bwd_gluon",
         "kv_n",
         "kv_m",
@@ -402,7 +400,7 @@ def forward(
 def uses_gluon(cfg: AttnConfig, q: torch.Tensor, backward: bool = False) -> bool:
     """Whether this forward (``backward``: this dK/dV walk) runs its Gluon kernel: asked by the tiling, bfloat16 on a
     Hopper (sm_90) GPU, compiled."""
-    asked = cfg.bwd_gluon and not cfg.bwd_fused if backward else cfg.fwd_gluon
+    asked = cfg.bwd_gluon if backward else cfg.fwd_gluon
     if not (asked and q.device.type == "cuda" and q.dtype == torch.bfloat16 and not INTERPRET):
         return False
     return hopper(q.device.index)
@@ -418,9 +416,7 @@ def launch_record(q: torch.Tensor) -> dict:
         fwd = "gluon_warp_specialised"
     else:
         fwd = "triton_tma" if attention_tma.uses_tma(cfg, q) else "triton_pointer"
-    if cfg.bwd_fused:
-        bwd = "triton_one_pass"
-    elif uses_gluon(cfg, q, backward=True):
+    if uses_gluon(cfg, q, backward=True):
         bwd = "gluon_warp_specialised"
     else:
         bwd = "triton_tma" if attention_bwd.uses_tma(cfg, q) else "triton_pointer"

@@ -28,7 +28,7 @@ from h3gate.kernels import (
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg",
          "cp.async.bulk.tensor.3d.global.shared")  # fmt: skip
 
-_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr": "*i32", "ord_ptr": "*i64",
+_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "ord_ptr": "*i64",
           "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32",
           **dict.fromkeys(("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow",
@@ -147,12 +147,10 @@ def main() -> None:
             attention_tma._attn_fwd_tma_kernel, {**fwd, "WS": False, "ORDERED": ordered}, 4, 3
         )
     for tma in (False, True):
-        kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m, "FUSED": False}
+        kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m}
         out[f"dkdv_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, kv, cfg.kv_warps, cfg.kv_stages)
         dq = {**bwd, "USE_TMA": tma, "BLOCK_M": cfg.q_m, "BLOCK_N": cfg.q_n}
         out[f"dq_tma={tma}"] = ptx_facts(attention_bwd._dq_kernel, dq, cfg.q_warps, cfg.q_stages)
-        fused = {**kv, "FUSED": True}
-        out[f"fused_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, fused, cfg.kv_warps, cfg.kv_stages, True)
     for ordered in (False, True):
         out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
         out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)

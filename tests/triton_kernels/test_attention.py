@@ -43,34 +43,11 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize(
-    "cfg", [SMALL, FAST, attn.replace(SMALL, kv_n=32, kv_m=16, q_m=16, q_n=32)], ids=["small", "fast", "wide"]
-)
-@pytest.mark.parametrize("b,s,ordered", [(1, 70, False), (2, 37, True)])
-def test_one_pass_backward_has_the_three_kernel_bytes(cfg, b, s, ordered) -> None:
-    """``bwd_fused`` (a launch field): the dK/dV walk extends dQ's FP32 chains through a buffer, KV block after KV
-    block, in the dQ kernel's order, so dq, dk and dv are the three-kernel backward's bytes (masked tails, a batch
-    of 2, a permuted walk; the H200 probe compares the compiled kernels, perf-probe-17)."""
-    q, k, v = qkv(b, s)
-    grad = torch.randn(b, s, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
-    order = torch.randperm(s, generator=torch.Generator().manual_seed(3)) if ordered else None
-
-    def run(c):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        attn.attention_with(*leaves, c, order).backward(grad)
-        return [t.grad for t in leaves]
-
-    fused = attn.replace(cfg, bwd_fused=True)
-    assert fused.tag.endswith("_fused")
-    for got, want, name in zip(run(fused), run(cfg), ("dq", "dk", "dv"), strict=True):
-        assert torch.equal(got, want), name
-
-
 def test_gluon_backward_is_a_schedule_the_cpu_runs_as_the_triton_kernels() -> None:
     """``bwd_gluon`` (a launch field: the same arithmetic in warp-specialised Gluon kernels, Hopper only) never changes
-    what runs where Gluon cannot: on the CPU the interpreter runs the Triton walks, so the bytes are the Triton ones;
-    the one-pass ``bwd_fused`` takes precedence when both are asked. The Gluon kernels' own bytes are compared on the
-    H200 (perf-probe-18/19) and their sm_90 build in ``test_sm90_compile``."""
+    what runs where Gluon cannot: on the CPU the interpreter runs the Triton walks, so the bytes are the Triton ones.
+    The Gluon kernels' own bytes are compared on the H200 (perf-probe-18/19) and their sm_90 build in
+    ``test_sm90_compile``."""
     q, k, v = qkv(1, 70)
     grad = torch.randn(1, 70, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
     gluon = attn.replace(SMALL, bwd_gluon=True)
@@ -305,8 +282,7 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
 
 def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> None:
     """``launch_record`` follows the dispatch: on a Hopper GPU (stubbed here: the predicates the kernels themselves
-    call) the warp-specialised Gluon forward from S = 512 and backward from 2048, the Triton pointer walks below; the
-    one-pass backward when the tiling asks for it (it takes precedence over ``bwd_gluon``)."""
+    call) the warp-specialised Gluon forward from S = 512 and backward from 2048, the Triton pointer walks below."""
     monkeypatch.setattr(attn, "INTERPRET", False)
     monkeypatch.setattr(attn, "hopper", lambda index: True)
     from h3gate.kernels import attention_bwd, attention_tma
@@ -322,15 +298,10 @@ def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> Non
     long, short, middle = attn.launch_record(Meta(3160)), attn.launch_record(Meta(264)), attn.launch_record(Meta(925))
     table = attn.attn_config(128, BF16, 3160)
     assert attn.uses_gluon(table, Meta(3160), backward=True)
-    assert not attn.uses_gluon(attn.replace(table, bwd_fused=True), Meta(3160), backward=True)
     assert long["forward"] == long["backward"] == "gluon_warp_specialised" and not long["interpreted"]
     assert short["forward"] == short["backward"] == "triton_pointer"
     assert (middle["forward"], middle["backward"]) == ("gluon_warp_specialised", "triton_pointer")
     assert long["tiling"] == attn.attn_config(128, BF16, 3160).tag != short["tiling"]
-    table = attn.ATTN_TABLE[(128, "bfloat16")]
-    monkeypatch.setitem(attn.ATTN_TABLE, (128, "bfloat16"), attn.replace(table, bwd_fused=True, fwd_gluon=False))
-    fused = attn.launch_record(Meta(3160))
-    assert fused["backward"] == "triton_one_pass" and fused["forward"] == "triton_tma"
 
 
 def test_launch_by_sequence_length(monkeypatch) -> None:

@@ -68,18 +68,6 @@ def test_gluon_forward_keeps_its_mmas_asynchronous_and_the_declared_math(facts) 
     assert regs["cp.async.bulk.tensor.3d.global.shared"] == 0 and regs["spill_bytes"] == 0, regs
 
 
-def test_one_pass_backward_lowers_with_asynchronous_wgmma(facts) -> None:
-    """The one-pass backward (``attention_bwd_fused``, not in production: slower on the H200, perf-probe-17) compiles
-    for sm_90 with the TMA walk when asked, its five MMAs per step asynchronous, and the declared math. (It first
-    failed Triton 3.6's pipeliner with a store under ``if`` inside the walk; masked stores and a separate epilogue
-    kernel compile on 3.6, 3.7 and 3.9.)"""
-    with_tma, without = facts["fused_tma=True"], facts["fused_tma=False"]
-    assert with_tma["cp.async.bulk.tensor"] and not without["cp.async.bulk.tensor"]
-    for got in (with_tma, without):
-        assert got["wgmma.mma_async"] and got["wgmma_serialized"] is False, got
-        assert got["ex2.approx.ftz.f32"] and got["fma.rn.f32"], got
-
-
 def test_gluon_backward_keeps_its_mmas_asynchronous_and_the_declared_math(facts) -> None:
     """The warp-specialised Gluon backward (``attention_bwd_gluon``, in production from S = 2048): per consumer
     warpgroup the dK/dV walk issues 8 + 8 score and 4 + 4 gradient k-steps (2 x 24 wgmma), the dQ walk 8 + 8 + 4
