@@ -506,7 +506,7 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
 
 
 def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
-    """Attention forward with TMA tile loads (``AttnConfig.fwd_tma``, optional warp specialisation ``fwd_ws``) next
+    """Attention forward with TMA tile loads (``AttnConfig.fwd_tma``) next
     to the production pointer kernel, SDPA-cuDNN and SDPA-flash, every candidate's out and lse2 compared byte for
     byte with production; and, on a permuted packing, the walk order read in place (production) against the
     session-10 form (gather copies of q, k, v, the kernel, a scatter copy of the output), forward and backward."""
@@ -530,9 +530,8 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
     for s in seqs:
         prod = attention.attn_config(128, torch.bfloat16, s)
         cands = {"production": prod, "pointer_m128": replace(prod, fwd_m=128, fwd_warps=8, fwd_tma=False)}
-        for m, n, w, st, ws in ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False),
-                                (128, 128, 8, 3, False), (128, 128, 8, 3, True)):  # fmt: skip
-            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True, fwd_ws=ws)
+        for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)):
+            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True)
             cands.setdefault(c.tag, c)
         q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
         ref, ref_lse = attention.forward(q, k, v, prod)

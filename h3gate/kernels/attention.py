@@ -97,7 +97,6 @@ class AttnConfig:
     bwd_exp2: str = "libdevice"  # backward recomputation's exp2 (dK/dV and dQ kernels), same codes as fwd_exp2
     bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
     fwd_tma: bool = False  # forward tiles loaded by TMA on CUDA in packed order (attention_tma: same values, same step)
-    fwd_ws: bool = False  # with fwd_tma: Triton's warp specialisation of the KV loop
     fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
     bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
     bwd_gluon: bool = False  # dK/dV by the warp-specialised Gluon kernel on Hopper (attention_bwd_gluon: same bytes)
@@ -106,7 +105,7 @@ class AttnConfig:
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
-        load = ("_tma" if self.fwd_tma else "") + ("_ws" if self.fwd_ws else "") + ("_gluon" if self.fwd_gluon else "")
+        load = ("_tma" if self.fwd_tma else "") + ("_gluon" if self.fwd_gluon else "")
         bmath += "_tma" if self.bwd_tma else ""
         bmath += "_gluon" if self.bwd_gluon else ""
         return (
@@ -195,7 +194,6 @@ LAUNCH_FIELDS = frozenset(
         "fwd_warps",
         "fwd_stages",
         "fwd_tma",
-        "fwd_ws",
         "fwd_gluon",
         "bwd_tma",
         "bwd_gluon",

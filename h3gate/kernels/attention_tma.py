@@ -7,9 +7,8 @@ zeros, exactly the values the pointer kernel's masked loads give, and the tail b
 the shared :func:`h3gate.kernels.attention.fwd_step`, so every tile holds the pointer kernel's values and the same
 online-softmax step runs on them: the declared contract (``attention.py``, ``attention.yaml``) is unchanged, and
 ``AttnConfig.fwd_tma`` is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
-(``tools/gpu_perf_probe.py --sections attn_tma``). ``fwd_ws`` asks Triton's warp specialisation of the KV loop
-(``tl.range(..., warp_specialize=True)``); on Hopper with Triton 3.6 it changed neither bytes nor speed (perf-probe-14:
-the PTX has no producer / consumer split), so no tiling sets it.
+(``tools/gpu_perf_probe.py --sections attn_tma``). (Triton's own warp specialisation of the KV loop changed neither
+bytes nor speed on Hopper: its PTX has no producer / consumer split; the Gluon kernel splits it by hand.)
 
 With a walk order the K/V operands arrive gathered into canonical order (contiguous: TMA walks them) and the query
 block is read, and the output stored, through ``order[i]`` by pointers (TMA has no row gather on Hopper).
@@ -39,8 +38,7 @@ def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
 @triton.jit
 def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
-                         FMA: tl.constexpr, WS: tl.constexpr, ORDERED: tl.constexpr,
-                         INTERPRET: tl.constexpr):  # fmt: skip
+                         FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -56,7 +54,7 @@ def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
-    for j in tl.range(0, n_full, warp_specialize=WS):
+    for j in tl.range(0, n_full):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         k = k_desc.load([j * BLOCK_N, 0])
         v = v_desc.load([j * BLOCK_N, 0])
@@ -88,7 +86,7 @@ def forward_tma(
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_tma_kernel[grid](
         q, k, v, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0), q.stride(1),
-        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, WS=cfg.fwd_ws,
+        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
         ORDERED=order is not None, INTERPRET=INTERPRET, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         **STRICT_LAUNCH,
     )  # fmt: skip

@@ -144,7 +144,7 @@ def main() -> None:
     out = {}
     for ordered in (False, True):
         out[f"fwd_tma_ordered={ordered}"] = ptx_facts(
-            attention_tma._attn_fwd_tma_kernel, {**fwd, "WS": False, "ORDERED": ordered}, 4, 3
+            attention_tma._attn_fwd_tma_kernel, {**fwd, "ORDERED": ordered}, 4, 3
         )
     for tma in (False, True):
         kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m}
