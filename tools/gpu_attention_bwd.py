@@ -33,10 +33,6 @@ HEADS, D = 56, 128
 VARIANTS = {
     "gluon": {"bwd_gluon": True},
     "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
-    "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
-    "gluon_plain": {"bwd_gluon": True, "dq_pipe": False, "stats_tma": False},
-    "gluon_stats": {"bwd_gluon": True, "dq_pipe": True, "stats_tma": True},
-    "gluon_persistent": {"bwd_gluon": True, "persistent": True},
     "gluon_streams": {"bwd_gluon": True, "side_stream": True},
     "gluon_one_stream": {"bwd_gluon": True, "side_stream": False},
     # the walked operands in canonical order as whole copies first (sessions 13-15), not through tile sources
@@ -44,9 +40,6 @@ VARIANTS = {
 }
 # variant key -> (module, attribute) of a Gluon knob
 _GLUON_KNOBS = {
-    "dq_pipe": ("attention_bwd_gluon", "DQ_PIPELINE"),
-    "stats_tma": ("attention_bwd_gluon", "STATS_TMA"),
-    "persistent": ("attention_bwd_gluon", "PERSISTENT"),
     "side_stream": ("attention_bwd_gluon", "SIDE_STREAM"),
     "sources": ("attention_gluon", "TILE_SOURCES"),
 }
@@ -149,8 +142,8 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
 
 
 def _split_fns(s: int) -> dict:
-    """The Gluon backward's kernels alone at S = ``s`` (B = 1): dK/dV, dQ with and without its pipelined order, and
-    the whole backward (delta pre-pass included)."""
+    """The Gluon backward's kernels alone at S = ``s`` (B = 1): dK/dV, dQ, and the whole backward (delta pre-pass
+    included)."""
     import math
 
     from h3gate.kernels import attention_bwd_gluon as gb
@@ -162,17 +155,6 @@ def _split_fns(s: int) -> dict:
     sm, c = 1.0 / math.sqrt(D), attention.qk_scale(D)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-    def knob(attr: str, value: bool, fn):
-        def call():
-            saved = getattr(gb, attr)
-            setattr(gb, attr, value)
-            try:
-                fn()
-            finally:
-                setattr(gb, attr, saved)
-
-        return call
-
     def dq_call():
         gb.dq_gluon(q, k, v, do, lse, delta, dq, None, cfg, sm, c)
 
@@ -180,12 +162,8 @@ def _split_fns(s: int) -> dict:
         gb.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, None, cfg, sm, c)
 
     return {
-        "dkdv": knob("STATS_TMA", False, dkdv_call),
-        "dkdv_stats_tma": knob("STATS_TMA", True, dkdv_call),
-        "dkdv_persistent": knob("PERSISTENT", True, dkdv_call),
-        "dq": knob("DQ_PIPELINE", False, dq_call),
-        "dq_pipe": knob("DQ_PIPELINE", True, dq_call),
-        "dq_persistent": knob("PERSISTENT", True, dq_call),
+        "dkdv": dkdv_call,
+        "dq": dq_call,
         "whole": lambda: backward(q, k, v, out, lse, grad, cfg),
     }
 

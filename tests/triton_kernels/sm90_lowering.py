@@ -97,18 +97,9 @@ def gluon_facts(ordered: bool, mapped: bool = False, tma_store: bool | None = No
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
-def gluon_bwd_facts(
-    dq: bool,
-    ordered: bool,
-    pipe: bool = False,
-    stats_tma: bool | None = None,
-    persistent: bool = False,
-    mapped: bool = False,
-) -> dict:
-    """The warp-specialised Gluon backward: the dK/dV walk (``stats_tma``: lse2 / delta by the producer's TMA), or
-    the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``). ``stats_tma``
-    None: production's ``STATS_TMA``; ``persistent``: the probe knob's tile loop; ``mapped``: walking tile sources."""
-    stats_tma = attention_bwd_gluon.STATS_TMA if stats_tma is None else stats_tma
+def gluon_bwd_facts(dq: bool, ordered: bool, mapped: bool = False) -> dict:
+    """The warp-specialised Gluon backward: the dK/dV walk (lse2 / delta by the producer's TMA) or the pipelined dQ
+    walk; ``mapped``: walking tile sources."""
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     a_desc, b_desc, _ = attention_gluon.descriptors(t, t, t, 64, 64)
@@ -116,7 +107,7 @@ def gluon_bwd_facts(
     args = {"a_desc": a_desc, "b_desc": b_desc, "la_desc": la_desc, "lb_desc": lb_desc,
             "ord_ptr": torch.empty(1, dtype=torch.int64)}  # fmt: skip
     consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
-              "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "STATS_TMA": stats_tma, "PERSISTENT": persistent}  # fmt: skip
+              "ORDERED": ordered, "DQ": dq}  # fmt: skip
     _sources(args, consts, {"a_copy": a_desc, "b_copy": b_desc}, mapped)
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
@@ -155,14 +146,10 @@ def main() -> None:
         out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
         out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)
         out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
-    out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
-    out["dkdv_gluon_global_stats"] = gluon_bwd_facts(False, True, stats_tma=False)
-    out["dkdv_gluon_persistent"] = gluon_bwd_facts(False, True, persistent=True)
-    out["dq_gluon_persistent"] = gluon_bwd_facts(True, True, pipe=True, persistent=True)
     out["fwd_gluon_sources"] = gluon_facts(True, mapped=True)
     out["fwd_gluon_regstore"] = gluon_facts(False, tma_store=False)
     out["dkdv_gluon_sources"] = gluon_bwd_facts(False, True, mapped=True)
-    out["dq_gluon_sources"] = gluon_bwd_facts(True, True, pipe=True, mapped=True)
+    out["dq_gluon_sources"] = gluon_bwd_facts(True, True, mapped=True)
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     for i, (tag, cfg) in enumerate(sorted(tilings.items())):
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)

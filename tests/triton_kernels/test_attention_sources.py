@@ -133,7 +133,6 @@ def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_ti
 
     monkeypatch.setattr(gf, "TILE_SOURCES", sources)
     monkeypatch.setattr(gf, "num_sms", lambda device: 4)
-    monkeypatch.setattr(gb, "num_sms", lambda device: 4)
     fwd, bwd = _Launch(), _Launch()
     monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
     monkeypatch.setattr(gb, "_bwd_ws_kernel", bwd)
