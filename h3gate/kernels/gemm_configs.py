@@ -74,8 +74,8 @@ class GemmConfig:
     swap_ab: bool = False
     tail_m: int = 0
     # Forward, bfloat16, Hopper: run by the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon; same K walk and
-    # bytes), always persistent, block_m 128 or 192 (two or three consumers of 64 rows); tail_m there is a second MMA
-    # of tail_m more B rows (8 ... block_n, a power of two), so a wide tile is block_n + tail_m B rows.
+    # bytes), always persistent, block_m 128 (two consumers of 64 rows); tail_m there (swapped tiles only) is a second
+    # MMA of tail_m more B rows (8 ... block_n, a power of two), so a wide tile is block_n + tail_m tokens.
     gluon: bool = False
 
     def __post_init__(self) -> None:
@@ -98,17 +98,17 @@ class GemmConfig:
         u, n, t = self.tail_m, self.block_n, self.tail_block_n
         pow2 = all(v & (v - 1) == 0 for v in (n, u, t))
         if (
-            self.block_m not in (128, 192)
+            self.block_m != 128
             or (self.num_warps, self.persistent, self.tma) != (4, True, True)
             or not pow2
             or not 8 <= n <= 256
-            or (u and not 8 <= u <= n)
-            or (t and (self.swap_ab or u or not 16 <= t < n))
+            or (u and (not self.swap_ab or not 8 <= u <= n))
+            or (t and (self.swap_ab or not 16 <= t < n))
         ):
             raise ValueError(
-                f"GemmConfig {self.tag}: a Gluon tiling is persistent TMA on 4 warps a partition, block_m 128 or 192 "
-                "(two or three consumers of 64 rows), block_n a power of two in [8, 256], tail_m 0 or a power of two "
-                "in [8, block_n], and tail_block_n only unswapped without tail_m (16 <= it < block_n)"
+                f"GemmConfig {self.tag}: a Gluon tiling is persistent TMA on 4 warps a partition, block_m 128 (two "
+                "consumers of 64 rows), block_n a power of two in [8, 256], tail_m 0 or (swapped only) a power of two "
+                "in [8, block_n], and tail_block_n only unswapped (16 <= it < block_n)"
             )
 
     @property

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -153,8 +152,6 @@ def main() -> None:
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     for i, (tag, cfg) in enumerate(sorted(tilings.items())):
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
-    three = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)  # three consumers, a B tail
-    out["gemm_gluon:three_consumers"] = gemm_gluon_facts(three, bias=True)
     out["gemm_gluon:grouped_qkv"] = gemm_gluon_facts(gemm_configs.GLUON_GROUPED, bias=False, groups=3)
     json.dump(out, sys.stdout)
 

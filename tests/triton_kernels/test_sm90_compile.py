@@ -106,18 +106,14 @@ def test_gluon_walks_through_tile_sources_keep_their_mmas(facts) -> None:
 
 
 def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
-    """Every production Gluon GEMM tiling (gemm_configs.GLUON_BUCKETS), and a three-consumer one (192 x (128 + 64),
-    both parts stored by TMA), lowers for sm_90 with TMA loads (A, B, and the B tail or the narrow tiles' B where it
-    has them), every consumer's wgmma (4 k16 steps a chunk a consumer, twice that with a B tail MMA or narrow tiles),
-    register reallocation, no spill, and ptxas keeps the wgmma asynchronous; so does the grouped q / k / v launch
-    (three weights' B loads and C stores)."""
-    from dataclasses import replace
-
+    """Every production Gluon GEMM tiling (gemm_configs.GLUON_BUCKETS) lowers for sm_90 with TMA loads (A, B, and the
+    B tail or the narrow tiles' B where it has them), both consumers' wgmma (4 k16 steps a chunk a consumer, twice
+    that with a B tail MMA or narrow tiles), register reallocation, no spill, and ptxas keeps the wgmma asynchronous;
+    so does the grouped q / k / v launch (three weights' B loads and C stores)."""
     from h3gate.kernels import gemm_configs
 
     tilings = {f"gemm_gluon:{cfg.tag}": cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     assert len(tilings) >= 3
-    tilings["gemm_gluon:three_consumers"] = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)
     for tag, cfg in tilings.items():
         got = facts[tag]
         two = cfg.tail_m or cfg.tail_block_n
@@ -125,8 +121,6 @@ def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
         assert got["wgmma.mma_async"] == consumers * (8 if two else 4), (tag, got)
         assert got["cp.async.bulk.tensor"] >= (3 if two else 2) and got["setmaxnreg"] >= 4, (tag, got)
         assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, (tag, got)
-    three = facts["gemm_gluon:three_consumers"]  # three A boxes, B, B tail loads; two C stores per consumer
-    assert three["cp.async.bulk.tensor"] >= 5 + 2 * 3, three
     # q, k, v in one launch: the A load, and the B load and C store of whichever weight a tile is. Triton 3.7 emits
     # one TMA instruction per weight in each branch (1 + 3 + 3), 3.9 selects the descriptor first and emits one of
     # each; the 3.7 count is kept where it is known, the three distinct copies everywhere else
