@@ -19,7 +19,7 @@ from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import build_block_inputs
 from h3gate.graph.model import build_model_graph
 from h3gate.kernels import gemm, gemm_configs, gemm_gluon, launches
-from h3gate.kernels.gemm_grouped import linear_grouped
+from h3gate.kernels.gemm import linear_grouped
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config

@@ -25,7 +25,7 @@ import torch
 from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into, walk_order
 
 from h3gate.kernels import attention
-from h3gate.kernels.attention_bwd import backward
+from h3gate.kernels.attention import backward
 
 HEADS, D = 56, 128
 # name -> AttnConfig overrides on top of the production tiling at that S, and attention_bwd_gluon knobs

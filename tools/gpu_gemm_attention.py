@@ -319,7 +319,7 @@ def section_attention(sec: Section) -> None:
     from torch.nn.attention import SDPBackend
 
     from h3gate.kernels import attention as A
-    from h3gate.kernels.attention_bwd import backward
+    from h3gate.kernels.attention import backward
 
     heads = 2 if SMOKE else 56
     seqs = [17, 70] if SMOKE else [264, 925, 3160, 38974]

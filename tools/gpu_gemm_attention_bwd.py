@@ -131,7 +131,7 @@ def section_bwd_attention(sec: Section) -> None:
     from torch.nn.attention import SDPBackend
 
     from h3gate.kernels import attention as A
-    from h3gate.kernels.attention_bwd import backward
+    from h3gate.kernels.attention import backward
 
     heads = 2 if SMOKE else 56
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}

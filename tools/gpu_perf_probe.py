@@ -34,8 +34,8 @@ import triton
 
 from h3gate.kernels import norms
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
-from h3gate.kernels.gemm import matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm_triton import matmul
 
 SHAPES = {"qkv": (5376, 7168), "o_proj": (7168, 5376), "ffn_gate_up": (5376, 28672), "ffn_down": (14336, 5376)}
 MS = (264, 3160, 38974)
@@ -436,7 +436,7 @@ def hostcost_section(calls: int = 300) -> dict:
                 "config": cfg.tag,
                 "linear_us": per_call(lambda x=x, w=w: gemm.linear(x, w)),
                 "F.linear_us": per_call(lambda x=x, w=w: F.linear(x, w)),
-                "check_us": per_call(lambda x=x, w=w: gemm._check("op", x, w, None)),
+                "check_us": per_call(lambda x=x, w=w: gemm.check_linear("op", x, w, None)),
                 "gemm_config_us": per_call(lambda n=n, k=k: gemm_config("fwd", n, k, torch.bfloat16, 264)),
                 "empty_us": per_call(lambda n=n: torch.empty((264, n), dtype=torch.bfloat16, device="cuda")),
                 "matmul_us": per_call(lambda x=x, w=w, y=y, cfg=cfg: matmul(x, w, y, None, cfg, a_trans=False,
@@ -577,7 +577,7 @@ def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, 
     out, lse = attention.forward(q, k, v, prod)
     grad = torch.randn(1, s, 56 * 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     grad = grad.bfloat16()
-    ref = attention_bwd.backward(q, k, v, out, lse, grad, prod)
+    ref = attention.backward(q, k, v, out, lse, grad, prod)
     cands = {"production": prod, "tma": replace(prod, bwd_tma=True)}
     tilings = ((128, 64, 8, 2, 128, 64, 8, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 32, 8, 3, 128, 128, 8, 2),
                (128, 64, 8, 4, 128, 64, 8, 4))  # fmt: skip
@@ -589,10 +589,10 @@ def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, 
     fns = {}
     for name, cfg in cands.items():
         try:
-            got = attention_bwd.backward(q, k, v, out, lse, grad, cfg)
+            got = attention.backward(q, k, v, out, lse, grad, cfg)
             torch.cuda.synchronize()
             rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": all(map(torch.equal, got, ref))}
-            fns[name] = lambda cfg=cfg: attention_bwd.backward(q, k, v, out, lse, grad, cfg)
+            fns[name] = lambda cfg=cfg: attention.backward(q, k, v, out, lse, grad, cfg)
         except Exception as exc:  # noqa: BLE001 - recorded
             rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
     for label, sdpa in (("sdpa_cudnn", cudnn), ("sdpa_flash", flash)):
@@ -618,10 +618,10 @@ def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
     rec = {"forward_bitwise_copies": bool(torch.equal(fwd_inplace, sca(fwd_copies)) and torch.equal(lse, lse_c))}
 
     def bwd_inplace():
-        return attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg, order)
+        return attention.backward(q, k, v, fwd_inplace, lse, grad, cfg, order)
 
     def bwd_copies():
-        g = attention_bwd.backward(gat(q), gat(k), gat(v), gat(fwd_inplace), lse, gat(grad), cfg)
+        g = attention.backward(gat(q), gat(k), gat(v), gat(fwd_inplace), lse, gat(grad), cfg)
         return tuple(sca(t) for t in g)
 
     rec["backward_bitwise_copies"] = all(torch.equal(a, b) for a, b in zip(bwd_inplace(), bwd_copies(), strict=True))
@@ -629,7 +629,7 @@ def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
         "fwd_packed": lambda: attention.forward(q, k, v, cfg),
         "fwd_order": lambda: attention.forward(q, k, v, cfg, order),
         "fwd_order_copies": lambda: sca(attention.forward(gat(q), gat(k), gat(v), cfg)[0]),
-        "bwd_packed": lambda: attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg),
+        "bwd_packed": lambda: attention.backward(q, k, v, fwd_inplace, lse, grad, cfg),
         "bwd_order": bwd_inplace,
         "bwd_order_copies": bwd_copies,
     }

@@ -11,8 +11,8 @@ import sys
 import torch
 
 from h3gate.kernels import gemm_merge as gm
-from h3gate.kernels.gemm import matmul
 from h3gate.kernels.gemm_configs import gemm_config
+from h3gate.kernels.gemm_triton import matmul
 
 
 def main() -> int:

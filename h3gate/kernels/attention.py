@@ -56,239 +56,22 @@ Contract (restated in ``manifests/operators/attention.yaml``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels import launches
+from h3gate.kernels import attention_bwd, attention_tma, launches
+from h3gate.kernels.attention_bwd_gluon import both_walks, dkdv_gluon, dq_gluon
+from h3gate.kernels.attention_config import OP, SUPPORTED_HEAD_DIMS, AttnConfig, attn_config, qk_scale
+from h3gate.kernels.attention_gluon import forward_gluon_ws
+from h3gate.kernels.attention_math import fwd_step, gather_rows, log2, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor, hopper
-from h3gate.kernels.exact import helper, mma, rne
+from h3gate.kernels.exact import helper, rne
 
 KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v2"
-OP = "h3_full_attention"
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (128,)
 _DTYPES = (torch.bfloat16, torch.float32)
-LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class AttnConfig:
-    """Tilings of the three attention kernels (a function of head_dim and dtype only)."""
-
-    fwd_m: int = 128
-    fwd_n: int = 64
-    fwd_warps: int = 8
-    fwd_stages: int = 3
-    kv_n: int = 128  # dK/dV kernel: KV rows per program
-    kv_m: int = 64  # dK/dV kernel: query rows per step of its ascending loop
-    kv_warps: int = 8
-    kv_stages: int = 2
-    q_m: int = 128  # dQ kernel: query rows per program
-    q_n: int = 64  # dQ kernel: KV rows per step of its ascending loop
-    q_warps: int = 8
-    q_stages: int = 2
-    fwd_exp2: str = "libdevice"  # forward exp2: "libdevice" (__nv_exp2f), "ex2" or "ex2ftz" (explicit PTX)
-    fwd_fma: bool = False  # forward exponent as one explicit fma(q k^T, c, -m') instead of (q k^T * c) - m'
-    bwd_exp2: str = "libdevice"  # backward recomputation's exp2 (dK/dV and dQ kernels), same codes as fwd_exp2
-    bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
-    fwd_tma: bool = False  # forward tiles loaded by TMA on CUDA in packed order (attention_tma: same values, same step)
-    fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
-    bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
-    bwd_gluon: bool = False  # dK/dV by the warp-specialised Gluon kernel on Hopper (attention_bwd_gluon: same bytes)
-
-    @property
-    def tag(self) -> str:
-        math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
-        bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
-        load = ("_tma" if self.fwd_tma else "") + ("_gluon" if self.fwd_gluon else "")
-        bmath += "_tma" if self.bwd_tma else ""
-        bmath += "_gluon" if self.bwd_gluon else ""
-        return (
-            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
-            f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
-            f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}{bmath}"
-        )
-
-    @property
-    def exp2_code(self) -> int:
-        """The forward kernel's ``EXP2`` constexpr: 0 libdevice, 1 ``ex2.approx.f32``, 2 ``ex2.approx.ftz.f32``."""
-        return _exp2_code("fwd_exp2", self.fwd_exp2)
-
-    @property
-    def bwd_exp2_code(self) -> int:
-        """The backward kernels' ``EXP2`` constexpr (same codes as :attr:`exp2_code`)."""
-        return _exp2_code("bwd_exp2", self.bwd_exp2)
-
-
-def _exp2_code(field: str, value: str) -> int:
-    codes = {"libdevice": 0, "ex2": 1, "ex2ftz": 2}
-    if value not in codes:
-        raise InputError(f"{OP}: config {field}: {value!r} not one of {sorted(codes)}")
-    return codes[value]
-
-
-# (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
-ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
-    # Measured winners on the H200 (docs/measurements/gemm_attention-tuning-2.json forward, -3-backward.json
-    # backward): declared ex2.approx.ftz + explicit FMA in the forward and in the backward's p recompute; the
-    # forward's 64-row TMA launch and the backward's TMA loads with 4 stages from perf-probe-14/15 (bitwise equal to
-    # the launches they replaced; S_BUCKETS keeps those below S = 2048).
-    (128, "bfloat16"): AttnConfig(
-        kv_n=128,
-        kv_m=64,
-        kv_warps=8,
-        kv_stages=4,
-        q_m=128,
-        q_n=64,
-        q_warps=8,
-        q_stages=4,
-        bwd_tma=True,
-        bwd_gluon=True,
-        fwd_m=64,
-        fwd_n=128,
-        fwd_warps=8,
-        fwd_stages=3,
-        fwd_tma=True,
-        fwd_gluon=True,
-        fwd_exp2="ex2ftz",
-        fwd_fma=True,
-        bwd_exp2="ex2ftz",
-        bwd_fma=True,
-    ),
-    (128, "float32"): AttnConfig(64, 32, 4, 2, 64, 32, 4, 1, 64, 32, 4, 1),
-}
-
-
-# Launch choices by sequence length, per (head_dim, dtype): ((bound, {field: value}), ...) in ascending bound order;
-# S < bound takes the first matching entry's overrides of the ATTN_TABLE tiling, S >= the last bound the table entry.
-# Only LAUNCH_FIELDS may be overridden: which program owns a row (query/KV block heights), warps, pipeline depth and
-# the load path (TMA or pointer loads of the same tiles) - never the KV walk of the forward (fwd_n) or the exp2/fma
-# forms, so no row's sums change (every override below was measured bitwise equal on the H200).
-# bfloat16 D = 128: 64-row forward blocks on 4 warps were 11 / 4 / 5 % faster than 128-row ones at S = 264 / 925 /
-# 3160 (perf-probe-{12,13}) and, with TMA loads, the fastest at 38974 too (82.5 ms against 94.7 for the 128-row
-# pointer kernel, perf-probe-15); TMA and 4 pipeline stages in the backward were 3 / 4 % faster at 3160 / 38974
-# (perf-probe-15). Both were slower at 264 / 925 (a program's descriptor set-up: forward 25 / 6 %, backward 8 / 2 %),
-# so below the bound 2048 (between the measured 925 and 3160, a choice, not a measured crossover) the pointer
-# kernels with 3 backward stages run. The warp-specialised Gluon forward (same bytes) was 6 % faster than the TMA
-# kernel at 3160 and 38974 and slower at 264 (host descriptors and one wave of 128-row programs): from 2048 on as well
-# (perf-probe-16). Persistent (one program an SM walking tiles), it is also faster than the pointer kernel at S = 925
-# (0.085 against 0.105 ms) and still slower at 264 (0.089 against 0.032; perf-probe-22): so from 512 on (between the
-# measured 264 and 925, a choice), while below 2048 the backward keeps the pointer kernels.
-# The KV walk itself (fwd_n, not a launch field) is 128 keys since kernel id v2 (session 13): in the Gluon kernel it
-# was 17 / 20 % faster than the 64-key walk at S = 3160 / 38974 (0.561 vs 0.528 ms cuDNN, 72.5 vs 75.8 ms cuDNN,
-# perf-probe-17-fwd.json), where the Triton kernels had shown 1 % (perf-probe-14): a contract change (other bytes, new
-# evidence for every gate). Below 2048 the pointer kernel walks the same 128 keys, on 8 warps (ptxas: 584 spilled bytes
-# against 7.6 KB on 4 warps) and 128-row blocks: 0.032 / 0.105 ms at S = 264 / 925 against 0.037 / 0.150 for 64-row
-# blocks (cuDNN 0.021 / 0.067; the 64-key walk read 0.025 / 0.092), bytes equal (perf-probe-17-small.json). There a
-# 32-row block on 4 warps gave other bytes (Triton issues mma.sync below 64 rows, not wgmma): heights are >= 64.
-# The backward's warp-specialised Gluon kernels (bwd_gluon, same bytes, perf-probe-18): from 2048 on; below, their
-# host descriptors cost more than they save (the dK/dV kernel alone: 0.17 against 0.089 ms at S = 264).
-LAUNCH_FIELDS = frozenset(
-    {
-        "fwd_m",
-        "fwd_warps",
-        "fwd_stages",
-        "fwd_tma",
-        "fwd_gluon",
-        "bwd_tma",
-        "bwd_gluon",
-        "kv_n",
-        "kv_m",
-        "kv_warps",
-        "kv_stages",
-        "q_m",
-        "q_n",
-        "q_warps",
-        "q_stages",
-    }
-)
-_BWD_POINTER = {"bwd_tma": False, "bwd_gluon": False, "kv_stages": 3, "q_stages": 3}
-S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
-    (128, "bfloat16"): (
-        (512, {"fwd_m": 128, "fwd_tma": False, "fwd_gluon": False, **_BWD_POINTER}),
-        (2048, {"fwd_m": 128, "fwd_tma": False, **_BWD_POINTER}),  # the Gluon forward (Hopper), else pointer
-    ),
-}
-
-
-def _check_s_buckets() -> None:
-    for key, buckets in S_BUCKETS.items():
-        bounds = [b[0] for b in buckets]
-        heights = [o.get(f, 64) for _, o in buckets for f in ("fwd_m", "kv_n", "kv_m", "q_m", "q_n")]
-        fields = set().union(*(o for _, o in buckets))
-        low = key[1] == "bfloat16" and min(heights, default=64) < 64  # below 64 rows: mma.sync, other bytes
-        if key not in ATTN_TABLE or bounds != sorted(set(bounds)) or any(h & (h - 1) for h in heights) or low:
-            raise AssertionError(
-                f"attention.S_BUCKETS{key}: known tiling, ascending bounds, power-of-two blocks of >= 64 rows"
-            )
-        if not fields <= LAUNCH_FIELDS:
-            raise AssertionError(f"attention.S_BUCKETS{key}: {sorted(fields - LAUNCH_FIELDS)} are not launch fields")
-
-
-_check_s_buckets()
-
-
-def qk_scale(head_dim: int) -> float:
-    """``log2(e) / sqrt(D)``: scores are kept in the log2 domain (one FP32 constant shared by every kernel)."""
-    return LOG2E / math.sqrt(head_dim)
-
-
-def attn_config(head_dim: int, dtype: torch.dtype, seq_len: int | None = None) -> AttnConfig:
-    """The (D, dtype) tiling; with ``seq_len`` its launch overrides from ``S_BUCKETS``."""
-    key = (head_dim, dtype_name(dtype))
-    cfg = ATTN_TABLE[key]
-    if seq_len is not None:
-        for bound, overrides in S_BUCKETS.get(key, ()):
-            if seq_len < bound:
-                return replace(cfg, **overrides)
-    return cfg
-
-
-@helper
-def exp2(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.exp2(x)
-    else:
-        return libdevice.exp2(x)
-
-
-@helper
-def exp2_fwd(x, EXP2: tl.constexpr, INTERPRET: tl.constexpr):
-    """exp2 of the forward / backward recomputation: libdevice (EXP2=0) or the declared PTX
-    ``ex2.approx[.ftz].f32`` (1, 2)."""
-    if INTERPRET:
-        return tl.exp2(x)
-    elif EXP2 == 2:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    elif EXP2 == 1:
-        return tl.inline_asm_elementwise("ex2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return libdevice.exp2(x)
-
-
-@helper
-def log2(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.log2(x)
-    else:
-        return libdevice.log2(x)
-
-
-@helper
-def packed_rows(ord_ptr, offs, S, ORDERED: tl.constexpr):
-    """The packed rows of canonical rows ``offs``: ``order[offs]`` (row 0 past S: those loads are masked), or
-    ``offs`` itself without an order."""
-    if ORDERED:
-        return tl.load(ord_ptr + offs, mask=offs < S, other=0)
-    else:
-        return offs
 
 
 @helper
@@ -305,29 +88,6 @@ def _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, start, S, stride_s, qk_scal
         k = tl.load(k_ptr + kv)
         v = tl.load(v_ptr + kv)
     return fwd_step(q, k, v, m_i, l_i, acc, offs_n, S, qk_scale, BLOCK_M, BLOCK_N, MASK, EXP2, FMA, INTERPRET)
-
-
-@helper
-def fwd_step(q, k, v, m_i, l_i, acc, offs_n, S, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """One KV block of the online softmax (module docstring) on loaded k, v tiles (rows past S zero, masked)."""
-    if FMA:  # declared: one explicit fma per score (see the module docstring)
-        qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
-        if MASK:
-            qk = tl.where(offs_n[None, :] < S, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = exp2_fwd(tl.fma(qk, qk_scale, -m_new[:, None]), EXP2, INTERPRET)
-    else:
-        s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
-        if MASK:
-            s = tl.where(offs_n[None, :] < S, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = exp2_fwd(s - m_new[:, None], EXP2, INTERPRET)
-    alpha = exp2_fwd(m_i - m_new, EXP2, INTERPRET)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = mma(rne(p, v.dtype, INTERPRET), v, acc, INTERPRET)
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -373,11 +133,7 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig, order: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows)."""
-    from h3gate.kernels import attention_tma
-
     if uses_gluon(cfg, q):  # reads packed q, k and v in canonical order itself
-        from h3gate.kernels.attention_gluon import forward_gluon_ws
-
         return forward_gluon_ws(q, k, v, cfg, order)
     k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
     if attention_tma.uses_tma(cfg, q):
@@ -395,6 +151,34 @@ def forward(
     return out, lse
 
 
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    cfg: AttnConfig,
+    order: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (B, S, nh, D) at q's dtype (packed rows), from the forward's ``out`` and FP32 ``lse2`` (canonical
+    rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order): delta, then the dK/dV and dQ walks
+    (:mod:`h3gate.kernels.attention_bwd`; the Gluon kernels on Hopper, :mod:`h3gate.kernels.attention_bwd_gluon`)."""
+    d = q.shape[3]
+    delta = attention_bwd.delta(out, grad, order, q.shape[2])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if uses_gluon(cfg, q, backward=True):
+        sm_scale, c = 1.0 / math.sqrt(d), qk_scale(d)
+        both_walks(  # the walked operands packed: the kernels read them in canonical order themselves
+            lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c),
+            lambda: dq_gluon(q, k, v, grad, lse, delta, dq, order, cfg, sm_scale, c),
+            q.device,
+        )
+    else:
+        attention_bwd.walks(q, k, v, grad, lse, delta, (dq, dk, dv), cfg, order, attention_bwd.uses_tma(cfg, q))
+    return dq, dk, dv
+
+
 def uses_gluon(cfg: AttnConfig, q: torch.Tensor, backward: bool = False) -> bool:
     """Whether this forward (``backward``: this dK/dV walk) runs its Gluon kernel: asked by the tiling, bfloat16 on a
     Hopper (sm_90) GPU, compiled."""
@@ -407,8 +191,6 @@ def uses_gluon(cfg: AttnConfig, q: torch.Tensor, backward: bool = False) -> bool
 def launch_record(q: torch.Tensor) -> dict:
     """Which kernels run the forward and the backward of a call with queries like ``q`` (B, S, nh, D) here, and the
     tiling: evidence names what executed (every schedule has this contract's bytes)."""
-    from h3gate.kernels import attention_bwd, attention_tma
-
     cfg = attn_config(q.shape[3], q.dtype, q.shape[1])
     if uses_gluon(cfg, q):
         fwd = "gluon_warp_specialised"
@@ -419,11 +201,6 @@ def launch_record(q: torch.Tensor) -> dict:
     else:
         bwd = "triton_tma" if attention_bwd.uses_tma(cfg, q) else "triton_pointer"
     return {"tiling": cfg.tag, "forward": fwd, "backward": bwd, "interpreted": INTERPRET}
-
-
-def gather_rows(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """A walked operand's rows (dim 1) in canonical order: ``t[:, order]``, a contiguous copy (``t`` without one)."""
-    return t if order is None else t.index_select(1, order)
 
 
 def _order_facts(order: torch.Tensor) -> tuple[bool, bool]:
@@ -461,8 +238,6 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from h3gate.kernels.attention_bwd import backward
-
         q, k, v, out, lse, order = ctx.saved_tensors
         if grad.dtype != q.dtype:
             raise InputError(f"{OP}: grad_output: dtype {grad.dtype} != output dtype {q.dtype}")

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2_fwd, gather_rows, packed_rows, qk_scale, uses_gluon
+from h3gate.kernels.attention_config import AttnConfig, qk_scale
+from h3gate.kernels.attention_math import exp2_fwd, gather_rows, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.exact import f32, helper, mma, rne
 
@@ -197,50 +198,48 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ord_ptr,
     tl.store(dq_ptr + rows, rne(dq, dq_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
 
 
-def backward(
+def delta(out: torch.Tensor, grad: torch.Tensor, order: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """``delta[bh, i] = sum_d f32(out[r, d]) * f32(dout[r, d])`` for canonical row ``i`` (packed row ``r``): FP32
+    products, one fixed tree over D; (B * nh, S) float32."""
+    b, s = out.shape[:2]
+    d = out.shape[2] // heads
+    result = torch.empty((b * heads, s), dtype=torch.float32, device=out.device)
+    _delta_kernel[(triton.cdiv(s, 64), b * heads)](
+        out, grad, result, out if order is None else order, s, heads, out.stride(0), out.stride(1), D=d, BLOCK_M=64,
+        ORDERED=order is not None, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return result
+
+
+def walks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     grad: torch.Tensor,
+    lse: torch.Tensor,
+    delta_: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: AttnConfig,
-    order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (B, S, nh, D) at q's dtype (packed rows), from the forward's ``out`` and FP32 ``lse2`` (canonical
-    rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order)."""
+    order: torch.Tensor | None,
+    tma: bool,
+) -> None:
+    """The dK/dV and dQ walks into ``grads`` = (dq, dk, dv) (packed rows), from lse2 and delta (canonical rows),
+    walking ``order`` (None: packed order); ``tma``: the walked tiles loaded by TMA (CUDA only)."""
+    dq, dk, dv = grads
     b, s, h, d = q.shape
-    sm_scale = 1.0 / math.sqrt(d)
-    c = qk_scale(d)
+    sm_scale, c = 1.0 / math.sqrt(d), qk_scale(d)
     stride_b, stride_s = q.stride(0), q.stride(1)
     ordered, ord_arg = order is not None, q if order is None else order
-    tma = uses_tma(cfg, q)
     if tma:
         triton.set_allocator(tma_allocator)  # device-side descriptors need scratch (a context variable)
-    delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(s, 64), b * h)](
-        out, grad, delta, ord_arg, s, h, stride_b, stride_s, D=d, BLOCK_M=64, ORDERED=ordered, INTERPRET=INTERPRET,
-        num_warps=4, **STRICT_LAUNCH,
-    )  # fmt: skip
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if uses_gluon(cfg, q, backward=True):
-        from h3gate.kernels.attention_bwd_gluon import both_walks, dkdv_gluon, dq_gluon
-
-        both_walks(  # the walked operands packed: the kernels read them in canonical order themselves
-            lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c),
-            lambda: dq_gluon(q, k, v, grad, lse, delta, dq, order, cfg, sm_scale, c),
-            q.device,
-        )
-        return dq, dk, dv
     _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
-        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, ord_arg, s, h, c, sm_scale,
+        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta_, dk, dv, ord_arg, s, h, c, sm_scale,
         stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
         ORDERED=ordered, USE_TMA=tma, INTERPRET=INTERPRET, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
         **STRICT_LAUNCH,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
-        q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b,
+        q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta_, dq, ord_arg, s, h, c, sm_scale, stride_b,
         stride_s, D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
         USE_TMA=tma, INTERPRET=INTERPRET, num_warps=cfg.q_warps, num_stages=cfg.q_stages, **STRICT_LAUNCH,
     )  # fmt: skip
-    return dq, dk, dv

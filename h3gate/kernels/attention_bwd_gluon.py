@@ -54,8 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels import attention_gluon
-from h3gate.kernels.attention import AttnConfig, gather_rows
+from h3gate.kernels.attention_config import AttnConfig
 from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
+from h3gate.kernels.attention_math import gather_rows
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
 

@@ -53,7 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
+from h3gate.kernels.attention_config import AttnConfig, qk_scale
+from h3gate.kernels.attention_math import gather_rows
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH, num_sms
 from h3gate.kernels.gemm_gluon_plan import nvmma_layout

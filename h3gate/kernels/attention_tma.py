@@ -4,7 +4,7 @@ Per program (BLOCK_M query rows, batch, head) the kernel builds device-side tens
 head)'s (S, D) slices of q, k, v and out (row stride ``nh * D``, 16-byte aligned since D = 128) and loads the q
 tile once and each (BLOCK_N, D) K/V block with TMA instead of per-thread pointer loads. TMA fills rows past S with
 zeros, exactly the values the pointer kernel's masked loads give, and the tail block's scores are masked to -inf by
-the shared :func:`h3gate.kernels.attention.fwd_step`, so every tile holds the pointer kernel's values and the same
+the shared :func:`h3gate.kernels.attention_math.fwd_step`, so every tile holds the pointer kernel's values and the same
 online-softmax step runs on them: the declared contract (``attention.py``, ``attention.yaml``) is unchanged, and
 ``AttnConfig.fwd_tma`` is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
 (``tools/gpu_perf_probe.py --sections attn_tma``). (Triton's own warp specialisation of the KV loop changed neither
@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, fwd_step, log2, packed_rows, qk_scale
+from h3gate.kernels.attention_config import AttnConfig, qk_scale
+from h3gate.kernels.attention_math import fwd_step, log2, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.exact import rne
 

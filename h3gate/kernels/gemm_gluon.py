@@ -5,7 +5,7 @@ Triton 3.6's own Hopper GEMM issues each ``wgmma`` from the warps that also wait
 specialisation gave nothing on sm_90 (``docs/measurements/gemm-gap-profile.md``). Here the product
 ``C[i, j] = sum_k A[i, k] B[j, k]`` of two K-contiguous operands (A: ``a_rows`` x K, B: ``b_rows`` x K) is run by
 the partitions of one persistent program an SM, walking output tiles ``pid``, ``pid + programs``, ... in the
-GROUP_M-swizzled order of :func:`h3gate.kernels.gemm._tile_coords`:
+GROUP_M-swizzled order of :func:`h3gate.kernels.gemm_triton.tile_coords`:
 
 * a one-warp producer issuing every TMA load: per tile, per ascending ``BLOCK_K`` chunk, the (128 x BLOCK_K) A
   tile and the (BLOCK_B x BLOCK_K) B tile (and a (B_TAIL x BLOCK_K) B tail) into a ring of ``STAGES`` buffers

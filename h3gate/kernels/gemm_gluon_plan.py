@@ -53,7 +53,7 @@ class Launch:
 
 def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
     """The launch of ``cfg`` (``gluon``) for Y (m, n) = X (m, k) W (n, k)^T on ``programs`` SMs: the persistent grid
-    is sized from the wide tiles as :func:`h3gate.kernels.gemm.matmul` sizes it, the narrow split from
+    is sized from the wide tiles as :func:`h3gate.kernels.gemm_triton.matmul` sizes it, the narrow split from
     :func:`h3gate.kernels.gemm_configs.tail_split` (normal orientation without a B tail only)."""
     a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
     pid_a = cdiv(a_rows, cfg.block_m)

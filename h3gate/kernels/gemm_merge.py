@@ -51,10 +51,10 @@ from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph, num_sms, tma_allocator
 from h3gate.kernels.exact import helper, mma, rne
-from h3gate.kernels.gemm import _check as check_linear
 from h3gate.kernels.gemm import _operator as gemm_operator
-from h3gate.kernels.gemm import _tile_coords
+from h3gate.kernels.gemm import check_linear
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
 from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
 
@@ -177,7 +177,7 @@ def _seg8_kernel(
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     slots = scratch_ptr + pid.to(tl.int64) * (3 * BLOCK_M * BLOCK_N) + tile
     for tile_id in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M

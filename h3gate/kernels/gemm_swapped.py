@@ -118,7 +118,8 @@ def matmul_swapped(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig
 ) -> torch.Tensor:
     """``out (M, N) = x (M, K) @ w (N, K)^T [+ bias]``: contiguous tensors on one device, one dtype (checked by the
-    caller, :func:`h3gate.kernels.gemm.matmul`). TMA needs 16-byte aligned bases: the caller passes aligned ones."""
+    caller, :func:`h3gate.kernels.gemm_triton.matmul`). TMA needs 16-byte aligned bases: the caller passes aligned
+    ones."""
     m, n = out.shape
     k = x.shape[1]
     chunk = cfg.block_m + cfg.tail_m

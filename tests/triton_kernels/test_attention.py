@@ -3,11 +3,14 @@ and head invariance, tilings with many programs, input validation and registry b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels import attention as attn
+from h3gate.kernels import attention_config
 from h3gate.ops import reference, registry
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -50,7 +53,7 @@ def test_gluon_backward_is_a_schedule_the_cpu_runs_as_the_triton_kernels() -> No
     ``test_sm90_compile``."""
     q, k, v = qkv(1, 70)
     grad = torch.randn(1, 70, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
-    gluon = attn.replace(SMALL, bwd_gluon=True)
+    gluon = replace(SMALL, bwd_gluon=True)
     assert gluon.tag.endswith("_gluon") and not attn.uses_gluon(gluon, q, backward=True)
     for got, want in zip(fwd_bwd(q, k, v, grad, gluon), fwd_bwd(q, k, v, grad, SMALL), strict=True):
         assert torch.equal(got, want)
@@ -314,23 +317,21 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (128, 8, 3, False, False)
     assert small.fwd_n == table.fwd_n == 128 and attn.KERNEL_ID.endswith(":v2")  # the 128-key walk of kernel id v2
     assert table.fwd_tma and table.fwd_gluon and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
-    assert not small.fwd_gluon and "fwd_gluon" in attn.LAUNCH_FIELDS
+    assert not small.fwd_gluon and "fwd_gluon" in attention_config.LAUNCH_FIELDS
     assert (
-        attn.replace(
-            small, fwd_m=64, fwd_tma=True, fwd_gluon=True, bwd_tma=True, bwd_gluon=True, kv_stages=4, q_stages=4
-        )
+        replace(small, fwd_m=64, fwd_tma=True, fwd_gluon=True, bwd_tma=True, bwd_gluon=True, kv_stages=4, q_stages=4)
         == table
     )
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
     assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16), backward=True)  # and the Triton backward
-    assert not small.bwd_gluon and "bwd_gluon" in attn.LAUNCH_FIELDS and table.tag.endswith("_gluon")
+    assert not small.bwd_gluon and "bwd_gluon" in attention_config.LAUNCH_FIELDS and table.tag.endswith("_gluon")
     assert attn.attn_config(128, BF16, 511) == small and attn.attn_config(128, BF16, 2048) == table
     # from 512 the Gluon forward (persistent, perf-probe-22), the backward still the pointer kernels below 2048
-    assert attn.attn_config(128, BF16, 512) == attn.attn_config(128, BF16, 2047) == attn.replace(small, fwd_gluon=True)
+    assert attn.attn_config(128, BF16, 512) == attn.attn_config(128, BF16, 2047) == replace(small, fwd_gluon=True)
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     # heights of the rows a program owns (the interpreter sums a whole MMA tile before adding the accumulator, so the
     # reduction-step heights kv_m / q_n, bitwise on the GPU by the MMA's k-step chain, are compared there only)
-    tall = attn.replace(small, fwd_m=64, fwd_warps=4, kv_n=64, q_m=64)
+    tall = replace(small, fwd_m=64, fwd_warps=4, kv_n=64, q_m=64)
     seen = []
     real = attn._Attention.apply
     monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
@@ -340,15 +341,17 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     assert seen == [small]
     for got, want, name in zip(bucketed, fwd_bwd(q, k, v, grad, tall), ("out", "dq", "dk", "dv"), strict=True):
         assert torch.equal(got, want), name
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 48}),))
+    monkeypatch.setitem(attention_config.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 48}),))
     with pytest.raises(AssertionError, match="power-of-two blocks"):
-        attn._check_s_buckets()
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 32}),))  # mma.sync: other bytes
+        attention_config._check_s_buckets()
+    monkeypatch.setitem(
+        attention_config.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 32}),)
+    )  # mma.sync: other bytes
     with pytest.raises(AssertionError, match=">= 64 rows"):
-        attn._check_s_buckets()
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {}), (512, {})))
+        attention_config._check_s_buckets()
+    monkeypatch.setitem(attention_config.S_BUCKETS, (128, "bfloat16"), ((8192, {}), (512, {})))
     with pytest.raises(AssertionError, match="ascending bounds"):
-        attn._check_s_buckets()
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_n": 128}),))
+        attention_config._check_s_buckets()
+    monkeypatch.setitem(attention_config.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_n": 128}),))
     with pytest.raises(AssertionError, match=r"\['fwd_n'\] are not launch fields"):
-        attn._check_s_buckets()
+        attention_config._check_s_buckets()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3gate.kernels import gemm, gemm_configs, gemm_swapped
+from h3gate.kernels import gemm, gemm_configs, gemm_swapped, gemm_triton
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -38,7 +38,7 @@ def make(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0, integer: boo
 
 def run(x, w, b, cfg: GemmConfig) -> torch.Tensor:
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
-    return gemm.matmul(x, w, out, b, cfg, a_trans=False, b_trans=True)
+    return gemm_triton.matmul(x, w, out, b, cfg, a_trans=False, b_trans=True)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
@@ -130,7 +130,7 @@ def test_swapped_config_validation() -> None:
             GemmConfig(32, 32, 32, **{"group_m": 1, **bad}, swap_ab=True)
     x, w, b = make(5, 64, 32, BF16)
     with pytest.raises(ValueError, match="swap_ab is a forward tiling"):
-        gemm.matmul(x, w.T.contiguous(), torch.empty(5, 32, dtype=BF16), None, SWAPS[0].values[0], a_trans=False,
+        gemm_triton.matmul(x, w.T.contiguous(), torch.empty(5, 32, dtype=BF16), None, SWAPS[0].values[0], a_trans=False,
                     b_trans=False)  # fmt: skip
     assert GemmConfig(256, 64, 64, 1, 4, 4, tma=True, swap_ab=True, tail_m=16).tag == "256x64x64_g1_w4_s4_tma_swap16"
 
