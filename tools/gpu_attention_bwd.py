@@ -26,9 +26,10 @@ from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, pro
 
 from h3gate.kernels import attention
 from h3gate.kernels.attention import backward
+from h3gate.kernels.attention_config import PRODUCTION
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S, and attention_bwd_gluon knobs
+# name -> AttnConfig overrides on top of the production tiling at that S, and AttnLaunch fields
 # (perf-probe-18 / -18b / -21 measured the dK/dV kernel's EARLY_DV, COMPACT, REGS and DKDV_SPLIT, since removed).
 VARIANTS = {
     "gluon": {"bwd_gluon": True},
@@ -38,33 +39,17 @@ VARIANTS = {
     # the walked operands in canonical order as whole copies first (sessions 13-15), not through tile sources
     "gluon_copies": {"bwd_gluon": True, "sources": False},
 }
-# variant key -> (module, attribute) of a Gluon knob
-_GLUON_KNOBS = {
-    "side_stream": ("attention_bwd_gluon", "SIDE_STREAM"),
-    "sources": ("attention_gluon", "TILE_SOURCES"),
-}
+# variant key -> the AttnLaunch field it sets
+_LAUNCH_FIELDS = {"side_stream": "side_stream", "sources": "tile_sources"}
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
-    """A call of the backward with variant ``name``'s tiling (and its Gluon knobs)."""
-    from h3gate.kernels import attention_bwd_gluon, attention_gluon
-
-    mods = {"attention_bwd_gluon": attention_bwd_gluon, "attention_gluon": attention_gluon}
+    """A call of the backward with variant ``name``'s tiling and launch."""
     over = dict(VARIANTS[name])
-    knobs = {_GLUON_KNOBS[key]: over.pop(key) for key in list(over) if key in _GLUON_KNOBS}
+    launch = dataclasses.replace(PRODUCTION, **{_LAUNCH_FIELDS[key]: over.pop(key) for key in list(over)
+                                                if key in _LAUNCH_FIELDS})  # fmt: skip
     vcfg = dataclasses.replace(cfg, **over)
-    defaults = {(m, a): getattr(mods[m], a) for m, a in _GLUON_KNOBS.values()}
-
-    def call():
-        for (m, a), value in knobs.items():
-            setattr(mods[m], a, value)
-        try:
-            return backward(*args, vcfg, order)
-        finally:
-            for (m, a), value in defaults.items():
-                setattr(mods[m], a, value)
-
-    return call
+    return lambda: backward(*args, vcfg, order, launch)
 
 
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),

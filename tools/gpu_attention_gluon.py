@@ -29,7 +29,8 @@ import traceback
 import torch
 from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into, walk_order
 
-from h3gate.kernels import attention, attention_gluon
+from h3gate.kernels import attention
+from h3gate.kernels.attention_config import PRODUCTION
 from h3gate.kernels.attention_gluon import forward_gluon_ws
 
 HEADS, D = 56, 128
@@ -49,7 +50,7 @@ VARIANTS = {
     "prod": {**_V, "persistent": True, "regs": (240, 24), "sources": True},
     "prod_copies": {**_V, "persistent": True, "regs": (240, 24), "sources": False},
     # production with the output stored through shared memory by TMA at every S / from registers at every S
-    # (sessions 12-19); production switches at attention_gluon.TMA_STORE_FROM
+    # (sessions 12-19); production switches at AttnLaunch.tma_store_from
     "prod_tma": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store_from": 0},
     "prod_regstore": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store_from": 1 << 62},
 }
@@ -69,14 +70,11 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 def _gluon(q, k, v, name: str, order=None):
     var = VARIANTS[name]
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=var["walk"])
-    g = attention_gluon
-    saved = g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE_FROM
-    g.PERSISTENT, g.REGS = var["persistent"], var["regs"]
-    g.TILE_SOURCES, g.TMA_STORE_FROM = var.get("sources", True), var.get("tma_store_from", saved[3])
-    try:
-        return forward_gluon_ws(q, k, v, cfg, order, stages=var["stages"])
-    finally:
-        g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE_FROM = saved
+    launch = dataclasses.replace(
+        PRODUCTION, persistent=var["persistent"], regs=var["regs"], stages=var["stages"],
+        tile_sources=var.get("sources", True), tma_store_from=var.get("tma_store_from", PRODUCTION.tma_store_from),
+    )  # fmt: skip
+    return forward_gluon_ws(q, k, v, cfg, order, launch)
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:

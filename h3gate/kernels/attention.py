@@ -64,7 +64,15 @@ import triton.language as tl
 from h3gate.errors import InputError
 from h3gate.kernels import attention_bwd, attention_tma, launches
 from h3gate.kernels.attention_bwd_gluon import both_walks, dkdv_gluon, dq_gluon
-from h3gate.kernels.attention_config import OP, SUPPORTED_HEAD_DIMS, AttnConfig, attn_config, qk_scale
+from h3gate.kernels.attention_config import (
+    OP,
+    PRODUCTION,
+    SUPPORTED_HEAD_DIMS,
+    AttnConfig,
+    AttnLaunch,
+    attn_config,
+    qk_scale,
+)
 from h3gate.kernels.attention_gluon import forward_gluon_ws
 from h3gate.kernels.attention_math import fwd_step, gather_rows, log2, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor, hopper
@@ -130,11 +138,17 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig, order: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AttnConfig,
+    order: torch.Tensor | None = None,
+    launch: AttnLaunch = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows)."""
+    """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows).
+    ``launch``: how the Gluon kernel is launched where it runs (:class:`AttnLaunch`)."""
     if uses_gluon(cfg, q):  # reads packed q, k and v in canonical order itself
-        return forward_gluon_ws(q, k, v, cfg, order)
+        return forward_gluon_ws(q, k, v, cfg, order, launch)
     k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
     if attention_tma.uses_tma(cfg, q):
         return attention_tma.forward_tma(q, k, v, cfg, order)
@@ -160,19 +174,22 @@ def backward(
     grad: torch.Tensor,
     cfg: AttnConfig,
     order: torch.Tensor | None = None,
+    launch: AttnLaunch = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (B, S, nh, D) at q's dtype (packed rows), from the forward's ``out`` and FP32 ``lse2`` (canonical
     rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order): delta, then the dK/dV and dQ walks
-    (:mod:`h3gate.kernels.attention_bwd`; the Gluon kernels on Hopper, :mod:`h3gate.kernels.attention_bwd_gluon`)."""
+    (:mod:`h3gate.kernels.attention_bwd`; the Gluon kernels on Hopper, :mod:`h3gate.kernels.attention_bwd_gluon`,
+    launched as ``launch`` says)."""
     d = q.shape[3]
     delta = attention_bwd.delta(out, grad, order, q.shape[2])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if uses_gluon(cfg, q, backward=True):
         sm_scale, c = 1.0 / math.sqrt(d), qk_scale(d)
         both_walks(  # the walked operands packed: the kernels read them in canonical order themselves
-            lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c),
-            lambda: dq_gluon(q, k, v, grad, lse, delta, dq, order, cfg, sm_scale, c),
+            lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c, launch),
+            lambda: dq_gluon(q, k, v, grad, lse, delta, dq, order, cfg, sm_scale, c, launch),
             q.device,
+            launch.side_stream,
         )
     else:
         attention_bwd.walks(q, k, v, grad, lse, delta, (dq, dk, dv), cfg, order, attention_bwd.uses_tma(cfg, q))
@@ -230,10 +247,10 @@ class _Attention(torch.autograd.Function):
     """The kernels walking ``order`` (None: packed order) in place; saves q, k, v, the output and ``lse2``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, order: torch.Tensor | None, cfg: AttnConfig) -> torch.Tensor:
-        out, lse = forward(q, k, v, cfg, order)
+    def forward(ctx, q, k, v, order: torch.Tensor | None, cfg: AttnConfig, launch: AttnLaunch) -> torch.Tensor:
+        out, lse = forward(q, k, v, cfg, order, launch)
         ctx.save_for_backward(q, k, v, out, lse, order)
-        ctx.cfg = cfg
+        ctx.cfg, ctx.launch = cfg, launch
         return out
 
     @staticmethod
@@ -241,17 +258,23 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, order = ctx.saved_tensors
         if grad.dtype != q.dtype:
             raise InputError(f"{OP}: grad_output: dtype {grad.dtype} != output dtype {q.dtype}")
-        dq, dk, dv = backward(q, k, v, out, lse, grad.contiguous(), ctx.cfg, order)
-        return dq, dk, dv, None, None
+        dq, dk, dv = backward(q, k, v, out, lse, grad.contiguous(), ctx.cfg, order, ctx.launch)
+        return dq, dk, dv, None, None, None
 
 
 def attention_with(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttnConfig, order: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cfg: AttnConfig,
+    order: torch.Tensor | None = None,
+    launch: AttnLaunch = PRODUCTION,
 ) -> torch.Tensor:
-    """The strict attention with an explicit tiling (tests and the GPU bench); validates like :func:`attention`."""
+    """The strict attention with an explicit tiling and launch (tests and the GPU probes); validates like
+    :func:`attention`."""
     _check(q, k, v)
     launches.note(OP, lambda: launch_record(q))
-    return _Attention.apply(q, k, v, walk_order(order, q), cfg)
+    return _Attention.apply(q, k, v, walk_order(order, q), cfg, launch)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,7 +282,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Te
     walked in ``order`` (int64 (S,): packed row of canonical row i; None: packed order)."""
     _check(q, k, v)
     launches.note(OP, lambda: launch_record(q))
-    return _Attention.apply(q, k, v, walk_order(order, q), attn_config(q.shape[3], q.dtype, q.shape[1]))
+    return _Attention.apply(q, k, v, walk_order(order, q), attn_config(q.shape[3], q.dtype, q.shape[1]), PRODUCTION)
 
 
 h3_full_attention = attention

@@ -53,22 +53,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3gate.kernels import attention_gluon
-from h3gate.kernels.attention_config import AttnConfig
+from h3gate.kernels.attention_config import PRODUCTION, AttnConfig, AttnLaunch
 from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
 from h3gate.kernels.attention_math import gather_rows
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
 
-# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
-# dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
+# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with 232 / 40 the dK/dV kernel
+# spilled twice as much and ran 5 % slower at S = 38974); 12 warps x 168 = the 64K registers of an SM.
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-# The dQ walk on a second CUDA stream (True), so that its programs fill the SMs the dK/dV walk's last wave leaves idle
-# (at S = 3160, 25 x 56 = 1400 tiles a walk are 10.6 waves on 132 SMs), or after the dK/dV walk on the caller's stream
-# (False, sessions 14-15). Each kernel writes only its own outputs and both only read the same inputs, so the bytes
-# cannot change (bitwise in perf-probe-27); the backward 0.9 % faster at S = 3160 (1.645 vs 1.660 ms), equal at 38974.
-SIDE_STREAM = True
 WS_MAXNREG = 168
 
 
@@ -320,13 +314,14 @@ def check_tiling(cfg: AttnConfig) -> None:
 
 def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own_b: torch.Tensor,
             out_a: torch.Tensor, out_b: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-            order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool) -> None:  # fmt: skip
+            order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool,
+            launch: AttnLaunch) -> None:  # fmt: skip
     """The walk of ``walk_a`` / ``walk_b`` (packed rows, walked in ``order``: through their tile sources, or whole
-    canonical copies when ``attention_gluon.TILE_SOURCES`` is off) against the owned rows ``own_a`` / ``own_b``."""
+    canonical copies without ``launch.tile_sources``) against the owned rows ``own_a`` / ``own_b``."""
     b, s, h, d = own_a.shape
     walk_a, walk_b = walk_a.view(b, s, h, d), walk_b.view(b, s, h, d)
     tile_map = copies = None
-    if order is not None and attention_gluon.TILE_SOURCES:
+    if order is not None and launch.tile_sources:
         src = tile_sources(order, 64)
         tile_map = src.tile_map
         copies = descriptors(*(copied_tiles(t, src) for t in (walk_a, walk_b, walk_a)), 64, 64)[:2]
@@ -362,12 +357,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.device) -> None:
-    """The dK/dV walk, then the dQ walk; with ``SIDE_STREAM`` the dQ walk is enqueued on a side stream that waits
+def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.device, side_stream: bool) -> None:
+    """The dK/dV walk, then the dQ walk; with ``side_stream`` the dQ walk is enqueued on a side stream that waits
     for what the caller's stream has queued so far, and the caller's stream waits for it before its next work (the
     two kernels may then run at once; each reads the same inputs and writes only its own outputs). Temporaries the
     dQ walk allocates belong to the side stream; everything else it touches outlives the join."""
-    if not SIDE_STREAM:
+    if not side_stream:
         dkdv()
         dq()
         return
@@ -381,17 +376,17 @@ def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.d
 
 def dkdv_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig,
-               sm_scale: float, c: float) -> None:  # fmt: skip
+               sm_scale: float, c: float, launch: AttnLaunch = PRODUCTION) -> None:  # fmt: skip
     """dK and dV into ``dk`` / ``dv`` (packed rows): the walk of ``q`` / ``do`` (contiguous bfloat16, packed rows) in
     ``order`` (None: packed order), the owned ``k`` / ``v`` rows read through it, lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    _launch(q, do, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, dq=False)
+    _launch(q, do, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, False, launch)
 
 
 def dq_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float,
-             c: float) -> None:  # fmt: skip
+             c: float, launch: AttnLaunch = PRODUCTION) -> None:  # fmt: skip
     """dQ into ``dq`` (packed rows): the walk of ``k`` / ``v`` (contiguous bfloat16, packed rows) in ``order``, the
     owned ``q`` / ``do`` rows read through it, lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    _launch(k, v, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, dq=True)
+    _launch(k, v, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, True, launch)

@@ -193,3 +193,35 @@ def attn_config(head_dim: int, dtype: torch.dtype, seq_len: int | None = None) -
             if seq_len < bound:
                 return replace(cfg, **overrides)
     return cfg
+
+
+@dataclass(frozen=True)
+class AttnLaunch:
+    """How the host launches the Gluon attention kernels: program count, register split, ring depth, where a walk's
+    tiles are loaded from, how the output leaves, which stream. None of these changes a kernel's arithmetic: every
+    choice gave the same bytes on the H200, and each production value below was the faster one there. ``PRODUCTION``
+    is the only instance product code passes; the H200 probes build variants with ``dataclasses.replace``."""
+
+    # Forward: one persistent program an SM walking tiles pid, pid + programs, ... (False: one program a tile). Was
+    # 6.5 / 3.6 / 1.6 % faster than one program a tile at S = 3160 / 38974 / 925.
+    persistent: bool = True
+    # Forward: registers a thread of the worker consumer and the producer (setmaxnreg); the default consumer gets
+    # what the launch's limit leaves (12 warps x 168 = the 64K registers of an SM). 240 / 24 was 3.3 / 2.8 % faster
+    # than 232 / 40 at S = 3160 / 38974, no spills either way.
+    regs: tuple[int, int] = (240, 24)
+    # Forward: K/V ring depth (2, 3 and 4 measured equal).
+    stages: int = 2
+    # With a walk order: tiles that are consecutive packed rows are loaded in place and only the others from a copy
+    # (:mod:`h3gate.kernels.attention_sources`; False: whole canonical copies first, which cost about 14 % of the
+    # forward at S = 3160).
+    tile_sources: bool = True
+    # Forward: from this S on each consumer's output rows leave through shared memory by TMA while the next tile is
+    # walked (a tile read through a copy still stores row by row through the order); below it from registers. By TMA
+    # 0.508 vs 0.532 ms at S = 3160 and 70.98 vs 71.33 ms at 38974, but 0.0952 vs 0.0928 ms at 925.
+    tma_store_from: int = 2048
+    # Backward: the dQ walk on a second stream beside the dK/dV walk, filling the SMs the other's last wave leaves
+    # idle (0.9 % faster at S = 3160, equal at 38974).
+    side_stream: bool = True
+
+
+PRODUCTION = AttnLaunch()

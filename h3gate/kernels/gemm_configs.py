@@ -123,6 +123,18 @@ class GemmConfig:
         )
 
 
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Launch choices of the GEMM family outside its tilings: none changes an element's K walk or bytes.
+    ``PRODUCTION`` is the only instance product code passes; GPU checks build variants with ``dataclasses.replace``."""
+
+    # The segmented-8 kernel (h3gate.kernels.gemm_merge) loads its tiles by TMA where both operands' bases and row
+    # strides are 16-byte aligned (False: the pointer walk always; the same chunks, values and MMA).
+    seg8_tma: bool = True
+
+
+PRODUCTION = GemmLaunch()
+
 _BF16 = "bfloat16"
 _FP32 = "float32"
 

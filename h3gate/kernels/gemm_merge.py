@@ -53,7 +53,7 @@ from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_
 from h3gate.kernels.exact import helper, mma, rne
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import check_linear
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
 from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
@@ -233,15 +233,17 @@ def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and t.stride(-1) == 1 for t in (a, b)))  # fmt: skip
 
 
-def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: bool, b_trans: bool) -> None:
+def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: bool, b_trans: bool,
+            launch: GemmLaunch) -> None:  # fmt: skip
     """``out (M, Nout)`` = the tree over ``segments`` local segments of ``a (M, R_loc) @ b`` (``b`` (Nout, R_loc)
-    row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)), rounded with ``bias`` when ``finish_``."""
+    row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)), rounded with ``bias`` when ``finish_``; TMA
+    loads where ``launch.seg8_tma`` and the operands allow them."""
     m, n_out = out.shape
     stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
     tiles = -(-m // cfg.block_m) * -(-n_out // cfg.block_n)
     progs = max(1, min(tiles, num_sms(out.device)))
     scratch = torch.empty((progs, 3, cfg.block_m, cfg.block_n), dtype=torch.float32, device=out.device)
-    tma = _tma_fits(a, b)
+    tma = launch.seg8_tma and _tma_fits(a, b)
     if tma:
         triton.set_allocator(tma_allocator)
     _seg8_kernel[(progs,)](
@@ -317,6 +319,7 @@ def _subtree(
     seg: int,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """The owned segments reduced by the tree's lower levels (one fused launch): FP32 (M, Nout), or with
     ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding."""
@@ -328,7 +331,7 @@ def _subtree(
     a2 = a.reshape(rows, a.shape[-1])
     out = torch.empty((rows, n_out), dtype=out_dtype or torch.float32, device=a.device)
     cfg = fused_config(role, tuple(full_shape), a.dtype)
-    _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, b_trans=role == "fwd")
+    _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, role == "fwd", launch)
     return out
 
 
@@ -340,6 +343,7 @@ def segment_partials(
     role: str = "fwd",
     *,
     op: str = "gemm_seg8",
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """One rank's FP32 subtree: the tree's value over its owned segments (lower levels applied locally).
 
@@ -350,26 +354,27 @@ def segment_partials(
     boundaries. The non-reduced side may itself be a slice (N_loc <= N, K_loc <= K): output columns are independent.
     Returns a view of the rank's partial buffer (its first slot)."""
     seg = _check_local(op, a_local, b_local, owned, full_shape, role)
-    return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg)
+    return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg, launch=launch)
 
 
 # -------------------------------------------------------------------------------------------------- the operator
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: GemmLaunch) -> torch.Tensor:
     """TP1: all 8 segments on this device, the whole tree, the bias and the one rounding."""
     n, k = weight.shape
     seg = segment_size(k, pinned_config("fwd", (n, k), x.dtype).block_k)
-    y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype)
+    y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype, launch)
     return y.view(*x.shape[:-1], n)
 
 
 class _LinearSeg8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str,
+                launch: GemmLaunch) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.op, ctx.rows = bias is not None, op, linear_rows(op, x)
-        return _forward(x, weight, bias)
+        ctx.has_bias, ctx.op, ctx.rows, ctx.launch = bias is not None, op, linear_rows(op, x), launch
+        return _forward(x, weight, bias, launch)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
@@ -383,23 +388,28 @@ class _LinearSeg8(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             seg = segment_size(n, pinned_config("dx", (n, k), x.dtype).block_k)
-            dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype).view(x.shape)
+            dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype, ctx.launch).view(x.shape)
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_db:
             dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db)
-        return dx, dw if ctx.needs_input_grad[1] else None, db, None
+        return dx, dw if ctx.needs_input_grad[1] else None, db, None, None
 
 
 def linear_merge(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear_merge"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    op: str = "linear_merge",
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """The one-device (TP1) segmented-8 ``F.linear``: same signature, shapes and output dtype as the reference.
 
     Bytes equal :func:`combine` of any TP degree's :func:`segment_partials` followed by :func:`finish`."""
     check_linear(op, x, weight, bias)
     if needs_graph(x, weight, bias):
-        return _LinearSeg8.apply(x, weight, bias, op)
-    return _forward(x, weight, bias)
+        return _LinearSeg8.apply(x, weight, bias, op, launch)
+    return _forward(x, weight, bias, launch)
 
 
 def _operator(op: str):

@@ -18,6 +18,7 @@ from h3gate.kernels import (
     attention,
     attention_bwd,
     attention_bwd_gluon,
+    attention_config,
     attention_gluon,
     attention_tma,
     gemm_configs,
@@ -83,15 +84,15 @@ def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
 def gluon_facts(ordered: bool, mapped: bool = False, tma_store: bool | None = None) -> dict:
     """The warp-specialised Gluon forward (``mapped``: walking its tile sources; ``tma_store`` None: production's at
     the medium and 768p layouts' S, the output by TMA)."""
-    tma_store = attention_gluon.TMA_STORE_FROM <= 3160 if tma_store is None else tma_store
+    tma_store = attention_config.PRODUCTION.tma_store_from <= 3160 if tma_store is None else tma_store
     cfg = attention.attn_config(128, torch.bfloat16)
     q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
     args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64),
             "o_desc": attention_gluon.row_descriptor(q, 64, 128)}  # fmt: skip
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
-              "ORDERED": ordered, "TMA_STORE": tma_store, "REGS_C": attention_gluon.REGS[0],
-              "REGS_P": attention_gluon.REGS[1]}  # fmt: skip
+              "ORDERED": ordered, "TMA_STORE": tma_store, "REGS_C": attention_config.PRODUCTION.regs[0],
+              "REGS_P": attention_config.PRODUCTION.regs[1]}  # fmt: skip
     _sources(args, consts, {"q_copy": descs["q_desc"], "k_copy": descs["k_desc"], "v_copy": descs["v_desc"]}, mapped)
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 

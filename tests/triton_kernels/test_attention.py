@@ -77,10 +77,10 @@ def test_the_dkdv_walks_statistics_reach_tma_as_16_byte_rows_with_zeros_past_s()
 
 @pytest.mark.parametrize("side", [False, True], ids=["one_stream", "side_stream"])
 def test_the_gluon_walks_join_before_the_backward_returns(monkeypatch, side) -> None:
-    """``both_walks``: with ``SIDE_STREAM`` the dQ walk is enqueued on a side stream that first waits for the caller's
-    queue, after the dK/dV walk was enqueued on the caller's stream, and the caller's stream waits for the side
-    stream before returning (CUDA streams faked: the order of the calls is what is checked); without it, the two
-    walks run in order on the caller's stream and no stream is touched."""
+    """``both_walks``: with ``side_stream`` (``AttnLaunch``) the dQ walk is enqueued on a side stream that first waits
+    for the caller's queue, after the dK/dV walk was enqueued on the caller's stream, and the caller's stream waits for
+    the side stream before returning (CUDA streams faked: the order of the calls is what is checked); without it, the
+    two walks run in order on the caller's stream and no stream is touched."""
     import contextlib
 
     from h3gate.kernels import attention_bwd_gluon as gb
@@ -102,11 +102,10 @@ def test_the_gluon_walks_join_before_the_backward_returns(monkeypatch, side) -> 
         yield
         log.append(f"off {stream.name}")
 
-    monkeypatch.setattr(gb, "SIDE_STREAM", side)
     monkeypatch.setattr(gb.torch.cuda, "current_stream", lambda device: main)
     monkeypatch.setattr(gb.torch.cuda, "stream", on)
     monkeypatch.setattr(gb, "_side_stream", lambda device: other)
-    gb.both_walks(lambda: log.append("dkdv"), lambda: log.append("dq"), torch.device("cpu"))
+    gb.both_walks(lambda: log.append("dkdv"), lambda: log.append("dq"), torch.device("cpu"), side)
     if side:
         assert log == ["side waits main", "dkdv", "on side", "dq", "off side", "main waits side"]
     else:
