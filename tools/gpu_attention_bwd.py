@@ -4,9 +4,10 @@ repo root:
 
     python3 tools/gpu_attention_bwd.py --out $OUT/attention-bwd.json
 
-* ``bytes``: dq, dk and dv of every variant (the Gluon kernels ``bwd_gluon``) against the
-  three Triton kernels of the same tiling (both off), byte for byte, at (B, S, walk order) cases with partial last
-  blocks, a batch of 2 and a permuted walk; each variant run twice must repeat bitwise.
+* ``bytes``: dq, dk and dv of every variant (the Gluon kernels, path ``gluon_warp_specialised``) against the
+  three Triton kernels of the same tiling (``triton_pointer`` / ``triton_tma``), byte for byte, at (B, S, walk
+  order) cases with partial last blocks, a batch of 2 and a permuted walk; each variant run twice must repeat
+  bitwise.
 * ``time``: backward-only medians (``triton.testing.do_bench``, the same forward's out / lse2 / gradient) at S = 264,
   925, 3160 and 38974 (B = 1, 56 heads): the three Triton kernels, every variant, and SDPA's backward
   pinned to cuDNN and to flash (``torch.autograd.grad`` of its forward, graph retained); at 3160 and 38974 every
@@ -29,27 +30,28 @@ from h3gate.kernels.attention import backward
 from h3gate.kernels.attention_config import PRODUCTION
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S, and AttnLaunch fields
+# name -> the backward path, AttnConfig overrides on top of the production tiling at that S, and AttnLaunch fields
 # (perf-probe-18 / -18b / -21 measured the dK/dV kernel's EARLY_DV, COMPACT, REGS and DKDV_SPLIT, since removed).
 VARIANTS = {
-    "gluon": {"bwd_gluon": True},
-    "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
-    "gluon_streams": {"bwd_gluon": True, "side_stream": True},
-    "gluon_one_stream": {"bwd_gluon": True, "side_stream": False},
+    "gluon": {"path": "gluon_warp_specialised"},
+    "gluon_s3": {"path": "gluon_warp_specialised", "kv_stages": 3, "q_stages": 3},
+    "gluon_streams": {"path": "gluon_warp_specialised", "side_stream": True},
+    "gluon_one_stream": {"path": "gluon_warp_specialised", "side_stream": False},
     # the walked operands in canonical order as whole copies first (sessions 13-15), not through tile sources
-    "gluon_copies": {"bwd_gluon": True, "sources": False},
+    "gluon_copies": {"path": "gluon_warp_specialised", "sources": False},
 }
 # variant key -> the AttnLaunch field it sets
 _LAUNCH_FIELDS = {"side_stream": "side_stream", "sources": "tile_sources"}
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
-    """A call of the backward with variant ``name``'s tiling and launch."""
+    """A call of the backward with variant ``name``'s path, tiling and launch."""
     over = dict(VARIANTS[name])
+    path = over.pop("path")
     launch = dataclasses.replace(PRODUCTION, **{_LAUNCH_FIELDS[key]: over.pop(key) for key in list(over)
                                                 if key in _LAUNCH_FIELDS})  # fmt: skip
     vcfg = dataclasses.replace(cfg, **over)
-    return lambda: backward(*args, vcfg, order, launch)
+    return lambda: backward(*args, vcfg, order, launch, path)
 
 
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),
@@ -63,15 +65,21 @@ def _inputs(b: int, s: int, seed: int, ordered: bool):
     q, k, v = (torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     grad = torch.randn(b, s, HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
     order = torch.randperm(s, device="cuda", generator=g) if ordered is True else walk_order(ordered, s)
-    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), bwd_gluon=False)  # the Triton kernels
+    cfg = attention.attn_config(D, torch.bfloat16, s)
     out, lse = attention.forward(q, k, v, cfg, order)
     return (q, k, v, out, lse, grad), order, cfg
+
+
+def triton_path(s: int) -> str:
+    """The three Triton kernels as a GPU without the Gluon kernels runs them at S = ``s``: pointer loads below 2048,
+    TMA from there (the declared paths of ``cuda-other``, manifests/operators/attention.yaml)."""
+    return "triton_tma" if s >= 2048 else "triton_pointer"
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
     for b, s, ordered in cases:
         args, order, cfg = _inputs(b, s, seed=s + 7 * b, ordered=ordered)
-        ref = backward(*args, cfg, order)
+        ref = backward(*args, cfg, order, path=triton_path(s))
         for name in variants:
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
             try:
@@ -106,7 +114,7 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
     for s in TIMED:
         args, _, cfg = _inputs(1, s, seed=11, ordered=False)
         flops = 10.0 * s * s * D * HEADS  # five matmuls of 2 S^2 D flops per head (what cuDNN counts)
-        fns = {"three_kernel": lambda a=args, c=cfg: backward(*a, c)}
+        fns = {"three_kernel": lambda a=args, c=cfg, s=s: backward(*a, c, path=triton_path(s))}
         for name in variants:
             fns[name] = _variant(args, cfg, name)
         rec = {"section": "time", "S": s}
@@ -134,7 +142,6 @@ def _split_fns(s: int) -> dict:
     from h3gate.kernels import attention_bwd_gluon as gb
 
     (q, k, v, out, lse, grad), _, cfg = _inputs(1, s, seed=11, ordered=False)
-    cfg = dataclasses.replace(cfg, bwd_gluon=True)
     do = grad.view(q.shape)
     delta = (out.float() * grad.float()).view(1, s, HEADS, D).sum(-1).transpose(1, 2).reshape(HEADS, s).contiguous()
     sm, c = 1.0 / math.sqrt(D), attention.qk_scale(D)
@@ -149,7 +156,7 @@ def _split_fns(s: int) -> dict:
     return {
         "dkdv": dkdv_call,
         "dq": dq_call,
-        "whole": lambda: backward(q, k, v, out, lse, grad, cfg),
+        "whole": lambda: backward(q, k, v, out, lse, grad, cfg, path="gluon_warp_specialised"),
     }
 
 

@@ -470,6 +470,7 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
     from h3gate.ops import reference
 
     prod = attention.attn_config(128, torch.bfloat16)
+    PTR = "triton_pointer"  # noqa: N806 - the pointer kernel's query-block heights are what is measured
     cands = {
         "production": prod,
         "m128_w8_s2": replace(prod, fwd_stages=2),
@@ -483,15 +484,15 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     for s in seqs:
         q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
-        ref = attention.forward(q, k, v, prod)[0]
+        ref = attention.forward(q, k, v, prod, path=PTR)[0]
         rec: dict = {"cands": {}}
         fns = {"sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
         for name, cfg in cands.items():
             try:
-                y = attention.forward(q, k, v, cfg)[0]
+                y = attention.forward(q, k, v, cfg, path=PTR)[0]
                 torch.cuda.synchronize()
                 rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref))}
-                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
+                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg, path=PTR)
             except Exception as exc:  # noqa: BLE001 - recorded
                 rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
         stats = side_by_side(fns, iters=50, head_start_us=300.0)
@@ -506,7 +507,7 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
 
 
 def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
-    """Attention forward with TMA tile loads (``AttnConfig.fwd_tma``) next
+    """Attention forward with TMA tile loads (path ``triton_tma``) next
     to the production pointer kernel, SDPA-cuDNN and SDPA-flash, every candidate's out and lse2 compared byte for
     byte with production; and, on a permuted packing, the walk order read in place (production) against the
     session-10 form (gather copies of q, k, v, the kernel, a scatter copy of the output), forward and backward."""
@@ -529,10 +530,11 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     for s in seqs:
         prod = attention.attn_config(128, torch.bfloat16, s)
-        cands = {"production": prod, "pointer_m128": replace(prod, fwd_m=128, fwd_warps=8, fwd_tma=False)}
+        # name -> (tiling, path; None: the declared one)
+        cands = {"production": (prod, None), "pointer_m128": (replace(prod, fwd_m=128, fwd_warps=8), "triton_pointer")}
         for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)):
-            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True)
-            cands.setdefault(c.tag, c)
+            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st)
+            cands.setdefault(f"{c.tag}_tma", (c, "triton_tma"))
         q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
         ref, ref_lse = attention.forward(q, k, v, prod)
         rec: dict = {"production_tag": prod.tag, "cands": {}}
@@ -542,9 +544,9 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
                 fp32 = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
             fp32 = fp32.reshape(1, s, -1)
         fns = {"sdpa_cudnn": lambda q=q, k=k, v=v: cudnn(q, k, v), "sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
-        for name, cfg in cands.items():
+        for name, (cfg, path) in cands.items():
             try:
-                y, lse = attention.forward(q, k, v, cfg)
+                y, lse = attention.forward(q, k, v, cfg, path=path)
                 torch.cuda.synchronize()
                 rec["cands"][name] = {
                     "tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref) and torch.equal(lse, ref_lse)),
@@ -552,7 +554,7 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
                 }  # fmt: skip
                 if fp32 is not None:
                     rec["cands"][name]["rel_l2_vs_fp32"] = float((y.float() - fp32).norm() / fp32.norm())
-                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
+                fns[name] = lambda q=q, k=k, v=v, cfg=cfg, path=path: attention.forward(q, k, v, cfg, path=path)
             except Exception as exc:  # noqa: BLE001 - recorded
                 rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
         stats = side_by_side(fns, iters=10 if s > 20000 else 40, head_start_us=300.0)
@@ -569,7 +571,7 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
 
 
 def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, flash) -> dict:
-    """The backward (delta, dK/dV, dQ) with TMA loads of the walked tiles (``bwd_tma``) and a few tilings, each
+    """The backward (delta, dK/dV, dQ) with TMA loads of the walked tiles (path ``triton_tma``) and a few tilings, each
     compared byte for byte with production's dq, dk, dv, timed next to SDPA-cuDNN's and SDPA-flash's backward."""
     from dataclasses import replace
 
@@ -578,21 +580,20 @@ def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, 
     grad = torch.randn(1, s, 56 * 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     grad = grad.bfloat16()
     ref = attention.backward(q, k, v, out, lse, grad, prod)
-    cands = {"production": prod, "tma": replace(prod, bwd_tma=True)}
+    cands = {"production": (prod, None), "tma": (prod, "triton_tma")}  # name -> (tiling, path; None: declared)
     tilings = ((128, 64, 8, 2, 128, 64, 8, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 32, 8, 3, 128, 128, 8, 2),
                (128, 64, 8, 4, 128, 64, 8, 4))  # fmt: skip
     for kv_n, kv_m, kw, ks, q_m, q_n, qw, qs in tilings:
-        c = replace(prod, bwd_tma=True, kv_n=kv_n, kv_m=kv_m, kv_warps=kw, kv_stages=ks, q_m=q_m, q_n=q_n,
-                    q_warps=qw, q_stages=qs)  # fmt: skip
-        cands.setdefault(c.tag, c)
+        c = replace(prod, kv_n=kv_n, kv_m=kv_m, kv_warps=kw, kv_stages=ks, q_m=q_m, q_n=q_n, q_warps=qw, q_stages=qs)
+        cands.setdefault(f"{c.tag}_tma", (c, "triton_tma"))
     rec: dict = {"cands": {}}
     fns = {}
-    for name, cfg in cands.items():
+    for name, (cfg, path) in cands.items():
         try:
-            got = attention.backward(q, k, v, out, lse, grad, cfg)
+            got = attention.backward(q, k, v, out, lse, grad, cfg, path=path)
             torch.cuda.synchronize()
             rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": all(map(torch.equal, got, ref))}
-            fns[name] = lambda cfg=cfg: attention.backward(q, k, v, out, lse, grad, cfg)
+            fns[name] = lambda cfg=cfg, path=path: attention.backward(q, k, v, out, lse, grad, cfg, path=path)
         except Exception as exc:  # noqa: BLE001 - recorded
             rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
     for label, sdpa in (("sdpa_cudnn", cudnn), ("sdpa_flash", flash)):

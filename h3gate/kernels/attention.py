@@ -61,10 +61,12 @@ import torch
 import triton
 import triton.language as tl
 
+from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels import attention_bwd, attention_tma, launches
-from h3gate.kernels.attention_bwd_gluon import both_walks, dkdv_gluon, dq_gluon
+from h3gate.kernels import attention_bwd, attention_tma, launches, selection
+from h3gate.kernels.attention_bwd_gluon import both_walks, check_tiling, dkdv_gluon, dq_gluon
 from h3gate.kernels.attention_config import (
+    ATTN_TABLE,
     OP,
     PRODUCTION,
     SUPPORTED_HEAD_DIMS,
@@ -75,8 +77,9 @@ from h3gate.kernels.attention_config import (
 )
 from h3gate.kernels.attention_gluon import forward_gluon_ws
 from h3gate.kernels.attention_math import fwd_step, gather_rows, log2, packed_rows
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor, hopper
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor
 from h3gate.kernels.exact import helper, rne
+from h3gate.manifests.operators import DEVICE_CLASSES, PathTable
 
 KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v2"
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -137,6 +140,48 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise InputError(f"{OP}: q: head_dim {q.shape[3]} not supported (supported: {SUPPORTED_HEAD_DIMS})")
 
 
+# The kernel paths this module implements, by product: what ``manifests/operators/attention.yaml`` may name.
+PATHS: dict[str, frozenset[str]] = {
+    "forward": frozenset({"triton_pointer", "triton_tma", "gluon_warp_specialised"}),
+    "backward": frozenset({"triton_pointer", "triton_tma", "gluon_warp_specialised"}),
+}
+# The device classes a path runs on, where not every class (TMA and Gluon are CUDA's; Gluon bfloat16 D = 128 only).
+DEVICES: dict[str, frozenset[str]] = {
+    "triton_tma": frozenset({"cuda-sm90", "cuda-other"}),
+    "gluon_warp_specialised": frozenset({"cuda-sm90"}),
+}
+
+
+def paths(q: torch.Tensor) -> tuple[str, str]:
+    """The declared forward and backward paths (:mod:`h3gate.kernels.selection`) of a call with queries like ``q``
+    (B, S, nh, D) here."""
+    key = ("head_dim", q.shape[3], dtype_name(q.dtype))
+    device, s = selection.device_class(q.device), q.shape[1]
+    fwd, bwd = (selection.path("attention", key, p, device, s, "triton_pointer") for p in ("forward", "backward"))
+    return fwd, bwd
+
+
+def check_paths(table: PathTable) -> None:
+    """Every declared path is one this module implements, on device classes it runs on, and the Gluon kernels only
+    for bfloat16 D = 128 with the backward tiling they run (kv 128 x 64, q 128 x 64): a ValueError names the first
+    declaration that is not."""
+    d, dtype = table.scope.head_dim, table.scope.dtype
+    if d is None or (d, dtype) not in ATTN_TABLE:
+        raise ValueError(f"scope: no tiling for head_dim {d} {dtype} (attention_config.ATTN_TABLE)")
+    for i, rule in enumerate(table.rules):
+        where = f"rules[{i}]: {rule.product} path {rule.path!r}"
+        if rule.path not in PATHS.get(rule.product, ()):
+            raise ValueError(f"{where} is not one of {sorted(PATHS.get(rule.product, ()))}")
+        if not set(rule.devices) <= DEVICES.get(rule.path, set(DEVICE_CLASSES)):
+            raise ValueError(f"{where} runs on {sorted(DEVICES[rule.path])} only")
+        if rule.path == "gluon_warp_specialised" and (d, dtype) != (128, "bfloat16"):
+            raise ValueError(f"{where} runs bfloat16 D = 128 only")
+        if rule.product == "backward" and rule.path == "gluon_warp_specialised":
+            check_tiling(attn_config(d, getattr(torch, dtype), rule.size[0]))
+    if table.otherwise not in PATHS["forward"] & PATHS["backward"] or table.otherwise in DEVICES:
+        raise ValueError(f"otherwise: {table.otherwise!r} is not a forward and backward path of every device class")
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,14 +189,19 @@ def forward(
     cfg: AttnConfig,
     order: torch.Tensor | None = None,
     launch: AttnLaunch = PRODUCTION,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows).
-    ``launch``: how the Gluon kernel is launched where it runs (:class:`AttnLaunch`)."""
-    if uses_gluon(cfg, q):  # reads packed q, k and v in canonical order itself
+    """(out (B, S, nh*D) at q's dtype, packed rows; lse2 (B*nh, S) float32 in the log2 domain, canonical rows) by
+    ``path`` (None: the declared one, :func:`paths`); ``launch``: how the Gluon kernel is launched
+    (:class:`AttnLaunch`)."""
+    path = path or paths(q)[0]
+    if path == "gluon_warp_specialised":  # reads packed q, k and v in canonical order itself
         return forward_gluon_ws(q, k, v, cfg, order, launch)
     k, v = gather_rows(k, order), gather_rows(v, order)  # the walked operands, canonical and contiguous
-    if attention_tma.uses_tma(cfg, q):
+    if path == "triton_tma":
         return attention_tma.forward_tma(q, k, v, cfg, order)
+    if path != "triton_pointer":
+        raise InputError(f"{OP}: forward path {path!r}: not one of {sorted(PATHS['forward'])}")
     b, s, h, d = q.shape
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
@@ -175,15 +225,19 @@ def backward(
     cfg: AttnConfig,
     order: torch.Tensor | None = None,
     launch: AttnLaunch = PRODUCTION,
+    path: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (B, S, nh, D) at q's dtype (packed rows), from the forward's ``out`` and FP32 ``lse2`` (canonical
-    rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order): delta, then the dK/dV and dQ walks
-    (:mod:`h3gate.kernels.attention_bwd`; the Gluon kernels on Hopper, :mod:`h3gate.kernels.attention_bwd_gluon`,
-    launched as ``launch`` says)."""
+    rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order): delta, then the dK/dV and dQ walks by
+    ``path`` (None: the declared one) - the Triton kernels (:mod:`h3gate.kernels.attention_bwd`, pointer or TMA loads)
+    or the Gluon kernels (:mod:`h3gate.kernels.attention_bwd_gluon`, launched as ``launch`` says)."""
+    path = path or paths(q)[1]
+    if path not in PATHS["backward"]:
+        raise InputError(f"{OP}: backward path {path!r}: not one of {sorted(PATHS['backward'])}")
     d = q.shape[3]
     delta = attention_bwd.delta(out, grad, order, q.shape[2])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if uses_gluon(cfg, q, backward=True):
+    if path == "gluon_warp_specialised":
         sm_scale, c = 1.0 / math.sqrt(d), qk_scale(d)
         both_walks(  # the walked operands packed: the kernels read them in canonical order themselves
             lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c, launch),
@@ -192,31 +246,15 @@ def backward(
             launch.side_stream,
         )
     else:
-        attention_bwd.walks(q, k, v, grad, lse, delta, (dq, dk, dv), cfg, order, attention_bwd.uses_tma(cfg, q))
+        attention_bwd.walks(q, k, v, grad, lse, delta, (dq, dk, dv), cfg, order, path == "triton_tma")
     return dq, dk, dv
 
 
-def uses_gluon(cfg: AttnConfig, q: torch.Tensor, backward: bool = False) -> bool:
-    """Whether this forward (``backward``: this dK/dV walk) runs its Gluon kernel: asked by the tiling, bfloat16 on a
-    Hopper (sm_90) GPU, compiled."""
-    asked = cfg.bwd_gluon if backward else cfg.fwd_gluon
-    if not (asked and q.device.type == "cuda" and q.dtype == torch.bfloat16 and not INTERPRET):
-        return False
-    return hopper(q.device.index)
-
-
 def launch_record(q: torch.Tensor) -> dict:
-    """Which kernels run the forward and the backward of a call with queries like ``q`` (B, S, nh, D) here, and the
-    tiling: evidence names what executed (every schedule has this contract's bytes)."""
+    """Which kernels run the forward and the backward of a call with queries like ``q`` (B, S, nh, D) here (the
+    declared paths), and the tiling: evidence names what executed (every path has this contract's bytes)."""
+    fwd, bwd = paths(q)
     cfg = attn_config(q.shape[3], q.dtype, q.shape[1])
-    if uses_gluon(cfg, q):
-        fwd = "gluon_warp_specialised"
-    else:
-        fwd = "triton_tma" if attention_tma.uses_tma(cfg, q) else "triton_pointer"
-    if uses_gluon(cfg, q, backward=True):
-        bwd = "gluon_warp_specialised"
-    else:
-        bwd = "triton_tma" if attention_bwd.uses_tma(cfg, q) else "triton_pointer"
     return {"tiling": cfg.tag, "forward": fwd, "backward": bwd, "interpreted": INTERPRET}
 
 

@@ -49,11 +49,6 @@ from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.exact import f32, helper, mma, rne
 
 
-def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
-    """Whether this backward's Triton walks load their walked tiles by TMA: asked by the tiling, on CUDA, compiled."""
-    return cfg.bwd_tma and q.device.type == "cuda" and not INTERPRET
-
-
 @triton.jit
 def _delta_kernel(o_ptr, do_ptr, delta_ptr, ord_ptr, S, H, stride_b, stride_s, D: tl.constexpr,
                   BLOCK_M: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip

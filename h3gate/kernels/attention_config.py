@@ -42,20 +42,13 @@ class AttnConfig:
     fwd_fma: bool = False  # forward exponent as one explicit fma(q k^T, c, -m') instead of (q k^T * c) - m'
     bwd_exp2: str = "libdevice"  # backward recomputation's exp2 (dK/dV and dQ kernels), same codes as fwd_exp2
     bwd_fma: bool = False  # backward exponent as one explicit fma(q k^T, c, -lse2) instead of (q k^T * c) - lse2
-    fwd_tma: bool = False  # forward tiles loaded by TMA on CUDA in packed order (attention_tma: same values, same step)
-    fwd_gluon: bool = False  # forward by the warp-specialised Gluon kernel on Hopper (attention_gluon: same bytes)
-    bwd_tma: bool = False  # backward inner-loop tiles loaded by TMA on CUDA (attention_bwd: same values)
-    bwd_gluon: bool = False  # dK/dV by the warp-specialised Gluon kernel on Hopper (attention_bwd_gluon: same bytes)
 
     @property
     def tag(self) -> str:
         math_ = ("" if self.fwd_exp2 == "libdevice" else f"_{self.fwd_exp2}") + ("_fma" if self.fwd_fma else "")
         bmath = ("" if self.bwd_exp2 == "libdevice" else f"_{self.bwd_exp2}") + ("_fma" if self.bwd_fma else "")
-        load = ("_tma" if self.fwd_tma else "") + ("_gluon" if self.fwd_gluon else "")
-        bmath += "_tma" if self.bwd_tma else ""
-        bmath += "_gluon" if self.bwd_gluon else ""
         return (
-            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}{load}_"
+            f"fwd{self.fwd_m}x{self.fwd_n}w{self.fwd_warps}s{self.fwd_stages}{math_}_"
             f"kv{self.kv_n}x{self.kv_m}w{self.kv_warps}s{self.kv_stages}_"
             f"q{self.q_m}x{self.q_n}w{self.q_warps}s{self.q_stages}{bmath}"
         )
@@ -78,13 +71,16 @@ def _exp2_code(field: str, value: str) -> int:
     return codes[value]
 
 
-# (head_dim, dtype) -> config; tools/gpu_gemm_attention.py measures candidates on the H200.
+# (head_dim, dtype) -> tiling, measured on the H200 (tools/gpu_gemm_attention.py measures candidates). bfloat16 D = 128:
+# the declared ex2.approx.ftz + explicit FMA forms in the forward and in the backward's p recompute; a KV walk of 128
+# keys a step (kernel id v2: in the Gluon forward 17 / 20 % faster than 64 keys at S = 3160 / 38974, a contract change
+# with its own evidence); 64-row forward blocks (the TMA kernel's) and 4 backward stages from S = 2048 on (S_BUCKETS).
 ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
-    # Measured winners on the H200 (docs/measurements/gemm_attention-tuning-2.json forward, -3-backward.json
-    # backward): declared ex2.approx.ftz + explicit FMA in the forward and in the backward's p recompute; the
-    # forward's 64-row TMA launch and the backward's TMA loads with 4 stages from perf-probe-14/15 (bitwise equal to
-    # the launches they replaced; S_BUCKETS keeps those below S = 2048).
     (128, "bfloat16"): AttnConfig(
+        fwd_m=64,
+        fwd_n=128,
+        fwd_warps=8,
+        fwd_stages=3,
         kv_n=128,
         kv_m=64,
         kv_warps=8,
@@ -93,14 +89,6 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
         q_n=64,
         q_warps=8,
         q_stages=4,
-        bwd_tma=True,
-        bwd_gluon=True,
-        fwd_m=64,
-        fwd_n=128,
-        fwd_warps=8,
-        fwd_stages=3,
-        fwd_tma=True,
-        fwd_gluon=True,
         fwd_exp2="ex2ftz",
         fwd_fma=True,
         bwd_exp2="ex2ftz",
@@ -110,60 +98,26 @@ ATTN_TABLE: dict[tuple[int, str], AttnConfig] = {
 }
 
 
-# Launch choices by sequence length, per (head_dim, dtype): ((bound, {field: value}), ...) in ascending bound order;
+# Launch fields by sequence length, per (head_dim, dtype): ((bound, {field: value}), ...) in ascending bound order;
 # S < bound takes the first matching entry's overrides of the ATTN_TABLE tiling, S >= the last bound the table entry.
-# Only LAUNCH_FIELDS may be overridden: which program owns a row (query/KV block heights), warps, pipeline depth and
-# the load path (TMA or pointer loads of the same tiles) - never the KV walk of the forward (fwd_n) or the exp2/fma
-# forms, so no row's sums change (every override below was measured bitwise equal on the H200).
-# bfloat16 D = 128: 64-row forward blocks on 4 warps were 11 / 4 / 5 % faster than 128-row ones at S = 264 / 925 /
-# 3160 (perf-probe-{12,13}) and, with TMA loads, the fastest at 38974 too (82.5 ms against 94.7 for the 128-row
-# pointer kernel, perf-probe-15); TMA and 4 pipeline stages in the backward were 3 / 4 % faster at 3160 / 38974
-# (perf-probe-15). Both were slower at 264 / 925 (a program's descriptor set-up: forward 25 / 6 %, backward 8 / 2 %),
-# so below the bound 2048 (between the measured 925 and 3160, a choice, not a measured crossover) the pointer
-# kernels with 3 backward stages run. The warp-specialised Gluon forward (same bytes) was 6 % faster than the TMA
-# kernel at 3160 and 38974 and slower at 264 (host descriptors and one wave of 128-row programs): from 2048 on as well
-# (perf-probe-16). Persistent (one program an SM walking tiles), it is also faster than the pointer kernel at S = 925
-# (0.085 against 0.105 ms) and still slower at 264 (0.089 against 0.032; perf-probe-22): so from 512 on (between the
-# measured 264 and 925, a choice), while below 2048 the backward keeps the pointer kernels.
-# The KV walk itself (fwd_n, not a launch field) is 128 keys since kernel id v2 (session 13): in the Gluon kernel it
-# was 17 / 20 % faster than the 64-key walk at S = 3160 / 38974 (0.561 vs 0.528 ms cuDNN, 72.5 vs 75.8 ms cuDNN,
-# perf-probe-17-fwd.json), where the Triton kernels had shown 1 % (perf-probe-14): a contract change (other bytes, new
-# evidence for every gate). Below 2048 the pointer kernel walks the same 128 keys, on 8 warps (ptxas: 584 spilled bytes
-# against 7.6 KB on 4 warps) and 128-row blocks: 0.032 / 0.105 ms at S = 264 / 925 against 0.037 / 0.150 for 64-row
-# blocks (cuDNN 0.021 / 0.067; the 64-key walk read 0.025 / 0.092), bytes equal (perf-probe-17-small.json). There a
-# 32-row block on 4 warps gave other bytes (Triton issues mma.sync below 64 rows, not wgmma): heights are >= 64.
-# The backward's warp-specialised Gluon kernels (bwd_gluon, same bytes, perf-probe-18): from 2048 on; below, their
-# host descriptors cost more than they save (the dK/dV kernel alone: 0.17 against 0.089 ms at S = 264).
+# Only LAUNCH_FIELDS may be overridden: which program owns a row (query / KV block heights), warps and pipeline depth -
+# never the forward's KV walk (fwd_n) or the exp2 / fma forms, so no row's sums change (every override was measured
+# bitwise equal on the H200). Which kernel runs is the operator's declared path (manifests/operators/attention.yaml).
+# bfloat16 D = 128, below S = 2048 (where the pointer kernels run on CUDA): 128-row forward blocks on 8 warps (0.032 /
+# 0.105 ms at S = 264 / 925 against 0.037 / 0.150 for 64-row blocks; 8 warps spill 584 bytes against 7.6 KB on 4) and
+# 3 backward stages. Blocks are at least 64 rows: below 64 Triton issues mma.sync, not wgmma, and the bytes differ.
 LAUNCH_FIELDS = frozenset(
-    {
-        "fwd_m",
-        "fwd_warps",
-        "fwd_stages",
-        "fwd_tma",
-        "fwd_gluon",
-        "bwd_tma",
-        "bwd_gluon",
-        "kv_n",
-        "kv_m",
-        "kv_warps",
-        "kv_stages",
-        "q_m",
-        "q_n",
-        "q_warps",
-        "q_stages",
-    }
+    {"fwd_m", "fwd_warps", "fwd_stages", "kv_n", "kv_m", "kv_warps", "kv_stages", "q_m", "q_n", "q_warps", "q_stages"}
 )
-_BWD_POINTER = {"bwd_tma": False, "bwd_gluon": False, "kv_stages": 3, "q_stages": 3}
 S_BUCKETS: dict[tuple[int, str], tuple[tuple[int, dict], ...]] = {
-    (128, "bfloat16"): (
-        (512, {"fwd_m": 128, "fwd_tma": False, "fwd_gluon": False, **_BWD_POINTER}),
-        (2048, {"fwd_m": 128, "fwd_tma": False, **_BWD_POINTER}),  # the Gluon forward (Hopper), else pointer
-    ),
+    (128, "bfloat16"): ((2048, {"fwd_m": 128, "kv_stages": 3, "q_stages": 3}),),
 }
 
 
-def _check_s_buckets() -> None:
-    for key, buckets in S_BUCKETS.items():
+def _check_s_buckets(table: dict = S_BUCKETS) -> None:
+    """Every override names a known tiling, bounds ascend, and block heights are powers of two of >= 64 rows
+    (bfloat16: below 64 Triton issues mma.sync, other bytes); only launch fields are overridden."""
+    for key, buckets in table.items():
         bounds = [b[0] for b in buckets]
         heights = [o.get(f, 64) for _, o in buckets for f in ("fwd_m", "kv_n", "kv_m", "q_m", "q_n")]
         fields = set().union(*(o for _, o in buckets))

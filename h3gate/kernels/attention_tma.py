@@ -31,11 +31,6 @@ from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.exact import rne
 
 
-def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
-    """Whether the forward of this call runs the TMA kernel: asked by the tiling, on CUDA, compiled."""
-    return cfg.fwd_tma and q.device.type == "cuda" and not INTERPRET
-
-
 @triton.jit
 def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,

@@ -45,11 +45,12 @@ import torch
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels import launches
+from h3gate.kernels import launches, selection
 from h3gate.kernels.common import INTERPRET, aligned, check_tensor, needs_graph, num_sms
-from h3gate.kernels.gemm_configs import gemm_config, gluon_tiling, grouped_tiling
+from h3gate.kernels.gemm_configs import GLUON_BUCKETS, GLUON_GROUPED, M_BUCKETS, GemmConfig, gemm_config, gluon_config
 from h3gate.kernels.gemm_gluon import matmul_ws, matmul_ws_grouped
 from h3gate.kernels.gemm_triton import colsum, matmul
+from h3gate.manifests.operators import DEVICE_CLASSES, PathTable
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -78,17 +79,130 @@ def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             raise InputError(f"{op}: bias: length {bias.shape[0]} != out_features {weight.shape[0]}")
 
 
+# ------------------------------------------------------------------------------------------------- path selection
+
+# The kernel paths this module implements, by product: what ``manifests/operators/gemm.yaml`` may name.
+PATHS: dict[str, frozenset[str]] = {
+    "forward": frozenset({"triton", "triton_swapped", "gluon_warp_specialised"}),
+    "backward": frozenset({"triton"}),
+    "grouped": frozenset({"gluon_grouped"}),
+}
+# The device classes a path runs on, where not every class: the Gluon kernels are Hopper's.
+DEVICES: dict[str, frozenset[str]] = {
+    "gluon_warp_specialised": frozenset({"cuda-sm90"}),
+    "gluon_grouped": frozenset({"cuda-sm90"}),
+}
+
+
+def _tiling(path: str, n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig | None:
+    if path == "gluon_warp_specialised":
+        return gluon_config(n, k, dtype, m)
+    if path == "gluon_grouped":
+        return GLUON_GROUPED if n % GLUON_GROUPED.block_n == 0 and dtype == torch.bfloat16 else None
+    cfg = gemm_config("fwd", n, k, dtype, m)
+    return cfg if path in PATHS["forward"] and cfg.swap_ab == (path == "triton_swapped") else None
+
+
+def tiling(path: str, n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig:
+    """The tiling of ``path`` for the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows: the Gluon
+    bucket's (``gluon_warp_specialised``), the grouped launch's (``gluon_grouped``), else the Triton tiling of
+    :func:`h3gate.kernels.gemm_configs.gemm_config`, swapped exactly when the path is ``triton_swapped``. A declared
+    path without its tiling is an InputError (the manifest and the tiling tables disagree)."""
+    cfg = _tiling(path, n, k, dtype, m)
+    if cfg is None:
+        raise InputError(
+            f"manifests/operators: gemm path {path!r} for weight ({n}, {k}) {dtype_name(dtype)} at M = {m}: "
+            "no such tiling in h3gate.kernels.gemm_configs"
+        )
+    return cfg
+
+
+def _path(x: torch.Tensor, weight: torch.Tensor, product: str) -> str | None:
+    n, k = weight.shape
+    key = ("weight", n, k, dtype_name(x.dtype))
+    return selection.path("gemm", key, product, selection.device_class(x.device), x.numel() // k, "triton")
+
+
+def forward_plan(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, GemmConfig]:
+    """The declared path (:mod:`h3gate.kernels.selection`) and its tiling for the forward of ``x (..., K) @ weight
+    (N, K)^T`` here."""
+    path = _path(x, weight, "forward")
+    n, k = weight.shape
+    return path, tiling(path, n, k, x.dtype, x.numel() // k)
+
+
+def grouped_plan(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> GemmConfig | None:
+    """The grouped launch's tiling where the layer declares ``gluon_grouped`` for two or three sibling weights of one
+    shape and dtype at this M here, else None (one forward call a weight)."""
+    if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
+        return None
+    path = _path(x, weights[0], "grouped")
+    n, k = weights[0].shape
+    return None if path is None else tiling(path, n, k, x.dtype, x.numel() // k)
+
+
+def _backward_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    path = _path(x, weight, "backward")
+    if path not in PATHS["backward"]:
+        raise InputError(f"manifests/operators: gemm backward path {path!r}: not one of {sorted(PATHS['backward'])}")
+    return path
+
+
+def check_paths(table: PathTable) -> None:
+    """Every declared path of ``table`` runs on the device classes it is declared for and has its tiling at every M
+    there (the path and the tiling are piecewise constant between the rules' and the tiling tables' bounds, so those
+    bounds are the M checked); a ValueError names the first that does not."""
+    if table.scope.weight is None:
+        raise ValueError("scope: a GEMM table is scoped by its layer's weight (N, K)")
+    n, k = table.scope.weight
+    dtype = getattr(torch, table.scope.dtype)
+    bounds = {1, *(b for b, _ in M_BUCKETS), *(b for b, _ in GLUON_BUCKETS if b is not None)}
+    bounds |= {b for r in table.rules for b in r.size if b}
+    for device in DEVICE_CLASSES:
+        for product in ("forward", "grouped"):
+            for m in sorted(bounds):
+                path = table.path(device, product, m)
+                if path is None:
+                    continue
+                if path not in PATHS[product]:
+                    raise ValueError(f"{product} path {path!r} is not one of {sorted(PATHS[product])}")
+                if device not in DEVICES.get(path, DEVICE_CLASSES):
+                    raise ValueError(f"{device} {product} at M = {m}: {path!r} runs on {sorted(DEVICES[path])} only")
+                if _tiling(path, n, k, dtype, m) is None:
+                    raise ValueError(f"{device} {product} at M = {m}: {path!r} has no tiling for this layer there")
+    check_tilings()
+
+
+def check_tilings() -> None:
+    """Every layer the small-M and Gluon tiling tables list is scoped by a declared table, and every Gluon tiling is
+    reachable by a declared rule: a ValueError names the first that is not."""
+    found, _ = selection.tables("gemm")
+    for bounds, kind in ((M_BUCKETS, "M_BUCKETS"), (GLUON_BUCKETS, "GLUON_BUCKETS")):
+        for bound, table in bounds:
+            for _, n, k, dtype in table:
+                paths = found.get(("weight", n, k, dtype))
+                if paths is None:
+                    raise ValueError(f"gemm_configs.{kind}: layer ({n}, {k}) {dtype} has no declared paths table")
+                if kind == "GLUON_BUCKETS" and not any(
+                    r.path == "gluon_warp_specialised" and (bound is None or r.size[0] < bound) for r in paths.rules
+                ):
+                    raise ValueError(f"gemm_configs.GLUON_BUCKETS[M < {bound}]: ({n}, {k}) is never declared Gluon")
+
+
+# ------------------------------------------------------------------------------------------------------ launches
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The one forward launch (autograd and no-grad paths): ``x (..., K) -> (..., N)``."""
+    """The one forward launch (autograd and no-grad paths): ``x (..., K) -> (..., N)``, by the declared path."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    glu = gluon_tiling(x, weight)
-    if glu is not None:  # contiguous, 16-byte aligned copies where needed: the same bytes
+    path, cfg = forward_plan(x, weight)
+    if path == "gluon_warp_specialised":  # contiguous, 16-byte aligned copies where needed: the same bytes
         x2, w2 = (aligned(t.contiguous()) for t in (x2, weight))
-        matmul_ws(x2, w2, y, bias, glu, num_sms(x.device))
+        matmul_ws(x2, w2, y, bias, cfg, num_sms(x.device))
     else:
-        matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype, x2.shape[0]), a_trans=False, b_trans=True)
+        matmul(x2, weight, y, bias, cfg, a_trans=False, b_trans=True)
     return y.view(*x.shape[:-1], n)
 
 
@@ -111,6 +225,7 @@ class _Linear(torch.autograd.Function):
             )
         g2 = gy.reshape(-1, n).contiguous()  # a contiguous copy changes layout, never values
         x2 = x.reshape(-1, k)
+        _backward_path(x, weight)  # the Triton kernel's: the only backward path
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx2 = torch.empty((g2.shape[0], k), dtype=x.dtype, device=x.device)
@@ -126,24 +241,16 @@ class _Linear(torch.autograd.Function):
 
 def launch_record(x: torch.Tensor, weight: torch.Tensor) -> dict:
     """The tilings :func:`linear` launches for ``x (..., K)`` and ``weight (N, K)`` here, per product (forward, dx,
-    dw; every M bucket and load path has this contract's K walk, so the same bytes), and whether TMA loads them."""
+    dw; every M bucket and load path has this contract's K walk, so the same bytes), the declared path that runs
+    each (``kernel``) and whether TMA loads them."""
     n, k = weight.shape
-    m = x.numel() // k
-    glu = gluon_tiling(x, weight)
-    cfgs = {"forward": glu or gemm_config("fwd", n, k, x.dtype, m), "dx": gemm_config("dx", n, k, x.dtype),
-            "dw": gemm_config("dw", n, k, x.dtype)}  # fmt: skip
+    path, cfg = forward_plan(x, weight)
+    bwd = _backward_path(x, weight)
+    runs = {"forward": (path, cfg), "dx": (bwd, gemm_config("dx", n, k, x.dtype)),
+            "dw": (bwd, gemm_config("dw", n, k, x.dtype))}  # fmt: skip
     cuda = x.device.type == "cuda"
-    return {
-        **{
-            name: {
-                "tiling": c.tag,
-                "tma": bool(c.tma and cuda),
-                "kernel": "gluon_warp_specialised" if c.gluon else "triton",
-            }  # fmt: skip
-            for name, c in cfgs.items()
-        },
-        "interpreted": INTERPRET,
-    }
+    record: dict = {name: {"tiling": c.tag, "tma": bool(c.tma and cuda), "kernel": p} for name, (p, c) in runs.items()}
+    return {**record, "interpreted": INTERPRET}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear"):
@@ -178,14 +285,14 @@ h3_qkv_gemm = _operator("h3_qkv_gemm")
 
 def linear_grouped(x: torch.Tensor, weights: Sequence[torch.Tensor], *, op: str = "linear") -> list[torch.Tensor]:
     """``[linear(x, w, op=op) for w in weights]`` for two or three sibling weights of one shape on the same ``x`` (q, k
-    and v of a block), bitwise: one grouped Gluon launch where :func:`h3gate.kernels.gemm_configs.grouped_tiling`
-    names a tiling and no argument needs an autograd graph, else one call per weight. The grouped launch
+    and v of a block), bitwise: one grouped Gluon launch where the layer declares ``gluon_grouped`` at this M here
+    (:func:`grouped_plan`) and no argument needs an autograd graph, else one call per weight. The grouped launch
     (:func:`h3gate.kernels.gemm_gluon.matmul_ws_grouped`) computes the tiles of the weights' concatenation, each
     output element ``y[i, j] = sum_k x[i, k] w[j, k]`` the FP32 sum over ascending BLOCK_K chunks of that layer's
     contract, one rounding to bfloat16 - the walk of each weight's own launch; only which program holds a tile
     differs. Inputs are checked as :func:`linear` checks them, naming ``op``."""
     weights = tuple(weights)
-    cfg = None if needs_graph(x, *weights) else grouped_tiling(x, weights)
+    cfg = None if needs_graph(x, *weights) else grouped_plan(x, weights)
     if cfg is None:
         return [linear(x, w, op=op) for w in weights]
     for w in weights:

@@ -49,7 +49,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from h3gate.dtypes import dtype_name
-from h3gate.kernels.common import INTERPRET, hopper
 
 ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
 
@@ -218,18 +217,17 @@ M_BUCKETS: tuple[tuple[int, dict[tuple[str, int, int, str], GemmConfig]], ...] =
 SMALL_M = M_BUCKETS[-1][0]  # at M >= SMALL_M every layer takes TABLE
 
 
-def _check_m_buckets() -> None:
+def _check_m_buckets(buckets: tuple = M_BUCKETS, table: dict = TABLE) -> None:
     """Bounds ascend, every bucket lists the same layers (so a call never skips a bucket for a later one), and every
     bucket entry keeps its layer's K tiling (the only part that shapes arithmetic)."""
-    bounds = [bound for bound, _ in M_BUCKETS]
+    bounds = [bound for bound, _ in buckets]
     if bounds != sorted(set(bounds)):
         raise AssertionError(f"gemm_configs.M_BUCKETS: bounds must strictly ascend, got {bounds}")
-    keys = {frozenset(table) for _, table in M_BUCKETS}
-    if len(keys) > 1:
+    if len({frozenset(entries) for _, entries in buckets}) > 1:
         raise AssertionError("gemm_configs.M_BUCKETS: every bucket must list the same layers")
-    for bound, table in M_BUCKETS:
-        for key, small in table.items():
-            large = TABLE.get(key)
+    for bound, entries in buckets:
+        for key, small in entries.items():
+            large = table.get(key)
             if large is None or large.block_k != small.block_k:
                 raise AssertionError(
                     f"gemm_configs.M_BUCKETS[M < {bound}]{key}: BLOCK_K must equal TABLE's (K tiling fixed for every M)"
@@ -273,19 +271,17 @@ GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfi
 # one launch a weight 0.939x in the same run; cuBLAS on the weights concatenated 1.016x). Not at 925 (0.914 vs
 # 0.924) nor at 38974 (0.953-0.976 vs 0.981, where each weight's launch ends in narrow tiles).
 GLUON_GROUPED = _GLUON_WIDE
-GROUPED_FROM, GROUPED_BELOW = 1024, 8192
-GROUPED_LAYERS = (_QKV,)
 
 
-def _check_gluon_buckets() -> None:
+def _check_gluon_buckets(buckets: tuple = GLUON_BUCKETS, table: dict = TABLE) -> None:
     """Bounds ascend (the last None), every entry is a Gluon forward tiling of a layer in TABLE with its BLOCK_K, and
     the layer's rows are 16-byte aligned (TMA)."""
-    bounds = [bound for bound, _ in GLUON_BUCKETS]
+    bounds = [bound for bound, _ in buckets]
     if bounds[-1] is not None or bounds[:-1] != sorted(set(bounds[:-1])):
         raise AssertionError(f"gemm_configs.GLUON_BUCKETS: bounds must strictly ascend and end with None, got {bounds}")
-    for bound, table in GLUON_BUCKETS:
-        for key, cfg in table.items():
-            large = TABLE.get(key)
+    for bound, entries in buckets:
+        for key, cfg in entries.items():
+            large = table.get(key)
             _, n, k, dtype = key
             aligned = (n * 2) % 16 == 0 and (k * 2) % 16 == 0
             if key[0] != "fwd" or dtype != _BF16 or not cfg.gluon or large is None or large.block_k != cfg.block_k:
@@ -296,13 +292,11 @@ def _check_gluon_buckets() -> None:
 
 
 _check_gluon_buckets()
-if any(TABLE[key].block_k != GLUON_GROUPED.block_k or key[0] != "fwd" for key in GROUPED_LAYERS):
-    raise AssertionError("gemm_configs.GROUPED_LAYERS: forward layers whose BLOCK_K is GLUON_GROUPED's")
 
 
 def gluon_config(n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig | None:
-    """The Gluon tiling of the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows, or None (the
-    Triton kernel runs it). Whether the Gluon kernel can run here is the caller's question (Hopper, alignment)."""
+    """The Gluon tiling of the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows, or None (no
+    Gluon tiling for that layer and M). Whether it runs is the layer's declared path (``manifests/operators``)."""
     key = ("fwd", n, k, dtype_name(dtype))
     table = next(t for bound, t in GLUON_BUCKETS if bound is None or m < bound)
     return table.get(key)
@@ -328,18 +322,28 @@ def _tma_ok(role: str, n: int, k: int, dtype: torch.dtype) -> bool:
     return (n * size) % 16 == 0 and (k * size) % 16 == 0
 
 
-def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = None) -> GemmConfig:
-    """The config for ``role`` of the layer with weight (N, K) at ``dtype`` with ``m`` output rows.
+def gemm_config(
+    role: str,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    m: int | None = None,
+    *,
+    buckets: tuple = M_BUCKETS,
+    table: dict = TABLE,
+) -> GemmConfig:
+    """The Triton config for ``role`` of the layer with weight (N, K) at ``dtype`` with ``m`` output rows, from
+    ``table`` and the small-M ``buckets`` (the shipped ones unless a test passes its own).
 
-    BLOCK_K never depends on ``m``; ``m`` only selects a tile shape/order from ``M_BUCKETS`` (forward, M < SMALL_M)."""
+    BLOCK_K never depends on ``m``; ``m`` only selects a tile shape/order from ``buckets`` (forward, M < SMALL_M)."""
     if role not in ROLES:
         raise ValueError(f"gemm role {role!r}: expected one of {ROLES}")
     name = dtype_name(dtype)
     key = (role, n, k, name)
     small = None
     if m is not None:
-        small = next((table.get(key) for bound, table in M_BUCKETS if m < bound), None)
-    cfg = small or TABLE.get(key) or default_config(role, n, k, dtype)
+        small = next((entries.get(key) for bound, entries in buckets if m < bound), None)
+    cfg = small or table.get(key) or default_config(role, n, k, dtype)
     if cfg.tma and not _tma_ok(role, n, k, dtype):
         cfg = replace(cfg, tma=False)
     return cfg
@@ -389,35 +393,3 @@ def tail_split(m_tiles: int, n: int, block_n: int, tail_n: int, programs: int) -
         if cost < best_cost:
             best, best_cost = wide_cols * block_n, cost
     return best
-
-
-def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The Gluon tiling when the warp-specialised Gluon kernel runs the forward of ``x (..., K) @ weight (N, K)^T``
-    here (``gemm_configs.GLUON_BUCKETS`` lists the layer at this M; bfloat16 on a Hopper GPU; not interpreted),
-    else None (the Triton kernel runs it; also for an empty call). Both have this contract's K walk and bytes."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return None
-    n, k = weight.shape
-    m = x.numel() // k if k else 0
-    cfg = gluon_config(n, k, x.dtype, m) if m else None
-    return cfg if cfg is not None and gluon_runs(x) else None
-
-
-def gluon_runs(x: torch.Tensor) -> bool:
-    """Whether the Gluon kernels can run on ``x``'s device here: a Hopper GPU, not interpreted."""
-    return not INTERPRET and x.device.type == "cuda" and hopper(x.device.index)
-
-
-def grouped_tiling(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> GemmConfig | None:
-    """The tiling when one grouped Gluon launch runs ``x (..., K) @ w^T`` for every ``w`` in ``weights`` (two or three
-    of one shape, bfloat16, a layer in GROUPED_LAYERS, GROUPED_FROM <= M < GROUPED_BELOW, the Gluon kernels runnable
-    here: :func:`gluon_runs`), else None: the caller runs them one by one, with the same bytes. Each weight's own
-    launch need not be Gluon's (qkv at M = 3160 runs the Triton tiling alone): the K walk is the layer's either way."""
-    if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
-        return None
-    n, k = weights[0].shape
-    if ("fwd", n, k, dtype_name(x.dtype)) not in GROUPED_LAYERS or n % GLUON_GROUPED.block_n:
-        return None
-    if x.dtype != torch.bfloat16 or not GROUPED_FROM <= x.numel() // k < GROUPED_BELOW or not gluon_runs(x):
-        return None
-    return GLUON_GROUPED

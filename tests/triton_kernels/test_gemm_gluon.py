@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from h3gate.kernels import gemm, gemm_configs
+from h3gate.kernels import gemm, gemm_configs, selection
 from h3gate.kernels.gemm_configs import GemmConfig
 
 gemm_gluon = pytest.importorskip("h3gate.kernels.gemm_gluon")  # Triton's Gluon (3.6 and later)
@@ -32,9 +32,8 @@ def _weight(n: int, k: int, dtype: torch.dtype = BF16) -> SimpleNamespace:
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """A Hopper GPU outside the interpreter, as the dispatch sees it."""
-    monkeypatch.setattr(gemm_configs, "INTERPRET", False)
-    monkeypatch.setattr(gemm_configs, "hopper", lambda index: True)
+    """A Hopper GPU outside the interpreter, as the path selection sees it."""
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
 
 
 @pytest.mark.parametrize(
@@ -50,29 +49,34 @@ def hopper(monkeypatch):
         ((96768, 2688), 2, None),  # not a block layer: the Triton kernel at every M
     ],
 )
-def test_forward_runs_gluon_where_its_buckets_list_the_layer(hopper, layer, m, tag) -> None:
+def test_forward_runs_gluon_where_the_manifest_declares_it(hopper, layer, m, tag) -> None:
     n, k = layer
     x, w = _stub(m, k), _weight(n, k)
-    got = gemm_configs.gluon_tiling(x, w)
-    assert (got.tag if got else None) == tag
+    path, cfg = gemm.forward_plan(x, w)
+    assert (cfg.tag if path == "gluon_warp_specialised" else None) == tag
     rec = gemm.launch_record(x, w)
-    ran = got or gemm_configs.gemm_config("fwd", n, k, BF16, m)
-    assert rec["forward"] == {"tiling": ran.tag, "tma": ran.tma,
-                              "kernel": "gluon_warp_specialised" if tag else "triton"}  # fmt: skip
+    want = "gluon_warp_specialised" if tag else ("triton_swapped" if cfg.swap_ab else "triton")
+    assert rec["forward"] == {"tiling": cfg.tag, "tma": cfg.tma, "kernel": want} and path == want
     assert rec["dx"]["kernel"] == rec["dw"]["kernel"] == "triton"  # the backward is the Triton kernel's
 
 
 def test_gluon_never_runs_interpreted_off_hopper_or_outside_bfloat16(monkeypatch, hopper) -> None:
     n, k = QKV
-    assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is not None
-    assert gemm_configs.gluon_tiling(_stub(264, k, torch.float32), _weight(n, k, torch.float32)) is None
-    assert gemm_configs.gluon_tiling(_stub(264, k, device="cpu"), _weight(n, k)) is None
-    assert gemm_configs.gluon_tiling(_stub(0, k), _weight(n, k)) is None  # an empty call: nothing to launch
-    monkeypatch.setattr(gemm_configs, "hopper", lambda index: False)
-    assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is None
-    monkeypatch.setattr(gemm_configs, "hopper", lambda index: True)
-    monkeypatch.setattr(gemm_configs, "INTERPRET", True)
-    assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is None
+    assert gemm.forward_plan(_stub(264, k), _weight(n, k))[0] == "gluon_warp_specialised"
+    assert gemm.forward_plan(_stub(264, k, torch.float32), _weight(n, k, torch.float32))[0] == "triton"
+    for other in ("cuda-other", "cpu-interpreter"):
+        monkeypatch.setattr(selection, "device_class", lambda device, other=other: other)
+        assert gemm.forward_plan(_stub(264, k), _weight(n, k))[0] == "triton_swapped"
+
+
+def test_the_device_class_is_the_interpreter_hopper_or_another_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(selection, "INTERPRET", True)
+    assert selection.device_class(torch.device("cuda", 0)) == selection.device_class(torch.device("cpu"))
+    assert selection.device_class(torch.device("cpu")) == "cpu-interpreter"
+    monkeypatch.setattr(selection, "INTERPRET", False)
+    for hop, name in ((True, "cuda-sm90"), (False, "cuda-other")):
+        monkeypatch.setattr(selection, "hopper", lambda index, hop=hop: hop)
+        assert selection.device_class(torch.device("cuda", 0)) == name
 
 
 def test_cpu_calls_record_the_triton_kernel() -> None:
@@ -86,26 +90,21 @@ def test_shipped_gluon_buckets_keep_each_layers_k_tiling() -> None:
     assert bounds == [512, 1024, 8192, None]
     for _, table in gemm_configs.GLUON_BUCKETS:
         for key, cfg in table.items():
-            assert cfg.gluon and cfg.block_m in (128, 192) and cfg.block_k == gemm_configs.TABLE[key].block_k, key
+            assert cfg.gluon and cfg.block_m == 128 and cfg.block_k == gemm_configs.TABLE[key].block_k, key
 
 
-def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> None:
+def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order() -> None:
     key = ("fwd", *QKV, "bfloat16")
     bad = replace(gemm_configs._GLUON_WIDE, block_k=128)
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((None, {key: bad}),))
     with pytest.raises(AssertionError, match=r"GLUON_BUCKETS\[M < None\].*BLOCK_K"):
-        gemm_configs._check_gluon_buckets()
+        gemm_configs._check_gluon_buckets(((None, {key: bad}),))
     odd = ("fwd", 7, 64, "bfloat16")  # 14-byte weight rows: no TMA descriptor
-    monkeypatch.setitem(gemm_configs.TABLE, odd, GemmConfig(128, 256, 64))
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((None, {odd: gemm_configs._GLUON_WIDE}),))
     with pytest.raises(AssertionError, match="16-byte aligned"):
-        gemm_configs._check_gluon_buckets()
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((1024, {}), (512, {}), (None, {})))
+        gemm_configs._check_gluon_buckets(((None, {odd: gemm_configs._GLUON_WIDE}),), {odd: GemmConfig(128, 256, 64)})
     with pytest.raises(AssertionError, match="strictly ascend"):
-        gemm_configs._check_gluon_buckets()
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((512, {}),))
+        gemm_configs._check_gluon_buckets(((1024, {}), (512, {}), (None, {})))
     with pytest.raises(AssertionError, match="end with None"):
-        gemm_configs._check_gluon_buckets()
+        gemm_configs._check_gluon_buckets(((512, {}),))
 
 
 @pytest.mark.parametrize(
