@@ -1,4 +1,5 @@
-"""Strict full attention: non-causal, unmasked, one packed document; forward here, backward in ``attention_bwd``.
+"""Strict full attention: non-causal, unmasked, one packed document. This module holds the contract, the pointer
+forward kernel and the dispatch of both passes to the declared kernel paths.
 
 Contract (restated in ``manifests/operators/attention.yaml``):
 
@@ -28,9 +29,9 @@ Contract (restated in ``manifests/operators/attention.yaml``):
   order (``gather_rows``, contiguous copies), and the rows a program owns (its query block, or its KV block in dK/dV)
   are read in place through ``order[i]`` (``packed_rows``), their outputs stored straight to their packed rows; the
   per-row statistics (``lse2``, ``delta``) are indexed canonically. Every tile holds the values a full gather would
-  put there, so the bytes are those of the kernels on gathered copies scattered back (tested), with two of the old
-  four forward copies (and four of eight backward ones): on the H200 indexed loads in the inner loop ran 1.46x
-  (medium) / 1.6x (768p) the packed-order kernel, slower than copying (``docs/measurements/perf-probe-14.json``).
+  put there, so the bytes are those of the kernels on gathered copies scattered back (tested), with two of four
+  forward copies (and four of eight backward ones): on the H200 indexed loads in the inner loop ran 1.46x (medium) /
+  1.6x (768p) the packed-order kernel, slower than copying.
   The Gluon kernels (Hopper) copy less: each walked tile of consecutive packed rows is loaded in place by TMA and
   only the other tiles are copied (:mod:`h3gate.kernels.attention_sources`; the same tiles in shared memory).
   Forward and gradients of a logical row are byte-equal under any consistent permutation of the packed rows.
@@ -39,18 +40,17 @@ Contract (restated in ``manifests/operators/attention.yaml``):
 * invariance - a query row's bytes depend only on its own q row and the whole K/V of its (batch, head), read in the
   fixed block order above (over the canonical rows when an order is given); batch elements and heads are separate
   programs (batch-row invariant); the KV walk (fwd_n, exp2/fma forms; 128 keys a step for bfloat16 D = 128 since kernel
-  id v2, 64 in v1) and the backward tilings are functions of (D, dtype) only, never of S or B. Launch knobs may depend
-  on S, declared in ``S_BUCKETS`` (only ``LAUNCH_FIELDS``): block heights, warps, stages and the load path (``fwd_tma``
-  / ``bwd_tma``: TMA or pointer loads of the same tiles, :mod:`h3gate.kernels.attention_tma`), which decide which
-  program owns a row and which instruction fetches a tile - each row's scores, softmax and sums are the same (every
-  launch probed was bitwise equal at S = 264, 925, 3160 and 38974 on the H200,
-  ``docs/measurements/perf-probe-{12,13,14,15}.json``); and the forward's schedule, ``fwd_gluon``: the warp-specialised
-  Gluon kernel (:mod:`h3gate.kernels.attention_gluon`, Hopper) issues the same instructions on the same tiles in another
-  order (a TMA producer warp, two consumer warpgroups of 64 rows whose softmax overlaps the other's MMAs), bitwise equal
-  to the Triton kernels at every S, batch and order probed (``perf-probe-16.json``); the backward's schedule,
-  ``bwd_gluon``, likewise (:mod:`h3gate.kernels.attention_bwd_gluon`, ``perf-probe-18/19.json``). Repeat runs are
-  bitwise equal. No split-KV, no atomics.
-* backward - see :mod:`h3gate.kernels.attention_bwd`.
+  id v2, 64 in v1) and the backward tilings are functions of (D, dtype) only, never of S or B
+  (:mod:`h3gate.kernels.attention_config`). What may depend on S: the launch fields of ``S_BUCKETS`` (block heights,
+  warps, stages), which decide which program owns a row; and the kernel path, declared per device class and S in the
+  operator's manifest (``paths``; :func:`paths`): ``triton_pointer`` (this module's pointer kernel and
+  :mod:`h3gate.kernels.attention_bwd`), ``triton_tma`` (the same kernels with TMA loads of the same tiles,
+  :mod:`h3gate.kernels.attention_tma`) or ``gluon_warp_specialised`` (Hopper: :mod:`h3gate.kernels.attention_gluon` and
+  :mod:`h3gate.kernels.attention_bwd_gluon` issue the same instructions on the same tiles in another order - a TMA
+  producer warp, two consumer warpgroups of 64 rows). Each row's scores, softmax and sums are the same on every path
+  and launch: bitwise equal on the H200 at S = 264, 925, 3160 and 38974, batch 2 with a partial last block and
+  permuted walk orders. Repeat runs are bitwise equal. No split-KV, no atomics.
+* backward - delta, then the dK/dV and dQ walks (:mod:`h3gate.kernels.attention_bwd`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Backward of the strict full attention: three kernels, fixed orders, no atomics.
+"""Backward of the strict full attention as Triton kernels (the ``triton_pointer`` and ``triton_tma`` paths): three
+kernels, fixed orders, no atomics.
 
 With ``c = log2(e) / sqrt(D)``, ``s = (q k^T) * c`` and the forward's FP32 ``lse2`` (log2 domain), every kernel
 recomputes ``p = exp2(s - lse2)`` exactly as the others do:
@@ -23,12 +24,10 @@ rows a program owns are read in place through ``order[i]`` (``packed_rows``) and
 to their packed rows; ``lse2`` and ``delta`` are indexed canonically. The bytes are those of the kernels on gathered
 copies scattered back (no addition anywhere).
 
-``bwd_tma`` (a load-path choice of the tiling, CUDA only) loads the inner loop's tiles with TMA (device-side
-descriptors over the (batch, head)'s (S, D) slice; rows past S zero-filled, as the masked pointer loads give): the
-same values, the same instructions on them.
-
-``bwd_gluon`` (a launch field) runs both walks as warp-specialised Gluon kernels on Hopper, the same arithmetic
-(:mod:`h3gate.kernels.attention_bwd_gluon`).
+The ``triton_tma`` path (CUDA only) loads the inner loop's tiles with TMA (device-side descriptors over the (batch,
+head)'s (S, D) slice; rows past S zero-filled, as the masked pointer loads give): the same values, the same
+instructions on them. The ``gluon_warp_specialised`` path runs both walks as warp-specialised Gluon kernels on Hopper,
+the same arithmetic (:mod:`h3gate.kernels.attention_bwd_gluon`).
 
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is

@@ -1,5 +1,6 @@
-"""The strict attention backward's two walks as warp-specialised Gluon kernels for Hopper (``AttnConfig.bwd_gluon``):
-dK/dV (``attention_bwd._dkdv_kernel``) and dQ (``_dq_kernel``), the same walks and arithmetic, the MMAs asynchronous.
+"""The strict attention backward's two walks as warp-specialised Gluon kernels for Hopper (the
+``gluon_warp_specialised`` path): dK/dV (``attention_bwd._dkdv_kernel``) and dQ (``_dq_kernel``), the same walks and
+arithmetic, the MMAs asynchronous.
 
 Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator, so the Triton
 kernels wait for ``q k^T`` and for ``dout v^T`` before the CUDA cores may use them, one at a time. Here one program
@@ -29,7 +30,7 @@ past S in the last step; ``dk`` and ``dq`` times ``1/sqrt(D)`` at the end, each 
 stored. The walked operands come by host TMA descriptors over (B, S, nh * D) views with (1, 64, D) boxes, so rows past
 S are zeros (as the pointer kernels' masked loads give). The kernel id and contract are
 :mod:`h3gate.kernels.attention`'s; the H200 probe (``tools/gpu_attention_bwd.py``) compares dq, dk and dv byte for
-byte with the Triton kernels' (equal at S = 264 ... 38974, batch 2, walk orders: perf-probe-18, -19).
+byte with the Triton kernels' (equal at S = 264 ... 38974, batch 2, walk orders).
 
 GPU only (Gluon has no interpreter; the interpreter runs the Triton kernels, the same arithmetic); sm_90, bfloat16,
 D = 128, tiling kv 128 x 64 and q 128 x 64. ``tests/triton_kernels/sm90_lowering.py`` compiles both for sm_90 on the
@@ -309,7 +310,7 @@ def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a
 def check_tiling(cfg: AttnConfig) -> None:
     """The tiling these kernels implement (a programming error otherwise: the tiling tables are validated)."""
     if (cfg.kv_n, cfg.kv_m, cfg.q_m, cfg.q_n) != (128, 64, 128, 64):
-        raise ValueError(f"bwd_gluon runs kv 128 x 64 and q 128 x 64, not the tiling {cfg.tag}")
+        raise ValueError(f"the Gluon backward runs kv 128 x 64 and q 128 x 64, not the tiling {cfg.tag}")
 
 
 def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own_b: torch.Tensor,

@@ -1,5 +1,5 @@
-"""The strict attention forward as a warp-specialised Gluon kernel for Hopper: the same walk and arithmetic, its
-instructions scheduled as FlashAttention-3 schedules them (``AttnConfig.fwd_gluon``).
+"""The strict attention forward as a warp-specialised Gluon kernel for Hopper (the ``gluon_warp_specialised`` path): the
+same walk and arithmetic, its instructions scheduled as FlashAttention-3 schedules them.
 
 Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator (Triton's
 ``WGMMAPipeline.cpp``, rule 3), so the Triton kernels (:mod:`h3gate.kernels.attention`, ``attention_tma``) wait for
@@ -29,8 +29,8 @@ The KV walk is ``attention``'s: ``fwd_n``-wide blocks (128 keys: ``q k^T`` by m6
 ascending order, the last one masked where its rows pass S. K/V/Q come by host TMA descriptors over (B, S, nh * D) views
 with (1, rows, D) boxes, so rows past S are zeros (as the pointer kernel's masked loads give), never the next batch
 item's. Only the order in which independent instructions are issued differs: the bytes are the Triton kernels' at every
-S, batch and walk order probed on the H200 (``docs/measurements/perf-probe-16.json``, persistent: ``-22``); the contract
-and kernel id are :mod:`h3gate.kernels.attention`'s.
+S, batch and walk order probed on the H200, one program a tile or persistent; the contract and kernel id are
+:mod:`h3gate.kernels.attention`'s.
 
 GPU only (Gluon has no interpreter; the CPU interpreter runs the pointer kernel, the same arithmetic); sm_90,
 bfloat16, D = 128. ``tests/triton_kernels/sm90_lowering.py`` compiles it for sm_90 on the CPU and checks that ptxas

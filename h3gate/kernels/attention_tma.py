@@ -1,4 +1,5 @@
-"""The strict attention forward with TMA tile loads (Hopper): the same walk and arithmetic, other load instructions.
+"""The strict attention forward with TMA tile loads (the ``triton_tma`` path): the same walk and arithmetic as the
+pointer kernel, other load instructions.
 
 Per program (BLOCK_M query rows, batch, head) the kernel builds device-side tensor descriptors over its (batch,
 head)'s (S, D) slices of q, k, v and out (row stride ``nh * D``, 16-byte aligned since D = 128) and loads the q
@@ -6,17 +7,15 @@ tile once and each (BLOCK_N, D) K/V block with TMA instead of per-thread pointer
 zeros, exactly the values the pointer kernel's masked loads give, and the tail block's scores are masked to -inf by
 the shared :func:`h3gate.kernels.attention_math.fwd_step`, so every tile holds the pointer kernel's values and the same
 online-softmax step runs on them: the declared contract (``attention.py``, ``attention.yaml``) is unchanged, and
-``AttnConfig.fwd_tma`` is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
-(``tools/gpu_perf_probe.py --sections attn_tma``). (Triton's own warp specialisation of the KV loop changed neither
-bytes nor speed on Hopper: its PTX has no producer / consumer split; the Gluon kernel splits it by hand.)
+the path is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
+(``tools/gpu_perf_probe.py --sections attn_tma``).
 
 With a walk order the K/V operands arrive gathered into canonical order (contiguous: TMA walks them) and the query
 block is read, and the output stored, through ``order[i]`` by pointers (TMA has no row gather on Hopper).
 
-GPU only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic).
-:func:`uses_tma` says which kernel a call runs: a function of the tiling (``S_BUCKETS``: S >= 2048 for bfloat16) and
-the device. Both load paths carry the one kernel id and contract (the bytes measured equal); the evidence records
-the kernel id, the probes the load path.
+CUDA only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic). Which
+path a call runs is declared in the operator's manifest (:func:`h3gate.kernels.attention.paths`); both load paths
+carry the one kernel id and contract (the bytes measured equal), and the launch record names the path.
 """
 
 from __future__ import annotations

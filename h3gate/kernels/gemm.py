@@ -1,4 +1,6 @@
-"""Strict deterministic GEMM: ``linear(x, weight, bias)`` forward and backward, one fixed K order, no split.
+"""Strict deterministic GEMM: ``linear(x, weight, bias)`` forward and backward, one fixed K order, no split. This
+module holds the contract, the dispatch to the declared kernel paths and the operators' entry points; the kernels are
+in :mod:`h3gate.kernels.gemm_triton`, :mod:`h3gate.kernels.gemm_swapped` and :mod:`h3gate.kernels.gemm_gluon`.
 
 Contract (restated in ``manifests/operators/gemm.yaml``):
 
@@ -14,8 +16,8 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   of the block's layers picks its tile *shape/order* from an M bucket (``gemm_configs.M_BUCKETS``: M < 512,
   M < 1024), and a persistent launch may cover its last columns with narrower tail tiles (``gemm_configs.tail_split``,
   chosen from the tile counts and the SM count); both leave each element's K walk unchanged (declared and measured
-  in ``gemm_configs``); a small-M bucket may also swap the operands (``Y^T = W @ X^T``,
-  :mod:`h3gate.kernels.gemm_swapped`), which moves an element to another tile position, not its K walk. Triton still
+  in ``gemm_configs``); the swapped forward (``Y^T = W @ X^T``, :mod:`h3gate.kernels.gemm_swapped`) moves an element
+  to another tile position, not its K walk. Triton still
   specialises on pointer alignment, which changes load vectorisation, never the maths. So row r's bytes do not
   depend on M, on its position, or on the other rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
@@ -26,13 +28,14 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   with one rounding to the parameter's dtype. Every operand (dY^T, W^T in the forward) is loaded as a tile of its
   stored row-major layout (coalesced along the contiguous axis; TMA descriptors in the ``tma`` variant) and
   transposed on chip; ``persistent``/``group_m`` only change which program owns a tile.
-* kernels - the forward of a layer listed in ``gemm_configs.GLUON_BUCKETS`` at its M runs, bfloat16 on a Hopper GPU,
-  the warp-specialised Gluon kernel (:mod:`h3gate.kernels.gemm_gluon`): the same per-element K walk (ascending BLOCK_K
-  chunks of the same MMA instruction steps onto an FP32 accumulator from zero), bias and rounding, its tiles and
-  their order scheduled differently (bytes equal to the Triton kernel's, ``docs/measurements/perf-probe-{30,31}.json``);
-  everywhere else, and always under the interpreter, the Triton kernel. ``launch_record`` names which ran. Sibling
-  projections (q, k, v) may run as one grouped launch of the Gluon kernel (:func:`linear_grouped`: each
-  element the same walk; bytes equal to one launch a weight, ``docs/measurements/perf-probe-36.json``).
+* kernel paths - which kernel runs a product is declared per layer, device class and M in the operator's manifest
+  (``paths``; :func:`forward_plan`): ``triton`` (:mod:`h3gate.kernels.gemm_triton`), ``triton_swapped`` (the swapped
+  forward for few rows), ``gluon_warp_specialised`` (Hopper, bfloat16: :mod:`h3gate.kernels.gemm_gluon`, the same
+  per-element K walk - ascending BLOCK_K chunks of the same MMA instruction steps onto an FP32 accumulator from zero -,
+  bias and rounding, its tiles and their order scheduled differently) and, for sibling projections (q, k, v) called
+  together, ``gluon_grouped`` (one launch of that kernel over the weights' concatenation, :func:`linear_grouped`);
+  the backward is always ``triton``. Every path's bytes equal the Triton kernel's on the H200; each path's tiling
+  comes from ``gemm_configs`` (:func:`tiling`), and ``launch_record`` names the path that ran.
 * compilation - every launch uses :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no FTZ).
 """
 
@@ -175,18 +178,21 @@ def check_paths(table: PathTable) -> None:
 
 def check_tilings() -> None:
     """Every layer the small-M and Gluon tiling tables list is scoped by a declared table, and every Gluon tiling is
-    reachable by a declared rule: a ValueError names the first that is not."""
+    reachable (a declared ``gluon_warp_specialised`` rule meets its M bucket): a ValueError names the first that is
+    not."""
     found, _ = selection.tables("gemm")
-    for bounds, kind in ((M_BUCKETS, "M_BUCKETS"), (GLUON_BUCKETS, "GLUON_BUCKETS")):
-        for bound, table in bounds:
+    for buckets, kind in ((M_BUCKETS, "M_BUCKETS"), (GLUON_BUCKETS, "GLUON_BUCKETS")):
+        lower = 0
+        for bound, table in buckets:
             for _, n, k, dtype in table:
                 paths = found.get(("weight", n, k, dtype))
                 if paths is None:
                     raise ValueError(f"gemm_configs.{kind}: layer ({n}, {k}) {dtype} has no declared paths table")
-                if kind == "GLUON_BUCKETS" and not any(
-                    r.path == "gluon_warp_specialised" and (bound is None or r.size[0] < bound) for r in paths.rules
-                ):
+                meets = (r.size[0] < (bound or r.size[0] + 1) and (r.size[1] is None or r.size[1] > lower)
+                         for r in paths.rules if r.path == "gluon_warp_specialised")  # fmt: skip
+                if kind == "GLUON_BUCKETS" and not any(meets):
                     raise ValueError(f"gemm_configs.GLUON_BUCKETS[M < {bound}]: ({n}, {k}) is never declared Gluon")
+            lower = bound or lower
 
 
 # ------------------------------------------------------------------------------------------------------ launches

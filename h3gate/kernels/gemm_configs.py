@@ -1,4 +1,7 @@
-"""Tile configurations of the strict GEMM: the K tiling keyed by ``(role, N, K, dtype)`` alone, never by M.
+"""Tile configurations of the strict GEMM: the K tiling keyed by ``(role, N, K, dtype)`` alone, never by M. Which
+kernel path runs a call is declared in the operators' manifests (:mod:`h3gate.kernels.selection`); these tables give
+each path its tiling: ``TABLE`` and ``M_BUCKETS`` the Triton kernel's (swapped where the path is ``triton_swapped``),
+``GLUON_BUCKETS`` and ``GLUON_GROUPED`` the Gluon kernel's.
 
 ``N`` and ``K`` are always the *forward* layer's ``out_features`` and ``in_features`` (the nn.Linear weight is
 (N, K)); ``role`` says which product of that layer runs:
@@ -19,22 +22,20 @@ fewer rows than a bucket's bound (the first such bucket, in ascending order), th
 its order are the same for every M; what changes is how many output rows/columns one program owns and the MMA
 instruction's M/N extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K] .
 b[k0:k0+BLOCK_K, n]`` over ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape
-probed (``docs/measurements/perf-probe-{1,2,8,9}.json``: 25 tilings that compiled - 3 of the 28 candidates exceed
-shared memory -, BLOCK_M 64..256, BLOCK_N 64..256, pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974)
-gave bytes identical to the production tiling for the
+probed (25 tilings that compiled - 3 of the 28 candidates exceed shared memory -, BLOCK_M 64..256, BLOCK_N 64..256,
+pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974) gave bytes identical to the production tiling for the
 block's four shapes (and the production tiling's bytes equal cuBLAS's there). ws1-ops checks it on every run with its
 prefix probe: a case's first 7 rows run alone (the first bucket) must equal the same rows of the full call (another
 bucket, or the large tiling, at layouts of >= 512 rows): ``evidence/h200/ws1-ops-gemm-*``.
 
 A small-M bucket entry may swap the operands (``swap_ab``: ``Y^T = W @ X^T``, :mod:`h3gate.kernels.gemm_swapped`):
 the tile is then ``block_n`` weight rows by ``block_m + tail_m`` tokens, the same BLOCK_K walk per element; every
-swapped tiling probed (88 runs at M = 264 / 925, ``docs/measurements/perf-probe-11.json``) gave bytes identical to the
-production tiling.
+swapped tiling probed (88 runs at M = 264 / 925 on the H200) gave bytes identical to the production tiling.
 
 A persistent config may also name ``tail_block_n``: :func:`tail_split` then covers the last columns with narrower
 tiles where the wide tiles would leave the last wave part idle (qkv at M = 3160: 700 wide tiles on 132 SMs). Like the
-bucket, this picks which tile holds an element, never its K walk (bitwise in ``docs/measurements/perf-probe-10.json``
-and in ws1-ops / ws1-block at the medium layout).
+bucket, this picks which tile holds an element, never its K walk (bitwise on the H200, and in ws1-ops / ws1-block at
+the medium layout).
 
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
 dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
@@ -155,15 +156,15 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     # Where the two runs disagree, the config with the better worst-case ratio across both runs is kept (run 1 for
     # o_proj, ffn_gate_up, ffn_down; run 2 for the skinny AdaLN/final projections). The block shapes' dX/dW rows are
     # the winners of the backward-only run (docs/measurements/gemm_attention-tuning-3-backward.*).
-    # The block's four forward shapes at M >= SMALL_M (below it: M_BUCKETS): re-picked from the M = 3160 / 38974
-    # columns of docs/measurements/perf-probe-{1,2}.json (same-run ratios to cuBLAS; GROUP_M by the better of 2 runs).
+    # The block's four forward shapes at M >= SMALL_M (below it: M_BUCKETS): re-picked from a later tiling sweep at
+    # M = 3160 / 38974 (same-run ratios to cuBLAS; GROUP_M by the better of 2 runs).
     # qkv adds 128-wide tail tiles where the 256-wide ones leave the last wave part idle (M = 3160: 5.3 waves).
     ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True, tail_block_n=128),
     ("fwd", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 32, 8, 3, persistent=True, tma=True),
     ("fwd", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
     ("fwd", 96768, 2688, _BF16): GemmConfig(16, 64, 128, 1, 4, 4, persistent=False, tma=False),
-    # final AdaLN, audio-out and video-in re-picked from docs/measurements/perf-probe-3.json (L2 flushed, cold weights).
+    # final AdaLN, audio-out and video-in re-picked with the L2 flushed (cold weights, as in the model).
     ("fwd", 10752, 2688, _BF16): GemmConfig(16, 32, 128, 1, 4, 4, persistent=False, tma=False),
     ("fwd", 5376, 96, _FP32): GemmConfig(128, 64, 32, 8, 4, 2, persistent=False, tma=False),
     ("fwd", 5376, 32, _FP32): GemmConfig(128, 128, 32, 8, 8, 2, persistent=False, tma=False),
@@ -190,12 +191,12 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
 
 # Forward tile shape/order by M bucket for the block's four layers (same BLOCK_K as the layer's TABLE entry):
 # (bound, table) in ascending bound order; a call with M < bound takes the first matching bucket's entry.
-# * M < 512 (the tiny layout's 264 rows; few row tiles, so wave quantisation rules): winners of the M = 264 column of
-#   docs/measurements/perf-probe-{1,2}.json, then of perf-probe-11.json (swapped operands, ``swap_ab``): qkv and
-#   gate-up take 64 weight rows x (256 + 16) tokens per program (device-only 0.86 / 0.81 of cuBLAS there against
-#   0.65 / 0.75 for the unswapped tiling); o/down keep 64x256 (no swapped tiling beat it: 0.73 vs 0.74, 0.77 vs 0.79).
-# * 512 <= M < 1024 (the small layout's 925 rows): winners of docs/measurements/perf-probe-{8,9,11}.json at M = 925,
-#   by device-only (CUDA graph) time: swapped 128 weight rows x 256 tokens for qkv (0.91 vs 0.89), x (256 + 64) tokens
+# * M < 512 (the tiny layout's 264 rows; few row tiles, so wave quantisation rules): winners at M = 264, unswapped
+#   and swapped (``swap_ab``): qkv and gate-up take 64 weight rows x (256 + 16) tokens per program (device-only 0.86 /
+#   0.81 of cuBLAS there against 0.65 / 0.75 for the unswapped tiling); o/down keep 64x256 (no swapped tiling beat it:
+#   0.73 vs 0.74, 0.77 vs 0.79).
+# * 512 <= M < 1024 (the small layout's 925 rows): winners at M = 925 by device-only (CUDA graph) time: swapped 128
+#   weight rows x 256 tokens for qkv (0.91 vs 0.89), x (256 + 64) tokens
 #   for o/down (0.90 / 0.91 against 0.80 / 0.81 for 128x128 TMA persistent); gate-up keeps 128x256 persistent (0.91;
 #   its best swapped tiling read 0.87).
 _BUCKET_264: dict[tuple[str, int, int, str], GemmConfig] = {
@@ -237,11 +238,12 @@ def _check_m_buckets(buckets: tuple = M_BUCKETS, table: dict = TABLE) -> None:
 _check_m_buckets()
 
 
-# The forward by the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon) on a Hopper GPU, bfloat16: (bound, table)
-# in ascending bound order as M_BUCKETS (the last bound None: every larger M); a layer or bucket absent here runs the
-# Triton kernel with gemm_config's tiling. Every entry keeps its layer's BLOCK_K (checked at import). Winners of
-# docs/measurements/perf-probe-31.json (H200, device-only ratios to cuBLAS; every variant's bytes equal the Triton
-# kernel's at M = 264, 925, 3160, 38974 and with a bias), against the Triton tilings in the same run:
+# The tilings of the warp-specialised Gluon forward (h3gate.kernels.gemm_gluon; the path gluon_warp_specialised, Hopper,
+# bfloat16): (bound, table) in ascending bound order as M_BUCKETS (the last bound None: every larger M). Where the path
+# runs is declared in the manifest; every declared (layer, M) has its entry here and every entry is declared somewhere
+# (gemm.check_paths). Every entry keeps its layer's BLOCK_K (checked at import). The winners on the H200 (device-only
+# ratios to cuBLAS; every variant's bytes equal the Triton kernel's at M = 264, 925, 3160, 38974 and with a bias),
+# against the Triton tilings in the same run, which is where each layer's declared path comes from:
 # * M < 512: 128 weight rows x (128 + 8) tokens (qkv 0.90 vs 0.87, gate-up 0.83 vs 0.83) or x (64 + 32) tokens (o 0.90
 #   vs 0.77, down 0.88 vs 0.78): 264 tokens are two or three tiles, 84-126 programs, one wave;
 # * 512 <= M < 1024: 128 tokens x 256 weight rows for qkv (0.93 vs 0.90) and gate-up (0.93 vs 0.90); o / down keep the
@@ -264,9 +266,9 @@ GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfi
 
 
 # Sibling projections (q, k, v: weights of one shape on the same X) as one grouped Gluon launch
-# (h3gate.kernels.gemm_gluon.matmul_ws_grouped) for GROUPED_FROM <= M < GROUPED_BELOW: 128 x 256 tiles over the
-# weights' concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes (perf-probe-36.json:
-# equal at M = 925, 1000, 3160, 3163, 38974). It exists for the waves: q, k, v at M = 3160 are 700 tiles each, 5.3
+# (h3gate.kernels.gemm_gluon.matmul_ws_grouped; the path gluon_grouped, declared for qkv at 1024 <= M < 8192): 128 x 256
+# tiles over the weights' concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes (equal on
+# the H200 at M = 925, 1000, 3160, 3163, 38974). It exists for the waves: q, k, v at M = 3160 are 700 tiles each, 5.3
 # waves on 132 SMs, 2100 together, 15.9; measured device-only against cuBLAS called three times 1.012x (GROUP_M 16;
 # one launch a weight 0.939x in the same run; cuBLAS on the weights concatenated 1.016x). Not at 925 (0.914 vs
 # 0.924) nor at 38974 (0.953-0.976 vs 0.981, where each weight's launch ends in narrow tiles).
@@ -351,10 +353,9 @@ def gemm_config(
 
 # Tail split (persistent launches with ``tail_block_n``): TAIL_COST is a narrow tile's cost per output element
 # relative to a wide one's, and a split must shorten the modelled makespan by TAIL_MIN_GAIN to be used. TAIL_COST is
-# fitted to the one measured point, qkv at M = 3160 on the H200 (docs/measurements/perf-probe-10.json: device time
-# 0.3888 -> 0.3824 ms with 128-wide tails, -1.7 %, which the model gives at TAIL_COST = 1.8). The first guess, 1.1
-# (128x128 vs 128x256 tiles at M = 3160 in perf-probe-1.json), modelled -7.5 % there: the narrow tail tiles, all
-# running at once at the end, are slower than alone.
+# fitted to the one measured point, qkv at M = 3160 on the H200 (device time 0.3888 -> 0.3824 ms with 128-wide tails,
+# -1.7 %, which the model gives at TAIL_COST = 1.8). The ratio of 128x128 to 128x256 tiles timed alone, 1.1, models
+# -7.5 % there: the narrow tail tiles, all running at once at the end, are slower than alone.
 TAIL_COST = 1.8
 TAIL_MIN_GAIN = 0.01
 TAIL_MAX_WAVES = 8

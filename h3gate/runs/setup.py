@@ -67,7 +67,7 @@ def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
     eight ``N D`` wide, gate-up ``2F`` and swiglu ``F``, at float64 (golden) + bf16 (provider) + bf16 (candidate,
     chained) + bf16 (candidate, isolated: all four are held together for the row rule). Without the isolated set the
     bound let ``ref2va-768p`` (S = 83386) start on the H200 and run out of memory in the golden after the provider
-    and candidate passes (session 11); with it that layout is refused up front, 768p (S = 38974, which ran) is not.
+    and candidate passes; with it that layout is refused up front, 768p (S = 38974, which ran) is not.
     """
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     weights = (4 * h * nd + 3 * h * f) * (2 + 8)
