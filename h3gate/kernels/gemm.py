@@ -63,6 +63,8 @@ _DTYPES = (torch.bfloat16, torch.float32)
 
 
 def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``x (..., K)``, ``weight (N, K)`` and ``bias (N,)`` of one dtype (bfloat16 or float32) on one device, each
+    contiguous: a one-line InputError naming ``op`` and the argument otherwise."""
     check_tensor(op, "x", x, _DTYPES)
     if x.ndim < 1:
         raise InputError(f"{op}: x: expected at least 1 dim, got a scalar")
