@@ -165,6 +165,37 @@ def test_no_cycle_between_rooms():
             raise AssertionError(f"cycle between rooms: {' -> '.join(found)}")
 
 
+def module_cycle(package: str) -> list[str] | None:
+    """An import cycle among the modules of ``package`` (module-level and function-level imports; ``TYPE_CHECKING``
+    blocks aside), as the modules along it, or None."""
+    folder = PACKAGE.parent.joinpath(*package.split("."))
+    modules = {module_name(p): p for p in sorted(folder.rglob("*.py"))}
+    graph = {m: sorted(i for i in imported_modules(p, m) if i in modules and i != m) for m, p in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> list[str] | None:
+        state[module] = 1
+        for nxt in graph[module]:
+            if state.get(nxt) == 1:
+                return [*trail[trail.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt, [*trail, nxt])):
+                return found
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module, [module])):
+            return found
+    return None
+
+
+def test_no_import_cycle_inside_kernels():
+    """Each kernels module imports only modules below it (shared launch and config pieces sit lowest), inside functions
+    too: no function-level import dodges a cycle."""
+    found = module_cycle("h3gate.kernels")
+    assert found is None, f"import cycle inside h3gate.kernels: {' -> '.join(found)}"
+
+
 def test_no_engine_imports_commands():
     offenders = sorted(
         m for (a, b), mods in room_edges().items() if a in ENGINES and b in ("commands", "cli") for m in mods

@@ -18,8 +18,8 @@ from h3gate.graph.execute import iter_graph, run_chained, sibling_gemms
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import build_block_inputs
 from h3gate.graph.model import build_model_graph
-from h3gate.kernels import gemm, gemm_configs, gemm_gluon, launches
-from h3gate.kernels.gemm_grouped import linear_grouped
+from h3gate.kernels import gemm, gemm_configs, gemm_gluon, launches, selection
+from h3gate.kernels.gemm import linear_grouped
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import LayoutSpec
 from h3gate.manifests.model_config import load_config
@@ -125,25 +125,27 @@ def test_the_strict_qkv_operator_offers_grouped_calls_bitwise_one_by_one(block) 
     assert all(torch.equal(o, gemm.linear(x, w)) for o, w in zip(outs, ws, strict=True))
 
 
-def test_grouped_tiling_covers_q_k_v_between_its_bounds_only(monkeypatch) -> None:
-    """Measured (perf-probe-36): grouped at M = 3160 (1.012x cuBLAS three times, 0.939x one launch a weight); not at
-    925 or 38974. The rest is the caller's ground: another layer, other shapes, one or four weights."""
-    monkeypatch.setattr(gemm_configs, "gluon_runs", lambda x: True)  # as on the H200
+def test_grouped_plan_covers_q_k_v_where_the_manifest_declares_it(monkeypatch) -> None:
+    """The qkv layer declares ``gluon_grouped`` on a Hopper GPU for 1024 <= M < 8192 (manifests/operators/gemm.yaml:
+    measured 1.012x cuBLAS three times at M = 3160 against 0.939x one launch a weight; not at 925 or 38974). The rest
+    runs one call a weight: another layer, other shapes or dtypes, one or four weights, another device class."""
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")  # as on the H200
     meta = {"device": "meta", "dtype": torch.bfloat16}
     w3 = tuple(torch.empty(7168, 5376, **meta) for _ in range(3))
-    at = {m: gemm_configs.grouped_tiling(torch.empty(1, m, 5376, **meta), w3) for m in (925, 1024, 3160, 8191, 8192)}
+    at = {m: gemm.grouped_plan(torch.empty(1, m, 5376, **meta), w3) for m in (925, 1024, 3160, 8191, 8192)}
     assert at == {925: None, 1024: gemm_configs.GLUON_GROUPED, 3160: gemm_configs.GLUON_GROUPED,
                   8191: gemm_configs.GLUON_GROUPED, 8192: None}  # fmt: skip
     x = torch.empty(3160, 5376, **meta)
-    assert gemm_configs.grouped_tiling(x, w3[:2]) is gemm_configs.GLUON_GROUPED
-    assert gemm_configs.grouped_tiling(x, w3[:1]) is None and gemm_configs.grouped_tiling(x, w3 + w3[:1]) is None
+    assert gemm.grouped_plan(x, w3[:2]) is gemm_configs.GLUON_GROUPED
+    assert gemm.grouped_plan(x, w3[:1]) is None and gemm.grouped_plan(x, w3 + w3[:1]) is None
     o = tuple(torch.empty(5376, 5376, **meta) for _ in range(3))
-    assert gemm_configs.grouped_tiling(x, o) is None  # not a GROUPED_LAYERS layer
-    assert gemm_configs.grouped_tiling(x, (w3[0], torch.empty(7168, 5376, device="meta"))) is None  # dtypes differ
-    # qkv alone at 3160 runs the Triton tiling (GLUON_BUCKETS leaves it out); the grouped launch is Gluon's anyway
-    assert gemm_configs.gluon_config(7168, 5376, torch.bfloat16, 3160) is None
-    monkeypatch.setattr(gemm_configs, "gluon_runs", lambda x: False)  # no Gluon here (CPU, interpreter)
-    assert gemm_configs.grouped_tiling(x, w3) is None
+    assert gemm.grouped_plan(x, o) is None  # no grouped rule for that layer
+    assert gemm.grouped_plan(x, (w3[0], torch.empty(7168, 5376, device="meta"))) is None  # dtypes differ
+    # qkv alone at 3160 runs the Triton tiling (its declared forward path there); the grouped launch is Gluon's
+    assert gemm.forward_plan(x, w3[0])[0] == "triton"
+    for other in ("cuda-other", "cpu-interpreter"):  # no Gluon there
+        monkeypatch.setattr(selection, "device_class", lambda device, other=other: other)
+        assert gemm.grouped_plan(x, w3) is None
 
 
 def test_the_grouped_launch_refuses_what_it_cannot_group() -> None:

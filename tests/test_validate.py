@@ -110,6 +110,38 @@ def test_cross_checks_fail(home):
     assert "h3gate: error: schemas/seal.schema.json: $ref 'common.schema.json#/$defs/sha265' does not" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        (  # a path no kernel module implements
+            "size: [8192, null], path: gluon_warp_specialised}",
+            "size: [8192, null], path: gluon_hopper}",
+            "operators.h3_qkv_gemm.paths.rules[2].path: 'gluon_hopper' is not a forward path of h3gate.kernels.gemm",
+        ),
+        (  # a path without its tiling: qkv below 1024 rows has swapped Triton tilings only
+            "{devices: [cuda-other, cpu-interpreter], size: [0, 1024], path: triton_swapped}",
+            "{devices: [cuda-other, cpu-interpreter], size: [0, 1024], path: triton}",
+            "h3_qkv_gemm.paths: cpu-interpreter forward at M = 1: 'triton' has no tiling for this layer there",
+        ),
+        (  # sizes no rule covers
+            "        - {devices: [cuda-sm90], size: [1024, 8192], path: triton}\n",
+            "",
+            "operators.h3_qkv_gemm.paths: rules for cuda-sm90 forward: no path for sizes [1024, 8192)",
+        ),
+    ],
+)
+def test_declared_kernel_paths_are_cross_checked_against_the_code(home, old, new, message):
+    """Each operator's ``paths`` table: every path exists in its kernel module, runs where it is declared and has its
+    tilings, and every (device class, product, size) has exactly one path."""
+    path = home / "manifests" / "operators" / "gemm.yaml"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+    done = _validate(home)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "h3gate: error: manifests/operators/gemm.yaml: " in done.stderr and message in done.stderr, done.stderr
+
+
 def test_ablation_row_naming_an_unregistered_probe_fails(home):
     """``validate`` checks every ablation row's probe against the registry of its run (not only ``ablate``)."""
     path = home / "manifests" / "ablations.yaml"

@@ -159,7 +159,8 @@ def test_the_single_walk_merge_order_is_not_what_tp_ranks_compute() -> None:
     def gather(t):
         return list(parts)
 
-    from h3gate.kernels.gemm_merge import owned_segments, segment_partials
+    from h3gate.kernels.gemm_merge import segment_partials
+    from h3gate.kernels.merge_tree import owned_segments
 
     for r, (xa, wa) in enumerate(subs):
         parts[r] = segment_partials(xa, wa, owned_segments(2, r), (4, k), "fwd").clone()

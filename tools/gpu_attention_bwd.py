@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""H200 probe of the attention backward's variants (the one-pass ``attention_bwd_fused``, the warp-specialised Gluon
-``attention_bwd_gluon``), from the repo root:
+"""H200 probe of the attention backward's variants (the warp-specialised Gluon ``attention_bwd_gluon``), from the
+repo root:
 
     python3 tools/gpu_attention_bwd.py --out $OUT/attention-bwd.json
 
-* ``bytes``: dq, dk and dv of every variant (one-pass ``bwd_fused``, the Gluon kernels ``bwd_gluon``) against the
-  three Triton kernels of the same tiling (both off), byte for byte, at (B, S, walk order) cases with partial last
-  blocks, a batch of 2 and a permuted walk; each variant run twice must repeat bitwise.
+* ``bytes``: dq, dk and dv of every variant (the Gluon kernels, path ``gluon_warp_specialised``) against the
+  three Triton kernels of the same tiling (``triton_pointer`` / ``triton_tma``), byte for byte, at (B, S, walk
+  order) cases with partial last blocks, a batch of 2 and a permuted walk; each variant run twice must repeat
+  bitwise.
 * ``time``: backward-only medians (``triton.testing.do_bench``, the same forward's out / lse2 / gradient) at S = 264,
   925, 3160 and 38974 (B = 1, 56 heads): the three Triton kernels, every variant, and SDPA's backward
   pinned to cuDNN and to flash (``torch.autograd.grad`` of its forward, graph retained); at 3160 and 38974 every
@@ -25,56 +26,32 @@ import torch
 from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into, walk_order
 
 from h3gate.kernels import attention
-from h3gate.kernels.attention_bwd import backward
+from h3gate.kernels.attention import backward
+from h3gate.kernels.attention_config import PRODUCTION
 
 HEADS, D = 56, 128
-# name -> AttnConfig overrides on top of the production tiling at that S, and attention_bwd_gluon knobs
+# name -> the backward path, AttnConfig overrides on top of the production tiling at that S, and AttnLaunch fields
 # (perf-probe-18 / -18b / -21 measured the dK/dV kernel's EARLY_DV, COMPACT, REGS and DKDV_SPLIT, since removed).
 VARIANTS = {
-    "fused": {"bwd_fused": True},
-    "fused_s2": {"bwd_fused": True, "kv_stages": 2},
-    "fused_ptr": {"bwd_fused": True, "bwd_tma": False, "kv_stages": 3},
-    "gluon": {"bwd_gluon": True},
-    "gluon_s3": {"bwd_gluon": True, "kv_stages": 3, "q_stages": 3},
-    "gluon_pipe": {"bwd_gluon": True, "dq_pipe": True},
-    "gluon_plain": {"bwd_gluon": True, "dq_pipe": False, "stats_tma": False},
-    "gluon_stats": {"bwd_gluon": True, "dq_pipe": True, "stats_tma": True},
-    "gluon_persistent": {"bwd_gluon": True, "persistent": True},
-    "gluon_streams": {"bwd_gluon": True, "side_stream": True},
-    "gluon_one_stream": {"bwd_gluon": True, "side_stream": False},
+    "gluon": {"path": "gluon_warp_specialised"},
+    "gluon_s3": {"path": "gluon_warp_specialised", "kv_stages": 3, "q_stages": 3},
+    "gluon_streams": {"path": "gluon_warp_specialised", "side_stream": True},
+    "gluon_one_stream": {"path": "gluon_warp_specialised", "side_stream": False},
     # the walked operands in canonical order as whole copies first (sessions 13-15), not through tile sources
-    "gluon_copies": {"bwd_gluon": True, "sources": False},
+    "gluon_copies": {"path": "gluon_warp_specialised", "sources": False},
 }
-# variant key -> (module, attribute) of a Gluon knob
-_GLUON_KNOBS = {
-    "dq_pipe": ("attention_bwd_gluon", "DQ_PIPELINE"),
-    "stats_tma": ("attention_bwd_gluon", "STATS_TMA"),
-    "persistent": ("attention_bwd_gluon", "PERSISTENT"),
-    "side_stream": ("attention_bwd_gluon", "SIDE_STREAM"),
-    "sources": ("attention_gluon", "TILE_SOURCES"),
-}
+# variant key -> the AttnLaunch field it sets
+_LAUNCH_FIELDS = {"side_stream": "side_stream", "sources": "tile_sources"}
 
 
 def _variant(args: tuple, cfg, name: str, order=None):
-    """A call of the backward with variant ``name``'s tiling (and its Gluon knobs)."""
-    from h3gate.kernels import attention_bwd_gluon, attention_gluon
-
-    mods = {"attention_bwd_gluon": attention_bwd_gluon, "attention_gluon": attention_gluon}
+    """A call of the backward with variant ``name``'s path, tiling and launch."""
     over = dict(VARIANTS[name])
-    knobs = {_GLUON_KNOBS[key]: over.pop(key) for key in list(over) if key in _GLUON_KNOBS}
+    path = over.pop("path")
+    launch = dataclasses.replace(PRODUCTION, **{_LAUNCH_FIELDS[key]: over.pop(key) for key in list(over)
+                                                if key in _LAUNCH_FIELDS})  # fmt: skip
     vcfg = dataclasses.replace(cfg, **over)
-    defaults = {(m, a): getattr(mods[m], a) for m, a in _GLUON_KNOBS.values()}
-
-    def call():
-        for (m, a), value in knobs.items():
-            setattr(mods[m], a, value)
-        try:
-            return backward(*args, vcfg, order)
-        finally:
-            for (m, a), value in defaults.items():
-                setattr(mods[m], a, value)
-
-    return call
+    return lambda: backward(*args, vcfg, order, launch, path)
 
 
 CASES = [(1, 264, False), (2, 925, False), (1, 3160, False), (1, 3160, True), (2, 300, True), (1, 38974, False),
@@ -88,15 +65,21 @@ def _inputs(b: int, s: int, seed: int, ordered: bool):
     q, k, v = (torch.randn(b, s, HEADS, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     grad = torch.randn(b, s, HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
     order = torch.randperm(s, device="cuda", generator=g) if ordered is True else walk_order(ordered, s)
-    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), bwd_gluon=False)  # the Triton kernels
+    cfg = attention.attn_config(D, torch.bfloat16, s)
     out, lse = attention.forward(q, k, v, cfg, order)
     return (q, k, v, out, lse, grad), order, cfg
+
+
+def triton_path(s: int) -> str:
+    """The three Triton kernels as a GPU without the Gluon kernels runs them at S = ``s``: pointer loads below 2048,
+    TMA from there (the declared paths of ``cuda-other``, manifests/operators/attention.yaml)."""
+    return "triton_tma" if s >= 2048 else "triton_pointer"
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
     for b, s, ordered in cases:
         args, order, cfg = _inputs(b, s, seed=s + 7 * b, ordered=ordered)
-        ref = backward(*args, cfg, order)
+        ref = backward(*args, cfg, order, path=triton_path(s))
         for name in variants:
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
             try:
@@ -131,7 +114,7 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
     for s in TIMED:
         args, _, cfg = _inputs(1, s, seed=11, ordered=False)
         flops = 10.0 * s * s * D * HEADS  # five matmuls of 2 S^2 D flops per head (what cuDNN counts)
-        fns = {"three_kernel": lambda a=args, c=cfg: backward(*a, c)}
+        fns = {"three_kernel": lambda a=args, c=cfg, s=s: backward(*a, c, path=triton_path(s))}
         for name in variants:
             fns[name] = _variant(args, cfg, name)
         rec = {"section": "time", "S": s}
@@ -141,8 +124,8 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
             except Exception as exc:  # noqa: BLE001
                 rec.setdefault("errors", {})[label] = error_text(exc)
         time_into(rec, fns, flops, warmup=100, rep=600 if s < 10000 else 5000)
-        rec["best_fused_vs_cudnn"] = best_over(rec, variants, "cudnn")
-        rec["best_fused_vs_three_kernel"] = best_over(rec, variants, "three_kernel")
+        rec["best_variant_vs_cudnn"] = best_over(rec, variants, "cudnn")
+        rec["best_variant_vs_three_kernel"] = best_over(rec, variants, "three_kernel")
         if s in ORDERED_TIMED:  # the same tensors walked in a layout's order (the block's case)
             largs, order, lcfg = _inputs(1, s, seed=11, ordered="layout")
             layout_fns = {f"{name}@layout": _variant(largs, lcfg, name, order) for name in variants}
@@ -152,29 +135,17 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
 
 
 def _split_fns(s: int) -> dict:
-    """The Gluon backward's kernels alone at S = ``s`` (B = 1): dK/dV, dQ with and without its pipelined order, and
-    the whole backward (delta pre-pass included)."""
+    """The Gluon backward's kernels alone at S = ``s`` (B = 1): dK/dV, dQ, and the whole backward (delta pre-pass
+    included)."""
     import math
 
     from h3gate.kernels import attention_bwd_gluon as gb
 
     (q, k, v, out, lse, grad), _, cfg = _inputs(1, s, seed=11, ordered=False)
-    cfg = dataclasses.replace(cfg, bwd_gluon=True)
     do = grad.view(q.shape)
     delta = (out.float() * grad.float()).view(1, s, HEADS, D).sum(-1).transpose(1, 2).reshape(HEADS, s).contiguous()
     sm, c = 1.0 / math.sqrt(D), attention.qk_scale(D)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    def knob(attr: str, value: bool, fn):
-        def call():
-            saved = getattr(gb, attr)
-            setattr(gb, attr, value)
-            try:
-                fn()
-            finally:
-                setattr(gb, attr, saved)
-
-        return call
 
     def dq_call():
         gb.dq_gluon(q, k, v, do, lse, delta, dq, None, cfg, sm, c)
@@ -183,13 +154,9 @@ def _split_fns(s: int) -> dict:
         gb.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, None, cfg, sm, c)
 
     return {
-        "dkdv": knob("STATS_TMA", False, dkdv_call),
-        "dkdv_stats_tma": knob("STATS_TMA", True, dkdv_call),
-        "dkdv_persistent": knob("PERSISTENT", True, dkdv_call),
-        "dq": knob("DQ_PIPELINE", False, dq_call),
-        "dq_pipe": knob("DQ_PIPELINE", True, dq_call),
-        "dq_persistent": knob("PERSISTENT", True, dq_call),
-        "whole": lambda: backward(q, k, v, out, lse, grad, cfg),
+        "dkdv": dkdv_call,
+        "dq": dq_call,
+        "whole": lambda: backward(q, k, v, out, lse, grad, cfg, path="gluon_warp_specialised"),
     }
 
 

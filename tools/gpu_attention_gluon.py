@@ -3,8 +3,8 @@
 
     python3 tools/gpu_attention_gluon.py --out $OUT/attention-gluon.json
 
-* ``bytes``: the Gluon forward's output and lse2 against the Triton forward (``attention.forward`` with
-  ``fwd_gluon`` off: the pointer kernel below S = 2048, the TMA kernel from there; with the variant's KV walk
+* ``bytes``: the Gluon forward's output and lse2 against the Triton forward (``attention.forward`` on the path
+  ``triton_pointer`` below S = 2048, ``triton_tma`` from there, as another GPU runs it; with the variant's KV walk
   width), byte for byte, for each number of K/V buffers and walk width, at several (B, S, walk order) cases: a
   batch of 2 with a partial last block (rows past S must be zeros, not the next item's), a random walk order (every
   tile copied) and a layout's walk order (most tiles read in place, ``gpu_probe_common.walk_order``).
@@ -29,10 +29,19 @@ import traceback
 import torch
 from gpu_probe_common import SMALL_CASES, best_over, bits_equal, error_text, probe_main, time_into, walk_order
 
-from h3gate.kernels import attention, attention_gluon
+from h3gate.kernels import attention
+from h3gate.kernels.attention_config import PRODUCTION
 from h3gate.kernels.attention_gluon import forward_gluon_ws
 
 HEADS, D = 56, 128
+
+
+def triton_path(s: int) -> str:
+    """The Triton forward as a GPU without the Gluon kernels runs it at S = ``s``: pointer loads below 2048, TMA from
+    there (the declared paths of ``cuda-other``, manifests/operators/attention.yaml)."""
+    return "triton_tma" if s >= 2048 else "triton_pointer"
+
+
 # name -> the warp-specialised kernel's K/V buffers, KV walk width (128 keys: kernel id v2's walk; 64: v1's, compared
 # with the Triton forward of the same walk), launch (persistent: one program an SM walking tiles) and register split.
 # (perf-probe-22 also ran session 14's kernel, `git show 659521a:h3gate/kernels/attention_gluon.py`, from an untracked
@@ -49,7 +58,7 @@ VARIANTS = {
     "prod": {**_V, "persistent": True, "regs": (240, 24), "sources": True},
     "prod_copies": {**_V, "persistent": True, "regs": (240, 24), "sources": False},
     # production with the output stored through shared memory by TMA at every S / from registers at every S
-    # (sessions 12-19); production switches at attention_gluon.TMA_STORE_FROM
+    # (sessions 12-19); production switches at AttnLaunch.tma_store_from
     "prod_tma": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store_from": 0},
     "prod_regstore": {**_V, "persistent": True, "regs": (240, 24), "sources": True, "tma_store_from": 1 << 62},
 }
@@ -69,14 +78,11 @@ def _inputs(b: int, s: int, seed: int) -> tuple[torch.Tensor, ...]:
 def _gluon(q, k, v, name: str, order=None):
     var = VARIANTS[name]
     cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16), fwd_n=var["walk"])
-    g = attention_gluon
-    saved = g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE_FROM
-    g.PERSISTENT, g.REGS = var["persistent"], var["regs"]
-    g.TILE_SOURCES, g.TMA_STORE_FROM = var.get("sources", True), var.get("tma_store_from", saved[3])
-    try:
-        return forward_gluon_ws(q, k, v, cfg, order, stages=var["stages"])
-    finally:
-        g.PERSISTENT, g.REGS, g.TILE_SOURCES, g.TMA_STORE_FROM = saved
+    launch = dataclasses.replace(
+        PRODUCTION, persistent=var["persistent"], regs=var["regs"], stages=var["stages"],
+        tile_sources=var.get("sources", True), tma_store_from=var.get("tma_store_from", PRODUCTION.tma_store_from),
+    )  # fmt: skip
+    return forward_gluon_ws(q, k, v, cfg, order, launch)
 
 
 def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) -> None:
@@ -85,8 +91,8 @@ def probe_bytes(records: list[dict], variants: list[str], cases: list[tuple]) ->
         order = walk_order(ordered, s)
         refs = {}
         for walk in sorted({VARIANTS[name]["walk"] for name in variants}):
-            cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False, fwd_n=walk)
-            refs[walk] = attention.forward(q, k, v, cfg, order)
+            cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_n=walk)
+            refs[walk] = attention.forward(q, k, v, cfg, order, path=triton_path(s))
         for name in variants:
             ref_out, ref_lse = refs[VARIANTS[name]["walk"]]
             rec = {"section": "bytes", "variant": name, "B": b, "S": s, "ordered": ordered}
@@ -116,9 +122,9 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
 
         return fn
 
-    def timed(q, k, v, cfg):
+    def timed(q, k, v, cfg, s):
         return {
-            "triton": lambda: attention.forward(q, k, v, cfg),
+            "triton": lambda: attention.forward(q, k, v, cfg, path=triton_path(s)),
             **{name: (lambda name=name: _gluon(q, k, v, name)) for name in variants},
             "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v),
             "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION)(q, k, v),
@@ -127,7 +133,7 @@ def probe_time(records: list[dict], variants: list[str]) -> None:
     for s in TIMED:
         q, k, v = _inputs(1, s, seed=11)
         flops = 4.0 * s * s * D * HEADS
-        fns = timed(q, k, v, dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False))
+        fns = timed(q, k, v, attention.attn_config(D, torch.bfloat16, s), s)
         rec = {"section": "time", "S": s}
         time_into(rec, fns, flops, warmup=200, rep=1000 if s < 10000 else 4000)
         rec["best_gluon_vs_cudnn"] = best_over(rec, variants, "cudnn")
@@ -149,14 +155,14 @@ def _sustained_at(s: int, variants: list[str]) -> dict:
     from h3gate.bench import energy
 
     q, k, v = _inputs(1, s, seed=11)
-    cfg = dataclasses.replace(attention.attn_config(D, torch.bfloat16, s), fwd_gluon=False)
+    cfg = attention.attn_config(D, torch.bfloat16, s)
 
     def cudnn():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                                     v.transpose(1, 2))  # fmt: skip
 
-    fns = {"cudnn": cudnn, "triton": lambda: attention.forward(q, k, v, cfg)}
+    fns = {"cudnn": cudnn, "triton": lambda: attention.forward(q, k, v, cfg, path=triton_path(s))}
     fns.update({name: (lambda name=name: _gluon(q, k, v, name)) for name in variants})
     with torch.no_grad():
         return energy.sustained(fns, seconds=2.0, warm_s=1.0, rounds=2)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 # 65 / 30 / 120 s. A section that reaches its limit skips its remaining candidates (recorded as skipped).
 SECTIONS = {"gemm": 110, "gemm_tma": 60, "attention": 150}
 SMOKE = os.environ.get("H3_GPU_SMOKE") == "1"
+PTR = "triton_pointer"  # the attention tilings measured here run the Triton pointer kernels (an explicit path)
 BIG = {"shapes": [(5376, 7168), (7168, 5376), (5376, 28672), (14336, 5376)], "ms": [264, 925, 3160, 38974]}
 TINY = {"shapes": [(64, 96), (130, 96)], "ms": [5, 37, 70]}
 GEO = TINY if SMOKE else BIG
@@ -319,7 +320,7 @@ def section_attention(sec: Section) -> None:
     from torch.nn.attention import SDPBackend
 
     from h3gate.kernels import attention as A
-    from h3gate.kernels.attention_bwd import backward
+    from h3gate.kernels.attention import backward
 
     heads = 2 if SMOKE else 56
     seqs = [17, 70] if SMOKE else [264, 925, 3160, 38974]
@@ -363,16 +364,17 @@ def section_attention(sec: Section) -> None:
                 entry["fwd"][cfg.tag] = {"error": "skipped: section time budget"}
                 continue
             try:
-                out, lse = A.forward(q, k, v, cfg)
-                rec = {"cfg": asdict(cfg), "ms": bench(A.forward, q, k, v, cfg)}
-                rec["repeat_bitwise"] = bool(torch.equal(out, A.forward(q, k, v, cfg)[0]))
+                out, lse = A.forward(q, k, v, cfg, path=PTR)
+                rec = {"cfg": asdict(cfg), "ms": bench(A.forward, q, k, v, cfg, path=PTR)}
+                rec["repeat_bitwise"] = bool(torch.equal(out, A.forward(q, k, v, cfg, path=PTR)[0]))
                 if ref_o is not None:
                     rec["rel_err_vs_fp32"] = rel(out, ref_o)
                 if s <= 3160:
                     other = randn((1, s, heads, 128), torch.bfloat16, 30)
-                    ob = A.forward(*(torch.cat([o_, t]) for o_, t in ((other, q), (other, k), (other, v))), cfg)[0]
+                    batched = (torch.cat([o_, t]) for o_, t in ((other, q), (other, k), (other, v)))
+                    ob = A.forward(*batched, cfg, path=PTR)[0]
                     rec["batch_row_bitwise"] = bool(torch.equal(ob[1], out[0]))
-                    h1 = A.forward(*(t[:, :, 1:2].contiguous() for t in (q, k, v)), cfg)[0]
+                    h1 = A.forward(*(t[:, :, 1:2].contiguous() for t in (q, k, v)), cfg, path=PTR)[0]
                     rec["head_invariant"] = bool(torch.equal(h1[0], out[0, :, 128:256]))
                 entry["fwd"][cfg.tag] = rec
                 sec.save()
@@ -382,9 +384,9 @@ def section_attention(sec: Section) -> None:
                     entry["bwd"][cfg.tag] = {**entry["bwd"][bwd_done[bwd_key(cfg)]], "same_as": bwd_done[bwd_key(cfg)]}
                     sec.save()
                     continue
-                dq, dk, dv = backward(q, k, v, out, lse, grad, cfg)
-                brec = {"ms": bench(backward, q, k, v, out, lse, grad, cfg)}
-                again = backward(q, k, v, out, lse, grad, cfg)
+                dq, dk, dv = backward(q, k, v, out, lse, grad, cfg, path=PTR)
+                brec = {"ms": bench(backward, q, k, v, out, lse, grad, cfg, path=PTR)}
+                again = backward(q, k, v, out, lse, grad, cfg, path=PTR)
                 brec["repeat_bitwise"] = all(torch.equal(a, b) for a, b in zip((dq, dk, dv), again, strict=True))
                 if s <= 3160 and qf.grad is not None:
                     brec["rel_err_vs_fp32"] = {

@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, replace
 
 import torch
-from gpu_gemm_attention import GEO, NAMES, SMOKE, Section, _gemm_call, bench, err, randn, rel, sdpa
+from gpu_gemm_attention import GEO, NAMES, PTR, SMOKE, Section, _gemm_call, bench, err, randn, rel, sdpa
 
 SECTIONS_BWD = {"bwd_gemm": 95, "bwd_attention": 70}  # s; both together stay under 3 minutes
 BWD_MS = [5, 37, 70] if SMOKE else [264, 3160, 38974]
@@ -131,7 +131,7 @@ def section_bwd_attention(sec: Section) -> None:
     from torch.nn.attention import SDPBackend
 
     from h3gate.kernels import attention as A
-    from h3gate.kernels.attention_bwd import backward
+    from h3gate.kernels.attention import backward
 
     heads = 2 if SMOKE else 56
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -163,15 +163,15 @@ def section_bwd_attention(sec: Section) -> None:
                 entry["torch"][name] = {"error": err(exc)}
             sec.save()
         fwd_cfg = cands[0]  # the backward reads the forward's out/lse2: one forward for every candidate
-        out, lse = A.forward(q, k, v, fwd_cfg)
+        out, lse = A.forward(q, k, v, fwd_cfg, path=PTR)
         for cfg in cands:
             if sec.late():
                 entry["bwd"][cfg.tag] = {"error": "skipped: section time budget"}
                 continue
             try:
-                first = backward(q, k, v, out, lse, grad, cfg)
-                rec = {"cfg": asdict(cfg), "ms": bench(backward, q, k, v, out, lse, grad, cfg)}
-                again = backward(q, k, v, out, lse, grad, cfg)
+                first = backward(q, k, v, out, lse, grad, cfg, path=PTR)
+                rec = {"cfg": asdict(cfg), "ms": bench(backward, q, k, v, out, lse, grad, cfg, path=PTR)}
+                again = backward(q, k, v, out, lse, grad, cfg, path=PTR)
                 rec["repeat_bitwise"] = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
                 if refs is not None:
                     rec["rel_err_vs_fp32"] = {n_: rel(g_, refs[n_]) for n_, g_ in zip(refs, first, strict=True)}

@@ -30,7 +30,7 @@ import triton
 from gpu_probe_common import bits_equal, error_text, probe_main
 
 from h3gate.bench import energy
-from h3gate.kernels import gemm, gemm_gluon, gemm_gluon_plan
+from h3gate.kernels import gemm, gemm_gluon
 from h3gate.kernels.gemm_configs import GemmConfig
 
 LAYERS = {"qkv": (7168, 5376), "o_proj": (5376, 7168), "ffn_gate_up": (28672, 5376), "ffn_down": (5376, 14336)}
@@ -49,22 +49,9 @@ VARIANTS = {
     "sw128t32_s5": replace(_SW, tail_m=32),
     "sw64t32_s6": replace(_SW, block_n=64, tail_m=32, num_stages=6),
     "sw128t16_s5": replace(_SW, tail_m=16),
-    # round 3 (M = 3160's 5.3 waves of 128 x 256 tiles for qkv / gate-up): wider tiles of 256 + 32 weight rows
-    # (qkv 25 x 25 = 625 tiles, 4.7 waves; gate-up 2500, 18.9) or 128 + 16 (1250, 9.5), stored from registers
-    "n256t32_g16_s4": replace(_N, tail_m=32, num_stages=4),
-    "n256t32_g8_s4": replace(_N, tail_m=32, num_stages=4, group_m=8),
-    "n256t32_g16_s3": replace(_N, tail_m=32),
-    "n128t16_g16_s5": replace(_N, block_n=128, tail_m=16, num_stages=5),
-    # round 4 (qkv's 5.3 waves at M = 3160): three consumers, tiles of 192 tokens x (128 + 64) weight rows (17 x 38 =
-    # 646 tiles, 4.9 waves; 96 / 85 MACs a loaded element against 128 x 256's 85) or x (128 + 32) (765, 5.8 waves),
-    # both parts stored by TMA (gemm_gluon_plan.TAIL_TMA_STORE) or, "_reg", from registers (a fourth stage fits then)
-    "m192t64_g16_s3": replace(_N, block_m=192, block_n=128, tail_m=64),
-    "m192t64_g8_s3": replace(_N, block_m=192, block_n=128, tail_m=64, group_m=8),
-    "m192t64_g16_s4_reg": replace(_N, block_m=192, block_n=128, tail_m=64, num_stages=4),
-    "m192t32_g16_s3": replace(_N, block_m=192, block_n=128, tail_m=32),
+    # (rounds 3 and 4 also ran unswapped tiles with a B tail of weight rows and three-consumer 192-row tiles; both
+    # were slower than the shipped tilings and were removed from the kernel, see evidence/h200/PROVENANCE.md)
 }
-# variant -> module knobs of gemm_gluon_plan set for its calls only
-KNOBS = {"m192t64_g16_s4_reg": {"TAIL_TMA_STORE": False}}
 # GEMM_LAYERS / GEMM_ROWS (comma lists) narrow a run to some layers and M
 if os.environ.get("GEMM_LAYERS"):
     LAYERS = {k: v for k, v in LAYERS.items() if k in os.environ["GEMM_LAYERS"].split(",")}
@@ -84,18 +71,9 @@ def _variant(name: str):
     cfg = VARIANTS[name]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    knobs = KNOBS.get(name, {})
-
     def run(x, w, b):
         y = torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
-        saved = {key: getattr(gemm_gluon_plan, key) for key in knobs}
-        for key, value in knobs.items():
-            setattr(gemm_gluon_plan, key, value)
-        try:
-            return gemm_gluon.matmul_ws(x, w, y, b, cfg, sms)
-        finally:
-            for key, value in saved.items():
-                setattr(gemm_gluon_plan, key, value)
+        return gemm_gluon.matmul_ws(x, w, y, b, cfg, sms)
 
     return run
 

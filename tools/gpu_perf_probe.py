@@ -33,9 +33,9 @@ import torch.nn.functional as F
 import triton
 
 from h3gate.kernels import norms
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
-from h3gate.kernels.gemm import matmul
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm_triton import matmul
 
 SHAPES = {"qkv": (5376, 7168), "o_proj": (7168, 5376), "ffn_gate_up": (5376, 28672), "ffn_down": (14336, 5376)}
 MS = (264, 3160, 38974)
@@ -436,12 +436,12 @@ def hostcost_section(calls: int = 300) -> dict:
                 "config": cfg.tag,
                 "linear_us": per_call(lambda x=x, w=w: gemm.linear(x, w)),
                 "F.linear_us": per_call(lambda x=x, w=w: F.linear(x, w)),
-                "check_us": per_call(lambda x=x, w=w: gemm._check("op", x, w, None)),
+                "check_us": per_call(lambda x=x, w=w: gemm.check_linear("op", x, w, None)),
                 "gemm_config_us": per_call(lambda n=n, k=k: gemm_config("fwd", n, k, torch.bfloat16, 264)),
                 "empty_us": per_call(lambda n=n: torch.empty((264, n), dtype=torch.bfloat16, device="cuda")),
                 "matmul_us": per_call(lambda x=x, w=w, y=y, cfg=cfg: matmul(x, w, y, None, cfg, a_trans=False,
                                                                            b_trans=True)),
-                "set_allocator_us": per_call(lambda: triton.set_allocator(gemm._tma_allocator)),
+                "set_allocator_us": per_call(lambda: triton.set_allocator(tma_allocator)),
             }  # fmt: skip
             prof = cProfile.Profile()
             prof.enable()
@@ -470,6 +470,7 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
     from h3gate.ops import reference
 
     prod = attention.attn_config(128, torch.bfloat16)
+    PTR = "triton_pointer"  # noqa: N806 - the pointer kernel's query-block heights are what is measured
     cands = {
         "production": prod,
         "m128_w8_s2": replace(prod, fwd_stages=2),
@@ -483,15 +484,15 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     for s in seqs:
         q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
-        ref = attention.forward(q, k, v, prod)[0]
+        ref = attention.forward(q, k, v, prod, path=PTR)[0]
         rec: dict = {"cands": {}}
         fns = {"sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
         for name, cfg in cands.items():
             try:
-                y = attention.forward(q, k, v, cfg)[0]
+                y = attention.forward(q, k, v, cfg, path=PTR)[0]
                 torch.cuda.synchronize()
                 rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref))}
-                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
+                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg, path=PTR)
             except Exception as exc:  # noqa: BLE001 - recorded
                 rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
         stats = side_by_side(fns, iters=50, head_start_us=300.0)
@@ -506,7 +507,7 @@ def attn_section(seqs: tuple[int, ...] = (264, 925, 3160)) -> dict:
 
 
 def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
-    """Attention forward with TMA tile loads (``AttnConfig.fwd_tma``, optional warp specialisation ``fwd_ws``) next
+    """Attention forward with TMA tile loads (path ``triton_tma``) next
     to the production pointer kernel, SDPA-cuDNN and SDPA-flash, every candidate's out and lse2 compared byte for
     byte with production; and, on a permuted packing, the walk order read in place (production) against the
     session-10 form (gather copies of q, k, v, the kernel, a scatter copy of the output), forward and backward."""
@@ -529,11 +530,11 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     for s in seqs:
         prod = attention.attn_config(128, torch.bfloat16, s)
-        cands = {"production": prod, "pointer_m128": replace(prod, fwd_m=128, fwd_warps=8, fwd_tma=False)}
-        for m, n, w, st, ws in ((64, 64, 4, 3, False), (64, 128, 4, 3, False), (64, 128, 4, 2, False),
-                                (128, 128, 8, 3, False), (128, 128, 8, 3, True)):  # fmt: skip
-            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st, fwd_tma=True, fwd_ws=ws)
-            cands.setdefault(c.tag, c)
+        # name -> (tiling, path; None: the declared one)
+        cands = {"production": (prod, None), "pointer_m128": (replace(prod, fwd_m=128, fwd_warps=8), "triton_pointer")}
+        for m, n, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 4, 2), (128, 128, 8, 3)):
+            c = replace(prod, fwd_m=m, fwd_n=n, fwd_warps=w, fwd_stages=st)
+            cands.setdefault(f"{c.tag}_tma", (c, "triton_tma"))
         q, k, v = (torch.randn(1, s, 56, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
         ref, ref_lse = attention.forward(q, k, v, prod)
         rec: dict = {"production_tag": prod.tag, "cands": {}}
@@ -543,9 +544,9 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
                 fp32 = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
             fp32 = fp32.reshape(1, s, -1)
         fns = {"sdpa_cudnn": lambda q=q, k=k, v=v: cudnn(q, k, v), "sdpa_flash": lambda q=q, k=k, v=v: flash(q, k, v)}
-        for name, cfg in cands.items():
+        for name, (cfg, path) in cands.items():
             try:
-                y, lse = attention.forward(q, k, v, cfg)
+                y, lse = attention.forward(q, k, v, cfg, path=path)
                 torch.cuda.synchronize()
                 rec["cands"][name] = {
                     "tag": cfg.tag, "bitwise_production": bool(torch.equal(y, ref) and torch.equal(lse, ref_lse)),
@@ -553,7 +554,7 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
                 }  # fmt: skip
                 if fp32 is not None:
                     rec["cands"][name]["rel_l2_vs_fp32"] = float((y.float() - fp32).norm() / fp32.norm())
-                fns[name] = lambda q=q, k=k, v=v, cfg=cfg: attention.forward(q, k, v, cfg)
+                fns[name] = lambda q=q, k=k, v=v, cfg=cfg, path=path: attention.forward(q, k, v, cfg, path=path)
             except Exception as exc:  # noqa: BLE001 - recorded
                 rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
         stats = side_by_side(fns, iters=10 if s > 20000 else 40, head_start_us=300.0)
@@ -570,7 +571,7 @@ def attn_tma_section(seqs: tuple[int, ...] = (264, 925, 3160, 38974)) -> dict:
 
 
 def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, flash) -> dict:
-    """The backward (delta, dK/dV, dQ) with TMA loads of the walked tiles (``bwd_tma``) and a few tilings, each
+    """The backward (delta, dK/dV, dQ) with TMA loads of the walked tiles (path ``triton_tma``) and a few tilings, each
     compared byte for byte with production's dq, dk, dv, timed next to SDPA-cuDNN's and SDPA-flash's backward."""
     from dataclasses import replace
 
@@ -578,22 +579,21 @@ def _bwd_variants(q, k, v, prod, side_by_side, attention, attention_bwd, cudnn, 
     out, lse = attention.forward(q, k, v, prod)
     grad = torch.randn(1, s, 56 * 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     grad = grad.bfloat16()
-    ref = attention_bwd.backward(q, k, v, out, lse, grad, prod)
-    cands = {"production": prod, "tma": replace(prod, bwd_tma=True)}
+    ref = attention.backward(q, k, v, out, lse, grad, prod)
+    cands = {"production": (prod, None), "tma": (prod, "triton_tma")}  # name -> (tiling, path; None: declared)
     tilings = ((128, 64, 8, 2, 128, 64, 8, 2), (64, 64, 4, 3, 64, 64, 4, 3), (128, 32, 8, 3, 128, 128, 8, 2),
                (128, 64, 8, 4, 128, 64, 8, 4))  # fmt: skip
     for kv_n, kv_m, kw, ks, q_m, q_n, qw, qs in tilings:
-        c = replace(prod, bwd_tma=True, kv_n=kv_n, kv_m=kv_m, kv_warps=kw, kv_stages=ks, q_m=q_m, q_n=q_n,
-                    q_warps=qw, q_stages=qs)  # fmt: skip
-        cands.setdefault(c.tag, c)
+        c = replace(prod, kv_n=kv_n, kv_m=kv_m, kv_warps=kw, kv_stages=ks, q_m=q_m, q_n=q_n, q_warps=qw, q_stages=qs)
+        cands.setdefault(f"{c.tag}_tma", (c, "triton_tma"))
     rec: dict = {"cands": {}}
     fns = {}
-    for name, cfg in cands.items():
+    for name, (cfg, path) in cands.items():
         try:
-            got = attention_bwd.backward(q, k, v, out, lse, grad, cfg)
+            got = attention.backward(q, k, v, out, lse, grad, cfg, path=path)
             torch.cuda.synchronize()
             rec["cands"][name] = {"tag": cfg.tag, "bitwise_production": all(map(torch.equal, got, ref))}
-            fns[name] = lambda cfg=cfg: attention_bwd.backward(q, k, v, out, lse, grad, cfg)
+            fns[name] = lambda cfg=cfg, path=path: attention.backward(q, k, v, out, lse, grad, cfg, path=path)
         except Exception as exc:  # noqa: BLE001 - recorded
             rec["cands"][name] = {"tag": cfg.tag, "error": err(exc)}
     for label, sdpa in (("sdpa_cudnn", cudnn), ("sdpa_flash", flash)):
@@ -619,10 +619,10 @@ def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
     rec = {"forward_bitwise_copies": bool(torch.equal(fwd_inplace, sca(fwd_copies)) and torch.equal(lse, lse_c))}
 
     def bwd_inplace():
-        return attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg, order)
+        return attention.backward(q, k, v, fwd_inplace, lse, grad, cfg, order)
 
     def bwd_copies():
-        g = attention_bwd.backward(gat(q), gat(k), gat(v), gat(fwd_inplace), lse, gat(grad), cfg)
+        g = attention.backward(gat(q), gat(k), gat(v), gat(fwd_inplace), lse, gat(grad), cfg)
         return tuple(sca(t) for t in g)
 
     rec["backward_bitwise_copies"] = all(torch.equal(a, b) for a, b in zip(bwd_inplace(), bwd_copies(), strict=True))
@@ -630,7 +630,7 @@ def _order_costs(q, k, v, cfg, side_by_side, attention, attention_bwd) -> dict:
         "fwd_packed": lambda: attention.forward(q, k, v, cfg),
         "fwd_order": lambda: attention.forward(q, k, v, cfg, order),
         "fwd_order_copies": lambda: sca(attention.forward(gat(q), gat(k), gat(v), cfg)[0]),
-        "bwd_packed": lambda: attention_bwd.backward(q, k, v, fwd_inplace, lse, grad, cfg),
+        "bwd_packed": lambda: attention.backward(q, k, v, fwd_inplace, lse, grad, cfg),
         "bwd_order": bwd_inplace,
         "bwd_order_copies": bwd_copies,
     }

@@ -7,12 +7,15 @@ dX, TP1 and the TP8 subtrees), and each segment equals the single-walk kernel on
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
 from h3gate.kernels import gemm_merge as gm
-from h3gate.kernels.gemm import matmul
-from h3gate.kernels.gemm_configs import gemm_config
+from h3gate.kernels.gemm_configs import PRODUCTION, gemm_config
+from h3gate.kernels.gemm_triton import matmul
+
+POINTERS = replace(PRODUCTION, seg8_tma=False)  # the seg8 kernel's pointer walk wherever TMA would run
 
 
 def main() -> int:
@@ -25,13 +28,8 @@ def main() -> int:
             xs = x[:, : k // 8].contiguous()
             w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).bfloat16()
             tma = gm.linear_merge(x, w)
-            fits = gm._tma_fits
-            gm._tma_fits = lambda a, b: False
-            try:
-                ptr = gm.linear_merge(x, w)
-                sub_ptr = gm.segment_partials(xs, w[:, : k // 8].contiguous(), range(0, 1), (n, k))
-            finally:
-                gm._tma_fits = fits
+            ptr = gm.linear_merge(x, w, launch=POINTERS)
+            sub_ptr = gm.segment_partials(xs, w[:, : k // 8].contiguous(), range(0, 1), (n, k), launch=POINTERS)
             sub_tma = gm.segment_partials(xs, w[:, : k // 8].contiguous(), range(0, 1), (n, k))
             single = torch.empty((m, n), dtype=torch.float32, device="cuda")
             cfg = gemm_config("fwd", n, k, torch.bfloat16)

@@ -17,13 +17,13 @@ Two arms equal in cold time can then differ, because one needs more joules for t
 Per call: ``ms = span / n`` and ``J = (E1 - E0) / n``; the round's mean power is ``W = (E1 - E0) / span``, and
 ``host_ms`` is the host's time over the span's ``n`` calls. Once the device's launch queue is full the host waits for
 a slot, so in a device-bound stream ``host_ms`` approaches ``ms`` whatever the enqueue costs (the medium block: 3.9
-to 5.3 ms a call against 1.7 to 2.6 ms of enqueue behind a device spin, ``host-profile-2.json``, ``perf-probe-41``).
+to 5.3 ms a call against 1.7 to 2.6 ms of enqueue behind a device spin, measured on the H200).
 ``enqueue_ms`` is the enqueue itself: the median, over the warm-up's calls, of one call's time to return, each started
 on an idle device (synchronised before it). ``host_bound`` says ``enqueue_ms`` reached :data:`HOST_BOUND` of ``ms``:
 the device waited, or nearly, for launches, so ``ms`` is partly the host's launch time (small kernels looped alone).
 Each arm's record is the median over ``rounds``. There is no L2 flush: in a stream a call finds the L2 its own
 previous call left. The counter is read before and after spans of at least ``seconds``. Measured on the H200
-(``docs/measurements/perf-probe-38.json``, 1.5 s spans), two arms running the same kernel agree within 0.3 % in ms
+(1.5 s spans), two arms running the same kernel agree within 0.3 % in ms
 but only within 6 % in joules, so the ms at the cap is the number to compare; joules show where power goes. Without
 NVML, the joules are replaced by one line saying why, and the milliseconds are still recorded.
 """

@@ -94,7 +94,7 @@ def _checkpoint_steps() -> Iterator[Step]:
 def _operator_steps() -> Iterator[Step]:
     from h3gate.manifests.loader import read_yaml, validate
     from h3gate.manifests.operators import OperatorFile, load_operator_specs
-    from h3gate.ops.registry import import_path
+    from h3gate.ops.registry import check_paths, import_path
 
     folder = MANIFESTS / "operators"
 
@@ -110,6 +110,10 @@ def _operator_steps() -> Iterator[Step]:
                     raise InputError(f"{display(path)}: operators.{name}.{field}: {exc}") from None
                 if not callable(fn):
                     raise InputError(f"{display(path)}: operators.{name}.{field}: {target} is not callable")
+            try:
+                check_paths(spec)  # every declared kernel path exists in the kernel module, with its tilings
+            except InputError as exc:
+                raise InputError(f"{display(path)}: operators.{name}.{exc}") from None
         return len(ops)
 
     for path in sorted(folder.glob("*.yaml")):

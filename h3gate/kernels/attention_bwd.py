@@ -1,4 +1,5 @@
-"""Backward of the strict full attention: three kernels, fixed orders, no atomics.
+"""Backward of the strict full attention as Triton kernels (the ``triton_pointer`` and ``triton_tma`` paths): three
+kernels, fixed orders, no atomics.
 
 With ``c = log2(e) / sqrt(D)``, ``s = (q k^T) * c`` and the forward's FP32 ``lse2`` (log2 domain), every kernel
 recomputes ``p = exp2(s - lse2)`` exactly as the others do:
@@ -23,13 +24,10 @@ rows a program owns are read in place through ``order[i]`` (``packed_rows``) and
 to their packed rows; ``lse2`` and ``delta`` are indexed canonically. The bytes are those of the kernels on gathered
 copies scattered back (no addition anywhere).
 
-``bwd_tma`` (a load-path choice of the tiling, CUDA only) loads the inner loop's tiles with TMA (device-side
-descriptors over the (batch, head)'s (S, D) slice; rows past S zero-filled, as the masked pointer loads give): the
-same values, the same instructions on them.
-
-``bwd_fused`` (a launch field, off in production: 2.2x slower on the H200) runs dK/dV and dQ in one pass with the
-same bytes (:mod:`h3gate.kernels.attention_bwd_fused`). ``bwd_gluon`` (a launch field) runs the dK/dV walk as a
-warp-specialised Gluon kernel on Hopper, the same arithmetic (:mod:`h3gate.kernels.attention_bwd_gluon`).
+The ``triton_tma`` path (CUDA only) loads the inner loop's tiles with TMA (device-side descriptors over the (batch,
+head)'s (S, D) slice; rows past S zero-filled, as the masked pointer loads give): the same values, the same
+instructions on them. The ``gluon_warp_specialised`` path runs both walks as warp-specialised Gluon kernels on Hopper,
+the same arithmetic (:mod:`h3gate.kernels.attention_bwd_gluon`).
 
 All accumulators are FP32; ``cast`` rounds to the input dtype (RNE) before an MMA (identity for float32), and each
 gradient is rounded once when stored. No split over the query or KV axis, no atomics: each output element is
@@ -44,15 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, exp2_fwd, gather_rows, packed_rows, qk_scale, uses_gluon
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
-from h3gate.kernels.exact import f32, helper, rne
-from h3gate.kernels.gemm import _tma_allocator, mma
-
-
-def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
-    """Whether this backward's Triton walks load their walked tiles by TMA: asked by the tiling, on CUDA, compiled."""
-    return cfg.bwd_tma and q.device.type == "cuda" and not INTERPRET
+from h3gate.kernels.attention_config import AttnConfig, qk_scale
+from h3gate.kernels.attention_math import exp2_fwd, gather_rows, packed_rows
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
+from h3gate.kernels.exact import f32, helper, mma, rne
 
 
 @triton.jit
@@ -94,28 +87,10 @@ def _walk_descs(a_ptr, b_ptr, base, S, stride_s, BLOCK: tl.constexpr, D: tl.cons
 
 
 @helper
-def _dq_handoff(ds_t, k, acc_ptr, sem, offs_m, pid_n, S, D: tl.constexpr, INTERPRET: tl.constexpr):
-    """Extend the dq chain of query rows ``offs_m`` by this program's KV rows, once its predecessor has."""
-    while tl.atomic_add(sem, 0, sem="acquire") != pid_n:
-        pass
-    offs_d = tl.arange(0, D)
-    mask = offs_m[:, None] < S
-    cell = acc_ptr + offs_m.to(tl.int64)[:, None] * D + offs_d[None, :]
-    first = (tl.zeros_like(offs_m) + pid_n) == 0  # KV block 0 starts the chain at +0 (a tensor mask: Triton 3.9's
-    acc = tl.load(cell, mask=mask & ~first[:, None], other=0.0, cache_modifier=".cg")  # interpreter refuses scalar ones
-    acc = mma(tl.trans(ds_t), k, acc, INTERPRET)
-    tl.store(cell, acc, mask=mask, cache_modifier=".cg")
-    tl.debug_barrier()  # every thread's store is issued before the release below
-    tl.atomic_xchg(sem, pid_n + 1, sem="release")
-
-
-@helper
-def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, acc_ptr, sem, kv_valid, pid_n,
-                base, stat, start, S, stride_s, qk_scale, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                D: tl.constexpr, MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr, USE_TMA: tl.constexpr,
-                FUSED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """One query step of the dK/dV walk; with ``FUSED`` it then extends dq's chains of these query rows by this
-    program's KV rows (:func:`_dq_handoff`, :mod:`h3gate.kernels.attention_bwd_fused`)."""
+def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat, start, S, stride_s,
+                qk_scale, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr, MASK: tl.constexpr,
+                EXP2: tl.constexpr, FMA: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """One query step of the dK/dV walk."""
     offs_m = start + tl.arange(0, BLOCK_M)
     q, do = _walk_tiles(q_ptr, do_ptr, q_desc, do_desc, base, start, S, stride_s, BLOCK_M, D, MASK, USE_TMA)
     if MASK:
@@ -135,31 +110,19 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr
     dp_t = mma(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
     ds = rne(p_t * (dp_t - dl[None, :]), q.dtype, INTERPRET)
     dk = mma(ds, q, dk, INTERPRET)
-    if FUSED:  # KV rows past S add nothing to dq, as the dQ kernel masks them
-        ds_q = tl.where(kv_valid[:, None], ds, 0.0).to(ds.dtype)
-        _dq_handoff(ds_q, k, acc_ptr, sem + start // BLOCK_M, offs_m, pid_n, S, D, INTERPRET)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, acc_ptr, sem_ptr, ord_ptr, S, H,
-                 qk_scale, sm_scale, stride_b, stride_s, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_M: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr,
-                 USE_TMA: tl.constexpr, FUSED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
-    """q, dout: walked (canonical rows); k, v, dk, dv: this program's rows, through the order. ``FUSED`` (the
-    one-pass backward): a 1-D grid; ``sem_ptr[0]`` deals tickets, KV block fastest, and ``sem_ptr[1 + bh * m_steps +
-    j]`` is query step j's semaphore of (batch x head) bh; acc holds dq's FP32 chains (canonical rows)."""
-    if FUSED:  # a program only ever waits on a lower ticket, which has started: no deadlock whatever the launch order
-        ticket = tl.atomic_add(sem_ptr, 1)
-        pid_n = ticket % tl.cdiv(S, BLOCK_N)
-        bh = ticket // tl.cdiv(S, BLOCK_N)
-    else:
-        pid_n = tl.program_id(0)
-        bh = tl.program_id(1)
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, ord_ptr, S, H, qk_scale, sm_scale,
+                 stride_b, stride_s, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 EXP2: tl.constexpr, FMA: tl.constexpr, ORDERED: tl.constexpr, USE_TMA: tl.constexpr,
+                 INTERPRET: tl.constexpr):  # fmt: skip
+    """q, dout: walked (canonical rows); k, v, dk, dv: this program's rows, through the order."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
     stat = bh.to(tl.int64) * S
-    sem = sem_ptr + 1 + bh * tl.cdiv(S, BLOCK_M)
-    acc = acc_ptr + stat * D
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = base + packed_rows(ord_ptr, offs_n, S, ORDERED)[:, None] * stride_s + tl.arange(0, D)[None, :]
     kv_valid = offs_n < S
@@ -170,13 +133,13 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     m_full = S // BLOCK_M
     for j in range(0, m_full):
-        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, acc, sem, kv_valid,
-                             pid_n, base, stat, j * BLOCK_M, S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2,
-                             FMA, USE_TMA, FUSED, INTERPRET)  # fmt: skip
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat, j * BLOCK_M,
+                             S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, False, EXP2, FMA, USE_TMA,
+                             INTERPRET)  # fmt: skip
     if m_full * BLOCK_M < S:
-        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, acc, sem, kv_valid,
-                             pid_n, base, stat, m_full * BLOCK_M, S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True,
-                             EXP2, FMA, USE_TMA, FUSED, INTERPRET)  # fmt: skip
+        dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat,
+                             m_full * BLOCK_M, S, stride_s, qk_scale, BLOCK_N, BLOCK_M, D, True, EXP2, FMA, USE_TMA,
+                             INTERPRET)  # fmt: skip
     dk = dk * sm_scale
     tl.store(dk_ptr + rows, rne(dk, dk_ptr.dtype.element_ty, INTERPRET), mask=kv_valid[:, None])
     tl.store(dv_ptr + rows, rne(dv, dv_ptr.dtype.element_ty, INTERPRET), mask=kv_valid[:, None])
@@ -229,56 +192,48 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ord_ptr,
     tl.store(dq_ptr + rows, rne(dq, dq_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None])
 
 
-def backward(
+def delta(out: torch.Tensor, grad: torch.Tensor, order: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """``delta[bh, i] = sum_d f32(out[r, d]) * f32(dout[r, d])`` for canonical row ``i`` (packed row ``r``): FP32
+    products, one fixed tree over D; (B * nh, S) float32."""
+    b, s = out.shape[:2]
+    d = out.shape[2] // heads
+    result = torch.empty((b * heads, s), dtype=torch.float32, device=out.device)
+    _delta_kernel[(triton.cdiv(s, 64), b * heads)](
+        out, grad, result, out if order is None else order, s, heads, out.stride(0), out.stride(1), D=d, BLOCK_M=64,
+        ORDERED=order is not None, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+    )  # fmt: skip
+    return result
+
+
+def walks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
     grad: torch.Tensor,
+    lse: torch.Tensor,
+    delta_: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     cfg: AttnConfig,
-    order: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (B, S, nh, D) at q's dtype (packed rows), from the forward's ``out`` and FP32 ``lse2`` (canonical
-    rows) and ``grad`` = dL/dout, walking ``order`` (None: packed order)."""
+    order: torch.Tensor | None,
+    tma: bool,
+) -> None:
+    """The dK/dV and dQ walks into ``grads`` = (dq, dk, dv) (packed rows), from lse2 and delta (canonical rows),
+    walking ``order`` (None: packed order); ``tma``: the walked tiles loaded by TMA (CUDA only)."""
+    dq, dk, dv = grads
     b, s, h, d = q.shape
-    sm_scale = 1.0 / math.sqrt(d)
-    c = qk_scale(d)
+    sm_scale, c = 1.0 / math.sqrt(d), qk_scale(d)
     stride_b, stride_s = q.stride(0), q.stride(1)
     ordered, ord_arg = order is not None, q if order is None else order
-    tma = uses_tma(cfg, q)
     if tma:
-        triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable)
-    delta = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(s, 64), b * h)](
-        out, grad, delta, ord_arg, s, h, stride_b, stride_s, D=d, BLOCK_M=64, ORDERED=ordered, INTERPRET=INTERPRET,
-        num_warps=4, **STRICT_LAUNCH,
-    )  # fmt: skip
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if cfg.bwd_fused:
-        from h3gate.kernels.attention_bwd_fused import launch_fused
-
-        launch_fused(gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dq, dk, dv, ord_arg, ordered,
-                     cfg, sm_scale, c, tma, INTERPRET)  # fmt: skip
-        return dq, dk, dv
-    if uses_gluon(cfg, q, backward=True):
-        from h3gate.kernels.attention_bwd_gluon import both_walks, dkdv_gluon, dq_gluon
-
-        both_walks(  # the walked operands packed: the kernels read them in canonical order themselves
-            lambda: dkdv_gluon(q, k, v, grad, lse, delta, dk, dv, order, cfg, sm_scale, c),
-            lambda: dq_gluon(q, k, v, grad, lse, delta, dq, order, cfg, sm_scale, c),
-            q.device,
-        )
-        return dq, dk, dv
-    _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](  # acc_ptr / sem_ptr (lse twice): unused unless FUSED
-        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta, dk, dv, lse, lse, ord_arg, s, h, c,
-        sm_scale, stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code,
-        FMA=cfg.bwd_fma, ORDERED=ordered, USE_TMA=tma, FUSED=False, INTERPRET=INTERPRET, num_warps=cfg.kv_warps,
-        num_stages=cfg.kv_stages, **STRICT_LAUNCH,
+        triton.set_allocator(tma_allocator)  # device-side descriptors need scratch (a context variable)
+    _dkdv_kernel[(triton.cdiv(s, cfg.kv_n), b * h)](
+        gather_rows(q, order), k, v, gather_rows(grad, order), lse, delta_, dk, dv, ord_arg, s, h, c, sm_scale,
+        stride_b, stride_s, D=d, BLOCK_N=cfg.kv_n, BLOCK_M=cfg.kv_m, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
+        ORDERED=ordered, USE_TMA=tma, INTERPRET=INTERPRET, num_warps=cfg.kv_warps, num_stages=cfg.kv_stages,
+        **STRICT_LAUNCH,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(s, cfg.q_m), b * h)](
-        q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta, dq, ord_arg, s, h, c, sm_scale, stride_b,
+        q, gather_rows(k, order), gather_rows(v, order), grad, lse, delta_, dq, ord_arg, s, h, c, sm_scale, stride_b,
         stride_s, D=d, BLOCK_M=cfg.q_m, BLOCK_N=cfg.q_n, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma, ORDERED=ordered,
         USE_TMA=tma, INTERPRET=INTERPRET, num_warps=cfg.q_warps, num_stages=cfg.q_stages, **STRICT_LAUNCH,
     )  # fmt: skip
-    return dq, dk, dv

@@ -1,5 +1,6 @@
-"""The strict attention backward's two walks as warp-specialised Gluon kernels for Hopper (``AttnConfig.bwd_gluon``):
-dK/dV (``attention_bwd._dkdv_kernel``) and dQ (``_dq_kernel``), the same walks and arithmetic, the MMAs asynchronous.
+"""The strict attention backward's two walks as warp-specialised Gluon kernels for Hopper (the
+``gluon_warp_specialised`` path): dK/dV (``attention_bwd._dkdv_kernel``) and dQ (``_dq_kernel``), the same walks and
+arithmetic, the MMAs asynchronous.
 
 Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator, so the Triton
 kernels wait for ``q k^T`` and for ``dout v^T`` before the CUDA cores may use them, one at a time. Here one program
@@ -10,17 +11,16 @@ owns 128 rows (KV rows for dK/dV, query rows for dQ; ``_bwd_ws_kernel``, ``DQ`` 
 * two consumer warpgroups of 64 owned rows each (the default partition and a worker, 240 registers a thread). Each
   loads its own rows once (through the walk order) into shared memory, then per step issues the two score products
   together and forms p while the second runs:
-  - dK/dV (the walked query rows' lse2 and delta come with q and dout, by the producer's TMA: ``STATS_TMA``):
-    ``qk^T = k q^T``, ``dp^T = v dout^T``; ``p^T``; then ``ds^T = cast(p^T * (dp^T - delta))``, and
-    ``dv += cast(p^T) dout``, ``dk += ds^T q`` issued together (ds^T before dv: fewer live registers,
-    perf-probe-18);
-  - dQ: ``qk = q k^T``, ``dp = dout v^T``; ``p``; ``ds = cast(p * (dp - delta))``; ``dq += ds k``. ``DQ_PIPELINE``
-    (on) issues step j + 1's scores before step j's ``dq`` product.
+  - dK/dV (the walked query rows' lse2 and delta come with q and dout, by the producer's TMA: 7-10 % faster than
+    loading them in the consumers, and no spills): ``qk^T = k q^T``, ``dp^T = v dout^T``; ``p^T``; then
+    ``ds^T = cast(p^T * (dp^T - delta))``, and ``dv += cast(p^T) dout``, ``dk += ds^T q`` issued together (ds^T
+    before dv: fewer live registers);
+  - dQ: ``qk = q k^T``, ``dp = dout v^T``; ``p``; ``ds = cast(p * (dp - delta))``; ``dq += ds k``, software-pipelined:
+    step j + 1's scores are issued before step j's ``dq`` product (5-6 % faster than the plain order).
   Every MMA group is retired within its step (ptxas serialises ``wgmma`` when a group stays in flight across the
   loop's back edge).
 
-One program a tile, on an (m_tiles, B * H) grid; ``PERSISTENT`` (a probe knob, off until measured) launches one program
-an SM instead, each walking tiles ``pid``, ``pid + programs``, ... with the ring and its phases running on across tiles.
+One program a tile, on an (m_tiles, B * H) grid.
 
 The arithmetic of every element is ``_dkdv_block``'s / ``_dq_block``'s, with the same operations on the same layouts:
 ``wgmma`` m64n64k16 for the score products (K = D = 128, 8 k-steps ascending, onto zero FP32 accumulators),
@@ -30,7 +30,7 @@ past S in the last step; ``dk`` and ``dq`` times ``1/sqrt(D)`` at the end, each 
 stored. The walked operands come by host TMA descriptors over (B, S, nh * D) views with (1, 64, D) boxes, so rows past
 S are zeros (as the pointer kernels' masked loads give). The kernel id and contract are
 :mod:`h3gate.kernels.attention`'s; the H200 probe (``tools/gpu_attention_bwd.py``) compares dq, dk and dv byte for
-byte with the Triton kernels' (equal at S = 264 ... 38974, batch 2, walk orders: perf-probe-18, -19).
+byte with the Triton kernels' (equal at S = 264 ... 38974, batch 2, walk orders).
 
 GPU only (Gluon has no interpreter; the interpreter runs the Triton kernels, the same arithmetic); sm_90, bfloat16,
 D = 128, tiling kv 128 x 64 and q 128 x 64. ``tests/triton_kernels/sm90_lowering.py`` compiles both for sm_90 on the
@@ -54,33 +54,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3gate.kernels import attention_gluon
-from h3gate.kernels.attention import AttnConfig, gather_rows
+from h3gate.kernels.attention_config import PRODUCTION, AttnConfig, AttnLaunch
 from h3gate.kernels.attention_gluon import _exp2, descriptors, walk_producer
-from h3gate.kernels.attention_gluon import _tile as _fwd_tile
+from h3gate.kernels.attention_math import gather_rows
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
 from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm import _num_sms
 
-# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with the forward's 232 / 40 the
-# dK/dV kernel spilled twice as much and ran 5 % slower at S = 38974, perf-probe-18b).
+# Registers a thread (setmaxnreg) of the worker consumer and the producer: 240 / 24 (with 232 / 40 the dK/dV kernel
+# spilled twice as much and ran 5 % slower at S = 38974); 12 warps x 168 = the 64K registers of an SM.
 CONSUMER_REGS = gl.constexpr(240)
 PRODUCER_REGS = gl.constexpr(24)
-# The dQ consumer's software-pipelined step order (``_dq_consumer``'s PIPE): the same bytes, the dQ kernel 5.1 / 5.7 %
-# faster at S = 38974 / 3160 (perf-probe-20, -22-bwd-split); False gives the plain order (a probe knob).
-DQ_PIPELINE = True
-# The dK/dV walk's lse2 / delta of each query step: loaded into shared memory by the producer's TMA beside q and
-# dout (True), or by the consumers from global memory each step (False: session 14's kernel, a probe knob). The same
-# bytes; the dK/dV kernel 10.1 / 7.3 % faster at S = 38974 / 3160 and no spills (perf-probe-23).
-STATS_TMA = True
-# The launch: one program a tile (False, what the evidence ran), or one persistent program an SM walking the tiles,
-# the ring running on across them (True; as the forward, session 15). A probe knob: not measured yet.
-PERSISTENT = False
-# The dQ walk on a second CUDA stream (True), so that its programs fill the SMs the dK/dV walk's last wave leaves idle
-# (at S = 3160, 25 x 56 = 1400 tiles a walk are 10.6 waves on 132 SMs), or after the dK/dV walk on the caller's stream
-# (False, sessions 14-15). Each kernel writes only its own outputs and both only read the same inputs, so the bytes
-# cannot change (bitwise in perf-probe-27); the backward 0.9 % faster at S = 3160 (1.645 vs 1.660 ms), equal at 38974.
-SIDE_STREAM = True
 WS_MAXNREG = 168
 
 
@@ -116,12 +99,11 @@ def _p_t(qk, lse, offs_q, S, qk_scale, MASK: gl.constexpr, EXP2: gl.constexpr, F
 
 @gluon.jit
 def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do_empty, k_ptr, v_ptr, dk_ptr, dv_ptr,
-                   lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s, lse_smem, dl_smem,
-                   step0, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr,
-                   FMA: gl.constexpr, ORDERED: gl.constexpr, STATS_TMA: gl.constexpr):  # fmt: skip
-    """``_dkdv_kernel``'s walk for 64 KV rows. The walked query rows' lse2 and delta: loaded per step from global
-    memory, or (``STATS_TMA``) read from the shared-memory ring the producer fills with them beside q and dout.
-    ``step0``: the ring steps this program walked before (its earlier tiles)."""
+                   ord_ptr, S, base, first, qk_scale, sm_scale, stride_s, lse_smem, dl_smem, BLOCK_M: gl.constexpr,
+                   D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                   ORDERED: gl.constexpr):  # fmt: skip
+    """``_dkdv_kernel``'s walk for 64 KV rows; the walked query rows' lse2 and delta read from the shared-memory ring
+    the producer fills with them beside q and dout."""
     KV: gl.constexpr = 64
     a_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -133,21 +115,17 @@ def _dkdv_consumer(k_smem, v_smem, q_smem, do_smem, q_full, do_full, q_empty, do
     dv = gl.zeros([KV, D], gl.float32, a_layout)
     offs_q0 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     for j in range(0, gl.cdiv(S, BLOCK_M)):
-        slot = (step0 + j) % STAGES
-        phase = ((step0 + j) // STAGES) & 1
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
         offs_q = j * BLOCK_M + offs_q0
-        if not STATS_TMA:
-            lse = gl.expand_dims(gl.load(lse_ptr + stat + offs_q, mask=offs_q < S, other=0.0), 0)
-            dl = gl.expand_dims(gl.load(delta_ptr + stat + offs_q, mask=offs_q < S, other=0.0), 0)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, D])
         mbarrier.wait(q_full.index(slot), phase)
         qk = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zero_s, is_async=True)
         mbarrier.wait(do_full.index(slot), phase)
         dp = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zero_s, is_async=True)
-        if STATS_TMA:  # zeros past S (TMA fill), as the masked loads give
-            lse = lse_smem.index(slot).load(s_layout)
-            dl = dl_smem.index(slot).load(s_layout)
+        lse = lse_smem.index(slot).load(s_layout)  # zeros past S (TMA fill), as the masked loads give
+        dl = dl_smem.index(slot).load(s_layout)
         qk = warpgroup_mma_wait(1, deps=(qk,))
         if (j + 1) * BLOCK_M > S:
             p = _p_t(qk, lse, offs_q, S, qk_scale, True, EXP2, FMA)
@@ -192,15 +170,14 @@ def _store_rows(ptr, acc, ord_ptr, S, base, first, stride_s, layout: gl.constexp
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_ptr, do_ptr, dq_ptr, unused_ptr,
-                 lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s, step0,
-                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                 ORDERED: gl.constexpr, PIPE: gl.constexpr, RELEASE_LAST: gl.constexpr):  # fmt: skip
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, q_ptr, do_ptr, dq_ptr, lse_ptr,
+                 delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                 ORDERED: gl.constexpr):  # fmt: skip
     """``_dq_block``'s walk for 64 query rows: per KV step ``qk = q k^T`` and ``dp = dout v^T`` issued together,
-    ``p = exp2(fma(qk, c, -lse2))`` (zero in KV columns past S), ``ds = cast(p * (dp - delta))``, ``dq += ds k``.
-    ``PIPE``: step j + 1's ``qk`` is issued before step j's ``dq`` product, and its p formed while that and step
-    j + 1's ``dp`` run (the same products in the same order). ``step0``: the ring steps this program walked before;
-    ``RELEASE_LAST``: release the last step's buffers too (a persistent program walks on into its next tile)."""
+    ``p = exp2(fma(qk, c, -lse2))`` (zero in KV columns past S), ``ds = cast(p * (dp - delta))``, ``dq += ds k``;
+    software-pipelined: step j + 1's ``qk`` is issued before step j's ``dq`` product, and its p formed while that and
+    step j + 1's ``dp`` run (the same products in the same order)."""
     M: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])  # fmt: skip
@@ -214,153 +191,78 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, k_full, v_full, k_empty, v_emp
     dq = gl.zeros([M, D], gl.float32, a_layout)
     offs_n0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     n_steps = gl.cdiv(S, BLOCK_N)
-    if PIPE:
-        first_slot = step0 % STAGES
-        first_phase = (step0 // STAGES) & 1
-        mbarrier.wait(k_full.index(first_slot), first_phase)
-        qk = warpgroup_mma(q_smem, k_smem.index(first_slot).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
+    mbarrier.wait(k_full.index(0), 0)
+    qk = warpgroup_mma(q_smem, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
+    mbarrier.wait(v_full.index(0), 0)
+    dp = warpgroup_mma(do_smem, v_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, is_async=True)
+    qk = warpgroup_mma_wait(1, deps=(qk,))
+    p = _dq_p(qk, lse, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+    dp = warpgroup_mma_wait(0, deps=(dp,))
+    ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
+    for j in range(0, n_steps - 1):
+        slot = j % STAGES
+        nxt = (j + 1) % STAGES
+        phase = ((j + 1) // STAGES) & 1
+        mbarrier.wait(k_full.index(nxt), phase)
+        qk = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
                            is_async=True)  # fmt: skip
-        mbarrier.wait(v_full.index(first_slot), first_phase)
-        dp = warpgroup_mma(do_smem, v_smem.index(first_slot).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
+        dq = warpgroup_mma(ds_op, k_smem.index(slot).reshape([BLOCK_N, D]), dq, is_async=True)
+        mbarrier.wait(v_full.index(nxt), phase)
+        dp = warpgroup_mma(do_smem, v_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
                            is_async=True)  # fmt: skip
-        qk = warpgroup_mma_wait(1, deps=(qk,))
-        p = _dq_p(qk, lse, 0, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+        qk = warpgroup_mma_wait(2, deps=(qk,))
+        p = _dq_p(qk, lse, j + 1, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
+        dq, ds_op = warpgroup_mma_wait(1, deps=(dq, ds_op))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        mbarrier.arrive(v_empty.index(slot), count=1)
         dp = warpgroup_mma_wait(0, deps=(dp,))
         ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
-        for j in range(0, n_steps - 1):
-            slot = (step0 + j) % STAGES
-            nxt = (step0 + j + 1) % STAGES
-            phase = ((step0 + j + 1) // STAGES) & 1
-            mbarrier.wait(k_full.index(nxt), phase)
-            qk = warpgroup_mma(q_smem, k_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
-                               is_async=True)  # fmt: skip
-            dq = warpgroup_mma(ds_op, k_smem.index(slot).reshape([BLOCK_N, D]), dq, is_async=True)
-            mbarrier.wait(v_full.index(nxt), phase)
-            dp = warpgroup_mma(do_smem, v_smem.index(nxt).reshape([BLOCK_N, D]).permute((1, 0)), zero_s,
-                               is_async=True)  # fmt: skip
-            qk = warpgroup_mma_wait(2, deps=(qk,))
-            p = _dq_p(qk, lse, j + 1, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
-            dq, ds_op = warpgroup_mma_wait(1, deps=(dq, ds_op))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.arrive(v_empty.index(slot), count=1)
-            dp = warpgroup_mma_wait(0, deps=(dp,))
-            ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
-        last = (step0 + n_steps - 1) % STAGES
-        dq = warpgroup_mma(ds_op, k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True)
-        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-        if RELEASE_LAST:
-            mbarrier.arrive(k_empty.index(last), count=1)
-            mbarrier.arrive(v_empty.index(last), count=1)
-    else:
-        for j in range(0, n_steps):
-            slot = (step0 + j) % STAGES
-            phase = ((step0 + j) // STAGES) & 1
-            k_tile = k_smem.index(slot).reshape([BLOCK_N, D])
-            v_tile = v_smem.index(slot).reshape([BLOCK_N, D])
-            mbarrier.wait(k_full.index(slot), phase)
-            qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero_s, is_async=True)
-            mbarrier.wait(v_full.index(slot), phase)
-            dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zero_s, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk,))
-            p = _dq_p(qk, lse, j, offs_n0, S, qk_scale, BLOCK_N, EXP2, FMA)
-            dp = warpgroup_mma_wait(0, deps=(dp,))
-            ds_op = gl.convert_layout((p * (dp - dl)).to(gl.bfloat16), op_layout)
-            dq = warpgroup_mma(ds_op, k_tile, dq, is_async=True)
-            dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            mbarrier.arrive(v_empty.index(slot), count=1)
+    last = (n_steps - 1) % STAGES
+    dq = warpgroup_mma(ds_op, k_smem.index(last).reshape([BLOCK_N, D]), dq, is_async=True)
+    dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
     _store_rows(dq_ptr, dq * sm_scale, ord_ptr, S, base, first, stride_s, a_layout, M, D, ORDERED)
 
 
 @gluon.jit
-def _tile(t, m_tiles, H, stride_b, S, D: gl.constexpr):
-    """Tile ``t`` of the (m_tiles, B * H) grid the one-tile launch runs (the forward's ``_tile``, 128 owned rows):
-    (bh, b, head column, base offset of (b, head), lse2 / delta row offset, first owned row)."""
-    bh, b, col, base, first = _fwd_tile(t, m_tiles, H, stride_b, D, 128)
-    return bh, b, col, base, bh.to(gl.int64) * S, first
-
-
-@gluon.jit
-def _consumer_tiles(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr, own_b_ptr, out_a_ptr,
-                    out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s,
-                    la_smem, lb_smem, H, stride_b, n_tiles, m_tiles, ROW0: gl.constexpr, STEP: gl.constexpr,
-                    D: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                    ORDERED: gl.constexpr, DQ: gl.constexpr, PIPE: gl.constexpr, STATS_TMA: gl.constexpr,
-                    PERSISTENT: gl.constexpr):  # fmt: skip
-    """One consumer's walks (rows ``ROW0`` .. ``ROW0 + 64`` of each tile it owns): this program's tile (``stat``,
-    ``base``, ``first``), or with ``PERSISTENT`` the tiles ``pid``, ``pid + programs``, ..., the ring walking on."""
-    if PERSISTENT:
-        n_steps = gl.cdiv(S, STEP)
-        tile_i = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            bh, b, col, base_t, stat_t, first_t = _tile(t, m_tiles, H, stride_b, S, D)
-            if DQ:
-                _dq_consumer(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr, own_b_ptr,
-                             out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat_t, base_t, first_t + ROW0,
-                             qk_scale, sm_scale, stride_s, tile_i * n_steps, STEP, D, STAGES, EXP2, FMA, ORDERED,
-                             PIPE, True)  # fmt: skip
-            else:
-                _dkdv_consumer(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr, own_b_ptr,
-                               out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat_t, base_t, first_t + ROW0,
-                               qk_scale, sm_scale, stride_s, la_smem, lb_smem, tile_i * n_steps, STEP, D, STAGES,
-                               EXP2, FMA, ORDERED, STATS_TMA)  # fmt: skip
-            tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
-    elif DQ:
+def _consumer(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr, own_b_ptr, out_a_ptr,
+              out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale, sm_scale, stride_s, la_smem,
+              lb_smem, ROW0: gl.constexpr, STEP: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+              EXP2: gl.constexpr, FMA: gl.constexpr, ORDERED: gl.constexpr, DQ: gl.constexpr):  # fmt: skip
+    """One consumer's walk: rows ``ROW0`` .. ``ROW0 + 64`` of this program's tile (``DQ``: query rows, else KV rows)."""
+    if DQ:
         _dq_consumer(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr, own_b_ptr, out_a_ptr,
-                     out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first + ROW0, qk_scale, sm_scale,
-                     stride_s, 0, STEP, D, STAGES, EXP2, FMA, ORDERED, PIPE, False)  # fmt: skip
+                     lse_ptr, delta_ptr, ord_ptr, S, stat, base, first + ROW0, qk_scale, sm_scale, stride_s, STEP, D,
+                     STAGES, EXP2, FMA, ORDERED)  # fmt: skip
     else:
         _dkdv_consumer(own_a, own_b, a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr, own_b_ptr,
-                       out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first + ROW0, qk_scale,
-                       sm_scale, stride_s, la_smem, lb_smem, 0, STEP, D, STAGES, EXP2, FMA, ORDERED,
-                       STATS_TMA)  # fmt: skip
-
-
-@gluon.jit
-def _producer_tiles(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                    b_empty, S, b, bh, col, H, n_tiles, m_tiles, tile_map, a_copy, b_copy, STEP: gl.constexpr,
-                    D: gl.constexpr, STAGES: gl.constexpr, STATS_TMA: gl.constexpr,
-                    PERSISTENT: gl.constexpr):  # fmt: skip
-    """The producer of this program's tile, or with ``PERSISTENT`` of each tile it walks, in the consumers' order:
-    ``walk_producer`` (q and dout for dK/dV, k and v for dQ), and with ``STATS_TMA`` each walked tile's lse2 (with q)
-    and delta (with dout) beside it, (1, STEP) FP32 boxes of the (B * nh, S) arrays, zeros past S. With ``tile_map``
-    the walked operands are the packed tensors and ``a_copy`` / ``b_copy`` their copied tiles."""
-    if PERSISTENT:
-        n_steps = gl.cdiv(S, STEP)
-        tile_i = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            bh_t, b_t, col_t, base_t, stat_t, first_t = _tile(t, m_tiles, H, 0, S, D)
-            _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                      b_empty, S, b_t, bh_t, col_t, tile_i * n_steps, tile_map, a_copy, b_copy, STEP, STAGES,
-                      STATS_TMA)  # fmt: skip
-            tile_i += 1  # noqa: SIM113 - Gluon loops have no enumerate
-    else:
-        _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
-                  b_empty, S, b, bh, col, 0, tile_map, a_copy, b_copy, STEP, STAGES, STATS_TMA)  # fmt: skip
+                       out_a_ptr, out_b_ptr, ord_ptr, S, base, first + ROW0, qk_scale, sm_scale, stride_s, la_smem,
+                       lb_smem, STEP, D, STAGES, EXP2, FMA, ORDERED)  # fmt: skip
 
 
 @gluon.jit
 def _producer(a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty, b_empty,
-              S, b, bh, col, step0, tile_map, a_copy, b_copy, STEP: gl.constexpr, STAGES: gl.constexpr,
-              STATS_TMA: gl.constexpr):  # fmt: skip
-    if STATS_TMA:
-        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0,
+              S, b, bh, col, tile_map, a_copy, b_copy, STEP: gl.constexpr, STAGES: gl.constexpr,
+              STATS: gl.constexpr):  # fmt: skip
+    """``walk_producer`` of this program's walked operands (q and dout for dK/dV, k and v for dQ), and with ``STATS``
+    (the dK/dV walk) each walked tile's lse2 (with q) and delta (with dout) beside it, (1, STEP) FP32 boxes of the
+    (B * nh, S) arrays, zeros past S. With ``tile_map`` the walked operands are the packed tensors and ``a_copy`` /
+    ``b_copy`` their copied tiles."""
+    if STATS:
+        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, 0,
                       la_desc, lb_desc, la_smem, lb_smem, bh, tile_map, a_copy, b_copy)  # fmt: skip
     else:
-        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, step0,
+        walk_producer(a_desc, b_desc, a_smem, b_smem, a_full, b_full, a_empty, b_empty, S, b, col, STEP, STAGES, 0,
                       tile_map=tile_map, a_copy=a_copy, b_copy=b_copy)  # fmt: skip
 
 
 @gluon.jit
 def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr,
-                   ord_ptr, tile_map, a_copy, b_copy, S, H, n_tiles, m_tiles, qk_scale, sm_scale, stride_b, stride_s,
-                   D: gl.constexpr, STEP: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
-                   ORDERED: gl.constexpr, DQ: gl.constexpr, PIPE: gl.constexpr, STATS_TMA: gl.constexpr,
-                   PERSISTENT: gl.constexpr):  # fmt: skip
-    """128 owned rows a tile (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``), the walked operands
-    (a, b) ``STEP`` rows a step; ``num_warps`` = 4. ``la_desc`` / ``lb_desc``: lse2 / delta descriptors (read by the
-    dK/dV walk with ``STATS_TMA``). One tile a program on an (m_tiles, B * H) grid, or with ``PERSISTENT`` a 1-D grid
-    of programs walking the ``n_tiles`` tiles in that grid's order."""
+                   ord_ptr, tile_map, a_copy, b_copy, S, H, qk_scale, sm_scale, stride_b, stride_s, D: gl.constexpr,
+                   STEP: gl.constexpr, STAGES: gl.constexpr, EXP2: gl.constexpr, FMA: gl.constexpr,
+                   ORDERED: gl.constexpr, DQ: gl.constexpr):  # fmt: skip
+    """128 owned rows a program (two consumers of 64: KV rows for dK/dV, query rows with ``DQ``) on an (m_tiles,
+    B * H) grid, the walked operands (a, b) ``STEP`` rows a step; ``num_warps`` = 4. ``la_desc`` / ``lb_desc``: lse2 /
+    delta descriptors (read by the dK/dV walk)."""
     pid = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
@@ -382,7 +284,7 @@ def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a
         mbarrier.init(b_full.index(i), count=1)
         mbarrier.init(a_empty.index(i), count=2)
         mbarrier.init(b_empty.index(i), count=2)
-    WALK_STATS: gl.constexpr = STATS_TMA and not DQ  # only the dK/dV walk reads lse2 / delta by TMA
+    STATS: gl.constexpr = not DQ  # only the dK/dV walk reads lse2 / delta by TMA
     if DQ:
         la_smem = a_smem  # unused by the dQ walk
         lb_smem = b_smem
@@ -391,17 +293,14 @@ def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a
         lb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, STEP], lb_desc.layout)
     gl.warp_specialize(
         [
-            (_consumer_tiles, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty, b_empty,
-             own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale,
-             sm_scale, stride_s, la_smem, lb_smem, H, stride_b, n_tiles, m_tiles, 0, STEP, D, STAGES, EXP2, FMA,
-             ORDERED, DQ, PIPE, WALK_STATS, PERSISTENT)),
-            (_consumer_tiles, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty, b_empty,
-             own_a_ptr, own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale,
-             sm_scale, stride_s, la_smem, lb_smem, H, stride_b, n_tiles, m_tiles, 64, STEP, D, STAGES, EXP2, FMA,
-             ORDERED, DQ, PIPE, WALK_STATS, PERSISTENT)),
-            (_producer_tiles, (a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full,
-                               a_empty, b_empty, S, b, bh, col, H, n_tiles, m_tiles, tile_map, a_copy, b_copy, STEP,
-                               D, STAGES, WALK_STATS, PERSISTENT)),
+            (_consumer, (own_a.index(0), own_b.index(0), a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr,
+                         own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale,
+                         sm_scale, stride_s, la_smem, lb_smem, 0, STEP, D, STAGES, EXP2, FMA, ORDERED, DQ)),
+            (_consumer, (own_a.index(1), own_b.index(1), a_smem, b_smem, a_full, b_full, a_empty, b_empty, own_a_ptr,
+                         own_b_ptr, out_a_ptr, out_b_ptr, lse_ptr, delta_ptr, ord_ptr, S, stat, base, first, qk_scale,
+                         sm_scale, stride_s, la_smem, lb_smem, 64, STEP, D, STAGES, EXP2, FMA, ORDERED, DQ)),
+            (_producer, (a_desc, b_desc, la_desc, lb_desc, a_smem, b_smem, la_smem, lb_smem, a_full, b_full, a_empty,
+                         b_empty, S, b, bh, col, tile_map, a_copy, b_copy, STEP, STAGES, STATS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
@@ -411,18 +310,19 @@ def _bwd_ws_kernel(a_desc, b_desc, la_desc, lb_desc, own_a_ptr, own_b_ptr, out_a
 def check_tiling(cfg: AttnConfig) -> None:
     """The tiling these kernels implement (a programming error otherwise: the tiling tables are validated)."""
     if (cfg.kv_n, cfg.kv_m, cfg.q_m, cfg.q_n) != (128, 64, 128, 64):
-        raise ValueError(f"bwd_gluon runs kv 128 x 64 and q 128 x 64, not the tiling {cfg.tag}")
+        raise ValueError(f"the Gluon backward runs kv 128 x 64 and q 128 x 64, not the tiling {cfg.tag}")
 
 
 def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own_b: torch.Tensor,
             out_a: torch.Tensor, out_b: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-            order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool) -> None:  # fmt: skip
+            order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float, c: float, dq: bool,
+            launch: AttnLaunch) -> None:  # fmt: skip
     """The walk of ``walk_a`` / ``walk_b`` (packed rows, walked in ``order``: through their tile sources, or whole
-    canonical copies when ``attention_gluon.TILE_SOURCES`` is off) against the owned rows ``own_a`` / ``own_b``."""
+    canonical copies without ``launch.tile_sources``) against the owned rows ``own_a`` / ``own_b``."""
     b, s, h, d = own_a.shape
     walk_a, walk_b = walk_a.view(b, s, h, d), walk_b.view(b, s, h, d)
     tile_map = copies = None
-    if order is not None and attention_gluon.TILE_SOURCES:
+    if order is not None and launch.tile_sources:
         src = tile_sources(order, 64)
         tile_map = src.tile_map
         copies = descriptors(*(copied_tiles(t, src) for t in (walk_a, walk_b, walk_a)), 64, 64)[:2]
@@ -430,15 +330,11 @@ def _launch(walk_a: torch.Tensor, walk_b: torch.Tensor, own_a: torch.Tensor, own
         walk_a, walk_b = gather_rows(walk_a, order), gather_rows(walk_b, order)
     a_desc, b_desc, _ = descriptors(walk_a, walk_b, walk_a, 64, 64)
     la_desc, lb_desc = stats_descriptors(lse, delta, 64)
-    m_tiles = triton.cdiv(s, 128)
-    n_tiles = m_tiles * b * h
-    grid = (min(n_tiles, _num_sms(own_a.device)), 1) if PERSISTENT else (m_tiles, b * h)
-    _bwd_ws_kernel[grid](
+    _bwd_ws_kernel[(triton.cdiv(s, 128), b * h)](
         a_desc, b_desc, la_desc, lb_desc, own_a, own_b, out_a, out_b, lse, delta, own_a if order is None else order,
-        tile_map, *(copies or (None, None)), s, h, n_tiles, m_tiles, c, sm_scale, own_a.stride(0), own_a.stride(1),
-        D=d, STEP=64, STAGES=cfg.kv_stages if not dq else cfg.q_stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
-        ORDERED=order is not None, DQ=dq, PIPE=dq and DQ_PIPELINE, STATS_TMA=not dq and STATS_TMA,
-        PERSISTENT=PERSISTENT, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
+        tile_map, *(copies or (None, None)), s, h, c, sm_scale, own_a.stride(0), own_a.stride(1), D=d, STEP=64,
+        STAGES=cfg.kv_stages if not dq else cfg.q_stages, EXP2=cfg.bwd_exp2_code, FMA=cfg.bwd_fma,
+        ORDERED=order is not None, DQ=dq, num_warps=4, maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
 
 
@@ -462,12 +358,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.device) -> None:
-    """The dK/dV walk, then the dQ walk; with ``SIDE_STREAM`` the dQ walk is enqueued on a side stream that waits
+def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.device, side_stream: bool) -> None:
+    """The dK/dV walk, then the dQ walk; with ``side_stream`` the dQ walk is enqueued on a side stream that waits
     for what the caller's stream has queued so far, and the caller's stream waits for it before its next work (the
     two kernels may then run at once; each reads the same inputs and writes only its own outputs). Temporaries the
     dQ walk allocates belong to the side stream; everything else it touches outlives the join."""
-    if not SIDE_STREAM:
+    if not side_stream:
         dkdv()
         dq()
         return
@@ -481,17 +377,17 @@ def both_walks(dkdv: Callable[[], None], dq: Callable[[], None], device: torch.d
 
 def dkdv_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
                delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig,
-               sm_scale: float, c: float) -> None:  # fmt: skip
+               sm_scale: float, c: float, launch: AttnLaunch = PRODUCTION) -> None:  # fmt: skip
     """dK and dV into ``dk`` / ``dv`` (packed rows): the walk of ``q`` / ``do`` (contiguous bfloat16, packed rows) in
     ``order`` (None: packed order), the owned ``k`` / ``v`` rows read through it, lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    _launch(q, do, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, dq=False)
+    _launch(q, do, k, v, dk, dv, lse, delta, order, cfg, sm_scale, c, False, launch)
 
 
 def dq_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, dq: torch.Tensor, order: torch.Tensor | None, cfg: AttnConfig, sm_scale: float,
-             c: float) -> None:  # fmt: skip
+             c: float, launch: AttnLaunch = PRODUCTION) -> None:  # fmt: skip
     """dQ into ``dq`` (packed rows): the walk of ``k`` / ``v`` (contiguous bfloat16, packed rows) in ``order``, the
     owned ``q`` / ``do`` rows read through it, lse2 and delta (canonical rows)."""
     check_tiling(cfg)
-    _launch(k, v, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, dq=True)
+    _launch(k, v, q, do, dq, dq, lse, delta, order, cfg, sm_scale, c, True, launch)

@@ -1,11 +1,11 @@
-"""The strict attention forward as a warp-specialised Gluon kernel for Hopper: the same walk and arithmetic, its
-instructions scheduled as FlashAttention-3 schedules them (``AttnConfig.fwd_gluon``).
+"""The strict attention forward as a warp-specialised Gluon kernel for Hopper (the ``gluon_warp_specialised`` path): the
+same walk and arithmetic, its instructions scheduled as FlashAttention-3 schedules them.
 
 Triton's pipeliner makes an MMA asynchronous only when its result feeds another MMA's accumulator (Triton's
 ``WGMMAPipeline.cpp``, rule 3), so the Triton kernels (:mod:`h3gate.kernels.attention`, ``attention_tma``) wait for
 each ``q k^T`` before its softmax, and the softmax runs while no MMA is in flight. Here a tile of 128 query rows of one
 (batch, head) is run by three partitions, and one persistent program an SM walks the tiles ``pid``, ``pid + programs``,
-... (``PERSISTENT``), its K/V ring and the consumers' turns running on from tile to tile:
+... (``AttnLaunch.persistent``), its K/V ring and the consumers' turns running on from tile to tile:
 
 * a one-warp producer issuing every TMA load: a tile's 128 query rows (once both consumers retired the last tile's
   ``q k^T``: ``q_empty``), then each ``fwd_n``-row K and V tile into a ring of ``STAGES`` buffers (``*_full``
@@ -29,8 +29,8 @@ The KV walk is ``attention``'s: ``fwd_n``-wide blocks (128 keys: ``q k^T`` by m6
 ascending order, the last one masked where its rows pass S. K/V/Q come by host TMA descriptors over (B, S, nh * D) views
 with (1, rows, D) boxes, so rows past S are zeros (as the pointer kernel's masked loads give), never the next batch
 item's. Only the order in which independent instructions are issued differs: the bytes are the Triton kernels' at every
-S, batch and walk order probed on the H200 (``docs/measurements/perf-probe-16.json``, persistent: ``-22``); the contract
-and kernel id are :mod:`h3gate.kernels.attention`'s.
+S, batch and walk order probed on the H200, one program a tile or persistent; the contract and kernel id are
+:mod:`h3gate.kernels.attention`'s.
 
 GPU only (Gluon has no interpreter; the CPU interpreter runs the pointer kernel, the same arithmetic); sm_90,
 bfloat16, D = 128. ``tests/triton_kernels/sm90_lowering.py`` compiles it for sm_90 on the CPU and checks that ptxas
@@ -53,10 +53,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from h3gate.kernels.attention import AttnConfig, gather_rows, qk_scale
+from h3gate.kernels.attention_config import PRODUCTION, AttnConfig, AttnLaunch, qk_scale
+from h3gate.kernels.attention_math import gather_rows
 from h3gate.kernels.attention_sources import copied_tiles, tile_sources
-from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm import _num_sms
+from h3gate.kernels.common import STRICT_LAUNCH, num_sms
 from h3gate.kernels.gemm_gluon_plan import nvmma_layout
 
 # Triton 3.6 and 3.7 name the TMA tile load async_copy_global_to_shared, 3.9 async_load (same positional arguments).
@@ -131,11 +131,7 @@ def row_descriptor(t: torch.Tensor, rows: int, d: int) -> TensorDescriptor:
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, rows, d], nvmma_layout((1, rows, d)))
 
 
-# Registers a thread: the worker consumer and the producer (setmaxnreg); the default consumer gets what the launch's
-# limit leaves (12 warps x 168 = the 64K registers of an SM). Read at launch (a probe may set them). 240 / 24: 3.3 %
-# faster than 232 / 40 at S = 3160 and 2.8 % at 38974 in the persistent kernel, no spills either way (perf-probe-22).
-REGS = (240, 24)
-WS_MAXNREG = 168
+WS_MAXNREG = 168  # the launch's register limit a thread: 12 warps x 168 = the 64K registers of an SM
 
 
 @gluon.jit
@@ -383,42 +379,25 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, ord_ptr, tile_ma
     )  # fmt: skip
 
 
-# The forward's launch: one persistent program an SM (never more than the tiles), walking tiles pid, pid + programs,
-# ...; False launches one program a tile (sessions 12-14's grid; a probe knob). Persistent with 240 / 24 registers was
-# 6.5 / 3.6 / 1.6 % faster than session 14's kernel at S = 3160 / 38974 / 925, bytes equal (perf-probe-22.json).
-PERSISTENT = True
-# With a walk order: q, k and v read through their tile sources (the packed tensors where a tile is consecutive
-# packed rows, a copy of the other tiles; True), or whole canonical copies first (False, sessions 12-15; a probe knob).
-# The same bytes in shared memory either way (h3gate.kernels.attention_sources).
-TILE_SOURCES = True
-# From S = TMA_STORE_FROM rows on, each consumer's output rows leave through shared memory by TMA, the store running
-# on while the next tile is walked (a tile read through a copy, or any tile of a walk in whole copies, still stores row
-# by row through the order); below it they are stored from registers (sessions 12-19). The same bytes either way at
-# every case probed (perf-probe-33.json); by TMA 0.508 vs 0.532 ms at S = 3160 (0.536 vs 0.546 in a layout's order),
-# 70.98 vs 71.33 at 38974, but 0.0952 vs 0.0928 at 925 (and 0.197 vs 0.093 at 264, where the Triton kernel runs).
-# Read at launch (a probe may set it).
-TMA_STORE_FROM = 2048
-
-
 def forward_gluon_ws(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cfg: AttnConfig,
     order: torch.Tensor | None = None,
-    stages: int = 2,
+    launch: AttnLaunch = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`h3gate.kernels.attention.forward` on Hopper (contiguous bfloat16 q, k, v of D = 128, packed rows):
-    (out, lse2). 2 x 64 query rows a program (``cfg.fwd_m`` unused); ``stages`` K/V buffers (2, 3 and 4 measured
-    equal, perf-probe-16). With a walk order, q, k and v are read in canonical order through their tile sources
-    (``TILE_SOURCES``; otherwise whole canonical copies), and each output row is stored to its packed row through
-    ``order[i]``."""
+    (out, lse2). 2 x 64 query rows a program (``cfg.fwd_m`` unused); ``launch`` the program count, register split,
+    ring depth and output store (:class:`h3gate.kernels.attention_config.AttnLaunch`). With a walk order, q, k and v
+    are read in canonical order through their tile sources (``launch.tile_sources``; otherwise whole canonical
+    copies), and each output row is stored to its packed row through ``order[i]``."""
     b, s, h, d = q.shape
     rows = 64
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
     tile_map = copies = None
-    if order is not None and TILE_SOURCES and cfg.fwd_n == 2 * rows:
+    if order is not None and launch.tile_sources and cfg.fwd_n == 2 * rows:
         src = tile_sources(order, 2 * rows)
         tile_map = src.tile_map
         copies = descriptors(*(copied_tiles(t, src) for t in (q, k, v)), 2 * rows, cfg.fwd_n)
@@ -428,12 +407,12 @@ def forward_gluon_ws(
     o_desc = row_descriptor(out, rows, d)
     m_tiles = triton.cdiv(s, 2 * rows)
     n_tiles = m_tiles * b * h
-    programs = min(n_tiles, _num_sms(q.device)) if PERSISTENT else n_tiles
+    programs = min(n_tiles, num_sms(q.device)) if launch.persistent else n_tiles
     _attn_fwd_ws_kernel[(programs,)](
         q_desc, k_desc, v_desc, out, lse, q if order is None else order, tile_map, *(copies or (None,) * 3), o_desc,
         s, h, n_tiles, m_tiles, qk_scale(d), q.stride(0), q.stride(1), D=d, BLOCK_M=rows, BLOCK_N=cfg.fwd_n,
-        STAGES=stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None, TMA_STORE=s >= TMA_STORE_FROM,
-        REGS_C=REGS[0], REGS_P=REGS[1], num_warps=4,
+        STAGES=launch.stages, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, ORDERED=order is not None,
+        TMA_STORE=s >= launch.tma_store_from, REGS_C=launch.regs[0], REGS_P=launch.regs[1], num_warps=4,
         maxnreg=WS_MAXNREG, **STRICT_LAUNCH,
     )  # fmt: skip
     return out, lse

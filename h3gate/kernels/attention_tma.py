@@ -1,23 +1,21 @@
-"""The strict attention forward with TMA tile loads (Hopper): the same walk and arithmetic, other load instructions.
+"""The strict attention forward with TMA tile loads (the ``triton_tma`` path): the same walk and arithmetic as the
+pointer kernel, other load instructions.
 
 Per program (BLOCK_M query rows, batch, head) the kernel builds device-side tensor descriptors over its (batch,
 head)'s (S, D) slices of q, k, v and out (row stride ``nh * D``, 16-byte aligned since D = 128) and loads the q
 tile once and each (BLOCK_N, D) K/V block with TMA instead of per-thread pointer loads. TMA fills rows past S with
 zeros, exactly the values the pointer kernel's masked loads give, and the tail block's scores are masked to -inf by
-the shared :func:`h3gate.kernels.attention.fwd_step`, so every tile holds the pointer kernel's values and the same
+the shared :func:`h3gate.kernels.attention_math.fwd_step`, so every tile holds the pointer kernel's values and the same
 online-softmax step runs on them: the declared contract (``attention.py``, ``attention.yaml``) is unchanged, and
-``AttnConfig.fwd_tma`` is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
-(``tools/gpu_perf_probe.py --sections attn_tma``). ``fwd_ws`` asks Triton's warp specialisation of the KV loop
-(``tl.range(..., warp_specialize=True)``); on Hopper with Triton 3.6 it changed neither bytes nor speed (perf-probe-14:
-the PTX has no producer / consumer split), so no tiling sets it.
+the path is a load-path choice whose bytes the GPU evidence compares with the pointer kernel
+(``tools/gpu_perf_probe.py --sections attn_tma``).
 
 With a walk order the K/V operands arrive gathered into canonical order (contiguous: TMA walks them) and the query
 block is read, and the output stored, through ``order[i]`` by pointers (TMA has no row gather on Hopper).
 
-GPU only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic).
-:func:`uses_tma` says which kernel a call runs: a function of the tiling (``S_BUCKETS``: S >= 2048 for bfloat16) and
-the device. Both load paths carry the one kernel id and contract (the bytes measured equal); the evidence records
-the kernel id, the probes the load path.
+CUDA only: TMA does not exist under the CPU interpreter, which runs the pointer kernel (same arithmetic). Which
+path a call runs is declared in the operator's manifest (:func:`h3gate.kernels.attention.paths`); both load paths
+carry the one kernel id and contract (the bytes measured equal), and the launch record names the path.
 """
 
 from __future__ import annotations
@@ -26,22 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.attention import AttnConfig, fwd_step, log2, packed_rows, qk_scale
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
+from h3gate.kernels.attention_config import AttnConfig, qk_scale
+from h3gate.kernels.attention_math import fwd_step, log2, packed_rows
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
 from h3gate.kernels.exact import rne
-from h3gate.kernels.gemm import _tma_allocator
-
-
-def uses_tma(cfg: AttnConfig, q: torch.Tensor) -> bool:
-    """Whether the forward of this call runs the TMA kernel: asked by the tiling, on CUDA, compiled."""
-    return cfg.fwd_tma and q.device.type == "cuda" and not INTERPRET
 
 
 @triton.jit
 def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scale, stride_b, stride_s,
                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXP2: tl.constexpr,
-                         FMA: tl.constexpr, WS: tl.constexpr, ORDERED: tl.constexpr,
-                         INTERPRET: tl.constexpr):  # fmt: skip
+                         FMA: tl.constexpr, ORDERED: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     base = (bh // H).to(tl.int64) * stride_b + (bh % H) * D
@@ -57,7 +49,7 @@ def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
-    for j in tl.range(0, n_full, warp_specialize=WS):
+    for j in tl.range(0, n_full):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
         k = k_desc.load([j * BLOCK_N, 0])
         v = v_desc.load([j * BLOCK_N, 0])
@@ -85,11 +77,11 @@ def forward_tma(
     b, s, h, d = q.shape
     out = torch.empty((b, s, h * d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b * h, s), dtype=torch.float32, device=q.device)
-    triton.set_allocator(_tma_allocator)  # device-side descriptors need scratch (a context variable: every launch)
+    triton.set_allocator(tma_allocator)  # device-side descriptors need scratch (a context variable: every launch)
     grid = (triton.cdiv(s, cfg.fwd_m), b * h)
     _attn_fwd_tma_kernel[grid](
         q, k, v, out, lse, q if order is None else order, s, h, qk_scale(d), q.stride(0), q.stride(1),
-        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma, WS=cfg.fwd_ws,
+        D=d, BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, EXP2=cfg.exp2_code, FMA=cfg.fwd_fma,
         ORDERED=order is not None, INTERPRET=INTERPRET, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         **STRICT_LAUNCH,
     )  # fmt: skip

@@ -132,6 +132,31 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.cache
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type != "cuda":
+        return 3  # interpreter: a few programs, so a persistent loop really iterates
+    return torch.cuda.get_device_properties(torch.device(device_type, index)).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: the program count of a persistent launch (3 under the interpreter)."""
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return _sm_count(device.type, index)
+
+
+def tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Scratch for device-side TMA descriptors (``triton.set_allocator``: a context variable, set on every launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a 16-byte aligned base: a misaligned view is copied (same bytes) to a fresh allocation."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _interpreter_index_shim() -> None:
     """Triton 3.6's interpreter turns loop bounds into ints with ``int(array)`` on 1-element arrays, which NumPy >=
     2.4 refuses ("only 0-dimensional arrays can be converted"); re-install ``__index__`` with ``.item()``.

@@ -8,6 +8,8 @@
   eager ``::exp``/``::sin``/``::cos``; Triton's ``tl.exp`` would be the approximate ``ex2.approx`` path); under the
   interpreter numpy's float32 functions (which differ from PyTorch's CPU SLEEF kernels in the last ulp).
 * ``silu(x)`` - ``x / (1 + exp(-x))`` with an IEEE division (``div_rn``), PyTorch's formula on CPU and CUDA.
+* ``mma(a, b, acc, INTERPRET)`` - ``acc + a @ b`` in FP32: BF16 operands on the tensor cores with an FP32 accumulator,
+  FP32 operands as an IEEE FMA dot (never TF32); under the interpreter BF16 operands are upcast exactly first.
 
 Strict kernels launch with :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no libdevice FTZ), and
 use ``tl.div_rn`` / ``tl.sqrt_rn`` (never the approximate ``/`` and ``sqrt`` lowerings).
@@ -51,6 +53,17 @@ def rne(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
             return x.to(tl.bfloat16)
     else:
         return x.to(DT)
+
+
+@helper
+def mma(a, b, acc, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` in FP32. FP32 operands: IEEE FMA dot. BF16 under the interpreter: exact upcast first."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif INTERPRET:
+        return tl.dot(f32(a, INTERPRET), f32(b, INTERPRET), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 @helper

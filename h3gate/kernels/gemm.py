@@ -1,4 +1,6 @@
-"""Strict deterministic GEMM: ``linear(x, weight, bias)`` forward and backward, one fixed K order, no split.
+"""Strict deterministic GEMM: ``linear(x, weight, bias)`` forward and backward, one fixed K order, no split. This
+module holds the contract, the dispatch to the declared kernel paths and the operators' entry points; the kernels are
+in :mod:`h3gate.kernels.gemm_triton`, :mod:`h3gate.kernels.gemm_swapped` and :mod:`h3gate.kernels.gemm_gluon`.
 
 Contract (restated in ``manifests/operators/gemm.yaml``):
 
@@ -14,8 +16,8 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   of the block's layers picks its tile *shape/order* from an M bucket (``gemm_configs.M_BUCKETS``: M < 512,
   M < 1024), and a persistent launch may cover its last columns with narrower tail tiles (``gemm_configs.tail_split``,
   chosen from the tile counts and the SM count); both leave each element's K walk unchanged (declared and measured
-  in ``gemm_configs``); a small-M bucket may also swap the operands (``Y^T = W @ X^T``,
-  :mod:`h3gate.kernels.gemm_swapped`), which moves an element to another tile position, not its K walk. Triton still
+  in ``gemm_configs``); the swapped forward (``Y^T = W @ X^T``, :mod:`h3gate.kernels.gemm_swapped`) moves an element
+  to another tile position, not its K walk. Triton still
   specialises on pointer alignment, which changes load vectorisation, never the maths. So row r's bytes do not
   depend on M, on its position, or on the other rows (they only share a program, never a sum).
 * cast points - one rounding to the output dtype in the epilogue, after the bias is added in FP32
@@ -26,336 +28,43 @@ Contract (restated in ``manifests/operators/gemm.yaml``):
   with one rounding to the parameter's dtype. Every operand (dY^T, W^T in the forward) is loaded as a tile of its
   stored row-major layout (coalesced along the contiguous axis; TMA descriptors in the ``tma`` variant) and
   transposed on chip; ``persistent``/``group_m`` only change which program owns a tile.
-* kernels - the forward of a layer listed in ``gemm_configs.GLUON_BUCKETS`` at its M runs, bfloat16 on a Hopper GPU,
-  the warp-specialised Gluon kernel (:mod:`h3gate.kernels.gemm_gluon`): the same per-element K walk (ascending BLOCK_K
-  chunks of the same MMA instruction steps onto an FP32 accumulator from zero), bias and rounding, its tiles and
-  their order scheduled differently (bytes equal to the Triton kernel's, ``docs/measurements/perf-probe-{30,31}.json``);
-  everywhere else, and always under the interpreter, the Triton kernel. ``launch_record`` names which ran. Sibling
-  projections (q, k, v) may run as one grouped launch of the Gluon kernel (:mod:`h3gate.kernels.gemm_grouped`: each
-  element the same walk; bytes equal to one launch a weight, ``docs/measurements/perf-probe-36.json``).
+* kernel paths - which kernel runs a product is declared per layer, device class and M in the operator's manifest
+  (``paths``; :func:`forward_plan`): ``triton`` (:mod:`h3gate.kernels.gemm_triton`), ``triton_swapped`` (the swapped
+  forward for few rows), ``gluon_warp_specialised`` (Hopper, bfloat16: :mod:`h3gate.kernels.gemm_gluon`, the same
+  per-element K walk - ascending BLOCK_K chunks of the same MMA instruction steps onto an FP32 accumulator from zero -,
+  bias and rounding, its tiles and their order scheduled differently) and, for sibling projections (q, k, v) called
+  together, ``gluon_grouped`` (one launch of that kernel over the weights' concatenation, :func:`linear_grouped`);
+  the backward is always ``triton``. Every path's bytes equal the Triton kernel's on the H200; each path's tiling
+  comes from ``gemm_configs`` (:func:`tiling`), and ``launch_record`` names the path that ran.
 * compilation - every launch uses :data:`h3gate.kernels.common.STRICT_LAUNCH` (no FMA contraction, no FTZ).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels import launches
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
-from h3gate.kernels.exact import f32, helper, rne
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config, gluon_tiling, tail_split
-from h3gate.kernels.gemm_swapped import matmul_swapped
+from h3gate.kernels import launches, selection
+from h3gate.kernels.common import INTERPRET, aligned, check_tensor, needs_graph, num_sms
+from h3gate.kernels.gemm_configs import GLUON_BUCKETS, GLUON_GROUPED, M_BUCKETS, GemmConfig, gemm_config, gluon_config
+from h3gate.kernels.gemm_gluon import matmul_ws, matmul_ws_grouped
+from h3gate.kernels.gemm_triton import colsum, matmul
+from h3gate.manifests.operators import DEVICE_CLASSES, PathTable
 
 KERNEL_ID = "triton:h3gate.gemm_fixedk_fp32acc:v1"
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-@helper
-def mma(a, b, acc, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` in FP32. FP32 operands: IEEE FMA dot. BF16 under the interpreter: exact upcast first."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif INTERPRET:
-        return tl.dot(f32(a, INTERPRET), f32(b, INTERPRET), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@helper
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Grouped (GROUP_M-swizzled) tile order: a scheduling choice only."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile_id // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % in_group) % size_m
-    pid_n = (tile_id % in_group) // size_m
-    return pid_m, pid_n
-
-
-@helper
-def _tile(
-    a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, b_desc, c_desc, off_m, off_n, M, N, R,
-    stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_R: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """One (BLOCK_M x BLOCK_N) output tile at (off_m, off_n): the ascending BLOCK_K walk, bias, one rounding."""
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_TMA:
-        # Out-of-bounds rows/columns are zero-filled by the TMA unit.
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            if A_TRANS:
-                a = tl.trans(a_desc.load([off_k, off_m]))
-            else:
-                a = a_desc.load([off_m, off_k])
-            if B_TRANS:
-                b = tl.trans(b_desc.load([off_n, off_k]))
-            else:
-                b = b_desc.load([off_k, off_n])
-            acc = mma(a, b, acc, INTERPRET)
-    else:
-        # Every operand is read as the tile of its *stored* layout (unit stride along the tile's last axis, so the
-        # loads coalesce along the contiguous dimension) and transposed in registers/shared memory.
-        offs_k = tl.arange(0, BLOCK_K)
-        if A_TRANS:  # stored (R, M): load the (BLOCK_K, BLOCK_M) tile
-            a_ptrs = a_ptr + offs_k.to(tl.int64)[:, None] * stride_ar + offs_m[None, :] * stride_am
-        else:
-            a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ar
-        if B_TRANS:  # stored (N, R): load the (BLOCK_N, BLOCK_K) tile
-            b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
-        else:
-            b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
-        for ki in range(k_tiles):
-            if EVEN_R:
-                if A_TRANS:
-                    a = tl.trans(tl.load(a_ptrs, mask=mask_m[None, :], other=0.0))
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-                if B_TRANS:
-                    b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None], other=0.0))
-                else:
-                    b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-            else:
-                in_k = offs_k < R - ki * BLOCK_K
-                if A_TRANS:
-                    a = tl.trans(tl.load(a_ptrs, mask=in_k[:, None] & mask_m[None, :], other=0.0))
-                else:
-                    a = tl.load(a_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-                if B_TRANS:
-                    b = tl.trans(tl.load(b_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0))
-                else:
-                    b = tl.load(b_ptrs, mask=in_k[:, None] & mask_n[None, :], other=0.0)
-            acc = mma(a, b, acc, INTERPRET)
-            a_ptrs += BLOCK_K * stride_ar
-            b_ptrs += BLOCK_K * stride_br
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    out = rne(acc, c_ptr.dtype.element_ty, INTERPRET)
-    if USE_TMA:
-        c_desc.store([off_m, off_n], out)
-    else:
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, out, mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "NUM_PROGS", "N_SPLIT"])
-def _gemm_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    bias_ptr,
-    M,
-    N,
-    R,
-    stride_am,
-    stride_ar,
-    stride_br,
-    stride_bn,
-    stride_cm,
-    NUM_PROGS,
-    N_SPLIT,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    TAIL_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EVEN_R: tl.constexpr,
-    A_TRANS: tl.constexpr,
-    B_TRANS: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """C (M, N) = A (M, R) @ B (R, N) [+ bias (N,)], A and B addressed through strides.
-
-    ``A_TRANS``: A is stored as (R, M) row-major (stride_am == 1); ``B_TRANS``: B is stored as (N, R) row-major
-    (stride_br == 1). Both variants (pointer and TMA) load the tile of the stored layout, contiguous along its last
-    axis, and ``tl.trans`` it on chip: the MMA sees the same values, so the arithmetic is unchanged.
-
-    Columns [0, N_SPLIT) are covered by BLOCK_N-wide tiles; with ``TAIL_N > 0`` (persistent launches only) columns
-    [N_SPLIT, N) are then covered by TAIL_N-wide tiles, dealt out round robin from the program after the one that
-    took the last wide tile. Without a tail N_SPLIT == N. Either way each output element gets the same K walk.
-    """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N_SPLIT, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(R, BLOCK_K)
-    if USE_TMA:
-        if A_TRANS:
-            a_desc = tl.make_tensor_descriptor(a_ptr, [R, M], [stride_ar, 1], [BLOCK_K, BLOCK_M])
-        else:
-            a_desc = tl.make_tensor_descriptor(a_ptr, [M, R], [stride_am, 1], [BLOCK_M, BLOCK_K])
-        if B_TRANS:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_bn, 1], [BLOCK_N, BLOCK_K])
-        else:
-            b_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, BLOCK_N])
-        c_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, BLOCK_N])
-    else:
-        a_desc, b_desc, c_desc = a_ptr, b_ptr, c_ptr  # unused: the pointer path
-    for tile_id in tl.range(pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        _tile(
-            a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, b_desc, c_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, R,
-            stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS,
-            EVEN_R, A_TRANS, B_TRANS, USE_TMA, INTERPRET,
-        )  # fmt: skip
-    if TAIL_N > 0:
-        if USE_TMA:
-            if B_TRANS:
-                bt_desc = tl.make_tensor_descriptor(b_ptr, [N, R], [stride_bn, 1], [TAIL_N, BLOCK_K])
-            else:
-                bt_desc = tl.make_tensor_descriptor(b_ptr, [R, N], [stride_br, 1], [BLOCK_K, TAIL_N])
-            ct_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, TAIL_N])
-        else:
-            bt_desc, ct_desc = b_ptr, c_ptr
-        num_pid_t = tl.cdiv(N - N_SPLIT, TAIL_N)
-        first = (pid + NUM_PROGS - num_tiles % NUM_PROGS) % NUM_PROGS
-        for tile_id in tl.range(first, num_pid_m * num_pid_t, NUM_PROGS, flatten=FLATTEN):
-            pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_t, GROUP_M)
-            _tile(
-                a_ptr, b_ptr, c_ptr, bias_ptr, a_desc, bt_desc, ct_desc, pid_m * BLOCK_M, N_SPLIT + pid_n * TAIL_N,
-                M, N, R, stride_am, stride_ar, stride_br, stride_bn, stride_cm, k_tiles, BLOCK_M, TAIL_N, BLOCK_K,
-                HAS_BIAS, EVEN_R, A_TRANS, B_TRANS, USE_TMA, INTERPRET,
-            )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["M"])
-def _colsum_kernel(g_ptr, out_ptr, M, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr):
-    """out[n] = sum_m g[m, n]: rows in ascending BLOCK_R chunks, each chunk reduced by tl.sum's fixed tree; FP32."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for m0 in range(0, M, BLOCK_R):
-        offs_r = m0 + tl.arange(0, BLOCK_R)
-        ptrs = g_ptr + offs_r.to(tl.int64)[:, None] * N + offs_n[None, :]
-        g = tl.load(ptrs, mask=(offs_r[:, None] < M) & mask_n[None, :], other=0.0).to(tl.float32)
-        acc = acc + tl.sum(g, axis=0)
-    tl.store(out_ptr + offs_n, rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask_n)
-
-
-# ----------------------------------------------------------------------------------------------------------- launch
-
-
-@functools.cache
-def _sm_count(device_type: str, index: int | None) -> int:
-    if device_type != "cuda":
-        return 3  # interpreter: a few programs, so the persistent loop really iterates
-    return torch.cuda.get_device_properties(torch.device(device_type, index)).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index
-    if device.type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return _sm_count(device.type, index)
-
-
-def _tma_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs a 16-byte aligned base: a misaligned view is copied (same bytes) to a fresh allocation."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    out: torch.Tensor,
-    bias: torch.Tensor | None,
-    cfg: GemmConfig,
-    *,
-    a_trans: bool,
-    b_trans: bool,
-) -> torch.Tensor:
-    """``out (M, N) = A @ B [+ bias]`` with FP32 accumulation and one rounding into ``out``'s dtype.
-
-    ``a`` is (M, R) row-major, or (R, M) row-major when ``a_trans``; ``b`` is (R, N) row-major, or (N, R)
-    row-major when ``b_trans``. All tensors contiguous, on one device, of one floating dtype.
-    """
-    m, n = out.shape
-    r = a.shape[0] if a_trans else a.shape[1]
-    stride_am, stride_ar = (1, a.stride(0)) if a_trans else (a.stride(0), 1)
-    stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
-    tma = cfg.tma and out.device.type == "cuda"
-    if tma:
-        a, b = _aligned(a), _aligned(b)
-        triton.set_allocator(_tma_allocator)  # a context variable: set on every launch (autograd threads too)
-    if cfg.swap_ab:
-        if a_trans or not b_trans:
-            raise ValueError(f"GemmConfig {cfg.tag}: swap_ab is a forward tiling (X (M, K) @ W (N, K)^T)")
-        return matmul_swapped(a, b, out, bias, cfg)
-    m_tiles = -(-m // cfg.block_m)  # ceil divisions (triton.cdiv is a jit wrapper: slower)
-    tiles = m_tiles * -(-n // cfg.block_n)
-    progs = min(tiles, _num_sms(out.device)) if cfg.persistent else tiles
-    n_split = tail_split(m_tiles, n, cfg.block_n, cfg.tail_block_n, progs) if cfg.tail_block_n else None
-    target = out if not tma or out.data_ptr() % 16 == 0 else torch.empty_like(out)
-    _gemm_kernel[(progs,)](
-        a,
-        b,
-        target,
-        bias if bias is not None else target,
-        m,
-        n,
-        r,
-        stride_am,
-        stride_ar,
-        stride_br,
-        stride_bn,
-        target.stride(0),
-        progs,
-        n if n_split is None else n_split,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        TAIL_N=0 if n_split is None else cfg.tail_block_n,
-        GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None,
-        EVEN_R=r % cfg.block_k == 0,
-        A_TRANS=a_trans,
-        B_TRANS=b_trans,
-        USE_TMA=tma,
-        FLATTEN=cfg.persistent,
-        INTERPRET=INTERPRET,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **STRICT_LAUNCH,
-    )
-    if target is not out:
-        out.copy_(target)
-    return out
-
-
-def colsum(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Fixed-order column sum of a contiguous (M, N) tensor, FP32 accumulation, one rounding to ``dtype``."""
-    m, n = g.shape
-    out = torch.empty(n, dtype=dtype, device=g.device)
-    block_n = 128
-    _colsum_kernel[(triton.cdiv(n, block_n),)](
-        g, out, m, n, BLOCK_R=32, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH
-    )
-    return out
-
-
 # -------------------------------------------------------------------------------------------------- the operator
 
 
-def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``x (..., K)``, ``weight (N, K)`` and ``bias (N,)`` of one dtype (bfloat16 or float32) on one device, each
+    contiguous: a one-line InputError naming ``op`` and the argument otherwise."""
     check_tensor(op, "x", x, _DTYPES)
     if x.ndim < 1:
         raise InputError(f"{op}: x: expected at least 1 dim, got a scalar")
@@ -375,26 +84,140 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             raise InputError(f"{op}: bias: length {bias.shape[0]} != out_features {weight.shape[0]}")
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The one forward launch (autograd and no-grad paths): ``x (..., K) -> (..., N)``."""
+# ------------------------------------------------------------------------------------------------- path selection
+
+# The kernel paths this module implements, by product: what ``manifests/operators/gemm.yaml`` may name.
+PATHS: dict[str, frozenset[str]] = {
+    "forward": frozenset({"triton", "triton_swapped", "gluon_warp_specialised"}),
+    "backward": frozenset({"triton"}),
+    "grouped": frozenset({"gluon_grouped"}),
+}
+# The device classes a path runs on, where not every class: the Gluon kernels are Hopper's.
+DEVICES: dict[str, frozenset[str]] = {
+    "gluon_warp_specialised": frozenset({"cuda-sm90"}),
+    "gluon_grouped": frozenset({"cuda-sm90"}),
+}
+
+
+def _tiling(path: str, n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig | None:
+    if path == "gluon_warp_specialised":
+        return gluon_config(n, k, dtype, m)
+    if path == "gluon_grouped":
+        return GLUON_GROUPED if n % GLUON_GROUPED.block_n == 0 and dtype == torch.bfloat16 else None
+    cfg = gemm_config("fwd", n, k, dtype, m)
+    return cfg if path in PATHS["forward"] and cfg.swap_ab == (path == "triton_swapped") else None
+
+
+def tiling(path: str, n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig:
+    """The tiling of ``path`` for the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows: the Gluon
+    bucket's (``gluon_warp_specialised``), the grouped launch's (``gluon_grouped``), else the Triton tiling of
+    :func:`h3gate.kernels.gemm_configs.gemm_config`, swapped exactly when the path is ``triton_swapped``. A declared
+    path without its tiling is an InputError (the manifest and the tiling tables disagree)."""
+    cfg = _tiling(path, n, k, dtype, m)
+    if cfg is None:
+        raise InputError(
+            f"manifests/operators: gemm path {path!r} for weight ({n}, {k}) {dtype_name(dtype)} at M = {m}: "
+            "no such tiling in h3gate.kernels.gemm_configs"
+        )
+    return cfg
+
+
+def _path(x: torch.Tensor, weight: torch.Tensor, product: str) -> str | None:
+    n, k = weight.shape
+    key = ("weight", n, k, dtype_name(x.dtype))
+    return selection.path("gemm", key, product, selection.device_class(x.device), x.numel() // k, "triton")
+
+
+def forward_plan(x: torch.Tensor, weight: torch.Tensor) -> tuple[str, GemmConfig]:
+    """The declared path (:mod:`h3gate.kernels.selection`) and its tiling for the forward of ``x (..., K) @ weight
+    (N, K)^T`` here."""
+    path = _path(x, weight, "forward")
+    n, k = weight.shape
+    return path, tiling(path, n, k, x.dtype, x.numel() // k)
+
+
+def grouped_plan(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> GemmConfig | None:
+    """The grouped launch's tiling where the layer declares ``gluon_grouped`` for two or three sibling weights of one
+    shape and dtype at this M here, else None (one forward call a weight)."""
+    if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
+        return None
+    path = _path(x, weights[0], "grouped")
+    n, k = weights[0].shape
+    return None if path is None else tiling(path, n, k, x.dtype, x.numel() // k)
+
+
+def _backward_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    path = _path(x, weight, "backward")
+    if path not in PATHS["backward"]:
+        raise InputError(f"manifests/operators: gemm backward path {path!r}: not one of {sorted(PATHS['backward'])}")
+    return path
+
+
+def check_paths(table: PathTable) -> None:
+    """Every declared path of ``table`` runs on the device classes it is declared for and has its tiling at every M
+    there (the path and the tiling are piecewise constant between the rules' and the tiling tables' bounds, so those
+    bounds are the M checked); a ValueError names the first that does not."""
+    if table.scope.weight is None:
+        raise ValueError("scope: a GEMM table is scoped by its layer's weight (N, K)")
+    n, k = table.scope.weight
+    dtype = getattr(torch, table.scope.dtype)
+    bounds = {1, *(b for b, _ in M_BUCKETS), *(b for b, _ in GLUON_BUCKETS if b is not None)}
+    bounds |= {b for r in table.rules for b in r.size if b}
+    for device in DEVICE_CLASSES:
+        for product in ("forward", "grouped"):
+            for m in sorted(bounds):
+                path = table.path(device, product, m)
+                if path is None:
+                    continue
+                if path not in PATHS[product]:
+                    raise ValueError(f"{product} path {path!r} is not one of {sorted(PATHS[product])}")
+                if device not in DEVICES.get(path, DEVICE_CLASSES):
+                    raise ValueError(f"{device} {product} at M = {m}: {path!r} runs on {sorted(DEVICES[path])} only")
+                if _tiling(path, n, k, dtype, m) is None:
+                    raise ValueError(f"{device} {product} at M = {m}: {path!r} has no tiling for this layer there")
+    check_tilings()
+
+
+def check_tilings() -> None:
+    """Every layer the small-M and Gluon tiling tables list is scoped by a declared table, and every Gluon tiling is
+    reachable (a declared ``gluon_warp_specialised`` rule meets its M bucket): a ValueError names the first that is
+    not."""
+    found, _ = selection.tables("gemm")
+    for buckets, kind in ((M_BUCKETS, "M_BUCKETS"), (GLUON_BUCKETS, "GLUON_BUCKETS")):
+        lower = 0
+        for bound, table in buckets:
+            for _, n, k, dtype in table:
+                paths = found.get(("weight", n, k, dtype))
+                if paths is None:
+                    raise ValueError(f"gemm_configs.{kind}: layer ({n}, {k}) {dtype} has no declared paths table")
+                meets = (r.size[0] < (bound or r.size[0] + 1) and (r.size[1] is None or r.size[1] > lower)
+                         for r in paths.rules if r.path == "gluon_warp_specialised")  # fmt: skip
+                if kind == "GLUON_BUCKETS" and not any(meets):
+                    raise ValueError(f"gemm_configs.GLUON_BUCKETS[M < {bound}]: ({n}, {k}) is never declared Gluon")
+            lower = bound or lower
+
+
+# ------------------------------------------------------------------------------------------------------ launches
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The one forward launch (autograd and no-grad paths): ``x (..., K) -> (..., N)``, by the declared path."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    glu = gluon_tiling(x, weight)
-    if glu is not None:  # contiguous, 16-byte aligned copies where needed: the same bytes
-        from h3gate.kernels.gemm_gluon import matmul_ws
-
-        x2, w2 = (_aligned(t.contiguous()) for t in (x2, weight))
-        matmul_ws(x2, w2, y, bias, glu, _num_sms(x.device))
+    path, cfg = forward_plan(x, weight)
+    if path == "gluon_warp_specialised":  # contiguous, 16-byte aligned copies where needed: the same bytes
+        x2, w2 = (aligned(t.contiguous()) for t in (x2, weight))
+        matmul_ws(x2, w2, y, bias, cfg, num_sms(x.device))
     else:
-        matmul(x2, weight, y, bias, gemm_config("fwd", n, k, x.dtype, x2.shape[0]), a_trans=False, b_trans=True)
+        matmul(x2, weight, y, bias, cfg, a_trans=False, b_trans=True)
     return y.view(*x.shape[:-1], n)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
-        y = _forward(x, weight, bias)
+        y = forward(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.op = op
@@ -410,6 +233,7 @@ class _Linear(torch.autograd.Function):
             )
         g2 = gy.reshape(-1, n).contiguous()  # a contiguous copy changes layout, never values
         x2 = x.reshape(-1, k)
+        _backward_path(x, weight)  # the Triton kernel's: the only backward path
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx2 = torch.empty((g2.shape[0], k), dtype=x.dtype, device=x.device)
@@ -425,24 +249,16 @@ class _Linear(torch.autograd.Function):
 
 def launch_record(x: torch.Tensor, weight: torch.Tensor) -> dict:
     """The tilings :func:`linear` launches for ``x (..., K)`` and ``weight (N, K)`` here, per product (forward, dx,
-    dw; every M bucket and load path has this contract's K walk, so the same bytes), and whether TMA loads them."""
+    dw; every M bucket and load path has this contract's K walk, so the same bytes), the declared path that runs
+    each (``kernel``) and whether TMA loads them."""
     n, k = weight.shape
-    m = x.numel() // k
-    glu = gluon_tiling(x, weight)
-    cfgs = {"forward": glu or gemm_config("fwd", n, k, x.dtype, m), "dx": gemm_config("dx", n, k, x.dtype),
-            "dw": gemm_config("dw", n, k, x.dtype)}  # fmt: skip
+    path, cfg = forward_plan(x, weight)
+    bwd = _backward_path(x, weight)
+    runs = {"forward": (path, cfg), "dx": (bwd, gemm_config("dx", n, k, x.dtype)),
+            "dw": (bwd, gemm_config("dw", n, k, x.dtype))}  # fmt: skip
     cuda = x.device.type == "cuda"
-    return {
-        **{
-            name: {
-                "tiling": c.tag,
-                "tma": bool(c.tma and cuda),
-                "kernel": "gluon_warp_specialised" if c.gluon else "triton",
-            }  # fmt: skip
-            for name, c in cfgs.items()
-        },
-        "interpreted": INTERPRET,
-    }
+    record: dict = {name: {"tiling": c.tag, "tma": bool(c.tma and cuda), "kernel": p} for name, (p, c) in runs.items()}
+    return {**record, "interpreted": INTERPRET}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear"):
@@ -450,21 +266,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Without an autograd graph to build (grad mode off, or no argument requiring grad) the forward is launched
     directly, skipping ``autograd.Function.apply``: the same launch and bytes, less host time per call."""
-    _check(op, x, weight, bias)
+    check_linear(op, x, weight, bias)
     launches.note(op, lambda: launch_record(x, weight))
     if needs_graph(x, weight, bias):
         return _Linear.apply(x, weight, bias, op)
-    return _forward(x, weight, bias)
+    return forward(x, weight, bias)
 
 
 def _operator(op: str, impl=None, what: str = "the strict deterministic GEMM"):
     """A module-level entry point per operator of ``impl`` (default :func:`linear`), so a bad input names the
     operator that received it."""
 
-    @functools.wraps(linear if impl is None else impl)
+    target = linear if impl is None else impl
+
+    @functools.wraps(target)
     def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # ``linear`` is looked up when called (a probe may replace the module's ``linear``)
-        return (linear if impl is None else impl)(x, weight, bias, op=op)
+        return target(x, weight, bias, op=op)
 
     fn.__name__ = fn.__qualname__ = op
     fn.__doc__ = f"``{op}``: {what} (see the module docstring for the contract)."
@@ -474,12 +291,39 @@ def _operator(op: str, impl=None, what: str = "the strict deterministic GEMM"):
 h3_qkv_gemm = _operator("h3_qkv_gemm")
 
 
+def linear_grouped(x: torch.Tensor, weights: Sequence[torch.Tensor], *, op: str = "linear") -> list[torch.Tensor]:
+    """``[linear(x, w, op=op) for w in weights]`` for two or three sibling weights of one shape on the same ``x`` (q, k
+    and v of a block), bitwise: one grouped Gluon launch where the layer declares ``gluon_grouped`` at this M here
+    (:func:`grouped_plan`) and no argument needs an autograd graph, else one call per weight. The grouped launch
+    (:func:`h3gate.kernels.gemm_gluon.matmul_ws_grouped`) computes the tiles of the weights' concatenation, each
+    output element ``y[i, j] = sum_k x[i, k] w[j, k]`` the FP32 sum over ascending BLOCK_K chunks of that layer's
+    contract, one rounding to bfloat16 - the walk of each weight's own launch; only which program holds a tile
+    differs. Inputs are checked as :func:`linear` checks them, naming ``op``."""
+    weights = tuple(weights)
+    cfg = None if needs_graph(x, *weights) else grouped_plan(x, weights)
+    if cfg is None:
+        return [linear(x, w, op=op) for w in weights]
+    for w in weights:
+        check_linear(op, x, w, None)
+
+    def record() -> dict:
+        forward_ = {"tiling": cfg.tag, "tma": True, "kernel": "gluon_grouped"}
+        return {**launch_record(x, weights[0]), "forward": forward_, "grouped": f"{len(weights)} weights, one launch"}
+
+    launches.note(op, record)
+    n, k = weights[0].shape
+    x2 = aligned(x.reshape(-1, k).contiguous())
+    ws = [aligned(w.contiguous()) for w in weights]
+    ys = [torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device) for _ in ws]
+    matmul_ws_grouped(x2, ws, ys, cfg, num_sms(x.device))
+    return [y.view(*x.shape[:-1], n) for y in ys]
+
+
 def _grouped(op: str):
-    """``fn(x, weights)``: operator ``op`` on sibling weights, one launch where it can (:mod:`.gemm_grouped`)."""
+    """``fn(x, weights)``: operator ``op`` on sibling weights (:func:`linear_grouped`); the graph executor groups
+    sibling nodes through the bound operator's ``grouped`` attribute (:func:`h3gate.graph.execute.sibling_gemms`)."""
 
-    def fn(x: torch.Tensor, weights) -> list[torch.Tensor]:
-        from h3gate.kernels.gemm_grouped import linear_grouped
-
+    def fn(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return linear_grouped(x, weights, op=op)
 
     return fn

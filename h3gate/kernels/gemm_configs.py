@@ -1,4 +1,7 @@
-"""Tile configurations of the strict GEMM: the K tiling keyed by ``(role, N, K, dtype)`` alone, never by M.
+"""Tile configurations of the strict GEMM: the K tiling keyed by ``(role, N, K, dtype)`` alone, never by M. Which
+kernel path runs a call is declared in the operators' manifests (:mod:`h3gate.kernels.selection`); these tables give
+each path its tiling: ``TABLE`` and ``M_BUCKETS`` the Triton kernel's (swapped where the path is ``triton_swapped``),
+``GLUON_BUCKETS`` and ``GLUON_GROUPED`` the Gluon kernel's.
 
 ``N`` and ``K`` are always the *forward* layer's ``out_features`` and ``in_features`` (the nn.Linear weight is
 (N, K)); ``role`` says which product of that layer runs:
@@ -19,22 +22,20 @@ fewer rows than a bucket's bound (the first such bucket, in ascending order), th
 its order are the same for every M; what changes is how many output rows/columns one program owns and the MMA
 instruction's M/N extent, and each output element's FP32 accumulation ``acc += a[m, k0:k0+BLOCK_K] .
 b[k0:k0+BLOCK_K, n]`` over ascending k0 does not depend on those. Measured, not assumed: on the H200 every tile shape
-probed (``docs/measurements/perf-probe-{1,2,8,9}.json``: 25 tilings that compiled - 3 of the 28 candidates exceed
-shared memory -, BLOCK_M 64..256, BLOCK_N 64..256, pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974)
-gave bytes identical to the production tiling for the
+probed (25 tilings that compiled - 3 of the 28 candidates exceed shared memory -, BLOCK_M 64..256, BLOCK_N 64..256,
+pointer/TMA, persistent or not, at M = 264, 925, 3160 and 38974) gave bytes identical to the production tiling for the
 block's four shapes (and the production tiling's bytes equal cuBLAS's there). ws1-ops checks it on every run with its
 prefix probe: a case's first 7 rows run alone (the first bucket) must equal the same rows of the full call (another
 bucket, or the large tiling, at layouts of >= 512 rows): ``evidence/h200/ws1-ops-gemm-*``.
 
 A small-M bucket entry may swap the operands (``swap_ab``: ``Y^T = W @ X^T``, :mod:`h3gate.kernels.gemm_swapped`):
 the tile is then ``block_n`` weight rows by ``block_m + tail_m`` tokens, the same BLOCK_K walk per element; every
-swapped tiling probed (88 runs at M = 264 / 925, ``docs/measurements/perf-probe-11.json``) gave bytes identical to the
-production tiling.
+swapped tiling probed (88 runs at M = 264 / 925 on the H200) gave bytes identical to the production tiling.
 
 A persistent config may also name ``tail_block_n``: :func:`tail_split` then covers the last columns with narrower
 tiles where the wide tiles would leave the last wave part idle (qkv at M = 3160: 700 wide tiles on 132 SMs). Like the
-bucket, this picks which tile holds an element, never its K walk (bitwise in ``docs/measurements/perf-probe-10.json``
-and in ws1-ops / ws1-block at the medium layout).
+bucket, this picks which tile holds an element, never its K walk (bitwise on the H200, and in ws1-ops / ws1-block at
+the medium layout).
 
 Measured winners from ``tools/gpu_gemm_attention.py`` (H200) go into ``TABLE``; a shape absent from it gets the
 dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :func:`gemm_config` drops it
@@ -49,7 +50,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from h3gate.dtypes import dtype_name
-from h3gate.kernels.common import INTERPRET, hopper
 
 ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
 
@@ -74,8 +74,8 @@ class GemmConfig:
     swap_ab: bool = False
     tail_m: int = 0
     # Forward, bfloat16, Hopper: run by the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon; same K walk and
-    # bytes), always persistent, block_m 128 or 192 (two or three consumers of 64 rows); tail_m there is a second MMA
-    # of tail_m more B rows (8 ... block_n, a power of two), so a wide tile is block_n + tail_m B rows.
+    # bytes), always persistent, block_m 128 (two consumers of 64 rows); tail_m there (swapped tiles only) is a second
+    # MMA of tail_m more B rows (8 ... block_n, a power of two), so a wide tile is block_n + tail_m tokens.
     gluon: bool = False
 
     def __post_init__(self) -> None:
@@ -98,17 +98,17 @@ class GemmConfig:
         u, n, t = self.tail_m, self.block_n, self.tail_block_n
         pow2 = all(v & (v - 1) == 0 for v in (n, u, t))
         if (
-            self.block_m not in (128, 192)
+            self.block_m != 128
             or (self.num_warps, self.persistent, self.tma) != (4, True, True)
             or not pow2
             or not 8 <= n <= 256
-            or (u and not 8 <= u <= n)
-            or (t and (self.swap_ab or u or not 16 <= t < n))
+            or (u and (not self.swap_ab or not 8 <= u <= n))
+            or (t and (self.swap_ab or not 16 <= t < n))
         ):
             raise ValueError(
-                f"GemmConfig {self.tag}: a Gluon tiling is persistent TMA on 4 warps a partition, block_m 128 or 192 "
-                "(two or three consumers of 64 rows), block_n a power of two in [8, 256], tail_m 0 or a power of two "
-                "in [8, block_n], and tail_block_n only unswapped without tail_m (16 <= it < block_n)"
+                f"GemmConfig {self.tag}: a Gluon tiling is persistent TMA on 4 warps a partition, block_m 128 (two "
+                "consumers of 64 rows), block_n a power of two in [8, 256], tail_m 0 or (swapped only) a power of two "
+                "in [8, block_n], and tail_block_n only unswapped (16 <= it < block_n)"
             )
 
     @property
@@ -122,6 +122,18 @@ class GemmConfig:
             f"{'_gluon' if self.gluon else ''}"
         )
 
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Launch choices of the GEMM family outside its tilings: none changes an element's K walk or bytes.
+    ``PRODUCTION`` is the only instance product code passes; GPU checks build variants with ``dataclasses.replace``."""
+
+    # The segmented-8 kernel (h3gate.kernels.gemm_merge) loads its tiles by TMA where both operands' bases and row
+    # strides are 16-byte aligned (False: the pointer walk always; the same chunks, values and MMA).
+    seg8_tma: bool = True
+
+
+PRODUCTION = GemmLaunch()
 
 _BF16 = "bfloat16"
 _FP32 = "float32"
@@ -144,15 +156,15 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
     # Where the two runs disagree, the config with the better worst-case ratio across both runs is kept (run 1 for
     # o_proj, ffn_gate_up, ffn_down; run 2 for the skinny AdaLN/final projections). The block shapes' dX/dW rows are
     # the winners of the backward-only run (docs/measurements/gemm_attention-tuning-3-backward.*).
-    # The block's four forward shapes at M >= SMALL_M (below it: M_BUCKETS): re-picked from the M = 3160 / 38974
-    # columns of docs/measurements/perf-probe-{1,2}.json (same-run ratios to cuBLAS; GROUP_M by the better of 2 runs).
+    # The block's four forward shapes at M >= SMALL_M (below it: M_BUCKETS): re-picked from a later tiling sweep at
+    # M = 3160 / 38974 (same-run ratios to cuBLAS; GROUP_M by the better of 2 runs).
     # qkv adds 128-wide tail tiles where the 256-wide ones leave the last wave part idle (M = 3160: 5.3 waves).
     ("fwd", 7168, 5376, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True, tail_block_n=128),
     ("fwd", 5376, 7168, _BF16): GemmConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
     ("fwd", 28672, 5376, _BF16): GemmConfig(128, 256, 64, 32, 8, 3, persistent=True, tma=True),
     ("fwd", 5376, 14336, _BF16): GemmConfig(128, 256, 64, 16, 8, 3, persistent=True, tma=True),
     ("fwd", 96768, 2688, _BF16): GemmConfig(16, 64, 128, 1, 4, 4, persistent=False, tma=False),
-    # final AdaLN, audio-out and video-in re-picked from docs/measurements/perf-probe-3.json (L2 flushed, cold weights).
+    # final AdaLN, audio-out and video-in re-picked with the L2 flushed (cold weights, as in the model).
     ("fwd", 10752, 2688, _BF16): GemmConfig(16, 32, 128, 1, 4, 4, persistent=False, tma=False),
     ("fwd", 5376, 96, _FP32): GemmConfig(128, 64, 32, 8, 4, 2, persistent=False, tma=False),
     ("fwd", 5376, 32, _FP32): GemmConfig(128, 128, 32, 8, 8, 2, persistent=False, tma=False),
@@ -179,12 +191,12 @@ TABLE: dict[tuple[str, int, int, str], GemmConfig] = {
 
 # Forward tile shape/order by M bucket for the block's four layers (same BLOCK_K as the layer's TABLE entry):
 # (bound, table) in ascending bound order; a call with M < bound takes the first matching bucket's entry.
-# * M < 512 (the tiny layout's 264 rows; few row tiles, so wave quantisation rules): winners of the M = 264 column of
-#   docs/measurements/perf-probe-{1,2}.json, then of perf-probe-11.json (swapped operands, ``swap_ab``): qkv and
-#   gate-up take 64 weight rows x (256 + 16) tokens per program (device-only 0.86 / 0.81 of cuBLAS there against
-#   0.65 / 0.75 for the unswapped tiling); o/down keep 64x256 (no swapped tiling beat it: 0.73 vs 0.74, 0.77 vs 0.79).
-# * 512 <= M < 1024 (the small layout's 925 rows): winners of docs/measurements/perf-probe-{8,9,11}.json at M = 925,
-#   by device-only (CUDA graph) time: swapped 128 weight rows x 256 tokens for qkv (0.91 vs 0.89), x (256 + 64) tokens
+# * M < 512 (the tiny layout's 264 rows; few row tiles, so wave quantisation rules): winners at M = 264, unswapped
+#   and swapped (``swap_ab``): qkv and gate-up take 64 weight rows x (256 + 16) tokens per program (device-only 0.86 /
+#   0.81 of cuBLAS there against 0.65 / 0.75 for the unswapped tiling); o/down keep 64x256 (no swapped tiling beat it:
+#   0.73 vs 0.74, 0.77 vs 0.79).
+# * 512 <= M < 1024 (the small layout's 925 rows): winners at M = 925 by device-only (CUDA graph) time: swapped 128
+#   weight rows x 256 tokens for qkv (0.91 vs 0.89), x (256 + 64) tokens
 #   for o/down (0.90 / 0.91 against 0.80 / 0.81 for 128x128 TMA persistent); gate-up keeps 128x256 persistent (0.91;
 #   its best swapped tiling read 0.87).
 _BUCKET_264: dict[tuple[str, int, int, str], GemmConfig] = {
@@ -206,18 +218,17 @@ M_BUCKETS: tuple[tuple[int, dict[tuple[str, int, int, str], GemmConfig]], ...] =
 SMALL_M = M_BUCKETS[-1][0]  # at M >= SMALL_M every layer takes TABLE
 
 
-def _check_m_buckets() -> None:
+def _check_m_buckets(buckets: tuple = M_BUCKETS, table: dict = TABLE) -> None:
     """Bounds ascend, every bucket lists the same layers (so a call never skips a bucket for a later one), and every
     bucket entry keeps its layer's K tiling (the only part that shapes arithmetic)."""
-    bounds = [bound for bound, _ in M_BUCKETS]
+    bounds = [bound for bound, _ in buckets]
     if bounds != sorted(set(bounds)):
         raise AssertionError(f"gemm_configs.M_BUCKETS: bounds must strictly ascend, got {bounds}")
-    keys = {frozenset(table) for _, table in M_BUCKETS}
-    if len(keys) > 1:
+    if len({frozenset(entries) for _, entries in buckets}) > 1:
         raise AssertionError("gemm_configs.M_BUCKETS: every bucket must list the same layers")
-    for bound, table in M_BUCKETS:
-        for key, small in table.items():
-            large = TABLE.get(key)
+    for bound, entries in buckets:
+        for key, small in entries.items():
+            large = table.get(key)
             if large is None or large.block_k != small.block_k:
                 raise AssertionError(
                     f"gemm_configs.M_BUCKETS[M < {bound}]{key}: BLOCK_K must equal TABLE's (K tiling fixed for every M)"
@@ -227,11 +238,12 @@ def _check_m_buckets() -> None:
 _check_m_buckets()
 
 
-# The forward by the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon) on a Hopper GPU, bfloat16: (bound, table)
-# in ascending bound order as M_BUCKETS (the last bound None: every larger M); a layer or bucket absent here runs the
-# Triton kernel with gemm_config's tiling. Every entry keeps its layer's BLOCK_K (checked at import). Winners of
-# docs/measurements/perf-probe-31.json (H200, device-only ratios to cuBLAS; every variant's bytes equal the Triton
-# kernel's at M = 264, 925, 3160, 38974 and with a bias), against the Triton tilings in the same run:
+# The tilings of the warp-specialised Gluon forward (h3gate.kernels.gemm_gluon; the path gluon_warp_specialised, Hopper,
+# bfloat16): (bound, table) in ascending bound order as M_BUCKETS (the last bound None: every larger M). Where the path
+# runs is declared in the manifest; every declared (layer, M) has its entry here and every entry is declared somewhere
+# (gemm.check_paths). Every entry keeps its layer's BLOCK_K (checked at import). The winners on the H200 (device-only
+# ratios to cuBLAS; every variant's bytes equal the Triton kernel's at M = 264, 925, 3160, 38974 and with a bias),
+# against the Triton tilings in the same run, which is where each layer's declared path comes from:
 # * M < 512: 128 weight rows x (128 + 8) tokens (qkv 0.90 vs 0.87, gate-up 0.83 vs 0.83) or x (64 + 32) tokens (o 0.90
 #   vs 0.77, down 0.88 vs 0.78): 264 tokens are two or three tiles, 84-126 programs, one wave;
 # * 512 <= M < 1024: 128 tokens x 256 weight rows for qkv (0.93 vs 0.90) and gate-up (0.93 vs 0.90); o / down keep the
@@ -254,26 +266,24 @@ GLUON_BUCKETS: tuple[tuple[int | None, dict[tuple[str, int, int, str], GemmConfi
 
 
 # Sibling projections (q, k, v: weights of one shape on the same X) as one grouped Gluon launch
-# (h3gate.kernels.gemm_gluon.matmul_ws_grouped) for GROUPED_FROM <= M < GROUPED_BELOW: 128 x 256 tiles over the
-# weights' concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes (perf-probe-36.json:
-# equal at M = 925, 1000, 3160, 3163, 38974). It exists for the waves: q, k, v at M = 3160 are 700 tiles each, 5.3
+# (h3gate.kernels.gemm_gluon.matmul_ws_grouped; the path gluon_grouped, declared for qkv at 1024 <= M < 8192): 128 x 256
+# tiles over the weights' concatenation, the same BLOCK_K walk as each weight's own tiling, so the same bytes (equal on
+# the H200 at M = 925, 1000, 3160, 3163, 38974). It exists for the waves: q, k, v at M = 3160 are 700 tiles each, 5.3
 # waves on 132 SMs, 2100 together, 15.9; measured device-only against cuBLAS called three times 1.012x (GROUP_M 16;
 # one launch a weight 0.939x in the same run; cuBLAS on the weights concatenated 1.016x). Not at 925 (0.914 vs
 # 0.924) nor at 38974 (0.953-0.976 vs 0.981, where each weight's launch ends in narrow tiles).
 GLUON_GROUPED = _GLUON_WIDE
-GROUPED_FROM, GROUPED_BELOW = 1024, 8192
-GROUPED_LAYERS = (_QKV,)
 
 
-def _check_gluon_buckets() -> None:
+def _check_gluon_buckets(buckets: tuple = GLUON_BUCKETS, table: dict = TABLE) -> None:
     """Bounds ascend (the last None), every entry is a Gluon forward tiling of a layer in TABLE with its BLOCK_K, and
     the layer's rows are 16-byte aligned (TMA)."""
-    bounds = [bound for bound, _ in GLUON_BUCKETS]
+    bounds = [bound for bound, _ in buckets]
     if bounds[-1] is not None or bounds[:-1] != sorted(set(bounds[:-1])):
         raise AssertionError(f"gemm_configs.GLUON_BUCKETS: bounds must strictly ascend and end with None, got {bounds}")
-    for bound, table in GLUON_BUCKETS:
-        for key, cfg in table.items():
-            large = TABLE.get(key)
+    for bound, entries in buckets:
+        for key, cfg in entries.items():
+            large = table.get(key)
             _, n, k, dtype = key
             aligned = (n * 2) % 16 == 0 and (k * 2) % 16 == 0
             if key[0] != "fwd" or dtype != _BF16 or not cfg.gluon or large is None or large.block_k != cfg.block_k:
@@ -284,13 +294,11 @@ def _check_gluon_buckets() -> None:
 
 
 _check_gluon_buckets()
-if any(TABLE[key].block_k != GLUON_GROUPED.block_k or key[0] != "fwd" for key in GROUPED_LAYERS):
-    raise AssertionError("gemm_configs.GROUPED_LAYERS: forward layers whose BLOCK_K is GLUON_GROUPED's")
 
 
 def gluon_config(n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig | None:
-    """The Gluon tiling of the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows, or None (the
-    Triton kernel runs it). Whether the Gluon kernel can run here is the caller's question (Hopper, alignment)."""
+    """The Gluon tiling of the forward of the layer with weight (N, K) at ``dtype`` with ``m`` rows, or None (no
+    Gluon tiling for that layer and M). Whether it runs is the layer's declared path (``manifests/operators``)."""
     key = ("fwd", n, k, dtype_name(dtype))
     table = next(t for bound, t in GLUON_BUCKETS if bound is None or m < bound)
     return table.get(key)
@@ -316,18 +324,28 @@ def _tma_ok(role: str, n: int, k: int, dtype: torch.dtype) -> bool:
     return (n * size) % 16 == 0 and (k * size) % 16 == 0
 
 
-def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = None) -> GemmConfig:
-    """The config for ``role`` of the layer with weight (N, K) at ``dtype`` with ``m`` output rows.
+def gemm_config(
+    role: str,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    m: int | None = None,
+    *,
+    buckets: tuple = M_BUCKETS,
+    table: dict = TABLE,
+) -> GemmConfig:
+    """The Triton config for ``role`` of the layer with weight (N, K) at ``dtype`` with ``m`` output rows, from
+    ``table`` and the small-M ``buckets`` (the shipped ones unless a test passes its own).
 
-    BLOCK_K never depends on ``m``; ``m`` only selects a tile shape/order from ``M_BUCKETS`` (forward, M < SMALL_M)."""
+    BLOCK_K never depends on ``m``; ``m`` only selects a tile shape/order from ``buckets`` (forward, M < SMALL_M)."""
     if role not in ROLES:
         raise ValueError(f"gemm role {role!r}: expected one of {ROLES}")
     name = dtype_name(dtype)
     key = (role, n, k, name)
     small = None
     if m is not None:
-        small = next((table.get(key) for bound, table in M_BUCKETS if m < bound), None)
-    cfg = small or TABLE.get(key) or default_config(role, n, k, dtype)
+        small = next((entries.get(key) for bound, entries in buckets if m < bound), None)
+    cfg = small or table.get(key) or default_config(role, n, k, dtype)
     if cfg.tma and not _tma_ok(role, n, k, dtype):
         cfg = replace(cfg, tma=False)
     return cfg
@@ -335,10 +353,9 @@ def gemm_config(role: str, n: int, k: int, dtype: torch.dtype, m: int | None = N
 
 # Tail split (persistent launches with ``tail_block_n``): TAIL_COST is a narrow tile's cost per output element
 # relative to a wide one's, and a split must shorten the modelled makespan by TAIL_MIN_GAIN to be used. TAIL_COST is
-# fitted to the one measured point, qkv at M = 3160 on the H200 (docs/measurements/perf-probe-10.json: device time
-# 0.3888 -> 0.3824 ms with 128-wide tails, -1.7 %, which the model gives at TAIL_COST = 1.8). The first guess, 1.1
-# (128x128 vs 128x256 tiles at M = 3160 in perf-probe-1.json), modelled -7.5 % there: the narrow tail tiles, all
-# running at once at the end, are slower than alone.
+# fitted to the one measured point, qkv at M = 3160 on the H200 (device time 0.3888 -> 0.3824 ms with 128-wide tails,
+# -1.7 %, which the model gives at TAIL_COST = 1.8). The ratio of 128x128 to 128x256 tiles timed alone, 1.1, models
+# -7.5 % there: the narrow tail tiles, all running at once at the end, are slower than alone.
 TAIL_COST = 1.8
 TAIL_MIN_GAIN = 0.01
 TAIL_MAX_WAVES = 8
@@ -377,35 +394,3 @@ def tail_split(m_tiles: int, n: int, block_n: int, tail_n: int, programs: int) -
         if cost < best_cost:
             best, best_cost = wide_cols * block_n, cost
     return best
-
-
-def gluon_tiling(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The Gluon tiling when the warp-specialised Gluon kernel runs the forward of ``x (..., K) @ weight (N, K)^T``
-    here (``gemm_configs.GLUON_BUCKETS`` lists the layer at this M; bfloat16 on a Hopper GPU; not interpreted),
-    else None (the Triton kernel runs it; also for an empty call). Both have this contract's K walk and bytes."""
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        return None
-    n, k = weight.shape
-    m = x.numel() // k if k else 0
-    cfg = gluon_config(n, k, x.dtype, m) if m else None
-    return cfg if cfg is not None and gluon_runs(x) else None
-
-
-def gluon_runs(x: torch.Tensor) -> bool:
-    """Whether the Gluon kernels can run on ``x``'s device here: a Hopper GPU, not interpreted."""
-    return not INTERPRET and x.device.type == "cuda" and hopper(x.device.index)
-
-
-def grouped_tiling(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> GemmConfig | None:
-    """The tiling when one grouped Gluon launch runs ``x (..., K) @ w^T`` for every ``w`` in ``weights`` (two or three
-    of one shape, bfloat16, a layer in GROUPED_LAYERS, GROUPED_FROM <= M < GROUPED_BELOW, the Gluon kernels runnable
-    here: :func:`gluon_runs`), else None: the caller runs them one by one, with the same bytes. Each weight's own
-    launch need not be Gluon's (qkv at M = 3160 runs the Triton tiling alone): the K walk is the layer's either way."""
-    if len(weights) not in (2, 3) or any(w.shape != weights[0].shape or w.dtype != x.dtype for w in weights):
-        return None
-    n, k = weights[0].shape
-    if ("fwd", n, k, dtype_name(x.dtype)) not in GROUPED_LAYERS or n % GLUON_GROUPED.block_n:
-        return None
-    if x.dtype != torch.bfloat16 or not GROUPED_FROM <= x.numel() // k < GROUPED_BELOW or not gluon_runs(x):
-        return None
-    return GLUON_GROUPED

@@ -5,20 +5,20 @@ Triton 3.6's own Hopper GEMM issues each ``wgmma`` from the warps that also wait
 specialisation gave nothing on sm_90 (``docs/measurements/gemm-gap-profile.md``). Here the product
 ``C[i, j] = sum_k A[i, k] B[j, k]`` of two K-contiguous operands (A: ``a_rows`` x K, B: ``b_rows`` x K) is run by
 the partitions of one persistent program an SM, walking output tiles ``pid``, ``pid + programs``, ... in the
-GROUP_M-swizzled order of :func:`h3gate.kernels.gemm._tile_coords`:
+GROUP_M-swizzled order of :func:`h3gate.kernels.gemm_triton.tile_coords`:
 
-* a one-warp producer issuing every TMA load: per tile, per ascending ``BLOCK_K`` chunk, the (A_ROWS x BLOCK_K) A
+* a one-warp producer issuing every TMA load: per tile, per ascending ``BLOCK_K`` chunk, the (128 x BLOCK_K) A
   tile and the (BLOCK_B x BLOCK_K) B tile (and a (B_TAIL x BLOCK_K) B tail) into a ring of ``STAGES`` buffers
   (``full``: loaded; ``empty``: every consumer done with it); the ring runs on across tiles, so the next tile's first
   chunks load during this tile's epilogue;
-* A_ROWS / 64 consumer warpgroups (two or three) of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64,
+* two consumer warpgroups of 64 A rows each, every chunk one asynchronous ``wgmma`` (m64,
   N = BLOCK_B, k16 steps; a second one, N = B_TAIL, over the tail) onto zero FP32 accumulators, the chunk's MMAs kept
   in flight while the next chunk's barrier is awaited; the epilogue adds the bias in FP32 and rounds once to bfloat16
   (round to nearest even).
 
 The forward ``Y (M, N) = X (M, K) @ W (N, K)^T`` runs it either way round (``GemmConfig.swap_ab``): unswapped,
-A = X and B = W (a tile is ``block_m`` tokens x ``block_n`` (+ ``tail_m``) weight rows, stored through shared memory
-by TMA; with ``tail_block_n`` the last columns are narrower tiles dealt after the wide ones, stored from registers),
+A = X and B = W (a tile is ``block_m`` tokens x ``block_n`` weight rows, stored through shared memory by TMA; with
+``tail_block_n`` the last columns are narrower tiles dealt after the wide ones, stored from registers),
 or swapped, A = W and B = X (``Y^T = W X^T``: 128 weight rows x ``block_n + tail_m`` tokens, two MMAs since register
 tiles are powers of two, so 264 tokens are two tiles of 128 + 8; stored transposed from registers). Either way each
 output element is one FP32 sum over K in ascending BLOCK_K chunks, each chunk the MMA's k16 steps in ascending order,
@@ -98,7 +98,7 @@ def _load_b(b_desc, b1_desc, b2_desc, pid_b, per_group, k0, bar, dst, NB: gl.con
 def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, n_tiles,
              num_pid_a, num_pid_b, col0, per_group, k_tiles, NB: gl.constexpr, NT: gl.constexpr,
              BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr,
-             A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
+             GROUPS: gl.constexpr):  # fmt: skip
     """Tiles ``first``, ``first + programs``, ... of ``n_tiles`` (B rows ``col0 + pid_b * (NB + NT)``): each chunk's A
     tile (A_ROWS rows), NB B rows (``b_desc``; grouped: of ``b_desc``, ``b1_desc`` or ``b2_desc``, ``per_group`` B
     tiles each) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is reloaded once every consumer
@@ -110,15 +110,13 @@ def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring,
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             bar = full.index(slot)
-            a_bytes: gl.constexpr = a_desc.block_type.nbytes * (A_ROWS // A_BOX)
+            a_bytes: gl.constexpr = a_desc.block_type.nbytes
             if NT > 0:
                 mbarrier.expect(bar, a_bytes + b_desc.block_type.nbytes + bt_desc.block_type.nbytes)
                 _tma_load(bt_desc, [off_b + NB, ki * BLOCK_K], bar, bt_ring.index(slot))
             else:
                 mbarrier.expect(bar, a_bytes + b_desc.block_type.nbytes)
-            for i in gl.static_range(A_ROWS // A_BOX):
-                _tma_load(a_desc, [pid_a * A_ROWS + i * A_BOX, ki * BLOCK_K], bar,
-                          a_ring.index(slot * (A_ROWS // A_BOX) + i))  # fmt: skip
+            _tma_load(a_desc, [pid_a * A_ROWS, ki * BLOCK_K], bar, a_ring.index(slot))
             if GROUPS > 1:
                 _load_b(b_desc, b1_desc, b2_desc, pid_b, per_group, ki * BLOCK_K, bar, b_ring.index(slot).slice(0, NB),
                         NB)  # fmt: skip
@@ -132,28 +130,28 @@ def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring,
 def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
               num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles, BLOCK_B: gl.constexpr,
               B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-              STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, A_ROWS: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The wide tiles, then (``NARROW`` > 0) the narrow tiles of the last columns, dealt on from the program after
     the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles)."""
     step = _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0,
                     gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles, BLOCK_B, B_TAIL,
-                    BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX, GROUPS)  # fmt: skip
+                    BLOCK_K, GROUP, STAGES, A_ROWS, GROUPS)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
         _produce(a_desc, bn_desc, bn_desc, bn_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first,
                  num_narrow, num_pid_a, num_pid_n, n_split, 0, k_tiles, NARROW, 0, BLOCK_K, GROUP, STAGES, A_ROWS,
-                 A_BOX, 1)  # fmt: skip
+                 1)  # fmt: skip
 
 
 @gluon.jit
 def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-               NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+               NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more);
-    a slot holds A_ROWS / A_BOX A boxes, consumer C's 64 rows in box (C * 64) // A_BOX."""
+    consumer C's 64 rows of a slot's A tile from row C * 64."""
     slot = step % STAGES
     mbarrier.wait(full.index(slot), (step // STAGES) & 1)
-    a = a_ring.index(slot * (A_ROWS // A_BOX) + (C * 64) // A_BOX).slice((C * 64) % A_BOX, 64)
+    a = a_ring.index(slot).slice(C * 64, 64)
     acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
     if NT > 0:
         acc_t = warpgroup_mma(a, bt_ring.index(slot).permute((1, 0)), acc_t, is_async=True)
@@ -162,11 +160,11 @@ def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr,
 
 @gluon.jit
 def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-              NT: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr):  # fmt: skip
+              NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
     chunk's barrier is awaited; returns (acc, acc_t, the ring step after the tile)."""
     for ki in range(k_tiles):
-        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES, A_ROWS, A_BOX)
+        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES)
         if NT > 0:
             acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # the previous chunk's MMAs have retired
         else:
@@ -215,14 +213,13 @@ def _store_tma(acc, desc, smem, bias_ptr, off_i, off_j, N, NJ: gl.constexpr, HAS
 
 
 @gluon.jit
-def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem, c_ptr,
-             bias_ptr, M, N, stride_cm, step, first, n_tiles, num_pid_a, num_pid_b, col0, per_group, k_tiles,
-             C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-             SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr,
-             A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
+def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_smem, c_ptr, bias_ptr, M, N, stride_cm,
+             step, first, n_tiles, num_pid_a, num_pid_b, col0, per_group, k_tiles, C: gl.constexpr, NB: gl.constexpr,
+             NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+             TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """Consumer ``C``'s rows ``C * 64 ...`` of the tiles :func:`_produce` loads with the same arguments, each then
-    stored (``TMA_STORE``: its bf16 part tiles through shared memory by TMA, grouped: into output ``c_desc``,
-    ``c1_desc`` or ``c2_desc`` by the tile's operand; else from registers)."""
+    stored (``TMA_STORE``, unswapped tiles without a B tail: through shared memory by TMA, grouped: into output
+    ``c_desc``, ``c1_desc`` or ``c2_desc`` by the tile's operand; else from registers)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     NT_L: gl.constexpr = NT if NT > 0 else 8
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -232,7 +229,7 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_
         acc = gl.zeros([64, NB], gl.float32, layout)
         acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
         acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C, NB, NT,
-                                     STAGES, A_ROWS, A_BOX)  # fmt: skip
+                                     STAGES)  # fmt: skip
         off_i = pid_a * A_ROWS + C * 64
         off_j = col0 + pid_b * (NB + NT)
         if GROUPS > 1:  # unswapped, no B tail, no bias, TMA-stored (matmul_ws_grouped)
@@ -245,8 +242,6 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_
                 _store_tma(acc, c2_desc, c_smem.index(C), bias_ptr, off_i, off_g, N, NB, False)
         elif TMA_STORE:
             _store_tma(acc, c_desc, c_smem.index(C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
-            if NT > 0:
-                _store_tma(acc_t, ct_desc, ct_smem.index(C), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, SWAP, HAS_BIAS)
@@ -257,40 +252,39 @@ def _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem, c_ptr,
-              bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group,
-              k_tiles, C: gl.constexpr, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr,
-              GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
-              TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
+def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_smem, c_ptr, bias_ptr, M, N,
+              stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles,
+              C: gl.constexpr, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr, GROUP: gl.constexpr,
+              STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
+              A_ROWS: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The wide tiles (stored by TMA where ``TMA_STORE``), then the narrow ones (stored from registers)."""
-    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem, c_ptr,
-                    bias_ptr, M, N, stride_cm, k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0,
-                    per_group, k_tiles, C, BLOCK_B, B_TAIL, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS, A_BOX,
-                    GROUPS)  # fmt: skip
+    step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_smem, c_ptr, bias_ptr, M, N,
+                    stride_cm, k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles,
+                    C, BLOCK_B, B_TAIL, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS, GROUPS)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
-        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_desc, c_desc, ct_desc, c_smem, ct_smem, c_ptr,
-                 bias_ptr, M, N, stride_cm, step, first, num_narrow, num_pid_a, num_pid_n, n_split, 0, k_tiles, C,
-                 NARROW, 0, GROUP, STAGES, SWAP, HAS_BIAS, False, A_ROWS, A_BOX, 1)  # fmt: skip
+        _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c_desc, c_desc, c_smem, c_ptr, bias_ptr, M, N,
+                 stride_cm, step, first, num_narrow, num_pid_a, num_pid_n, n_split, 0, k_tiles, C, NARROW, 0, GROUP,
+                 STAGES, SWAP, HAS_BIAS, False, A_ROWS, 1)  # fmt: skip
     if TMA_STORE or GROUPS > 1:
         tma.store_wait(0)
 
 
 @gluon.jit
-def _gemm_ws_kernel(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, c_desc, c1_desc, c2_desc, ct_desc, c_ptr,
-                    bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n,
-                    per_group, k_tiles, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr,
-                    BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr,
-                    HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, A_BOX: gl.constexpr,
-                    GROUPS: gl.constexpr, REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
-    """``num_warps`` = 4 (one consumer warpgroup); the other consumers (A_ROWS / 64 in all: 2 or 3) and the producer
-    are workers. A tile is A_ROWS A rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split``
-    on are NARROW-wide tiles. ``TMA_STORE`` (unswapped only): wide tiles through shared memory by TMA. ``GROUPS`` > 1
-    (:func:`matmul_ws_grouped`): B is the concatenation of ``b_desc``, ``b1_desc`` (and ``b2_desc``), ``per_group``
-    B tiles each, the outputs ``c_desc``, ``c1_desc`` (and ``c2_desc``)."""
+def _gemm_ws_kernel(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, c_desc, c1_desc, c2_desc, c_ptr, bias_ptr, M,
+                    N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles,
+                    BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP: gl.constexpr, STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    TMA_STORE: gl.constexpr, A_ROWS: gl.constexpr, GROUPS: gl.constexpr, REGS_C: gl.constexpr,
+                    REGS_P: gl.constexpr):  # fmt: skip
+    """``num_warps`` = 4 (one consumer warpgroup); the other consumer and the producer are workers. A tile is A_ROWS
+    (128) A rows x (BLOCK_B + B_TAIL) B rows; with NARROW > 0 the columns from ``n_split`` on are NARROW-wide tiles.
+    ``TMA_STORE`` (unswapped only): wide tiles through shared memory by TMA. ``GROUPS`` > 1 (:func:`matmul_ws_grouped`):
+    B is the concatenation of ``b_desc``, ``b1_desc`` (and ``b2_desc``), ``per_group`` B tiles each, the outputs
+    ``c_desc``, ``c1_desc`` (and ``c2_desc``)."""
     CONSUMERS: gl.constexpr = A_ROWS // 64
-    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (A_ROWS // A_BOX), A_BOX, BLOCK_K], a_desc.layout)
+    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, A_ROWS, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
     if B_TAIL > 0:
         bt_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, B_TAIL, BLOCK_K], bt_desc.layout)
@@ -298,65 +292,37 @@ def _gemm_ws_kernel(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, c_desc, 
         bt_ring = b_ring  # unused
     if TMA_STORE:
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, BLOCK_B], c_desc.layout)
-        if B_TAIL > 0:
-            ct_smem = gl.allocate_shared_memory(gl.bfloat16, [CONSUMERS, 64, B_TAIL], ct_desc.layout)
-        else:
-            ct_smem = c_smem  # unused
     else:
         c_smem = a_ring  # unused: stored from registers
-        ct_smem = a_ring
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
-    if CONSUMERS == 3:
-        gl.warp_specialize(
-            [
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
-                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
-                             num_pid_n, per_group, k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
-                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
-                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
-                             num_pid_n, per_group, k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
-                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
-                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
-                             num_pid_n, per_group, k_tiles, 2, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
-                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
-                (_producer, (a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty,
-                             num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles,
-                             BLOCK_B, B_TAIL, NARROW, BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX, GROUPS)),
-            ],
-            [4, 4, 1],
-            [REGS_C, REGS_C, REGS_P],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
-                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
-                             num_pid_n, per_group, k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
-                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
-                (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, ct_desc, c_smem, ct_smem,
-                             c_ptr, bias_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow,
-                             num_pid_n, per_group, k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS,
-                             TMA_STORE, A_ROWS, A_BOX, GROUPS)),
-                (_producer, (a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty,
-                             num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles,
-                             BLOCK_B, B_TAIL, NARROW, BLOCK_K, GROUP, STAGES, A_ROWS, A_BOX, GROUPS)),
-            ],
-            [4, 1],
-            [REGS_C, REGS_P],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_smem, c_ptr, bias_ptr, M, N,
+                         stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group,
+                         k_tiles, 0, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                         GROUPS)),
+            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_smem, c_ptr, bias_ptr, M, N,
+                         stride_cm, num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group,
+                         k_tiles, 1, BLOCK_B, B_TAIL, NARROW, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS,
+                         GROUPS)),
+            (_producer, (a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty,
+                         num_tiles, num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles, BLOCK_B,
+                         B_TAIL, NARROW, BLOCK_K, GROUP, STAGES, A_ROWS, GROUPS)),
+        ],
+        [4, 1],
+        [REGS_C, REGS_P],
+    )  # fmt: skip
 
 
 def matmul_ws(
     x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig, programs: int
 ) -> torch.Tensor:
     """``y (M, N) = x (M, K) @ w (N, K)^T [+ bias]`` (contiguous bfloat16, 16-byte aligned rows and bases, CUDA) with
-    ``cfg``'s tiling read this way: ``block_m`` the A rows of a tile (128 or 192: two or three consumers of 64),
+    ``cfg``'s tiling read this way: ``block_m`` the A rows of a tile (128: two consumers of 64),
     ``block_n`` the wide tile's B rows (weight rows, or tokens with ``swap_ab``), ``tail_m`` more B rows in a second
     MMA (0: none), ``tail_block_n`` the narrow tiles' width (normal orientation), ``group_m`` the swizzle,
     ``num_stages`` the ring depth. FP32 accumulation over ascending ``block_k`` chunks, one rounding; ``programs``:

@@ -13,15 +13,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from h3gate.kernels.gemm_configs import GemmConfig, tail_split
 
-# Registers a thread (setmaxnreg) by consumer count (A rows / 64): (worker consumers, producer) and the launch's
-# limit; the default consumer gets what the limit leaves. Warp specialisation reserves a warpgroup for the one-warp
-# producer, so two consumers are 12 warps (12 x 168 = the 64K registers of an SM; the attention's split,
-# h3gate.kernels.attention_gluon.REGS) and three are 16 (16 x 128; 3 x 128 x 160 + 128 x 24 = 64K).
-REGS = {2: (240, 24), 3: (160, 24)}
-WS_MAXNREG = {2: 168, 3: 128}
-# Unswapped tiles with a B tail (block_n + tail_m weight rows): each consumer's two parts through shared memory by
-# TMA (True) or stored from registers. Read at launch (a probe may set it).
-TAIL_TMA_STORE = True
+# Registers a thread (setmaxnreg): (worker consumer, producer) and the launch's limit; the default consumer gets what
+# the limit leaves. Warp specialisation reserves a warpgroup for the one-warp producer, so the two consumers are 12
+# warps (12 x 168 = the 64K registers of an SM; the attention forward's split too).
+REGS = (240, 24)
+WS_MAXNREG = 168
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,16 +34,6 @@ def desc(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive integers."""
     return -(-a // b)
-
-
-def a_box(cfg: GemmConfig) -> int:
-    """Rows of one A load (TMA boxes are powers of two): the whole 128-row A tile, or each consumer's 64 of 192."""
-    return cfg.block_m if cfg.block_m & (cfg.block_m - 1) == 0 else 64
-
-
-def tma_stored(cfg: GemmConfig) -> bool:
-    """Whether ``cfg``'s wide tiles are stored by TMA: unswapped, and without a B tail or with ``TAIL_TMA_STORE``."""
-    return not cfg.swap_ab and (not cfg.tail_m or TAIL_TMA_STORE)
 
 
 @dataclass(frozen=True)
@@ -67,7 +53,7 @@ class Launch:
 
 def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
     """The launch of ``cfg`` (``gluon``) for Y (m, n) = X (m, k) W (n, k)^T on ``programs`` SMs: the persistent grid
-    is sized from the wide tiles as :func:`h3gate.kernels.gemm.matmul` sizes it, the narrow split from
+    is sized from the wide tiles as :func:`h3gate.kernels.gemm_triton.matmul` sizes it, the narrow split from
     :func:`h3gate.kernels.gemm_configs.tail_split` (normal orientation without a B tail only)."""
     a_rows, b_rows = (n, m) if cfg.swap_ab else (m, n)
     pid_a = cdiv(a_rows, cfg.block_m)
@@ -83,14 +69,14 @@ def plan(m: int, n: int, k: int, cfg: GemmConfig, programs: int) -> Launch:
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, split: bool) -> dict:
-    """Host TMA descriptors by kernel argument: A, B, B tail, B narrow, C (a consumer's 64 rows of a wide tile's first
-    ``block_n`` columns) and C tail (its ``tail_m`` more), the last two only for TMA-stored tiles, and the grouped
-    launch's further B and C (``b1_desc`` ...): None where unused."""
+    """Host TMA descriptors by kernel argument: A, B, B tail, B narrow, C (a consumer's 64 rows of a wide tile; only
+    for TMA-stored, i.e. unswapped, tiles), and the grouped launch's further B and C (``b1_desc`` ...): None where
+    unused."""
     a, b = (w, x) if cfg.swap_ab else (x, w)
     bk = cfg.block_k
-    stored = tma_stored(cfg)
+    stored = not cfg.swap_ab
     return {
-        "a_desc": desc(a, [a_box(cfg), bk]),
+        "a_desc": desc(a, [cfg.block_m, bk]),
         "b_desc": desc(b, [cfg.block_n, bk]),
         "b1_desc": None,
         "b2_desc": None,
@@ -99,7 +85,6 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConf
         "c_desc": desc(y, [64, cfg.block_n]) if stored else None,
         "c1_desc": None,
         "c2_desc": None,
-        "ct_desc": desc(y, [64, cfg.tail_m]) if stored and cfg.tail_m else None,
     }
 
 
@@ -107,12 +92,10 @@ def launch_constants(cfg: GemmConfig, split: bool, bias: bool, groups: int = 1) 
     """The kernel's compile-time constants for ``cfg`` (``split``: narrow tiles launched; ``bias``: a bias added;
     ``groups``: operands of a grouped launch) and the launch's register limit (``maxnreg``): everything
     :func:`matmul_ws` and :func:`matmul_ws_grouped` pass but the tensors and sizes."""
-    consumers = cfg.block_m // 64
     return {"BLOCK_B": cfg.block_n, "B_TAIL": cfg.tail_m, "NARROW": cfg.tail_block_n if split else 0,
             "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages, "SWAP": cfg.swap_ab,
-            "HAS_BIAS": bias, "TMA_STORE": tma_stored(cfg), "A_ROWS": cfg.block_m, "A_BOX": a_box(cfg),
-            "GROUPS": groups, "REGS_C": REGS[consumers][0], "REGS_P": REGS[consumers][1],
-            "maxnreg": WS_MAXNREG[consumers]}  # fmt: skip
+            "HAS_BIAS": bias, "TMA_STORE": not cfg.swap_ab, "A_ROWS": cfg.block_m, "GROUPS": groups,
+            "REGS_C": REGS[0], "REGS_P": REGS[1], "maxnreg": WS_MAXNREG}  # fmt: skip
 
 
 def groupable(cfg: GemmConfig, n: int, groups: int) -> bool:

@@ -49,16 +49,16 @@ import triton.language as tl
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph
-from h3gate.kernels.exact import helper, rne
-from h3gate.kernels.gemm import _check as check_linear
-from h3gate.kernels.gemm import _num_sms, _tile_coords, _tma_allocator, mma
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph, num_sms, tma_allocator
+from h3gate.kernels.exact import helper, mma, rne
 from h3gate.kernels.gemm import _operator as gemm_operator
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm import check_linear
+from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
+from h3gate.kernels.gemm_triton import tile_coords
+from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
+from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
 
 KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v2"
-SEGMENTS = 8
-DEGREES = (1, 2, 4, 8)
 ROLES = ("fwd", "dx")
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -90,14 +90,6 @@ def segment_bounds(r: int, block_k: int) -> tuple[int, ...]:
     """The 9 boundaries ``b_i = min(i * S, R)``: segment i is the reduction range ``[b_i, b_i+1)``."""
     s = segment_size(r, block_k)
     return tuple(min(i * s, r) for i in range(SEGMENTS + 1))
-
-
-def owned_segments(degree: int, rank: int) -> range:
-    """Segments of rank ``rank`` of TP``degree``: ``[rank * 8/degree, (rank + 1) * 8/degree)``."""
-    if degree not in DEGREES or not 0 <= rank < degree:
-        raise InputError(f"gemm seg8: TP degree {degree} rank {rank}: degree must be one of {DEGREES}, 0 <= rank < it")
-    per = SEGMENTS // degree
-    return range(rank * per, (rank + 1) * per)
 
 
 def rank_slice(role: str, full_shape: tuple[int, int], dtype: torch.dtype, degree: int, rank: int) -> slice:
@@ -185,7 +177,7 @@ def _seg8_kernel(
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     slots = scratch_ptr + pid.to(tl.int64) * (3 * BLOCK_M * BLOCK_N) + tile
     for tile_id in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
@@ -241,17 +233,19 @@ def _tma_fits(a: torch.Tensor, b: torch.Tensor) -> bool:
             and t.stride(-1) == 1 for t in (a, b)))  # fmt: skip
 
 
-def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: bool, b_trans: bool) -> None:
+def _launch(a, b, out, bias, cfg: GemmConfig, seg: int, segments: int, finish_: bool, b_trans: bool,
+            launch: GemmLaunch) -> None:  # fmt: skip
     """``out (M, Nout)`` = the tree over ``segments`` local segments of ``a (M, R_loc) @ b`` (``b`` (Nout, R_loc)
-    row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)), rounded with ``bias`` when ``finish_``."""
+    row-major when ``b_trans`` (forward: W), else (R_loc, Nout) (dX: W)), rounded with ``bias`` when ``finish_``; TMA
+    loads where ``launch.seg8_tma`` and the operands allow them."""
     m, n_out = out.shape
     stride_br, stride_bn = (1, b.stride(0)) if b_trans else (b.stride(0), 1)
     tiles = -(-m // cfg.block_m) * -(-n_out // cfg.block_n)
-    progs = max(1, min(tiles, _num_sms(out.device)))
+    progs = max(1, min(tiles, num_sms(out.device)))
     scratch = torch.empty((progs, 3, cfg.block_m, cfg.block_n), dtype=torch.float32, device=out.device)
-    tma = _tma_fits(a, b)
+    tma = launch.seg8_tma and _tma_fits(a, b)
     if tma:
-        triton.set_allocator(_tma_allocator)
+        triton.set_allocator(tma_allocator)
     _seg8_kernel[(progs,)](
         a, b, out, bias if bias is not None else out, scratch, m, n_out, a.shape[1], seg, a.stride(0), 1, stride_br,
         stride_bn, out.stride(0), progs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -325,6 +319,7 @@ def _subtree(
     seg: int,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """The owned segments reduced by the tree's lower levels (one fused launch): FP32 (M, Nout), or with
     ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding."""
@@ -336,7 +331,7 @@ def _subtree(
     a2 = a.reshape(rows, a.shape[-1])
     out = torch.empty((rows, n_out), dtype=out_dtype or torch.float32, device=a.device)
     cfg = fused_config(role, tuple(full_shape), a.dtype)
-    _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, b_trans=role == "fwd")
+    _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, role == "fwd", launch)
     return out
 
 
@@ -348,6 +343,7 @@ def segment_partials(
     role: str = "fwd",
     *,
     op: str = "gemm_seg8",
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """One rank's FP32 subtree: the tree's value over its owned segments (lower levels applied locally).
 
@@ -358,64 +354,27 @@ def segment_partials(
     boundaries. The non-reduced side may itself be a slice (N_loc <= N, K_loc <= K): output columns are independent.
     Returns a view of the rank's partial buffer (its first slot)."""
     seg = _check_local(op, a_local, b_local, owned, full_shape, role)
-    return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg)
-
-
-def combine(subtrees: list[torch.Tensor], degree: int, *, op: str = "gemm_seg8") -> torch.Tensor:
-    """The tree's upper log2(degree) levels over the ranks' subtrees, gathered in rank order: FP32 sum.
-
-    ``degree`` 1 returns the single subtree; 2: ``s0 + s1``; 4: ``(s0 + s1) + (s2 + s3)``; 8: the whole tree."""
-    if degree not in DEGREES:
-        raise InputError(f"{op}: degree: {degree!r}, expected one of {DEGREES}")
-    if not isinstance(subtrees, list | tuple) or len(subtrees) != degree:
-        got = len(subtrees) if isinstance(subtrees, list | tuple) else type(subtrees).__name__
-        raise InputError(f"{op}: subtrees: {got} given, expected one per rank ({degree}) in rank order")
-    first = subtrees[0]
-    for i, s in enumerate(subtrees):
-        check_tensor(op, f"subtrees[{i}]", s, (torch.float32,), device=first.device if i else None, contiguous=False)
-        if s.shape != first.shape:
-            raise InputError(f"{op}: subtrees[{i}]: shape {tuple(s.shape)} != subtrees[0] {tuple(first.shape)}")
-    level = list(subtrees)
-    while len(level) > 1:
-        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
-    return level[0]
-
-
-def finish(
-    total: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, *, op: str = "gemm_seg8"
-) -> torch.Tensor:
-    """``cast(total + float(bias))``: one IEEE FP32 add (when a bias is given), one RNE rounding to ``dtype``."""
-    check_tensor(op, "total", total, (torch.float32,), contiguous=False)
-    if dtype not in _DTYPES:
-        raise InputError(f"{op}: dtype: {dtype_name(dtype)} not supported (expected bfloat16, float32)")
-    if bias is not None:
-        check_tensor(op, "bias", bias, _DTYPES, ndim=1, device=total.device)
-        if bias.shape[0] != total.shape[-1]:
-            raise InputError(f"{op}: bias: length {bias.shape[0]} != output width {total.shape[-1]}")
-        return (total + bias.float()).to(dtype)
-    out = total.to(dtype)
-    return out.clone() if out.data_ptr() == total.data_ptr() else out
+    return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg, launch=launch)
 
 
 # -------------------------------------------------------------------------------------------------- the operator
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: GemmLaunch) -> torch.Tensor:
     """TP1: all 8 segments on this device, the whole tree, the bias and the one rounding."""
     n, k = weight.shape
     seg = segment_size(k, pinned_config("fwd", (n, k), x.dtype).block_k)
-    y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype)
+    y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype, launch)
     return y.view(*x.shape[:-1], n)
 
 
 class _LinearSeg8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str) -> torch.Tensor:
-        from h3gate.kernels.rows_seg8 import linear_rows  # it builds on this module
-
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str,
+                launch: GemmLaunch) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.op, ctx.rows = bias is not None, op, linear_rows(op, x)
-        return _forward(x, weight, bias)
+        ctx.has_bias, ctx.op, ctx.rows, ctx.launch = bias is not None, op, linear_rows(op, x), launch
+        return _forward(x, weight, bias, launch)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
@@ -429,25 +388,28 @@ class _LinearSeg8(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             seg = segment_size(n, pinned_config("dx", (n, k), x.dtype).block_k)
-            dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype).view(x.shape)
+            dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype, ctx.launch).view(x.shape)
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_db:
-            from h3gate.kernels.rows_seg8 import linear_row_grads
-
             dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db)
-        return dx, dw if ctx.needs_input_grad[1] else None, db, None
+        return dx, dw if ctx.needs_input_grad[1] else None, db, None, None
 
 
 def linear_merge(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, op: str = "linear_merge"
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    op: str = "linear_merge",
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """The one-device (TP1) segmented-8 ``F.linear``: same signature, shapes and output dtype as the reference.
 
     Bytes equal :func:`combine` of any TP degree's :func:`segment_partials` followed by :func:`finish`."""
     check_linear(op, x, weight, bias)
     if needs_graph(x, weight, bias):
-        return _LinearSeg8.apply(x, weight, bias, op)
-    return _forward(x, weight, bias)
+        return _LinearSeg8.apply(x, weight, bias, op, launch)
+    return _forward(x, weight, bias, launch)
 
 
 def _operator(op: str):

@@ -14,7 +14,7 @@ Contract (the same as :mod:`h3gate.kernels.gemm`'s forward, so the bytes are too
   layer's (``gemm_configs``), never split; every output element (m, n) sums the same products over the same K chunks
   in the same order as in the unswapped kernel: the MMA's fixed order inside a chunk is per element, whichever operand
   holds the row. Measured, not assumed: bitwise equal to the production tiling (and cuBLAS) on the H200
-  (``docs/measurements/perf-probe-11.json``), and ws1-ops' prefix probe checks it on every run.
+  at M = 264 and 925 (88 runs), and ws1-ops' prefix probe checks it on every run.
 * cast points - bias added in FP32, one round-to-nearest-even cast to the output dtype, stored transposed.
 * row invariance - M is not a compile-time constant; a token's column in the chunk and the other tokens only decide
   where its sums sit in the tile, never what they add.
@@ -118,7 +118,8 @@ def matmul_swapped(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig
 ) -> torch.Tensor:
     """``out (M, N) = x (M, K) @ w (N, K)^T [+ bias]``: contiguous tensors on one device, one dtype (checked by the
-    caller, :func:`h3gate.kernels.gemm.matmul`). TMA needs 16-byte aligned bases: the caller passes aligned ones."""
+    caller, :func:`h3gate.kernels.gemm_triton.matmul`). TMA needs 16-byte aligned bases: the caller passes aligned
+    ones."""
     m, n = out.shape
     k = x.shape[1]
     chunk = cfg.block_m + cfg.tail_m

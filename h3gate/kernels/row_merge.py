@@ -14,7 +14,7 @@ This fixes one order that every CP degree in {1, 2, 4, 8} evaluates, and that th
   and chunk order unchanged, the rows of the segment b-major), kept in FP32, unrounded; an empty segment is +0.
 * tree - ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))``, elementwise IEEE FP32 adds; a rank evaluates the
   levels over its own segments, an all-gather in rank order (:class:`RowGroup`) and the upper log2(n) levels
-  (:func:`h3gate.kernels.gemm_merge.combine`) finish it on every rank; then one RNE rounding to the gradient's dtype.
+  (:func:`h3gate.kernels.merge_tree.combine`) finish it on every rank; then one RNE rounding to the gradient's dtype.
 
 So CP1 = CP2 = CP4 = CP8 byte for byte: the same segments over the same rows, each partial from the same values
 by the same kernel, the same tree. Not bitwise the single-walk operators' gradients (another FP32 order).
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.errors import InputError
-from h3gate.kernels.gemm_merge import SEGMENTS, combine, owned_segments
+from h3gate.kernels.merge_tree import SEGMENTS, combine, owned_segments
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 Partial = Callable[[int, int], Sequence[torch.Tensor]]

@@ -24,9 +24,9 @@ import torch
 from h3gate.kernels.common import cached
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
 from h3gate.kernels.gather import segment_plan, segment_sum, sum_rows
-from h3gate.kernels.gemm import colsum, matmul
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
-from h3gate.kernels.gemm_merge import finish
+from h3gate.kernels.gemm_triton import colsum, matmul
+from h3gate.kernels.merge_tree import finish
 from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
 from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for, seq_slice
 

@@ -35,11 +35,12 @@ import torch
 from h3gate.errors import InputError
 from h3gate.kernels.common import needs_graph
 from h3gate.kernels.gather import sum_rows
-from h3gate.kernels.gemm import _check as check_linear
-from h3gate.kernels.gemm import _forward as single_walk
-from h3gate.kernels.gemm import matmul
+from h3gate.kernels.gemm import check_linear
+from h3gate.kernels.gemm import forward as single_walk
 from h3gate.kernels.gemm_configs import gemm_config
-from h3gate.kernels.gemm_merge import SEGMENTS, combine, finish, owned_segments, rank_slice, segment_partials
+from h3gate.kernels.gemm_merge import rank_slice, segment_partials
+from h3gate.kernels.gemm_triton import matmul
+from h3gate.kernels.merge_tree import SEGMENTS, combine, finish, owned_segments
 from h3gate.kernels.norms import HEAD_DIM, check_qk, qk_rmsnorm, rms_backward, rms_forward
 from h3gate.kernels.row_merge import row_sum, rows_for
 from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows

@@ -100,6 +100,33 @@ def kernel_runnable(device: str) -> tuple[bool, str]:
     return False, f"device {device} needs TRITON_INTERPRET=1 for Triton kernels"
 
 
+def check_paths(spec: OperatorSpec) -> None:
+    """The operator's declared selection table (``paths``) names only kernel paths its kernel module implements (the
+    module's ``PATHS``), and the module's own ``check_paths`` (a tiling for every declared path) passes. Raises an
+    InputError whose message starts with the failing field (``paths.rules[2].path: ...``)."""
+    if spec.paths is None:
+        return
+    if spec.kernel is None:
+        raise InputError("paths: declared without a kernel")
+    module = importlib.import_module(spec.kernel.partition(":")[0])
+    implemented: dict[str, frozenset[str]] = getattr(module, "PATHS", {})
+    for i, rule in enumerate(spec.paths.rules):
+        known = implemented.get(rule.product, frozenset())
+        if rule.path not in known:
+            raise InputError(
+                f"paths.rules[{i}].path: {rule.path!r} is not a {rule.product} path of {module.__name__} "
+                f"(known: {', '.join(sorted(known)) or 'none'})"
+            )
+    if spec.paths.otherwise not in implemented.get("forward", frozenset()):
+        raise InputError(f"paths.otherwise: {spec.paths.otherwise!r} is not a forward path of {module.__name__}")
+    check = getattr(module, "check_paths", None)
+    try:
+        if check is not None:
+            check(spec.paths)
+    except ValueError as exc:
+        raise InputError(f"paths: {exc}") from None
+
+
 def check_mode(mode: str) -> str:
     """The one check of ``--mode`` (strict, audit, auto or off)."""
     if mode not in MODES:

@@ -261,7 +261,7 @@ class NodeTimes:
 
 
 def node_times(doc: dict, label: str) -> NodeTimes | None:
-    """The record's forward node by node, or None where it has none (records before session 16)."""
+    """The record's forward node by node, or None where it has none (records made before it was recorded)."""
     arms = (doc.get("forward_nodes") or {}).get("arms") or {}
     prov, strict = arms.get("provider") or {}, arms.get("strict") or {}
     names = list(strict.get("nodes") or {})
@@ -278,7 +278,7 @@ def node_times(doc: dict, label: str) -> NodeTimes | None:
 
 
 def sustained_text(doc: dict) -> str | None:
-    """The record's forward at the power cap (``sustained``, session 23 on) as one line: each arm's ms a forward and
+    """The record's forward at the power cap (``sustained``, where recorded) as one line: each arm's ms a forward and
     their ratio, with joules and watts where the energy counter answered, and the nodes whose loop was host-bound;
     None without it."""
     steady = doc.get("sustained") or {}

@@ -97,16 +97,16 @@ def test_strict_mode_groups_each_blocks_q_k_v_into_one_call_traced_per_node(mode
     """As the graph executor, the adapter hands a block's q, k and v to the strict GEMM's grouped call (one Gluon
     launch on an H200 at 1024-8191 rows; here it runs them one by one, the same bytes): one call a block, one trace
     record a node, the outputs those of the ungrouped graph."""
-    from h3gate.kernels import gemm_grouped
+    from h3gate.kernels import gemm
 
     calls: list[int] = []
-    real = gemm_grouped.linear_grouped
+    real = gemm.linear_grouped
 
     def counted(x, weights, *, op="linear"):
         calls.append(len(weights))
         return real(x, weights, op=op)
 
-    monkeypatch.setattr(gemm_grouped, "linear_grouped", counted)
+    monkeypatch.setattr(gemm, "linear_grouped", counted)
     args, x = _args()
     graph = build_model_graph(CFG)
     with torch.no_grad():

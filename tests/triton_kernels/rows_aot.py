@@ -20,7 +20,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from h3gate.kernels import elementwise, gather, gemm, gemm_swapped, norms, packed, rope, timestep  # noqa: E402
+from h3gate.kernels import elementwise, gather, gemm_swapped, gemm_triton, norms, packed, rope, timestep  # noqa: E402
 from h3gate.kernels.common import STRICT_LAUNCH  # noqa: E402
 
 B, F, I64, I32, PF = "*bf16", "*fp32", "*i64", "*i32", "fp32"
@@ -87,10 +87,11 @@ def variants():
     base = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, TAIL_N=0, GROUP_M=16, HAS_BIAS=False, EVEN_R=True,
                 A_TRANS=False, B_TRANS=True, USE_TMA=True, FLATTEN=True, INTERPRET=False)  # fmt: skip
     opts = dict(num_warps=8, num_stages=3)
-    yield "gemm.fwd.tma", gemm._gemm_kernel, mm, base, False, opts
-    yield "gemm.fwd.tma.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128}, False, opts
-    yield "gemm.fwd.ptr.tail128", gemm._gemm_kernel, mm, {**base, "TAIL_N": 128, "USE_TMA": False}, False, opts
-    yield "gemm.dw.tma", gemm._gemm_kernel, mm, {**base, "A_TRANS": True, "B_TRANS": False, "GROUP_M": 8}, False, opts
+    yield "gemm.fwd.tma", gemm_triton._gemm_kernel, mm, base, False, opts
+    yield "gemm.fwd.tma.tail128", gemm_triton._gemm_kernel, mm, {**base, "TAIL_N": 128}, False, opts
+    yield "gemm.fwd.ptr.tail128", gemm_triton._gemm_kernel, mm, {**base, "TAIL_N": 128, "USE_TMA": False}, False, opts
+    dw = {**base, "A_TRANS": True, "B_TRANS": False, "GROUP_M": 8}
+    yield "gemm.dw.tma", gemm_triton._gemm_kernel, mm, dw, False, opts
     # The swapped small-M forward (Y^T = W @ X^T) as shipped: 64 weight rows x (256 + 16) tokens on 4 warps (M < 512),
     # 128 weight rows x (256 + 64) tokens on 8 warps (512 <= M < 1024); TMA and pointer loads.
     sw = dict(x_ptr=B, w_ptr=B, c_ptr=B, bias_ptr=B, M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",

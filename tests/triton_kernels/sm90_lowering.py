@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from h3gate.kernels import (
     attention,
     attention_bwd,
     attention_bwd_gluon,
+    attention_config,
     attention_gluon,
     attention_tma,
     gemm_configs,
@@ -28,7 +28,7 @@ from h3gate.kernels import (
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg",
          "cp.async.bulk.tensor.3d.global.shared")  # fmt: skip
 
-_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "acc_ptr": "*fp32", "sem_ptr": "*i32", "ord_ptr": "*i64",
+_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "ord_ptr": "*i64",
           "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32",
           **dict.fromkeys(("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow",
@@ -84,31 +84,22 @@ def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
 def gluon_facts(ordered: bool, mapped: bool = False, tma_store: bool | None = None) -> dict:
     """The warp-specialised Gluon forward (``mapped``: walking its tile sources; ``tma_store`` None: production's at
     the medium and 768p layouts' S, the output by TMA)."""
-    tma_store = attention_gluon.TMA_STORE_FROM <= 3160 if tma_store is None else tma_store
+    tma_store = attention_config.PRODUCTION.tma_store_from <= 3160 if tma_store is None else tma_store
     cfg = attention.attn_config(128, torch.bfloat16)
     q = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     descs = dict(zip(("q_desc", "k_desc", "v_desc"), attention_gluon.descriptors(q, q, q, 128, cfg.fwd_n), strict=True))
     args = {**descs, "o_ptr": q, "lse_ptr": torch.empty(1), "ord_ptr": torch.empty(1, dtype=torch.int64),
             "o_desc": attention_gluon.row_descriptor(q, 64, 128)}  # fmt: skip
     consts = {"D": 128, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n, "STAGES": 2, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma,
-              "ORDERED": ordered, "TMA_STORE": tma_store, "REGS_C": attention_gluon.REGS[0],
-              "REGS_P": attention_gluon.REGS[1]}  # fmt: skip
+              "ORDERED": ordered, "TMA_STORE": tma_store, "REGS_C": attention_config.PRODUCTION.regs[0],
+              "REGS_P": attention_config.PRODUCTION.regs[1]}  # fmt: skip
     _sources(args, consts, {"q_copy": descs["q_desc"], "k_copy": descs["k_desc"], "v_copy": descs["v_desc"]}, mapped)
     return _gluon_ptx(attention_gluon._attn_fwd_ws_kernel, args, consts, attention_gluon.WS_MAXNREG)
 
 
-def gluon_bwd_facts(
-    dq: bool,
-    ordered: bool,
-    pipe: bool = False,
-    stats_tma: bool | None = None,
-    persistent: bool = False,
-    mapped: bool = False,
-) -> dict:
-    """The warp-specialised Gluon backward: the dK/dV walk (``stats_tma``: lse2 / delta by the producer's TMA), or
-    the dQ walk (``pipe``: its pipelined step order, which production runs with ``DQ_PIPELINE``). ``stats_tma``
-    None: production's ``STATS_TMA``; ``persistent``: the probe knob's tile loop; ``mapped``: walking tile sources."""
-    stats_tma = attention_bwd_gluon.STATS_TMA if stats_tma is None else stats_tma
+def gluon_bwd_facts(dq: bool, ordered: bool, mapped: bool = False) -> dict:
+    """The warp-specialised Gluon backward: the dK/dV walk (lse2 / delta by the producer's TMA) or the pipelined dQ
+    walk; ``mapped``: walking tile sources."""
     cfg = attention.attn_config(128, torch.bfloat16)
     t = torch.empty(1, 300, 2, 128, dtype=torch.bfloat16)
     a_desc, b_desc, _ = attention_gluon.descriptors(t, t, t, 64, 64)
@@ -116,7 +107,7 @@ def gluon_bwd_facts(
     args = {"a_desc": a_desc, "b_desc": b_desc, "la_desc": la_desc, "lb_desc": lb_desc,
             "ord_ptr": torch.empty(1, dtype=torch.int64)}  # fmt: skip
     consts = {"D": 128, "STEP": 64, "STAGES": cfg.kv_stages, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma,
-              "ORDERED": ordered, "DQ": dq, "PIPE": pipe, "STATS_TMA": stats_tma, "PERSISTENT": persistent}  # fmt: skip
+              "ORDERED": ordered, "DQ": dq}  # fmt: skip
     _sources(args, consts, {"a_copy": a_desc, "b_copy": b_desc}, mapped)
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
@@ -144,32 +135,24 @@ def main() -> None:
     out = {}
     for ordered in (False, True):
         out[f"fwd_tma_ordered={ordered}"] = ptx_facts(
-            attention_tma._attn_fwd_tma_kernel, {**fwd, "WS": False, "ORDERED": ordered}, 4, 3
+            attention_tma._attn_fwd_tma_kernel, {**fwd, "ORDERED": ordered}, 4, 3
         )
     for tma in (False, True):
-        kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m, "FUSED": False}
+        kv = {**bwd, "USE_TMA": tma, "BLOCK_N": cfg.kv_n, "BLOCK_M": cfg.kv_m}
         out[f"dkdv_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, kv, cfg.kv_warps, cfg.kv_stages)
         dq = {**bwd, "USE_TMA": tma, "BLOCK_M": cfg.q_m, "BLOCK_N": cfg.q_n}
         out[f"dq_tma={tma}"] = ptx_facts(attention_bwd._dq_kernel, dq, cfg.q_warps, cfg.q_stages)
-        fused = {**kv, "FUSED": True}
-        out[f"fused_tma={tma}"] = ptx_facts(attention_bwd._dkdv_kernel, fused, cfg.kv_warps, cfg.kv_stages, True)
     for ordered in (False, True):
         out[f"fwd_gluon_ordered={ordered}"] = gluon_facts(ordered)
         out[f"dkdv_gluon_ordered={ordered}"] = gluon_bwd_facts(False, ordered)
         out[f"dq_gluon_ordered={ordered}"] = gluon_bwd_facts(True, ordered)
-    out["dq_gluon_pipe"] = gluon_bwd_facts(True, True, pipe=True)
-    out["dkdv_gluon_global_stats"] = gluon_bwd_facts(False, True, stats_tma=False)
-    out["dkdv_gluon_persistent"] = gluon_bwd_facts(False, True, persistent=True)
-    out["dq_gluon_persistent"] = gluon_bwd_facts(True, True, pipe=True, persistent=True)
     out["fwd_gluon_sources"] = gluon_facts(True, mapped=True)
     out["fwd_gluon_regstore"] = gluon_facts(False, tma_store=False)
     out["dkdv_gluon_sources"] = gluon_bwd_facts(False, True, mapped=True)
-    out["dq_gluon_sources"] = gluon_bwd_facts(True, True, pipe=True, mapped=True)
+    out["dq_gluon_sources"] = gluon_bwd_facts(True, True, mapped=True)
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
     for i, (tag, cfg) in enumerate(sorted(tilings.items())):
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
-    three = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)  # three consumers, a B tail
-    out["gemm_gluon:three_consumers"] = gemm_gluon_facts(three, bias=True)
     out["gemm_gluon:grouped_qkv"] = gemm_gluon_facts(gemm_configs.GLUON_GROUPED, bias=False, groups=3)
     json.dump(out, sys.stdout)
 

@@ -3,11 +3,14 @@ and head invariance, tilings with many programs, input validation and registry b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels import attention as attn
+from h3gate.kernels import attention_config, selection
 from h3gate.ops import reference, registry
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -43,40 +46,13 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize(
-    "cfg", [SMALL, FAST, attn.replace(SMALL, kv_n=32, kv_m=16, q_m=16, q_n=32)], ids=["small", "fast", "wide"]
-)
-@pytest.mark.parametrize("b,s,ordered", [(1, 70, False), (2, 37, True)])
-def test_one_pass_backward_has_the_three_kernel_bytes(cfg, b, s, ordered) -> None:
-    """``bwd_fused`` (a launch field): the dK/dV walk extends dQ's FP32 chains through a buffer, KV block after KV
-    block, in the dQ kernel's order, so dq, dk and dv are the three-kernel backward's bytes (masked tails, a batch
-    of 2, a permuted walk; the H200 probe compares the compiled kernels, perf-probe-17)."""
-    q, k, v = qkv(b, s)
-    grad = torch.randn(b, s, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
-    order = torch.randperm(s, generator=torch.Generator().manual_seed(3)) if ordered else None
-
-    def run(c):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        attn.attention_with(*leaves, c, order).backward(grad)
-        return [t.grad for t in leaves]
-
-    fused = attn.replace(cfg, bwd_fused=True)
-    assert fused.tag.endswith("_fused")
-    for got, want, name in zip(run(fused), run(cfg), ("dq", "dk", "dv"), strict=True):
-        assert torch.equal(got, want), name
-
-
-def test_gluon_backward_is_a_schedule_the_cpu_runs_as_the_triton_kernels() -> None:
-    """``bwd_gluon`` (a launch field: the same arithmetic in warp-specialised Gluon kernels, Hopper only) never changes
-    what runs where Gluon cannot: on the CPU the interpreter runs the Triton walks, so the bytes are the Triton ones;
-    the one-pass ``bwd_fused`` takes precedence when both are asked. The Gluon kernels' own bytes are compared on the
-    H200 (perf-probe-18/19) and their sm_90 build in ``test_sm90_compile``."""
-    q, k, v = qkv(1, 70)
-    grad = torch.randn(1, 70, 256, generator=torch.Generator().manual_seed(8)).to(BF16)
-    gluon = attn.replace(SMALL, bwd_gluon=True)
-    assert gluon.tag.endswith("_gluon") and not attn.uses_gluon(gluon, q, backward=True)
-    for got, want in zip(fwd_bwd(q, k, v, grad, gluon), fwd_bwd(q, k, v, grad, SMALL), strict=True):
-        assert torch.equal(got, want)
+def test_the_interpreter_runs_the_pointer_walks_at_every_length() -> None:
+    """The declared paths (manifests/operators/attention.yaml) on the CPU interpreter: the Triton pointer kernels for
+    the forward and the backward at every S (TMA and Gluon exist on CUDA only); the Gluon kernels' own bytes are
+    compared on the H200 and their sm_90 build in ``test_sm90_compile``."""
+    for s in (1, 511, 512, 2047, 2048, 38974):
+        assert attn.paths(torch.empty(1, s, 1, 128, dtype=BF16, device="meta")) == ("triton_pointer", "triton_pointer")
+    assert attn.launch_record(torch.empty(1, 9, 1, 128, dtype=BF16))["forward"] == "triton_pointer"
 
 
 def test_the_dkdv_walks_statistics_reach_tma_as_16_byte_rows_with_zeros_past_s() -> None:
@@ -97,10 +73,10 @@ def test_the_dkdv_walks_statistics_reach_tma_as_16_byte_rows_with_zeros_past_s()
 
 @pytest.mark.parametrize("side", [False, True], ids=["one_stream", "side_stream"])
 def test_the_gluon_walks_join_before_the_backward_returns(monkeypatch, side) -> None:
-    """``both_walks``: with ``SIDE_STREAM`` the dQ walk is enqueued on a side stream that first waits for the caller's
-    queue, after the dK/dV walk was enqueued on the caller's stream, and the caller's stream waits for the side
-    stream before returning (CUDA streams faked: the order of the calls is what is checked); without it, the two
-    walks run in order on the caller's stream and no stream is touched."""
+    """``both_walks``: with ``side_stream`` (``AttnLaunch``) the dQ walk is enqueued on a side stream that first waits
+    for the caller's queue, after the dK/dV walk was enqueued on the caller's stream, and the caller's stream waits for
+    the side stream before returning (CUDA streams faked: the order of the calls is what is checked); without it, the
+    two walks run in order on the caller's stream and no stream is touched."""
     import contextlib
 
     from h3gate.kernels import attention_bwd_gluon as gb
@@ -122,11 +98,10 @@ def test_the_gluon_walks_join_before_the_backward_returns(monkeypatch, side) -> 
         yield
         log.append(f"off {stream.name}")
 
-    monkeypatch.setattr(gb, "SIDE_STREAM", side)
     monkeypatch.setattr(gb.torch.cuda, "current_stream", lambda device: main)
     monkeypatch.setattr(gb.torch.cuda, "stream", on)
     monkeypatch.setattr(gb, "_side_stream", lambda device: other)
-    gb.both_walks(lambda: log.append("dkdv"), lambda: log.append("dq"), torch.device("cpu"))
+    gb.both_walks(lambda: log.append("dkdv"), lambda: log.append("dq"), torch.device("cpu"), side)
     if side:
         assert log == ["side waits main", "dkdv", "on side", "dq", "off side", "main waits side"]
     else:
@@ -303,63 +278,46 @@ def test_ws1_ops_attention_case_runs_with_the_chunked_golden(monkeypatch) -> Non
     assert "launch" not in substituted.record
 
 
-def test_launch_record_names_the_schedule_by_sequence_length(monkeypatch) -> None:
-    """``launch_record`` follows the dispatch: on a Hopper GPU (stubbed here: the predicates the kernels themselves
-    call) the warp-specialised Gluon forward from S = 512 and backward from 2048, the Triton pointer walks below; the
-    one-pass backward when the tiling asks for it (it takes precedence over ``bwd_gluon``)."""
-    monkeypatch.setattr(attn, "INTERPRET", False)
-    monkeypatch.setattr(attn, "hopper", lambda index: True)
-    from h3gate.kernels import attention_bwd, attention_tma
-
-    monkeypatch.setattr(attention_tma, "INTERPRET", False)
-    monkeypatch.setattr(attention_bwd, "INTERPRET", False)
-    cuda = torch.device("cuda", 0)
-
-    class Meta:  # a tensor's shape, dtype and device only (no CUDA here)
-        def __init__(self, s: int) -> None:
-            self.shape, self.dtype, self.device = (1, s, 56, 128), BF16, cuda
-
-    long, short, middle = attn.launch_record(Meta(3160)), attn.launch_record(Meta(264)), attn.launch_record(Meta(925))
-    table = attn.attn_config(128, BF16, 3160)
-    assert attn.uses_gluon(table, Meta(3160), backward=True)
-    assert not attn.uses_gluon(attn.replace(table, bwd_fused=True), Meta(3160), backward=True)
-    assert long["forward"] == long["backward"] == "gluon_warp_specialised" and not long["interpreted"]
-    assert short["forward"] == short["backward"] == "triton_pointer"
-    assert (middle["forward"], middle["backward"]) == ("gluon_warp_specialised", "triton_pointer")
-    assert long["tiling"] == attn.attn_config(128, BF16, 3160).tag != short["tiling"]
-    table = attn.ATTN_TABLE[(128, "bfloat16")]
-    monkeypatch.setitem(attn.ATTN_TABLE, (128, "bfloat16"), attn.replace(table, bwd_fused=True, fwd_gluon=False))
-    fused = attn.launch_record(Meta(3160))
-    assert fused["backward"] == "triton_one_pass" and fused["forward"] == "triton_tma"
+@pytest.mark.parametrize(
+    ("device", "s", "forward", "backward"),
+    [
+        ("cuda-sm90", 264, "triton_pointer", "triton_pointer"),
+        ("cuda-sm90", 511, "triton_pointer", "triton_pointer"),
+        ("cuda-sm90", 512, "gluon_warp_specialised", "triton_pointer"),
+        ("cuda-sm90", 925, "gluon_warp_specialised", "triton_pointer"),
+        ("cuda-sm90", 2048, "gluon_warp_specialised", "gluon_warp_specialised"),
+        ("cuda-sm90", 38974, "gluon_warp_specialised", "gluon_warp_specialised"),
+        ("cuda-other", 2047, "triton_pointer", "triton_pointer"),
+        ("cuda-other", 2048, "triton_tma", "triton_tma"),
+        ("cpu-interpreter", 38974, "triton_pointer", "triton_pointer"),
+    ],
+)
+def test_launch_record_names_the_declared_paths(monkeypatch, device, s, forward, backward) -> None:
+    """``launch_record`` names the paths the dispatch runs: the ones the manifest declares for the device class and
+    S (the device class stubbed: no GPU here); float32 (no declared table) runs the pointer walks everywhere."""
+    monkeypatch.setattr(selection, "device_class", lambda dev: device)
+    q = torch.empty(1, s, 56, 128, dtype=BF16, device="meta")
+    rec = attn.launch_record(q)
+    assert (rec["forward"], rec["backward"]) == attn.paths(q) == (forward, backward)
+    assert rec["tiling"] == attn.attn_config(128, BF16, s).tag
+    assert attn.paths(torch.empty(1, s, 56, 128, dtype=FP32, device="meta")) == ("triton_pointer", "triton_pointer")
 
 
 def test_launch_by_sequence_length(monkeypatch) -> None:
-    """S_BUCKETS changes only launch fields (block heights, warps, stages, load path), never the forward's KV walk
-    or the exp2/fma forms; the bucketed call and a 128-row pointer tiling give the same bytes, forward and backward
-    (S = 70: one 128-row block vs two 64-row blocks; the H200 probe checks the compiled MMAs and the TMA loads at
-    S = 264..38974)."""
+    """S_BUCKETS changes only launch fields (block heights, warps, stages), never the forward's KV walk or the
+    exp2/fma forms; the bucketed call and a 128-row pointer tiling give the same bytes, forward and backward (S = 70:
+    one 128-row block vs two 64-row blocks; the H200 probe checks the compiled MMAs at S = 264..38974)."""
     table = attn.attn_config(128, BF16)
     small = attn.attn_config(128, BF16, 264)
-    assert (small.fwd_m, small.fwd_warps, small.fwd_stages, small.fwd_tma, small.bwd_tma) == (128, 8, 3, False, False)
+    assert (small.fwd_m, small.fwd_warps, small.fwd_stages) == (128, 8, 3)
     assert small.fwd_n == table.fwd_n == 128 and attn.KERNEL_ID.endswith(":v2")  # the 128-key walk of kernel id v2
-    assert table.fwd_tma and table.fwd_gluon and table.bwd_tma and (table.kv_stages, small.kv_stages) == (4, 3)
-    assert not small.fwd_gluon and "fwd_gluon" in attn.LAUNCH_FIELDS
-    assert (
-        attn.replace(
-            small, fwd_m=64, fwd_tma=True, fwd_gluon=True, bwd_tma=True, bwd_gluon=True, kv_stages=4, q_stages=4
-        )
-        == table
-    )
-    assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16))  # the CPU runs the pointer kernel
-    assert not attn.uses_gluon(table, torch.empty(1, 4, 1, 128, dtype=BF16), backward=True)  # and the Triton backward
-    assert not small.bwd_gluon and "bwd_gluon" in attn.LAUNCH_FIELDS and table.tag.endswith("_gluon")
-    assert attn.attn_config(128, BF16, 511) == small and attn.attn_config(128, BF16, 2048) == table
-    # from 512 the Gluon forward (persistent, perf-probe-22), the backward still the pointer kernels below 2048
-    assert attn.attn_config(128, BF16, 512) == attn.attn_config(128, BF16, 2047) == attn.replace(small, fwd_gluon=True)
+    assert (table.kv_stages, small.kv_stages) == (4, 3)
+    assert replace(small, fwd_m=64, kv_stages=4, q_stages=4) == table
+    assert attn.attn_config(128, BF16, 2047) == small and attn.attn_config(128, BF16, 2048) == table
     assert attn.attn_config(128, FP32, 264) == attn.attn_config(128, FP32)  # no bucket declared for float32
     # heights of the rows a program owns (the interpreter sums a whole MMA tile before adding the accumulator, so the
     # reduction-step heights kv_m / q_n, bitwise on the GPU by the MMA's k-step chain, are compared there only)
-    tall = attn.replace(small, fwd_m=64, fwd_warps=4, kv_n=64, q_m=64)
+    tall = replace(small, fwd_m=64, fwd_warps=4, kv_n=64, q_m=64)
     seen = []
     real = attn._Attention.apply
     monkeypatch.setattr(attn._Attention, "apply", lambda *a: seen.append(a[4]) or real(*a))  # (q, k, v, order, cfg)
@@ -369,15 +327,12 @@ def test_launch_by_sequence_length(monkeypatch) -> None:
     assert seen == [small]
     for got, want, name in zip(bucketed, fwd_bwd(q, k, v, grad, tall), ("out", "dq", "dk", "dv"), strict=True):
         assert torch.equal(got, want), name
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 48}),))
+    key = (128, "bfloat16")
     with pytest.raises(AssertionError, match="power-of-two blocks"):
-        attn._check_s_buckets()
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_m": 32}),))  # mma.sync: other bytes
-    with pytest.raises(AssertionError, match=">= 64 rows"):
-        attn._check_s_buckets()
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {}), (512, {})))
+        attention_config._check_s_buckets({key: ((8192, {"fwd_m": 48}),)})
+    with pytest.raises(AssertionError, match=">= 64 rows"):  # mma.sync: other bytes
+        attention_config._check_s_buckets({key: ((8192, {"fwd_m": 32}),)})
     with pytest.raises(AssertionError, match="ascending bounds"):
-        attn._check_s_buckets()
-    monkeypatch.setitem(attn.S_BUCKETS, (128, "bfloat16"), ((8192, {"fwd_n": 128}),))
+        attention_config._check_s_buckets({key: ((8192, {}), (512, {}))})
     with pytest.raises(AssertionError, match=r"\['fwd_n'\] are not launch fields"):
-        attn._check_s_buckets()
+        attention_config._check_s_buckets({key: ((8192, {"fwd_n": 128}),)})

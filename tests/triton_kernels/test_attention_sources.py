@@ -5,10 +5,13 @@ past S (the kernels' own bytes are compared on the H200: perf-probe-28 / -29). H
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from h3gate.kernels.attention import attn_config, gather_rows
+from h3gate.kernels.attention_config import PRODUCTION, attn_config
+from h3gate.kernels.attention_math import gather_rows
 from h3gate.kernels.attention_sources import TileSources, canonical_tile, copied_tiles, tile_sources
 
 
@@ -131,9 +134,8 @@ def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_ti
     from h3gate.kernels import attention_bwd_gluon as gb
     from h3gate.kernels import attention_gluon as gf
 
-    monkeypatch.setattr(gf, "TILE_SOURCES", sources)
-    monkeypatch.setattr(gf, "_num_sms", lambda device: 4)
-    monkeypatch.setattr(gb, "_num_sms", lambda device: 4)
+    launch = replace(PRODUCTION, tile_sources=sources)
+    monkeypatch.setattr(gf, "num_sms", lambda device: 4)
     fwd, bwd = _Launch(), _Launch()
     monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
     monkeypatch.setattr(gb, "_bwd_ws_kernel", bwd)
@@ -143,11 +145,11 @@ def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_ti
         torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(4)
     )
     cfg = attn_config(d, torch.bfloat16)
-    assert cfg.fwd_n == 128 and cfg.bwd_gluon
-    gf.forward_gluon_ws(q, k, v, cfg, order)
+    assert cfg.fwd_n == 128
+    gf.forward_gluon_ws(q, k, v, cfg, order, launch)
     lse = torch.zeros(b * h, s)
-    gb._launch(q, do, k, v, k, v, lse, lse, order, cfg, 1.0, 1.0, dq=False)
-    gb._launch(k, v, q, do, q, q, lse, lse, order, cfg, 1.0, 1.0, dq=True)
+    gb._launch(q, do, k, v, k, v, lse, lse, order, cfg, 1.0, 1.0, False, launch)
+    gb._launch(k, v, q, do, q, q, lse, lse, order, cfg, 1.0, 1.0, True, launch)
     ((f_args, _),) = fwd.calls
     launches = [(f_args[:3], f_args[6], f_args[7:10], 128, (q, k, v))]
     for (args, _), walked in zip(bwd.calls, ((q, do), (k, v)), strict=True):
@@ -169,10 +171,10 @@ def test_the_gluon_launches_hand_the_kernels_packed_operands_and_their_copied_ti
 def test_the_gluon_forward_stores_its_output_by_tma_from_the_declared_rows_on(monkeypatch, s) -> None:
     """The Gluon forward's output descriptor is the returned tensor itself, (1, 64, D) boxes of its (B, S, nh * D)
     rows (a box's rows past S are dropped, not written into the next item), and the kernel is told to store by TMA
-    exactly from ``TMA_STORE_FROM`` rows on (the launch faked; the bytes are the H200's, perf-probe-33)."""
+    exactly from ``AttnLaunch.tma_store_from`` rows on (the launch faked; the bytes are the H200's, perf-probe-33)."""
     from h3gate.kernels import attention_gluon as gf
 
-    monkeypatch.setattr(gf, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(gf, "num_sms", lambda device: 4)
     fwd = _Launch()
     monkeypatch.setattr(gf, "_attn_fwd_ws_kernel", fwd)
     b, h, d = 2, 2, 128
@@ -182,4 +184,4 @@ def test_the_gluon_forward_stores_its_output_by_tma_from_the_declared_rows_on(mo
     o_desc = args[10]
     assert _rows(o_desc).data_ptr() == out.data_ptr() and list(o_desc.shape) == [b, s, h * d]
     assert list(o_desc.block_shape) == [1, 64, d]
-    assert kw["TMA_STORE"] is (s >= gf.TMA_STORE_FROM) and gf.TMA_STORE_FROM == 2048
+    assert kw["TMA_STORE"] is (s >= PRODUCTION.tma_store_from) and PRODUCTION.tma_store_from == 2048

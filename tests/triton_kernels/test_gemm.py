@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from h3gate.errors import InputError
-from h3gate.kernels import gemm, gemm_configs
+from h3gate.kernels import gemm, gemm_configs, gemm_triton
 from h3gate.kernels.gemm_configs import BF16_SKINNY, GemmConfig, gemm_config
 from h3gate.manifests.model_config import load_config
 from h3gate.ops import registry
@@ -156,34 +156,34 @@ def test_config_is_chosen_without_m(monkeypatch) -> None:
     assert gemm_config("fwd", 96768, 2688, BF16).block_m == BF16_SKINNY.block_m
 
 
-def test_m_buckets_change_tile_shape_never_k_tiling_nor_bytes(monkeypatch) -> None:
+def test_m_buckets_change_tile_shape_never_k_tiling_nor_bytes() -> None:
     """A layer listed in M_BUCKETS takes the first bucket whose bound exceeds M, TABLE from the last bound on; every
-    tiling shares BLOCK_K; a row's bytes are the same whichever bucket its call fell in (interpreter here; the H200
-    probe and ws1-ops check the compiled MMA)."""
+    tiling shares BLOCK_K; a row's bytes are the same whichever bucket's tiling computes it (interpreter here; the
+    H200 probe and ws1-ops check the compiled MMA)."""
     large = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=2)
     tiny = GemmConfig(16, 64, 32, group_m=1, num_warps=4, num_stages=3, persistent=True)
     mid = GemmConfig(64, 16, 32, group_m=4, num_warps=4, num_stages=2, persistent=True)
     key = ("fwd", 96, 130, "bfloat16")
-    monkeypatch.setitem(gemm_configs.TABLE, key, large)
-    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((8, {key: tiny}), (24, {key: mid})))
-    assert gemm_config("fwd", 96, 130, BF16, 7) == tiny
-    assert gemm_config("fwd", 96, 130, BF16, 8) == mid and gemm_config("fwd", 96, 130, BF16, 23) == mid
-    assert gemm_config("fwd", 96, 130, BF16, 24) == large and gemm_config("fwd", 96, 130, BF16) == large
-    assert gemm_config("dx", 96, 130, BF16, 7) == gemm_config("dx", 96, 130, BF16)  # buckets are forward-only
+    tables = {"buckets": ((8, {key: tiny}), (24, {key: mid})), "table": {key: large}}
+    assert gemm_config("fwd", 96, 130, BF16, 7, **tables) == tiny
+    assert gemm_config("fwd", 96, 130, BF16, 8, **tables) == mid == gemm_config("fwd", 96, 130, BF16, 23, **tables)
+    assert gemm_config("fwd", 96, 130, BF16, 24, **tables) == large == gemm_config("fwd", 96, 130, BF16, **tables)
+    assert gemm_config("dx", 96, 130, BF16, 7, **tables) == gemm_config("dx", 96, 130, BF16)  # forward-only buckets
     x, w, b = make(37, 130, 96, BF16)
-    y_large = gemm.linear(x, w, b)
-    assert torch.equal(gemm.linear(x[:5], w, b), y_large[:5])
-    assert torch.equal(gemm.linear(x[:17], w, b), y_large[:17])
+
+    def run(rows: int, cfg: GemmConfig) -> torch.Tensor:
+        out = torch.empty(rows, 96, dtype=BF16)
+        return gemm_triton.matmul(x[:rows], w, out, b, cfg, a_trans=False, b_trans=True)
+
+    y_large = run(37, large)
+    assert torch.equal(run(5, tiny), y_large[:5]) and torch.equal(run(17, mid), y_large[:17])
     # The import-time check refuses a bucket entry that would change the K tiling, and bounds out of order.
-    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((8, {key: tiny}), (24, {key: GemmConfig(16, 64, 64)})))
     with pytest.raises(AssertionError, match=r"M_BUCKETS\[M < 24\].*BLOCK_K must equal"):
-        gemm_configs._check_m_buckets()
-    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((24, {key: mid}), (8, {key: tiny})))
+        gemm_configs._check_m_buckets(((8, {key: tiny}), (24, {key: GemmConfig(16, 64, 64)})), tables["table"])
     with pytest.raises(AssertionError, match="bounds must strictly ascend"):
-        gemm_configs._check_m_buckets()
-    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((8, {}), (24, {key: mid})))  # M < 8 would skip to TABLE
-    with pytest.raises(AssertionError, match="every bucket must list the same layers"):
-        gemm_configs._check_m_buckets()
+        gemm_configs._check_m_buckets(((24, {key: mid}), (8, {key: tiny})), tables["table"])
+    with pytest.raises(AssertionError, match="every bucket must list the same layers"):  # M < 8 would skip to TABLE
+        gemm_configs._check_m_buckets(((8, {}), (24, {key: mid})), tables["table"])
 
 
 def test_shipped_m_buckets_keep_the_k_tiling() -> None:
@@ -231,8 +231,8 @@ def test_tail_split_covers_every_column_with_the_same_bytes(monkeypatch, a_trans
     tailed = GemmConfig(16, 32, 32, group_m=2, num_warps=4, num_stages=2, persistent=True, tail_block_n=16)
     m, k = 20, 70  # 2 row tiles
     assert gemm_configs.tail_split(2, n, 32, 16, 3) == split
-    spy = _LaunchSpy(gemm._gemm_kernel)
-    monkeypatch.setattr(gemm, "_gemm_kernel", spy)
+    spy = _LaunchSpy(gemm_triton._gemm_kernel)
+    monkeypatch.setattr(gemm_triton, "_gemm_kernel", spy)
     g = torch.Generator().manual_seed(3)
     a = torch.randn(k, m, generator=g).to(dtype) if a_trans else torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, k, generator=g).to(dtype) if b_trans else torch.randn(k, n, generator=g).to(dtype)
@@ -240,7 +240,7 @@ def test_tail_split_covers_every_column_with_the_same_bytes(monkeypatch, a_trans
     outs = []
     for cfg in (wide, tailed):
         out = torch.full((m, n), float("nan"), dtype=dtype)
-        outs.append(gemm.matmul(a, b, out, b_vec, cfg, a_trans=a_trans, b_trans=b_trans))
+        outs.append(gemm_triton.matmul(a, b, out, b_vec, cfg, a_trans=a_trans, b_trans=b_trans))
     assert spy.tails == [0, 16]  # the second launch really ran the tail phase
     assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1])
     a64 = a.double().T if a_trans else a.double()
@@ -344,37 +344,34 @@ def test_no_grad_calls_skip_autograd_but_not_the_kernel(monkeypatch) -> None:
         gemm.linear(x.clone().requires_grad_(), w, b)
 
 
-def test_ws1_ops_prefix_probe_crosses_the_m_bucket(monkeypatch) -> None:
-    """ws1-ops runs a GEMM case's first rows alone (M = 7, the first M bucket) against the full call (the large tiling
-    here): bitwise with the real kernel, and caught when a kernel's bytes depend on M."""
+def test_ws1_ops_prefix_probe_crosses_the_m_bucket() -> None:
+    """ws1-ops runs a GEMM case's first rows alone (M = 7) against the full call (M = 20): bitwise for a kernel whose
+    tiling follows an M bucket (the two calls really take two tilings of one K walk), and caught when a kernel's bytes
+    depend on M."""
     from h3gate.runs import ws1_ops as opsgate
 
     cfg = load_config("tiny").config
-    key = ("fwd", cfg.hidden_size, cfg.inner_dim, "bfloat16")  # the o projection: inner_dim -> hidden
     large, small = GemmConfig(32, 32, 32, group_m=2, num_stages=2), GemmConfig(16, 64, 32, group_m=1, persistent=True)
-    monkeypatch.setitem(gemm_configs.TABLE, key, large)
-    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((16, {key: small}),))  # the tiny case's 20 rows: large tiling
-    seen: list[tuple[int, GemmConfig]] = []
-    real_matmul = gemm.matmul
-
-    def spy(a, b, out, bias, cfg_, **kw):
-        seen.append((out.shape[0], cfg_))
-        return real_matmul(a, b, out, bias, cfg_, **kw)
-
-    monkeypatch.setattr(gemm, "matmul", spy)
     op = "h3_attention_o_gemm"
-    result = opsgate.run_case(op, 20, cfg, "cpu", seed=1, backward=False)
+    seen: list[tuple[int, GemmConfig]] = []
+
+    def bucketed(x, weight, bias=None):  # the strict forward's launch with a tiling chosen by M (bucket bound 16)
+        rows = x.numel() // x.shape[-1]
+        tile = small if rows < 16 else large
+        seen.append((rows, tile))
+        out = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        gemm_triton.matmul(x.reshape(rows, -1), weight, out, bias, tile, a_trans=False, b_trans=True)
+        return out.view(*x.shape[:-1], -1)
+
+    result = opsgate.run_case(op, 20, cfg, "cpu", seed=1, backward=False, kernel=bucketed)
     prefix = result.record["invariance"]["prefix"]
     assert prefix == {"rows": 7, "forward": True} and not result.failures
     assert (20, large) in seen and (7, small) in seen  # the two calls really took the two tilings
 
-    real = gemm.linear
-
-    def m_dependent(x, weight, bias=None, *, op="linear"):
-        y = real(x, weight, bias, op=op)
+    def m_dependent(x, weight, bias=None):  # the strict kernel, one ulp off below 16 rows
+        y = gemm.linear(x, weight, bias, op=op)
         return y if x.numel() // x.shape[-1] >= 16 else torch.nextafter(y, torch.full_like(y, float("inf")))
 
-    monkeypatch.setattr(gemm, "linear", m_dependent)
-    result = opsgate.run_case(op, 20, cfg, "cpu", seed=1, backward=False)
+    result = opsgate.run_case(op, 20, cfg, "cpu", seed=1, backward=False, kernel=m_dependent)
     assert result.record["invariance"]["prefix"]["forward"] is False
     assert any("invariance prefix.forward not bitwise" in f for f in result.failures)

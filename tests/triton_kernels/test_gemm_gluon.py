@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from h3gate.kernels import gemm, gemm_configs
+from h3gate.kernels import gemm, gemm_configs, selection
 from h3gate.kernels.gemm_configs import GemmConfig
 
 gemm_gluon = pytest.importorskip("h3gate.kernels.gemm_gluon")  # Triton's Gluon (3.6 and later)
@@ -32,9 +32,8 @@ def _weight(n: int, k: int, dtype: torch.dtype = BF16) -> SimpleNamespace:
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """A Hopper GPU outside the interpreter, as the dispatch sees it."""
-    monkeypatch.setattr(gemm_configs, "INTERPRET", False)
-    monkeypatch.setattr(gemm_configs, "hopper", lambda index: True)
+    """A Hopper GPU outside the interpreter, as the path selection sees it."""
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
 
 
 @pytest.mark.parametrize(
@@ -50,29 +49,34 @@ def hopper(monkeypatch):
         ((96768, 2688), 2, None),  # not a block layer: the Triton kernel at every M
     ],
 )
-def test_forward_runs_gluon_where_its_buckets_list_the_layer(hopper, layer, m, tag) -> None:
+def test_forward_runs_gluon_where_the_manifest_declares_it(hopper, layer, m, tag) -> None:
     n, k = layer
     x, w = _stub(m, k), _weight(n, k)
-    got = gemm_configs.gluon_tiling(x, w)
-    assert (got.tag if got else None) == tag
+    path, cfg = gemm.forward_plan(x, w)
+    assert (cfg.tag if path == "gluon_warp_specialised" else None) == tag
     rec = gemm.launch_record(x, w)
-    ran = got or gemm_configs.gemm_config("fwd", n, k, BF16, m)
-    assert rec["forward"] == {"tiling": ran.tag, "tma": ran.tma,
-                              "kernel": "gluon_warp_specialised" if tag else "triton"}  # fmt: skip
+    want = "gluon_warp_specialised" if tag else ("triton_swapped" if cfg.swap_ab else "triton")
+    assert rec["forward"] == {"tiling": cfg.tag, "tma": cfg.tma, "kernel": want} and path == want
     assert rec["dx"]["kernel"] == rec["dw"]["kernel"] == "triton"  # the backward is the Triton kernel's
 
 
 def test_gluon_never_runs_interpreted_off_hopper_or_outside_bfloat16(monkeypatch, hopper) -> None:
     n, k = QKV
-    assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is not None
-    assert gemm_configs.gluon_tiling(_stub(264, k, torch.float32), _weight(n, k, torch.float32)) is None
-    assert gemm_configs.gluon_tiling(_stub(264, k, device="cpu"), _weight(n, k)) is None
-    assert gemm_configs.gluon_tiling(_stub(0, k), _weight(n, k)) is None  # an empty call: nothing to launch
-    monkeypatch.setattr(gemm_configs, "hopper", lambda index: False)
-    assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is None
-    monkeypatch.setattr(gemm_configs, "hopper", lambda index: True)
-    monkeypatch.setattr(gemm_configs, "INTERPRET", True)
-    assert gemm_configs.gluon_tiling(_stub(264, k), _weight(n, k)) is None
+    assert gemm.forward_plan(_stub(264, k), _weight(n, k))[0] == "gluon_warp_specialised"
+    assert gemm.forward_plan(_stub(264, k, torch.float32), _weight(n, k, torch.float32))[0] == "triton"
+    for other in ("cuda-other", "cpu-interpreter"):
+        monkeypatch.setattr(selection, "device_class", lambda device, other=other: other)
+        assert gemm.forward_plan(_stub(264, k), _weight(n, k))[0] == "triton_swapped"
+
+
+def test_the_device_class_is_the_interpreter_hopper_or_another_gpu(monkeypatch) -> None:
+    monkeypatch.setattr(selection, "INTERPRET", True)
+    assert selection.device_class(torch.device("cuda", 0)) == selection.device_class(torch.device("cpu"))
+    assert selection.device_class(torch.device("cpu")) == "cpu-interpreter"
+    monkeypatch.setattr(selection, "INTERPRET", False)
+    for hop, name in ((True, "cuda-sm90"), (False, "cuda-other")):
+        monkeypatch.setattr(selection, "hopper", lambda index, hop=hop: hop)
+        assert selection.device_class(torch.device("cuda", 0)) == name
 
 
 def test_cpu_calls_record_the_triton_kernel() -> None:
@@ -86,36 +90,32 @@ def test_shipped_gluon_buckets_keep_each_layers_k_tiling() -> None:
     assert bounds == [512, 1024, 8192, None]
     for _, table in gemm_configs.GLUON_BUCKETS:
         for key, cfg in table.items():
-            assert cfg.gluon and cfg.block_m in (128, 192) and cfg.block_k == gemm_configs.TABLE[key].block_k, key
+            assert cfg.gluon and cfg.block_m == 128 and cfg.block_k == gemm_configs.TABLE[key].block_k, key
 
 
-def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order(monkeypatch) -> None:
+def test_gluon_bucket_check_rejects_a_changed_k_tiling_or_order() -> None:
     key = ("fwd", *QKV, "bfloat16")
     bad = replace(gemm_configs._GLUON_WIDE, block_k=128)
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((None, {key: bad}),))
     with pytest.raises(AssertionError, match=r"GLUON_BUCKETS\[M < None\].*BLOCK_K"):
-        gemm_configs._check_gluon_buckets()
+        gemm_configs._check_gluon_buckets(((None, {key: bad}),))
     odd = ("fwd", 7, 64, "bfloat16")  # 14-byte weight rows: no TMA descriptor
-    monkeypatch.setitem(gemm_configs.TABLE, odd, GemmConfig(128, 256, 64))
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((None, {odd: gemm_configs._GLUON_WIDE}),))
     with pytest.raises(AssertionError, match="16-byte aligned"):
-        gemm_configs._check_gluon_buckets()
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((1024, {}), (512, {}), (None, {})))
+        gemm_configs._check_gluon_buckets(((None, {odd: gemm_configs._GLUON_WIDE}),), {odd: GemmConfig(128, 256, 64)})
     with pytest.raises(AssertionError, match="strictly ascend"):
-        gemm_configs._check_gluon_buckets()
-    monkeypatch.setattr(gemm_configs, "GLUON_BUCKETS", ((512, {}),))
+        gemm_configs._check_gluon_buckets(((1024, {}), (512, {}), (None, {})))
     with pytest.raises(AssertionError, match="end with None"):
-        gemm_configs._check_gluon_buckets()
+        gemm_configs._check_gluon_buckets(((512, {}),))
 
 
 @pytest.mark.parametrize(
     "fields",
     [
-        {"block_m": 64},  # two or three consumers of 64 rows: 128 or 192
-        {"block_m": 256},  # four consumers' accumulators do not fit the register file
+        {"block_m": 64},  # two consumers of 64 rows: 128
+        {"block_m": 192},  # three consumers: measured slower than two, not shipped
+        {"tail_m": 16},  # a B tail only on swapped tiles
         {"num_warps": 8},  # one warpgroup a consumer: the tag would misstate the launch
         {"block_n": 136},  # register tiles are powers of two: 128 + a tail of 8 instead
-        {"tail_m": 4},  # the MMA's N is at least 8
+        {"swap_ab": True, "tail_m": 4},  # the MMA's N is at least 8
         {"swap_ab": True, "tail_block_n": 128},  # narrow tiles only unswapped
         {"tail_block_n": 256},  # narrower than the wide tile
     ],
@@ -137,17 +137,11 @@ def _dealt(p, programs: int) -> tuple[list[int], list[int]]:
     return wide, narrow
 
 
-# Three consumers of 64 rows with a B tail (192 x (128 + 64)), beside the shipped tilings.
-THREE_CONSUMERS = replace(gemm_configs._GLUON_WIDE, block_m=192, block_n=128, tail_m=64)
-
-
 @pytest.mark.parametrize("m", [1, 7, 136, 137, 191, 192, 193, 264, 300, 925, 3160, 38974])
 def test_every_output_tile_is_computed_exactly_once(m) -> None:
-    """For every shipped Gluon tiling (and a three-consumer one): A tiles cover the A rows, wide tiles the B rows up
-    to the split, narrow tiles the rest, the K chunks all of K, and the persistent deal hands each tile to exactly
-    one program."""
+    """For every shipped Gluon tiling: A tiles cover the A rows, wide tiles the B rows up to the split, narrow tiles
+    the rest, the K chunks all of K, and the persistent deal hands each tile to exactly one program."""
     tilings = {cfg.tag: cfg for _, table in gemm_configs.GLUON_BUCKETS for cfg in table.values()}
-    tilings[THREE_CONSUMERS.tag] = THREE_CONSUMERS
     for cfg in tilings.values():
         for n, k in (QKV, O_PROJ, GATE_UP, DOWN):
             p = gemm_gluon.plan(m, n, k, cfg, programs=132)
@@ -172,28 +166,21 @@ def test_small_m_tilings_fill_one_wave_at_the_tiny_layout() -> None:
     assert gemm_gluon.plan(264, *O_PROJ, cfg_o, 132).grid == 126
 
 
-def test_three_consumers_load_a_in_64_row_boxes_and_store_both_parts_by_tma(monkeypatch) -> None:
-    """TMA boxes are powers of two: a 192-row A tile is three 64-row boxes (one a consumer), a 128-row one a single
-    box; the B tail's columns get their own C box where the wide tile is stored by TMA, none when it is swapped or
-    the knob stores it from registers. Three consumers launch with 16 warps' registers (16 x 128 = 64K)."""
+def test_descriptors_and_constants_follow_the_orientation() -> None:
+    """Unswapped tiles (the wide tiling) load the 128-row A tile as one box and are stored by TMA, a consumer's
+    (64, block_n) box each; swapped ones (W as A, a B tail of tokens) are stored from registers, so they get no C box.
+    Two consumers launch with 12 warps' registers (12 x 168 <= 64K)."""
     x, w = torch.zeros(300, 256, dtype=BF16), torch.zeros(512, 256, dtype=BF16)
     y = torch.zeros(300, 512, dtype=BF16)
-    d = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
-    a, b, bt, bn, c, ct = (d[f"{n}_desc"] for n in ("a", "b", "bt", "bn", "c", "ct"))
-    assert d["b1_desc"] is d["b2_desc"] is d["c1_desc"] is d["c2_desc"] is None  # grouped launches only
-    assert a.block_shape == [64, 64] and b.block_shape == [128, 64] and bt.block_shape == [64, 64] and bn is None
-    assert c.block_shape == [64, 128] and ct.block_shape == [64, 64]
-    consts = gemm_gluon.launch_constants(THREE_CONSUMERS, split=False, bias=False)
-    assert (consts["A_ROWS"], consts["A_BOX"], consts["TMA_STORE"], consts["maxnreg"]) == (192, 64, True, 128)
-    assert 3 * 128 * consts["REGS_C"] + 128 * consts["REGS_P"] <= 16 * 32 * consts["maxnreg"] == 65536
     wide = gemm_configs._GLUON_WIDE
-    assert gemm_gluon.descriptors(x, w, y, wide, split=False)["a_desc"].block_shape == [128, 64]
+    d = gemm_gluon.descriptors(x, w, y, wide, split=False)
+    assert d["b1_desc"] is d["b2_desc"] is d["c1_desc"] is d["c2_desc"] is None  # grouped launches only
+    assert d["a_desc"].block_shape == [128, 64] and d["b_desc"].block_shape == [256, 64] and d["bt_desc"] is None
+    assert d["c_desc"].block_shape == [64, 256] and d["bn_desc"] is None
     two = gemm_gluon.launch_constants(wide, split=False, bias=True)
-    assert (two["A_ROWS"], two["A_BOX"], two["maxnreg"]) == (128, 128, 168) and 12 * 32 * 168 <= 65536
-    monkeypatch.setattr(gemm_gluon_plan, "TAIL_TMA_STORE", False)
-    d = gemm_gluon.descriptors(x, w, y, THREE_CONSUMERS, split=False)
-    assert d["c_desc"] is None and d["ct_desc"] is None
-    assert not gemm_gluon.launch_constants(THREE_CONSUMERS, False, False)["TMA_STORE"]
+    assert (two["A_ROWS"], two["TMA_STORE"], two["maxnreg"]) == (128, True, 168)
+    assert 2 * 128 * two["REGS_C"] + 128 * two["REGS_P"] <= 12 * 32 * two["maxnreg"] <= 65536
     swapped = gemm_configs._GLUON_SWAP8
     d = gemm_gluon.descriptors(x, w, y, swapped, split=False)
-    assert d["c_desc"] is None and d["ct_desc"] is None
+    assert d["c_desc"] is None and d["bt_desc"].block_shape == [8, 64]
+    assert not gemm_gluon.launch_constants(swapped, False, False)["TMA_STORE"]

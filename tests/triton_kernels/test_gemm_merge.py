@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from h3gate.errors import InputError
-from h3gate.kernels import gemm, gemm_merge
-from h3gate.kernels.gemm_merge import combine, finish, linear_merge, owned_segments, rank_slice, segment_partials
+from h3gate.kernels import gemm, gemm_merge, gemm_triton
+from h3gate.kernels.gemm_merge import linear_merge, rank_slice, segment_partials
+from h3gate.kernels.merge_tree import combine, finish, owned_segments
 from h3gate.kernels.row_merge import one_device
 from h3gate.kernels.rows_seg8 import linear_row_grads
 from h3gate.manifests.model_config import load_config
@@ -167,7 +168,7 @@ def test_each_segment_is_the_single_walk_kernel_on_its_slice(dtype) -> None:
     for j in range(8):
         xs, ws = x[:, bounds[j] : bounds[j + 1]].contiguous(), w[:, bounds[j] : bounds[j + 1]].contiguous()
         part = segment_partials(xs, ws, range(j, j + 1), (n, k), "fwd")
-        single = gemm.matmul(
+        single = gemm_triton.matmul(
             xs, ws, torch.empty((m, n), dtype=FP32, device=DEVICE), None, cfg, a_trans=False, b_trans=True
         )
         assert torch.equal(part, single), f"segment {j}"

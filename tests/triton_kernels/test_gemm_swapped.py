@@ -5,11 +5,13 @@ the H200 (``docs/measurements/perf-probe-11.json``, ws1-ops' prefix probe) and i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from h3gate.kernels import gemm, gemm_configs, gemm_swapped
+from h3gate.kernels import gemm, gemm_configs, gemm_swapped, gemm_triton
 from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -38,7 +40,7 @@ def make(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0, integer: boo
 
 def run(x, w, b, cfg: GemmConfig) -> torch.Tensor:
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
-    return gemm.matmul(x, w, out, b, cfg, a_trans=False, b_trans=True)
+    return gemm_triton.matmul(x, w, out, b, cfg, a_trans=False, b_trans=True)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
@@ -84,13 +86,20 @@ def test_swapped_equals_unswapped_bytes_and_rounds_once(cfg) -> None:
     assert torch.equal(run(x, w, b, cfg), run(x, w, b, UNSWAPPED))
 
 
-def test_bucket_dispatches_swapped_forward_and_backward_stays_unswapped(monkeypatch) -> None:
-    """An M bucket naming a swapped tiling runs the swapped kernel for the forward only (dX/dW keep their roles'
-    tilings); forward and gradients match float64, and the rows equal the large-M call's rows."""
-    key = ("fwd", 96, 130, "bfloat16")
+def test_the_swapped_path_runs_the_swapped_forward_and_an_unswapped_backward(monkeypatch) -> None:
+    """The declared path ``triton_swapped`` (the block's layers at few rows off Hopper: manifests/operators/gemm.yaml)
+    runs the swapped kernel for the forward only (dX/dW keep their roles' tilings); forward and gradients match
+    float64, and the rows equal the unswapped call's rows. The plan is stubbed to a small layer (the real ones are too
+    large for the interpreter); the real qkv layer's plan at 264 rows is that path with a swapped tiling."""
+    qkv = SimpleNamespace(shape=(7168, 5376), dtype=BF16), SimpleNamespace(device=torch.device("cpu"), dtype=BF16)
+    path, tiling = gemm.forward_plan(SimpleNamespace(numel=lambda: 264 * 5376, **vars(qkv[1])), qkv[0])
+    assert path == "triton_swapped" and tiling.swap_ab
     swapped = GemmConfig(16, 32, 32, 1, 4, 2, swap_ab=True, tail_m=16)
-    monkeypatch.setattr(gemm_configs, "M_BUCKETS", ((24, {key: swapped}),))
-    monkeypatch.setitem(gemm_configs.TABLE, key, UNSWAPPED)
+
+    def plan(x, weight):
+        return ("triton_swapped", swapped) if x.numel() // x.shape[-1] < 24 else ("triton", UNSWAPPED)
+
+    monkeypatch.setattr(gemm, "forward_plan", plan)
     calls: list[int] = []  # TAIL_M of each swapped launch
     real = gemm_swapped._gemm_swapped_kernel
 
@@ -104,7 +113,6 @@ def test_bucket_dispatches_swapped_forward_and_backward_stays_unswapped(monkeypa
 
     monkeypatch.setattr(gemm_swapped, "_gemm_swapped_kernel", Spy())
     x, w, b = make(20, 130, 96, BF16, integer=True)
-    assert gemm_config("fwd", 96, 130, BF16, 20) == swapped
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     golden = [t.double().requires_grad_() for t in (x, w, b)]
     gy = torch.randn(20, 96, generator=torch.Generator().manual_seed(1)).to(BF16)
@@ -115,7 +123,7 @@ def test_bucket_dispatches_swapped_forward_and_backward_stays_unswapped(monkeypa
     assert torch.equal(y.detach(), F.linear(*golden).detach().to(BF16))
     for got, want, name in zip(leaves, golden, ("dx", "dw", "db"), strict=True):
         assert rel(got.grad, want.grad) < TOL[BF16], name
-    big = torch.cat([x, make(30, 130, 96, BF16, seed=4, integer=True)[0]])  # 50 rows: TABLE's tiling
+    big = torch.cat([x, make(30, 130, 96, BF16, seed=4, integer=True)[0]])  # 50 rows: the unswapped tiling
     assert torch.equal(gemm.linear(big, w, b)[:20], y.detach())
 
 
@@ -130,7 +138,7 @@ def test_swapped_config_validation() -> None:
             GemmConfig(32, 32, 32, **{"group_m": 1, **bad}, swap_ab=True)
     x, w, b = make(5, 64, 32, BF16)
     with pytest.raises(ValueError, match="swap_ab is a forward tiling"):
-        gemm.matmul(x, w.T.contiguous(), torch.empty(5, 32, dtype=BF16), None, SWAPS[0].values[0], a_trans=False,
+        gemm_triton.matmul(x, w.T.contiguous(), torch.empty(5, 32, dtype=BF16), None, SWAPS[0].values[0], a_trans=False,
                     b_trans=False)  # fmt: skip
     assert GemmConfig(256, 64, 64, 1, 4, 4, tma=True, swap_ab=True, tail_m=16).tag == "256x64x64_g1_w4_s4_tma_swap16"
 

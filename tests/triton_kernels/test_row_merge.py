@@ -13,9 +13,10 @@ import torch
 from h3gate.errors import InputError
 from h3gate.kernels.elementwise import gate_residual
 from h3gate.kernels.gather import table_grad
-from h3gate.kernels.gemm import linear, matmul
+from h3gate.kernels.gemm import linear
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
+from h3gate.kernels.gemm_triton import matmul
 from h3gate.kernels.norms import rmsnorm_modulate
 from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows, row_bounds
 from h3gate.kernels.rows_seg8 import (

@@ -10,7 +10,8 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels.gemm import linear
-from h3gate.kernels.gemm_merge import owned_segments, segment_partials
+from h3gate.kernels.gemm_merge import segment_partials
+from h3gate.kernels.merge_tree import owned_segments
 from h3gate.kernels.norms import qk_rmsnorm
 from h3gate.kernels.tp_layers import (
     ColumnLinear,
