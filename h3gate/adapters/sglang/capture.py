@@ -75,7 +75,9 @@ from dataclasses import dataclass
 
 import torch
 
+from h3gate.adapters.sglang.forcing import Forcing, isolation_gaps
 from h3gate.adapters.sglang.inputs import Packing, forward_kwargs, unpack_outputs
+from h3gate.adapters.sglang.points import Key, Point, point_key
 from h3gate.adapters.sglang.runtime import degrees
 from h3gate.errors import InputError
 from h3gate.graph.core import Graph
@@ -89,18 +91,6 @@ ABSENT = {
     "rope_q": "the attention backend's forward_varlen was not called (Ulysses head-group pipelining fills q/k itself)",
     "rope_k": "the attention backend's forward_varlen was not called (Ulysses head-group pipelining fills q/k itself)",
 }
-
-
-@dataclass(frozen=True)
-class Point:
-    """Where one h3gate node is read: SGLang module ``module``, ``where`` in ``out`` / ``in`` / ``varlen`` /
-    ``model``, ``part`` picks a slice (``q``/``k``/``v`` of the fused projection or of the varlen call, ``swap`` the
-    fc1 halves, ``bf16`` the exact cast back, ``0``/``1`` the model's outputs)."""
-
-    node: str
-    module: str
-    where: str
-    part: str = ""
 
 
 def body_points(prefix: str, module: str, rope: bool) -> list[Point]:
@@ -182,12 +172,7 @@ def _slice(value: torch.Tensor, point: Point, cfg: ModelConfig) -> torch.Tensor:
     return value
 
 
-Key = tuple[str, str, str]  # (module, where, part for varlen / model points, else "")
 Force = Callable[[Key, torch.Tensor], None]  # overwrites a point's value in place (teacher forcing)
-
-
-def point_key(p: Point) -> Key:
-    return (p.module, p.where, p.part if p.where in ("varlen", "model") else "")
 
 
 class Recorder:
@@ -294,7 +279,6 @@ def capture_forward(
     capture's. With ``provider`` (node -> the provider's value, h3gate's shapes, batch ``pack.batch``), the isolated
     view by teacher forcing (module docstring): ``uncovered`` then also names every node whose inputs were not all
     the provider's."""
-    from h3gate.adapters.sglang.forcing import Forcing, isolation_gaps
 
     if any(d != 1 for d in degrees().values()):
         raise InputError(f"sglang capture: degrees {degrees()}: the node map reads TP 1 / SP 1 values only")

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from h3gate.adapters.sglang.capture import Key, Point, point_key
+from h3gate.adapters.sglang.points import Key, Point, point_key
 from h3gate.errors import InputError
 from h3gate.graph.core import Node
 from h3gate.manifests.model_config import ModelConfig
