@@ -740,7 +740,8 @@ def _walk(calls: list[tuple[str, str]], rooms: list[tuple[str, tuple[str, ...]]]
 def census(root: Path, walk: bool) -> dict[str, Any]:
     """Every count, with its list."""
     tree = load_tree(root)
-    found: dict[str, Any] = {"root": str(root), "layout": {
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    found: dict[str, Any] = {"root": str(root), "commit": head.stdout.strip() or None, "layout": {
         "kernels": rel(tree, tree.kernels), "kernels_package": tree.kernels_pkg,
         "data": [rel(tree, p) for p in tree.data], "modules": len(tree.modules)}}  # fmt: skip
     found |= setups(tree)
@@ -767,8 +768,9 @@ def _listing(items: Any) -> list[str]:
 
 def table(found: dict[str, Any]) -> str:
     """Plain-text table: one line per count, then its (shortened) list."""
-    out = [f"house census of {found['root']} ({found['layout']['modules']} modules; kernels in "
-           f"{found['layout']['kernels']} as {found['layout']['kernels_package']})"]  # fmt: skip
+    lay = found["layout"]
+    out = [f"house census of {found['root']} at {(found['commit'] or '?')[:12]} ({lay['modules']} modules; kernels in "
+           f"{lay['kernels']} as {lay['kernels_package']})"]  # fmt: skip
     for key, value in found.items():
         if not isinstance(value, dict) or key in ("layout", "sizes"):
             continue
