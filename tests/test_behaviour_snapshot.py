@@ -103,3 +103,9 @@ def test_cli_compare_exit_code(tmp_path):
         (tmp_path / name).write_text(json.dumps(doc), encoding="utf-8")
     assert snap.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert snap.main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
+
+
+def test_keys_with_dots_are_quoted_in_paths():
+    doc = {"leaves": {"attn.to_q.weight": {"sha256": "e" * 64}}, "rows": [{"a b": 1}]}
+    assert snap.sha256_fields(doc) == {'$.leaves["attn.to_q.weight"].sha256': "e" * 64}
+    assert snap.leaves(doc)[-1] == ('$.rows[0]["a b"]', 1)

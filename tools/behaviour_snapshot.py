@@ -191,12 +191,17 @@ def canonical(obj: Any, subs: list[tuple[str, str]], seal: bool = False) -> Any:
     return obj
 
 
+def child(path: str, key: str) -> str:
+    """``path.key``, or ``path["key"]`` for a key that holds ``.``, ``[``, ``]``, ``"`` or a space (tensor names)."""
+    return f"{path}[{json.dumps(key)}]" if re.search(r'[.\[\]" ]', key) else f"{path}.{key}"
+
+
 def sha256_fields(obj: Any, path: str = "$") -> dict[str, Any]:
     """Every value under a key containing ``sha256`` (lists and dicts of hashes included), by JSON path."""
     found: dict[str, Any] = {}
     if isinstance(obj, dict):
         for k, v in obj.items():
-            sub = f"{path}.{k}"
+            sub = child(path, k)
             if "sha256" in k.lower() and (isinstance(v, str) or v is None):
                 found[sub] = v
             elif "sha256" in k.lower():
@@ -212,7 +217,7 @@ def sha256_fields(obj: Any, path: str = "$") -> dict[str, Any]:
 def leaves(obj: Any, path: str = "$") -> list[tuple[str, Any]]:
     """``(JSON path, scalar)`` for every leaf; an empty dict or list is a leaf of its own."""
     if isinstance(obj, dict) and obj:
-        return [pair for k, v in obj.items() for pair in leaves(v, f"{path}.{k}")]
+        return [pair for k, v in obj.items() for pair in leaves(v, child(path, k))]
     if isinstance(obj, list) and obj:
         return [pair for i, v in enumerate(obj) for pair in leaves(v, f"{path}[{i}]")]
     return [(path, obj)]
