@@ -5,7 +5,11 @@
 * :mod:`.build` - ``MiniMaxH3DiTModel`` loaded by SGLang's loader from a diffusers-layout folder of the run's weights;
 * :mod:`.inputs` - h3gate's model inputs as SGLang's forward kwargs (one request, or several packed with cu_seqlens
   and padding) and its outputs back;
-* :mod:`.capture` - the node map: SGLang's values at h3gate's model-graph node names, through forward hooks.
+* :mod:`.capture` - the node map: SGLang's values at h3gate's model-graph node names, through forward hooks;
+* :mod:`.strict_bind` - ``bind_strict(model, mode, device, merge)``: h3gate's strict operators bound into SGLang's
+  own modules at operator level (:mod:`.strict_layers` linears and norms, :mod:`.strict_forwards` blocks, attention,
+  embeddings; :mod:`.strict_ops` the traced calls, per-forward metadata, TP merge group; :mod:`.strict_checks`
+  what is refused or reported).
 
 Nothing here imports sglang at module level: ``import h3gate.adapters.sglang`` works without it, and every entry
 point that needs it raises one-line ``InputError`` naming ``make install-sglang``.
