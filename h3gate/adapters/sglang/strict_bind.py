@@ -227,6 +227,7 @@ def _root(session: SglangSession, b: Bound, refusals: Refusals) -> Callable:
         finally:
             b.meta = None
         session.calls += 1
+        setattr(model, SESSION_ATTR, session.summary(True))
         return out
 
     return bound_forward

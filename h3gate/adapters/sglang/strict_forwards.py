@@ -37,6 +37,10 @@ from h3gate.adapters.sglang.strict_ops import Bound
 from h3gate.errors import InputError
 
 
+def _first(value: torch.Tensor) -> torch.Tensor:
+    return value[0]
+
+
 def attention(b: Bound, attn: torch.nn.Module, prefix: str, rotate: bool) -> Forward:
     def forward(x, *, rope_cache, cu_seqlens, cu_seqlens_host=None, max_seqlen, subblock_sparse_query_block_mask=None,
                 ulysses_active=False, ring_active=False, x_prequant=None):  # fmt: skip
@@ -50,8 +54,8 @@ def attention(b: Bound, attn: torch.nn.Module, prefix: str, rotate: bool) -> For
         q, k = attn.q_norm(q), attn.k_norm(k)
         if rotate:
             cos, sin = b.live(f"{prefix}rope_q").rope(total)
-            q = b.ops(f"{prefix}rope_q", "h3_mm_rope_3axis_partial", q[None], cos, sin)[0]
-            k = b.ops(f"{prefix}rope_k", "h3_mm_rope_3axis_partial", k[None], cos, sin)[0]
+            q = b.ops(f"{prefix}rope_q", "h3_mm_rope_3axis_partial", q[None], cos, sin, view=_first)
+            k = b.ops(f"{prefix}rope_k", "h3_mm_rope_3axis_partial", k[None], cos, sin, view=_first)
         out = _minimax_h3_attention_core_impl(
             attn, q, k, v, cu_seqlens=cu_seqlens, cu_seqlens_host=cu_seqlens_host, max_seqlen=max_seqlen,
             subblock_sparse_query_block_mask=subblock_sparse_query_block_mask, ulysses_active=ulysses_active,
@@ -78,9 +82,9 @@ def varlen(b: Bound, prefix: str, ordered: bool):
                 continue
             order = b.live(node).segment(a, z).order if ordered else None
             q, k, v = (t[a:z].contiguous()[None] for t in (query, key, value))
-            o = b.ops(node, "h3_full_attention", q, k, v, order=order, trace={"segment": [a, z]})
+            o = b.ops(node, "h3_full_attention", q, k, v, order=order, trace={"segment": [a, z]}, fault=False)
             out[a:z] = o[0].view(z - a, *query.shape[1:])
-        return out
+        return b.ops.fault(node, "h3_full_attention", out)
 
     return forward_varlen
 
@@ -178,9 +182,9 @@ def embed(b: Bound, model: torch.nn.Module) -> Forward:
             if not seg.request:
                 continue
             parts = [src.index_select(0, i)[None] for src, i in zip((text, video, audio), seg.src, strict=True)]
-            rows = b.ops("embed.pack", "packed_index_copy", *parts, *seg.rows, seg.stop - seg.start)
+            rows = b.ops("embed.pack", "packed_index_copy", *parts, *seg.rows, seg.stop - seg.start, fault=False)
             packed[seg.start : seg.stop] = rows[0]
-        embeddings.copy_(packed[row_start:row_stop])
+        embeddings.copy_(b.ops.fault("embed.pack", "packed_index_copy", packed)[row_start:row_stop])
         t_emb.copy_(model._time_embedding(unique_timesteps))
 
     return forward

@@ -84,12 +84,24 @@ class OpCaller:
         fn = self.faults.get(node)
         return value if fn is None or self.last_op.get(node) != op else fn(value)
 
-    def __call__(self, node: str, op: str, *args: Any, trace: Mapping[str, Any] | None = None, **kwargs: Any):
-        """``op`` as the node's binding runs it (kwargs go to the operator, ``trace`` into the record)."""
+    def __call__(
+        self,
+        node: str,
+        op: str,
+        *args: Any,
+        trace: Mapping[str, Any] | None = None,
+        view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        fault: bool = True,
+        **kwargs: Any,
+    ):
+        """``op`` as the node's binding runs it (kwargs go to the operator, ``trace`` into the record), its output
+        through ``view`` (SGLang's shape: the node's packed rows on dim 0), then the node's fault unless ``fault`` is
+        False (a caller assembling the node's value from several calls applies it to the whole)."""
         self.note(node, op, **(trace or {}))
         with launches.node(node):
             out = self.table[op](*args, **kwargs)
-        return self.fault(node, op, out)
+        out = out if view is None else view(out)
+        return self.fault(node, op, out) if fault else out
 
     def grouped(self, nodes: tuple[str, ...], op: str, x: torch.Tensor, weights: list[torch.Tensor]):
         """Sibling GEMMs of one operator on one input (q, k, v): one call of the bound callable's ``grouped`` where it
