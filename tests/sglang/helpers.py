@@ -124,14 +124,18 @@ def tp_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 STRICT_TP = ("ws2-tiny", "micro", 2)  # config (heads and FFN channels on seg8 boundaries at TP2), layout, requests
+STRICT_SP = ("tiny", "micro", 1)  # Ulysses: 2 heads, one a rank; the single-walk order; the direct path (B = 1)
 
 
-def strict_tp_rank(rank: int, world: int, port: int, out: str) -> None:
-    """One TP rank of SGLang's DiT under the strict binding (``merge="seg8"``) on gloo: the ws2-tiny model by SGLang's
-    loader (each rank loads its shards), two requests packed with padding. Every rank checks that its shards of
-    q|k|v, fc1, out_proj and fc2 are h3gate's TP ownership of the full weights (:class:`h3gate.parallel.tp.TpRank`:
-    heads and FFN channels of chunk ``rank``; fc1 as SGLang's [gate | value] of h3gate's [value | gate] pairs); rank 0
-    writes the outputs, the TP layers the trace names and the shard check to ``out`` (safetensors)."""
+def strict_rank(rank: int, world: int, port: int, out: str, kind: str = "tp") -> None:
+    """One rank of SGLang's DiT under the strict binding on gloo, ``kind`` ``"tp"`` (TP``world``, ``merge="seg8"``,
+    :data:`STRICT_TP`, requests packed with padding on the serving path) or ``"ulysses"`` (Ulysses ``world``,
+    ``merge="single"``, :data:`STRICT_SP`, the direct path: SGLang's forward slices a rank's rows itself, while the
+    adapter's serving kwargs are world-size-1's). The model comes from SGLang's loader (a TP rank loads its shards); a
+    TP rank checks that its shards of q|k|v, fc1, out_proj and fc2 are h3gate's TP ownership of the full weights
+    (:class:`h3gate.parallel.tp.TpRank`: heads and FFN channels of chunk ``rank``; fc1 as SGLang's [gate | value] of
+    h3gate's [value | gate] pairs). Rank 0 writes the outputs, the degrees, the TP layers the trace names and the
+    shard check to ``out`` (safetensors)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -143,21 +147,26 @@ def strict_tp_rank(rank: int, world: int, port: int, out: str) -> None:
     from h3gate.parallel.tp import TpRank
 
     _init_rank(rank, world, port)
-    config, layout_name, batch = STRICT_TP
+    tp = kind == "tp"
+    config, layout_name, batch = STRICT_TP if tp else STRICT_SP
     cfg = load_config(config).config
-    runtime.init_runtime(tp=world)
+    runtime.init_runtime(tp=world if tp else 1, sp=1 if tp else world)
     source = SyntheticSource(cfg, 0)
     model = build.build_model(source)
-    full = load_model_params(source, cfg)
-    tp = TpRank(world, rank, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, ONE_DEVICE)
-    shards_match = all(_shards_match(model, full, tp, i) for i in range(cfg.num_layers))
+    shards_match = True
+    if tp:
+        full = load_model_params(source, cfg)
+        own = TpRank(world, rank, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
+                     ONE_DEVICE)  # fmt: skip
+        shards_match = all(_shards_match(model, full, own, i) for i in range(cfg.num_layers))
     tensors, raw, layout = batch_inputs(layout_name, cfg, batch)
-    with bind_strict(model, "strict", merge="seg8") as session:
-        values = inputs.run_forward(model, tensors, raw, inputs.packing(batch, layout.seq_len, raw.text_indices))
+    with bind_strict(model, "strict", merge="seg8" if tp else "single") as session:
+        pack = inputs.packing(batch, layout.seq_len, raw.text_indices, serving=tp)  # serving kwargs: SP 1 only
+        values = inputs.run_forward(model, tensors, raw, pack)
     layers = sorted({r["tp_layer"] for r in session.trace if "tp_layer" in r})
     if rank == 0:
-        flags = {"tp": torch.tensor([session.tp.degree]), "shards_match": torch.tensor([shards_match])}
-        flags["tp_layers"] = torch.tensor([len(layers)])
+        flags = {k: torch.tensor([v]) for k, v in runtime.degrees().items()}
+        flags.update(shards_match=torch.tensor([shards_match]), tp_layers=torch.tensor([len(layers)]))
         save_file({**{k: v.contiguous() for k, v in values.items()}, **flags}, out)
     dist.destroy_process_group()
 

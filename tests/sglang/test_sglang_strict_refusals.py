@@ -109,14 +109,14 @@ def test_spectrum_forecasting_is_refused_per_forward(tiny):
     assert session.calls == 0 and session.trace == []  # refused before any operator ran
 
 
-def test_sequence_parallelism_and_nested_bindings_are_refused(tiny, monkeypatch):
+def test_ring_attention_and_nested_bindings_are_refused(tiny, monkeypatch):
     from sglang.multimodal_gen.runtime.distributed import parallel_state
 
     from h3gate.adapters.sglang.strict_bind import bind_strict
 
     with bind_strict(tiny.model), pytest.raises(InputError, match="forward already replaced"), bind_strict(tiny.model):
         pass
-    monkeypatch.setattr(parallel_state, "get_ulysses_ctx", lambda: (2, 0))
-    refused = pytest.raises(InputError, match=r"sequence parallelism \(ulysses 2, ring 1\): not covered")
+    monkeypatch.setattr(parallel_state, "get_ring_ctx", lambda: (2, 0))
+    refused = pytest.raises(InputError, match=r"ring attention \(ring degree 2, ulysses 1\): not covered")
     with refused, bind_strict(tiny.model):
         pass

@@ -22,6 +22,10 @@ is a byte-exact all-gather over SGLang's TP group: so TPn is TP1 byte for byte. 
 (patch, condition and time projections, AdaLN projections, heads) run on their full weights, gathered once from
 SGLang's shards (copies; TP1 reads the modules' own).
 
+Ulysses (SGLang's sequence parallelism): every operator but attention is row-local (a rank runs its S/u rows, RoPE
+tables from its first row), and after SGLang's all-to-all a rank attends whole segments on its heads, so Ulysses u is
+the one-device binding byte for byte in either merge order. Ring attention is refused.
+
 What cannot be bound is refused (strict) or reported (audit / auto / off), naming it: :mod:`.strict_checks`.
 ``session.trace`` holds one record per operator call (h3gate node, operator, kernel id, requested / actual, TP layer,
 attention segment); ``session.faults[node] = fn`` perturbs a node's value (a negative control,
@@ -39,7 +43,7 @@ import torch
 
 from h3gate.adapters.sglang import strict_forwards as F
 from h3gate.adapters.sglang import strict_layers as L
-from h3gate.adapters.sglang.runtime import fused_paths, require_sglang
+from h3gate.adapters.sglang.runtime import degrees, fused_paths, require_sglang
 from h3gate.adapters.sglang.strict_checks import Refusals, check_forward, check_model, check_modules
 from h3gate.adapters.sglang.strict_ops import Bound, Fault, OpCaller, TpPlan, forward_meta, tp_plan
 from h3gate.checkpoint import parse_diffusers_config
@@ -76,10 +80,11 @@ class SglangSession:
     calls: int = 0
     launches: launches.Log = field(default_factory=dict)
     fused: dict[str, bool] = field(default_factory=dict)
+    ulysses: int = 1
 
     def summary(self, active: bool) -> dict[str, Any]:
         return {"active": active, "mode": self.mode, "merge_order": self.merge, "tp": self.tp.degree,
-                "forwards": self.calls, "findings": len(self.findings)}  # fmt: skip
+                "ulysses": self.ulysses, "forwards": self.calls, "findings": len(self.findings)}  # fmt: skip
 
     def record(self) -> dict[str, Any]:
         """Evidence: mode, merge order, TP degree, per-node bindings, SGLang's fused paths (switched on for this model
@@ -89,6 +94,7 @@ class SglangSession:
             "mode": self.mode,
             "merge_order": self.merge,
             "tp": {"degree": self.tp.degree, "rank": self.tp.rank},
+            "ulysses": self.ulysses,
             "forwards": self.calls,
             "bindings": {n: b.record() for n, b in self.bindings.items()},
             "fused_paths": {k: {"switched_on": v, "runs_while_bound": False} for k, v in self.fused.items()},
@@ -212,6 +218,15 @@ def _edges(p: _Patches, b: Bound, model: torch.nn.Module, unbound: set[str]) -> 
         p.set(fl, "forward", F.final_layer(b, fl), "final_layer", "final AdaLN, FP32 heads")
 
 
+def _row_start(kwargs: dict[str, Any]) -> int:
+    """This Ulysses rank's first packed row (SGLang's row split: ``S / u`` rows a rank, in rank order)."""
+    from sglang.multimodal_gen.runtime.distributed.parallel_state import get_ulysses_ctx
+
+    degree, rank = get_ulysses_ctx()
+    x = kwargs.get("x")
+    return 0 if degree == 1 or not torch.is_tensor(x) else rank * (int(x.shape[1]) // degree)
+
+
 def _root(session: SglangSession, b: Bound, refusals: Refusals) -> Callable:
     """The model's forward: h3gate's per-forward metadata around SGLang's own forward."""
     model, cfg = session.model, session.cfg
@@ -219,7 +234,7 @@ def _root(session: SglangSession, b: Bound, refusals: Refusals) -> Callable:
 
     def bound_forward(**kwargs: Any):
         check_forward(model, refusals)
-        b.meta = forward_meta(kwargs, cfg.rope_freq_dim, cfg.rope_theta)
+        b.meta = forward_meta(kwargs, cfg.rope_freq_dim, cfg.rope_theta, _row_start(kwargs))
         try:
             with launches.recording() as launched:
                 out = forward(model, **kwargs)
@@ -270,6 +285,7 @@ def bind_strict(
     session = SglangSession(model, mode, merge, cfg, tp_plan(), bindings, refusals.findings)
     _check_tp(session)
     session.fused = fused_paths(model, first.device)
+    session.ulysses = int(degrees()["ulysses"])
     ops = OpCaller(candidate_table(bindings), bindings, {n.name: n.ops[-1] for n in graph.nodes}, session.trace,
                    session.faults, lambda: session.calls)  # fmt: skip
     bound = Bound(ops, session.tp)

@@ -15,7 +15,8 @@ refiner block, the refiner's final norm, a transformer block, the final layer; n
   the VDN hybrid window attention (``attn.hybrid``) or VSA's compression gate (``attn.to_gate_compress``);
 * AdaLN caches (``adaln_cache``: ``--minimax-h3-adaln-online`` / ``--minimax-h3-adaln-cache-path``) and the pruned
   curve AdaLN (``adaln_t_table``); PDD fused heads; Cache-DiT; layerwise offload;
-* sequence parallelism (Ulysses or ring degree > 1): this binding covers tensor parallelism only.
+* ring attention (ring degree > 1: an error in every mode). Ulysses is covered: every op but attention is row-local,
+  and after SGLang's all-to-all a rank attends whole segments on its heads.
 
 Per forward (:func:`check_forward`): Spectrum forecasting (the request's ``enable_spectrum``: skipped steps replace the
 block stack's rows by a forecast). A mounted fused RMSNorm + AdaLN site (request quality ``lossless`` / ``high``) is
@@ -168,11 +169,12 @@ def check_model(model: torch.nn.Module, refusals: Refusals, blocks_and_final: tu
         refusals.refuse("", "Cache-DiT", "cached block residuals replace the blocks' arithmetic", blocks_and_final)
     if is_layerwise_offloaded_module(model):
         refusals.refuse("", "layerwise offload", "its prefetch hooks are not covered")
-    ulysses, ring = get_ulysses_ctx()[0], get_ring_ctx()[0]
-    if ulysses > 1 or ring > 1:
+    ring = get_ring_ctx()[0]
+    if ring > 1:
         raise InputError(
-            f"sglang strict binding: sequence parallelism (ulysses {ulysses}, ring {ring}): not covered (the binding "
-            f"covers tensor parallelism)"
+            f"sglang strict binding: ring attention (ring degree {ring}, ulysses {get_ulysses_ctx()[0]}): not covered "
+            f"(a rank's rows attend to other ranks' K/V chunks merged by online softmax; the binding covers TP and "
+            f"Ulysses)"
         )
 
 
