@@ -132,3 +132,11 @@ def test_the_runtime_record_says_the_binding_ran_with_the_fused_site_mounted(tin
     assert site == {"switched_on": True, "runs_while_bound": False}
     ours = graph_values(1)
     assert all(same_bytes(bound[k], ours[k]) for k in OUTPUTS)
+
+
+def test_h3gate_strict_takes_sglangs_model(tiny):
+    import h3gate.strict
+    from h3gate.adapters.sglang.strict_bind import SglangSession
+
+    with h3gate.strict(tiny.model, "audit") as session:
+        assert isinstance(session, SglangSession) and session.mode == "audit" and session.findings == []
