@@ -322,10 +322,21 @@ def strict(
             del s.step
 
 
+SGLANG_CLASS = "MiniMaxH3DiTModel"
+
+
 class _CallableModule(types.ModuleType):
-    """``import h3gate.strict`` then ``with h3gate.strict(model):`` - the module itself is the entry point."""
+    """``import h3gate.strict`` then ``with h3gate.strict(model):`` - the module itself is the entry point. SGLang's
+    ``MiniMaxH3DiTModel`` goes to :func:`h3gate.adapters.sglang.strict_bind.bind_strict` (single merge order; call it
+    directly for ``merge="seg8"``); it has no diffusers scheduler to bind."""
 
     def __call__(self, model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None):
+        if type(model).__name__ == SGLANG_CLASS:
+            if scheduler is not None:
+                raise InputError("h3gate.strict: scheduler=: SGLang's DiT is bound without a diffusers scheduler")
+            from h3gate.adapters.sglang.strict_bind import bind_strict
+
+            return bind_strict(model, mode, device)
         return strict(model, mode, device, scheduler)
 
 

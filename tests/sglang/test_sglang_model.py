@@ -9,7 +9,7 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.graph.model import OUTPUTS
-from tests.sglang.helpers import MARKS, batch_inputs, max_error, provider, same_bytes
+from tests.sglang.helpers import MARKS, batch_inputs, max_error, provider, run_ranks, same_bytes
 
 pytestmark = MARKS
 
@@ -108,32 +108,14 @@ def test_runtime_refuses_other_degrees_and_qualities(tiny):
 
 def test_tp2_on_gloo_runs_sglangs_row_parallel_sums(tiny, tmp_path):
     """SGLang's own TP (no h3gate binding): two processes on gloo. Its row-parallel layers all-reduce BF16 partial
-    products, so TP2 is TP1 up to rounding, not byte for byte (the strict binding's TP2 = TP1 comes later)."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    products, so TP2 is TP1 up to rounding, not byte for byte (under the strict binding it is:
+    test_sglang_strict_tp.py)."""
     from safetensors.torch import load_file
 
     from h3gate.adapters.sglang.inputs import packing, run_forward
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "tp2.safetensors"
-    code = "from tests.sglang.helpers import tp_rank; tp_rank({rank}, 2, {port}, {out!r})"
-    root = Path(__file__).resolve().parents[2]
-    logs = [(tmp_path / f"rank{r}.log").open("w") for r in range(2)]
-    cmd = [[sys.executable, "-c", code.format(rank=r, port=port, out=str(out))] for r in range(2)]
-    procs = [
-        subprocess.Popen(c, cwd=root, stdout=log, stderr=subprocess.STDOUT) for c, log in zip(cmd, logs, strict=True)
-    ]
-    for p, log in zip(procs, logs, strict=True):
-        p.wait(timeout=240)
-        log.close()
-    tails = [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
-    assert all(p.returncode == 0 for p in procs), "\n".join(tails)
+    run_ranks(tmp_path, f"from tests.sglang.helpers import tp_rank; tp_rank({{rank}}, 2, {{port}}, {str(out)!r})")
     tp2 = load_file(str(out))
     tensors, raw, layout = batch_inputs("micro", tiny.cfg, 1)
     tp1 = run_forward(tiny.model, tensors, raw, packing(1, layout.seq_len, raw.text_indices))

@@ -10,6 +10,10 @@
 * :mod:`.forcing` - teacher forcing: each point overwritten in place by the provider's value (the capture's
   transforms inverted), so one forward yields every node's isolated value;
 * :mod:`.candidate` - ``SglangCandidate``: chained, repeat, isolated and batch-placed node values for the gate engines.
+* :mod:`.strict_bind` - ``bind_strict(model, mode, device, merge)``: h3gate's strict operators bound into SGLang's
+  own modules at operator level (:mod:`.strict_layers` linears and norms, :mod:`.strict_forwards` blocks, attention,
+  embeddings; :mod:`.strict_ops` the traced calls, per-forward metadata, TP merge group; :mod:`.strict_checks`
+  what is refused or reported).
 
 Nothing here imports sglang at module level: ``import h3gate.adapters.sglang`` works without it, and every entry
 point that needs it raises one-line ``InputError`` naming ``make install-sglang``.

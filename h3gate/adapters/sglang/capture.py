@@ -191,7 +191,7 @@ class Recorder:
 
 def _wrap_varlen(impl, module: str, rec: Recorder) -> None:
     """Record (and force) q and k of every ``forward_varlen`` call of this attention backend instance (an instance
-    attribute shadowing the class's method; deleted again by :func:`hooks`)."""
+    attribute shadowing the class's method, or the one a binding set; :func:`hooks` puts back what was there)."""
     call = impl.forward_varlen
 
     def varlen(q, k, v, *args, **kwargs):
@@ -226,14 +226,17 @@ def hooks(model: torch.nn.Module, points: list[Point], rec: Recorder) -> Iterato
                 handles.append(mod.register_forward_pre_hook(lambda m, a, _k=key: rec.put(_k, a[0])))
             else:
                 impl = model.get_submodule(module)._attention_impl
+                wrapped.append((impl, vars(impl).get("forward_varlen")))
                 _wrap_varlen(impl, module, rec)
-                wrapped.append(impl)
         yield
     finally:
         for h in handles:
             h.remove()
-        for impl in wrapped:
-            del impl.forward_varlen
+        for impl, before in wrapped:
+            if before is None:
+                del impl.forward_varlen
+            else:
+                impl.forward_varlen = before
 
 
 def _assemble(node: str, rows: str, calls: list[torch.Tensor], pack: Packing) -> torch.Tensor:

@@ -13,8 +13,10 @@ arguments, the request quality, and a record of what it ran.
 * :func:`set_quality` - SGLang's request quality on a built model: ``"exact"`` unmounts the fused RMSNorm + AdaLN
   site (the reference chain, bit for bit), ``"lossless"`` (SGLang's default request quality) and ``"high"``
   mount it (one FP32 pass, one rounding: not bit-exact). It only runs where its static guards pass (CUDA BF16).
-* :func:`runtime_record` - what ran: versions, degrees, the attention backend requested and resolved, the quality
-  and, per fused path, whether it is switched on for this model on this device.
+* :func:`runtime_record` - what ran: versions, degrees, the attention backend requested and resolved, the quality,
+  per fused path whether it is switched on for this model on this device, and whether h3gate's strict binding
+  (:mod:`.strict_bind`) is active on the model (with its mode, merge order, TP degree and bound forwards; after the
+  block: the last binding's, ``active`` False).
 """
 
 from __future__ import annotations
@@ -209,4 +211,5 @@ def runtime_record(model: torch.nn.Module, quality: str) -> dict[str, Any]:
         },
         "quality": quality,
         "fused_paths": fused_paths(model, device),
+        "strict_binding": dict(getattr(model, "_h3gate_strict_binding", None) or {"active": False}),
     }
