@@ -127,6 +127,11 @@ class SyntheticSource:
         self.variant = variant
         self._specs: dict[str, TensorSpec] = {s.name: s for s in expected_inventory(cfg, precision)}
 
+    def with_config(self, cfg: ModelConfig) -> SyntheticSource:
+        """The same seed, precision, generator and variant for another config (a tensor's values depend on its name
+        only: a config cut to its first blocks holds the same tensors)."""
+        return SyntheticSource(cfg, self.seed, self.precision, self.generator_device, self.variant)
+
     def drawn_on(self, generator_device: str) -> SyntheticSource:
         """The same seed, variant and precision drawn with ``generator_device``'s generator (other values)."""
         return SyntheticSource(self._cfg, self.seed, self.precision, generator_device, self.variant)

@@ -37,6 +37,32 @@ MergeOpt = Annotated[
     str, typer.Option("--merge-order", help="single (one-walk kernels) | seg8 (the TP merge order: the _seg8 twins).")
 ]
 TolOpt = Annotated[str, typer.Option("--tolerance", help="Tolerance profile name or path.")]
+CandidateOpt = Annotated[
+    str,
+    typer.Option(
+        "--candidate",
+        help="What the gate judges: h3gate (its strict kernels) | sglang (SGLang 0.5.23's MiniMax-H3 DiT, forward "
+        "only; make install-sglang).",
+    ),
+]
+SglangQualityOpt = Annotated[
+    str,
+    typer.Option(
+        "--sglang-quality",
+        help="SGLang's request quality: exact | lossless (its default: the fused RMSNorm + AdaLN site) | high.",
+    ),
+]
+SglangAttentionOpt = Annotated[
+    str | None,
+    typer.Option("--sglang-attention-backend", help="SGLang's attention backend (default: SGLang's for the device)."),
+]
+BackwardOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--backward/--no-backward",
+        help="Also gate the backward pass (gradients); default on for the h3gate candidate, off for sglang.",
+    ),
+]
 FaultOpt = Annotated[
     str | None,
     typer.Option(

@@ -9,6 +9,8 @@ from typing import Annotated
 import typer
 
 from h3gate.cli.base import (
+    BackwardOpt,
+    CandidateOpt,
     CheckpointOpt,
     DeviceOpt,
     FaultOpt,
@@ -18,6 +20,8 @@ from h3gate.cli.base import (
     ModeOpt,
     OutOpt,
     SeedOpt,
+    SglangAttentionOpt,
+    SglangQualityOpt,
     TolOpt,
     run_app,
     run_command,
@@ -32,9 +36,7 @@ def run_ws1_block(
     checkpoint: CheckpointOpt = None,
     device: DeviceOpt = "auto",
     mode: ModeOpt = "strict",
-    backward: Annotated[
-        bool, typer.Option("--backward/--no-backward", help="Also gate the backward pass (gradients).")
-    ] = True,
+    backward: BackwardOpt = None,
     tolerance: TolOpt = "ws1-block",
     seed: SeedOpt = 0,
     save_tensors: Annotated[
@@ -51,6 +53,9 @@ def run_ws1_block(
     ] = False,
     fault: FaultOpt = None,
     merge_order: MergeOpt = "single",
+    candidate: CandidateOpt = "h3gate",
+    sglang_quality: SglangQualityOpt = "lossless",
+    sglang_attention_backend: SglangAttentionOpt = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -68,10 +73,13 @@ def run_ws1_block(
         seed=seed,
         mode=mode,
         merge=merge_order,
+        candidate=candidate,
+        sglang_quality=sglang_quality,
+        sglang_attention=sglang_attention_backend,
     )
     settings = Ws1BlockCommand(
         run=run,
-        backward=backward,
+        backward=candidate != "sglang" if backward is None else backward,
         tolerance=tolerance,
         save_tensors=save_tensors,
         fault_matrix=fault_matrix,
@@ -95,8 +103,13 @@ def run_ws1_model(
     device: DeviceOpt = "auto",
     mode: ModeOpt = "strict",
     backward: Annotated[
-        bool, typer.Option("--backward/--no-backward", help="Also gate the complete backward (every gradient).")
-    ] = True,
+        bool | None,
+        typer.Option(
+            "--backward/--no-backward",
+            help="Also gate the complete backward (every gradient); default on for the h3gate candidate, off for "
+            "sglang.",
+        ),
+    ] = None,
     layers: Annotated[
         str | None,
         typer.Option("--layers", help="A:B runs transformer blocks A .. B-1 only (a truncated model; default all)."),
@@ -112,6 +125,9 @@ def run_ws1_model(
     ] = None,
     fault: FaultOpt = None,
     merge_order: MergeOpt = "single",
+    candidate: CandidateOpt = "h3gate",
+    sglang_quality: SglangQualityOpt = "lossless",
+    sglang_attention_backend: SglangAttentionOpt = None,
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -128,7 +144,11 @@ def run_ws1_model(
         mode=mode,
         merge=merge_order,
         layers=layers,
+        candidate=candidate,
+        sglang_quality=sglang_quality,
+        sglang_attention=sglang_attention_backend,
     )
+    backward = candidate != "sglang" if backward is None else backward
     settings = Ws1ModelCommand(
         run=run, backward=backward, tolerance=tolerance, save_tensors=save_tensors, fault=fault, out=out, json=json_
     )

@@ -25,8 +25,9 @@ from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.paths import LOCAL_EVIDENCE, display
-from h3gate.runs.model_stages import LEAVES
-from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
+from h3gate.runs.candidate import check_forward_only, fault_point
+from h3gate.runs.model_stages import timestep_count
+from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare, read_inputs
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, run_model_gate, steps
 
 KIND = "ws1-model"
@@ -60,16 +61,12 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault:
     if unknown:
         raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
     counts = {**setup.layout.rows_per_modality(), "packed": setup.layout.seq_len,
-              "timestep": int(setup.inputs["timestep"].numel())}  # fmt: skip
+              "timestep": timestep_count(setup.layout)}  # fmt: skip
     rows = counts.get(names[node].meta["rows"], 1)
     if not row.isdigit() or int(row) >= rows:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {node}")
     kind = next((p for p in rest if p in KINDS), "scale")
     return RowFault(node, int(row), kind, next((p for p in rest if p in DIRECTIONS), "forward"))
-
-
-def _row_dims(setup: Run) -> dict[str, int | None]:
-    return {**{n.name: n.row_dim for n in setup.graph.nodes}, **dict.fromkeys(LEAVES, 1)}
 
 
 def ws1_model_command(settings: Ws1ModelCommand) -> int:
@@ -78,15 +75,16 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     spec, backward, save_tensors, out = settings.run, settings.backward, settings.save_tensors, settings.out
     layout, mode, seed = spec.layout, spec.mode, spec.seed
     tol_file, tol = check_gate_args(mode, settings.tolerance, save_tensors, out)
-    setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None))
+    check_forward_only(spec, backward)
+    setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None), read=False)
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
+    if injected is not None and spec.candidate == "sglang":
+        fault_point("model", setup.cfg, 0, injected)
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+    read_inputs(setup)
     setup_s = time.perf_counter() - started
     with progress(KIND, len(steps(setup, backward)), started) as step:
-        overrides = None
-        if injected is not None:
-            overrides = {injected.node: injected.override(setup.graph.node(injected.node), _row_dims(setup))}
-        gate = ModelGate(setup, tol, seed, backward, overrides, step, keep_values=save_tensors is not None)
+        gate = ModelGate.of(setup, tol, backward, injected, progress=step, keep_values=save_tensors is not None)
         result = run_model_gate(gate)
     body = build_body(setup, result, seed, tol.name, tol_file)
     body["injected_fault"] = None if injected is None else injected.label()
@@ -175,9 +173,11 @@ def _drift(d: dict | None) -> str:
 def print_summary(doc: dict, path: Path) -> None:
     console = stdout_console()
     layout, summary = doc["layout"], doc["summary"]
+    cand = doc.get("candidate")
+    who = "" if cand is None else f", candidate sglang {cand['versions']['sglang']} (quality {cand['quality']})"
     table = Table(
         title=f"ws1-model {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
-        f"mode {doc['mode']}, layers {doc['model']['layers'][0]}:{doc['model']['layers'][1]}"
+        f"mode {doc['mode']}, layers {doc['model']['layers'][0]}:{doc['model']['layers'][1]}{who}"
     )
     for col in ("stage", "nodes", "params", "failing nodes", "failing grads", "worst row / bound"):
         table.add_column(col, no_wrap=True)

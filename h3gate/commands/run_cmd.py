@@ -23,9 +23,9 @@ from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
 from h3gate.paths import LOCAL_EVIDENCE, display
-from h3gate.runs.block_rows import value_row_dims
+from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.memory_plan import GateNeeds
-from h3gate.runs.setup import LAYER, Run, RunSpec, prepare
+from h3gate.runs.setup import LAYER, Run, RunSpec, prepare, read_inputs
 from h3gate.runs.ws1_block import (
     BlockGate,
     BlockGateResult,
@@ -136,9 +136,11 @@ def _drift(d: dict | None) -> str:
 def print_table(doc: dict, path: Path) -> None:
     console = stdout_console()
     layout = doc["layout"]
+    cand = doc.get("candidate")
+    who = "" if cand is None else f", candidate sglang {cand['versions']['sglang']} (quality {cand['quality']})"
     table = Table(
         title=f"ws1-block {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
-        f"mode {doc['mode']}"
+        f"mode {doc['mode']}{who}"
     )
     cols = ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov",
             "worst row / bound", "ok")  # fmt: skip
@@ -236,13 +238,17 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     spec, save_tensors, out = settings.run, settings.save_tensors, settings.out
     started = time.perf_counter()
     tol_file, tol = check_gate_args(spec.mode, settings.tolerance, save_tensors, out)
+    check_forward_only(spec, settings.backward, settings.fault_matrix)
     lanes = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
     needs = GateNeeds(lanes, settings.backward, settings.fault_matrix, save_golden=save_tensors is not None)
-    setup = prepare(spec, needs)
+    setup = prepare(spec, needs, read=False)
     fault = settings.fault
     injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
+    if injected is not None and spec.candidate == "sglang":
+        fault_point("block", setup.cfg, LAYER, injected)
     name = f"{setup.config_name}-{spec.layout}"
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+    read_inputs(setup)
     result = _run(setup, tol, settings.backward, injected, settings.fault_matrix, started, save_tensors is not None)
     body = build_body(setup, result, spec.mode, spec.seed, tol, tol_file)
     body["injected_fault"] = None if injected is None else injected.label()
@@ -276,16 +282,10 @@ def _run(
     keep_golden: bool = False,
 ) -> BlockGateResult:
     """The gate on the prepared setup (its bindings passed down), with progress lines; records ``setup_s``."""
-    graph = setup.graph
     steps = forward_steps() + (backward_steps() if backward else []) + (["fault matrix"] if fault_matrix else [])
     setup_s = time.perf_counter() - started
     with progress(KIND, len(steps), started) as step:
-        overrides = (
-            None
-            if injected is None
-            else {injected.node: injected.override(graph.node(injected.node), value_row_dims(graph))}
-        )
-        gate = BlockGate.of(setup, tol, backward, overrides, progress=step, fault_matrix=fault_matrix,
+        gate = BlockGate.of(setup, tol, backward, injected, progress=step, fault_matrix=fault_matrix,
                             keep_golden=keep_golden)  # fmt: skip
         result = run_block_gate(gate)
     result.report["timing"]["setup_s"] = round(setup_s, 4)

@@ -163,6 +163,7 @@ def _chained(
     for node in gate.graph.nodes:
         n, rd = node.name, node.row_dim
         gold, prov, cand = golden.step(), provider.step(), candidate.step()
+        cand = prov if cand is None else cand  # a node SGLang did not capture: failed as such (runs/block_sglang.py)
         envelopes[n] = {"default": row_errors(prov, gold, rd)}
         for lane in variants:
             out = lane.step()
@@ -191,8 +192,7 @@ def _isolated(
     envelope are kept for the fault matrix."""
     agree: dict[str, dict] = {}
     rows: dict[str, dict] = {}
-    nodes = iter_isolated(gate.graph.nodes, ex.tables["candidate"], store.feed, gate.params, gate.node_overrides)
-    for node, feed, iso in nodes:
+    for node, feed, iso in _isolated_stream(gate, ex, store):
         n = node.name
         agree[n] = agreement(iso, feed[n], node.row_dim, gate.inputs.modalities)
         local, envelope = isolated_envelope(ctx, node, feed, gate.params, ex.golden_params)
@@ -203,22 +203,54 @@ def _isolated(
     return agree, rows
 
 
+def _isolated_stream(
+    gate: BlockGate, ex: _Executions, store: ValueStore
+) -> Iterator[tuple[Node, Values, torch.Tensor]]:
+    """``(node, the provider's values it reads, the candidate's node on them)`` in graph order: the executor's
+    isolated pass, or SGLang's teacher-forced forward (a node it did not capture: the provider's value, failed)."""
+    if gate.sglang is None:
+        yield from iter_isolated(gate.graph.nodes, ex.tables["candidate"], store.feed, gate.params, gate.node_overrides)
+        return
+    values = gate.sglang.isolated(store.values("provider"))
+    for node in gate.graph.nodes:
+        feed = store.feed(node)
+        yield node, feed, values.get(node.name, feed[node.name])
+
+
+def _placed_lanes(gate: BlockGate, ex: _Executions, who: str) -> tuple[Lane, list[tuple[int, int, Lane]]]:
+    """The repeat lane and one lane per batch placement, each yielding the request's item (batch of 1)."""
+    if who == "candidate" and gate.sglang is not None:
+        sg, nodes = gate.sglang, gate.graph.nodes
+
+        def lane(values: Values) -> Lane:
+            return Lane(who, iter([(n, values.get(n.name)) for n in nodes]))
+
+        return lane(sg.repeat()), [(s, p, lane(sg.placed(s, p))) for s, p in PLACEMENTS[1:]]
+    x0 = gate.inputs.tensors["hidden_states"]
+    others = unrelated(gate.inputs, "hidden_states")
+
+    def item(size: int, pos: int) -> Lane:
+        batch = ex.lane(who, hidden=place(x0, others, size, pos))
+        items = ((n, select(v, 0 if n.row_dim is not None else None, pos)) for n, v in batch.stream)
+        return Lane(batch.name, items)
+
+    return ex.lane(who), [(size, pos, item(size, pos)) for size, pos in PLACEMENTS[1:]]
+
+
 def _invariance(gate: BlockGate, ex: _Executions, store: ValueStore, who: str) -> tuple[dict, dict]:
     """Pass 3 for ``who``: per node (repeat agreement, batch-row record), each against the stored output."""
     mods = gate.inputs.modalities
-    x0 = gate.inputs.tensors["hidden_states"]
-    others = unrelated(gate.inputs, "hidden_states")
-    repeat = ex.lane(who)
-    batches = [(size, pos, ex.lane(who, hidden=place(x0, others, size, pos))) for size, pos in PLACEMENTS[1:]]
+    repeat, batches = _placed_lanes(gate, ex, who)
     repeats: dict[str, dict] = {}
     placed: list[dict[str, dict]] = [{} for _ in batches]
     for node in gate.graph.nodes:
         n, rd = node.name, node.row_dim
         ref = store.get(who, n)
-        repeats[n] = agreement(repeat.step(), ref, rd, mods)
+        again = repeat.step()
+        repeats[n] = agreement(ref if again is None else again, ref, rd, mods)
         for records, (size, pos, lane) in zip(placed, batches, strict=True):
-            picked = select(lane.step(), 0 if rd is not None else None, pos)
-            records[n] = placement_record(picked, ref, size, pos, rd, mods)
+            picked = lane.step()
+            records[n] = placement_record(ref if picked is None else picked, ref, size, pos, rd, mods)
             del picked
         del ref
     return repeats, merge_placements([n.name for n in gate.graph.nodes], placed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,7 @@ from h3gate.graph.stages import Stage, last_readers
 from h3gate.kernels import launches
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
-from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
+from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels
 
 if TYPE_CHECKING:
     from h3gate.runs.ws1_model import ModelGate
@@ -124,9 +124,11 @@ def _stage(
         del out
     with launches.recording() as launched:  # the candidate's kernels note their schedules, node by node
         cand = lanes.candidate.run(stage, params)
+    cand = {n.name: cand.get(n.name, prov[n.name]) for n in stage.nodes}  # uncaptured (SGLang): failed as such
     mods = {n.name: row_labels(n.meta["rows"], cand[n.name], n.row_dim, gate.modalities) for n in stage.nodes}
     again = lanes.repeat.run(stage, params)
-    repeat = {n.name: agreement(again[n.name], cand[n.name], n.row_dim, mods[n.name]) for n in stage.nodes}
+    repeat = {n.name: agreement(again.get(n.name, cand[n.name]), cand[n.name], n.row_dim, mods[n.name])
+              for n in stage.nodes}  # fmt: skip
     del again
     batch = _placements(stage, lanes.batches, params, cand, mods)
     feed.update(prov)
@@ -134,8 +136,7 @@ def _stage(
         for who, values in (("provider", prov), ("candidate", cand), ("golden", gold)):
             gate.kept.setdefault(who, {}).update({k: v.detach().cpu().clone() for k, v in values.items()})
     records = []
-    table, overrides = gate.tables["candidate"], gate.node_overrides
-    for node, _, iso in iter_isolated(stage.nodes, table, lambda node, reads: feed, params, overrides):
+    for node, iso in _isolated(gate, stage, feed, params):
         judged = _node(ctx, node, iso, feed, params, gparams, prov, cand, gold, chained_env, mods[node.name])
         judged.error["bound"] = _bound(gate, judged.error)
         rec = _record(gate, node, judged, repeat[node.name], batch[node.name], prov, cand, mods[node.name])
@@ -158,12 +159,24 @@ def _placements(stage: Stage, lanes: list[Lane], params, cand: Values, mods: Map
         out = lane.run(stage, params)
         size, pos = lane.batch
         for n in stage.nodes:
-            got = select_item(out[n.name], n.row_dim, pos)
+            got = lane.item(out[n.name], n.row_dim) if n.name in out else cand[n.name]
             per[n.name].append(
                 {"batch": size, "position": pos, **agreement(got, cand[n.name], n.row_dim, mods[n.name])}
             )
         del out
     return {name: merged(recs) for name, recs in per.items()}
+
+
+def _isolated(gate: ModelGate, stage: Stage, feed: Values, params) -> Iterator[tuple[Node, torch.Tensor]]:
+    """``(node, the candidate's node on the provider's inputs)``: the executor's isolated pass, or SGLang's
+    teacher-forced values (a node it did not capture: the provider's value, failed as such)."""
+    if gate.sglang is None:
+        table, overrides = gate.tables["candidate"], gate.node_overrides
+        for node, _, iso in iter_isolated(stage.nodes, table, lambda node, reads: feed, params, overrides):
+            yield node, iso
+        return
+    for node in stage.nodes:
+        yield node, gate.sglang_isolated.get(node.name, feed[node.name])
 
 
 @dataclass
@@ -199,7 +212,8 @@ def promised(gate: ModelGate, node: Node) -> tuple[bool, bool]:
     kind = "cuda" if gate.device.startswith("cuda") else "cpu"
     on_device = any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise_on.get(kind, []))
     listed = on_device or any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise)
-    return listed, on_device or (listed and gate.bindings[node.name].provider_bitwise)
+    contract = gate.sglang is None and gate.bindings[node.name].provider_bitwise  # SGLang declares no contract
+    return listed, on_device or (listed and contract)
 
 
 def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, cand, mods) -> dict:
@@ -208,6 +222,9 @@ def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, 
     isolated = agreement(judged.isolated, prov[node.name], node.row_dim, mods)
     listed, applies = promised(gate, node)
     checks = []
+    sg = gate.sglang
+    if sg is not None and node.name in sg.uncovered:
+        checks.append(check("captured", False, f"SGLang: {sg.uncovered[node.name]}"))
     if tol.repeat_bitwise:
         checks.append(check("repeat_bitwise", repeat["bitwise"]))
     if tol.batch_row_bitwise:
@@ -224,7 +241,8 @@ def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, 
     return {
         "name": node.name, "stage": node.meta["stage"], "layer": node.layer, "rows_of": node.meta["rows"],
         "ops": list(node.ops), "shape": list(cand[node.name].shape),
-        "dtype": str(cand[node.name].dtype).removeprefix("torch."), "binding": nb.record(),
+        "dtype": str(cand[node.name].dtype).removeprefix("torch."),
+        "binding": nb.record() if sg is None else sg.binding(node.name),
         "isolated_bitwise_promise": {"listed": listed, "applies": applies},
         "repeat": repeat, "batch_row": batch,
         "chained": agreement(cand[node.name], prov[node.name], node.row_dim, mods), "isolated": isolated,

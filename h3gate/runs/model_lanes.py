@@ -74,6 +74,26 @@ class Lane:
             if k not in OUTPUTS:
                 self.values.pop(k, None)
 
+    def item(self, value: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+        """This lane's request in one of its node values (the batch item of a placement lane)."""
+        return value if self.batch is None else select_item(value, row_dim, self.batch[1])
+
+
+@dataclass
+class CapturedLane(Lane):
+    """A lane whose node values another engine computed whole (SGLang's captured forward: the request's own values,
+    a batch placement's item already selected); a stage hands out those of its nodes that were captured."""
+
+    captured: Values = field(default_factory=dict)
+
+    def run(self, stage: Stage, params: Mapping[str, torch.Tensor]) -> Values | None:
+        out = {n.name: self.captured[n.name] for n in stage.nodes if n.name in self.captured}
+        self.values.update({k: out[k] for k in stage.outputs if k in out})
+        return out
+
+    def item(self, value: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+        return value
+
 
 def row_labels(kind: str, tensor: torch.Tensor, row_dim: int | None, packed: list[str]) -> list[str] | None:
     """The modality of each row of a value whose rows are ``kind`` (``packed``: the layout's per-row modality)."""

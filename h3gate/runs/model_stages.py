@@ -62,6 +62,14 @@ def model_cotangents(
     return out
 
 
+def timestep_count(layout) -> int:
+    """The distinct timesteps of a request's metadata at the default one-step plan (:func:`model_inputs`' ``T``):
+    the rows of the timestep-space nodes, known before anything is read."""
+    plan = TimestepPlan().resolve()
+    ts, _ = layout.row_timesteps(plan["video_t"], plan["audio_t"], plan["cond_video_t"], plan["cond_audio_t"])
+    return int(ts.numel())
+
+
 def model_inputs(layout, cfg, seed: int, device: str, item: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
     """(graph inputs, raw metadata record) of request ``item``: seeded latents and text (``make_request`` and the
     default recipe's first latents, as the trajectory draws them), and the layout's metadata at the default

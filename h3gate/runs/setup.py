@@ -25,7 +25,7 @@ from h3gate.graph.block import block_params, build_block_graph
 from h3gate.graph.core import Graph, OpTable
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
 from h3gate.graph.inputs import BlockInputs, build_block_inputs
-from h3gate.graph.model import build_model_graph
+from h3gate.graph.model import RawMetadata, build_model_graph
 from h3gate.graph.stages import Stage, split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.layout import PackedLayout, build_layout
@@ -34,6 +34,7 @@ from h3gate.manifests.model_config import ModelConfig, config_names, load_config
 from h3gate.memory import require
 from h3gate.ops.registry import check_merge
 from h3gate.paths import MANIFESTS
+from h3gate.runs.candidate import check_candidate, sglang_candidate
 from h3gate.runs.memory_plan import (
     GateNeeds,
     MemoryPlan,
@@ -56,7 +57,10 @@ class RunSpec:
     """What decides a run, as a verb's options say it. ``scope``: ``block`` (block 0 as 17 nodes) or ``model`` (the
     whole transformer, or blocks ``layers`` = ``"A:B"`` of it); ``blocks``: a model of the config's first N blocks
     (``run arms --layers``); ``draw``: synthetic weights drawn by the CPU's seeded generator (the same values on
-    every device) or by the run's device (a 33B model is not drawn on a CPU; values are per device kind)."""
+    every device) or by the run's device (a 33B model is not drawn on a CPU; values are per device kind).
+    ``candidate``: what the gates judge, ``h3gate`` (its bound operators) or ``sglang`` (SGLang's MiniMax-H3 DiT at
+    request quality ``sglang_quality``, attention backend ``sglang_attention`` or SGLang's default for the device;
+    :mod:`h3gate.runs.candidate`)."""
 
     scope: str = "block"
     layout: str = "tiny"
@@ -69,6 +73,9 @@ class RunSpec:
     layers: str | None = None
     blocks: int | None = None
     draw: str = "cpu"
+    candidate: str = "h3gate"
+    sglang_quality: str = "lossless"
+    sglang_attention: str | None = None
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +116,7 @@ class ModelData:
     weights: StageWeights
     inputs: dict[str, torch.Tensor]
     unrelated: list[dict[str, torch.Tensor]]
+    raw: RawMetadata | None = None  # the request's metadata before derivation (what a second engine is fed)
 
 
 @dataclass
@@ -127,6 +135,7 @@ class Run:
     memory: MemoryPlan | None = None
     block: BlockData | None = None
     model: ModelData | None = None
+    sglang: Any = None  # the SGLang candidate (runs.candidate.sglang_candidate) of a run whose candidate is sglang
     cache: dict = field(default_factory=dict)
 
     @property
@@ -292,6 +301,7 @@ def prepare(spec: RunSpec, needs: GateNeeds | ModelNeeds | None = None, read: bo
         raise InputError(f"scope {spec.scope!r}: must be one of {', '.join(SCOPES)}")
     if spec.draw not in DRAWS:
         raise InputError(f"draw {spec.draw!r}: must be one of {', '.join(DRAWS)}")
+    check_candidate(spec)
     layout_spec = load_layout(spec.layout)
     config_name, cfg, source, ckpt, manifests = config_for(spec.config, spec.checkpoint, spec.seed, layout_spec.kind)
     if spec.blocks is not None:
@@ -318,14 +328,17 @@ def read_inputs(run: Run) -> Run:
     if spec.scope == "block":
         params = block_params(run.source, LAYER, device)
         run.block = BlockData(params, build_block_inputs(packed, cfg, run.source, spec.seed, device))
+        run.sglang = sglang_candidate(run, LAYER)
         return run
-    inputs, _ = model_inputs(packed, cfg, spec.seed, device)
+    inputs, extra = model_inputs(packed, cfg, spec.seed, device)
     unrelated = []
     for item in range(1, UNRELATED_ITEMS + 1):
         other, _ = model_inputs(packed, cfg, spec.seed, device, item)
         unrelated.append({k: other[k] for k in ("video_rows", "audio_rows", "text")})
     span = parse_layers(spec.layers, cfg)
-    run.model = ModelData(span, split_stages(run.graph), StageWeights(run.source, device), inputs, unrelated)
+    run.model = ModelData(span, split_stages(run.graph), StageWeights(run.source, device), inputs, unrelated,
+                          extra["raw"])  # fmt: skip
+    run.sglang = sglang_candidate(run, LAYER)
     return run
 
 

@@ -30,6 +30,7 @@ from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.drift import first_drift
+from h3gate.gate.faults import RowFault
 from h3gate.gate.invariance import GRAD_PLACEMENTS
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check
@@ -41,8 +42,9 @@ from h3gate.graph.inputs import BlockInputs
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_backward import ROW_STEP_BACKWARD, backward
 from h3gate.runs.block_forward import PASSES, Forward, Lane, ValueStore, forward
-from h3gate.runs.block_records import bound_check, check, failure, value_record
-from h3gate.runs.block_rows import RowContext, first_row_failure
+from h3gate.runs.block_records import bound_check, check, failure, unrelated, value_record
+from h3gate.runs.block_rows import RowContext, first_row_failure, value_row_dims
+from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.fault_matrix import run_fault_matrix
 from h3gate.runs.setup import Run
 
@@ -94,15 +96,25 @@ class BlockGate:
     bindings: Mapping[str, NodeBinding] | None = None  # from h3gate.runs.setup.prepare; None: bound here
     store: str = "device"  # where the provider's and candidate's values are kept: "device" or "host" (forward only)
     keep_golden: bool = False  # keep the golden's values too (--save-tensors)
+    sglang: SglangRun | None = None  # the candidate is SGLang's DiT (runs/block_sglang.py), forward only
 
     @classmethod
     def of(
-        cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, node_overrides=None, **options
+        cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, fault: RowFault | None = None, **options
     ) -> BlockGate:
-        """The gate on a prepared ``block`` run: its graph, inputs, parameters, bindings and memory plan."""
+        """The gate on a prepared ``block`` run: its graph, inputs, parameters, bindings, memory plan and candidate;
+        ``fault`` a one-row negative control in the candidate (a node override, or SGLang's module output)."""
         store = run.memory.store if run.memory is not None else "device"
-        return cls(run.graph, run.inputs, run.params, run.device, run.mode, tolerance, backward, node_overrides,
-                   bindings=run.bindings, store=store, **options)  # fmt: skip
+        overrides, sglang = None, None
+        if run.sglang is not None:
+            check_forward_only(run.spec, backward, bool(options.get("fault_matrix")))
+            point = None if fault is None else fault_point("block", run.cfg, run.sglang.layer, fault)
+            sglang = SglangRun(run.sglang, run.graph, run.inputs.tensors, unrelated(run.inputs, "hidden_states"),
+                                 point)  # fmt: skip
+        elif fault is not None:
+            overrides = {fault.node: fault.override(run.graph.node(fault.node), value_row_dims(run.graph))}
+        return cls(run.graph, run.inputs, run.params, run.device, run.mode, tolerance, backward, overrides,
+                   bindings=run.bindings, store=store, sglang=sglang, **options)  # fmt: skip
 
 
 @dataclass
@@ -140,7 +152,10 @@ class _Executions:
 
     def lane(self, who: str, hidden: torch.Tensor | None = None, variant: Variant | None = None) -> Lane:
         """``who``'s execution streamed node by node (``hidden``: another block input; ``variant``: the provider
-        under that variant, the lane named after it)."""
+        under that variant, the lane named after it); an SGLang candidate's chained values."""
+        if who == "candidate" and self.gate.sglang is not None and hidden is None:
+            values, nodes = self.gate.sglang.chained(), self.gate.graph.nodes
+            return Lane(who, iter([(n, values.get(n.name)) for n in nodes]))
         x, p = self._inputs(who, hidden)
         stream = iter_graph(self.gate.graph, x, p, self.tables[who], self._overrides(who))
         return Lane(variant.name if variant is not None else who, stream, variant)
@@ -207,6 +222,7 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
     ]
     verdict = "pass" if not failing else "fail"
     report = {
+        **({"candidate": gate.sglang.record()} if gate.sglang is not None else {}),
         "nodes": nodes,
         "first_drift": first_drift(names, fw.chained),
         "first_drift_profile": _first_profile(fw.ctx, first_drift(names, fw.chained)),
@@ -246,8 +262,10 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
         nb = bindings[n]
         err_c, err_p = fw.errors[n]
         listed = n in tol.isolated_bitwise or n in device_promised
-        promised = listed and (nb.provider_bitwise or n in device_promised)
+        promised = listed and ((nb.provider_bitwise and gate.sglang is None) or n in device_promised)
         checks = []
+        if gate.sglang is not None and n in gate.sglang.uncovered:
+            checks.append(check("captured", False, f"SGLang: {gate.sglang.uncovered[n]}"))
         if tol.repeat_bitwise:
             checks.append(check("repeat_bitwise", fw.cand_rep[n]["bitwise"]))
         if tol.batch_row_bitwise:
@@ -274,7 +292,7 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
                 prov,
                 head=head,
                 after_dtype={
-                    "binding": nb.record(),
+                    "binding": nb.record() if gate.sglang is None else gate.sglang.binding(n),
                     **({"launch": fw.launches[n]} if fw.launches.get(n) else {}),
                     "isolated_bitwise_promise": {"listed": listed, "applies": promised, "reason": reason},
                 },

@@ -24,15 +24,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h3gate.gate.faults import RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.graph.core import OpTable, Values, to_float64
+from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import NodeBinding, candidate_table, golden_table, provider_table
 from h3gate.graph.stages import Stage
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_rows import RowContext
+from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.model_backward import backward
 from h3gate.runs.model_forward import Findings, Lanes, forward
-from h3gate.runs.model_lanes import Lane
+from h3gate.runs.model_lanes import CapturedLane, Lane
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, StageWeights
 from h3gate.runs.setup import Run
 
@@ -72,6 +75,24 @@ class ModelGate:
     keep_values: bool = False  # --save-tensors: every lane's node values on the CPU
     tables: dict[str, OpTable] = field(default_factory=dict)
     kept: dict[str, Values] = field(default_factory=dict)
+    sglang: SglangRun | None = None  # the candidate is SGLang's DiT (h3gate.runs.candidate), forward only
+    sglang_isolated: Values = field(default_factory=dict)  # its teacher-forced node values
+
+    @classmethod
+    def of(cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, fault: RowFault | None = None,
+           **options) -> ModelGate:  # fmt: skip
+        """The gate on a prepared ``model`` run and its candidate; ``fault`` a one-row negative control in the
+        candidate (a node override, or SGLang's module output)."""
+        overrides, sglang = None, None
+        if run.sglang is not None:
+            check_forward_only(run.spec, backward)
+            point = None if fault is None else fault_point("model", run.sglang.cfg, 0, fault)
+            unrelated = [{**run.inputs, **u} for u in run.unrelated]
+            sglang = SglangRun(run.sglang, run.graph, run.inputs, unrelated, point)
+        elif fault is not None:
+            dims = {**{n.name: n.row_dim for n in run.graph.nodes}, **dict.fromkeys(LEAVES, 1)}
+            overrides = {fault.node: fault.override(run.graph.node(fault.node), dims)}
+        return cls(run, tolerance, run.seed, backward, overrides, sglang=sglang, **options)
 
     @property
     def stages(self) -> list[Stage]:
@@ -135,16 +156,39 @@ def make_lanes(gate: ModelGate, ctx: RowContext) -> Lanes:
     ]  # fmt: skip
     cand = gate.tables["candidate"]
     over = gate.node_overrides
-    candidate = Lane("candidate", "candidate", cand, dict(base), overrides=over, save=save)
-    repeat = Lane("candidate repeat", "candidate", cand, dict(base), overrides=over, save=save)
     placements = [(p, False) for p in FORWARD_PLACEMENTS]
     placements.append((GRAD_PLACEMENT, True) if save else (FORWARD_ONLY_PLACEMENT, False))
+    if gate.sglang is not None:
+        return Lanes(golden, providers, *_captured_lanes(gate.sglang, cand, base, [p for p, _ in placements]))
+    candidate = Lane("candidate", "candidate", cand, dict(base), overrides=over, save=save)
+    repeat = Lane("candidate repeat", "candidate", cand, dict(base), overrides=over, save=save)
     batches = [
         Lane(f"candidate batch {size}@{pos}", "candidate", cand, _placed(setup, size, pos), overrides=over,
              batch=(size, pos), save=keep)
         for (size, pos), keep in placements
     ]  # fmt: skip
     return Lanes(golden, providers, candidate, repeat, batches)
+
+
+def _captured_lanes(sg: SglangRun, table: OpTable, base: Values, placements) -> tuple:
+    """SGLang's candidate, repeat and batch-placement lanes: each one forward of its DiT, captured whole."""
+    candidate = CapturedLane("candidate", "candidate", table, dict(base), captured=sg.chained())
+    repeat = CapturedLane("candidate repeat", "candidate", table, dict(base), captured=sg.repeat())
+    batches = [
+        CapturedLane(f"candidate batch {size}@{pos}", "candidate", table, {}, batch=(size, pos),
+                     captured=sg.placed(size, pos))
+        for size, pos in placements
+    ]  # fmt: skip
+    return candidate, repeat, batches
+
+
+def _sglang_isolated(gate: ModelGate) -> None:
+    """SGLang's teacher-forced forward on the provider's node values (one chained provider run of the model)."""
+    params = {n: gate.weights.source.load(n, gate.device, check_finite=True) for n in gate.weights.names}
+    with torch.no_grad():
+        provider = run_chained(gate.setup.graph, gate.setup.inputs, params, gate.tables["provider"])
+    del params
+    gate.sglang_isolated = gate.sglang.isolated(provider)
 
 
 def run_model_gate(gate: ModelGate) -> ModelGateResult:
@@ -158,6 +202,8 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
     rule = gate.tolerance.row_rule
     variants, skipped = provider_variants(list(rule.variants), gate.device)
     ctx = RowContext(rule, variants, skipped, gate.modalities, {})
+    if gate.sglang is not None:
+        _sglang_isolated(gate)
     lanes = make_lanes(gate, ctx)
     findings = Findings()
     nodes, stage_records = forward(gate, ctx, lanes, findings)
@@ -194,6 +240,7 @@ def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records
     first = next((findings.drift[k] for k in order if findings.drift.get(k) is not None), None)
     verdict = "pass" if not findings.failing else "fail"
     return {
+        **({"candidate": gate.sglang.record()} if gate.sglang is not None else {}),
         "model": {
             "stages": [s.label for s in gate.stages],
             "nodes": len(nodes),

@@ -23,6 +23,8 @@ code:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import tempfile
 from collections.abc import Iterator
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from h3gate.adapters.sglang.runtime import init_runtime, require_sglang
+from h3gate.adapters.sglang.runtime import init_runtime, quiet, require_sglang
 from h3gate.checkpoint import CONFIG_NAME, CheckpointDir, WeightSource, open_checkpoint
 from h3gate.errors import InputError
 from h3gate.manifests.model_config import MODALITY_NUM, ModelConfig
@@ -96,7 +98,13 @@ def load_folder(checkpoint: CheckpointDir, device: str | torch.device = "cpu") -
 
     hf_config = dict(checkpoint.config_json or {})
     config, model_cls = dit_config(hf_config, cfg)
-    model = maybe_load_fsdp_model(
+    with quiet(), contextlib.redirect_stderr(io.StringIO()):  # its loader's progress bar: h3gate reports progress
+        model = _load(maybe_load_fsdp_model, model_cls, config, hf_config, device, checkpoint, cfg)
+    return model.to(device).eval()
+
+
+def _load(maybe_load_fsdp_model, model_cls, config, hf_config: dict, device, checkpoint: CheckpointDir, cfg):
+    return maybe_load_fsdp_model(
         model_cls=model_cls,
         init_params={"config": config, "hf_config": {k: v for k, v in hf_config.items() if k != "_class_name"}},
         weight_dir_list=[],
@@ -110,7 +118,6 @@ def load_folder(checkpoint: CheckpointDir, device: str | torch.device = "cpu") -
         strict=True,
         weights_iterator=_weights(_checkpoint_files(Path(checkpoint.path)), cfg),
     )
-    return model.to(device).eval()
 
 
 def build_model(

@@ -21,11 +21,14 @@ arguments, the request quality, and a record of what it ran.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import os
 import platform
 import socket
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -56,6 +59,23 @@ class RuntimeState:
 _runtime: list[RuntimeState | None] = [None]
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """SGLang's import-time device warnings (quantization backends the CPU lacks) and its loader's progress bars
+    (tqdm, which reads ``TQDM_DISABLE``) silenced; h3gate's own progress lines say what runs."""
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Only CUDA", category=UserWarning)
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
+
+
 def require_sglang(what: str = "--candidate sglang") -> str:
     """sglang's version when it is exactly :data:`SGLANG_VERSION` and its MiniMax-H3 DiT imports."""
     try:
@@ -66,7 +86,8 @@ def require_sglang(what: str = "--candidate sglang") -> str:
         raise InputError(f"{what}: sglang {version} is installed, h3gate is tested with {SGLANG_VERSION}: {INSTALL}")
     ensure_torchvision()
     try:
-        importlib.import_module(DIT_MODULE)
+        with quiet():
+            importlib.import_module(DIT_MODULE)
     except ImportError as exc:
         missing = getattr(exc, "name", None) or str(exc).splitlines()[0]
         raise InputError(
