@@ -81,12 +81,12 @@ demo: $(STAMP)
 	$(BIN)/h3gate run ws1-block
 
 lint: $(TSTAMP)
-	$(BIN)/ruff check h3gate tests tools
-	$(BIN)/ruff format --check h3gate tests tools
+	$(BIN)/ruff check h3gate kernels tests tools
+	$(BIN)/ruff format --check h3gate kernels tests tools
 
 format: $(TSTAMP)
-	$(BIN)/ruff format h3gate tests tools
-	$(BIN)/ruff check --fix h3gate tests tools
+	$(BIN)/ruff format h3gate kernels tests tools
+	$(BIN)/ruff check --fix h3gate kernels tests tools
 
 test: lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS) -m "not slow and not sglang"

@@ -12,6 +12,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests import package_sources
+from tests.package_sources import sources
+
 PACKAGE = Path(__file__).resolve().parents[1] / "h3gate"
 
 # (room, module prefixes), lowest first: a room may import itself and the rooms above it in this list.
@@ -59,8 +62,7 @@ ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset()
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return package_sources.module_name(path)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -112,7 +114,7 @@ def room_of(module: str) -> str | None:
 def room_edges() -> dict[tuple[str, str], set[str]]:
     """(room, imported room) -> the importing modules, over every module of the package."""
     edges: dict[tuple[str, str], set[str]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sources().values():
         source = room_of(module_name(path))
         for module in imported_modules(path):
             target = room_of(module)
@@ -125,7 +127,7 @@ RANK = {room: i for i, (room, _) in enumerate(ROOMS)}
 
 
 def test_every_module_has_a_room():
-    unplaced = [module_name(p) for p in PACKAGE.rglob("*.py") if room_of(module_name(p)) is None]
+    unplaced = [m for m in sources() if room_of(m) is None]
     assert unplaced == [], f"modules in no room of ROOMS (add them, and to DESIGN.md's table): {unplaced}"
 
 
@@ -187,7 +189,7 @@ def test_the_check_sees_imports_inside_functions_and_skips_type_checking(tmp_pat
 def module_edges() -> dict[str, set[str]]:
     """Module -> the package modules it imports (``from pkg import name`` counts as ``pkg.name`` when that is a
     module, else as ``pkg``), every import but those under ``if TYPE_CHECKING:``."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = sources()
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()

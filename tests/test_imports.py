@@ -26,7 +26,7 @@ INSTALLED_APART = {"sglang": "tools/sglang-requirements.txt"}
 
 
 def all_modules() -> list[str]:
-    """Every module and package under h3gate (the data tree, h3gate/data, holds no code and is not a package)."""
+    """Every module and package of h3gate (``h3gate.kernels`` included, from ``kernels/`` in a checkout)."""
     return sorted(m.name for m in pkgutil.walk_packages(h3gate.__path__, "h3gate."))
 
 
@@ -72,7 +72,10 @@ def _third_party_imports(package: Path, eager_only: bool = False) -> dict[str, s
     """Top-level third-party module -> the files of ``package`` that import it (absolute imports, any depth; with
     ``eager_only`` only those run when the module is imported)."""
     found: dict[str, set[str]] = {}
-    for path in sorted(package.rglob("*.py")):
+    files = sorted(package.rglob("*.py"))
+    if package.name == "h3gate" and (package.parent / "kernels").is_dir():  # a checkout: kernels/ is h3gate.kernels
+        files += sorted((package.parent / "kernels").rglob("*.py"))
+    for path in files:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         tops = _eager(tree) if eager_only else {top for node in ast.walk(tree) for top in _tops(node)}
         for top in tops:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from h3gate.numerics import strict_numerics
-
-PACKAGE = Path(__file__).resolve().parents[1] / "h3gate"
+from tests.package_sources import relative, sources
 
 
 def _tf32() -> tuple[bool, bool]:
@@ -61,20 +59,19 @@ def test_the_command_line_runs_every_verb_under_the_switch(tf32_on, monkeypatch)
 
 
 def test_the_switch_is_entered_at_the_boundary_and_in_the_adapter_only():
-    """``with strict_numerics(`` appears in the CLI's boundary and in ``h3gate.strict``, nowhere else (engines run
-    inside it; no second site turns deterministic algorithms on)."""
+    """``with strict_numerics(`` appears in the CLI's boundary and in the strict adapters that bind h3gate into a
+    user's own module (``h3gate.strict`` and its SGLang twin), nowhere else (engines run inside it; no second site
+    turns deterministic algorithms on)."""
     entries = {
-        p.relative_to(PACKAGE).as_posix()
-        for p in PACKAGE.rglob("*.py")
+        relative(p)
+        for p in sources().values()
         if p.name != "numerics.py" and re.search(r"^\s*with strict_numerics\(", p.read_text(encoding="utf-8"), re.M)
     }
-    assert entries == {"cli/__init__.py", "strict.py"}
+    assert entries == {"h3gate/cli/__init__.py", "h3gate/strict.py", "h3gate/adapters/sglang/strict_bind.py"}
     deterministic = {
-        p.relative_to(PACKAGE).as_posix()
-        for p in PACKAGE.rglob("*.py")
-        if "use_deterministic_algorithms(" in p.read_text(encoding="utf-8")
+        relative(p) for p in sources().values() if "use_deterministic_algorithms(" in p.read_text(encoding="utf-8")
     }
-    assert deterministic == {"numerics.py"}
+    assert deterministic == {"h3gate/numerics.py"}
 
 
 def test_deterministic_algorithms_on_inside_and_restored():
@@ -85,9 +82,5 @@ def test_deterministic_algorithms_on_inside_and_restored():
 
 
 def test_no_module_flips_tf32_but_the_switch():
-    sites = {
-        p.relative_to(PACKAGE).as_posix()
-        for p in PACKAGE.rglob("*.py")
-        if re.search(r"allow_tf32\s*=", p.read_text(encoding="utf-8"))
-    }
-    assert sites == {"numerics.py"}
+    sites = {relative(p) for p in sources().values() if re.search(r"allow_tf32\s*=", p.read_text(encoding="utf-8"))}
+    assert sites == {"h3gate/numerics.py"}

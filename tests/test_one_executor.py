@@ -12,9 +12,9 @@ in a loop runs later, inside the executor).
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "h3gate"
+from tests.package_sources import PACKAGE, relative, sources
+
 EXECUTOR = PACKAGE / "graph" / "execute.py"
 RUNNERS = frozenset({"run_node", "run_nodes", "node_vjp", "run_stage", "stage_vjp", "run_chained", "iter_graph"})
 
@@ -67,8 +67,8 @@ def node_loops(source: str) -> list[tuple[int, str]]:
 
 def test_only_the_executor_iterates_nodes_to_run_them():
     offenders = [
-        f"{path.relative_to(PACKAGE.parent)}:{line}: {call}"
-        for path in sorted(PACKAGE.rglob("*.py"))
+        f"{relative(path)}:{line}: {call}"
+        for path in sources().values()
         if path != EXECUTOR
         for line, call in node_loops(path.read_text(encoding="utf-8"))
     ]

@@ -15,7 +15,8 @@ import pytest
 
 import h3gate
 from h3gate import paths
-from h3gate.evidence.provenance import CODE_GLOBS
+from h3gate.evidence.provenance import code_files, code_sha256
+from tests.package_sources import sources
 
 PACKAGE = Path(h3gate.__file__).resolve().parent
 PROBE = (
@@ -38,7 +39,7 @@ def probe(cwd: Path, pythonpath: Path | None = None, home: Path | None = None) -
 @pytest.mark.skipif(paths.CHECKOUT is None, reason="the suite runs from a checkout")
 def test_checkout_reads_package_data_and_writes_evidence_into_the_checkout(tmp_path) -> None:
     got = probe(tmp_path)
-    assert got["root"] == str(PACKAGE / "data") and got["checkout"] == str(PACKAGE.parent)
+    assert got["root"] == str(PACKAGE.parent) and got["checkout"] == str(PACKAGE.parent)
     assert got["evidence"] == str(PACKAGE.parent / "evidence" / "local")
     assert got["layouts"] == "manifests/layouts.yaml" and got["run"] == "evidence/local/r"
 
@@ -46,7 +47,7 @@ def test_checkout_reads_package_data_and_writes_evidence_into_the_checkout(tmp_p
 def test_installed_package_reads_its_data_and_writes_evidence_under_the_working_directory(tmp_path) -> None:
     """The package alone, as pip lays a wheel out in site-packages (no pyproject.toml beside it)."""
     site, cwd = tmp_path / "site", tmp_path / "run"
-    shutil.copytree(PACKAGE, site / "h3gate", ignore=shutil.ignore_patterns("__pycache__"))
+    wheel_layout(site)
     cwd.mkdir()
     got = probe(cwd, pythonpath=site)
     assert got["root"] == str(site / "h3gate" / "data") and got["checkout"] is None
@@ -60,12 +61,44 @@ def test_h3gate_home_relocates_manifests_schemas_and_evidence(tmp_path) -> None:
     assert got["layouts"] == "manifests/layouts.yaml"
 
 
+def wheel_layout(site: Path) -> None:
+    """The package as a wheel lays it out in ``site``: ``h3gate/``, ``kernels/`` as ``h3gate/kernels`` and the data as
+    ``h3gate/data/{manifests,schemas}`` (``pyproject.toml``'s package-dir)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(PACKAGE, site / "h3gate", ignore=ignore)
+    shutil.rmtree(site / "h3gate" / "kernels")
+    shutil.copytree(PACKAGE.parent / "kernels", site / "h3gate" / "kernels", ignore=ignore)
+    for name in ("manifests", "schemas"):
+        shutil.copytree(PACKAGE.parent / name, site / "h3gate" / "data" / name, ignore=ignore)
+
+
 @pytest.mark.skipif(paths.CHECKOUT is None, reason="reads pyproject.toml")
-def test_the_wheel_and_the_code_hash_cover_every_data_file() -> None:
-    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
-    globs = pyproject["tool"]["setuptools"]["package-data"]["h3gate.data"]
-    data = PACKAGE / "data"
-    files = {p.relative_to(data).as_posix() for p in data.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert {"manifests/layouts.yaml", "manifests/configs/tiny.yaml", "schemas/common.schema.json"} <= files
-    assert {p.relative_to(data).as_posix() for g in globs for p in data.glob(g)} == files, "not in the wheel"
-    assert sorted(f"h3gate/data/{g}" for g in globs) == sorted(g for g in CODE_GLOBS if g.startswith("h3gate/data/"))
+def test_the_wheel_and_the_code_hash_cover_every_data_file_and_kernel() -> None:
+    """pyproject maps kernels/, manifests/ and schemas/ into the package and ships every data file; the package list
+    names every package; the code hash covers the same files."""
+    tool = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    dirs, listed = tool["package-dir"], set(tool["packages"])
+    assert dirs["h3gate.kernels"] == "kernels"
+    root = PACKAGE.parent
+    for package, data in tool["package-data"].items():
+        assert package in listed, package
+        top = package.removeprefix("h3gate.data.").split(".")[0]
+        folder = root / dirs[f"h3gate.data.{top}"] / Path(*package.removeprefix(f"h3gate.data.{top}").split(".")[1:])
+        files = {p for g in data for p in folder.glob(g)}
+        assert files == {p for p in folder.iterdir() if p.is_file()}, f"{folder}: not every file ships"
+    data_dirs = {f"h3gate.data.{top}" + "".join(f".{x}" for x in p.relative_to(root / top).parts)
+                 for top in ("manifests", "schemas") for p in [root / top, *(root / top).rglob("*")] if p.is_dir()
+                 and "__pycache__" not in p.parts}  # fmt: skip
+    packages = {m for m in sources() if (root / m.replace(".", "/") / "__init__.py").is_file()}
+    assert listed == packages | {"h3gate.kernels"} | data_dirs, "pyproject's packages miss or add a package"
+    logical = set(code_files(root))
+    shipped = {f"h3gate/data/{p.relative_to(root).as_posix()}" for top in ("manifests", "schemas")
+               for p in (root / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts}  # fmt: skip
+    assert shipped <= logical and {f"h3gate/kernels/{p.name}" for p in (root / "kernels").glob("*.py")} <= logical
+
+
+def test_the_code_hash_is_the_same_in_a_checkout_and_in_the_wheel_layout(tmp_path) -> None:
+    site = tmp_path / "site"
+    wheel_layout(site)
+    assert code_sha256(site) == code_sha256(PACKAGE.parent)
+    assert set(code_files(site)) == set(code_files(PACKAGE.parent))

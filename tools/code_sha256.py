@@ -4,8 +4,9 @@
     python3 tools/code_sha256.py [REV]
 
 Evidence written on the GPU host records ``code_sha256``; this recomputes it from git to name the commit it ran.
-Commits from before the data moved into the package (top-level ``manifests/`` and ``schemas/``) are hashed with
-the globs of their own layout, so the hashes that old evidence names are reproduced.
+Commits from before the data moved into the package (top-level ``manifests/`` and ``schemas/``, kernels inside the
+package) are hashed with the globs of their own layout, so the hashes that old evidence names are reproduced; the
+current layout (top-level ``kernels/``, ``manifests/``, ``schemas/``) hashes each file under its installed path.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def _git(*args: str) -> bytes:
 def commit_sha256(rev: str) -> str:
     """``code_sha256`` of the tree at ``rev``, in the layout that commit had."""
     top = set(_git("ls-tree", "--name-only", rev).decode().split())
-    legacy = "manifests" in top
-    parts, globs = (["h3gate", "manifests", "schemas"], LEGACY_CODE_GLOBS) if legacy else (["h3gate"], CODE_GLOBS)
+    if "kernels" in top:  # kernels, manifests and schemas at the top level: hashed under their installed paths
+        parts, globs = ["h3gate", "kernels", "manifests", "schemas"], CODE_GLOBS
+    elif "manifests" in top:  # commits up to e8fc078: the physical paths
+        parts, globs = ["h3gate", "manifests", "schemas"], LEGACY_CODE_GLOBS
+    else:
+        parts, globs = ["h3gate"], CODE_GLOBS
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["tar", "-x", "-C", tmp], input=_git("archive", rev, *parts), check=True)
         return code_sha256(Path(tmp), globs)

@@ -501,7 +501,7 @@ def _gemm_call(c: dict) -> str:
 
 def paste(gemm_all: dict, summary: dict, att: dict, fwd_tag: str | None, bwd_tag: str | None) -> None:
     """Paste-ready table lines: forward winners per shape, dX/dW winners (least total time), attention config."""
-    print("\nPaste into h3gate/kernels/gemm_configs.py TABLE (one config for every M):")
+    print("\nPaste into kernels/gemm_configs.py TABLE (one config for every M):")
     for key, row in summary["gemm"].items():
         entry = gemm_all[key]
         if row.get("best") and "K" in entry:
@@ -527,7 +527,7 @@ def paste(gemm_all: dict, summary: dict, att: dict, fwd_tag: str | None, bwd_tag
             **{k: v for k, v in fwd.items() if k.startswith("fwd")},
         }
         args = ", ".join(f"{k}={v!r}" for k, v in merged.items())
-        print(f'Paste into h3gate/kernels/attention.py ATTN_TABLE:\n    (128, "bfloat16"): AttnConfig({args}),')
+        print(f'Paste into kernels/attention.py ATTN_TABLE:\n    (128, "bfloat16"): AttnConfig({args}),')
 
 
 def main() -> int:

@@ -210,7 +210,7 @@ def summarize_bwd(merged: dict) -> dict:
             )
             print(f"  {key:20s} {role} {best:36s} worst {scored[best]:.2f} (current {cur}: {scored.get(cur)}) {ratios}")
             lines.append(f'    ("{role}", {e["N"]}, {e["K"]}, _BF16): {_gemm_call(e[role][best]["cfg"])},')
-    print("\nPaste into h3gate/kernels/gemm_configs.py TABLE (backward rows):")
+    print("\nPaste into kernels/gemm_configs.py TABLE (backward rows):")
     print("\n".join(lines) if lines else "    (none)")
     att = {k: v for k, v in merged.get("bwd_attention", {}).items() if isinstance(v, dict) and "bwd" in v}
     # cuDNN is the provider's backend; flash stands in only where cuDNN did not run (the CPU --smoke).
@@ -238,7 +238,7 @@ def summarize_bwd(merged: dict) -> dict:
         cfg = next(e["bwd"][best]["cfg"] for e in att.values() if "cfg" in e["bwd"].get(best, {}))
         args = ", ".join(f"{k}={v!r}" for k, v in cfg.items() if not k.startswith("fwd"))
         print(f"  best attention backward: {best} (geomean {ref}/ours {scores[best]:.2f})")
-        print("Paste into h3gate/kernels/attention.py ATTN_TABLE (keep the entry's fwd_* fields; replace these):")
+        print("Paste into kernels/attention.py ATTN_TABLE (keep the entry's fwd_* fields; replace these):")
         print(f'    (128, "bfloat16"): AttnConfig(<fwd fields>, {args}),')
     summary["paste"] = lines
     return summary

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""H200 probe of the warp-specialised Gluon GEMM forward (``h3gate/kernels/gemm_gluon.py``), from the repo root:
+"""H200 probe of the warp-specialised Gluon GEMM forward (``kernels/gemm_gluon.py``), from the repo root:
 
     python3 tools/gpu_gemm_gluon.py --out $OUT/perf-probe-30.json [--variants a,b] [--sections bytes,time]
 

@@ -34,21 +34,43 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# The code as an installed wheel lays it out: every path below is a logical one, the same in a wheel and a checkout.
 CODE_GLOBS: tuple[str, ...] = ("h3gate/**/*.py", "h3gate/data/manifests/**/*.yaml", "h3gate/data/schemas/*.json")
-# Before the data moved into the package (commits up to e8fc078) manifests/ and schemas/ sat at the top level.
+# A source checkout keeps the kernels, manifests and schemas at its top level; each maps onto its installed place.
+CHECKOUT_SOURCES: tuple[tuple[str, str, str], ...] = (
+    ("kernels", "**/*.py", "h3gate/kernels"),
+    ("manifests", "**/*.yaml", "h3gate/data/manifests"),
+    ("schemas", "*.json", "h3gate/data/schemas"),
+)
+# Before the data moved into the package (commits up to e8fc078) manifests/ and schemas/ sat at the top level, and
+# their evidence hashed those physical paths.
 LEGACY_CODE_GLOBS: tuple[str, ...] = ("h3gate/**/*.py", "manifests/**/*.yaml", "schemas/*.json")
+
+
+def code_files(root: Path, globs: tuple[str, ...] = CODE_GLOBS) -> dict[str, Path]:
+    """Logical path -> file of the code under ``root``: ``globs`` as they match, and, where ``root`` is a checkout
+    with a top-level ``kernels/`` folder, that folder, ``manifests/`` and ``schemas/`` under their installed paths
+    (the checkout's ``h3gate/kernels/__init__.py`` only points at ``kernels/``; the wheel's is
+    ``kernels/__init__.py``)."""
+    found = {p.relative_to(root).as_posix(): p for g in globs for p in root.glob(g) if p.is_file()}
+    if globs == CODE_GLOBS and (root / "kernels").is_dir():
+        found.pop("h3gate/kernels/__init__.py", None)
+        for top, pattern, logical in CHECKOUT_SOURCES:
+            for p in (root / top).glob(pattern):
+                if p.is_file():
+                    found[f"{logical}/{p.relative_to(root / top).as_posix()}"] = p
+    return {k: v for k, v in found.items() if "__pycache__" not in v.parts}
 
 
 @cache
 def code_sha256(root: Path = _CODE_ROOT, globs: tuple[str, ...] = CODE_GLOBS) -> str:
-    """sha256 over the code that runs: for every file matching ``globs`` (:data:`CODE_GLOBS`) under ``root``, in
-    sorted repository-relative POSIX path order, ``path`` NUL ``sha256(bytes)`` newline. Identifies the code without
-    git (the GPU host gets a copied tree whose ``.git`` may point at another commit); ``tools/code_sha256.py REV``
-    recomputes it for a commit. ``root`` is the checkout, or site-packages for an installed wheel (same hash)."""
-    files = sorted({p for g in globs for p in root.glob(g) if p.is_file() and "__pycache__" not in p.parts})
+    """sha256 over the code that runs: for every file of :func:`code_files`, in sorted logical POSIX path order,
+    ``path`` NUL ``sha256(bytes)`` newline. Identifies the code without git (the GPU host gets a copied tree whose
+    ``.git`` may point at another commit); ``tools/code_sha256.py REV`` recomputes it for a commit. ``root`` is the
+    checkout, or site-packages for an installed wheel (same hash)."""
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + sha256_file(path).encode() + b"\n")
+    for logical, path in sorted(code_files(root, globs).items()):
+        digest.update(logical.encode() + b"\0" + sha256_file(path).encode() + b"\n")
     return digest.hexdigest()
 
 

@@ -118,7 +118,7 @@ CASES: dict[str, CaseBuilder] = {
     "h3_attention_o_gemm": _gemm("h3_attention_o_gemm", lambda c: (c.inner_dim, c.hidden_size), BF16, False),
     "h3_ffn_gate_up_gemm": _gemm("h3_ffn_gate_up_gemm", lambda c: (c.hidden_size, 2 * c.ffn_dim), BF16, False),
     "h3_ffn_down_gemm": _gemm("h3_ffn_down_gemm", lambda c: (c.ffn_dim, c.hidden_size), BF16, False),
-    # WS2 segmented-8 merge order (h3gate/kernels/gemm_merge.py) on the row-parallel block shapes, same inputs.
+    # WS2 segmented-8 merge order (kernels/gemm_merge.py) on the row-parallel block shapes, same inputs.
     "h3_attention_o_gemm_seg8": _gemm("h3_attention_o_gemm_seg8", lambda c: (c.inner_dim, c.hidden_size), BF16, False),
     "h3_ffn_down_gemm_seg8": _gemm("h3_ffn_down_gemm_seg8", lambda c: (c.ffn_dim, c.hidden_size), BF16, False),
     "h3_qkv_gemm_seg8": _gemm("h3_qkv_gemm_seg8", lambda c: (c.hidden_size, c.inner_dim), BF16, False),

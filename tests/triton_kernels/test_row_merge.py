@@ -1,4 +1,4 @@
-"""The row-segment merge order (h3gate/kernels/row_merge.py, rows_seg8.py) under Triton's interpreter: boundaries a
+"""The row-segment merge order (kernels/row_merge.py, rows_seg8.py) under Triton's interpreter: boundaries a
 function of S alone, the ``*_seg8`` row operators' forward and dx bitwise their single-device operators', every
 row-sum gradient equal at CP1, CP2, CP4 and CP8 with simulated ranks (each rank's rows and subtree, the subtrees
 merged in rank order), the order observable on a crafted row, and the refusal of a shard that is not the group's."""

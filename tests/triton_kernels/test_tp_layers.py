@@ -1,4 +1,4 @@
-"""The TP layers (h3gate/kernels/tp_layers.py) under Triton's interpreter: the column-parallel twins (Q/K/V, gate/up)
+"""The TP layers (kernels/tp_layers.py) under Triton's interpreter: the column-parallel twins (Q/K/V, gate/up)
 forward bitwise the single walk, their dX and the QK-norm weight gradient equal at TP1, TP2, TP4 and TP8 with
 simulated ranks (every rank's subtree computed, then merged in rank order), dW (one row segment here) the single
 walk's, accuracy against float64, and the alignment check's refusals. The row-segment order: test_row_merge.py."""
