@@ -1,5 +1,5 @@
 """The package's source files as Python imports them: ``h3gate/**/*.py`` and the repository's top-level ``kernels/``
-(the ``h3gate.kernels`` package; ``h3gate/kernels/__init__.py`` in a checkout only points there). The architecture,
+(the modules of ``h3gate.kernels``, whose ``__init__`` in ``h3gate/kernels/`` points there). The architecture,
 executor, numerics and import checks read every module through :func:`sources`."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def module_name(path: Path) -> str:
 
 
 def sources() -> dict[str, Path]:
-    """Module name -> source file, for every module of the package (the checkout's kernels shim aside)."""
-    files = [p for p in PACKAGE.rglob("*.py") if p != SHIM] + list(KERNELS.rglob("*.py"))
+    """Module name -> source file, for every module of the package (``h3gate.kernels`` itself: its ``__init__``)."""
+    files = list(PACKAGE.rglob("*.py")) + list(KERNELS.rglob("*.py"))
     return {module_name(p): p for p in sorted(files) if "__pycache__" not in p.parts}
 
 

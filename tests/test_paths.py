@@ -102,3 +102,15 @@ def test_the_code_hash_is_the_same_in_a_checkout_and_in_the_wheel_layout(tmp_pat
     wheel_layout(site)
     assert code_sha256(site) == code_sha256(PACKAGE.parent)
     assert set(code_files(site)) == set(code_files(PACKAGE.parent))
+
+
+def test_the_checkout_never_shadows_the_kernels_distribution(tmp_path) -> None:
+    """``kernels/`` has no ``__init__.py``: from the repository's root (on ``sys.path`` first, as ``python -m`` and
+    pytest put it), ``import kernels`` is the ``kernels`` distribution diffusers and SGLang import, not our folder."""
+    root = PACKAGE.parent
+    assert (root / "kernels").is_dir() and not (root / "kernels" / "__init__.py").exists()
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    origin = done.stdout.strip()
+    assert origin == "None" or not origin.startswith(str(root / "kernels")), origin
