@@ -199,6 +199,10 @@ def _rollouts(stack: Stack, source, out: Path, injected, progress) -> tuple[dict
     if stack.settings.rollout != "sglang":
         rollouts = {k: rollout(stack, k, out / f"rollout-{k}", progress) for k in letters}
         record = {"engine": "diffusers", "diffusers": require_diffusers().__version__}
+    elif stack.settings.tp > 1:
+        from h3gate.arms.sglang_tp import tp_rollouts
+
+        rollouts, record = tp_rollouts(stack, source, out, list(letters), injected, progress)
     else:
         from h3gate.arms.sglang_side import SglangEngine, build_sglang
 

@@ -75,11 +75,12 @@ def sglang_fault(fault: RowFault, stack: Stack) -> SglangFault:
     return SglangFault(fault.node, module, row)
 
 
-def build_sglang(stack: Stack, source: Any) -> Any:
-    """SGLang's DiT on the run's weights on the stack's device (this process's SGLang runtime, world size 1 unless
-    torch.distributed is up), its request quality set; kept as ``stack.sglang``."""
+def build_sglang(stack: Stack, source: Any, tp: int = 1) -> Any:
+    """SGLang's DiT on the run's weights on the stack's device, its request quality set; kept as ``stack.sglang``.
+    This process's SGLang runtime: world size 1, or (``tp`` > 1) this rank's shards of an initialised
+    torch.distributed world."""
     s = stack.settings
-    init_runtime(tp=s.tp if s.tp > 1 else None, attention_backend=s.sglang_attention, hidden_size=stack.cfg.hidden_size)
+    init_runtime(tp=tp if tp > 1 else None, attention_backend=s.sglang_attention, hidden_size=stack.cfg.hidden_size)
     model = build_model(source, stack.device)
     set_quality(model, s.sglang_quality)
     stack.sglang = model
@@ -92,11 +93,14 @@ class SglangEngine:
 
     stack: Stack
     fault: SglangFault | None = None
+    source: Any = None  # the weights, when the model is built on first use (a location after TP ranks rolled out)
     name: str = ENGINE
     letters: dict[str, dict] = field(default_factory=dict)  # per rollout letter: the binding and what ran
 
     @property
     def model(self) -> Any:
+        if self.stack.sglang is None:
+            build_sglang(self.stack, self.source)
         return self.stack.sglang
 
     def packing(self) -> Packing:
