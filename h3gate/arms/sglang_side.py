@@ -58,7 +58,7 @@ class SglangFault:
 def sglang_fault(fault: RowFault, stack: Stack) -> SglangFault:
     """``--fault`` on SGLang's rollout module: a forward scale fault at a node read at a whole module output, its row
     inside that output (InputError naming what is wrong)."""
-    module, row = fault_point("model", stack.cfg, 0, fault)
+    module, row = fault_point("model", stack.cfg, 0, fault, "--rollout sglang")
     node = next(n for n in build_model_graph(stack.cfg).nodes if n.name == fault.node)
     layout, batch = stack.layout, len(stack.requests)
     per = layout.rows_per_modality()
