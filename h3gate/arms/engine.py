@@ -3,10 +3,11 @@
 An arm ``T/R`` trains with operators ``T`` and rolls out with operators ``R`` (``P``: the pinned provider, diffusers
 0.42.1 as it is; ``R``: h3gate's strict kernels through ``h3gate.strict``). Each rollout letter runs once (the arms
 that share it share its states); each arm's training side then runs at every saved rollout state
-(:mod:`h3gate.arms.sides`). Per arm and step: the rollout's velocities against the training side's, alone and in
-both shuffled passes, bytewise per modality, with the drift size; the gradients of the two identical passes
-bitwise; under LoRA every adapter gradient finite and non-zero and no base parameter with a gradient. The first
-drift of an arm is located by :func:`h3gate.arms.locate.locate`.
+(:mod:`h3gate.arms.sides`). The rollout runs on the same module or, with ``--rollout sglang``, on SGLang's DiT on
+the same weights (:mod:`h3gate.arms.sglang_side`; ``--tp N``: :mod:`h3gate.arms.sglang_tp`). Per arm and step: the
+rollout's velocities against the training side's, alone and in both shuffled passes, bytewise per modality, with the
+drift size; the gradients of the two identical passes bitwise; under LoRA every adapter gradient finite and non-zero
+and no base parameter with a gradient. The first drift of an arm is located by :func:`h3gate.arms.locate.locate`.
 
 Verdict: ``pass`` when R/R (if run) is byte-equal at every step and composition, and every arm training with ``R``
 repeats its gradients bitwise and (under LoRA) passes the LoRA gate; the P arms' results are recorded, not judged

@@ -68,6 +68,14 @@ def _summary(body: dict, path: Path) -> None:
         f"{run['schedule']['evaluations']} steps, batch {run['batch']}, {run['training']['mode']} training, "
         f"{run['device']}"
     )
+    rollout = body["rollout"]
+    if rollout["engine"] == "sglang":
+        sglang = rollout["sglang"]
+        console.print(
+            f"  rollout on SGLang {sglang['versions']['sglang']} (TP{rollout['tp']}, {rollout['merge_order']} order, "
+            f"quality {sglang['quality']}, attention {sglang['attention_backend']['resolved']}); R under h3gate's "
+            "strict binding"
+        )
     for a in body["arms"]:
         where = "-"
         if a["first_drift"] is not None:
