@@ -160,6 +160,9 @@ def check_rollout(settings: ArmsSettings) -> None:
     require_sglang("--rollout sglang")
     if settings.sglang_quality not in QUALITIES:
         raise InputError(f"--sglang-quality {settings.sglang_quality!r}: must be one of {', '.join(QUALITIES)}")
+    if settings.lora_rank is not None:
+        raise InputError("--lora-rank with --rollout sglang: SGLang's DiT holds the base weights only (the strict "
+                         "binding does not cover its LoRA layers); drop --lora-rank")  # fmt: skip
     if settings.layers is not None and settings.checkpoint is not None:
         raise InputError("--layers with --rollout sglang --checkpoint: SGLang loads the whole checkpoint; "
                          "drop --layers or use synthetic weights")  # fmt: skip

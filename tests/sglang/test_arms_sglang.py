@@ -146,6 +146,7 @@ def test_tp2_rollout_under_seg8_is_byte_for_byte_tp1_and_the_diffusers_module(ti
         (["--tp", "2"], "--tp 2: merge order 'single' is not TP-invariant; add --merge-order seg8"),
         (["--tp", "2", "--merge-order", "seg8"], "TP2 rank 0: "),  # the tiny config's 2 heads
         (["--tp", "0"], "--tp 0: must be at least 1"),
+        (["--lora-rank", "2"], "--lora-rank with --rollout sglang: SGLang's DiT holds the base weights only"),
     ],
 )
 def test_bad_sglang_input_is_exit_2_with_one_line(tiny, tmp_path, args, message):
