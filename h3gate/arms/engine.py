@@ -200,7 +200,7 @@ def _rollouts(stack: Stack, source, out: Path, injected, progress) -> tuple[dict
     if stack.settings.rollout != "sglang":
         rollouts = {k: rollout(stack, k, out / f"rollout-{k}", progress) for k in letters}
         record = {"engine": "diffusers", "diffusers": require_diffusers().__version__}
-    elif stack.settings.tp > 1:
+    elif stack.settings.tp * stack.settings.ulysses > 1:
         from h3gate.arms.sglang_tp import tp_rollouts
 
         rollouts, record = tp_rollouts(stack, source, out, list(letters), injected, progress)
@@ -211,7 +211,8 @@ def _rollouts(stack: Stack, source, out: Path, injected, progress) -> tuple[dict
         engine = SglangEngine(stack, injected)
         rollouts = {k: rollout(stack, k, out / f"rollout-{k}", progress, engine) for k in letters}
         record = engine.record()
-    return rollouts, {**record, "merge_order": stack.settings.merge, "tp": stack.settings.tp}
+    s = stack.settings
+    return rollouts, {**record, "merge_order": s.merge, "tp": s.tp, **({"ulysses": s.ulysses} if s.ulysses > 1 else {})}
 
 
 def run_arms(stack: Stack, source, out: Path, progress: Callable[[str], None] | None = None) -> dict:

@@ -5,9 +5,10 @@ SGLang's ``MiniMaxH3DiTModel`` is loaded by SGLang's own loader from a diffusers
 one), with SGLang's request quality (``--sglang-quality``) and attention backend as requested. The denoise loop is
 :func:`h3gate.arms.sides.rollout`'s (the same schedulers, the same row timestep plan); each evaluation packs the B
 requests as SGLang packs them: one ``cu_seqlens`` sequence, request b at packed rows ``b S .. b S + S - 1``, padding
-to a multiple of 64, on SGLang's serving path (:func:`h3gate.adapters.sglang.inputs.packing`). ``P``: SGLang as
-shipped, stepped by diffusers' ``MiniMaxH3Scheduler``; ``R``: inside ``bind_strict(model, "strict", merge=...)``,
-stepped by h3gate's Euler step (:func:`h3gate.strict.euler_steps`, the rule of ``h3gate.strict(..., scheduler=)``).
+to a multiple of 64, on SGLang's serving path (:func:`h3gate.adapters.sglang.inputs.packing`; under ``--ulysses``
+its direct path, one request). ``P``: SGLang as shipped, stepped by diffusers' ``MiniMaxH3Scheduler``; ``R``:
+inside ``bind_strict(model, "strict", merge=...)``, stepped by h3gate's Euler step (:func:`h3gate.strict.euler_steps`,
+the rule of ``h3gate.strict(..., scheduler=)``).
 
 ``--fault NODE:ROW`` (a negative control): row ``ROW`` of the SGLang module whose output is the node (packed nodes:
 request b's row s at ``b S + s``; text nodes: the row of every request's refiner call) scaled by 1 + 2^-6 in its
@@ -75,12 +76,13 @@ def sglang_fault(fault: RowFault, stack: Stack) -> SglangFault:
     return SglangFault(fault.node, module, row)
 
 
-def build_sglang(stack: Stack, source: Any, tp: int = 1) -> Any:
+def build_sglang(stack: Stack, source: Any, tp: int = 1, ulysses: int = 1) -> Any:
     """SGLang's DiT on the run's weights on the stack's device, its request quality set; kept as ``stack.sglang``.
-    This process's SGLang runtime: world size 1, or (``tp`` > 1) this rank's shards of an initialised
-    torch.distributed world."""
+    This process's SGLang runtime: world size 1, or (``tp`` or ``ulysses`` > 1) this rank of an initialised
+    torch.distributed world (a TP rank loads its shards)."""
     s = stack.settings
-    init_runtime(tp=tp if tp > 1 else None, attention_backend=s.sglang_attention, hidden_size=stack.cfg.hidden_size)
+    init_runtime(tp=tp if tp > 1 else None, sp=ulysses if ulysses > 1 else None, attention_backend=s.sglang_attention,
+                 hidden_size=stack.cfg.hidden_size)  # fmt: skip
     model = build_model(source, stack.device)
     set_quality(model, s.sglang_quality)
     stack.sglang = model
@@ -104,8 +106,10 @@ class SglangEngine:
         return self.stack.sglang
 
     def packing(self) -> Packing:
+        """SGLang's serving path; under Ulysses its direct path (one request: SGLang's forward splits the rows)."""
         stack = self.stack
-        return packing(len(stack.requests), stack.layout.seq_len, stack.layout.text_indices)
+        serving = stack.settings.ulysses == 1
+        return packing(len(stack.requests), stack.layout.seq_len, stack.layout.text_indices, serving=serving)
 
     def raw(self, step: int) -> RawMetadata:
         return raw_metadata(self.stack.layout, *self.stack.plan[step])

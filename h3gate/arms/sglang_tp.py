@@ -1,17 +1,20 @@
-"""SGLang's rollout under its own tensor parallelism (``run arms --rollout sglang --tp N``).
+"""SGLang's rollout under its own parallelism: ``run arms --rollout sglang --tp N`` (tensor) or ``--ulysses N``.
 
 The ranks are started by torch's own launcher, ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 h3gate.arms.sglang_tp --dir WORK`` (gloo on the CPU, NCCL with one GPU a rank on CUDA). Each rank reads
 ``WORK/spec.json`` (the run's settings, the rollout letters, the fault), plans the same stack, loads its shards of
-SGLang's DiT with SGLang's loader (:func:`h3gate.arms.sglang_side.build_sglang` at ``tp=N``) and runs the whole denoise
-loop for every letter (:func:`h3gate.arms.sides.rollout` on :class:`~h3gate.arms.sglang_side.SglangEngine`): ``R``
-under the strict binding in the seg8 order, whose TP layers all-gather over SGLang's TP group, ``P`` as shipped
-(SGLang's own row-parallel sums). Every rank holds the full velocities and steps the same schedulers. Rank 0 writes
+SGLang's DiT with SGLang's loader (:func:`h3gate.arms.sglang_side.build_sglang` at ``tp=N`` or ``ulysses=N``) and runs
+the whole denoise loop for every letter (:func:`h3gate.arms.sides.rollout` on
+:class:`~h3gate.arms.sglang_side.SglangEngine`): ``R`` under the strict binding (TP: in the seg8 order, its TP layers
+all-gathering over SGLang's TP group; Ulysses: a rank's rows, whole segments on its heads after SGLang's all-to-all),
+``P`` as shipped (SGLang's own row-parallel sums, its own all-to-all). Every rank holds the full velocities and steps
+the same schedulers. Rank 0 writes
 the step files into the run's ``rollout-<L>/steps``, the final latents and SGLang's record into ``WORK``; the parent
 reads them back as :class:`~h3gate.arms.sides.Rollout` (:func:`tp_rollouts`).
 
-The first drift is located at TP1 in the parent (the node map reads TP1 values only): under seg8, R at TP1 is R at TPn
-byte for byte, which the location's ``replay_faithful`` checks against what the ranks recorded.
+The first drift is located at TP1 in the parent (the node map reads world-size-1 values only): R at TP1 is R at TPn
+(seg8) and at Ulysses N byte for byte, which the location's ``replay_faithful`` checks against what the ranks
+recorded.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def run_rank(folder: Path) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     stack, source = plan_stack(dataclasses.replace(settings, device=device))  # bad input fails every rank alike
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    build_sglang(stack, source, tp=world)
+    build_sglang(stack, source, tp=settings.tp, ulysses=settings.ulysses)
     fault = spec["fault"] and SglangFault(**spec["fault"])
     engine = SglangEngine(stack, fault)
     out = Path(spec["out"])
@@ -105,13 +108,13 @@ def _launch(world: int, folder: Path) -> None:
     except subprocess.TimeoutExpired:
         proc.terminate()  # the launcher stops its ranks
         proc.communicate(timeout=60)
-        raise RuntimeError(f"run arms --tp {world}: the ranks ran past {TIMEOUT_S} s") from None
+        raise RuntimeError(f"run arms: {world} SGLang ranks ran past {TIMEOUT_S} s") from None
     if proc.returncode:
         bad = [ln for ln in log.splitlines() if ln.startswith(ERROR_PREFIX)]
         if bad:
             raise InputError(bad[0].removeprefix(ERROR_PREFIX))
         tail = " | ".join(ln.strip() for ln in log.splitlines()[-6:])
-        raise RuntimeError(f"run arms --tp {world}: the ranks failed (exit {proc.returncode}): {tail}")
+        raise RuntimeError(f"run arms: {world} SGLang ranks failed (exit {proc.returncode}): {tail}")
 
 
 def read_rollout(stack: Stack, letter: str, rundir: Path, final: Path, engine: SglangEngine) -> Rollout:
@@ -126,7 +129,7 @@ def read_rollout(stack: Stack, letter: str, rundir: Path, final: Path, engine: S
         out.velocities.append((tensors["video_velocity"], tensors["audio_velocity"]))
         out.seconds.append(float(record["seconds"]))
     if len(out.states) != stack.evaluations:
-        raise RuntimeError(f"run arms --tp: {rundir}: {len(out.states)} steps written, {stack.evaluations} expected")
+        raise RuntimeError(f"run arms: {rundir}: {len(out.states)} steps written, {stack.evaluations} expected")
     last = load_file(str(final))
     out.final = (last["video"], last["audio"])
     return out
@@ -135,16 +138,17 @@ def read_rollout(stack: Stack, letter: str, rundir: Path, final: Path, engine: S
 def tp_rollouts(
     stack: Stack, source: Any, out: Path, letters: list[str], fault: SglangFault | None, progress=None
 ) -> tuple[dict[str, Rollout], dict]:
-    """Every rollout letter on ``stack.settings.tp`` ranks (module docstring); the rollouts read back and SGLang's
+    """Every rollout letter on ``--tp`` x ``--ulysses`` ranks (module docstring); the rollouts read back and SGLang's
     record from rank 0 (with the ranks' world, launcher and backend)."""
-    world = stack.settings.tp
+    world = stack.settings.tp * stack.settings.ulysses
     with tempfile.TemporaryDirectory(prefix="h3gate-arms-tp-") as tmp:
         folder = Path(tmp)
         spec = {"settings": settings_record(stack.settings), "letters": letters, "out": str(out.resolve()),
                 "fault": fault and dataclasses.asdict(fault), "threads": 1}  # fmt: skip
         (folder / SPEC).write_text(json.dumps(spec), encoding="utf-8")
         if progress is not None:
-            progress(f"rollout {', '.join(letters)} (sglang): {world} TP ranks")
+            kind = "TP" if stack.settings.tp > 1 else "Ulysses"
+            progress(f"rollout {', '.join(letters)} (sglang): {world} {kind} ranks")
         _launch(world, folder)
         record = json.loads((folder / RECORD).read_text(encoding="utf-8"))
         engine = SglangEngine(stack, fault, source)
@@ -155,7 +159,7 @@ def tp_rollouts(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description="one rank of run arms --tp")
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description="one rank of run arms --tp / --ulysses")
     parser.add_argument("--dir", type=Path, required=True)
     args = parser.parse_args(argv)
     try:

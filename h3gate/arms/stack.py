@@ -11,7 +11,8 @@ first step (as after some training). The base is frozen under LoRA; otherwise ev
 
 The rollout engine (``--rollout``): ``diffusers`` (this module) or ``sglang``, SGLang's ``MiniMaxH3DiTModel`` loaded by
 SGLang's own loader from a diffusers-layout folder of the same weights (:mod:`h3gate.arms.sglang_side`). ``merge``:
-the merge order R's operators are bound in on both sides (``seg8``: the TP-invariant order ``--tp`` needs).
+the merge order R's operators are bound in on both sides (``seg8``: the TP-invariant order ``--tp`` needs; SGLang's
+Ulysses, ``--ulysses``, splits no reduction and runs in either order).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class ArmsSettings:
     sglang_attention: str | None = None
     merge: str = "single"
     tp: int = 1
+    ulysses: int = 1
 
 
 def require_diffusers() -> Any:
@@ -147,7 +149,8 @@ class Stack:
 
 def check_rollout(settings: ArmsSettings) -> None:
     """The rollout engine's options (InputError naming the option): a known engine; SGLang's only with ``sglang``
-    (installed at its pinned version, a known quality); ``--tp`` > 1 in the seg8 order on aligned widths."""
+    (installed at its pinned version, a known quality); ``--tp`` > 1 in the seg8 order on aligned widths;
+    ``--ulysses`` > 1 for one request."""
     check_merge(settings.merge)
     if settings.rollout not in ROLLOUTS:
         raise InputError(f"--rollout {settings.rollout!r}: must be one of {', '.join(ROLLOUTS)}")
@@ -156,6 +159,8 @@ def check_rollout(settings: ArmsSettings) -> None:
             raise InputError("--sglang-attention-backend: only with --rollout sglang")
         if settings.tp != 1:
             raise InputError(f"--tp {settings.tp}: only with --rollout sglang (SGLang's tensor parallelism)")
+        if settings.ulysses != 1:
+            raise InputError(f"--ulysses {settings.ulysses}: only with --rollout sglang (SGLang's Ulysses)")
         return
     require_sglang("--rollout sglang")
     if settings.sglang_quality not in QUALITIES:
@@ -166,8 +171,14 @@ def check_rollout(settings: ArmsSettings) -> None:
     if settings.layers is not None and settings.checkpoint is not None:
         raise InputError("--layers with --rollout sglang --checkpoint: SGLang loads the whole checkpoint; "
                          "drop --layers or use synthetic weights")  # fmt: skip
-    if settings.tp < 1:
-        raise InputError(f"--tp {settings.tp}: must be at least 1")
+    if settings.tp < 1 or settings.ulysses < 1:
+        which = "--tp" if settings.tp < 1 else "--ulysses"
+        raise InputError(f"{which} {min(settings.tp, settings.ulysses)}: must be at least 1")
+    if settings.tp > 1 and settings.ulysses > 1:
+        raise InputError(f"--tp {settings.tp} --ulysses {settings.ulysses}: one kind of SGLang parallelism at a time")
+    if settings.ulysses > 1 and settings.batch != 1:
+        raise InputError(f"--ulysses {settings.ulysses}: SGLang's Ulysses rollout takes one request (--batch 1: its "
+                         "direct path, where SGLang's forward splits the rows itself)")  # fmt: skip
     if settings.tp > 1 and settings.merge != "seg8":
         raise InputError(f"--tp {settings.tp}: merge order {settings.merge!r} is not TP-invariant; "
                          "add --merge-order seg8")  # fmt: skip
@@ -195,6 +206,8 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     plan = row_timestep_plan(layout, recipe, *recipe.schedules())
     requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]
+    if settings.ulysses > 1 and cfg.num_attention_heads % settings.ulysses:
+        raise InputError(f"--ulysses {settings.ulysses}: {cfg.num_attention_heads} heads do not divide among the ranks")
     if settings.tp > 1:
         check_alignment(settings.tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
                         torch.bfloat16)  # fmt: skip

@@ -247,6 +247,10 @@ def run_arms(
             "--tp", help="SGLang's tensor parallelism for the rollout (gloo ranks on the CPU; --merge-order seg8)."
         ),
     ] = 1,
+    ulysses: Annotated[
+        int,
+        typer.Option("--ulysses", help="SGLang's Ulysses (sequence parallelism) for the rollout (--batch 1)."),
+    ] = 1,
     device: DeviceOpt = "auto",
     out: OutOpt = None,
     json_: JsonOpt = False,
@@ -275,6 +279,7 @@ def run_arms(
         sglang_attention=sglang_attention_backend,
         merge=merge_order,
         tp=tp,
+        ulysses=ulysses,
     )
     run_command(arms_command, ArmsCommand(run=run, out=out, json=json_))
 

@@ -70,11 +70,11 @@ def _summary(body: dict, path: Path) -> None:
     )
     rollout = body["rollout"]
     if rollout["engine"] == "sglang":
-        sglang = rollout["sglang"]
+        sglang, degrees = rollout["sglang"], f"TP{rollout['tp']}, Ulysses {rollout.get('ulysses', 1)}"
         console.print(
-            f"  rollout on SGLang {sglang['versions']['sglang']} (TP{rollout['tp']}, {rollout['merge_order']} order, "
-            f"quality {sglang['quality']}, attention {sglang['attention_backend']['resolved']}); R under h3gate's "
-            "strict binding"
+            f"  rollout on SGLang {sglang['versions']['sglang']} ({degrees}, {rollout['merge_order']} order, quality "
+            f"{sglang['quality']}, attention {sglang['attention_backend']['resolved']}); R under h3gate's strict "
+            "binding"
         )
     for a in body["arms"]:
         where = "-"

@@ -118,6 +118,7 @@ def test_a_backward_fault_fails_the_gradient_repeat_and_names_the_gradient(tmp_p
         (["--layout", "nope"], "nope"),
         (["--rollout", "vllm"], "--rollout 'vllm': must be one of diffusers, sglang"),
         (["--tp", "2"], "--tp 2: only with --rollout sglang"),
+        (["--ulysses", "2"], "--ulysses 2: only with --rollout sglang"),
         (["--sglang-attention-backend", "fa"], "--sglang-attention-backend: only with --rollout sglang"),
         (["--merge-order", "seg4"], "--merge-order 'seg4': must be one of single, seg8"),
     ],

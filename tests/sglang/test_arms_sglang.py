@@ -6,7 +6,8 @@ step, request, modality and composition, and its rollout step files are byte for
 diffusers``. P/P is byte-equal too: on the CPU SGLang's eager path (every fused path off) is bitwise diffusers'
 forward, and both P rollouts step diffusers' scheduler. A one-row fault on SGLang's rollout module is located at its
 node, step, request and row. Under SGLang's TP2 (two gloo ranks started by torch's launcher) the R rollout in the
-seg8 order is byte for byte TP1's and the diffusers module's.
+seg8 order is byte for byte TP1's and the diffusers module's; under its Ulysses 2 both letters roll out as on one
+device.
 """
 
 from __future__ import annotations
@@ -133,6 +134,28 @@ def test_tp2_rollout_under_seg8_is_byte_for_byte_tp1_and_the_diffusers_module(ti
     assert [t.equal(u) for t, u in zip(tp1.final, module.final, strict=True)] == [True, True]
 
 
+def test_ulysses2_rollout_is_byte_for_byte_one_device_in_both_letters(tiny, tmp_path):
+    """SGLang's Ulysses 2 (gloo ranks, torch's launcher; one request, its direct path): R under the strict binding and
+    P as shipped roll out byte for byte as on one device."""
+    from h3gate.arms.sglang_side import SglangEngine, build_sglang
+    from h3gate.arms.sglang_tp import tp_rollouts
+    from h3gate.arms.sides import rollout
+    from h3gate.arms.stack import ArmsSettings, plan_stack
+
+    settings = ArmsSettings(arms=("P/P", "R/R"), layers=1, steps=2, batch=1, rollout="sglang", ulysses=2)
+    stack, source = plan_stack(settings)
+    sp2, record = tp_rollouts(stack, source, tmp_path / "sp2", ["R", "P"], None)
+    assert record["sglang"]["degrees"] == {"tp": 1, "ulysses": 2, "ring": 1} and record["packing"]["path"] == "direct"
+    assert record["letters"]["R"]["strict_binding"]["ulysses"] == 2
+    build_sglang(stack, source)
+    engine = SglangEngine(stack)
+    for letter in ("R", "P"):
+        one = rollout(stack, letter, tmp_path / "one" / f"rollout-{letter}", None, engine)
+        digests = [_step_digests(tmp_path / w / f"rollout-{letter}") for w in ("sp2", "one")]
+        assert len(digests[0]) == 1 and digests[0] == digests[1], letter
+        assert [t.equal(u) for t, u in zip(sp2[letter].final, one.final, strict=True)] == [True, True]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -147,6 +170,8 @@ def test_tp2_rollout_under_seg8_is_byte_for_byte_tp1_and_the_diffusers_module(ti
         (["--tp", "2", "--merge-order", "seg8"], "TP2 rank 0: "),  # the tiny config's 2 heads
         (["--tp", "0"], "--tp 0: must be at least 1"),
         (["--lora-rank", "2"], "--lora-rank with --rollout sglang: SGLang's DiT holds the base weights only"),
+        (["--ulysses", "2"], "--ulysses 2: SGLang's Ulysses rollout takes one request (--batch 1"),
+        (["--ulysses", "2", "--tp", "2", "--merge-order", "seg8"], "one kind of SGLang parallelism at a time"),
     ],
 )
 def test_bad_sglang_input_is_exit_2_with_one_line(tiny, tmp_path, args, message):
