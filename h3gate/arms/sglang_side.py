@@ -159,18 +159,17 @@ def sglang_side(engine: SglangEngine, letter: str, step: int, inputs: State, rec
     operators (with the fault), every node captured (module docstring)."""
     stack = engine.stack
     graph = build_model_graph(stack.cfg)
-    side = Side(lambda observe: (0, 0), list(range(len(stack.requests))), recorded)
+    uncovered: dict[str, str] = {}
 
     def run(observe: Observer) -> State:
         device = stack.device
         tensors = {"video_rows": inputs[0].to(device), "audio_rows": inputs[1].to(device), "text": stack.text()}
         with engine.binding(letter):
             cap = capture_forward(engine.model, stack.cfg, tensors, engine.raw(step), engine.packing(), graph)
-        side.uncovered.update(cap.uncovered)
+        uncovered.update(cap.uncovered)
         for node in graph.nodes:
             if node.name in cap.values:
                 observe(node, cap.values[node.name])
         return cap.outputs["heads.video_select"].cpu(), cap.outputs["heads.audio_select"].cpu()
 
-    side.run = run
-    return side
+    return Side(run, list(range(len(stack.requests))), recorded, uncovered)

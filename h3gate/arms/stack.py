@@ -108,7 +108,7 @@ class Stack:
     requests: list[Request]
     weights: dict
     model: Any = None
-    sglang: Any = None  # SGLang's DiT (``--rollout sglang``, built in this process at TP1)
+    sglang: Any = None  # SGLang's DiT (``--rollout sglang``), once built in this process
     trainable: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     lora_names: tuple[str, ...] = ()
 
