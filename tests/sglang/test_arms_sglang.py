@@ -3,11 +3,12 @@ the micro layout, batch 2).
 
 R/R (SGLang under the strict binding, h3gate's Euler step; diffusers under ``h3gate.strict``) is byte-equal at every
 step, request, modality and composition, and its rollout step files are byte for byte those of ``--rollout
-diffusers``. P/P is byte-equal too: on the CPU SGLang's eager path (every fused path off) is bitwise diffusers'
-forward, and both P rollouts step diffusers' scheduler. A one-row fault on SGLang's rollout module is located at its
-node, step, request and row. Under SGLang's TP2 (two gloo ranks started by torch's launcher) the R rollout in the
-seg8 order is byte for byte TP1's and the diffusers module's; under its Ulysses 2 both letters roll out as on one
-device.
+diffusers``. P/P is byte-equal too at this size: on the CPU SGLang's eager path (every fused path off) is bitwise
+diffusers' forward, and both P rollouts step diffusers' scheduler (the provider is not batch-invariant in general: on
+the ws2-tiny config diffusers' own P/P drifts between a batch of two and a request alone, at the refiner). A one-row
+fault on SGLang's rollout module is located at its node, step, request and row. Under SGLang's TP2 (two gloo ranks
+started by torch's launcher) the R rollout in the seg8 order is byte for byte TP1's and the diffusers module's; under
+its Ulysses 2 both letters roll out as on one device.
 """
 
 from __future__ import annotations
