@@ -16,8 +16,10 @@ forward or backward hook, an attention processor other than diffusers' default o
 executor does, the adapter runs a block's q, k and v projections as one grouped call of the strict GEMM (one
 launch from 1024 to 8191 rows on a Hopper GPU, the same bytes; one trace record a node); not with LoRA layers.
 With ``scheduler=`` (a ``MiniMaxH3Scheduler`` or a pipeline holding its video and audio schedulers) their ``step`` is
-h3gate's Euler step for the block, bitwise diffusers'. PEFT LoRA layers on the block projections run their update
-through the ``h3_lora_update`` operator in the same mode (:mod:`h3gate.strict_lora`). With the module's gradient
+h3gate's Euler step for the block, bitwise diffusers' (:func:`euler_steps` binds it alone). ``merge="seg8"`` binds
+every operator's segmented-8 twin (:func:`h3gate.ops.registry.bind`), the merge order TP ranks share. PEFT LoRA
+layers on the block projections run their update through the ``h3_lora_update`` operator in the same mode
+(:mod:`h3gate.strict_lora`). With the module's gradient
 checkpointing on (``enable_gradient_checkpointing()``) and grad enabled, every transformer and refiner block runs
 under ``torch.utils.checkpoint`` (non-reentrant), as diffusers' forward does; the strict kernels make the
 recomputation bitwise the first forward. ``session.observer`` (``fn(node, value)``) sees every node output of the
@@ -50,7 +52,7 @@ from h3gate.inventory import expected_inventory
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.numerics import strict_numerics
-from h3gate.ops.registry import Binding, bind, fails_closed
+from h3gate.ops.registry import Binding, bind, check_merge, fails_closed
 from h3gate.schedule import euler_step
 from h3gate.strict_lora import (
     UPDATE_OP,
@@ -76,6 +78,7 @@ class StrictSession:
     bindings: dict[str, NodeBinding]
     lora: dict[str, LoraSlot] = field(default_factory=dict)
     lora_binding: Binding | None = None
+    merge: str = "single"
     trace: list[dict] = field(default_factory=list)
     calls: int = 0
     observer: Callable[[Node, torch.Tensor], None] | None = None
@@ -88,6 +91,7 @@ class StrictSession:
         LoRA layers and the trace."""
         return {
             "mode": self.mode,
+            **({"merge_order": self.merge} if self.merge != "single" else {}),
             "calls": self.calls,
             "bindings": {n: b.record() for n, b in self.bindings.items()},
             **({"launches": self.launches} if self.launches else {}),
@@ -252,10 +256,10 @@ def _forward(session: StrictSession, table: OpTable):
 SCHEDULER_NAME = "MiniMaxH3Scheduler"
 
 
-def _scheduler_step(session: StrictSession, scheduler: Any):
+def _scheduler_step(trace: list[dict], calls: Callable[[], int]):
     """``scheduler.step`` as h3gate's Euler step (:func:`h3gate.schedule.euler_step`: ``x0 = x + (1 - t) v``, then
     ``r x + (1 - r) x0`` with ``r = sigma_{i+1} / sigma_i``, float32 for half-precision samples), on the scheduler's
-    own grid and step index; one trace record per call."""
+    own grid and step index; one record per call appended to ``trace`` (``calls()``: the model calls so far)."""
 
     def step(self, model_output, timestep, sample, return_dict=True):
         if isinstance(timestep, int) or (isinstance(timestep, torch.Tensor) and not timestep.is_floating_point()):
@@ -265,9 +269,9 @@ def _scheduler_step(session: StrictSession, scheduler: Any):
         i = self._step_index
         prev = euler_step(model_output, timestep, sample, self.sigmas[i], self.sigmas[i + 1])
         self._step_index += 1
-        session.trace.append({"call": session.calls, "node": f"scheduler.step[{i}]", "op": "h3_ode_step",
-                              "kernel_id": "h3gate.schedule.euler_step", "requested": "provider",
-                              "actual": "provider"})  # fmt: skip
+        trace.append({"call": calls(), "node": f"scheduler.step[{i}]", "op": "h3_ode_step",
+                      "kernel_id": "h3gate.schedule.euler_step", "requested": "provider",
+                      "actual": "provider"})  # fmt: skip
         if not return_dict:
             return (prev,)
         return sys.modules[type(self).__module__].MiniMaxH3SchedulerOutput(prev_sample=prev)
@@ -288,13 +292,36 @@ def _schedulers(scheduler: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
+def euler_steps(
+    scheduler: Any, trace: list[dict] | None = None, calls: Callable[[], int] = lambda: 0
+) -> Iterator[list[dict]]:
+    """h3gate's Euler step as the ``step`` of ``scheduler`` (a MiniMaxH3Scheduler or a pipeline holding its video
+    and audio schedulers) for the ``with`` block, whatever computes the velocities; yields the trace (``trace``, or a
+    new list) that gets one record per step."""
+    trace = [] if trace is None else trace
+    schedulers = _schedulers(scheduler)
+    if any("step" in vars(s) for s in schedulers):
+        raise InputError("h3gate.strict: the scheduler's step is already replaced (a nested or foreign binding)")
+    for s in schedulers:
+        s.step = types.MethodType(_scheduler_step(trace, calls), s)
+    try:
+        yield trace
+    finally:
+        for s in schedulers:
+            del s.step
+
+
+@contextlib.contextmanager
 def strict(
-    model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None
-) -> Iterator[StrictSession]:
+    model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None,
+    merge: str = "single",
+) -> Iterator[StrictSession]:  # fmt: skip
     """Bind h3gate's kernels into ``model`` (and h3gate's Euler step into ``scheduler``: a MiniMaxH3Scheduler or a
-    pipeline holding them) for the ``with`` block (module docstring); yields the session."""
+    pipeline holding them) for the ``with`` block (module docstring); yields the session. ``merge``: the merge order
+    of :func:`h3gate.ops.registry.bind` (``seg8``: every operator's segmented-8 twin, the order TP ranks share)."""
     if type(model).__name__ != CLASS_NAME:
         raise InputError(f"h3gate.strict: {type(model).__name__}: not a {CLASS_NAME}")
+    check_merge(merge)
     cfg = _config(model)
     lora = find_lora(model)  # in every mode: a LoRA layer h3gate cannot replay is refused, naming it
     if fails_closed(mode):
@@ -304,22 +331,19 @@ def strict(
     first = next(model.parameters())
     device = device or ("cuda" if first.is_cuda else "cpu")
     graph = build_model_graph(cfg)
-    bindings = bind_graph(graph, mode, device)
-    session = StrictSession(model, mode, cfg, bindings, lora, bind(UPDATE_OP, mode, device) if lora else None)
+    bindings = bind_graph(graph, mode, device, merge)
+    update = bind(UPDATE_OP, mode, device, merge) if lora else None
+    session = StrictSession(model, mode, cfg, bindings, lora, update, merge=merge)
     table = candidate_table(bindings)
-    schedulers = [] if scheduler is None else _schedulers(scheduler)
-    if any("step" in vars(s) for s in schedulers):
-        raise InputError("h3gate.strict: the scheduler's step is already replaced (a nested or foreign binding)")
-    model.forward = types.MethodType(_forward(session, table), model)
-    for s in schedulers:
-        s.step = types.MethodType(_scheduler_step(session, s), s)
-    try:
-        with strict_numerics(device):  # TF32 off inside the block, restored on exit
-            yield session
-    finally:
-        del model.forward
-        for s in schedulers:
-            del s.step
+    steps = contextlib.nullcontext() if scheduler is None else euler_steps(scheduler, session.trace,
+                                                                           lambda: session.calls)  # fmt: skip
+    with steps:
+        model.forward = types.MethodType(_forward(session, table), model)
+        try:
+            with strict_numerics(device):  # TF32 off inside the block, restored on exit
+                yield session
+        finally:
+            del model.forward
 
 
 SGLANG_CLASS = "MiniMaxH3DiTModel"
@@ -327,17 +351,20 @@ SGLANG_CLASS = "MiniMaxH3DiTModel"
 
 class _CallableModule(types.ModuleType):
     """``import h3gate.strict`` then ``with h3gate.strict(model):`` - the module itself is the entry point. SGLang's
-    ``MiniMaxH3DiTModel`` goes to :func:`h3gate.adapters.sglang.strict_bind.bind_strict` (single merge order; call it
-    directly for ``merge="seg8"``); it has no diffusers scheduler to bind."""
+    ``MiniMaxH3DiTModel`` goes to :func:`h3gate.adapters.sglang.strict_bind.bind_strict` (in ``merge`` order); it has
+    no diffusers scheduler to bind (:func:`euler_steps` binds h3gate's Euler step alone)."""
 
-    def __call__(self, model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None):
+    def __call__(
+        self, model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None,
+        merge: str = "single",
+    ):  # fmt: skip
         if type(model).__name__ == SGLANG_CLASS:
             if scheduler is not None:
                 raise InputError("h3gate.strict: scheduler=: SGLang's DiT is bound without a diffusers scheduler")
             from h3gate.adapters.sglang.strict_bind import bind_strict
 
-            return bind_strict(model, mode, device)
-        return strict(model, mode, device, scheduler)
+            return bind_strict(model, mode, device, merge)
+        return strict(model, mode, device, scheduler, merge)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -3,10 +3,11 @@
 An arm ``T/R`` trains with operators ``T`` and rolls out with operators ``R`` (``P``: the pinned provider, diffusers
 0.42.1 as it is; ``R``: h3gate's strict kernels through ``h3gate.strict``). Each rollout letter runs once (the arms
 that share it share its states); each arm's training side then runs at every saved rollout state
-(:mod:`h3gate.arms.sides`). Per arm and step: the rollout's velocities against the training side's, alone and in
-both shuffled passes, bytewise per modality, with the drift size; the gradients of the two identical passes
-bitwise; under LoRA every adapter gradient finite and non-zero and no base parameter with a gradient. The first
-drift of an arm is located by :func:`h3gate.arms.locate.locate`.
+(:mod:`h3gate.arms.sides`). The rollout runs on the same module or, with ``--rollout sglang``, on SGLang's DiT on
+the same weights (:mod:`h3gate.arms.sglang_side`; ``--tp N``: :mod:`h3gate.arms.sglang_tp`). Per arm and step: the
+rollout's velocities against the training side's, alone and in both shuffled passes, bytewise per modality, with the
+drift size; the gradients of the two identical passes bitwise; under LoRA every adapter gradient finite and non-zero
+and no base parameter with a gradient. The first drift of an arm is located by :func:`h3gate.arms.locate.locate`.
 
 Verdict: ``pass`` when R/R (if run) is byte-equal at every step and composition, and every arm training with ``R``
 repeats its gradients bitwise and (under LoRA) passes the LoRA gate; the P arms' results are recorded, not judged
@@ -18,12 +19,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from h3gate.arms.locate import locate
+from h3gate.arms.locate import Side, diffusers_side, locate
 from h3gate.arms.sides import Rollout, State, TrainingStep, base_gradients, rollout, train_step
-from h3gate.arms.stack import Stack, build_stack
+from h3gate.arms.stack import Stack, build_stack, require_diffusers
 from h3gate.errors import InputError
 from h3gate.evidence.provenance import code_sha256
 from h3gate.fingerprint import canonical_sha256, config_body
@@ -32,6 +34,9 @@ from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.graph.model import MODEL_INPUTS, build_model_graph
 from h3gate.paths import display
 from h3gate.schedule import sigma_hash
+
+if TYPE_CHECKING:
+    from h3gate.arms.sglang_side import SglangFault
 
 KIND = "arms"
 MODALITIES = ("video", "audio")
@@ -159,26 +164,55 @@ def _locate_first(stack: Stack, arm: str, rolled: Rollout, i: int, requests: lis
     overrides = None
     if fault is not None and train == "R" and comp == "batch.pass2":
         overrides = fault(None)
-    sides = (
-        {"mode": mode[roll], "rows": list(range(n)), "grad": False, "overrides": None,
-         "recorded": _slice(rolled.velocities[i], b)},
-        {"mode": mode[train], "rows": rows, "grad": True, "overrides": overrides, "recorded": recorded},
-    )  # fmt: skip
-    return {"composition": comp, **locate(stack, i, rolled.states[i], b, sides)}
+    rolled_b = _slice(rolled.velocities[i], b)
+    if rolled.engine is not None:
+        from h3gate.arms.sglang_side import sglang_side
+
+        rollout_side: Side = sglang_side(rolled.engine, roll, i, rolled.states[i], rolled_b)
+    else:
+        rollout_side = diffusers_side(stack, mode[roll], i, rolled.states[i], list(range(n)), False, None, rolled_b)
+    training_side = diffusers_side(stack, mode[train], i, rolled.states[i], rows, True, overrides, recorded)
+    return {"composition": comp, **locate(stack, i, b, (rollout_side, training_side))}
 
 
 def _slice(pair: State, b: int) -> State:
     return pair[0][b : b + 1], pair[1][b : b + 1]
 
 
-def check_fault(stack: Stack) -> RowFault | None:
-    """``--fault`` parsed against the module's graph (InputError naming what is wrong)."""
+def check_fault(stack: Stack) -> RowFault | SglangFault | None:
+    """``--fault`` parsed against the module's graph (InputError naming what is wrong): on R training's second pass,
+    or with ``--rollout sglang`` on SGLang's rollout module."""
     settings = stack.settings
     if settings.fault is None:
         return None
+    if settings.rollout == "sglang":
+        from h3gate.arms.sglang_side import sglang_fault
+
+        return sglang_fault(parse_fault(settings.fault, stack), stack)
     if not any(a.startswith("R/") for a in settings.arms):
         raise InputError(f"--fault {settings.fault}: needs an arm that trains with R (R/P or R/R)")
     return parse_fault(settings.fault, stack)
+
+
+def _rollouts(stack: Stack, source, out: Path, injected, progress) -> tuple[dict[str, Rollout], dict]:
+    """Each rollout letter once, on the requested engine; the rollout record."""
+    letters = dict.fromkeys(a.split("/")[1] for a in stack.settings.arms)
+    if stack.settings.rollout != "sglang":
+        rollouts = {k: rollout(stack, k, out / f"rollout-{k}", progress) for k in letters}
+        record = {"engine": "diffusers", "diffusers": require_diffusers().__version__}
+    elif stack.settings.tp * stack.settings.ulysses > 1:
+        from h3gate.arms.sglang_tp import tp_rollouts
+
+        rollouts, record = tp_rollouts(stack, source, out, list(letters), injected, progress)
+    else:
+        from h3gate.arms.sglang_side import SglangEngine, build_sglang
+
+        build_sglang(stack, source)
+        engine = SglangEngine(stack, injected)
+        rollouts = {k: rollout(stack, k, out / f"rollout-{k}", progress, engine) for k in letters}
+        record = engine.record()
+    s = stack.settings
+    return rollouts, {**record, "merge_order": s.merge, "tp": s.tp, **({"ulysses": s.ulysses} if s.ulysses > 1 else {})}
 
 
 def run_arms(stack: Stack, source, out: Path, progress: Callable[[str], None] | None = None) -> dict:
@@ -186,10 +220,8 @@ def run_arms(stack: Stack, source, out: Path, progress: Callable[[str], None] | 
     settings = stack.settings
     injected = check_fault(stack)
     build_stack(stack, source)
-    fault = None if injected is None else fault_overrides(injected, stack)
-    rollouts: dict[str, Rollout] = {}
-    for letter in dict.fromkeys(a.split("/")[1] for a in settings.arms):
-        rollouts[letter] = rollout(stack, letter, out / f"rollout-{letter}", progress)
+    fault = fault_overrides(injected, stack) if isinstance(injected, RowFault) else None
+    rollouts, rollout_record = _rollouts(stack, source, out, injected, progress)
     arms = [run_arm(stack, arm, rollouts[arm.split("/")[1]], fault, progress) for arm in settings.arms]
     failing = []
     for rec in arms:
@@ -199,8 +231,8 @@ def run_arms(stack: Stack, source, out: Path, progress: Callable[[str], None] | 
             failing.append(f"{rec['arm']}.gradients_repeat_bitwise")
         if rec["training"] == "R" and rec["lora_gate"] is False:
             failing.append(f"{rec['arm']}.lora_gate")
-    return {"run": _run_record(stack, out), "arms": arms, "verdict": "fail" if failing else "pass",
-            "failing_checks": failing}  # fmt: skip
+    return {"run": _run_record(stack, out), "rollout": rollout_record, "arms": arms,
+            "verdict": "fail" if failing else "pass", "failing_checks": failing}  # fmt: skip
 
 
 def _run_record(stack: Stack, out: Path) -> dict:

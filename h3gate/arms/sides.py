@@ -4,7 +4,9 @@ Rollout (operators ``P``: plain diffusers; ``R``: ``h3gate.strict(model, "strict
 as one batch, no grad, the denoise loop of diffusers 0.42.1's pipeline - per step the transformer on
 ``(latents, audio_latents)`` at the step's row timestep plan, then ``scheduler.step`` on the generated video rows and
 ``audio_scheduler.step`` on the generated audio rows (condition rows held). Each step's inputs and velocities are
-saved as a trajectory step file (``RUNDIR/rollout-<P|R>/steps``).
+saved as a trajectory step file (``RUNDIR/rollout-<P|R>/steps``). The velocities come from a
+:class:`RolloutEngine`: the module above (:class:`DiffusersEngine`) or SGLang's DiT
+(:class:`h3gate.arms.sglang_side.SglangEngine`), in the same loop.
 
 Training (operators per the arm's first letter), at a saved rollout state, with the module's gradient checkpointing
 on: the velocity of each request alone (batch of one, grad enabled), then two identical passes over the B requests
@@ -24,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Protocol
 
 import torch
 
@@ -40,9 +44,10 @@ def _sync(device: str) -> None:
 
 
 def bound(stack: Stack, letter: str, scheduler=None) -> contextlib.AbstractContextManager:
-    """The arm letter's operators on the module: ``R`` binds h3gate's strict kernels, ``P`` leaves diffusers."""
+    """The arm letter's operators on the module: ``R`` binds h3gate's strict kernels (in the stack's merge order),
+    ``P`` leaves diffusers."""
     if letter == "R":
-        return h3gate.strict(stack.model, mode="strict", scheduler=scheduler)
+        return h3gate.strict(stack.model, mode="strict", scheduler=scheduler, merge=stack.settings.merge)
     return contextlib.nullcontext()
 
 
@@ -53,6 +58,32 @@ def call(stack: Stack, step: int, video: torch.Tensor, audio: torch.Tensor, text
     )  # fmt: skip
 
 
+class RolloutEngine(Protocol):
+    """What drives the rollout's velocities: ``bound(letter, schedulers)`` binds the letter's operators (and, for
+    ``R``, h3gate's Euler step into the schedulers) for a ``with`` block, yielding an object with a ``trace`` or
+    None; ``forward`` is one model evaluation of the B requests."""
+
+    name: str
+
+    def bound(self, letter: str, schedulers: SimpleNamespace) -> contextlib.AbstractContextManager: ...
+
+    def forward(self, step: int, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor) -> State: ...
+
+
+@dataclass
+class DiffusersEngine:
+    """The rollout on the user's diffusers module (``P`` plain, ``R`` under ``h3gate.strict``)."""
+
+    stack: Stack
+    name: str = "diffusers"
+
+    def bound(self, letter: str, schedulers: SimpleNamespace) -> contextlib.AbstractContextManager:
+        return bound(self.stack, letter, schedulers)
+
+    def forward(self, step: int, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor) -> State:
+        return call(self.stack, step, video, audio, text)
+
+
 @dataclass
 class Rollout:
     letter: str
@@ -61,21 +92,30 @@ class Rollout:
     final: State | None = None
     seconds: list[float] = field(default_factory=list)
     trace_ops: dict[str, int] = field(default_factory=dict)
+    engine: Any = None  # the engine that ran it when not the diffusers module (its side of a location)
 
 
-def rollout(stack: Stack, letter: str, rundir: Path, progress: Callable[[str], None] | None = None) -> Rollout:
-    """Drive the denoise loop for the B requests with the ``letter`` operators (module docstring)."""
+def rollout(
+    stack: Stack,
+    letter: str,
+    rundir: Path,
+    progress: Callable[[str], None] | None = None,
+    engine: RolloutEngine | None = None,
+) -> Rollout:
+    """Drive the denoise loop for the B requests with the ``letter`` operators on ``engine`` (default: the diffusers
+    module; module docstring)."""
+    engine = DiffusersEngine(stack) if engine is None else engine
     schedulers = stack.schedulers()
     video_s, audio_s = schedulers.scheduler, schedulers.audio_scheduler
     nc, nca = stack.layout.num_condition_video_rows, stack.layout.num_condition_audio_rows
     x, a = stack.initial_state()
     text = stack.text()
-    out = Rollout(letter)
+    out = Rollout(letter, engine=None if isinstance(engine, DiffusersEngine) else engine)
     rundir.mkdir(parents=True, exist_ok=True)
-    with bound(stack, letter, schedulers) as session, torch.no_grad():
+    with engine.bound(letter, schedulers) as session, torch.no_grad():
         for i in range(stack.evaluations):
             t0 = time.perf_counter()
-            v, u = call(stack, i, x, a, text)
+            v, u = engine.forward(i, x, a, text)
             _sync(stack.device)
             seconds = time.perf_counter() - t0
             out.states.append((x.cpu(), a.cpu()))
@@ -92,14 +132,15 @@ def rollout(stack: Stack, letter: str, rundir: Path, progress: Callable[[str], N
             x[:, nc:] = video_s.step(v[:, nc:].float(), video_s.timesteps[i], x[:, nc:], return_dict=False)[0]
             a[:, nca:] = audio_s.step(u[:, nca:].float(), audio_s.timesteps[i], a[:, nca:], return_dict=False)[0]
             if progress is not None:
-                progress(f"rollout {letter}: step {i} of {stack.evaluations - 1} ({seconds:.2f} s)")
+                who = letter if engine.name == "diffusers" else f"{letter} ({engine.name})"
+                progress(f"rollout {who}: step {i} of {stack.evaluations - 1} ({seconds:.2f} s)")
         if session is not None:
-            out.trace_ops = _trace_summary(session.trace)
+            out.trace_ops = trace_summary(session.trace)
     out.final = (x.cpu(), a.cpu())
     return out
 
 
-def _trace_summary(trace: list[dict]) -> dict[str, int]:
+def trace_summary(trace: list[dict]) -> dict[str, int]:
     """``"<op> <actual>" -> calls``: what actually ran."""
     counts: dict[str, int] = {}
     for rec in trace:
@@ -163,7 +204,7 @@ def train_step(
             if session is not None:
                 session.overrides = fault(session) if (fault is not None and k == 1) else {}
             passes.append(_training_pass(stack, step, x, a, text, targets, order))
-        ops = _trace_summary(session.trace) if session is not None else {}
+        ops = trace_summary(session.trace) if session is not None else {}
     return TrainingStep(alone, passes, order, seconds_alone, ops)
 
 

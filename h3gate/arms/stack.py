@@ -8,6 +8,11 @@ device. LoRA (``peft``): ``r = --lora-rank``, ``lora_alpha = r`` (scaling 1), dr
 projections of every transformer and refiner block, adapter weights float32 (PEFT's default for a bf16 base);
 ``lora_B`` is drawn (seeded, std 1e-2) instead of PEFT's zeros so that both factors get non-zero gradients at the
 first step (as after some training). The base is frozen under LoRA; otherwise every parameter trains.
+
+The rollout engine (``--rollout``): ``diffusers`` (this module) or ``sglang``, SGLang's ``MiniMaxH3DiTModel`` loaded by
+SGLang's own loader from a diffusers-layout folder of the same weights (:mod:`h3gate.arms.sglang_side`). ``merge``:
+the merge order R's operators are bound in on both sides (``seg8``: the TP-invariant order ``--tp`` needs; SGLang's
+Ulysses, ``--ulysses``, splits no reduction and runs in either order).
 """
 
 from __future__ import annotations
@@ -19,17 +24,21 @@ from typing import Any
 
 import torch
 
+from h3gate.adapters.sglang.runtime import QUALITIES, require_sglang
 from h3gate.errors import InputError
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import raw_metadata
+from h3gate.kernels.tp_layers import check_alignment
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import RunSpec, prepare
 from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT
 from h3gate.strict_lora import LORA_TARGETS
 from h3gate.trajectory import Recipe, Request, initial_latents, make_request, row_timestep_plan
 
 ARMS = ("P/P", "R/P", "P/R", "R/R")  # training operators / rollout operators (RFC 6.4)
+ROLLOUTS = ("diffusers", "sglang")
 DIFFUSERS_SERIES = "0.42."
 LORA_B_STD = 1e-2
 
@@ -48,6 +57,12 @@ class ArmsSettings:
     lora_rank: int | None = None
     seed: int = 0
     fault: str | None = None
+    rollout: str = "diffusers"
+    sglang_quality: str = "lossless"
+    sglang_attention: str | None = None
+    merge: str = "single"
+    tp: int = 1
+    ulysses: int = 1
 
 
 def require_diffusers() -> Any:
@@ -93,6 +108,7 @@ class Stack:
     requests: list[Request]
     weights: dict
     model: Any = None
+    sglang: Any = None  # SGLang's DiT (``--rollout sglang``), once built in this process
     trainable: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     lora_names: tuple[str, ...] = ()
 
@@ -131,10 +147,48 @@ class Stack:
         return torch.cat([r.text for r in self.requests])
 
 
+def check_rollout(settings: ArmsSettings) -> None:
+    """The rollout engine's options (InputError naming the option): a known engine; SGLang's only with ``sglang``
+    (installed at its pinned version, a known quality); ``--tp`` > 1 in the seg8 order on aligned widths;
+    ``--ulysses`` > 1 for one request."""
+    check_merge(settings.merge)
+    if settings.rollout not in ROLLOUTS:
+        raise InputError(f"--rollout {settings.rollout!r}: must be one of {', '.join(ROLLOUTS)}")
+    if settings.rollout != "sglang":
+        if settings.sglang_attention is not None:
+            raise InputError("--sglang-attention-backend: only with --rollout sglang")
+        if settings.tp != 1:
+            raise InputError(f"--tp {settings.tp}: only with --rollout sglang (SGLang's tensor parallelism)")
+        if settings.ulysses != 1:
+            raise InputError(f"--ulysses {settings.ulysses}: only with --rollout sglang (SGLang's Ulysses)")
+        return
+    require_sglang("--rollout sglang")
+    if settings.sglang_quality not in QUALITIES:
+        raise InputError(f"--sglang-quality {settings.sglang_quality!r}: must be one of {', '.join(QUALITIES)}")
+    if settings.lora_rank is not None:
+        raise InputError("--lora-rank with --rollout sglang: SGLang's DiT holds the base weights only (the strict "
+                         "binding does not cover its LoRA layers); drop --lora-rank")  # fmt: skip
+    if settings.layers is not None and settings.checkpoint is not None:
+        raise InputError("--layers with --rollout sglang --checkpoint: SGLang loads the whole checkpoint; "
+                         "drop --layers or use synthetic weights")  # fmt: skip
+    if settings.tp < 1 or settings.ulysses < 1:
+        which = "--tp" if settings.tp < 1 else "--ulysses"
+        raise InputError(f"{which} {min(settings.tp, settings.ulysses)}: must be at least 1")
+    if settings.tp > 1 and settings.ulysses > 1:
+        raise InputError(f"--tp {settings.tp} --ulysses {settings.ulysses}: one kind of SGLang parallelism at a time")
+    if settings.ulysses > 1 and settings.batch != 1:
+        raise InputError(f"--ulysses {settings.ulysses}: SGLang's Ulysses rollout takes one request (--batch 1: its "
+                         "direct path, where SGLang's forward splits the rows itself)")  # fmt: skip
+    if settings.tp > 1 and settings.merge != "seg8":
+        raise InputError(f"--tp {settings.tp}: merge order {settings.merge!r} is not TP-invariant; "
+                         "add --merge-order seg8")  # fmt: skip
+
+
 def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     """Check every input (InputError before any weight is read or any folder written); the stack without its
     module, and the weight source."""
     require_diffusers()
+    check_rollout(settings)
     if settings.lora_rank is not None:
         require_peft()
         if settings.lora_rank < 1:
@@ -152,6 +206,11 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     plan = row_timestep_plan(layout, recipe, *recipe.schedules())
     requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]
+    if settings.ulysses > 1 and cfg.num_attention_heads % settings.ulysses:
+        raise InputError(f"--ulysses {settings.ulysses}: {cfg.num_attention_heads} heads do not divide among the ranks")
+    if settings.tp > 1:
+        check_alignment(settings.tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
+                        torch.bfloat16)  # fmt: skip
     return Stack(settings, config_name, cfg, layout, recipe, plan, requests, ckpt), source
 
 

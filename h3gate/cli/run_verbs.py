@@ -226,14 +226,37 @@ def run_arms(
         str | None,
         typer.Option(
             "--fault",
-            help="NODE:ROW[:scale|zero_tail][:forward|backward] on R training's second pass (negative control).",
+            help="NODE:ROW[:scale|zero_tail][:forward|backward] on R training's second pass (negative control); with "
+            "--rollout sglang, NODE:ROW on SGLang's rollout module (ROW of its output: request b's row s at b*S+s).",
         ),
     ] = None,
+    rollout: Annotated[
+        str,
+        typer.Option(
+            "--rollout",
+            help="The rollout engine: diffusers (the module) | sglang (SGLang 0.5.23's DiT on the same weights; "
+            "make install-sglang). Training stays diffusers.",
+        ),
+    ] = "diffusers",
+    sglang_quality: SglangQualityOpt = "lossless",
+    sglang_attention_backend: SglangAttentionOpt = None,
+    merge_order: MergeOpt = "single",
+    tp: Annotated[
+        int,
+        typer.Option(
+            "--tp", help="SGLang's tensor parallelism for the rollout (gloo ranks on the CPU; --merge-order seg8)."
+        ),
+    ] = 1,
+    ulysses: Annotated[
+        int,
+        typer.Option("--ulysses", help="SGLang's Ulysses (sequence parallelism) for the rollout (--batch 1)."),
+    ] = 1,
     device: DeviceOpt = "auto",
     out: OutOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Train/rollout arms on diffusers' own module: velocity bytes per step, first drift, gradient repeat, LoRA gate."""
+    """Train/rollout arms on diffusers' own module (rollout on it or on SGLang's DiT): velocity bytes per step, first
+    drift, gradient repeat, LoRA gate."""
     device = resolve_device(device)
     from h3gate.arms.stack import ArmsSettings, parse_arms
     from h3gate.commands.arms_cmd import ArmsCommand, arms_command
@@ -251,6 +274,12 @@ def run_arms(
         lora_rank=lora_rank,
         seed=seed,
         fault=fault,
+        rollout=rollout,
+        sglang_quality=sglang_quality,
+        sglang_attention=sglang_attention_backend,
+        merge=merge_order,
+        tp=tp,
+        ulysses=ulysses,
     )
     run_command(arms_command, ArmsCommand(run=run, out=out, json=json_))
 

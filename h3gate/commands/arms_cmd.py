@@ -1,8 +1,10 @@
-"""``h3gate run arms``: the RFC's minimum experiment arms on diffusers' own module and scheduler.
+"""``h3gate run arms``: the RFC's minimum experiment arms on diffusers' own module and scheduler, the rollout on
+that module or on SGLang's DiT (``--rollout sglang``).
 
 Exit codes: 0 R/R byte-equal at every step and composition, its training gradients repeat bitwise (and, with
 ``--lora-rank``, the LoRA gate holds), the other arms recorded; 1 otherwise (evidence written); 2 bad input,
-diffusers (or, for ``--lora-rank``, peft) not installed - one line saying what to install.
+diffusers (or, for ``--lora-rank``, peft; for ``--rollout sglang``, sglang) not installed - one line saying what to
+install.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def arms_command(settings: ArmsCommand) -> int:
         body = run_arms(stack, source, folder, step)
     path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.run.device)
     if settings.json:
-        print(json.dumps({"arms": [_brief(a) for a in body["arms"]], "verdict": body["verdict"],
-                          "failing_checks": body["failing_checks"], "evidence": str(path)}, indent=1))  # fmt: skip
+        print(json.dumps({"arms": [_brief(a) for a in body["arms"]], "rollout": body["rollout"],
+                          "verdict": body["verdict"], "failing_checks": body["failing_checks"],
+                          "evidence": str(path)}, indent=1))  # fmt: skip
     else:
         _summary(body, path)
     return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
@@ -65,6 +68,14 @@ def _summary(body: dict, path: Path) -> None:
         f"{run['schedule']['evaluations']} steps, batch {run['batch']}, {run['training']['mode']} training, "
         f"{run['device']}"
     )
+    rollout = body["rollout"]
+    if rollout["engine"] == "sglang":
+        sglang, degrees = rollout["sglang"], f"TP{rollout['tp']}, Ulysses {rollout.get('ulysses', 1)}"
+        console.print(
+            f"  rollout on SGLang {sglang['versions']['sglang']} ({degrees}, {rollout['merge_order']} order, quality "
+            f"{sglang['quality']}, attention {sglang['attention_backend']['resolved']}); R under h3gate's strict "
+            "binding"
+        )
     for a in body["arms"]:
         where = "-"
         if a["first_drift"] is not None:

@@ -130,17 +130,20 @@ def _points(scope: str, cfg: ModelConfig, layer: int) -> list:
     return block_points(layer) if scope == "block" else node_map(cfg)
 
 
-def fault_point(scope: str, cfg: ModelConfig, layer: int, fault: RowFault) -> tuple[str, int]:
-    """The SGLang module whose output carries ``fault``'s node (a point read at a module's output, unsliced)."""
+def fault_point(
+    scope: str, cfg: ModelConfig, layer: int, fault: RowFault, flag: str = "--candidate sglang"
+) -> tuple[str, int]:
+    """The SGLang module whose output carries ``fault``'s node (a point read at a module's output, unsliced); ``flag``
+    names the option that put SGLang there in the messages."""
 
     if fault.kind not in FAULT_KINDS or fault.direction != "forward":
-        raise InputError(f"--fault {fault.label()} --candidate sglang: only forward scale faults (SGLang serves "
+        raise InputError(f"--fault {fault.label()} {flag}: only forward scale faults (SGLang serves "
                          "rollouts: no backward)")  # fmt: skip
     points = {p.node: p for p in _points(scope, cfg, layer)}
     point = points.get(fault.node)
     if point is None or point.where != "out" or point.part:
         usable = sorted(n for n, p in points.items() if p.where == "out" and not p.part)
-        raise InputError(f"--fault {fault.node} --candidate sglang: the node is not a whole SGLang module output "
+        raise InputError(f"--fault {fault.node} {flag}: the node is not a whole SGLang module output "
                          f"(faults go on: {', '.join(usable)})")  # fmt: skip
     return point.module, fault.row
 

@@ -116,6 +116,11 @@ def test_a_backward_fault_fails_the_gradient_repeat_and_names_the_gradient(tmp_p
         (["--fault", "block.9.o_proj:1"], "unknown node 'block.9.o_proj'"),
         (["--arms", "P/P", "--fault", "block.0.o_proj:1"], "needs an arm that trains with R"),
         (["--layout", "nope"], "nope"),
+        (["--rollout", "vllm"], "--rollout 'vllm': must be one of diffusers, sglang"),
+        (["--tp", "2"], "--tp 2: only with --rollout sglang"),
+        (["--ulysses", "2"], "--ulysses 2: only with --rollout sglang"),
+        (["--sglang-attention-backend", "fa"], "--sglang-attention-backend: only with --rollout sglang"),
+        (["--merge-order", "seg4"], "--merge-order 'seg4': must be one of single, seg8"),
     ],
 )
 def test_bad_input_is_exit_2_with_one_line_before_any_work(run_cli, tmp_path, args, message) -> None:
@@ -134,6 +139,19 @@ def test_missing_diffusers_or_peft_is_one_line_naming_the_extra(run_cli, monkeyp
     code, _, err = run_cli("--quiet", "run", "arms", "--device", "cpu", "--out", tmp_path / "b")
     assert code == 2
     assert err.strip() == "h3gate: error: run arms: needs diffusers 0.42.x: pip install 'h3gate[diffusers]'"
+
+
+def test_without_sglang_the_sglang_rollout_is_one_line_saying_how_to_get_it(run_cli, monkeypatch, tmp_path) -> None:
+    from h3gate.adapters.sglang import runtime
+
+    def missing(name):
+        raise runtime.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(runtime.importlib.metadata, "version", missing)
+    out = tmp_path / "out"
+    code, _, err = run_cli("--quiet", "run", "arms", "--device", "cpu", "--rollout", "sglang", "--out", out)
+    assert code == 2 and err.strip() == "h3gate: error: --rollout sglang: needs sglang 0.5.23: make install-sglang"
+    assert not out.exists()
 
 
 def test_a_crash_is_exit_3_never_a_verdict(run_cli, monkeypatch, tmp_path) -> None:
