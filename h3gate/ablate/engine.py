@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 
 import torch
@@ -62,6 +62,7 @@ class Context:
     source_factory: Callable[[int, str], object] | None = None
     cache: dict = field(default_factory=dict)
     variant: str = "transformer"
+    manifests: list = field(default_factory=list)  # what the run's setup read (provenance)
 
     def variant_source(self, seed: int, variant: str | None = None):
         """Synthetic weights of the same config: ``seed`` of ``variant`` (default: this run's variant, the layout
@@ -92,23 +93,7 @@ class Context:
         if key not in self.cache:
             spec = self.layout.spec.model_copy(update={"anchors": list(anchors), "seq_len": None})
             layout = build_layout(spec, f"{self.layout.name}+{'+'.join(anchors)}")
-            self.cache[key] = Context(
-                self.cfg,
-                layout,
-                self.device,
-                self.seed,
-                self.graph,
-                self.params,
-                self.ops,
-                self.recipe,
-                self.plan,
-                self.execution,
-                self.config_name,
-                self.checkpoint,
-                self.source_factory,
-                self.cache,
-                self.variant,
-            )
+            self.cache[key] = replace(self, layout=layout)
         return self.cache[key]
 
 
@@ -308,7 +293,7 @@ def build_context(
         "outside_graph": "sampler arithmetic (sigma grid, Euler step, noise mix) runs h3gate.schedule (the reference)",
     }
     ctx = Context(cfg, packed, device, seed, run.graph, params, ops, Recipe(steps=steps), TimestepPlan().resolve(),
-                  execution, config, ckpt, factory, variant=variant)  # fmt: skip
+                  execution, config, ckpt, factory, variant=variant, manifests=list(run.manifests))  # fmt: skip
     if sum(p.numel() for p in params.values()) > BIG_MODEL_PARAMS:  # H-C6 on a real-size model: bounded gradients
         last = f"transformer_blocks.{cfg.num_layers - 1}."
         ctx.cache["grad_params"] = [

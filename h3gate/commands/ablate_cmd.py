@@ -23,7 +23,7 @@ from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablations
 from h3gate.numerics import threads as intra_op_threads
-from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
+from h3gate.paths import LOCAL_EVIDENCE, display
 
 
 def select_ablations(rows: dict[str, AblationRow], row: str | None, all_: bool) -> list[str]:
@@ -175,10 +175,7 @@ def ablate_command(settings: AblateCommand) -> int:
     ctx, records, wall, trajectory = _run_rows(settings, rows, selected)
     body = _body(ctx, config, device, settings.seed, records, wall)
     folder = Path(out) if out is not None else LOCAL_EVIDENCE / "ablate"
-    manifests = [ABLATIONS_FILE, MANIFESTS / "layouts.yaml", *sorted((MANIFESTS / "operators").glob("*.yaml"))]
-    manifests += (
-        [MANIFESTS / "configs" / f"{config}.yaml"] if (MANIFESTS / "configs" / f"{config}.yaml").is_file() else []
-    )
+    manifests = [ABLATIONS_FILE, *ctx.manifests]
     path = write_evidence(folder, "ablation.json", "ablation", body, manifests=manifests, device=device)
     if trajectory is not None:
         write_evidence(folder, "trajectory.json", "trajectory", trajectory, manifests=manifests, device=device)

@@ -134,6 +134,12 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def refuses_fallback(mode: str) -> bool:
+    """Whether ``mode`` refuses to run anything but a strict kernel (strict), where audit and auto fall back to the
+    provider and record it, and off runs only the provider."""
+    return check_mode(mode) == "strict"
+
+
 def fails_closed(mode: str) -> bool:
     """Whether ``mode`` refuses what h3gate does not cover before anything runs (strict and audit), rather than
     running the provider for it (auto) or running only the provider (off)."""
@@ -180,7 +186,7 @@ def bind(name: str, mode: str, device: str, merge: str = "single") -> Binding:
         return Binding(
             name, s.rfc_row, mode, "triton", "triton", s.kernel_id or "", s.label, False, "", import_path(s.kernel)
         )
-    if mode == "strict":
+    if refuses_fallback(mode):
         raise InputError(f"strict mode: operator {name} ({s.rfc_row}): {why}; refusing to fall back")
     return Binding(name, s.rfc_row, mode, "triton", "provider", ref_id, "reference", True, why, reference(name))
 

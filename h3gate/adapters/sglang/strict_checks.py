@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gate.errors import InputError
-from h3gate.ops.registry import check_mode, fallback_fails
+from h3gate.ops.registry import check_mode, fallback_fails, refuses_fallback
 
 _BODY = r"(token_refiner\.)?blocks\.\d+"
 EXPECTED: tuple[tuple[str, str], ...] = (
@@ -95,7 +95,7 @@ class Refusals:
 
     def refuse(self, where: str, feature: str, why: str, units: tuple[str, ...] = ()) -> None:
         message = f"sglang strict binding: {where or '<model>'}: {feature}: {why}"
-        if self.mode == "strict":
+        if refuses_fallback(self.mode):
             raise InputError(message)
         self.unbound.update(units)
         self.findings.append({"where": where or "<model>", "feature": feature, "message": message,
