@@ -197,8 +197,9 @@ def _isolated(
         agree[n] = agreement(iso, feed[n], node.row_dim, gate.inputs.modalities)
         local, envelope = isolated_envelope(ctx, node, feed, gate.params, ex.golden_params)
         rows[n] = ctx.judge(iso, envelope, local, node.row_dim)
-        if ctx.keep:
-            ctx.kept.setdefault("forward", {})[n] = (local, envelope)
+        if ctx.keep:  # the candidate's own output too, unless an override made it (the matrix then re-runs it)
+            own = None if n in (gate.node_overrides or {}) else iso
+            ctx.kept.setdefault("forward", {})[n] = (local, envelope, own)
         del iso, local, feed
     return agree, rows
 

@@ -211,8 +211,9 @@ def vjp_rows(
         cot = prov_grads[node.name]
         gold, errs, dims = vjp_envelope(ctx, node, fed, prov, cot, wrt, params, golden_params)
         if ctx.keep:
+            own = None if node.name in (overrides or {}) else cand  # as the forward's: an override's VJP is re-run
             ctx.kept.setdefault("vjp", {})[node.name] = {"feed": fed, "cot": cot, "wrt": wrt, "gold": gold,
-                                                          "errs": errs, "dims": dims}  # fmt: skip
+                                                          "errs": errs, "dims": dims, "cand": own}  # fmt: skip
         for k in gold:
             check = ctx.judge(cand[k], errs[k], gold[k], dims[k])
             out[k] = {"node": node.name, "wrt": k.split(":d", 1)[1], "shape": list(cand[k].shape),

@@ -2,11 +2,13 @@
 
 For every node, direction (``forward``: the node's output; ``backward``: the gradient its backward returns for
 its first input), fault kind (``scale`` by 1 + 2^-6, ``zero_tail``: last 16 columns zeroed) and row position
-(row 1, inside the first tile of any tiling, and the last row, in the last partial tile), the faulted node is
-re-run on the provider's inputs - only that node's candidate is recomputed - and judged by the gate's own isolated
-row check (:meth:`h3gate.runs.block_rows.RowContext.judge`) against the envelope and golden of the run it
-belongs to. A fault is *caught* when that check fails (so the gate's verdict is ``fail``) and *located* when the
-first row over the bound is the faulted row.
+(row 1, inside the first tile of any tiling, and the last row, in the last partial tile), the faulted node's
+isolated value - the candidate's node on the provider's inputs, exactly as the node override
+(:meth:`h3gate.gate.faults.RowFault.override`) would compute it: the kept isolated output (or the kept VJP's
+gradient of the first input) with the one row corrupted; re-run through the executor where an override made the
+kept value - is judged by the gate's own isolated row check (:meth:`h3gate.runs.block_rows.RowContext.judge`)
+against the envelope and golden of the run it belongs to. A fault is *caught* when that check fails (so the gate's
+verdict is ``fail``) and *located* when the first row over the bound is the faulted row.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault, corrupt
 from h3gate.gate.rows import as_rows
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.graph.execute import node_vjp, run_node
@@ -29,18 +31,27 @@ def fault_rows(count: int) -> list[int]:
 
 def _judge_forward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable, prov: Values,
                    params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
-    gold, errs = ctx.kept["forward"][node.name]
-    with torch.no_grad():
-        out = run_node(node, table, node_inputs(node, prov, upcast=False), params, fault.override(node, ctx.row_dims))
+    gold, errs, *own = ctx.kept["forward"][node.name]
+    if own and own[0] is not None:  # the kept isolated output, faulted as the override would fault it
+        out = corrupt(own[0], fault.row, node.row_dim, fault.kind)
+    else:
+        with torch.no_grad():
+            feed = node_inputs(node, prov, upcast=False)
+            out = run_node(node, table, feed, params, fault.override(node, ctx.row_dims))
     return ctx.judge(out, errs, gold, node.row_dim)
 
 
 def _judge_backward(node: Node, fault: RowFault, ctx: RowContext, table: OpTable,
                     params: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
     kept = ctx.kept["vjp"][node.name]
-    key = f"{node.name}:d{node.inputs[0]}"
-    cand = node_vjp(node, table, kept["feed"], params, kept["cot"], kept["wrt"], fault.override(node, ctx.row_dims))
-    return ctx.judge(cand[key], kept["errs"][key], kept["gold"][key], kept["dims"][key])
+    source = node.inputs[0]
+    key = f"{node.name}:d{source}"
+    if kept.get("cand") is not None:  # the gradient the kept VJP hands its first input, faulted as the override would
+        got = corrupt(kept["cand"][key], fault.row, ctx.row_dims.get(source), fault.kind)
+    else:
+        override = fault.override(node, ctx.row_dims)
+        got = node_vjp(node, table, kept["feed"], params, kept["cot"], kept["wrt"], override)[key]
+    return ctx.judge(got, kept["errs"][key], kept["gold"][key], kept["dims"][key])
 
 
 def _row_count(node: Node, direction: str, ctx: RowContext, prov: Values) -> int:
