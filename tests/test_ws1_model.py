@@ -115,6 +115,8 @@ def test_a_forward_fault_on_one_row_fails_and_is_located(tmp_path) -> None:
     assert doc["first_failure"]["node"] == "block.1.o_proj"
 
 
+@pytest.mark.slow  # 31 s on two cores: make test-slow (.ci/run runs both); the forward fault above and the block's
+# backward fault (test_gate_trust) stay in make test
 def test_a_backward_fault_on_one_row_fails_in_the_backward_and_is_located(tmp_path) -> None:
     args = ["--quiet", "run", "ws1-model", "--layers", "0:1", "--out", str(tmp_path / "ev")]
     done = _run([*args, "--fault", "block.0.ffn_down:70:scale:backward"], tmp_path)

@@ -80,7 +80,8 @@ def test_sp_ranks_hold_their_row_segments_and_are_byte_equal(run_cli, tmp_path) 
     ("topology", "fault", "name", "rank", "row"),
     [
         pytest.param("cp2", "1:q_norm:70", "q_norm", 1, 70, marks=pytest.mark.slow),
-        ("tp2cp2", "3:ffn_down:70:backward", "node:swiglu", 3, 70),
+        # 27 s of four ranks on two cores: make test-slow (.ci/run runs both); the TP2 forward fault stays in make test
+        pytest.param("tp2cp2", "3:ffn_down:70:backward", "node:swiglu", 3, 70, marks=pytest.mark.slow),
         pytest.param("tp2sp", "1:residual_attn:60", "residual_attn", 1, 60, marks=pytest.mark.slow),  # an SP value
     ],
 )
