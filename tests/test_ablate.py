@@ -400,7 +400,7 @@ def test_device_synthetic_source_keeps_names_dtypes_and_init_rules():
     assert torch.equal(again, params["transformer_blocks.1.ff.net.2.weight"])
 
 
-@pytest.mark.slow  # 36 s of make test's 600 on two cores: make test-slow (.ci/run runs both)
+@pytest.mark.slow  # 36 s of make test's 300 on two cores: make test-slow (.ci/run runs both)
 def test_rows_with_the_strict_kernels_as_the_strict_arm(run_cli, tmp_path):
     """The probes perturb the strict arm itself: every op bound to its Triton kernel (interpreted on CPU)."""
     code, out, err = run_cli(

@@ -40,7 +40,7 @@ def acceptance(tmp_path_factory) -> tuple[int, dict, dict, str]:
     return code, brief, doc, log
 
 
-@pytest.mark.slow  # the acceptance run, 220 s of make test's 600 on two cores: make test-slow (.ci/run runs both)
+@pytest.mark.slow  # the acceptance run, 220 s of make test's 300 on two cores: make test-slow (.ci/run runs both)
 def test_all_four_arms_three_steps_r_r_byte_equal_and_the_lora_gate(acceptance) -> None:
     code, brief, doc, log = acceptance
     assert code == 0, log
@@ -91,7 +91,7 @@ def test_a_forward_fault_on_the_strict_training_side_fails_r_r_and_is_located(tm
     assert "R/R.byte_equal (first drift at step 0)" in brief["failing_checks"]
 
 
-@pytest.mark.slow  # 40 s of make test's 600 on two cores (the forward fault above stays there): make test-slow
+@pytest.mark.slow  # 40 s of make test's 300 on two cores (the forward fault above stays there): make test-slow
 def test_a_backward_fault_fails_the_gradient_repeat_and_names_the_gradient(tmp_path) -> None:
     args = ["--arms", "R/R", "--steps", "2", "--layers", "1", "--fault", "block.0.q_proj:30:backward"]
     code, brief, log = _run(args, tmp_path)
