@@ -133,6 +133,32 @@ def test_the_wheelhouse_carries_the_sglang_pins_as_pinned():
     assert merged["packaging"] == _pins()["packaging"] and merged["rich"] == "15.0.0"
 
 
+def test_the_slim_sglang_wheel_drops_its_unimported_subtrees_and_their_record_lines(tmp_path):
+    """``--slim-sglang``: members under SLIM_DROP leave the wheel and its RECORD; every other member keeps its bytes;
+    a member whose name only begins like a dropped folder stays."""
+    import zipfile
+
+    wheelhouse = _wheelhouse()
+    kept = {"sglang/__init__.py": b"x = 1\n", "sglang/multimodal_gen/runtime/a.py": b"y = 2\n",
+            "sglang/testing.py": b"z = 3\n"}  # fmt: skip
+    dropped = {"sglang/srt/rust_extensions/_server.so": b"\0" * 4096, "sglang/multimodal_gen/test/t.py": b"t\n"}
+    members = {**kept, **dropped}
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in members.items())
+    wheel = tmp_path / "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+        z.writestr("sglang-0.5.23.dist-info/RECORD", record + "sglang-0.5.23.dist-info/RECORD,,\n")
+    before, after = wheelhouse.slim_wheel(wheel)
+    assert after < before
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        assert names == {*kept, "sglang-0.5.23.dist-info/RECORD"}
+        assert all(z.read(name) == data for name, data in kept.items())
+        lines = z.read("sglang-0.5.23.dist-info/RECORD").decode().splitlines()
+    assert [line.split(",")[0] for line in lines] == [*kept, "sglang-0.5.23.dist-info/RECORD"]
+
+
 def test_forcing_writes_back_exactly_what_the_capture_reads():
     """Teacher forcing inverts the capture's transforms: values recorded at points in SGLang's layout, assembled into
     h3gate's, then forced into blank tensors of SGLang's layout give back the request rows bit for bit (re-fused q/k/v

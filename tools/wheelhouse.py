@@ -19,6 +19,11 @@
 4. downloads the rest as binary wheels and builds h3gate's own wheel, into ``--dest`` (its old wheels removed first,
    so that it holds one version of each).
 
+Within the device tool's 64 MiB (the working tree and the wheels together), ``--sglang-host-first`` leaves out the
+sglang pins the host already holds (its versions are then the ones that run: the evidence records them), and
+``--slim-sglang`` repacks sglang's wheel without the subtrees the DiT never imports (:data:`SLIM_DROP`: the Rust
+server extensions, the test suites, the benchmarks; 37 -> 18 MiB), its RECORD rewritten to match.
+
 On the host: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (README.md).
 """
 
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +45,8 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 HOST_PROVIDES = ("torch", "triton")  # always the host's own (CUDA) builds
 SGLANG_REQUIREMENTS = ROOT / "tools" / "sglang-requirements.txt"
 SGLANG_PLATFORM = "manylinux_2_34_x86_64"  # sglang 0.5.23's cp311/cp312 wheels
+# Subtrees of sglang's wheel that no module of sglang.multimodal_gen.runtime (nor sglang.kernels) imports.
+SLIM_DROP = ("sglang/srt/rust_extensions/", "sglang/test/", "sglang/multimodal_gen/test/", "sglang/benchmark/")
 
 
 def norm(name: str) -> str:
@@ -107,6 +115,24 @@ def host_has(path: str) -> set[str]:
     return {norm(line.strip()) for line in lines if line.strip() and not line.startswith("#")}
 
 
+def slim_wheel(wheel: Path, drop: tuple[str, ...] = SLIM_DROP) -> tuple[int, int]:
+    """Rewrite ``wheel`` in place without the members under ``drop`` (and their RECORD lines); (bytes before,
+    bytes after)."""
+    before = wheel.stat().st_size
+    tmp = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in src.infolist():
+            if info.filename.startswith(drop):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines(keepends=True)
+                data = "".join(line for line in lines if not line.startswith(drop)).encode()
+            out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    tmp.replace(wheel)
+    return before, wheel.stat().st_size
+
+
 def build_own_wheel(dest: Path) -> None:
     """h3gate's wheel, built from a copy of the source tree (a stale ``build/`` in the checkout cannot leak in)."""
     listed = subprocess.run(
@@ -133,6 +159,8 @@ def main() -> int:
     ap.add_argument("--platform", action="append", help=f"wheel platform tag, repeatable (default: {PLATFORMS})")
     ap.add_argument("--with-diffusers", action="store_true", help="add diffusers (the parity oracle) and its needs")
     ap.add_argument("--with-sglang", action="store_true", help="add sglang 0.5.23 and its DiT's pinned imports")
+    ap.add_argument("--sglang-host-first", action="store_true", help="leave out sglang pins the host holds")
+    ap.add_argument("--slim-sglang", action="store_true", help=f"repack sglang's wheel without {SLIM_DROP}")
     ap.add_argument("--host-has", default=str(ROOT / "tools" / "gpu-host-packages.txt"), help="names to leave out")
     ap.add_argument("--dest", default=str(ROOT / ".whl"), help="output folder (default ./.whl)")
     args = ap.parse_args()
@@ -146,7 +174,8 @@ def main() -> int:
         old.unlink()
     resolved = resolve(requirements(args.with_diffusers), target)
     pins = sglang_pins() if args.with_sglang else []
-    skip = (host_has(args.host_has) - {n for n, _ in pins}) | set(HOST_PROVIDES)
+    on_host = host_has(args.host_has)
+    skip = (on_host if args.sglang_host_first else on_host - {n for n, _ in pins}) | set(HOST_PROVIDES)
     resolved = merge_pins(resolved, pins)
     wanted = [f"{name}=={version}" for name, version in resolved if name not in skip]
     kept = [name for name, _ in resolved if name in skip]
@@ -154,6 +183,10 @@ def main() -> int:
     pip = [sys.executable, "-m", "pip"]
     if wanted:
         subprocess.run([*pip, "download", "-q", "--no-deps", *target, "-d", str(dest), *wanted], check=True)
+    if args.slim_sglang:
+        for wheel in dest.glob("sglang-*.whl"):
+            before, after = slim_wheel(wheel)
+            print(f"wheelhouse: {wheel.name} slimmed {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
     build_own_wheel(dest)
     wheels = sorted(p.name for p in dest.glob("*.whl"))
     names = [norm(w.split("-")[0]) for w in wheels]

@@ -87,7 +87,8 @@ def run_ranks(tmp_path: Path, call: str, world: int = 2, timeout: float = 240) -
     for p, log in zip(procs, logs, strict=True):
         p.wait(timeout=timeout)
         log.close()
-    tails = [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world)]
+    tails = [f"rank {r} (exit {p.returncode}): " + (tmp_path / f"rank{r}.log").read_text()[-2000:]
+             for r, p in enumerate(procs)]  # fmt: skip
     assert all(p.returncode == 0 for p in procs), "\n".join(tails)
 
 
@@ -101,11 +102,20 @@ def _init_rank(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+def _end_rank() -> None:
+    """Every rank waits for the others (rank 0 writes the outputs last) before the process group goes: a rank that
+    tears down its gloo pairs while a peer still holds them can die in teardown (``terminate called``) after its work
+    is done, as the launcher's ranks would without :func:`torch.distributed.barrier` (h3gate/arms/sglang_tp.py)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def tp_rank(rank: int, world: int, port: int, out: str) -> None:
     """One TP rank of SGLang's DiT on gloo (``python -c``, one process a rank): torch.distributed first (TCP store on
     127.0.0.1), then the adapter's runtime at ``tp=world``, the tiny model by SGLang's loader (each rank loads its
     shards), one forward on the micro layout; rank 0 writes the outputs and the degrees to ``out`` (safetensors)."""
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
     from h3gate.adapters.sglang import build, inputs, runtime
@@ -120,7 +130,7 @@ def tp_rank(rank: int, world: int, port: int, out: str) -> None:
     if rank == 0:
         tp = torch.tensor([runtime.degrees()["tp"]])
         save_file({**{k: v.contiguous() for k, v in out_values.items()}, "tp": tp}, out)
-    dist.destroy_process_group()
+    _end_rank()
 
 
 def downstream(graph: Graph, names: set[str]) -> set[str]:
@@ -150,7 +160,6 @@ def strict_rank(rank: int, world: int, port: int, out: str, kind: str = "tp") ->
     (:class:`h3gate.parallel.tp.TpRank`: heads and FFN channels of chunk ``rank``; fc1 as SGLang's [gate | value] of
     h3gate's [value | gate] pairs). Rank 0 writes the outputs, the degrees, the TP layers the trace names and the
     shard check to ``out`` (safetensors)."""
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
     from h3gate.adapters.sglang import build, inputs, runtime
@@ -182,7 +191,7 @@ def strict_rank(rank: int, world: int, port: int, out: str, kind: str = "tp") ->
         flags = {k: torch.tensor([v]) for k, v in runtime.degrees().items()}
         flags.update(shards_match=torch.tensor([shards_match]), tp_layers=torch.tensor([len(layers)]))
         save_file({**{k: v.contiguous() for k, v in values.items()}, **flags}, out)
-    dist.destroy_process_group()
+    _end_rank()
 
 
 def _shards_match(model: torch.nn.Module, full: dict[str, torch.Tensor], tp, layer: int) -> bool:
