@@ -37,7 +37,7 @@ NO_GPU  := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 1)
 
 # make wheelhouse: the target host's Python and platform tags, WITH_DIFFUSERS=1 for the parity oracle, WITH_SGLANG=1
 # for SGLang's MiniMax-H3 DiT (tools/sglang-requirements.txt), SLIM_SGLANG=1 to fit the device tool's 64 MiB (the
-# host's copies of sglang's pins, sglang's wheel without its Rust server, tests and benchmarks).
+# host's copies of sglang's pins, sglang's wheel without its Rust server, tests and benchmarks, sgl_kernel at sm90).
 WHEEL_PY        ?= 3.12
 WHEEL_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 WITH_DIFFUSERS  ?=
@@ -114,7 +114,7 @@ wheel-smoke:
 wheelhouse:
 	$(PY) tools/wheelhouse.py --python-version $(WHEEL_PY) $(foreach p,$(WHEEL_PLATFORMS),--platform $(p)) \
 	  --host-has "$(HOST_HAS)" $(if $(WITH_DIFFUSERS),--with-diffusers) $(if $(WITH_SGLANG),--with-sglang) \
-	  $(if $(SLIM_SGLANG),--sglang-host-first --slim-sglang)
+	  $(if $(SLIM_SGLANG),--sglang-host-first --slim-sglang --sgl-kernel-sm90)
 
 report: $(TSTAMP)
 	$(BIN)/h3gate report evidence/h200 --out evidence/h200-report

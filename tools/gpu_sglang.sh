@@ -2,7 +2,7 @@
 # H200 evidence for the one-house issue (candidate hashes of the strict block and model at released widths against
 # the committed ones) and the SGLang issue (SGLang 0.5.23's MiniMax-H3 DiT at released widths as a WS1 candidate and
 # as the rollout engine of `run arms`). Run from the repository root on the lent GPU host (device tool) with
-# `make wheelhouse WITH_SGLANG=1 WITH_DIFFUSERS=1 SLIM_SGLANG=1` carried in .whl/:
+# `make wheelhouse WITH_SGLANG=1 WITH_DIFFUSERS=1 SLIM_SGLANG=1` carried in .whl/ (sgl_kernel at sm90 only):
 #   house-block:  run ws1-block, real, medium, strict (forward + backward);
 #   house-model:  run ws1-model, real, medium, strict (50 blocks, forward + backward);
 #   sg-env:       what the host offers SGLang (versions, nvcc, sgl_kernel, the fused paths' JIT);
@@ -42,8 +42,13 @@ def ver(d):
 nvcc = shutil.which("nvcc")
 rec = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__, "nvcc": nvcc,
        "nvcc_version": subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout[-120:] if nvcc else None,
-       **{d: ver(d) for d in ("sglang", "sgl-kernel", "flashinfer-python", "torchvision", "apache-tvm-ffi", "diffusers",
+       **{d: ver(d) for d in ("sglang", "sglang-kernel", "flashinfer-python", "torchvision", "apache-tvm-ffi", "diffusers",
                               "transformers", "tokenizers", "huggingface-hub", "pillow")}}
+try:
+    import sgl_kernel
+    rec["sgl_kernel_import"] = f"ok: {sgl_kernel.__file__}"
+except Exception as exc:  # what failed is the record
+    rec["sgl_kernel_import"] = f"{type(exc).__name__}: {str(exc)[:600]}"
 try:
     from h3gate.adapters.sglang.runtime import require_sglang
     rec["require_sglang"] = require_sglang("gpu_sglang.sh")

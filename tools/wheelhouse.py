@@ -23,6 +23,10 @@ Within the device tool's 64 MiB (the working tree and the wheels together), ``--
 sglang pins the host already holds (its versions are then the ones that run: the evidence records them), and
 ``--slim-sglang`` repacks sglang's wheel without the subtrees the DiT never imports (:data:`SLIM_DROP`: the Rust
 server extensions, the test suites, the benchmarks; 37 -> 18 MiB), its RECORD rewritten to match.
+``--sgl-kernel-sm90`` adds the CUDA kernel package sglang's DiT imports on a GPU (:data:`SGL_KERNEL_PIN`, sglang
+0.5.23's own pin; 356 MiB, built for torch 2.14.1) cut to its Python files and its Hopper (sm90) ``common_ops``
+library: its FlashAttention-3, FlashMLA and InfLLM libraries (1.2 GB unpacked) are left behind, so that SGLang
+resolves its attention backend without them (the evidence records the backend it resolved).
 
 On the host: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (README.md).
 """
@@ -47,6 +51,8 @@ SGLANG_REQUIREMENTS = ROOT / "tools" / "sglang-requirements.txt"
 SGLANG_PLATFORM = "manylinux_2_34_x86_64"  # sglang 0.5.23's cp311/cp312 wheels
 # Subtrees of sglang's wheel that no module of sglang.multimodal_gen.runtime (nor sglang.kernels) imports.
 SLIM_DROP = ("sglang/srt/rust_extensions/", "sglang/test/", "sglang/multimodal_gen/test/", "sglang/benchmark/")
+SGL_KERNEL_PIN = "sglang-kernel==0.4.10"
+SGL_KERNEL_DROP = ("sgl_kernel/flash_ops", "sgl_kernel/flashmla_ops", "sgl_kernel/infllm_ops", "sgl_kernel/sm100/")
 
 
 def norm(name: str) -> str:
@@ -160,6 +166,7 @@ def main() -> int:
     ap.add_argument("--with-diffusers", action="store_true", help="add diffusers (the parity oracle) and its needs")
     ap.add_argument("--with-sglang", action="store_true", help="add sglang 0.5.23 and its DiT's pinned imports")
     ap.add_argument("--sglang-host-first", action="store_true", help="leave out sglang pins the host holds")
+    ap.add_argument("--sgl-kernel-sm90", action="store_true", help=f"add {SGL_KERNEL_PIN}, Python and sm90 only")
     ap.add_argument("--slim-sglang", action="store_true", help=f"repack sglang's wheel without {SLIM_DROP}")
     ap.add_argument("--host-has", default=str(ROOT / "tools" / "gpu-host-packages.txt"), help="names to leave out")
     ap.add_argument("--dest", default=str(ROOT / ".whl"), help="output folder (default ./.whl)")
@@ -183,6 +190,11 @@ def main() -> int:
     pip = [sys.executable, "-m", "pip"]
     if wanted:
         subprocess.run([*pip, "download", "-q", "--no-deps", *target, "-d", str(dest), *wanted], check=True)
+    if args.sgl_kernel_sm90:
+        subprocess.run([*pip, "download", "-q", "--no-deps", *target, "-d", str(dest), SGL_KERNEL_PIN], check=True)
+        for wheel in dest.glob("sglang_kernel-*.whl"):
+            before, after = slim_wheel(wheel, SGL_KERNEL_DROP)
+            print(f"wheelhouse: {wheel.name} cut to sm90 {before / 2**20:.1f} -> {after / 2**20:.1f} MiB")
     if args.slim_sglang:
         for wheel in dest.glob("sglang-*.whl"):
             before, after = slim_wheel(wheel)
