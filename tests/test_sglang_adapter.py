@@ -54,6 +54,20 @@ def test_without_sglang_every_entry_point_says_how_to_get_it(monkeypatch):
     with pytest.raises(InputError, match=r"sglang 0\.5\.22 is installed, h3gate is tested with 0\.5\.23"):
         runtime.init_runtime()
 
+    # the DiT's import failing inside a CUDA extension's loader (no module name, a message opening with a newline):
+    # the error names its first line, never an empty "needs )"
+    monkeypatch.setattr(runtime.importlib.metadata, "version", lambda name: "0.5.23")
+    monkeypatch.setattr(runtime, "ensure_torchvision", lambda: None)
+
+    def broken(name):
+        raise ImportError("\n[sgl_kernel] CRITICAL: Could not load any common_ops library!\n\nAttempted: ...")
+
+    monkeypatch.setattr(runtime.importlib, "import_module", broken)
+    with pytest.raises(
+        InputError, match=r"does not import \(needs \[sgl_kernel\] CRITICAL: Could not load any common_"
+    ):
+        runtime.require_sglang()
+
 
 SHIM_PROBE = """
 import importlib.abc, sys

@@ -89,7 +89,8 @@ def require_sglang(what: str = "--candidate sglang") -> str:
         with quiet():
             importlib.import_module(DIT_MODULE)
     except ImportError as exc:
-        missing = getattr(exc, "name", None) or str(exc).splitlines()[0]
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        missing = getattr(exc, "name", None) or (lines[0][:160] if lines else type(exc).__name__)
         raise InputError(
             f"{what}: sglang {version}'s MiniMax-H3 DiT does not import (needs {missing}): {INSTALL}"
         ) from None
