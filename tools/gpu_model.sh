@@ -10,27 +10,16 @@
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 budget=${BUDGET_S:-480}
-run() {
-  local name=$1 expect=$2
-  shift 2
-  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s > ${budget} s)"; return; fi
-  local start=$SECONDS
-  python3 -m h3gate "$@" --out "$ev/$name" >"$ev/logs/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc (expected $expect), $((SECONDS - start)) s: h3gate $*"
-  grep -E "^(verdict|tensors judged|first (drift|failure)|injected|h3gate: (error|internal))|strict_over|x$" \
-    "$ev/logs/$name.log" | head -12
-}
 common=(--config real --device cuda --mode strict)
 for section in "$@"; do
   case $section in
-  calibrate) run ws1-model-real-medium-calibration 0 run ws1-model --config real --device cuda --mode off --layout medium ;;
-  medium) run ws1-model-real-medium 0 run ws1-model "${common[@]}" --layout medium ;;
-  fault) run ws1-model-real-medium-fault 1 run ws1-model "${common[@]}" --layout medium --layers 0:3 --no-backward \
+  calibrate) gate ws1-model-real-medium-calibration 0 run ws1-model --config real --device cuda --mode off --layout medium ;;
+  medium) gate ws1-model-real-medium 0 run ws1-model "${common[@]}" --layout medium ;;
+  fault) gate ws1-model-real-medium-fault 1 run ws1-model "${common[@]}" --layout medium --layers 0:3 --no-backward \
     --fault block.1.o_proj:3000:scale ;;
-  bench-medium) run bench-ws1-model-medium 0 bench ws1-model --config real --layout medium --device cuda ;;
-  bench-768p) run bench-ws1-model-768p 0 bench ws1-model --config real --layout 768p --device cuda ;;
-  768p) run ws1-model-real-768p-forward 0 run ws1-model "${common[@]}" --layout 768p --no-backward \
+  bench-medium) gate bench-ws1-model-medium 0 bench ws1-model --config real --layout medium --device cuda ;;
+  bench-768p) gate bench-ws1-model-768p 0 bench ws1-model --config real --layout 768p --device cuda ;;
+  768p) gate ws1-model-real-768p-forward 0 run ws1-model "${common[@]}" --layout 768p --no-backward \
     --layers "${LAYERS_768P:-0:50}" ;;
   *) echo "unknown section $section" >&2 ;;
   esac

@@ -16,24 +16,12 @@
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 budget=${BUDGET_S:-540}
-run() {
-  local name=$1 expect=$2
-  shift 2
-  if [ $SECONDS -gt "$budget" ]; then echo "== $name: skipped (${SECONDS} s > ${budget} s)"; return; fi
-  local start=$SECONDS
-  timeout "${CAP_S:-300}" python3 -m h3gate "$@" --out "$ev/$name" >"$ev/logs/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc (expected $expect), $((SECONDS - start)) s: h3gate $*"
-  grep -E "^(verdict|tensors judged|first (drift|failure)|injected|h3gate: (error|internal))|arm|byte" \
-    "$ev/logs/$name.log" | head -14
-  [ "$rc" = 0 ] || [ "$rc" = 1 ] || tail -n 25 "$ev/logs/$name.log"
-}
 sg=(--candidate sglang --no-backward)
 real=(--config real --device cuda)
 for section in "$@"; do
   case $section in
-  house-block) run ws1-block-real-medium 0 run ws1-block "${real[@]}" --mode strict --layout medium ;;
-  house-model) run ws1-model-real-medium 0 run ws1-model "${real[@]}" --mode strict --layout medium ;;
+  house-block) gate ws1-block-real-medium 0 run ws1-block "${real[@]}" --mode strict --layout medium ;;
+  house-model) gate ws1-model-real-medium 0 run ws1-model "${real[@]}" --mode strict --layout medium ;;
   sg-env) python3 - >"$ev/logs/sg-env.log" 2>&1 <<'PY'
 import importlib.metadata as md, json, shutil, subprocess, torch, triton
 def ver(d):
@@ -57,16 +45,16 @@ except Exception as exc:  # what failed is the record
 print(json.dumps(rec, indent=1))
 PY
     echo "== sg-env"; cat "$ev/logs/sg-env.log" | tail -n 30 ;;
-  sg-tiny) run ws1-block-tiny-sglang 0 run ws1-block --config tiny --device cuda --layout micro "${sg[@]}" ;;
-  sg-block) run ws1-block-real-medium-sglang 0 run ws1-block "${real[@]}" --layout medium "${sg[@]}" ;;
-  sg-block-exact) run ws1-block-real-medium-sglang-exact 0 run ws1-block "${real[@]}" --layout medium "${sg[@]}" \
+  sg-tiny) gate ws1-block-tiny-sglang 0 run ws1-block --config tiny --device cuda --layout micro "${sg[@]}" ;;
+  sg-block) gate ws1-block-real-medium-sglang 0 run ws1-block "${real[@]}" --layout medium "${sg[@]}" ;;
+  sg-block-exact) gate ws1-block-real-medium-sglang-exact 0 run ws1-block "${real[@]}" --layout medium "${sg[@]}" \
     --sglang-quality exact ;;
-  sg-model) run ws1-model-real-medium-sglang 0 run ws1-model "${real[@]}" --layout medium --layers 0:2 "${sg[@]}" ;;
-  sg-model-exact) run ws1-model-real-medium-sglang-exact 0 run ws1-model "${real[@]}" --layout medium --layers 0:2 \
+  sg-model) gate ws1-model-real-medium-sglang 0 run ws1-model "${real[@]}" --layout medium --layers 0:2 "${sg[@]}" ;;
+  sg-model-exact) gate ws1-model-real-medium-sglang-exact 0 run ws1-model "${real[@]}" --layout medium --layers 0:2 \
     "${sg[@]}" --sglang-quality exact ;;
-  sg-arms) run arms-real-medium-sglang 0 run arms "${real[@]}" --layout medium --layers "${ARMS_LAYERS:-2}" \
+  sg-arms) gate arms-real-medium-sglang 0 run arms "${real[@]}" --layout medium --layers "${ARMS_LAYERS:-2}" \
     --steps "${ARMS_STEPS:-4}" --rollout sglang ;;
-  sg-fault) run ws1-model-real-medium-sglang-fault 1 run ws1-model "${real[@]}" --layout medium --layers 0:2 \
+  sg-fault) gate ws1-model-real-medium-sglang-fault 1 run ws1-model "${real[@]}" --layout medium --layers 0:2 \
     "${sg[@]}" --fault block.1.o_proj:3000 ;;
   *) echo "unknown section $section" >&2 ;;
   esac
