@@ -115,6 +115,27 @@ def test_a_forward_fault_on_one_row_fails_and_is_located(tmp_path) -> None:
     assert doc["first_failure"]["node"] == "block.1.o_proj"
 
 
+def test_the_console_names_the_row_the_evidence_names_and_never_a_none(capsys) -> None:
+    """A fault whose first failing check is a whole-tensor one (batch-row bitwise) prints that check without a row and
+    then the first row over its bound as the evidence records it (the committed SGLang fault record: row 30, video)."""
+    from h3gate.commands.model_cmd import print_summary
+
+    path = (
+        Path(__file__).resolve().parents[1]
+        / "evidence"
+        / "cpu-sglang"
+        / "ws1-model-tiny-sglang-fault"
+        / "ws1-model.json"
+    )
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    assert doc["first_failure"].get("row") is None  # the record this test reads: a whole-tensor check first
+    print_summary(doc, path)
+    out = capsys.readouterr().out
+    assert "None" not in out
+    assert "first failure: forward block.1 layer 1 block.1.o_proj (whole tensor): batch_row_bitwise" in out
+    assert "first row over its bound: forward block.1 layer 1 block.1.o_proj (row 30, video), isolated, 3.24 x" in out
+
+
 @pytest.mark.slow  # 31 s on two cores: make test-slow (.ci/run runs both); the forward fault above and the block's
 # backward fault (test_gate_trust) stay in make test
 def test_a_backward_fault_on_one_row_fails_in_the_backward_and_is_located(tmp_path) -> None:

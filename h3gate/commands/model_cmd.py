@@ -167,7 +167,8 @@ def _drift(d: dict | None) -> str:
     if d is None:
         return "none"
     layer = "" if d.get("layer") is None else f" layer {d['layer']}"
-    return f"{d['direction']} {d['stage']}{layer} {d['node']} (row {d.get('row')}, {d.get('modality') or '-'})"
+    where = "whole tensor" if d.get("row") is None else f"row {d['row']}, {d.get('modality') or '-'}"
+    return f"{d['direction']} {d['stage']}{layer} {d['node']} ({where})"
 
 
 def print_summary(doc: dict, path: Path) -> None:
@@ -200,6 +201,10 @@ def print_summary(doc: dict, path: Path) -> None:
     if doc["first_failure"] is not None:
         f = doc["first_failure"]
         console.print(f"[red]first failure[/]: {escape(_drift(f))}: {escape(f['check'])} {escape(f['detail'])}")
+        row = doc.get("first_row_failure")
+        if f.get("row") is None and row is not None:  # a whole-tensor check failed first: name the row as well
+            console.print(f"[red]first row over its bound[/]: {escape(_drift(row))}, {row['view']}, "
+                          f"{row['ratio']:.2f} x its bound")  # fmt: skip
     if doc.get("injected_fault"):
         console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
     colour = "green" if doc["verdict"] == "pass" else "red"
