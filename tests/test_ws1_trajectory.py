@@ -348,6 +348,15 @@ def test_resume_with_changed_settings_is_refused(run_a, tmp_path, run_cli, args,
     assert _tree(rundir) == before
 
 
+@pytest.mark.parametrize(
+    ("until", "message"), [("-1", "must be a step index >= 0"), ("99", "past the run's last step")]
+)
+def test_an_until_outside_the_runs_steps_is_refused_before_the_rundir_is_made(tmp_path, run_cli, until, message):
+    rundir = tmp_path / "never"
+    _refused(run_cli(*TRAJ, "--out", str(rundir), *STEPS, "--until", until), "--until", message)
+    assert not rundir.exists()
+
+
 def test_a_rundir_holding_a_run_is_refused_without_resume(run_a, tmp_path, run_cli) -> None:
     rundir = _copy(run_a, tmp_path)
     before = _tree(rundir)

@@ -63,6 +63,9 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
     run = prepare_trajectory(settings.run)  # every check, before the run's folder is made
+    if until is not None and until >= run.evaluations:
+        raise InputError(f"--until {until}: past the run's last step ({run.evaluations} evaluations: steps 0 .. "
+                         f"{run.evaluations - 1})")  # fmt: skip
     rundir = prepare_out(Path(out))
     with progress(KIND, None, started) as step:
         body = run_ws1_trajectory(run, rundir, until, settings.resume, settings.verify_last, step)
