@@ -29,6 +29,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "h3gate.dtypes",
             "h3gate.memory",
             "h3gate.numerics",
+            "h3gate.ranks",
         ),
     ),
     ("evidence", ("h3gate.evidence",)),

@@ -1,7 +1,8 @@
 """SGLang's rollout under its own parallelism: ``run arms --rollout sglang --tp N`` (tensor) or ``--ulysses N``.
 
-The ranks are started by torch's own launcher, ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-h3gate.arms.sglang_tp --dir WORK`` (gloo on the CPU, NCCL with one GPU a rank on CUDA). Each rank reads
+The ranks are started by torch's own launcher through :func:`h3gate.ranks.run_ranks` (``python -m
+torch.distributed.run --standalone --nproc-per-node N -m h3gate.arms.sglang_tp --dir WORK``; gloo on the CPU, NCCL
+with one GPU a rank on CUDA). Each rank reads
 ``WORK/spec.json`` (the run's settings, the rollout letters, the fault), plans the same stack, loads its shards of
 SGLang's DiT with SGLang's loader (:func:`h3gate.arms.sglang_side.build_sglang` at ``tp=N`` or ``ulysses=N``) and runs
 the whole denoise loop for every letter (:func:`h3gate.arms.sides.rollout` on
@@ -19,11 +20,9 @@ recorded.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,18 +30,17 @@ from typing import Any
 
 import torch
 
-import h3gate
 from h3gate.arms.sglang_side import SglangEngine, SglangFault, build_sglang
 from h3gate.arms.sides import Rollout, rollout
 from h3gate.arms.stack import ArmsSettings, Stack, plan_stack
 from h3gate.errors import InputError
+from h3gate.ranks import ERROR_PREFIX, rank_main, run_ranks
 from h3gate.runs.trajectory_files import complete_steps, load_step
 
 MODULE = "h3gate.arms.sglang_tp"
 SPEC = "spec.json"
 RECORD = "rollout.json"
 TIMEOUT_S = 3600
-ERROR_PREFIX = "h3gate: error: "
 
 
 def settings_record(settings: ArmsSettings) -> dict[str, Any]:
@@ -60,14 +58,13 @@ def _final(folder: Path, letter: str) -> Path:
     return folder / f"final-{letter}.safetensors"
 
 
-def run_rank(folder: Path) -> None:
+def run_rank(rank: int, world: int, folder: Path) -> None:
     """One rank (module docstring); torch.distributed's environment from the launcher."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
     spec = json.loads((folder / SPEC).read_text(encoding="utf-8"))
     settings = settings_from(spec["settings"])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(spec["threads"])
     device = settings.device
     if device.startswith("cuda"):
@@ -95,26 +92,14 @@ def run_rank(folder: Path) -> None:
 
 
 def _launch(world: int, folder: Path) -> None:
-    """The ranks through torch's launcher; a rank's bad input is an InputError (its one line), any other failure a
-    RuntimeError with the launcher's last lines."""
-    root = str(Path(h3gate.__file__).resolve().parents[1])  # the ranks import this very h3gate
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", MODULE, "--dir", str(folder)]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher stops its ranks
-        proc.communicate(timeout=60)
-        raise RuntimeError(f"run arms: {world} SGLang ranks ran past {TIMEOUT_S} s") from None
-    if proc.returncode:
-        bad = [ln for ln in log.splitlines() if ln.startswith(ERROR_PREFIX)]
-        if bad:
-            raise InputError(bad[0].removeprefix(ERROR_PREFIX))
-        tail = " | ".join(ln.strip() for ln in log.splitlines()[-6:])
-        raise RuntimeError(f"run arms: {world} SGLang ranks failed (exit {proc.returncode}): {tail}")
+    """The ranks through :func:`h3gate.ranks.run_ranks`; a rank's bad input is an InputError (its one
+    line), any other failure a RuntimeError naming the ranks."""
+    errors = run_ranks(MODULE, world, folder, 1, TIMEOUT_S)
+    refused = [e.split(ERROR_PREFIX, 1)[1] for e in errors if " exit 2: " in e and ERROR_PREFIX in e]
+    if refused:
+        raise InputError(refused[0])
+    if errors:
+        raise RuntimeError(f"run arms: SGLang ranks failed: {'; '.join(errors)}")
 
 
 def read_rollout(stack: Stack, letter: str, rundir: Path, final: Path, engine: SglangEngine) -> Rollout:
@@ -159,15 +144,7 @@ def tp_rollouts(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description="one rank of run arms --tp / --ulysses")
-    parser.add_argument("--dir", type=Path, required=True)
-    args = parser.parse_args(argv)
-    try:
-        run_rank(args.dir)
-    except InputError as exc:
-        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+    return rank_main(argv, MODULE, "one rank of run arms --tp / --ulysses", run_rank)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ from h3gate.kernels.tp_layers import check_alignment
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.parallel.collectives import cp_bounds
-from h3gate.parallel.launch import run_ranks
 from h3gate.parallel.sp import sp_node
 from h3gate.parallel.ulysses import row_sharded
 from h3gate.parallel.ws2_partition import Partition
 from h3gate.parallel.ws2_scope import SCOPES, Fault, build_scope, cotangents, forward_backward
+from h3gate.ranks import run_ranks
 from h3gate.runs.setup import Run, RunSpec, check_device, prepare, read_inputs
 
 KIND = "ws2"

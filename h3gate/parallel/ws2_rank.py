@@ -1,4 +1,5 @@
-"""One rank of ``run ws2`` (``python -m h3gate.parallel.ws2_rank --rank R --world W --dir D``; gloo or NCCL).
+"""One rank of ``run ws2`` (started by torch's launcher, :func:`h3gate.ranks.run_ranks`: ``python -m
+torch.distributed.run ... -m h3gate.parallel.ws2_rank --dir D``; gloo or NCCL).
 
 Reads ``D/spec.json``, ``D/inputs`` and ``D/reference`` (the one-device strict run: every node value ``v:<node>``,
 every gradient ``g:<name>``, the cotangents ``c:<output>``), builds its shard of the scope (TP: its heads' and
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from h3gate.parallel.launch import rank_main
+from h3gate.ranks import rank_main
 from h3gate.runs.setup import RunSpec, prepare
 
 NCCL_SETTINGS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",

@@ -1,0 +1,67 @@
+"""One way to start ranks: torch's own launcher, ``python -m torch.distributed.run --standalone --nproc-per-node W
+-m MODULE --dir D``, each rank's output in its own log under ``D/rank-logs``, waited on as one; and the one ``main``
+of such a module (``run_rank(rank, world, folder)``, the rank and world as the launcher sets them in ``RANK`` and
+``WORLD_SIZE``; a bad input is exit 2 in one line ``h3gate: error: ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import h3gate
+from h3gate.errors import InputError
+
+ERROR_PREFIX = "h3gate: error: "
+# torch.distributed.run's failure summary: "rank      : 1 (local_rank: 1)" then "exitcode  : 2 (pid: ...)"
+_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def run_ranks(module: str, world: int, folder: Path | str, threads: int, timeout_s: int) -> list[str]:
+    """Start ``world`` ranks of ``module`` on ``folder`` through torch's launcher and wait for all: one line per
+    failed rank (``rank R exit C: its last error line``), empty when every rank exited 0; past ``timeout_s`` the
+    launcher is stopped (it stops its ranks) and the one line says so. The ranks import this very h3gate."""
+    folder = Path(folder)
+    logs = folder / "rank-logs"
+    root = str(Path(h3gate.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "--log-dir", str(logs), "--redirects", "3", "-m", module, "--dir", str(folder)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        summary, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.communicate(timeout=60)
+        return [f"{world} ranks ran past {timeout_s} s"]
+    if proc.returncode == 0:
+        return []
+    codes = {int(r): int(c) for r, c in _FAILURE.findall(summary)}
+    errors = [f"rank {r} exit {c}: {_last_error(logs, r)}" for r, c in sorted(codes.items()) if c]
+    tail = " | ".join(line.strip() for line in summary.splitlines()[-6:])
+    return errors or [f"torch.distributed.run exit {proc.returncode}: {tail}"]
+
+
+def _last_error(logs: Path, rank: int) -> str:
+    """The rank's last line naming an error (its last line when none does), from its log."""
+    text = "".join(p.read_text(errors="replace") for p in sorted(logs.glob(f"**/attempt_*/{rank}/stderr.log")))
+    lines = [ln for ln in text.splitlines() if "Error" in ln or "error:" in ln] or text.splitlines() or [""]
+    return lines[-1].strip()
+
+
+def rank_main(argv: list[str] | None, module: str, what: str, run_rank: Callable[[int, int, Path], None]) -> int:
+    """The ``__main__`` of a rank module under torch's launcher: parse ``--dir``, run, exit 0 (2: a bad input)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=what)
+    parser.add_argument("--dir", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.dir)
+    except InputError as exc:
+        print(f"{ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
