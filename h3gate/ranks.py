@@ -24,7 +24,9 @@ _FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:
 def run_ranks(module: str, world: int, folder: Path | str, threads: int, timeout_s: int) -> list[str]:
     """Start ``world`` ranks of ``module`` on ``folder`` through torch's launcher and wait for all: one line per
     failed rank (``rank R exit C: its last error line``), empty when every rank exited 0; past ``timeout_s`` the
-    launcher is stopped (it stops its ranks) and the one line says so. The ranks import this very h3gate."""
+    launcher is stopped (it stops its ranks) and the one line says so. The launcher stops every rank at the first
+    failure, so which of several failing ranks exits with its own code is a race: those come first, the ranks a
+    signal ended after them. The ranks import this very h3gate."""
     folder = Path(folder)
     logs = folder / "rank-logs"
     root = str(Path(h3gate.__file__).resolve().parents[1])
@@ -42,7 +44,9 @@ def run_ranks(module: str, world: int, folder: Path | str, threads: int, timeout
     if proc.returncode == 0:
         return []
     codes = {int(r): int(c) for r, c in _FAILURE.findall(summary)}
-    errors = [f"rank {r} exit {c}: {_last_error(logs, r)}" for r, c in sorted(codes.items()) if c]
+    # ranks that exited first, then those a signal ended (the launcher stops the others at the first failure)
+    errors = [f"rank {r} exit {c}: {_last_error(logs, r)}" for r, c in sorted(codes.items()) if c > 0]
+    errors += [f"rank {r} ended by signal {-c}: {_last_error(logs, r)}" for r, c in sorted(codes.items()) if c < 0]
     tail = " | ".join(line.strip() for line in summary.splitlines()[-6:])
     return errors or [f"torch.distributed.run exit {proc.returncode}: {tail}"]
 

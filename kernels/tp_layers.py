@@ -90,6 +90,18 @@ def head_groups(heads: int) -> tuple[int, ...]:
     return tuple(min(i * per, heads) for i in range(SEGMENTS + 1))
 
 
+def check_tp_order(degree: int, merge: str, cfg, what: str, remedy: str) -> None:
+    """TP``degree`` > 1 needs the TP-invariant merge order (``seg8``) and a config (``num_attention_heads``,
+    ``attention_head_dim``, ``hidden_size``, ``ffn_dim``) whose BF16 widths fall on its segment boundaries
+    (:func:`check_alignment`); ``what`` names the request, ``remedy`` the way out, in the InputError."""
+    if degree == 1:
+        return
+    if merge != "seg8":
+        raise InputError(f"{what}: merge order {merge!r} is not TP-invariant; {remedy}")
+    check_alignment(degree, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
+                    torch.bfloat16)  # fmt: skip
+
+
 def check_alignment(degree: int, heads: int, head_dim: int, hidden: int, ffn: int, dtype: torch.dtype) -> None:
     """TP``degree`` shards heads and FFN channels contiguously in rank order; each rank's share must be exactly its
     owned segments of every split reduction (O and Q/K/V dX over nh*D, FFN down and gate/up dX over F) and its head

@@ -28,7 +28,7 @@ from h3gate.adapters.sglang.runtime import QUALITIES, require_sglang
 from h3gate.errors import InputError
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import raw_metadata
-from h3gate.kernels.tp_layers import check_alignment
+from h3gate.kernels.tp_layers import check_tp_order
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.ops.registry import check_merge
@@ -149,8 +149,8 @@ class Stack:
 
 def check_rollout(settings: ArmsSettings) -> None:
     """The rollout engine's options (InputError naming the option): a known engine; SGLang's only with ``sglang``
-    (installed at its pinned version, a known quality); ``--tp`` > 1 in the seg8 order on aligned widths;
-    ``--ulysses`` > 1 for one request."""
+    (installed at its pinned version, a known quality); ``--ulysses`` > 1 for one request (``--tp``'s merge order
+    and widths: :func:`plan_stack`, once the config is read)."""
     check_merge(settings.merge)
     if settings.rollout not in ROLLOUTS:
         raise InputError(f"--rollout {settings.rollout!r}: must be one of {', '.join(ROLLOUTS)}")
@@ -179,9 +179,6 @@ def check_rollout(settings: ArmsSettings) -> None:
     if settings.ulysses > 1 and settings.batch != 1:
         raise InputError(f"--ulysses {settings.ulysses}: SGLang's Ulysses rollout takes one request (--batch 1: its "
                          "direct path, where SGLang's forward splits the rows itself)")  # fmt: skip
-    if settings.tp > 1 and settings.merge != "seg8":
-        raise InputError(f"--tp {settings.tp}: merge order {settings.merge!r} is not TP-invariant; "
-                         "add --merge-order seg8")  # fmt: skip
 
 
 def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
@@ -203,14 +200,12 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     config_name, cfg, layout, source, ckpt, device = (
         run.config_name, run.cfg, run.layout, run.source, run.checkpoint, run.device
     )  # fmt: skip
+    if settings.ulysses > 1 and cfg.num_attention_heads % settings.ulysses:
+        raise InputError(f"--ulysses {settings.ulysses}: {cfg.num_attention_heads} heads do not divide among the ranks")
+    check_tp_order(settings.tp, settings.merge, cfg, f"--tp {settings.tp}", "add --merge-order seg8")
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     plan = row_timestep_plan(layout, recipe, *recipe.schedules())
     requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]
-    if settings.ulysses > 1 and cfg.num_attention_heads % settings.ulysses:
-        raise InputError(f"--ulysses {settings.ulysses}: {cfg.num_attention_heads} heads do not divide among the ranks")
-    if settings.tp > 1:
-        check_alignment(settings.tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
-                        torch.bfloat16)  # fmt: skip
     return Stack(settings, config_name, cfg, layout, recipe, plan, requests, ckpt), source
 
 

@@ -14,7 +14,7 @@ final layer). ``mode`` is :func:`h3gate.ops.registry.bind`'s (strict fails close
 Tensor parallelism (SGLang's TP group, gloo on CPU ranks): ``merge="seg8"`` is required. SGLang shards every head and
 FFN channel contiguously in rank order (``MergedColumnParallelLinear`` shards q, k, v and gate, value each on its
 own; ``RowParallelLinear`` its input columns), which is h3gate's ownership (rank r owns heads, channels and the
-segmented-8 segments ``[r 8/n, (r+1) 8/n)``) when :func:`h3gate.kernels.tp_layers.check_alignment` passes; the
+segmented-8 segments ``[r 8/n, (r+1) 8/n)``) when :func:`h3gate.kernels.tp_layers.check_tp_order` passes; the
 binding refuses TPn otherwise. q|k|v and fc1 run :class:`~h3gate.kernels.tp_layers.ColumnLinear`, out_proj and fc2
 :class:`~h3gate.kernels.tp_layers.RowLinear` (in place of SGLang's all-reduce), the QK norms
 :class:`~h3gate.kernels.tp_layers.QkNormGrouped`, over a :class:`~h3gate.kernels.tp_layers.MergeGroup` whose gather
@@ -51,7 +51,7 @@ from h3gate.errors import InputError
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table
 from h3gate.graph.model import build_model_graph
 from h3gate.kernels import launches
-from h3gate.kernels.tp_layers import check_alignment
+from h3gate.kernels.tp_layers import check_tp_order
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import check_merge, check_mode
@@ -140,11 +140,7 @@ def _check_tp(session: SglangSession) -> None:
     tp, cfg = session.tp, session.cfg
     if tp.degree == 1:
         return
-    if session.merge != "seg8":
-        raise InputError(f"sglang strict binding: TP{tp.degree}: merge order {session.merge!r} is not TP-invariant; "
-                         f"bind with merge='seg8'")  # fmt: skip
-    check_alignment(tp.degree, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim,
-                    torch.bfloat16)  # fmt: skip
+    check_tp_order(tp.degree, session.merge, cfg, f"sglang strict binding: TP{tp.degree}", "bind with merge='seg8'")
     for nb in session.bindings.values():
         for b in nb.bindings:
             if b.op in TP_OPS and b.actual != "triton":
