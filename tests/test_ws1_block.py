@@ -187,8 +187,9 @@ def default_run(tmp_path_factory):
         mp.setattr(run_cmd, "LOCAL_EVIDENCE", root / "evidence")
         with pytest.raises(SystemExit) as exc:
             main(["run", "ws1-block", "--mode", "audit", "--device", "cpu", "--save-tensors", str(saved)])
-    path = root / "evidence" / "ws1-block" / "tiny-tiny" / "ws1-block.json"
-    return exc.value.code, json.loads(path.read_text()), saved
+    latest = root / "evidence" / "ws1-block" / "tiny-tiny" / "latest"  # the default run folder, linked as latest
+    assert latest.is_symlink() and not (latest / ".h3gate-unfinished").exists()
+    return exc.value.code, json.loads((latest / "ws1-block.json").read_text()), saved
 
 
 def test_default_run_exit_code_and_evidence(default_run):

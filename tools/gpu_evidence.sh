@@ -26,31 +26,31 @@ GEMM="--op h3_qkv_gemm --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3
 BLOCK_GEMM="--op h3_qkv_gemm --op h3_attention_o_gemm --op h3_ffn_gate_up_gemm --op h3_ffn_down_gemm"
 for s in "$@"; do
   case $s in
-    ops-rows) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium,768p $ROWS --out $E/ws1-ops-rows;;
-    ops-gemm) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium $GEMM --out $E/ws1-ops-gemm-attention;;
-    ops-gemm-768p) step 150 $H run ws1-ops --device cuda --config real --layouts 768p $BLOCK_GEMM --out $E/ws1-ops-gemm-768p
+    ops-rows) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium,768p $ROWS --force --out $E/ws1-ops-rows;;
+    ops-gemm) step 240 $H run ws1-ops --device cuda --config real --layouts tiny,small,medium $GEMM --force --out $E/ws1-ops-gemm-attention;;
+    ops-gemm-768p) step 150 $H run ws1-ops --device cuda --config real --layouts 768p $BLOCK_GEMM --force --out $E/ws1-ops-gemm-768p
                    step 150 $H run ws1-ops --device cuda --config real --layouts 768p --op h3_full_attention \
-                     --out $E/ws1-ops-attention-768p;;
+                     --force --out $E/ws1-ops-attention-768p;;
     block) for L in tiny small medium; do
-             step 150 $H run ws1-block --config real --layout $L --device cuda --mode strict --out $E/ws1-block-real-$L
+             step 150 $H run ws1-block --config real --layout $L --device cuda --mode strict --force --out $E/ws1-block-real-$L
            done;;
     bench-block) for L in medium 768p; do
-             step 120 $H bench ws1-block --config real --layout $L --device cuda --out $E/bench-ws1-block-$L
+             step 120 $H bench ws1-block --config real --layout $L --device cuda --force --out $E/bench-ws1-block-$L
            done;;
-    bench-ops) step 150 $H bench --device cuda --config real --layout 768p $ROWS --out $E/bench-ops-rows-768p;;
+    bench-ops) step 150 $H bench --device cuda --config real --layout 768p $ROWS --force --out $E/bench-ops-rows-768p;;
     bench-gemm-small-m|bench-gemm)
                 step 100 $H bench --device cuda --config real --layout tiny $BLOCK_GEMM --op h3_full_attention \
-                  --out $E/bench-ops-gemm-tiny
+                  --force --out $E/bench-ops-gemm-tiny
                 step 100 $H bench --device cuda --config real --layout small $BLOCK_GEMM --op h3_full_attention \
-                  --out $E/bench-ops-gemm-small;;&
-    bench-gemm) step 150 $H bench --device cuda --config real --layout medium $GEMM --out $E/bench-ops-gemm-attention-medium
-                step 150 $H bench --device cuda --config real --layout 768p $BLOCK_GEMM --out $E/bench-ops-gemm-768p
+                  --force --out $E/bench-ops-gemm-small;;&
+    bench-gemm) step 150 $H bench --device cuda --config real --layout medium $GEMM --force --out $E/bench-ops-gemm-attention-medium
+                step 150 $H bench --device cuda --config real --layout 768p $BLOCK_GEMM --force --out $E/bench-ops-gemm-768p
                 step 150 $H bench --device cuda --config real --layout 768p --op h3_full_attention \
-                  --out $E/bench-ops-attention-768p;;
-    ablate) step 200 $H ablate A0,A1,A2,A3,A4,A5,A6,A7,C1,C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-a
-            step 200 $H ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-h
-            step 200 $H ablate H9,H10,H11,H12,H13,H15,H-C2 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-traj
-            step 200 $H ablate H-C0,H-C1,H-C3,H-C7 --config real --layout medium --device cuda --mode strict --out $E/ablate-real-medium-controls;;
+                  --force --out $E/bench-ops-attention-768p;;
+    ablate) step 200 $H ablate A0,A1,A2,A3,A4,A5,A6,A7,C1,C2 --config real --layout medium --device cuda --mode strict --force --out $E/ablate-real-medium-a
+            step 200 $H ablate H1,H2,H3,H4,H5,H6,H7,H8,H14,H16 --config real --layout medium --device cuda --mode strict --force --out $E/ablate-real-medium-h
+            step 200 $H ablate H9,H10,H11,H12,H13,H15,H-C2 --config real --layout medium --device cuda --mode strict --force --out $E/ablate-real-medium-traj
+            step 200 $H ablate H-C0,H-C1,H-C3,H-C7 --config real --layout medium --device cuda --mode strict --force --out $E/ablate-real-medium-controls;;
     seal) step 120 $H seal $E;;
     tar) tar czf "$OUTDIR/evidence-h200.tgz" "$E"; echo "tarred $(du -sh "$OUTDIR/evidence-h200.tgz")";;
   esac

@@ -47,7 +47,7 @@ step "h3gate layout tiny";  "$h3" layout tiny
 step "h3gate validate";     "$h3" validate
 step "h3gate fingerprint";  "$h3" fingerprint
 step "h3gate run ws1-block"; "$h3" run ws1-block
-for f in evidence/local/fingerprint/fingerprint.json evidence/local/ws1-block/tiny-tiny/ws1-block.json; do
+for f in evidence/local/fingerprint/latest/fingerprint.json evidence/local/ws1-block/tiny-tiny/latest/ws1-block.json; do
   [ -f "$f" ] || { echo "wheel_smoke: $f not written under $PWD"; exit 1; }
 done
 if [ -n "$(find "$work/venv" -path "*/evidence/local*" -print -quit)" ]; then

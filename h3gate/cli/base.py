@@ -22,7 +22,24 @@ run_app = typer.Typer(no_args_is_help=True, help="Run a gate: strict kernels vs 
 app.add_typer(run_app, name="run")
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
-OutOpt = Annotated[Path | None, typer.Option("--out", help="Evidence folder (default: evidence/local/<verb>).")]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Evidence folder (default: a new evidence/local/<verb>/.../<UTC time>-<id>/ per run)."),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Write into an --out folder that already holds evidence, replacing its files.")
+]
+
+
+def out_option(run: str) -> typer.models.OptionInfo:
+    """``--out`` naming the verb's default run folder ``evidence/local/<run>/<UTC time>-<id>/``."""
+    return typer.Option(
+        "--out",
+        help=f"Evidence folder (default: a new evidence/local/{run}/<UTC time>-<id>/ per run, 'latest' linked "
+        "beside it; a folder holding evidence needs --force).",
+    )
+
+
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu | cuda | auto (cuda when available).")]
 ModelConfigOpt = Annotated[
     str | None,

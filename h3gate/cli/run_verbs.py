@@ -14,15 +14,16 @@ from h3gate.cli.base import (
     CheckpointOpt,
     DeviceOpt,
     FaultOpt,
+    ForceOpt,
     JsonOpt,
     MergeOpt,
     ModelConfigOpt,
     ModeOpt,
-    OutOpt,
     SeedOpt,
     SglangAttentionOpt,
     SglangQualityOpt,
     TolOpt,
+    out_option,
     run_app,
     run_command,
 )
@@ -56,7 +57,8 @@ def run_ws1_block(
     candidate: CandidateOpt = "h3gate",
     sglang_quality: SglangQualityOpt = "lossless",
     sglang_attention_backend: SglangAttentionOpt = None,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("ws1-block/<config>-<layout>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """The one-block gate: block 0 as 17 nodes, provider replay vs strict candidate vs FP64 golden."""
@@ -86,6 +88,7 @@ def run_ws1_block(
         fault=fault,
         out=out,
         json=json_,
+        force=force,
     )
     run_command(ws1_block_command, settings)
 
@@ -128,7 +131,8 @@ def run_ws1_model(
     candidate: CandidateOpt = "h3gate",
     sglang_quality: SglangQualityOpt = "lossless",
     sglang_attention_backend: SglangAttentionOpt = None,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("ws1-model/<config>-<layout>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """The whole-model gate: every node of every stage and every gradient, provider vs strict vs FP64 golden."""
@@ -150,14 +154,28 @@ def run_ws1_model(
     )
     backward = candidate != "sglang" if backward is None else backward
     settings = Ws1ModelCommand(
-        run=run, backward=backward, tolerance=tolerance, save_tensors=save_tensors, fault=fault, out=out, json=json_
+        run=run,
+        backward=backward,
+        tolerance=tolerance,
+        save_tensors=save_tensors,
+        fault=fault,
+        out=out,
+        json=json_,
+        force=force,
     )
     run_command(ws1_model_command, settings)
 
 
 @run_app.command("ws1-trajectory")
 def run_ws1_trajectory(
-    out: OutOpt = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="RUNDIR: the run's folder (default: a new evidence/local/ws1-trajectory/<config>-<layout>/<UTC time>-"
+            "<id>/, 'latest' linked beside it; --resume and --verify-last take the RUNDIR).",
+        ),
+    ] = None,
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
     config: ModelConfigOpt = None,
     checkpoint: CheckpointOpt = None,
@@ -252,7 +270,8 @@ def run_arms(
         typer.Option("--ulysses", help="SGLang's Ulysses (sequence parallelism) for the rollout (--batch 1)."),
     ] = 1,
     device: DeviceOpt = "auto",
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("arms/<config>-<layout>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Train/rollout arms on diffusers' own module (rollout on it or on SGLang's DiT): velocity bytes per step, first
@@ -281,7 +300,7 @@ def run_arms(
         tp=tp,
         ulysses=ulysses,
     )
-    run_command(arms_command, ArmsCommand(run=run, out=out, json=json_))
+    run_command(arms_command, ArmsCommand(run=run, out=out, json=json_, force=force))
 
 
 @run_app.command("ws2")
@@ -304,7 +323,8 @@ def run_ws2(
         typer.Option("--fault", help="RANK:NODE:ROW[:forward|backward]: one row scaled on one rank (repeatable)."),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu | cuda (default cpu).")] = "cpu",
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("ws2/<topology>-<scope>-<config>-<layout>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """TP/CP/SP ranks against TP1 (one device, seg8 merge order): every value and gradient byte for byte."""
@@ -322,7 +342,7 @@ def run_ws2(
         seed=seed,
         faults=fault or [],
     )
-    run_command(ws2_command, Ws2Command(run=run, out=out, json=json_))
+    run_command(ws2_command, Ws2Command(run=run, out=out, json=json_, force=force))
 
 
 @run_app.command("vae")
@@ -332,7 +352,8 @@ def run_vae(
     device: DeviceOpt = "auto",
     geometry: Annotated[str, typer.Option("--geometry", help="tiny (CI) | real (124 frames at 768x1344).")] = "tiny",
     seed: SeedOpt = 0,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("vae/<modality>-<geometry>-<mode>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Phase B: a seeded VAE (diffusers' class) encode/decode repeat-bitwise, batch-invariant, its latent
@@ -342,7 +363,7 @@ def run_vae(
     from h3gate.runs.vae import VaeRun
 
     run = VaeRun(modality=modality, mode=mode, device=device, geometry=geometry, seed=seed)
-    run_command(vae_command, VaeCommand(run=run, out=out, json=json_))
+    run_command(vae_command, VaeCommand(run=run, out=out, json=json_, force=force))
 
 
 @run_app.command("ws1-ops")
@@ -352,7 +373,8 @@ def run_ws1_ops(
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "tiny",
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("ws1-ops")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Per-operator evidence: accuracy vs FP32/FP64, invariance, provider-bitwise flag, kernel id."""
@@ -360,6 +382,13 @@ def run_ws1_ops(
     from h3gate.commands.ops_cmd import Ws1OpsCommand, ws1_ops_command
 
     settings = Ws1OpsCommand(
-        ops=tuple(op or ()), layouts=layouts, config=config, device=device, seed=seed, out=out, json=json_
+        ops=tuple(op or ()),
+        layouts=layouts,
+        config=config,
+        device=device,
+        seed=seed,
+        out=out,
+        json=json_,
+        force=force,
     )
     run_command(ws1_ops_command, settings)

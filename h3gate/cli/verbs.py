@@ -10,10 +10,11 @@ import typer
 
 from h3gate.cli.base import (
     DeviceOpt,
+    ForceOpt,
     JsonOpt,
-    OutOpt,
     SeedOpt,
     app,
+    out_option,
     run_command,
 )
 from h3gate.numerics import resolve_device
@@ -113,14 +114,21 @@ def fingerprint(
     hash_tensors: Annotated[
         bool, typer.Option("--hash-tensors", help="Also stream every tensor and record its sha256 (reads all data).")
     ] = False,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("fingerprint")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Fingerprint the manifest, or check a checkpoint's headers against the inventory its config implies."""
     from h3gate.commands.checkpoint_cmd import FingerprintCommand, fingerprint_command
 
     settings = FingerprintCommand(
-        manifest=manifest, checkpoint=checkpoint, config=config, hash_tensors=hash_tensors, out=out, json=json_
+        manifest=manifest,
+        checkpoint=checkpoint,
+        config=config,
+        hash_tensors=hash_tensors,
+        out=out,
+        json=json_,
+        force=force,
     )
     run_command(fingerprint_command, settings)
 
@@ -130,7 +138,8 @@ def compare(
     run_a: Annotated[Path, typer.Argument(help="A ws1-trajectory RUNDIR.")],
     run_b: Annotated[Path, typer.Argument(help="Another ws1-trajectory RUNDIR (same layout and sigma grids).")],
     device: DeviceOpt = "auto",
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("compare/<RUN_A>-vs-<RUN_B>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Two trajectory runs step by step: byte equality per modality, drift size, and the first drifting step re-run
@@ -138,7 +147,9 @@ def compare(
     device = resolve_device(device)
     from h3gate.commands.compare_cmd import CompareCommand, compare_command
 
-    run_command(compare_command, CompareCommand(run_a=run_a, run_b=run_b, device=device, out=out, json=json_))
+    run_command(
+        compare_command, CompareCommand(run_a=run_a, run_b=run_b, device=device, out=out, json=json_, force=force)
+    )
 
 
 @app.command()
@@ -196,7 +207,8 @@ def bench(
         typer.Option("--merge-order", help="seg8: also time the strict path in the TP merge order (a third arm)."),
     ] = "single",
     device: DeviceOpt = "cuda",
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("bench/<ws1-block|ws1-model|ops>-<config>-<layout>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Time strict kernels next to the provider in one run (median of CUDA-event timings): operators (--op), the
@@ -215,6 +227,7 @@ def bench(
         device=device,
         out=out,
         json=json_,
+        force=force,
     )
     run_command(bench_command, settings)
 
@@ -232,7 +245,8 @@ def ablate(
     seed: SeedOpt = 0,
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Real weights (default: synthetic).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="Intra-op CPU threads (default: 1 on cpu).")] = None,
-    out: OutOpt = None,
+    out: Annotated[Path | None, out_option("ablate/<config>-<layout>")] = None,
+    force: ForceOpt = False,
     json_: JsonOpt = False,
 ) -> None:
     """Run RFC section 6 ablation rows and assert each one's first-drift signature."""
@@ -253,6 +267,7 @@ def ablate(
         threads=threads,
         out=out,
         json=json_,
+        force=force,
     )
     run_command(ablate_command, settings)
 

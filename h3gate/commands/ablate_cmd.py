@@ -21,7 +21,9 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablations
+from h3gate.manifests.model_config import load_config
 from h3gate.numerics import threads as intra_op_threads
 from h3gate.paths import LOCAL_EVIDENCE, display
 
@@ -148,13 +150,15 @@ class AblateCommand:
     threads: int | None = None
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def ablate_command(settings: AblateCommand) -> int:
     """Run the selected rows, write ``ablation.json`` (and ``trajectory.json`` for trajectory rows), print them;
     0 every row showed its expected signature, 1 otherwise (``list_rows``: print the rows, 0)."""
     from h3gate.ablate.registry import check_names
-    from h3gate.evidence.writer import prepare_out, write_evidence
+    from h3gate.evidence.writer import write_evidence
 
     config, device, out = settings.config, settings.device, settings.out
     rows = load_ablations()
@@ -164,17 +168,17 @@ def ablate_command(settings: AblateCommand) -> int:
             raise InputError("ablate: --list takes no ROW and no --all")
         return _list(rows, settings.json)
     selected = select_ablations(rows, settings.row, settings.all_rows)
-    if out is not None:
-        prepare_out(out)
+    check_out(out, settings.force)
     if settings.steps < 3:
         raise InputError(
             f"--steps {settings.steps}: must be >= 3 (two model evaluations: trajectory rows compare steps)"
         )
     if settings.threads is not None and settings.threads < 1:
         raise InputError(f"--threads {settings.threads}: must be >= 1")
+    name = f"{load_config(config).name}-{settings.layout}"  # config: a name or PATH.yaml
+    folder = enter_run(out, LOCAL_EVIDENCE / "ablate" / name, settings.force)
     ctx, records, wall, trajectory = _run_rows(settings, rows, selected)
     body = _body(ctx, config, device, settings.seed, records, wall)
-    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "ablate"
     manifests = [ABLATIONS_FILE, *ctx.manifests]
     path = write_evidence(folder, "ablation.json", "ablation", body, manifests=manifests, device=device)
     if trajectory is not None:

@@ -18,7 +18,8 @@ from h3gate.arms.engine import KIND, check_fault, run_arms
 from h3gate.arms.stack import ArmsSettings, plan_stack
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
-from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.evidence.runfolder import enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
 from h3gate.paths import LOCAL_EVIDENCE, display
 
 EVIDENCE = f"{KIND}.json"
@@ -31,17 +32,17 @@ class ArmsCommand:
     run: ArmsSettings = ArmsSettings()
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def arms_command(settings: ArmsCommand) -> int:
     """Run the arms; writes ``OUT/arms.json`` (rollout step files under ``OUT/rollout-<P|R>/``)."""
     started = time.perf_counter()
     out = settings.out
     stack, source = plan_stack(settings.run)
     check_fault(stack)
-    folder = prepare_out(
-        Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{stack.config_name}-{stack.layout.name}"
-    )
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / f"{stack.config_name}-{stack.layout.name}", settings.force)
     with progress(KIND, None, started) as step:
         body = run_arms(stack, source, folder, step)
     path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.run.device)

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "bench"
@@ -44,8 +45,10 @@ class BenchCommand:
     device: str = "cuda"
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def bench_command(settings: BenchCommand) -> int:
     """Time what ``settings`` names, write its evidence and print it; 0 every criterion held, 1 otherwise."""
     target, ops, layout, config = settings.target, list(settings.ops), settings.layout, settings.config
@@ -53,26 +56,35 @@ def bench_command(settings: BenchCommand) -> int:
     check_bench_merge(target, merge)
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")
-    if out is not None:
-        from h3gate.evidence.writer import prepare_out
-
-        prepare_out(out)
+    check_out(out, settings.force)
     if target == "ws1-block":
         if ops:
             raise InputError("bench ws1-block: --op does not apply (time one operator with `bench --op NAME`)")
-        return _bench_block(layout, config, device, out, json_, merge)
+        return _bench_block(
+            layout, config, device, _folder(out, "ws1-block", config, layout, settings.force), json_, merge
+        )
     if target == "ws1-model":
         if ops:
             raise InputError("bench ws1-model: --op does not apply (time one operator with `bench --op NAME`)")
-        return _bench_model(layout, config, device, out, json_, merge)
+        return _bench_model(
+            layout, config, device, _folder(out, "ws1-model", config, layout, settings.force), json_, merge
+        )
     if target is not None:
         raise InputError(f"bench {target!r}: unknown target (ws1-block, ws1-model, or none with --op NAME)")
     if not ops:
         raise InputError("bench: give a target (ws1-block, ws1-model) or at least one --op NAME")
-    return _bench_ops(list(dict.fromkeys(ops)), layout, config, device, out, json_)
+    return _bench_ops(list(dict.fromkeys(ops)), layout, config, device, out, json_, settings.force)
 
 
-def _bench_block(layout: str, config: str, device: str, out: Path | None, json_: bool, merge: str) -> int:
+def _folder(out: Path | None, what: str, config: str, layout: str, force: bool) -> Path:
+    """The run folder: ``--out``, or a new one under ``bench/<what>-<config>-<layout>/``."""
+    from h3gate.manifests.model_config import load_config
+
+    name = load_config(config).name if out is None else ""
+    return enter_run(out, LOCAL_EVIDENCE / KIND / f"{what}-{name}-{layout}", force)
+
+
+def _bench_block(layout: str, config: str, device: str, folder: Path, json_: bool, merge: str) -> int:
     """Time the strict block next to the provider block; write ``bench-ws1-block.json`` and print it."""
     from h3gate.bench.block import KIND as BLOCK_KIND
     from h3gate.bench.block import bench_block
@@ -80,12 +92,11 @@ def _bench_block(layout: str, config: str, device: str, out: Path | None, json_:
 
     with progress("bench ws1-block", 3) as step:
         body, manifests = bench_block(layout, config, device, progress=step, merge=merge)
-    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-block-{body['config']}-{layout}"
     path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
     return _print_phases("ws1-block", body, path, json_)
 
 
-def _bench_model(layout: str, config: str, device: str, out: Path | None, json_: bool, merge: str) -> int:
+def _bench_model(layout: str, config: str, device: str, folder: Path, json_: bool, merge: str) -> int:
     """Time the strict model next to the provider model; write ``bench-ws1-model.json`` and print it."""
     from h3gate.bench.model import KIND as MODEL_KIND
     from h3gate.bench.model import bench_model
@@ -93,7 +104,6 @@ def _bench_model(layout: str, config: str, device: str, out: Path | None, json_:
 
     with progress("bench ws1-model", 4) as step:
         body, manifests = bench_model(layout, config, device, progress=step, merge=merge)
-    folder = Path(out) if out is not None else LOCAL_EVIDENCE / "bench" / f"ws1-model-{body['config']}-{layout}"
     path = write_evidence(
         folder, f"{MODEL_KIND}.json", MODEL_KIND, body, command=["h3gate", *sys.argv[1:]], manifests=manifests,
         device=device,
@@ -244,7 +254,9 @@ def _stage_table(stages: dict) -> Table:
     return table
 
 
-def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool) -> int:
+def _bench_ops(
+    ops: list[str], layout: str, config: str, device: str, out: Path | None, json_: bool, force: bool = False
+) -> int:
     import torch
 
     from h3gate.bench.ops import bench_ops
@@ -268,11 +280,12 @@ def _bench_ops(ops: list[str], layout: str, config: str, device: str, out: Path 
         LAYOUTS_FILE,
         *sorted((MANIFESTS / "operators").glob("*.yaml")),
     ]
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / f"ops-{cfg.name}-{name}", force)
     with progress("bench", len(ops)) as step:
         copy_gbs, records = bench_ops(ops, rows, cfg.config, device, progress=step)
     body = bench_body(cfg.name, name, rows, device, copy_gbs, records)
     path = write_evidence(
-        out or LOCAL_EVIDENCE / "bench", f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
+        folder, f"{KIND}-ops.json", KIND, body, command=["h3gate", *sys.argv[1:]],
         manifests=[p for p in manifests if p.is_file()], device=device,
     )  # fmt: skip
     if json_:

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.manifests.checkpoint_manifest import CheckpointManifest
 from h3gate.manifests.loader import load_yaml, resolve
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS
@@ -55,6 +56,7 @@ class FingerprintCommand:
     hash_tensors: bool = False
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
 def synth_command(settings: SynthCheckpointCommand) -> int:
@@ -80,15 +82,15 @@ def synth_command(settings: SynthCheckpointCommand) -> int:
     return EXIT_PASS
 
 
+@run_scope
 def fingerprint_command(settings: FingerprintCommand) -> int:
     """Fingerprint the manifest, or check a checkpoint's headers against it; 0 match, 1 mismatch."""
-    from h3gate.evidence.writer import prepare_out, write_evidence
+    from h3gate.evidence.writer import write_evidence
     from h3gate.fingerprint import check_checkpoint, manifest_fingerprint
 
     manifest, checkpoint, config, out = settings.manifest, settings.checkpoint, settings.config, settings.out
     hash_tensors = settings.hash_tensors
-    if out is not None:
-        prepare_out(out)
+    check_out(out, settings.force)
 
     manifest_path = resolve(manifest, MANIFESTS / "checkpoints", "checkpoint manifest")
     loaded = load_yaml(manifest_path, CheckpointManifest)
@@ -99,6 +101,7 @@ def fingerprint_command(settings: FingerprintCommand) -> int:
     cfg_manifest = _config_manifest(config)
     manifests = [manifest_path] + ([cfg_manifest] if cfg_manifest is not None else [])
     fp = manifest_fingerprint(loaded)
+    folder = enter_run(out, LOCAL_EVIDENCE / "fingerprint", settings.force)  # held while the checkpoint is read
     report = None
     if checkpoint is not None:
         with progress("fingerprint", every_s=2.0) as step:
@@ -109,7 +112,6 @@ def fingerprint_command(settings: FingerprintCommand) -> int:
         "checkpoint": report,
         "match": None if report is None else report["match"],
     }
-    folder = out if out is not None else LOCAL_EVIDENCE / "fingerprint"
     path = write_evidence(folder, "fingerprint.json", "fingerprint", body, manifests=manifests)
     code = EXIT_PASS if report is None or report["match"] else EXIT_FAIL
     if settings.json:

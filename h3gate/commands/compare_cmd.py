@@ -10,9 +10,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import stdout_console, use_latest
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
-from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.evidence.runfolder import enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.trajectory_compare import KIND, compare_runs
 
@@ -26,13 +27,15 @@ class CompareCommand:
     device: str = "cpu"
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def compare_command(settings: CompareCommand) -> int:
     """Compare the two runs step by step and write ``compare.json``; 0 every step equal, 1 a drift."""
     run_a, run_b, device, out = settings.run_a, settings.run_b, settings.device, settings.out
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{run_a.name}-vs-{run_b.name}")
-    body = compare_runs(Path(run_a), Path(run_b), device)
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / f"{run_a.name}-vs-{run_b.name}", settings.force)
+    body = compare_runs(use_latest(Path(run_a)), use_latest(Path(run_b)), device)
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
     if settings.json:
         doc = json.loads(path.read_text(encoding="utf-8"))

@@ -16,6 +16,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -100,3 +101,16 @@ def progress(verb: str, total: int | None = None, started: float | None = None, 
             yield step
     else:
         yield LineReporter(verb, total, started, every_s)
+
+
+def use_latest(folder: Path) -> Path:
+    """``folder``'s ``latest`` run when ``folder`` is a default evidence parent (one stderr line names it), else
+    ``folder`` itself."""
+    from h3gate.evidence.runfolder import LATEST, resolve_latest
+    from h3gate.paths import display
+
+    run = resolve_latest(folder)
+    if run is None:
+        return folder
+    print(f"h3gate: using {display(folder)}/{LATEST} -> {run.name}", file=sys.stderr, flush=True)
+    return run

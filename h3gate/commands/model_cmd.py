@@ -21,7 +21,8 @@ from h3gate.commands.console import progress, stdout_console
 from h3gate.commands.run_cmd import check_gate_args, layout_record, save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.evidence.runfolder import enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.paths import LOCAL_EVIDENCE, display
@@ -46,6 +47,7 @@ class Ws1ModelCommand:
     fault: str | None = None
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
 def parse_model_fault(spec: str, setup: Run) -> RowFault:
@@ -69,18 +71,19 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault:
     return RowFault(node, int(row), kind, next((p for p in rest if p in DIRECTIONS), "forward"))
 
 
+@run_scope
 def ws1_model_command(settings: Ws1ModelCommand) -> int:
     """Run the whole-model gate and write ``ws1-model.json``; 0 pass / 1 fail (InputError -> 2)."""
     started = time.perf_counter()
     spec, backward, save_tensors, out = settings.run, settings.backward, settings.save_tensors, settings.out
     layout, mode, seed = spec.layout, spec.mode, spec.seed
-    tol_file, tol = check_gate_args(mode, settings.tolerance, save_tensors, out)
+    tol_file, tol = check_gate_args(mode, settings.tolerance, save_tensors, out, settings.force)
     check_forward_only(spec, backward)
     setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None), read=False)
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
     if injected is not None and spec.candidate == "sglang":
         fault_point("model", setup.cfg, 0, injected)
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}", settings.force)
     read_inputs(setup)
     setup_s = time.perf_counter() - started
     with progress(KIND, len(steps(setup, backward)), started) as step:

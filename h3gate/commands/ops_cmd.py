@@ -21,7 +21,8 @@ from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
-from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.evidence.runfolder import check_out, enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
 from h3gate.layout import parse_layouts
 from h3gate.manifests.layouts import LAYOUTS_FILE
 from h3gate.manifests.model_config import load_config
@@ -48,8 +49,10 @@ class Ws1OpsCommand:
     seed: int = 0
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def ws1_ops_command(settings: Ws1OpsCommand) -> int:
     """Run every selected operator at every row count and write ``ws1-ops.json``; 0 pass / 1 fail."""
     from h3gate.ops.cases import CASES
@@ -57,8 +60,7 @@ def ws1_ops_command(settings: Ws1OpsCommand) -> int:
 
     ops, seed, out = list(settings.ops), settings.seed, settings.out
     device = _device(settings.device)
-    if out is not None:
-        prepare_out(out)
+    check_out(out, settings.force)
     cfg_manifest = load_config(settings.config)
     rows = parse_layouts(settings.layouts)
     known = sorted(CASES)
@@ -69,7 +71,8 @@ def ws1_ops_command(settings: Ws1OpsCommand) -> int:
         selected, not_run = opsgate.default_ops(known)
     headers = {op: opsgate.operator_header(op, device) for op in selected}  # strict binds first: fail before running
 
-    return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, out, settings.json)
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND, settings.force)
+    return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, folder, settings.json)
 
 
 def _run_and_write(
@@ -123,7 +126,7 @@ def _run_and_write(
         "failures": failures,
         "verdict": "pass" if not failures else "fail",
     }
-    folder = out or LOCAL_EVIDENCE / KIND
+    folder = out  # the run folder (enter_run)
     manifests = [MANIFESTS / "configs" / f"{cfg_manifest.name}.yaml", LAYOUTS_FILE]
     manifests += sorted((MANIFESTS / "operators").glob("*.yaml"))
     path = write_evidence(

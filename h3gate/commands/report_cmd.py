@@ -7,7 +7,7 @@ import webbrowser
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3gate.commands.console import progress
+from h3gate.commands.console import progress, use_latest
 from h3gate.errors import EXIT_INPUT, EXIT_PASS
 from h3gate.paths import display
 from h3gate.report.build import prepare, render
@@ -28,7 +28,7 @@ class ReportCommand:
 def report_command(settings: ReportCommand) -> int:
     """0: page written (also for inputs holding no evidence: the page says what is missing); 2: matplotlib missing,
     or a missing / unreadable / non-evidence input or a bad ``--out`` (InputError), checked before drawing."""
-    paths, out = list(settings.paths), settings.out
+    paths, out = [use_latest(Path(p)) for p in settings.paths], settings.out  # a default parent: its latest run
     try:
         with progress("report") as step:
             prepared = prepare(paths, out, step)

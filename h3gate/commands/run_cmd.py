@@ -18,7 +18,8 @@ from rich.table import Table
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import atomic_write_safetensors, prepare_out, write_evidence
+from h3gate.evidence.runfolder import check_out, enter_run, run_scope
+from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
@@ -51,6 +52,7 @@ class Ws1BlockCommand:
     fault: str | None = None
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
 def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
@@ -97,15 +99,15 @@ def layout_record(layout) -> dict:
 
 
 def check_gate_args(
-    mode: str, tolerance: str, save_tensors: Path | None, out: Path | None
+    mode: str, tolerance: str, save_tensors: Path | None, out: Path | None, force: bool = False
 ) -> tuple[Path, ToleranceProfile]:
-    """The cheap checks every gate command makes first: mode, tolerance profile (loaded), --save-tensors, --out."""
+    """The cheap checks every gate command makes first: mode, tolerance profile (loaded), --save-tensors, --out
+    (:func:`~h3gate.evidence.runfolder.check_out`: holding evidence is refused without ``force``)."""
     tol_file = tolerance_path(tolerance)
     tol = load_tolerance(tol_file)
     if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
         raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
-    if out is not None:
-        prepare_out(out)
+    check_out(out, force)
     return tol_file, tol
 
 
@@ -229,6 +231,7 @@ def build_body(
     }
 
 
+@run_scope
 def ws1_block_command(settings: Ws1BlockCommand) -> int:
     """Run the one-block gate and write ``ws1-block.json``; returns 0 pass / 1 fail (InputError -> 2).
 
@@ -237,7 +240,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     the gate must fail on (exit 1), recorded in the evidence."""
     spec, save_tensors, out = settings.run, settings.save_tensors, settings.out
     started = time.perf_counter()
-    tol_file, tol = check_gate_args(spec.mode, settings.tolerance, save_tensors, out)
+    tol_file, tol = check_gate_args(spec.mode, settings.tolerance, save_tensors, out, settings.force)
     check_forward_only(spec, settings.backward, settings.fault_matrix)
     lanes = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
     needs = GateNeeds(lanes, settings.backward, settings.fault_matrix, save_golden=save_tensors is not None)
@@ -247,7 +250,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     if injected is not None and spec.candidate == "sglang":
         fault_point("block", setup.cfg, LAYER, injected)
     name = f"{setup.config_name}-{spec.layout}"
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / name, settings.force)
     read_inputs(setup)
     result = _run(setup, tol, settings.backward, injected, settings.fault_matrix, started, save_tensors is not None)
     body = build_body(setup, result, spec.mode, spec.seed, tol, tol_file)

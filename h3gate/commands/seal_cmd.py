@@ -9,8 +9,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import stdout_console, use_latest
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
+from h3gate.evidence.runfolder import refuse_unfinished
 from h3gate.evidence.seal import SEAL_NAME, SealReport, seal_folder, verify_folder
 from h3gate.paths import display
 
@@ -91,12 +92,17 @@ class SealCommand:
 
 
 def seal_command(settings: SealCommand) -> int:
-    """0: sealed / seal verified; 1: verification failed (each finding listed); bad input raises InputError (2)."""
+    """0: sealed / seal verified; 1: verification failed (each finding listed); bad input raises InputError (2),
+    also for a folder a run is writing or a killed run left unfinished. A default evidence parent (a ``latest``
+    link in it) means its latest run."""
     folder, verify, key, pubkey = settings.folder, settings.verify, settings.key, settings.pubkey
     if verify and key is not None:
         raise InputError("--key: only used when sealing (verify takes --pubkey PUB)")
     if not verify and pubkey is not None:
         raise InputError("--pubkey: only used with --verify (sealing takes --key KEY)")
+    folder = use_latest(Path(folder))
+    if Path(folder).is_dir():
+        refuse_unfinished(folder, "seal --verify" if verify else "seal")
     console = stdout_console()
     if not verify:
         _print_sealed(console, folder, seal_folder(folder, key))

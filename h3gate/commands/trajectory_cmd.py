@@ -14,8 +14,9 @@ from pathlib import Path
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
-from h3gate.evidence.writer import prepare_out, write_evidence
-from h3gate.paths import display
+from h3gate.evidence.runfolder import check_out, enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
+from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.trajectory_files import STEPS
 from h3gate.runs.ws1_trajectory import KIND, TrajectorySettings, prepare_trajectory, run_ws1_trajectory
 
@@ -54,11 +55,16 @@ def _step_files(rundir: Path) -> dict[str, str]:
     return out
 
 
+@run_scope
 def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
-    """Start, resume or verify a run; writes ``RUNDIR/ws1-trajectory.json`` (every invocation listed)."""
+    """Start, resume or verify a run; writes ``RUNDIR/ws1-trajectory.json`` (every invocation listed). Without
+    ``out`` a new run folder under ``evidence/local/ws1-trajectory/<config>-<layout>/``; resuming or verifying
+    takes the RUNDIR (``out``), whose own run it continues."""
     out, until = settings.out, settings.until
-    if out is None:
-        raise InputError("--out RUNDIR: required (the run's folder: manifest, step files, evidence)")
+    for flag, given in (("--resume", settings.resume), ("--verify-last", settings.verify_last)):
+        if given and out is None:
+            raise InputError(f"{flag}: needs --out RUNDIR (the run's folder: manifest, step files, evidence)")
+    check_out(out, False, reuse=True)
     started = time.perf_counter()
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
@@ -66,7 +72,8 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
     if until is not None and until >= run.evaluations:
         raise InputError(f"--until {until}: past the run's last step ({run.evaluations} evaluations: steps 0 .. "
                          f"{run.evaluations - 1})")  # fmt: skip
-    rundir = prepare_out(Path(out))
+    default = LOCAL_EVIDENCE / KIND / f"{run.setup.config_name}-{settings.run.layout}"
+    rundir = enter_run(out, default, reuse=True)
     with progress(KIND, None, started) as step:
         body = run_ws1_trajectory(run, rundir, until, settings.resume, settings.verify_last, step)
     body["invocations"] = [*_previous(rundir), body["invocation"]]

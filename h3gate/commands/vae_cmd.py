@@ -11,7 +11,8 @@ from rich.table import Table
 
 from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
-from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.evidence.runfolder import enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
 from h3gate.paths import LOCAL_EVIDENCE
 from h3gate.runs.vae import VaeRun
 
@@ -26,8 +27,10 @@ class VaeCommand:
     run: VaeRun
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def vae_command(settings: VaeCommand) -> int:
     """0 every check passed, 1 a check failed (evidence written); bad input is an InputError (exit 2) before work."""
     from h3gate.runs.setup import check_device
@@ -38,7 +41,7 @@ def vae_command(settings: VaeCommand) -> int:
     check_device(run.device)
     check_settings(run)
     name = f"{run.modality}-{run.geometry}-{run.mode}"
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / name, settings.force)
     body = run_vae(run)
     body["timing"] = {"wall_s": round(time.perf_counter() - started, 3)}
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=run.device)

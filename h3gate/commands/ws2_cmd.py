@@ -14,7 +14,8 @@ from pathlib import Path
 
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
-from h3gate.evidence.writer import prepare_out, write_evidence
+from h3gate.evidence.runfolder import enter_run, run_scope
+from h3gate.evidence.writer import write_evidence
 from h3gate.parallel.ws2 import KIND, Ws2Settings, plan_ws2, run_ws2
 from h3gate.paths import LOCAL_EVIDENCE, display
 
@@ -28,15 +29,17 @@ class Ws2Command:
     run: Ws2Settings
     out: Path | None = None
     json: bool = False
+    force: bool = False
 
 
+@run_scope
 def ws2_command(settings: Ws2Command) -> int:
     """Plan (every input checked), run TP1 and the ranks, write ``OUT/ws2.json``."""
     started = time.perf_counter()
     run, out = settings.run, settings.out
     plan = plan_ws2(run)
-    name = f"{run.topology}-{run.scope}-{run.config}-{run.layout}"
-    folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
+    name = f"{run.topology}-{run.scope}-{plan.run.config_name}-{run.layout}"
+    folder = enter_run(out, LOCAL_EVIDENCE / KIND / name, settings.force)
     with progress(KIND, None, started) as step:
         step(f"TP1 reference and {plan.tp * plan.cp} {plan.backend} ranks")
         body = run_ws2(plan)

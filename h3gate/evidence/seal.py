@@ -24,6 +24,7 @@ from typing import Any
 from h3gate.errors import InputError
 from h3gate.evidence import signing
 from h3gate.evidence.provenance import sha256_file
+from h3gate.evidence.runfolder import refuse_unfinished
 from h3gate.evidence.schema import validate_document
 from h3gate.evidence.writer import write_evidence
 from h3gate.paths import display
@@ -177,6 +178,7 @@ def seal_folder(folder: Path, key: Path | None = None) -> dict:
     canonical body. The key is loaded and every file validated before anything is written.
     """
     folder = _require_folder(folder)
+    refuse_unfinished(folder)
     private = _signing_key(key, folder)
     files = scan(folder)
     if not files:
