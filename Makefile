@@ -105,7 +105,7 @@ $(NSTAMP): pyproject.toml
 
 test-newest: $(NSTAMP)
 	$(NBIN)/python -c "import triton; v = triton.__version__; assert v == '$(TRITON_NEWEST)', v; print('triton', v)"
-	$(NBIN)/h3gate run ws1-block --out evidence/local/ws1-block-newest
+	$(NBIN)/h3gate run ws1-block --out evidence/local/ws1-block-newest --force
 	TRITON_INTERPRET=1 $(NBIN)/python -m pytest -q $(PYTEST_ARGS) tests/triton_kernels
 
 wheel-smoke:

@@ -146,7 +146,7 @@ def test_fingerprint_reports_differing_config_fields(run_cli, tmp_path, tiny_che
     assert table["hidden_size"] == ("5376", "192") and table["num_layers"] == ("50", "2")
     assert "The expected inventory is computed from the config the checkpoint is checked with" in out
     assert "the manifest fixes the released sizes" in out
-    code, out, _ = run_cli("fingerprint", "--checkpoint", ckpt, "--out", tmp_path / "ev", "--json")
+    code, out, _ = run_cli("fingerprint", "--checkpoint", ckpt, "--out", tmp_path / "ev", "--force", "--json")
     r = json.loads(out)["checkpoint"]
     diffs = {d["field"]: (d["manifest"], d["checkpoint"]) for d in r["config_differences"]}
     assert diffs["hidden_size"] == (5376, 192) and set(diffs) == set(table)

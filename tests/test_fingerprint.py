@@ -42,7 +42,7 @@ def _save(folder: Path, state: dict[str, torch.Tensor], config_from: Path) -> Pa
 
 
 def _fingerprint(run_cli, tmp_path: Path, *args) -> tuple[int, dict | None, str]:
-    ev = tmp_path / "ev"
+    ev = tmp_path / f"ev-{len(list(tmp_path.glob('ev-*')))}"  # a new folder per run: --out is never overwritten
     code, _, err = run_cli("fingerprint", "--out", ev, *args)
     doc = json.loads((ev / "fingerprint.json").read_text()) if (ev / "fingerprint.json").exists() else None
     return code, doc, err
