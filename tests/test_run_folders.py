@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,31 @@ def test_a_held_lock_refuses_a_second_run_naming_the_holder(run_cli, local, tmp_
         (held.path / "fingerprint.json").write_text("{}", encoding="utf-8")  # the holder's evidence
     assert sorted(p.name for p in out.iterdir()) == ["fingerprint.json"]  # lock and marker gone once complete
     assert not (local / LATEST).exists()  # an explicit --out is never linked as latest
+
+
+HOLDER = """
+import sys
+from pathlib import Path
+from h3gate.evidence.runfolder import open_run
+with open_run(Path(sys.argv[1]), Path(sys.argv[1]).parent):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_run_in_another_process_holds_its_folder_until_it_ends(run_cli, local, tmp_path):
+    out = tmp_path / "theirs"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        code, _, err = _fingerprint(run_cli, "--out", out, "--force")
+        assert code == 2 and err.startswith(f"h3gate: error: {out}: in use by pid {holder.pid} (h3gate {out}, started ")
+    finally:
+        holder.communicate("", timeout=60)
+    assert holder.returncode == 0 and not out.exists()  # it wrote nothing: its folder went with it
+    assert _fingerprint(run_cli, "--out", out)[0] == 0
 
 
 def test_a_killed_runs_temp_files_are_refused_by_seal_and_cleaned_by_the_next_run(run_cli, local, tmp_path):
@@ -173,3 +200,27 @@ def test_out_help_names_the_run_folder_default(run_cli, monkeypatch, verb, defau
     code, out, _ = run_cli(*verb, "--help")
     assert code == 0
     assert default in " ".join(out.split()), out
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--verify-last"])
+def test_a_trajectory_resumed_or_verified_needs_its_rundir(run_cli, flag):
+    code, out, err = run_cli("run", "ws1-trajectory", flag)
+    assert code == 2 and out == ""
+    assert err == f"h3gate: error: {flag}: needs --out RUNDIR (the run's folder: manifest, step files, evidence)\n"
+
+
+def test_a_trajectory_resumed_in_its_own_folder_needs_no_force(tmp_path, local):
+    """``reuse`` (run ws1-trajectory --resume) continues the run in its folder; the run folder rules still hold: a
+    held lock refuses it, a killed invocation's temp files are cleaned."""
+    rundir = tmp_path / "run"
+    with open_run(rundir, local):
+        (rundir / "ws1-trajectory.json").write_text("{}", encoding="utf-8")
+        with pytest.raises(InputError, match=f"in use by pid {os.getpid()}"), open_run(rundir, local, reuse=True):
+            pass
+    (rundir / ".step-0004.safetensors.x.tmp").write_bytes(b"half")
+    with pytest.raises(InputError, match="--force replaces it"), open_run(rundir, local):
+        pass
+    with open_run(rundir, local, reuse=True) as run:
+        assert sorted(p.name for p in rundir.iterdir()) == [LOCK_NAME, UNFINISHED_NAME, "ws1-trajectory.json"]
+        (run.path / "ws1-trajectory.json").write_text('{"steps": 5}', encoding="utf-8")
+    assert sorted(p.name for p in rundir.iterdir()) == ["ws1-trajectory.json"]

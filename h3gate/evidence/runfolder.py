@@ -53,12 +53,6 @@ def run_stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
-def layout_help(verb: str, level: str | None = None) -> str:
-    """The default folder of ``verb`` as ``--out --help`` names it."""
-    middle = f"{level}/" if level else ""
-    return f"evidence/local/{verb}/{middle}<UTC time>-<id>/, with a 'latest' link beside it"
-
-
 def evidence_in(folder: Path) -> list[str]:
     """The names of h3gate evidence at the top of ``folder``: evidence files and run markers (sorted)."""
     if not folder.is_dir():
@@ -164,9 +158,10 @@ def check_out(out: Path | None, force: bool, flag: str = "--out", reuse: bool = 
         raise InputError(f"{display(out)}: in use by {holder}")
     found = evidence_in(out)
     if found and not (force or reuse):
+        what = "an unfinished h3gate run" if set(found) <= set(MARKERS) else "h3gate evidence"
         raise InputError(
-            f"{flag} {display(out)}: holds h3gate evidence ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''})"
-            f"; --force replaces it (or leave out {flag}: each run then writes a new folder)"
+            f"{flag} {display(out)}: holds {what} ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}); "
+            f"--force replaces it (or leave out {flag}: each run then writes a new folder)"
         )
 
 
@@ -195,7 +190,7 @@ def _remove_made(made: list[Path]) -> None:
             p.rmdir()
 
 
-def _new_run_path(parent: Path, flag: str) -> tuple[Path, list[Path]]:
+def _new_run_path(parent: Path) -> tuple[Path, list[Path]]:
     for _ in range(100):
         path = parent / run_stamp()
         try:
@@ -278,7 +273,7 @@ def open_run(
     written, the folders it created are removed. ``reuse``: an existing run in ``out`` is continued (no ``force``
     needed)."""
     if out is None:
-        path, created = _new_run_path(Path(default), flag)
+        path, created = _new_run_path(Path(default))
         parent: Path | None = Path(default)
     else:
         path = Path(out)
