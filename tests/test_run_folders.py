@@ -224,3 +224,17 @@ def test_a_trajectory_resumed_in_its_own_folder_needs_no_force(tmp_path, local):
         assert sorted(p.name for p in rundir.iterdir()) == [LOCK_NAME, UNFINISHED_NAME, "ws1-trajectory.json"]
         (run.path / "ws1-trajectory.json").write_text('{"steps": 5}', encoding="utf-8")
     assert sorted(p.name for p in rundir.iterdir()) == ["ws1-trajectory.json"]
+
+
+def test_compare_and_report_given_a_default_parent_use_its_latest_run(run_cli, local, tmp_path):
+    assert _fingerprint(run_cli)[0] == 0
+    parent = local / "fingerprint"
+    run = parent / os.readlink(parent / LATEST)
+    code, _, err = run_cli("compare", parent, parent, "--out", tmp_path / "cmp")
+    lines = err.splitlines()
+    assert code == 2 and lines[:2] == [f"h3gate: using {parent}/{LATEST} -> {run.name}"] * 2
+    assert lines[2].startswith("h3gate: error: ") and run.name in lines[2]  # the run, not the parent, was read
+    assert not (tmp_path / "cmp").exists()  # refused: its run folder went with it
+    code, out, err = run_cli("report", parent, "--out", tmp_path / "page")
+    assert code == 0 and err.splitlines()[0] == f"h3gate: using {parent}/{LATEST} -> {run.name}"
+    assert "1 evidence documents" in out
