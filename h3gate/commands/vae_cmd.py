@@ -9,7 +9,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import print_verdict, stdout_console
+from h3gate.commands.explain import gate_detail
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.paths import LOCAL_EVIDENCE
@@ -66,3 +67,10 @@ def _print(doc: dict, path: Path) -> None:
     )
     console.print(f"decoded {dec['shape']} sha256 {dec['sha256'][:12]} (recorded, not gated)")
     console.print(f"evidence: {path}")
+    failing = sum(not c["pass"] for c in doc["checks"])
+    explain = [
+        f"checked: a seeded {doc['modality']} VAE (diffusers' class, mode {doc['mode']}) against itself: encode and "
+        "decode repeat bitwise and batch-invariant; latent normalisation and layout against the pipeline's helpers.",
+        "decoded media are hashed and recorded, not gated.",
+    ]
+    print_verdict(doc["verdict"], gate_detail(failing, None), explain, console)
