@@ -36,7 +36,7 @@ H200 = ROOT / "evidence" / "h200"
 CPU = ROOT / "evidence" / "cpu"
 COMMITTED = ROOT / "evidence" / "h200-report"
 GOLDEN = Path(__file__).parent / "golden" / "report-h200-figures.json"
-NEEDS_MATPLOTLIB = "h3gate report: needs matplotlib: pip install 'h3gate[report]'"
+NEEDS_MATPLOTLIB = "h3gate: error: report: needs matplotlib: pip install 'h3gate[report]'"
 # Small committed H200 files, one or two of every kind the page draws.
 SMALL = [
     "ws1-block-real-medium-fault-fwd/ws1-block.json",

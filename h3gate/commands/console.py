@@ -157,7 +157,7 @@ def fit_table(console: Console, build: Callable[[frozenset[str]], Table], option
     return table
 
 
-def print_table(console: Console, table: Table) -> None:
+def print_fitted(console: Console, table: Table) -> None:
     """Print ``table``; under ``--wide`` at its natural width even past the terminal's edge (nothing squeezed)."""
     if is_wide():
         console.print(table, width=max(console.width, _natural(console, table).maximum), crop=False)

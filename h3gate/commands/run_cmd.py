@@ -15,8 +15,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import fit_table, print_verdict, progress, stdout_console
-from h3gate.commands.console import print_table as print_fitted
+from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
 from h3gate.commands.explain import failing_header, gate_detail, gate_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
