@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.commands.console import print_verdict, stdout_console
-from h3gate.commands.explain import compare_lines
+from h3gate.commands.explain import compare_lines, count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.paths import LOCAL_EVIDENCE, display
@@ -37,7 +37,8 @@ def compare_command(settings: CompareCommand) -> int:
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
     if settings.json:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}}, indent=1))
+        verdict = {"verdict": "pass" if body["all_equal"] else "fail"}
+        print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}, **verdict}, indent=1))
     else:
         console = stdout_console()
         for rec in body["steps"]:
@@ -68,7 +69,7 @@ def _node(d: dict) -> str:
 
 def _verdict(body: dict) -> tuple[str, str]:
     """pass when every step both runs saved is byte-equal; fail naming the first drifting step (and node)."""
-    steps = f"{body['steps_compared']} steps compared"
+    steps = f"{count(body['steps_compared'], 'step')} compared"
     if body["all_equal"]:
         return "pass", f"{steps}, all byte-equal"
     d = body["first_drift"]

@@ -94,9 +94,14 @@ def arms_lines(body: dict) -> list[str]:
     ]
 
 
+def count(n: int, noun: str) -> str:
+    """``1 file``, ``2 files``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def gate_detail(failing: int, drift: str | None) -> str:
     """A gate verdict's parenthesis: ``N failing checks`` and, when there is one, ``first drift: ...``."""
-    checks = f"{failing} failing check{'' if failing == 1 else 's'}"
+    checks = count(failing, "failing check")
     return checks if drift is None else f"{checks}; first drift: {drift}"
 
 

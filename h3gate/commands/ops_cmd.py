@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from h3gate.commands.console import print_verdict, progress, stdout_console
+from h3gate.commands.explain import count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.layout import parse_layouts
@@ -190,5 +191,5 @@ def _table(operators: list[dict], path: Path, verdict: str, failures: list[str],
         "and vs itself on repeat, in a batch and over row counts (invariance)."
     ]
     results = sum(len(o["results"]) for o in operators)
-    detail = f"{len(operators)} operators, {results} results; {len(failures)} failing"
+    detail = f"{count(len(operators), 'operator')}, {count(results, 'result')}; {len(failures)} failing"
     print_verdict(verdict, detail, explain, console)

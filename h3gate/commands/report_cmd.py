@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3gate.commands.console import print_verdict, progress
+from h3gate.commands.explain import count
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.paths import display
 from h3gate.report.build import prepare, render
@@ -52,8 +53,8 @@ def report_command(settings: ReportCommand) -> int:
     else:
         print(f"report {display(index)}: {len(inv.documents)} evidence documents, {len(figures)} figures; seals: "
               f"{seals}")  # fmt: skip
-        detail = f"{len(inv.documents)} evidence documents, {len(figures)} figures" if inv.documents else (
-            "no evidence found; the page says what is missing")  # fmt: skip
+        found = f"{count(len(inv.documents), 'evidence document')}, {count(len(figures), 'figure')}"
+        detail = found if inv.documents else "no evidence found; the page says what is missing"
         print_verdict(verdict, detail)
     if settings.open_page:
         webbrowser.open(index.resolve().as_uri())  # returns False when there is no browser: harmless

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from h3gate.commands.console import print_verdict, stdout_console
+from h3gate.commands.explain import count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.seal import SEAL_NAME, SealReport, seal_folder, verify_folder
 from h3gate.paths import display
@@ -107,15 +108,15 @@ def seal_command(settings: SealCommand) -> int:
             print(json.dumps({"folder": display(folder), **seal, "verdict": "complete"}, indent=1))
             return EXIT_PASS
         _print_sealed(console, folder, seal)
-        print_verdict("complete", f"{len(seal['files'])} files sealed, {signed}; h3gate seal --verify checks them",
-                      console=console)  # fmt: skip
+        detail = f"{count(len(seal['files']), 'file')} sealed, {signed}; h3gate seal --verify checks them"
+        print_verdict("complete", detail, console=console)
         return EXIT_PASS
     report = verify_folder(folder, pubkey)
     findings = [("changed", report.changed), ("added", report.added), ("removed", report.removed)]
     findings += [("schema error", report.schema_errors), ("seal", report.seal_errors)]
     found = sum(len(items) for _, items in findings)
     scope = "integrity and origin" if report.origin_ok else "integrity"
-    detail = f"seal verified: {scope}" if report.ok else f"{found} finding{'' if found == 1 else 's'}"
+    detail = f"seal verified: {scope}" if report.ok else count(found, "finding")
     if settings.json:
         print(json.dumps({"folder": display(folder), **asdict(report), "verdict": "pass" if report.ok else "fail"},
                          indent=1))  # fmt: skip
