@@ -103,6 +103,7 @@ def _progress_lines(err: str) -> list[re.Match]:
 def test_progress_lines_on_stderr_and_quiet(run_cli, tmp_path, args, verb, first):
     code, out, err = run_cli(*args, "--out", tmp_path / "a")
     assert code == 0, out + err
+    assert re.match(r"verdict: pass \(.+\)$", out.splitlines()[-1]), out  # the verdict line is stdout's last
     (m,) = _progress_lines(err)
     assert (m["verb"], m["i"], m["n"]) == (verb, "1", "1") and m["label"].startswith(first), err
     code, out, err = run_cli("--quiet", *args, "--out", tmp_path / "b", "--json")

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
+from rich.padding import Padding
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -134,9 +135,18 @@ def print_verdict(verdict: str, detail: str, explain: Sequence[str] = (), consol
     console.print(f"verdict: [{colour}]{verdict}[/{colour}] ({escape(detail)})", highlight=False, soft_wrap=True)
 
 
-def _natural(console: Console, table: Table) -> Measurement:
-    """The table's narrowest and natural widths, unclamped by the console's width."""
-    return console.measure(table, options=console.options.update_width(PIPE_WIDTH))
+def needed_width(console: Console, table: Table, widest: bool = False) -> int:
+    """The narrowest width ``table`` renders at without cutting a cell: a ``no_wrap`` column at its widest cell, any
+    other at its longest word, plus padding and rules (rich's own minimum counts words in ``no_wrap`` columns too);
+    ``widest``: the width at which no cell wraps either."""
+    options = console.options.update_width(PIPE_WIDTH)
+    top, right, bottom, left = Padding.unpack(table.padding)
+    total = 0
+    for column in table.columns:
+        sizes = [Measurement.get(console, options, cell) for cell in (column.header, *column.cells)]
+        total += max(m.maximum if column.no_wrap or widest else m.minimum for m in sizes) + left + right
+    rules = len(table.columns) - 1 + (2 if table.box is not None and table.show_edge else 0)
+    return total + max(rules, 0)
 
 
 def fit_table(console: Console, build: Callable[[frozenset[str]], Table], optional: Sequence[str]) -> Table:
@@ -147,7 +157,7 @@ def fit_table(console: Console, build: Callable[[frozenset[str]], Table], option
     if is_wide():
         return table
     for name in optional:
-        if _natural(console, table).minimum <= console.width:
+        if needed_width(console, table) <= console.width:
             break
         dropped = dropped | {name}
         table = build(dropped)
@@ -159,7 +169,10 @@ def fit_table(console: Console, build: Callable[[frozenset[str]], Table], option
 
 def print_fitted(console: Console, table: Table) -> None:
     """Print ``table``; under ``--wide`` at its natural width even past the terminal's edge (nothing squeezed)."""
-    if is_wide():
-        console.print(table, width=max(console.width, _natural(console, table).maximum), crop=False)
+    width = needed_width(console, table, widest=True)
+    if is_wide() and width > console.width:  # rich never prints wider than its console: a wider one, same stream
+        wide = Console(file=console.file, width=width, force_terminal=console.is_terminal,
+                       color_system=console.color_system)  # fmt: skip
+        wide.print(table)
     else:
         console.print(table)

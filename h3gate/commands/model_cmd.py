@@ -202,6 +202,13 @@ def stage_table(doc: dict, dropped: frozenset[str] = frozenset()) -> Table:
     return table
 
 
+def _short_drift(d: dict) -> str:
+    """The first drift for the verdict line: node (gradient), row and modality (its stage and layer are in the name)."""
+    grad = " gradient" if d["direction"] == "backward" else ""
+    where = "whole tensor" if d.get("row") is None else f"row {d['row']}, {d.get('modality') or '-'}"
+    return f"{d['node']}{grad} ({where})"
+
+
 def print_summary(doc: dict, path: Path) -> None:
     console = stdout_console()
     summary = doc["summary"]
@@ -223,5 +230,5 @@ def print_summary(doc: dict, path: Path) -> None:
         console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
     print_failing(console, doc["failing_checks"])
     console.print(f"evidence: {display(path)} ({doc['timing']['total_s']:.1f} s)")
-    drift = None if doc["first_drift"] is None else _drift(doc["first_drift"])
+    drift = None if doc["first_drift"] is None else _short_drift(doc["first_drift"])
     print_verdict(doc["verdict"], gate_detail(len(doc["failing_checks"]), drift), gate_lines(doc), console)
