@@ -51,9 +51,8 @@ def report_command(settings: ReportCommand) -> int:
                "seals": {display(s.folder): s.state() for s in inv.seals.values()}, "verdict": verdict}  # fmt: skip
         print(json.dumps(doc, indent=1))
     else:
-        print(f"report {display(index)}: {len(inv.documents)} evidence documents, {len(figures)} figures; seals: "
-              f"{seals}")  # fmt: skip
         found = f"{count(len(inv.documents), 'evidence document')}, {count(len(figures), 'figure')}"
+        print(f"report {display(index)}: {found}; seals: {seals}")
         detail = found if inv.documents else "no evidence found; the page says what is missing"
         print_verdict(verdict, detail)
     if settings.open_page:
