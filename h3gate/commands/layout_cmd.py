@@ -237,7 +237,7 @@ def layout_command(settings: LayoutCommand) -> int:
         save_safetensors(save, layout.tensors(), metadata)
         summary["saved"] = str(save)
     if settings.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({**summary, "verdict": "complete"}, indent=2))
         return EXIT_PASS
     console = stdout_console()
     _print_tables(console, layout, summary)

@@ -50,7 +50,7 @@ def schedule_command(settings: ScheduleCommand) -> int:
         save_safetensors(save, {"sigmas": schedule.sigmas, "timesteps": schedule.timesteps}, metadata)
         summary["saved"] = str(save)
     if settings.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({**summary, "verdict": "complete"}, indent=2))
         return EXIT_PASS
     table = Table(
         title=f"schedule: {schedule.steps} points, shift {schedule.shift:g}, {schedule.num_evaluations} evaluations"

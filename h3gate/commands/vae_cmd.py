@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from h3gate.commands.console import print_verdict, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.commands.explain import gate_detail
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
@@ -40,7 +40,8 @@ def vae_command(settings: VaeCommand) -> int:
     check_settings(run)
     name = f"{run.modality}-{run.geometry}-{run.mode}"
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / name)
-    body = run_vae(run)
+    with progress(KIND, 3, started) as step:
+        body = run_vae(run, step)
     body["timing"] = {"wall_s": round(time.perf_counter() - started, 3)}
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=run.device)
     if settings.json:

@@ -187,7 +187,8 @@ def _schema_steps() -> Iterator[Step]:
 
 def _render(checks: list[Check], json_: bool, ok: bool) -> None:
     if json_:
-        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks]}, indent=1))
+        verdict = "pass" if ok else "fail"
+        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks], "verdict": verdict}, indent=1))
         return
     table = Table(title="h3gate validate")
     table.add_column("kind")
