@@ -341,7 +341,8 @@ def test_inputs_without_evidence_give_a_page_saying_so(tmp_path):
     code, out, err = _cli("report", tmp_path / "empty", "--out", tmp_path / "out")
     assert code == 0 and "0 evidence documents, 0 figures" in out
     assert out.splitlines()[-1] == "verdict: incomplete (no evidence found; the page says what is missing)"
-    assert err.strip() == f"h3gate report: no evidence found in {tmp_path / 'empty'}; the page says what is missing"
+    empty = tmp_path / "empty"
+    assert err.strip() == f"h3gate: warning: report: no evidence found in {empty}; the page says what is missing"
     page = (tmp_path / "out" / "index.html").read_text(encoding="utf-8")
     assert "No evidence found" in page and "no evidence documents" in page and "<img" not in page
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]

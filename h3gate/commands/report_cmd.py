@@ -45,7 +45,7 @@ def report_command(settings: ReportCommand) -> int:
     verdict = "complete" if inv.documents else "incomplete"
     if not inv.documents:
         where = ", ".join(display(p) for p in paths)
-        print(f"h3gate report: no evidence found in {where}; the page says what is missing", file=sys.stderr)
+        print(f"h3gate: warning: report: no evidence found in {where}; the page says what is missing", file=sys.stderr)
     if settings.json:
         doc = {"page": display(index), "documents": len(inv.documents), "figures": len(figures),
                "seals": {display(s.folder): s.state() for s in inv.seals.values()}, "verdict": verdict}  # fmt: skip
