@@ -19,15 +19,42 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 from h3gate.errors import InputError
 
+INTERPRETER_TOO_LATE = (
+    "Triton was imported before TRITON_INTERPRET=1 was set, so its interpreter cannot run h3gate's kernels on the "
+    "CPU in this process: set TRITON_INTERPRET=1 in the environment before Python starts (or before anything "
+    "imports triton), or run on a CUDA device"
+)
+
+
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run kernels in this process (None when it can, or Triton is not loaded yet).
+
+    Triton picks interpreting or compiling for each ``@triton.jit`` function when it is decorated; its own library
+    functions (``triton.language.standard``) are decorated when ``triton`` is first imported. A process that
+    imported Triton without ``TRITON_INTERPRET=1`` and set it later would mix the two and fail inside a kernel."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton.language" not in sys.modules:
+        return None
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return None if isinstance(standard.cdiv, InterpretedFunction) else INTERPRETER_TOO_LATE
+
 
 def select_interpreter(device: str) -> None:
-    """CPU runs need Triton's interpreter: set ``TRITON_INTERPRET=1`` (unless already set) for a CPU device."""
+    """CPU runs need Triton's interpreter: set ``TRITON_INTERPRET=1`` (unless already set) for a CPU device; an
+    InputError when Triton was already imported without it (:func:`interpreter_problem`)."""
     if device == "cpu":
+        if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InputError(f"--device cpu: {INTERPRETER_TOO_LATE}")
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        problem = interpreter_problem()
+        if problem is not None:
+            raise InputError(f"--device cpu: {problem}")
 
 
 def resolve_device(device: str) -> str:

@@ -12,6 +12,7 @@ import torch
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
+from h3gate.numerics import interpreter_problem
 
 T = TypeVar("T")
 
@@ -53,6 +54,8 @@ def check_tensor(
         raise InputError(f"{op}: {arg}: non-contiguous tensor (strides {t.stride()}); pass .contiguous() explicitly")
     if t.device.type == "cpu" and not INTERPRET:
         raise InputError(f"{op}: {arg}: CPU tensor needs TRITON_INTERPRET=1 (strict kernels run on CUDA)")
+    if t.device.type == "cpu" and (problem := interpreter_problem()) is not None:
+        raise InputError(f"{op}: {arg}: CPU tensor: {problem}")
 
 
 def check_indices(op: str, arg: str, idx: torch.Tensor, length: int | None, upper: int, device: torch.device) -> None:

@@ -103,6 +103,7 @@ def _progress_lines(err: str) -> list[re.Match]:
 def test_progress_lines_on_stderr_and_quiet(run_cli, tmp_path, args, verb, first):
     code, out, err = run_cli(*args, "--out", tmp_path / "a")
     assert code == 0, out + err
+    assert re.match(r"verdict: pass \(.+\)$", out.splitlines()[-1]), out  # the verdict line is stdout's last
     (m,) = _progress_lines(err)
     assert (m["verb"], m["i"], m["n"]) == (verb, "1", "1") and m["label"].startswith(first), err
     code, out, err = run_cli("--quiet", *args, "--out", tmp_path / "b", "--json")
@@ -157,3 +158,115 @@ def test_fingerprint_reports_differing_config_fields(run_cli, tmp_path, tiny_che
     code, out, _ = run_cli("fingerprint", "--checkpoint", ckpt, "--config", "real", "--out", tmp_path / "x", "--json")
     r = json.loads(out)["checkpoint"]
     assert code == 1 and r["config_differences"] == [] and r["config_note"] is None
+
+
+# ---- issue 42.4: --version, completion, global flags after the verb, --json, keygen's folders, ranks' progress,
+# h3gate.strict, Triton's interpreter selected too late
+
+
+def test_version_names_h3gate_torch_and_triton(run_cli):
+    import h3gate
+
+    code, out, err = run_cli("--version")
+    assert (code, err) == (0, "")
+    assert re.fullmatch(rf"h3gate {re.escape(h3gate.__version__)} \(torch \S+, triton \S+, python \S+\)\n", out), out
+
+
+def test_shell_completion_is_on_and_goes_through_the_boundary(run_cli):
+    code, out, _ = run_cli("--show-completion", "bash")
+    assert code == 0 and "_H3GATE_COMPLETE" in out  # the variable of the program name h3gate, not __main__.py
+
+
+@pytest.mark.parametrize("flag", ["--quiet", "-q"])
+def test_global_flags_are_accepted_after_the_verb(run_cli, tmp_path, flag):
+    code, out, err = run_cli("ablate", "H5", "--out", tmp_path / "a", flag)
+    assert (code, err) == (0, ""), err  # --quiet took effect: no progress line
+    assert out.splitlines()[-1].startswith("verdict: pass (")
+    code, _, err = run_cli("ablate", "H5", "--out", tmp_path / "b")
+    assert code == 0 and _progress_lines(err)  # negative control: without the flag, progress prints
+
+
+def test_global_flags_move_before_the_verb_but_not_past_a_double_dash():
+    from h3gate.cli.base import global_flags_first
+
+    assert global_flags_first(["run", "ws1-block", "--quiet", "--debug"]) == ["--quiet", "--debug", "run", "ws1-block"]
+    after_dashes = ["ablate", "H5", "--wide", "--", "--quiet"]
+    assert global_flags_first(after_dashes) == ["--wide", "ablate", "H5", "--", "--quiet"]
+    assert global_flags_first(["--quiet", "schedule"]) == ["--quiet", "schedule"]
+
+
+def test_json_on_keygen_synth_seal_and_report(run_cli, tmp_path):
+    code, out, _ = run_cli("keygen", "--out", tmp_path / "k" / "seal.key", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "complete" and len(json.loads(out)["key_sha256"]) == 64
+    code, out, _ = run_cli("synth-checkpoint", "--out", tmp_path / "ck", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "complete" and json.loads(out)["tensors"] > 0
+    code, _, _ = run_cli("--quiet", "ablate", "H5", "--out", tmp_path / "ev")
+    code, out, _ = run_cli("seal", tmp_path / "ev", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "complete" and json.loads(out)["files"]
+    code, out, _ = run_cli("seal", tmp_path / "ev", "--verify", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "pass"
+    code, out, _ = run_cli("--quiet", "report", tmp_path / "ev", "--out", tmp_path / "page", "--json")
+    assert code == 0 and json.loads(out)["verdict"] == "complete" and json.loads(out)["documents"] == 1
+
+
+def test_keygen_makes_its_missing_folders_private(run_cli, tmp_path):
+    import stat
+
+    (tmp_path / "home").mkdir(mode=0o755)
+    key = tmp_path / "home" / ".h3gate" / "keys" / "seal.key"
+    code, _, err = run_cli("keygen", "--out", key)
+    assert code == 0, err
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (key.parent.parent, key.parent, tmp_path / "home")}
+    assert modes == {".h3gate": 0o700, "keys": 0o700, "home": 0o755}  # an existing folder is left as it was
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli("keygen", "--out", tmp_path / "file" / "seal.key")
+    assert code == 2 and err.startswith("h3gate: error: ") and "is not a folder" in err
+
+
+def test_ranks_report_each_finished_rank_and_a_heartbeat(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from h3gate import ranks
+
+    monkeypatch.setattr(ranks, "POLL_S", 0.02)
+    monkeypatch.setattr(ranks, "HEARTBEAT_S", 0.05)
+    (tmp_path / "rank-1.json").write_text("{}")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.4)"])
+    heard: list[str] = []
+    assert ranks._wait(proc, 2, 30, heard.append, lambda r: tmp_path / f"rank-{r}.json") == 0
+    assert heard[0] == "rank 1 of 2 finished" and "rank 0 of 2 finished" not in heard
+    assert "1 of 2 ranks running" in heard  # the heartbeat while rank 0 has not finished
+
+
+def test_import_h3gate_is_light_and_exposes_strict(monkeypatch):
+    import h3gate
+
+    tree = ast.parse(Path(h3gate.__file__).read_text(encoding="utf-8"))
+    eager = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    eager |= {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert eager <= {"importlib", "__future__"}, eager  # `import h3gate` imports no torch, no triton
+    monkeypatch.delattr(h3gate, "strict", raising=False)  # as in a fresh process: the submodule not yet imported
+    assert callable(h3gate.strict) and h3gate.strict.__name__ == "h3gate.strict" and "strict" in dir(h3gate)
+    with pytest.raises(AttributeError, match="no attribute 'strictt'"):
+        h3gate.strictt  # noqa: B018
+
+
+def test_cpu_kernels_after_triton_was_imported_without_the_interpreter(monkeypatch, run_cli):
+    import triton.language  # noqa: F401 - the situation: Triton loaded before the interpreter was chosen
+    from triton.language import standard
+
+    from h3gate.errors import InputError
+    from h3gate.numerics import INTERPRETER_TOO_LATE, interpreter_problem, select_interpreter
+    from h3gate.ops.registry import kernel_runnable
+
+    assert interpreter_problem() is None and kernel_runnable("cpu") == (True, "")  # negative control: this process
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(InputError, match="Triton was imported before TRITON_INTERPRET=1 was set"):
+        select_interpreter("cpu")
+    code, out, err = run_cli("run", "ws1-block", "--device", "cpu")
+    assert (code, out) == (2, "") and err == f"h3gate: error: --device cpu: {INTERPRETER_TOO_LATE}\n"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # set after Triton compiled its own library: the mixed state
+    monkeypatch.setattr(standard, "cdiv", object())
+    assert interpreter_problem() == INTERPRETER_TOO_LATE
+    assert kernel_runnable("cpu") == (False, INTERPRETER_TOO_LATE)  # strict mode refuses naming it (exit 2)

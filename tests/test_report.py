@@ -36,7 +36,7 @@ H200 = ROOT / "evidence" / "h200"
 CPU = ROOT / "evidence" / "cpu"
 COMMITTED = ROOT / "evidence" / "h200-report"
 GOLDEN = Path(__file__).parent / "golden" / "report-h200-figures.json"
-NEEDS_MATPLOTLIB = "h3gate report: needs matplotlib: pip install 'h3gate[report]'"
+NEEDS_MATPLOTLIB = "h3gate: error: report: needs matplotlib: pip install 'h3gate[report]'"
 # Small committed H200 files, one or two of every kind the page draws.
 SMALL = [
     "ws1-block-real-medium-fault-fwd/ws1-block.json",
@@ -321,7 +321,7 @@ def test_a_small_arms_document_draws_byte_equal_steps_on_the_zero_line_and_names
     assert drift.series["video"][:2] == [0.0, 0.0] and drift.series["video"][2] > 0 and drift.series["video"][3] is None
     assert drift.differs["video"] == [False, False, True, True] and drift.series["audio"][3] == 0.0
     code, out, err = _cli("report", evidence, "--out", tmp_path / "out")
-    assert (code, err) == (0, "") and "1 evidence documents, 1 figures" in out, out + err
+    assert (code, err) == (0, "") and "1 evidence document, 1 figure" in out, out + err
     raw = (tmp_path / "out" / "index.html").read_text(encoding="utf-8")
     page = html.unescape(raw)
     assert _figures(raw) == [{
@@ -340,7 +340,9 @@ def test_inputs_without_evidence_give_a_page_saying_so(tmp_path):
     (tmp_path / "empty").mkdir()
     code, out, err = _cli("report", tmp_path / "empty", "--out", tmp_path / "out")
     assert code == 0 and "0 evidence documents, 0 figures" in out
-    assert err.strip() == f"h3gate report: no evidence found in {tmp_path / 'empty'}; the page says what is missing"
+    assert out.splitlines()[-1] == "verdict: incomplete (no evidence found; the page says what is missing)"
+    empty = tmp_path / "empty"
+    assert err.strip() == f"h3gate: warning: report: no evidence found in {empty}; the page says what is missing"
     page = (tmp_path / "out" / "index.html").read_text(encoding="utf-8")
     assert "No evidence found" in page and "no evidence documents" in page and "<img" not in page
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.html"]
@@ -415,7 +417,8 @@ def test_a_changed_sealed_file_shows_a_failed_seal_verified_in_the_worker_proces
     doc = sealed / "ws1-block-tiny-fault-matrix" / "ws1-block.json"
     doc.write_text(doc.read_text(encoding="utf-8") + "\n", encoding="utf-8")  # still valid, no longer the sealed bytes
     code, out, err = _cli("report", sealed, "--out", tmp_path / "out")
-    assert (code, err) == (0, "") and out.rstrip().endswith(f"seals: {sealed} failed"), out
+    assert (code, err) == (0, "") and out.splitlines()[-2].endswith(f"seals: {sealed} failed"), out
+    assert out.splitlines()[-1] == "verdict: complete (1 evidence document, 2 figures)"
     page = html.unescape((tmp_path / "out" / "index.html").read_text(encoding="utf-8"))
     assert "changed since sealing" in page and "changed: ws1-block-tiny-fault-matrix/ws1-block.json" in page
 

@@ -112,7 +112,7 @@ def test_a_crash_is_exit_3_never_a_verdict(run_cli, tmp_path, monkeypatch) -> No
         raise RuntimeError("simulated VAE bug")
 
     monkeypatch.setattr(vae_run, "build_vae", boom)
-    code, out, err = run_cli("run", "vae", "--modality", "audio", "--out", tmp_path / "ev")
+    code, out, err = run_cli("--quiet", "run", "vae", "--modality", "audio", "--out", tmp_path / "ev")
     assert code == 3 and out == "" and not (tmp_path / "ev" / "vae.json").exists()
     assert (
         err.startswith("h3gate: internal error: RuntimeError: simulated VAE bug (traceback in ")

@@ -101,6 +101,7 @@ def test_cross_checks_fail(home):
     done = _validate(home)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"h3gate: error: manifests/layouts.yaml: layouts.{name}" in done.stderr and "seq_len" in done.stderr
+    assert done.stdout.splitlines()[-1] == "verdict: fail (manifests/layouts.yaml is invalid; the error follows)"
     shutil.copy(ROOT / "manifests" / "layouts.yaml", layouts_file)
 
     seal = home / "schemas" / "seal.schema.json"

@@ -192,6 +192,8 @@ def _rewrite_step(rundir: Path, step: int, change: Callable[[dict[str, torch.Ten
 def test_an_uninterrupted_strict_run_saves_every_step_with_its_digests(run_a, tmp_path) -> None:
     rundir, (result,) = run_a
     _ok(result)
+    # nothing was compared: the run is complete, not passed (issue 42)
+    assert result[1].splitlines()[-1] == "verdict: complete (6/6 steps saved; nothing compared)"
     assert (rundir / "manifest.json").is_file()
     names = [f"step-{k:04d}" for k in range(EVALUATIONS)]
     assert sorted(p.name for p in (rundir / "steps").iterdir()) == sorted(
@@ -226,6 +228,9 @@ def test_stopped_at_step_3_and_resumed_equals_the_uninterrupted_run(run_b, run_a
     rundir, (first, second) = run_b
     _ok(first)
     _ok(second)
+    assert first[1].splitlines()[-1] == (
+        f"verdict: incomplete (4/{EVALUATIONS} steps saved; --resume continues, nothing compared)"
+    )
     at_stop = json.loads((rundir.parent / "at-stop.json").read_text(encoding="utf-8"))
     assert (at_stop["doc"]["steps_saved"], at_stop["doc"]["complete"]) == (4, False)
     assert at_stop["steps"] == sorted(f"step-{k:04d}.{x}" for k in range(4) for x in ("json", "safetensors"))
@@ -240,7 +245,7 @@ def test_stopped_at_step_3_and_resumed_equals_the_uninterrupted_run(run_b, run_a
     mine, theirs = _step_bytes(rundir), _step_bytes(a_dir)
     assert len(mine) == EVALUATIONS and mine == theirs
     code, cmp = _compare(a_dir, rundir, tmp_path)
-    assert code == 0
+    assert code == 0 and cmp["verdict"] == "pass"
     assert (cmp["all_equal"], cmp["steps_compared"], cmp["first_drift_step"], cmp["first_drift"]) == (
         True,
         EVALUATIONS,
@@ -256,7 +261,10 @@ def test_stopped_at_step_3_and_resumed_equals_the_uninterrupted_run(run_b, run_a
 def test_verify_last_recomputes_the_last_step_bitwise(run_a, tmp_path) -> None:
     rundir = _copy(run_a, tmp_path)
     before = _step_bytes(rundir)
-    _ok(_run([*TRAJ, "--out", str(rundir), *STEPS, "--resume", "--verify-last"], tmp_path))
+    result = _run([*TRAJ, "--out", str(rundir), *STEPS, "--resume", "--verify-last"], tmp_path)
+    _ok(result)
+    last = EVALUATIONS - 1
+    assert result[1].splitlines()[-1] == f"verdict: pass (step {last} recomputed bitwise; 6/6 steps saved)"
     doc = _doc(rundir)
     inv = doc["invocation"]
     assert inv["verify_last"]["step"] == EVALUATIONS - 1 and inv["verify_last"]["bitwise"] is True
@@ -275,6 +283,7 @@ def test_verify_last_fails_when_the_saved_velocity_is_not_the_models(run_a, tmp_
     _rewrite_step(rundir, last, nudge)
     code, out, err = _run([*TRAJ, "--out", str(rundir), *STEPS, "--verify-last"], tmp_path)
     assert code == 1, out[-2000:] + err[-2000:]
+    assert out.splitlines()[-1].startswith(f"verdict: fail (step {last} recomputed with different bytes; ")
     doc = _doc(rundir)
     assert doc["verdict"] == "fail" and doc["failing_checks"] == [f"verify_last.step_{last}.bitwise"]
     assert doc["invocation"]["verify_last"]["per_modality"] == {"video": True, "audio": False}
@@ -312,7 +321,7 @@ def test_the_provider_drifts_from_step_0_located_to_a_node(run_p, run_a, tmp_pat
     assert _doc(p_dir)["run"]["mode"] == "off" and _doc(p_dir)["complete"]
     a_dir, _ = run_a
     code, cmp = _compare(a_dir, p_dir, tmp_path)
-    assert code == 1
+    assert code == 1 and cmp["verdict"] == "fail"
     assert (cmp["all_equal"], cmp["steps_compared"], cmp["first_drift_step"]) == (False, EVALUATIONS, 0)
     drift = cmp["first_drift"]
     assert drift["step"] == 0

@@ -26,6 +26,7 @@ def _run(run_cli, tmp_path, *args: str) -> tuple[int, dict | None, str]:
 def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, topology) -> None:
     code, body, text = _run(run_cli, tmp_path, "--topology", topology)
     assert code == 0, text
+    assert text.splitlines()[-1] == "verdict: pass (0 failing checks)"
     n = body["tp"]
     assert body["forward_byte_equal"] and body["backward_byte_equal"] and body["verdict"] == "pass"
     assert body["world_size"] == n == len(body["ranks"])
@@ -136,6 +137,8 @@ def test_a_one_row_fault_on_one_rank_fails_and_is_located(run_cli, tmp_path, fau
     assert drift["name"] == node and drift["owner_rank"] == rank and drift["logical_row"] == row
     assert drift["modality"] == modality and drift["rows_differing"] == 1 and drift["ranks_differing"] == [rank]
     assert body["verdict"] == "fail" and body["failing_checks"]
+    checks = len(body["failing_checks"])
+    assert text.splitlines()[-1] == f"verdict: fail ({checks} failing checks; first drift: {node} on rank {rank})"
     if phase == "backward":
         assert body["forward_byte_equal"]
 
@@ -219,7 +222,7 @@ def test_a_merge_order_that_does_not_apply_is_exit_2(run_cli, tmp_path, args, me
 def test_a_crash_is_exit_3_never_a_verdict(run_cli, monkeypatch, tmp_path) -> None:
     import h3gate.commands.ws2_cmd as ws2_cmd
 
-    def boom(plan):
+    def boom(plan, progress=None):
         raise RuntimeError("run ws2: rank 1 exit 1: injected")
 
     monkeypatch.setattr(ws2_cmd, "run_ws2", boom)

@@ -20,7 +20,7 @@ import click
 import typer
 
 from h3gate.cli import run_verbs, verbs  # noqa: F401 - importing them registers the verbs
-from h3gate.cli.base import DEBUG, app
+from h3gate.cli.base import DEBUG, app, global_flags_first
 from h3gate.errors import EXIT_INPUT, EXIT_INTERNAL, InputError, crash_folder
 from h3gate.numerics import strict_numerics
 
@@ -41,9 +41,10 @@ def _click_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: the single error boundary."""
+    args = global_flags_first(list(sys.argv[1:] if argv is None else argv))
     try:
         with strict_numerics():  # every verb runs under the one numerics switch (TF32 off), entered here once
-            code = app(args=argv, standalone_mode=False)
+            code = app(args=args, prog_name="h3gate", standalone_mode=False)
     except InputError as exc:
         print(f"h3gate: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_INPUT)

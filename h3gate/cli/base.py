@@ -9,7 +9,7 @@ from typing import Annotated, NoReturn, TypeVar
 import typer
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help=(
@@ -18,6 +18,8 @@ app = typer.Typer(
     ),
 )
 DEBUG = [False]
+# The global flags: given after the verb as well (``h3gate ablate H5 --quiet``), main() moves them before it.
+GLOBAL_FLAGS = ("--quiet", "-q", "--debug", "--wide")
 run_app = typer.Typer(no_args_is_help=True, help="Run a gate: strict kernels vs the provider replay and a golden.")
 app.add_typer(run_app, name="run")
 
@@ -98,6 +100,36 @@ def run_command(command: Callable[[Settings], int], settings: Settings) -> NoRet
     raise typer.Exit(command(settings))
 
 
+def global_flags_first(argv: list[str]) -> list[str]:
+    """``argv`` with every global flag (:data:`GLOBAL_FLAGS`) moved before the verb, so ``h3gate ablate H5 --quiet``
+    means ``h3gate --quiet ablate H5``; nothing after a ``--`` moves."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    flags = [a for a in argv[:end] if a in GLOBAL_FLAGS]
+    return flags + [a for a in argv[:end] if a not in GLOBAL_FLAGS] + argv[end:]
+
+
+def versions() -> str:
+    """``h3gate X (torch Y, triton Z, python W)``, read from the installed distributions (nothing imported)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from h3gate import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"h3gate {__version__} (torch {of('torch')}, triton {of('triton')}, python {platform.python_version()})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(versions())
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _global_options(
     quiet: Annotated[
@@ -106,9 +138,18 @@ def _global_options(
     debug: Annotated[
         bool, typer.Option("--debug", help="On an internal error (exit 3), print the traceback to stderr.")
     ] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Every table column, however narrow the terminal (default: fit it).")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the versions and exit."),
+    ] = False,
 ) -> None:
-    """Options that apply to every verb (given before it: ``h3gate --quiet run ws1-block``)."""
-    from h3gate.commands.console import set_quiet
+    """Options that apply to every verb, before or after it: ``h3gate --quiet run ws1-block`` or ``h3gate run
+    ws1-block --quiet``."""
+    from h3gate.commands.console import set_quiet, set_wide
 
     set_quiet(quiet)
+    set_wide(wide)
     DEBUG[0] = debug

@@ -94,11 +94,14 @@ def synth_checkpoint(
     variant: Annotated[
         str, typer.Option("--variant", help="transformer (FL2VA/T2VA) | transformer_ref (Ref2VA) weights.")
     ] = "transformer",
+    json_: JsonOpt = False,
 ) -> None:
     """Write a seeded diffusers-layout checkpoint (config.json + safetensors, sharded with an index)."""
     from h3gate.commands.checkpoint_cmd import SynthCheckpointCommand, synth_command
 
-    settings = SynthCheckpointCommand(out=out, config=config, seed=seed, shard_size=shard_size, variant=variant)
+    settings = SynthCheckpointCommand(
+        out=out, config=config, seed=seed, shard_size=shard_size, variant=variant, json=json_
+    )
     run_command(synth_command, settings)
 
 
@@ -164,11 +167,12 @@ def seal(
     pubkey: Annotated[
         Path | None, typer.Option("--pubkey", help="With --verify: require a valid signature by this public key.")
     ] = None,
+    json_: JsonOpt = False,
 ) -> None:
     """Schema-validate every evidence JSON under FOLDER and seal it (or verify an existing seal)."""
     from h3gate.commands.seal_cmd import SealCommand, seal_command
 
-    run_command(seal_command, SealCommand(folder=folder, verify=verify, key=key, pubkey=pubkey))
+    run_command(seal_command, SealCommand(folder=folder, verify=verify, key=key, pubkey=pubkey, json=json_))
 
 
 @app.command()
@@ -178,22 +182,27 @@ def report(
         Path, typer.Option("--out", help="Folder for index.html and the figures' PNGs (a previous report is replaced).")
     ],
     open_: Annotated[bool, typer.Option("--open", help="Open the page in a web browser once written.")] = False,
+    json_: JsonOpt = False,
 ) -> None:
     """Write the evidence as one self-contained HTML page (figures inline, nothing loaded from the network) plus
     the figures as PNG. Needs matplotlib: pip install 'h3gate\\[report]'."""
     from h3gate.commands.report_cmd import ReportCommand, report_command
 
-    run_command(report_command, ReportCommand(paths=tuple(paths), out=out, open_page=open_))
+    run_command(report_command, ReportCommand(paths=tuple(paths), out=out, open_page=open_, json=json_))
 
 
 @app.command()
 def keygen(
-    out: Annotated[Path, typer.Option("--out", help="Private key file to write (KEY.pub is written next to it).")],
+    out: Annotated[
+        Path,
+        typer.Option("--out", help="Private key file to write (KEY.pub next to it; missing folders made 0700)."),
+    ],
+    json_: JsonOpt = False,
 ) -> None:
     """Write a new Ed25519 key for signing seals: KEY (PEM PKCS8, mode 0600) and KEY.pub; never overwrites."""
     from h3gate.commands.keygen_cmd import KeygenCommand, keygen_command
 
-    run_command(keygen_command, KeygenCommand(out=out))
+    run_command(keygen_command, KeygenCommand(out=out, json=json_))
 
 
 @app.command()

@@ -19,7 +19,8 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
+from h3gate.commands.explain import ablate_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.manifests.ablations import ABLATIONS_FILE, AblationRow, load_ablations
@@ -48,7 +49,7 @@ def select_ablations(rows: dict[str, AblationRow], row: str | None, all_: bool) 
 def _signature_text(sig: dict | None) -> str:
     if not sig:
         return "-"
-    parts = [str(sig.get("node"))]
+    parts = [str(sig.get("node") or "-")]
     for key in ("layer", "step", "row", "modality"):
         if sig.get(key) is not None:
             parts.append(f"{key} {sig[key]}")
@@ -67,33 +68,44 @@ def _list(rows: dict[str, AblationRow], json_: bool) -> int:
         table.add_row(
             ablation_id, escape(row.factor), row.run, row.probe, row.expected.result, escape(_signature_text(sig))
         )
-    stdout_console().print(table)
+    console = stdout_console()
+    console.print(table)
+    print_verdict("complete", f"{len(rows)} rows listed; h3gate ablate ROW runs one", console=console)
     return EXIT_PASS
 
 
-def _render(records: list[dict], wall: float, title: str) -> None:
+ROW_COLUMNS = ("row", "expected", "observed", "first drift / reason", "strict sha256", "probe sha256", "verdict", "s")
+ROW_OPTIONAL = ("probe sha256", "strict sha256", "s", "expected")  # left out in this order when too narrow
+
+
+def row_table(records: list[dict], title: str, dropped: frozenset[str] = frozenset()) -> Table:
+    """The rows' table without the ``dropped`` columns; only the first drift / reason column wraps (at words)."""
     table = Table(title=escape(title))
-    for col in ("row", "expected", "observed", "first drift / reason", "strict sha256", "probe sha256", "verdict", "s"):
-        table.add_column(col, overflow="fold")
+    cols = [c for c in ROW_COLUMNS if c not in dropped]
+    for col in cols:
+        table.add_column(col, no_wrap=col != "first drift / reason", overflow="fold")
     for rec in records:
         obs = rec["observed"]
         detail = _signature_text(obs["signature"]) if obs["result"] == "EXPECTED_DRIFT" else (obs["reason"] or "-")
         colour = "green" if rec["verdict"] == "pass" else "red"
         detail += "" if not rec["mismatches"] else " | " + "; ".join(rec["mismatches"])
-        table.add_row(
-            rec["id"],
-            rec["expected"]["result"],
-            obs["result"],
-            escape(detail[:160]),
-            (rec["strict_sha256"] or "-")[:12],
-            (rec["probe_sha256"] or "-")[:12],
-            f"[{colour}]{rec['verdict']}[/{colour}]",
-            f"{rec['wall_s']:.1f}",
-        )
+        cells = {
+            "row": rec["id"],
+            "expected": rec["expected"]["result"],
+            "observed": obs["result"],
+            "first drift / reason": escape(detail[:160]),
+            "strict sha256": (rec["strict_sha256"] or "-")[:12],
+            "probe sha256": (rec["probe_sha256"] or "-")[:12],
+            "verdict": f"[{colour}]{rec['verdict']}[/{colour}]",
+            "s": f"{rec['wall_s']:.1f}",
+        }
+        table.add_row(*(cells[c] for c in cols))
+    return table
+
+
+def _render(records: list[dict], title: str) -> None:
     console = stdout_console()
-    console.print(table)
-    passed = sum(r["verdict"] == "pass" for r in records)
-    console.print(f"{passed}/{len(records)} rows match their expectation in {wall:.1f} s")
+    print_fitted(console, fit_table(console, lambda dropped: row_table(records, title, dropped), ROW_OPTIONAL))
 
 
 def _trajectory_record(ctx) -> dict:
@@ -188,8 +200,15 @@ def ablate_command(settings: AblateCommand) -> int:
         print(json.dumps({"evidence": display(path), **body["summary"], "verdict": body["verdict"]}, indent=1))
     else:
         title = f"h3gate ablate: config {config}, layout {ctx.layout.name}, {device}, mode {settings.mode}"
-        _render(records, wall, title)
-        stdout_console().print(f"evidence: {escape(display(path))}")
+        _render(records, title)
+        console = stdout_console()
+        console.print(f"evidence: {escape(display(path))}")
+        summary = body["summary"]
+        detail = f"{summary['passed']}/{summary['requested']} rows match their expectation in {wall:.1f} s"
+        failed = ", ".join(summary["failed"])
+        explain = ablate_lines(settings.mode, None if settings.checkpoint is None else str(settings.checkpoint),
+                               settings.seed)  # fmt: skip
+        print_verdict(body["verdict"], detail + (f"; not: {failed}" if failed else ""), explain, console)
     return EXIT_PASS if ok else EXIT_FAIL
 
 

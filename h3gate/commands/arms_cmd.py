@@ -16,7 +16,8 @@ from pathlib import Path
 
 from h3gate.arms.engine import KIND, check_fault, run_arms
 from h3gate.arms.stack import ArmsSettings, plan_stack
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
+from h3gate.commands.explain import arms_lines, gate_detail
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -91,4 +92,5 @@ def _summary(body: dict, path: Path) -> None:
         )
     for check in body["failing_checks"]:
         console.print(f"  failing: {check}")
-    console.print(f"verdict: {body['verdict']}; evidence: {display(path)}")
+    console.print(f"evidence: {display(path)}")
+    print_verdict(body["verdict"], gate_detail(len(body["failing_checks"]), None), arms_lines(body), console)

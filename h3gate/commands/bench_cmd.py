@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
@@ -161,6 +161,9 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
     if "sustained" in body:
         console.print(_sustained_table(body["sustained"]))
     console.print(f"evidence: {display(path)}")
+    explain = [f"timed: h3gate's strict {target} next to the provider's (medians of CUDA-event timings); recorded, "
+               "not judged."]  # fmt: skip
+    print_verdict("complete", f"{len(body['results'])} phases timed", explain, console)
     return EXIT_PASS
 
 
@@ -371,3 +374,7 @@ def _table(body: dict, path: Path) -> None:
             )  # fmt: skip
     console.print(table)
     console.print(f"evidence: {escape(display(path))}")
+    failed = [r["op"] for r in body["operators"] if r["verdict"] != "pass"]
+    detail = f"{len(body['operators']) - len(failed)}/{len(body['operators'])} operators meet their speed criteria"
+    explain = ["timed: each strict kernel next to its provider op, judged against the criteria the evidence records."]
+    print_verdict(body["verdict"], detail + (f"; not: {', '.join(failed)}" if failed else ""), explain, console)

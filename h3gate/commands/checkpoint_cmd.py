@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.manifests.checkpoint_manifest import CheckpointManifest
@@ -43,6 +43,7 @@ class SynthCheckpointCommand:
     seed: int = 0
     shard_size: int | None = None
     variant: str = "transformer"
+    json: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ def synth_command(settings: SynthCheckpointCommand) -> int:
     check_variant(variant, "--variant")
     cfg = load_config(config).config
     summary = write_checkpoint(SyntheticSource(cfg, seed, variant=variant), seed, settings.out, settings.shard_size)
+    if settings.json:
+        print(json.dumps({**summary, "path": str(summary["path"]), "verdict": "complete"}, indent=1, default=str))
+        return EXIT_PASS
     console = stdout_console()
     table = Table(title=f"synthetic checkpoint {summary['path']} (config {config}, seed {seed}, {variant})")
     for col in ("file", "tensors", "bytes"):
@@ -79,6 +83,8 @@ def synth_command(settings: SynthCheckpointCommand) -> int:
         f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
         f"{summary['tensor_bytes']:,} tensor bytes, written in {summary['seconds']:.2f} s"
     )
+    detail = f"{summary['tensors']} tensors written; seeded synthetic weights, not a real model's"
+    print_verdict("complete", detail, console=console)
     return EXIT_PASS
 
 
@@ -115,7 +121,8 @@ def fingerprint_command(settings: FingerprintCommand) -> int:
     path = write_evidence(folder, "fingerprint.json", "fingerprint", body, manifests=manifests)
     code = EXIT_PASS if report is None or report["match"] else EXIT_FAIL
     if settings.json:
-        print(json.dumps({**body, "evidence": str(path)}, indent=2))
+        verdict = "complete" if report is None else ("pass" if report["match"] else "fail")
+        print(json.dumps({**body, "evidence": str(path), "verdict": verdict}, indent=2))
         return code
     _print(stdout_console(), fp, report, path)
     return code
@@ -132,11 +139,22 @@ def _print(console: Console, fp: dict, report: dict | None, path: Path) -> None:
         table.add_row(dtype, str(d["tensors"]), f"{d['parameters']:,}", f"{d['bytes']:,}")
     table.add_row("total", str(inv["tensors"]), f"{inv['parameters']:,}", f"{inv['bytes']:,}", style="bold")
     console.print(table)
-    console.print(f"FP32 boundary: {len(fp['precision']['fp32_tensors'])} tensors in {fp['precision']['fp32_modules']}")
+    modules = ", ".join(fp["precision"]["fp32_modules"])
+    console.print(f"FP32 boundary: {len(fp['precision']['fp32_tensors'])} tensors in {modules}")
     console.print(f"content sha256 {fp['content_sha256']}")
     if report is not None:
         _print_report(console, report)
     console.print(f"evidence: {path}")
+    if report is None:
+        print_verdict("complete", f"manifest {fp['name']} fingerprinted; --checkpoint checks a checkpoint against it",
+                      console=console)  # fmt: skip
+        return
+    problems = len(report["missing"]) + len(report["unexpected"]) + len(report["mismatched"])
+    problems += len(report["precision_boundary"]["violations"])
+    detail = "the checkpoint matches its inventory" if report["match"] else f"{problems} problems"
+    explain = [f"compared: the checkpoint's tensor headers (names, shapes, dtypes) vs the inventory its config implies"
+               f"{' and every tensor hashed' if report['tensor_sha256'] is not None else ''}."]  # fmt: skip
+    print_verdict("pass" if report["match"] else "fail", detail, explain, console)
 
 
 def _print_config_differences(console: Console, r: dict) -> None:

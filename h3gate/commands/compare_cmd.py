@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3gate.commands.console import stdout_console, use_latest
+from h3gate.commands.console import print_verdict, stdout_console, use_latest
+from h3gate.commands.explain import compare_lines, count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -39,7 +40,8 @@ def compare_command(settings: CompareCommand) -> int:
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
     if settings.json:
         doc = json.loads(path.read_text(encoding="utf-8"))
-        print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}}, indent=1))
+        verdict = {"verdict": "pass" if body["all_equal"] else "fail"}
+        print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}, **verdict}, indent=1))
     else:
         console = stdout_console()
         for rec in body["steps"]:
@@ -51,11 +53,28 @@ def compare_command(settings: CompareCommand) -> int:
             console.print(
                 f"step {rec['step']:3d}  {flags}  video velocity max_abs {v['max_abs']:.3g} rel_l2 {v['rel_l2']:.3g}"
             )
-        console.print(f"steps compared: {body['steps_compared']}; all equal: {body['all_equal']}; "
-                      f"first drift step: {body['first_drift_step']}")  # fmt: skip
         d = body["first_drift"]
         if d is not None:
-            console.print(f"first drifting node at step {d['step']}: {d['node']} (stage {d['stage']}, layer "
-                          f"{d['layer']}, row {d['row']}, {d['modality']})")  # fmt: skip
+            console.print(f"first drifting node at step {d['step']}: {_node(d)}")
         console.print(f"evidence: {display(path)}")
+        print_verdict(*_verdict(body), compare_lines(display(Path(run_a)), display(Path(run_b))), console)
     return EXIT_PASS if body["all_equal"] else EXIT_FAIL
+
+
+def _node(d: dict) -> str:
+    """``node (stage S, layer L, row R, modality)``, each part only when the record has it."""
+    parts = [f"stage {d['stage']}"] if d.get("stage") else []
+    parts += [f"layer {d['layer']}"] if d.get("layer") is not None else []
+    parts += [f"row {d['row']}"] if d.get("row") is not None else ["whole tensor"]
+    parts += [d["modality"]] if d.get("modality") else []
+    return f"{d['node']} ({', '.join(parts)})"
+
+
+def _verdict(body: dict) -> tuple[str, str]:
+    """pass when every step both runs saved is byte-equal; fail naming the first drifting step (and node)."""
+    steps = f"{count(body['steps_compared'], 'step')} compared"
+    if body["all_equal"]:
+        return "pass", f"{steps}, all byte-equal"
+    d = body["first_drift"]
+    where = f"step {body['first_drift_step']}" + ("" if d is None else f", {_node(d)}")
+    return "fail", f"{steps}; first difference at {where}"

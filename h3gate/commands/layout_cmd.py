@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import print_verdict, stdout_console
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.evidence.writer import atomic_write_safetensors
 from h3gate.layout import PackedLayout, build_layout, reference_blocks
@@ -237,7 +237,7 @@ def layout_command(settings: LayoutCommand) -> int:
         save_safetensors(save, layout.tensors(), metadata)
         summary["saved"] = str(save)
     if settings.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({**summary, "verdict": "complete"}, indent=2))
         return EXIT_PASS
     console = stdout_console()
     _print_tables(console, layout, summary)
@@ -246,7 +246,13 @@ def layout_command(settings: LayoutCommand) -> int:
             f"saved {', '.join(layout.tensors())} to {save} (metadata: num_condition_video_rows "
             f"{layout.num_condition_video_rows}, num_condition_audio_rows {layout.num_condition_audio_rows})"
         )
+    print_verdict("complete", f"layout {layout.name}: {layout.seq_len} packed rows", console=console)
     return EXIT_PASS
+
+
+def _clock(clock) -> str:
+    """A rotary start as ``f, h, w`` (a number as itself)."""
+    return ", ".join(str(c) for c in clock) if isinstance(clock, list | tuple) else str(clock)
 
 
 def _print_tables(console: Console, layout: PackedLayout, summary: dict) -> None:
@@ -270,8 +276,8 @@ def _print_tables(console: Console, layout: PackedLayout, summary: dict) -> None
         refs.add_column(column, justify="left" if column == "reference" else "right")
     for index, block in enumerate(summary["references"]):
         spans = [f"{a}:{b}" if b > a else "-" for a, b in (block["audio_rows"], block["video_rows"])]
-        refs.add_row(str(index), block["ref"], *spans, repr(block["clock"]))
+        refs.add_row(str(index), block["ref"], *spans, _clock(block["clock"]))
     target = summary["target"]
     spans = [f"{a}:{b}" for a, b in (target["audio_rows"], target["video_rows"])]
-    refs.add_row("", "target", *spans, repr(target["clock"]))
+    refs.add_row("", "target", *spans, _clock(target["clock"]))
     console.print(refs)

@@ -17,8 +17,9 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import progress, stdout_console
-from h3gate.commands.run_cmd import check_gate_args, layout_record, save_tensor_files
+from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
+from h3gate.commands.explain import gate_detail, gate_lines
+from h3gate.commands.run_cmd import check_gate_args, layout_record, print_failing, save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import enter_run, run_scope
@@ -174,27 +175,47 @@ def _drift(d: dict | None) -> str:
     return f"{d['direction']} {d['stage']}{layer} {d['node']} ({where})"
 
 
-def print_summary(doc: dict, path: Path) -> None:
-    console = stdout_console()
-    layout, summary = doc["layout"], doc["summary"]
+MODEL_COLUMNS = ("stage", "nodes", "params", "failing nodes", "failing grads", "worst row / bound")
+MODEL_OPTIONAL = ("params", "nodes")  # left out in this order when the terminal is too narrow
+
+
+def stage_table(doc: dict, dropped: frozenset[str] = frozenset()) -> Table:
+    """The per-stage table of a ws1-model document without the ``dropped`` columns."""
+    layout = doc["layout"]
     cand = doc.get("candidate")
     who = "" if cand is None else f", candidate sglang {cand['versions']['sglang']} (quality {cand['quality']})"
     table = Table(
         title=f"ws1-model {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
         f"mode {doc['mode']}, layers {doc['model']['layers'][0]}:{doc['model']['layers'][1]}{who}"
     )
-    for col in ("stage", "nodes", "params", "failing nodes", "failing grads", "worst row / bound"):
+    cols = [c for c in MODEL_COLUMNS if c not in dropped]
+    for col in cols:
         table.add_column(col, no_wrap=True)
     grads = (doc["backward"] or {}).get("gradients", {})
     for s in doc["stages"]:
         mine = [n for n in doc["nodes"] if n["stage"] == s["stage"] or n["name"].startswith(s["stage"] + ".")]
         g = [r for r in grads.values() if r["stage"] == s["stage"]]
         ratios = [v["ratio"] for r in mine + g for v in r["rows"].values() if v["ratio"] is not None]
-        table.add_row(
-            s["stage"], str(s["nodes"]), str(s["parameters"]), str(sum(not n["pass"] for n in mine)),
-            str(sum(not r["pass"] for r in g)), f"{max(ratios):.2f}" if ratios else "-",
-        )  # fmt: skip
-    console.print(table)
+        cells = {
+            "stage": s["stage"], "nodes": str(s["nodes"]), "params": str(s["parameters"]),
+            "failing nodes": str(sum(not n["pass"] for n in mine)), "failing grads": str(sum(not r["pass"] for r in g)),
+            "worst row / bound": f"{max(ratios):.2f}" if ratios else "-",
+        }  # fmt: skip
+        table.add_row(*(cells[c] for c in cols))
+    return table
+
+
+def _short_drift(d: dict) -> str:
+    """The first drift for the verdict line: node (gradient), row and modality (its stage and layer are in the name)."""
+    grad = " gradient" if d["direction"] == "backward" else ""
+    where = "whole tensor" if d.get("row") is None else f"row {d['row']}, {d.get('modality') or '-'}"
+    return f"{d['node']}{grad} ({where})"
+
+
+def print_summary(doc: dict, path: Path) -> None:
+    console = stdout_console()
+    summary = doc["summary"]
+    print_fitted(console, fit_table(console, lambda dropped: stage_table(doc, dropped), MODEL_OPTIONAL))
     worst = "-" if summary["worst_ratio"] is None else f"{summary['worst_ratio']:.3f}"
     console.print(
         f"tensors judged: {summary['tensors_judged']} ({summary['forward_nodes']} forward nodes, "
@@ -210,8 +231,7 @@ def print_summary(doc: dict, path: Path) -> None:
                           f"{row['ratio']:.2f} x its bound")  # fmt: skip
     if doc.get("injected_fault"):
         console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
-    colour = "green" if doc["verdict"] == "pass" else "red"
-    console.print(f"verdict: [{colour}]{doc['verdict']}[/] ({len(doc['failing_checks'])} failing checks)")
-    for item in doc["failing_checks"][:20]:
-        console.print(f"  - {escape(item)}")
+    print_failing(console, doc["failing_checks"])
     console.print(f"evidence: {display(path)} ({doc['timing']['total_s']:.1f} s)")
+    drift = None if doc["first_drift"] is None else _short_drift(doc["first_drift"])
+    print_verdict(doc["verdict"], gate_detail(len(doc["failing_checks"]), drift), gate_lines(doc), console)

@@ -19,7 +19,8 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
+from h3gate.commands.explain import count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -188,3 +189,10 @@ def _table(operators: list[dict], path: Path, verdict: str, failures: list[str],
     for f in failures:
         console.print(f"[red]fail[/red] {escape(f)}")
     console.print(f"evidence: {escape(display(path))}")
+    explain = [
+        "compared: each operator's strict kernel vs the FP64/FP32 golden (accuracy) and the provider op (bytes), "
+        "and vs itself on repeat, in a batch and over row counts (invariance)."
+    ]
+    results = sum(len(o["results"]) for o in operators)
+    detail = f"{count(len(operators), 'operator')}, {count(results, 'result')}; {len(failures)} failing"
+    print_verdict(verdict, detail, explain, console)

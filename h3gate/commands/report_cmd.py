@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import webbrowser
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3gate.commands.console import progress, use_latest
-from h3gate.errors import EXIT_INPUT, EXIT_PASS
+from h3gate.commands.console import print_verdict, progress, use_latest
+from h3gate.commands.explain import count
+from h3gate.errors import EXIT_PASS, InputError
 from h3gate.paths import display
 from h3gate.report.build import prepare, render
 from h3gate.report.figures import MissingMatplotlib
 
-NEEDS_MATPLOTLIB = "h3gate report: needs matplotlib: pip install 'h3gate[report]'"
+NEEDS_MATPLOTLIB = "report: needs matplotlib: pip install 'h3gate[report]'"
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class ReportCommand:
     paths: tuple[Path, ...]
     out: Path
     open_page: bool = False
+    json: bool = False
 
 
 def report_command(settings: ReportCommand) -> int:
@@ -33,17 +36,25 @@ def report_command(settings: ReportCommand) -> int:
         with progress("report") as step:
             prepared = prepare(paths, out, step)
     except MissingMatplotlib:
-        print(NEEDS_MATPLOTLIB, file=sys.stderr)
-        return EXIT_INPUT
+        raise InputError(NEEDS_MATPLOTLIB) from None
     figures = prepared.figures
     with progress("report", len(figures)) as step:
         index = render(prepared, step)
     inv = prepared.inventory
     seals = ", ".join(f"{display(s.folder)} {s.state()}" for s in inv.seals.values()) or "none"
-    print(f"report {display(index)}: {len(inv.documents)} evidence documents, {len(figures)} figures; seals: {seals}")
+    verdict = "complete" if inv.documents else "incomplete"
     if not inv.documents:
         where = ", ".join(display(p) for p in paths)
-        print(f"h3gate report: no evidence found in {where}; the page says what is missing", file=sys.stderr)
+        print(f"h3gate: warning: report: no evidence found in {where}; the page says what is missing", file=sys.stderr)
+    if settings.json:
+        doc = {"page": display(index), "documents": len(inv.documents), "figures": len(figures),
+               "seals": {display(s.folder): s.state() for s in inv.seals.values()}, "verdict": verdict}  # fmt: skip
+        print(json.dumps(doc, indent=1))
+    else:
+        found = f"{count(len(inv.documents), 'evidence document')}, {count(len(figures), 'figure')}"
+        print(f"report {display(index)}: {found}; seals: {seals}")
+        detail = found if inv.documents else "no evidence found; the page says what is missing"
+        print_verdict(verdict, detail)
     if settings.open_page:
         webbrowser.open(index.resolve().as_uri())  # returns False when there is no browser: harmless
     return EXIT_PASS

@@ -15,7 +15,8 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
+from h3gate.commands.explain import failing_header, gate_detail, gate_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
@@ -112,7 +113,7 @@ def check_gate_args(
 
 
 def _fmt(x: float | None) -> str:
-    return "null" if x is None else ("0" if x == 0 else f"{x:.2e}")
+    return "-" if x is None else ("0" if x == 0 else f"{x:.2e}")
 
 
 def _mark(ok: bool | None) -> str:
@@ -122,6 +123,8 @@ def _mark(ok: bool | None) -> str:
 def _where(agree: dict) -> str:
     if agree["bitwise"]:
         return "bitwise"
+    if agree["first_row"] is None:
+        return "differs"
     return f"row {agree['first_row']} {agree['first_modality'] or ''}".rstrip()
 
 
@@ -132,11 +135,37 @@ def _ratio(rows: dict) -> str:
 def _drift(d: dict | None) -> str:
     if d is None:
         return "none"
-    return f"{d['node']} (row {d['first_row']}, {d['first_modality']})"
+    if d.get("first_row") is None:
+        return f"{d['node']} (whole tensor)"
+    return f"{d['node']} (row {d['first_row']}, {d['first_modality'] or '-'})"
 
 
-def print_table(doc: dict, path: Path) -> None:
-    console = stdout_console()
+BLOCK_COLUMNS = ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov",
+                 "worst row / bound", "ok")  # fmt: skip
+# Left out in this order when the terminal is too narrow; node, repeat, batch, worst row / bound and ok (the verdict
+# columns) always stay.
+BLOCK_OPTIONAL = ("owner row", "bound to", "rel_l2 cand / prov", "isolated", "chained")
+
+
+def _block_cells(n: dict) -> dict[str, str]:
+    b = n["binding"]
+    iso = _where(n["isolated"]) + (" *" if n["isolated_bitwise_promise"]["applies"] else "")
+    return {
+        "node": n["name"],
+        "owner row": n["owner_row"],
+        "bound to": f"{b['actual']}/{b['label']}" + (" [yellow](fallback)[/]" if b["fallback"] else ""),
+        "repeat": _mark(n["repeat"]["bitwise"]),
+        "batch": _mark(n["batch_row"]["bitwise"]),
+        "chained": _where(n["chained"]),
+        "isolated": iso,
+        "rel_l2 cand / prov": f"{_fmt(n['error']['candidate']['rel_l2'])} / {_fmt(n['error']['provider']['rel_l2'])}",
+        "worst row / bound": _ratio(n["rows"]),
+        "ok": _mark(n["pass"]),
+    }
+
+
+def block_table(doc: dict, dropped: frozenset[str] = frozenset()) -> Table:
+    """The node table of a ws1-block document without the ``dropped`` columns."""
     layout = doc["layout"]
     cand = doc.get("candidate")
     who = "" if cand is None else f", candidate sglang {cand['versions']['sglang']} (quality {cand['quality']})"
@@ -144,27 +173,24 @@ def print_table(doc: dict, path: Path) -> None:
         title=f"ws1-block {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
         f"mode {doc['mode']}{who}"
     )
-    cols = ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov",
-            "worst row / bound", "ok")  # fmt: skip
+    cols = [c for c in BLOCK_COLUMNS if c not in dropped]
     for col in cols:
         table.add_column(col, no_wrap=True)
     for n in doc["nodes"]:
-        b = n["binding"]
-        iso = _where(n["isolated"]) + (" *" if n["isolated_bitwise_promise"]["applies"] else "")
-        table.add_row(
-            n["name"],
-            n["owner_row"],
-            f"{b['actual']}/{b['label']}" + (" [yellow](fallback)[/]" if b["fallback"] else ""),
-            _mark(n["repeat"]["bitwise"]),
-            _mark(n["batch_row"]["bitwise"]),
-            _where(n["chained"]),
-            iso,
-            f"{_fmt(n['error']['candidate']['rel_l2'])} / {_fmt(n['error']['provider']['rel_l2'])}",
-            _ratio(n["rows"]),
-            _mark(n["pass"]),
-        )
-    console.print(table)
-    console.print("* = isolated bitwise promised by the tolerance profile; errors are rel_l2 vs the FP64 golden")
+        cells = _block_cells(n)
+        table.add_row(*(cells[c] for c in cols))
+    return table
+
+
+def print_table(doc: dict, path: Path) -> None:
+    console = stdout_console()
+    table = fit_table(console, lambda dropped: block_table(doc, dropped), BLOCK_OPTIONAL)
+    print_fitted(console, table)
+    shown = {str(c.header) for c in table.columns}
+    if "isolated" in shown:
+        console.print("* = isolated bitwise promised by the tolerance profile")
+    if "rel_l2 cand / prov" in shown:
+        console.print("errors are rel_l2 vs the FP64 golden")
     rule = doc["row_rule"]
     console.print(
         f"row rule: each packed row <= {rule['factor']} x provider-variant envelope ({rule['scope']}) + "
@@ -182,7 +208,8 @@ def print_table(doc: dict, path: Path) -> None:
     failure = doc["first_row_failure"]
     if failure is not None:
         console.print(
-            f"first_row_failure: {failure['where']} {failure['node']} ({failure['view']}), row {failure['row']}, "
+            f"first_row_failure: {failure['where']} {failure['node']} ({failure['view']}), "
+            f"{'whole tensor' if failure['row'] is None else 'row ' + str(failure['row'])}, "
             f"{failure['modality'] or '-'}"
         )
     matrix = doc.get("fault_matrix")
@@ -196,13 +223,21 @@ def print_table(doc: dict, path: Path) -> None:
         console.print(
             f"[yellow]fallbacks ({doc['mode']} mode): {len(doc['fallbacks'])} op bindings ran the provider[/]"
         )
-    colour = "green" if doc["verdict"] == "pass" else "red"
-    console.print(f"verdict: [{colour}]{doc['verdict']}[/] ({len(doc['failing_checks'])} failing checks)")
-    for item in doc["failing_checks"][:20]:
-        console.print(f"  - {escape(item)}")
-    if len(doc["failing_checks"]) > 20:
-        console.print(f"  ... and {len(doc['failing_checks']) - 20} more (see the evidence)")
+    print_failing(console, doc["failing_checks"])
     console.print(f"evidence: {display(path)} ({doc['timing']['total_s']:.1f} s)")
+    drift = None if doc["first_drift"] is None else _drift(doc["first_drift"])
+    print_verdict(doc["verdict"], gate_detail(len(doc["failing_checks"]), drift), gate_lines(doc), console)
+
+
+def print_failing(console, failing: list[str], shown: int = 20) -> None:
+    """The failing checks, the first ``shown`` of them, under a header line."""
+    header = failing_header(failing)
+    if header is not None:
+        console.print(header)
+    for item in failing[:shown]:
+        console.print(f"  - {escape(item)}")
+    if len(failing) > shown:
+        console.print(f"  ... and {len(failing) - shown} more (see the evidence)")
 
 
 def build_body(

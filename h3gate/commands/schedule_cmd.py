@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import print_verdict, stdout_console
 from h3gate.commands.layout_cmd import save_safetensors
 from h3gate.errors import EXIT_PASS
 from h3gate.schedule import Schedule, build_schedule, sigma_hash
@@ -50,7 +50,7 @@ def schedule_command(settings: ScheduleCommand) -> int:
         save_safetensors(save, {"sigmas": schedule.sigmas, "timesteps": schedule.timesteps}, metadata)
         summary["saved"] = str(save)
     if settings.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({**summary, "verdict": "complete"}, indent=2))
         return EXIT_PASS
     table = Table(
         title=f"schedule: {schedule.steps} points, shift {schedule.shift:g}, {schedule.num_evaluations} evaluations"
@@ -66,4 +66,5 @@ def schedule_command(settings: ScheduleCommand) -> int:
     console.print(f"sigma sha256 {summary['sigma_sha256']}")
     if save is not None:
         console.print(f"saved sigmas, timesteps to {save}")
+    print_verdict("complete", f"{schedule.steps} sigmas, {schedule.num_evaluations} timesteps", console=console)
     return EXIT_PASS

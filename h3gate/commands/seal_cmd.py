@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console, use_latest
+from h3gate.commands.console import print_verdict, stdout_console, use_latest
+from h3gate.commands.explain import count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import refuse_unfinished
 from h3gate.evidence.seal import SEAL_NAME, SealReport, seal_folder, verify_folder
@@ -89,6 +91,7 @@ class SealCommand:
     verify: bool = False
     key: Path | None = None
     pubkey: Path | None = None
+    json: bool = False
 
 
 def seal_command(settings: SealCommand) -> int:
@@ -105,17 +108,30 @@ def seal_command(settings: SealCommand) -> int:
         refuse_unfinished(folder, "seal --verify" if verify else "seal")
     console = stdout_console()
     if not verify:
-        _print_sealed(console, folder, seal_folder(folder, key))
+        seal = seal_folder(folder, key)
+        signed = "unsigned" if seal["signer"] is None else "signed"
+        if settings.json:
+            print(json.dumps({"folder": display(folder), **seal, "verdict": "complete"}, indent=1))
+            return EXIT_PASS
+        _print_sealed(console, folder, seal)
+        detail = f"{count(len(seal['files']), 'file')} sealed, {signed}; h3gate seal --verify checks them"
+        print_verdict("complete", detail, console=console)
         return EXIT_PASS
     report = verify_folder(folder, pubkey)
-    _print_verify(console, folder, report)
-    if report.ok:
-        scope = "integrity and origin" if report.origin_ok else "integrity"
-        console.print(f"[green]seal verified[/green] ({scope})")
-        return EXIT_PASS
     findings = [("changed", report.changed), ("added", report.added), ("removed", report.removed)]
     findings += [("schema error", report.schema_errors), ("seal", report.seal_errors)]
+    found = sum(len(items) for _, items in findings)
+    scope = "integrity and origin" if report.origin_ok else "integrity"
+    detail = f"seal verified: {scope}" if report.ok else count(found, "finding")
+    if settings.json:
+        print(json.dumps({"folder": display(folder), **asdict(report), "verdict": "pass" if report.ok else "fail"},
+                         indent=1))  # fmt: skip
+        return EXIT_PASS if report.ok else EXIT_FAIL
+    _print_verify(console, folder, report)
     for name, items in findings:
         for item in items:
             console.print(f"[red]{name}[/red]: {escape(item)}", soft_wrap=True, highlight=False)
-    return EXIT_FAIL
+    explain = [f"compared: every file under {display(folder)} vs the sha256 SEAL.json recorded, and SEAL.json vs its "
+               "own hash" + (" and the public key's signature." if pubkey is not None else ".")]  # fmt: skip
+    print_verdict("pass" if report.ok else "fail", detail, explain, console)
+    return EXIT_PASS if report.ok else EXIT_FAIL

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
+from h3gate.commands.explain import trajectory_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -93,7 +94,7 @@ def _summary(body: dict, path: Path) -> None:
     console.print(
         f"ws1-trajectory {run['config']['name']} / {run['layout']['name']}, mode {run['mode']}, "
         f"{run['device_kind']}, batch {run['batch']['size']}: {body['steps_saved']}/{body['evaluations']} steps saved"
-        + (" (complete)" if body["complete"] else "")
+        + (" (all)" if body["complete"] else "")
     )
     if inv["steps"]:
         console.print(f"this invocation: steps {inv['steps'][0]['step']}..{inv['steps'][-1]['step']}, "
@@ -101,4 +102,19 @@ def _summary(body: dict, path: Path) -> None:
     if inv["verify_last"] is not None:
         v = inv["verify_last"]
         console.print(f"verify-last: step {v['step']} recomputed, bitwise: {'yes' if v['bitwise'] else 'NO'}")
-    console.print(f"verdict: {body['verdict']}; evidence: {display(path)}")
+    console.print(f"evidence: {display(path)}")
+    print_verdict(*trajectory_verdict(body), trajectory_lines(body), console)
+
+
+def trajectory_verdict(body: dict) -> tuple[str, str]:
+    """pass / fail only when something was compared (``--verify-last``); else complete / incomplete by the steps
+    saved."""
+    inv, saved = body["invocation"], f"{body['steps_saved']}/{body['evaluations']} steps saved"
+    if inv["verify_last"] is not None or body["verdict"] == "fail":
+        v = inv["verify_last"]
+        same = "" if v is None else ("bitwise" if v["bitwise"] else "with different bytes")
+        step = "" if v is None else f"step {v['step']} recomputed {same}; "
+        return body["verdict"], step + saved
+    if body["complete"]:
+        return "complete", f"{saved}; nothing compared"
+    return "incomplete", f"{saved}; --resume continues, nothing compared"

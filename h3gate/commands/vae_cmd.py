@@ -9,7 +9,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
+from h3gate.commands.explain import gate_detail
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -42,7 +43,8 @@ def vae_command(settings: VaeCommand) -> int:
     check_settings(run)
     name = f"{run.modality}-{run.geometry}-{run.mode}"
     folder = enter_run(out, LOCAL_EVIDENCE / KIND / name, settings.force)
-    body = run_vae(run)
+    with progress(KIND, 3, started) as step:
+        body = run_vae(run, step)
     body["timing"] = {"wall_s": round(time.perf_counter() - started, 3)}
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=run.device)
     if settings.json:
@@ -69,3 +71,10 @@ def _print(doc: dict, path: Path) -> None:
     )
     console.print(f"decoded {dec['shape']} sha256 {dec['sha256'][:12]} (recorded, not gated)")
     console.print(f"evidence: {path}")
+    failing = sum(not c["pass"] for c in doc["checks"])
+    explain = [
+        f"checked: a seeded {doc['modality']} VAE (diffusers' class, mode {doc['mode']}) against itself: encode and "
+        "decode repeat bitwise and batch-invariant; latent normalisation and layout against the pipeline's helpers.",
+        "decoded media are hashed and recorded, not gated.",
+    ]
+    print_verdict(doc["verdict"], gate_detail(failing, None), explain, console)

@@ -20,7 +20,7 @@ from types import ModuleType
 from rich.markup import escape
 from rich.table import Table
 
-from h3gate.commands.console import stdout_console
+from h3gate.commands.console import print_verdict, stdout_console
 from h3gate.errors import EXIT_PASS, InputError
 from h3gate.paths import MANIFESTS, SCHEMAS, display
 
@@ -187,7 +187,8 @@ def _schema_steps() -> Iterator[Step]:
 
 def _render(checks: list[Check], json_: bool, ok: bool) -> None:
     if json_:
-        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks]}, indent=1))
+        verdict = "pass" if ok else "fail"
+        print(json.dumps({"ok": ok, "checks": [asdict(c) for c in checks], "verdict": verdict}, indent=1))
         return
     table = Table(title="h3gate validate")
     table.add_column("kind")
@@ -232,6 +233,10 @@ def validate_command(settings: ValidateCommand) -> int:
         if checks and checks[-1].status == "checking":
             checks[-1].status = "invalid"
         _render(checks, json_, ok=False)
+        if not json_:
+            print_verdict("fail", f"{checks[-1].file if checks else 'a manifest'} is invalid; the error follows")
         raise InputError(str(exc)) from None
     _render(checks, json_, ok=True)
+    if not json_:
+        print_verdict("pass", f"{len(checks)} manifests and schemas checked, all valid")
     return EXIT_PASS

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3gate.commands.console import progress, stdout_console
+from h3gate.commands.console import print_verdict, progress, stdout_console
+from h3gate.commands.explain import gate_detail, ws2_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -41,8 +42,7 @@ def ws2_command(settings: Ws2Command) -> int:
     name = f"{run.topology}-{run.scope}-{plan.run.config_name}-{run.layout}"
     folder = enter_run(out, LOCAL_EVIDENCE / KIND / name, settings.force)
     with progress(KIND, None, started) as step:
-        step(f"TP1 reference and {plan.tp * plan.cp} {plan.backend} ranks")
-        body = run_ws2(plan)
+        body = run_ws2(plan, progress=step)
     path = write_evidence(folder, EVIDENCE, KIND, body, device=run.device)
     if settings.json:
         keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
@@ -70,4 +70,7 @@ def _summary(body: dict, path: Path) -> None:
     console.print(f"  backward ({body['gradients_compared']}): {_where(body['first_backward_drift'])}")
     for check in body["failing_checks"]:
         console.print(f"  failing: {check}")
-    console.print(f"verdict: {body['verdict']}; evidence: {display(path)}")
+    console.print(f"evidence: {display(path)}")
+    d = body["first_drift"] or body["first_backward_drift"]
+    drift = None if d is None else f"{d['name']} on rank {d['owner_rank']}"
+    print_verdict(body["verdict"], gate_detail(len(body["failing_checks"]), drift), ws2_lines(body), console)

@@ -129,18 +129,31 @@ def _create(path: Path, data: bytes, mode: int) -> None:
             os.unlink(tmp)
 
 
+def _private_folders(folder: Path) -> None:
+    """Create ``folder`` and any missing folder above it, each with mode 0700 (InputError when one is a file)."""
+    missing = [p for p in (folder, *folder.parents) if not p.is_dir()][::-1]
+    for path in missing:
+        try:
+            path.mkdir(mode=0o700)
+            path.chmod(0o700)  # mkdir's mode is filtered through the umask
+        except FileExistsError:
+            raise InputError(f"{display(path)}: exists and is not a folder; cannot hold the key") from None
+        except OSError as exc:
+            raise InputError(f"{display(path)}: cannot create the key's folder ({exc.strerror or exc})") from None
+
+
 def write_keypair(out: Path) -> tuple[Path, Ed25519PublicKey]:
     """A new Ed25519 key: ``out`` (PEM PKCS8, mode 0600) and ``out.pub`` (PEM, the umask's mode).
 
-    Refuses (InputError naming the file, nothing written) when either file exists or the folder does not.
+    Refuses (InputError naming the file, nothing written) when either file exists; creates the missing folders
+    above ``out`` with mode 0700 (a key's folder is private; folders that exist are left as they are).
     """
     out = Path(out)
     pub = out.with_name(out.name + PUB_SUFFIX)
     for path in (out, pub):
         if path.exists() or path.is_symlink():
             raise InputError(f"{display(path)}: already exists; refusing to overwrite")
-    if not out.parent.is_dir():
-        raise InputError(f"{display(out.parent)}: no such folder for the key")
+    _private_folders(out.parent)
     key = Ed25519PrivateKey.generate()
     private_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()

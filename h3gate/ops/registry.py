@@ -25,6 +25,7 @@ from typing import Literal
 
 from h3gate.errors import InputError
 from h3gate.manifests.operators import OperatorSpec, load_operator_specs
+from h3gate.numerics import interpreter_problem
 
 Mode = Literal["strict", "audit", "auto", "off"]
 MODES: tuple[str, ...] = ("strict", "audit", "auto", "off")
@@ -96,7 +97,8 @@ def kernel_runnable(device: str) -> tuple[bool, str]:
     if device.startswith("cuda"):
         return True, ""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return True, ""
+        problem = interpreter_problem()
+        return (True, "") if problem is None else (False, problem)
     return False, f"device {device} needs TRITON_INTERPRET=1 for Triton kernels"
 
 

@@ -13,6 +13,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,7 +182,7 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
     return graph, leaves, bindings, seconds
 
 
-def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
+def _launch(plan: Ws2Plan, folder: Path, progress: Callable[[str], None] | None = None) -> tuple[list[dict], float]:
     """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3)."""
     s, world = plan.settings, plan.tp * plan.cp
     spec = {"run": plan.run.spec.record(), "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp,
@@ -191,7 +192,8 @@ def _launch(plan: Ws2Plan, folder: Path) -> tuple[list[dict], float]:
         f.pop("kind")
     (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
     started = time.perf_counter()
-    errors = run_ranks("h3gate.parallel.ws2_rank", world, folder, s.threads, RANK_TIMEOUT_S)
+    errors = run_ranks("h3gate.parallel.ws2_rank", world, folder, s.threads, RANK_TIMEOUT_S, progress,
+                       lambda r: folder / f"rank-{r}.json")  # fmt: skip
     if errors:
         raise RuntimeError("run ws2: " + "; ".join(errors))
     seconds = time.perf_counter() - started
@@ -256,14 +258,17 @@ def make_reference(plan: Ws2Plan, folder: Path) -> Reference:
     return Reference(folder, reference_key(plan.settings), *_reference(plan, folder))
 
 
-def run_ws2(plan: Ws2Plan, reference: Reference | None = None) -> dict:
+def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Run TP1 (or reuse ``reference``) and the topology's ranks; the evidence body (verdict ``pass`` iff forward
-    and backward byte-equal)."""
+    and backward byte-equal). ``progress`` hears each stage: TP1 done, then each rank as it finishes."""
+    step = progress or (lambda label: None)
     with tempfile.TemporaryDirectory(prefix="h3gate-ws2-") as tmp:
         folder = Path(tmp)
         run = _reference if reference is None else reference.serve
+        step("TP1 reference (one device, seg8 merge order)")
         graph, leaves, bindings, ref_seconds = run(plan, folder)
-        per_rank, rank_seconds = _launch(plan, folder)
+        step(f"TP1 done; {plan.tp * plan.cp} {plan.backend} ranks started")
+        per_rank, rank_seconds = _launch(plan, folder, progress)
     nodes = {n.name: n for n in graph.nodes}
     order = [n.name for n in graph.nodes]
     grad_order = [f"node:{n}" for n in reversed(order)] + [f"input:{k}" for k in leaves]

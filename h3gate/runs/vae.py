@@ -240,7 +240,7 @@ def pipeline_recipe() -> tuple[tuple, tuple, int]:
     return P.pixel_mean.fget(None), P.pixel_std.fget(None), P.keyframe_encode_seed.fget(None)
 
 
-def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
+def video_checks(run: VaeRun, vae, step: Callable[[str], None] = lambda label: None) -> tuple[list[dict], dict]:
     from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents as their_patchify
     from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames, video_latent_num_frames
@@ -248,6 +248,7 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     frames, (h, w) = FRAMES[run.geometry], PIXELS[run.geometry]
     a, b = (_pixels(run.seed, i, frames, h, w, run.device) for i in (0, 1))
     moments = lambda y: _moments(vae.encode(y, return_dict=False)[0])  # noqa: E731
+    step("encode: repeat and batch invariance")
     checks, _ = invariance_checks("encode", run.strict, moments, _imagenet(vae, a), _imagenet(vae, b))
     recipe = pipeline_recipe()
     theirs = encode_vae_condition(vae, a, *recipe)
@@ -267,6 +268,7 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     z = theirs.to(run.device) * std + mean  # the pipeline's denormalisation before decode
     zb = encode_vae_condition(vae, b, *recipe).to(run.device) * std + mean
     decode = lambda y: vae.decode(y, return_dict=False)[0]  # noqa: E731
+    step("decode: repeat and batch invariance")
     decoded, d1 = invariance_checks("decode", run.strict, decode, z, zb)
     checks += decoded
     pm, ps = (torch.tensor(v, device=run.device).view(1, -1, 1, 1, 1) for v in (PIXEL_MEAN, PIXEL_STD))
@@ -279,7 +281,7 @@ def video_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     return checks, record
 
 
-def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
+def audio_checks(run: VaeRun, vae, step: Callable[[str], None] = lambda label: None) -> tuple[list[dict], dict]:
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import audio_latent_num_frames
 
     frames = FRAMES[run.geometry]
@@ -287,6 +289,7 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     g = torch.Generator().manual_seed(run.seed + 7)
     a, b = ((torch.rand(2, 1, samples, generator=g) - 0.5).to(run.device) for _ in range(2))  # stereo = batch 2
     moments = lambda y: _moments(vae.encode(y, return_dict=False)[0])  # noqa: E731
+    step("encode: repeat and batch invariance")
     checks, _ = invariance_checks("encode", run.strict, moments, a, b)
     c = vae.config.latent_channels
     mode = per_item(run.strict, lambda y: vae.encode(y, return_dict=False)[0].mode(), a).float().cpu()  # (2, C, T)
@@ -312,6 +315,7 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     z = (rows.reshape(2, t, c).permute(0, 2, 1) * std.view(1, -1, 1) + mean.view(1, -1, 1)).to(run.device)
     zb = per_item(run.strict, lambda y: vae.encode(y, return_dict=False)[0].mode(), b)
     decode = lambda y: vae.decode(y, return_dict=False)[0]  # noqa: E731
+    step("decode: repeat and batch invariance")
     decoded, d1 = invariance_checks("decode", run.strict, decode, z, zb)
     checks += decoded
     record = {
@@ -322,16 +326,19 @@ def audio_checks(run: VaeRun, vae) -> tuple[list[dict], dict]:
     return checks, record
 
 
-def run_vae(run: VaeRun) -> dict:
-    """The ``vae`` evidence body of one modality (checks, latents, decoded-media hashes, the VAE's record)."""
+def run_vae(run: VaeRun, progress: Callable[[str], None] | None = None) -> dict:
+    """The ``vae`` evidence body of one modality (checks, latents, decoded-media hashes, the VAE's record);
+    ``progress`` hears each stage (the VAE built, encode, decode)."""
+    step = progress or (lambda label: None)
     check_settings(run)
+    step(f"building the seeded {run.modality} VAE")
     vae, vae_record = build_vae(run.modality, run.seed, run.device)
     with execution(run.strict), torch.no_grad():
         # read inside the run's execution: what the calls ran under (off mode keeps torch's defaults, and on CUDA
         # cuDNN's TF32 default is on: docs/gpu-notes.md)
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32 or (run.device != "cpu" and torch.backends.cudnn.allow_tf32))
         deterministic = torch.are_deterministic_algorithms_enabled()
-        checks, record = (video_checks if run.modality == "video" else audio_checks)(run, vae)
+        checks, record = (video_checks if run.modality == "video" else audio_checks)(run, vae, step)
     failing = [c["check"] for c in checks if not c["pass"]]
     return {
         "modality": run.modality,
