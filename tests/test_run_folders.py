@@ -237,4 +237,4 @@ def test_compare_and_report_given_a_default_parent_use_its_latest_run(run_cli, l
     assert not (tmp_path / "cmp").exists()  # refused: its run folder went with it
     code, out, err = run_cli("report", parent, "--out", tmp_path / "page")
     assert code == 0 and err.splitlines()[0] == f"h3gate: using {parent}/{LATEST} -> {run.name}"
-    assert "1 evidence documents" in out
+    assert "1 evidence document," in out
