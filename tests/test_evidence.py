@@ -263,7 +263,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
 @pytest.mark.parametrize(
     ("commit", "evidence"),
     [
-        ("e20ba97", "evidence/h200/bench-ops-gemm-attention-medium-2/bench-ops.json"),  # manifests/, schemas/ on top
+        ("6d990da", "evidence/h200/bench-ops-gemm-attention-medium/bench-ops.json"),  # manifests/, schemas/ on top
         ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
         ("a169940", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, the attention by TMA
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
