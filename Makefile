@@ -7,7 +7,8 @@
 # and, for CI and the GPU host:
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
 #   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere
-#   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks (README, offline GPU host)
+#   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks
+#                      (docs/guides/offline-gpu-host.md)
 #   make install-sglang  SGLang 0.5.23's MiniMax-H3 DiT (the sglang candidate) into $(VENV); CI runs its tests
 #   make report        evidence/h200-report/: the committed H200 evidence as one HTML page (h3gate report)
 #   make docs          docs/cli.md (from the CLI's command tree) and evidence/h200/PROVENANCE.md (from its records)
