@@ -7,9 +7,11 @@
 # and, for CI and the GPU host:
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests
 #   make wheel-smoke   build the wheel, install it without the test extra into a fresh venv, run the CLI elsewhere
-#   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks (README, offline GPU host)
+#   make wheelhouse    ./.whl/: h3gate's wheel and the wheels an offline GPU host lacks
+#                      (docs/guides/offline-gpu-host.md)
 #   make install-sglang  SGLang 0.5.23's MiniMax-H3 DiT (the sglang candidate) into $(VENV); CI runs its tests
 #   make report        evidence/h200-report/: the committed H200 evidence as one HTML page (h3gate report)
+#   make docs          docs/cli.md (from the CLI's command tree) and evidence/h200/PROVENANCE.md (from its records)
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -45,7 +47,7 @@ WITH_SGLANG     ?=
 SLIM_SGLANG     ?=
 HOST_HAS        ?= tools/gpu-host-packages.txt
 
-.PHONY: install install-test install-sglang test-sglang demo test test-slow lint format test-newest wheel-smoke wheelhouse report clean
+.PHONY: install install-test install-sglang test-sglang demo test test-slow lint format test-newest wheel-smoke wheelhouse report docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -118,6 +120,12 @@ wheelhouse:
 
 report: $(TSTAMP)
 	$(BIN)/h3gate report evidence/h200 --out evidence/h200-report
+
+# The generated pages (tests/test_docs.py fails when either is stale). PROVENANCE.md is sealed with evidence/h200:
+# after it changes, reseal (h3gate seal evidence/h200).
+docs: $(STAMP)
+	$(BIN)/python tools/gen_cli_reference.py
+	$(BIN)/python tools/gen_provenance.py evidence/h200
 
 clean:
 	rm -rf $(VENV) $(NVENV) evidence/local .pytest_cache .ruff_cache .hypothesis build dist

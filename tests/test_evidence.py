@@ -263,7 +263,7 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
 @pytest.mark.parametrize(
     ("commit", "evidence"),
     [
-        ("e20ba97", "evidence/h200/bench-ops-gemm-attention-medium-2/bench-ops.json"),  # manifests/, schemas/ on top
+        ("6d990da", "evidence/h200/bench-ops-gemm-attention-medium/bench-ops.json"),  # manifests/, schemas/ on top
         ("2addd63", "evidence/h200/ws1-block-real-medium-fault-fwd/ws1-block.json"),  # h3gate/data/, a stamped copy
         ("a169940", "evidence/h200/ws1-block-real-small/ws1-block.json"),  # the fault matrix, the attention by TMA
         ("a1d8580", "evidence/h200/ablate-real-medium-a/ablation.json"),
@@ -286,9 +286,9 @@ def test_code_sha256_tool_prints_the_working_tree_hash() -> None:
 )
 def test_code_sha256_tool_reproduces_a_hash_named_by_committed_evidence(commit: str, evidence: str) -> None:
     """The code hash committed evidence names is the one ``tools/code_sha256.py COMMIT`` computes from git, in the
-    layout of each commit; the stamped revision is that commit, and no path the code hash covers was dirty. (Until
-    session 15 this asked for no dirty path at all; session 15's stamps list one untracked probe file under tools/,
-    outside the hash: stated in evidence/h200/PROVENANCE.md.)"""
+    layout of each commit; the stamped revision is that commit, and no path the code hash covers was dirty (a stamp
+    may list dirty paths outside the hash, such as an untracked probe file: the generated
+    evidence/h200/PROVENANCE.md lists every record's)."""
     import subprocess
 
     if subprocess.run(["git", "-C", str(CHECKOUT), "cat-file", "-e", f"{commit}^{{commit}}"], check=False).returncode:

@@ -45,7 +45,7 @@ def triton_path(s: int) -> str:
 # name -> the warp-specialised kernel's K/V buffers, KV walk width (128 keys: kernel id v2's walk; 64: v1's, compared
 # with the Triton forward of the same walk), launch (persistent: one program an SM walking tiles) and register split.
 # (perf-probe-22 also ran session 14's kernel, `git show 659521a:h3gate/kernels/attention_gluon.py`, from an untracked
-# copy under tools/: see evidence/h200/PROVENANCE.md, session 15.)
+# copy under tools/: see the git history of evidence/h200/PROVENANCE.md, session 15.)
 _V = {"stages": 2, "walk": 128, "persistent": False, "regs": (232, 40)}
 VARIANTS = {
     "ws": _V,

@@ -6,7 +6,7 @@
 # time cap so one cannot take the others' evidence with it; stage `tar` packs evidence/h200 into $OUT; stage `seal`
 # seals it.
 # Stages ops-rows, ops-gemm and block may share the GPU; ablate (the 50-block model, ~70 GB) and the bench stages
-# need it to themselves (a concurrent ablate ran ops-rows out of memory once: evidence/h200/PROVENANCE.md).
+# need it to themselves (a concurrent ablate ran ops-rows out of memory once: git log -- evidence/h200/PROVENANCE.md).
 set -uo pipefail
 [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1

@@ -50,7 +50,7 @@ VARIANTS = {
     "sw64t32_s6": replace(_SW, block_n=64, tail_m=32, num_stages=6),
     "sw128t16_s5": replace(_SW, tail_m=16),
     # (rounds 3 and 4 also ran unswapped tiles with a B tail of weight rows and three-consumer 192-row tiles; both
-    # were slower than the shipped tilings and were removed from the kernel, see evidence/h200/PROVENANCE.md)
+    # were slower than the shipped tilings and were removed from the kernel: git log -- evidence/h200/PROVENANCE.md)
 }
 # GEMM_LAYERS / GEMM_ROWS (comma lists) narrow a run to some layers and M
 if os.environ.get("GEMM_LAYERS"):

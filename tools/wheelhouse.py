@@ -28,7 +28,8 @@ server extensions, the test suites, the benchmarks; 37 -> 18 MiB), its RECORD re
 library: its FlashAttention-3, FlashMLA and InfLLM libraries (1.2 GB unpacked) are left behind, so that SGLang
 resolves its attention backend without them (the evidence records the backend it resolved).
 
-On the host: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` (README.md).
+On the host: ``python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl``
+(docs/guides/offline-gpu-host.md).
 """
 
 from __future__ import annotations

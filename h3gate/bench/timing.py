@@ -3,7 +3,7 @@
 * :func:`side_by_side` - several callables timed in one run: after untimed warm-up rounds (at least ``warmup`` of
   them and at least ``warmup_s`` seconds of them, each after an L2 flush like the timed calls; added after the first
   operator timed on a freshly started H200 host, the M = 264 QKV GEMM, read 0.106 ms against 0.063 ms in an earlier
-  run with 5 warm-up rounds, ``evidence/h200/PROVENANCE.md``), ``iters`` rounds
+  run with 5 warm-up rounds; git history of ``evidence/h200/PROVENANCE.md``), ``iters`` rounds
   each call every callable once in turn (interleaved, so clock and thermal drift hit all alike), each timed call
   preceded by zeroing a 256 MiB buffer (the H200's L2 is 50 MiB), so inputs never sit in L2 - no input rotation
   needed; per callable the median / min / max of its ``iters`` event timings. With ``head_start_us`` the device
