@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.writer import prepare_out, write_evidence
@@ -35,7 +36,7 @@ def compare_command(settings: CompareCommand) -> int:
     body = compare_runs(Path(run_a), Path(run_b), device)
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
     if settings.json:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = load_json_file(path, display(path), MAX_EVIDENCE_BYTES)
         print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}}, indent=1))
     else:
         console = stdout_console()

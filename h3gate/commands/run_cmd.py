@@ -6,7 +6,6 @@ mode meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
@@ -268,7 +268,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
-        print_table(json.loads(path.read_text(encoding="utf-8")), path)
+        print_table(load_json_file(path, display(path), MAX_EVIDENCE_BYTES), path)
     return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
 
 
