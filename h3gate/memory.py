@@ -11,8 +11,10 @@ folder). ``MAX_STEPS`` bounds every sigma-grid size a user can type, whatever th
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
+import tempfile
 from pathlib import Path
 
 from h3gate.errors import InputError
@@ -112,3 +114,23 @@ def require_steps(steps: int, flag: str = "--steps") -> None:
     """Refuse a sigma grid above :data:`MAX_STEPS` points."""
     if steps > MAX_STEPS:
         raise InputError(f"{flag} {steps}: above the limit of {MAX_STEPS:,} sigma grid points")
+
+
+def check_writable(path: Path, what: str, folder: bool = False) -> None:
+    """Refuse an output ``path`` that cannot be written, before any work: a file where a folder is wanted (or the
+    reverse), a file among its parents, or a nearest existing folder that refuses a new file (probed with a
+    temporary file, removed at once: a read-only mount or ``/proc`` refuses even root)."""
+    p = Path(path)
+    if p.exists() and folder != p.is_dir():
+        raise InputError(f"{what} {p}: exists and is {'not a folder' if folder else 'a folder'}")
+    here = p if folder and p.is_dir() else p.parent
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise InputError(f"{what} {p}: cannot create ({here} is a file, not a folder)")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".h3gate-probe.", dir=here)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"{what} {p}: cannot write in {here} ({exc.strerror or exc})") from None

@@ -22,6 +22,7 @@ from h3gate.evidence.writer import atomic_write_safetensors, prepare_out, write_
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
+from h3gate.memory import check_writable
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.memory_plan import GateNeeds
@@ -102,8 +103,8 @@ def check_gate_args(
     """The cheap checks every gate command makes first: mode, tolerance profile (loaded), --save-tensors, --out."""
     tol_file = tolerance_path(tolerance)
     tol = load_tolerance(tol_file)
-    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
-        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
+    if save_tensors is not None:
+        check_writable(Path(save_tensors), "--save-tensors", folder=True)
     if out is not None:
         prepare_out(out)
     return tol_file, tol
