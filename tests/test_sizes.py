@@ -282,3 +282,18 @@ def test_save_tensors_is_checked_before_the_gate(verb, tmp_path, run_cli, monkey
 def test_save_is_checked_before_the_work(verb, run_cli):
     code, _, err = run_cli(*verb, "--save", "/sys/h3gate.safetensors")
     assert code == 2 and "--save /sys/h3gate.safetensors: cannot write in /sys" in err, err
+
+
+@pytest.mark.slow
+def test_trajectory_disk_estimate_covers_each_step_file(tmp_path, run_cli):
+    from h3gate.runs.ws1_trajectory import TrajectorySettings, prepare_trajectory, step_file_bytes
+
+    for batch_with in (None, 7):
+        extra = [] if batch_with is None else ["--batch-with", str(batch_with)]
+        out = tmp_path / f"t{batch_with}"
+        code, _, err = run_cli("run", "ws1-trajectory", "--steps", "3", "--device", "cpu", "--out", out, *extra)
+        assert code == 0, err
+        estimate = step_file_bytes(prepare_trajectory(TrajectorySettings(steps=3, batch_with=batch_with)))
+        for side in sorted((out / "steps").glob("step-*.json")):
+            written = side.stat().st_size + side.with_suffix(".safetensors").stat().st_size
+            assert written <= estimate <= 2 * written + 64 * 1024, (written, estimate)

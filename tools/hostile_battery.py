@@ -1,14 +1,16 @@
 """Hostile battery: absurd sizes, deep or huge JSON/YAML, failing writes and bad output paths, each run as a
 subprocess under a memory cap; prints every case's exit code and peak resident memory.
 
-    python tools/hostile_battery.py [--checkout DIR] [--cap-gib 1.0] [--timeout 120] [-k SUBSTRING]
+    python tools/hostile_battery.py [--checkout DIR] [--cap-gib 1.0] [--as-gib 3.0] [--timeout 120] [-k SUBSTRING]
 
 Each case runs ``sys.executable -m h3gate ...`` with ``PYTHONPATH=CHECKOUT`` (default: this file's repository) and
 ``TRITON_INTERPRET=1`` in a fresh folder of one temporary directory (fixtures: a tiny synthetic checkpoint and
 variants of it with absurd config fields, deeply nested JSON and YAML files, a sealed evidence folder). Its peak
 RSS comes from ``os.wait4`` (the kernel's ``ru_maxrss`` of that child); a watchdog also polls ``/proc/PID/status``
 and kills a case whose resident memory passes the cap (reported as ``KILLED``), so a regression never takes the
-host down. ``RLIMIT_FSIZE`` simulates a full disk for the write cases (``SIGXFSZ`` ignored: writes fail with EFBIG).
+host down. Each case also runs under ``RLIMIT_AS`` (``--as-gib``, default 3: about 2.3 GiB above what torch maps at
+import), which h3gate's memory checks honour: its estimates are judged against that, not the host's size.
+``RLIMIT_FSIZE`` simulates a full disk for the write cases (``SIGXFSZ`` ignored: writes fail with EFBIG).
 
 Exit 0 when every case exited with the code it expects (0, 1 or 2; never 3, never a signal) below the cap.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NOWHERE = "/proc/h3gate-nowhere"  # a folder nobody, root included, can create
 DEEP = 100_000  # nesting levels of the deep JSON/YAML files (far past any recursion limit)
 
 
@@ -93,6 +96,12 @@ def fixtures(d: Path) -> None:
     (idx / "diffusion_pytorch_model.safetensors.index.json").write_text(_deep_json())
     (d / "deep.yaml").write_text(_deep_yaml())
     (d / "deep.json").write_text(_deep_json())
+    levels = ["a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)]
+    (d / "laughs.yaml").write_text("\n".join(levels) + "\n")
+    big = d / "huge-config"
+    big.mkdir()
+    (big / "config.json").write_text('{"pad": "' + "x" * 20_000_000 + '"}')
     (d / "huge.yaml").write_text("a: [" + "0, " * 20_000_000 + "0]\n")
     _h3(d, "run", "ws1-ops", "--op", "h3_rmsnorm", "--out", "ev")
     ev = d / "ev-deep"
@@ -105,6 +114,10 @@ def fixtures(d: Path) -> None:
 
 
 CASES: tuple[Case, ...] = (
+    # controls: at the limits, accepted
+    Case("control-schedule-steps-10000", ("schedule", "--steps", "10000", "--json"), expect=0),
+    Case("control-synth-tiny", ("synth-checkpoint", "--config", "tiny", "--out", "{w}/c"), expect=0),
+    Case("control-layout-save", ("layout", "tiny", "--save", "{w}/l.safetensors"), expect=0),
     # 1. sizes
     Case("schedule-steps-1e9", ("schedule", "--steps", "1000000000")),
     Case("ws1-trajectory-steps-1e9", ("run", "ws1-trajectory", "--steps", "1000000000", "--out", "{w}/t")),
@@ -119,29 +132,49 @@ CASES: tuple[Case, ...] = (
     Case("ws1-ops-real-768p", ("run", "ws1-ops", "--config", "real", "--layouts", "768p", "--out", "{w}/o")),
     Case("vae-real", ("run", "vae", "--modality", "video", "--geometry", "real", "--out", "{w}/v")),
     Case("synth-real", ("synth-checkpoint", "--config", "real", "--out", "{w}/c"), must_not_exist=("{w}/.c.*",)),
-    Case("layout-frames-1e9", ("layout", "tiny", "--latent-frames", "1000000000")),
+    Case(
+        "layout-frames-1e9",
+        (
+            "layout",
+            "--text-tokens",
+            "8",
+            "--latent-frames",
+            "1000000002",
+            "--latent-height",
+            "4",
+            "--latent-width",
+            "4",
+            "--audio-latents",
+            "4",
+        ),
+    ),  # fmt: skip
     # 2. parsers and writes
     Case("fingerprint-deep-config", ("fingerprint", "--checkpoint", "{d}/deep-config", "--out", "{w}/f")),
     Case("fingerprint-deep-header", ("fingerprint", "--checkpoint", "{d}/deep-header", "--out", "{w}/f")),
     Case("fingerprint-deep-index", ("fingerprint", "--checkpoint", "{d}/deep-index", "--out", "{w}/f")),
     Case("ws1-model-deep-config", ("run", "ws1-model", "--checkpoint", "{d}/deep-config", "--out", "{w}/m")),
-    Case("ws1-ops-deep-tolerance", ("run", "ws1-ops", "--op", "h3_rmsnorm", "--tolerance", "{d}/deep.yaml",
-                                    "--out", "{w}/o")),  # fmt: skip
+    Case("ws1-block-deep-tolerance", ("run", "ws1-block", "--tolerance", "{d}/deep.yaml", "--out", "{w}/o")),
     Case("ws1-ops-deep-config", ("run", "ws1-ops", "--config", "{d}/deep.yaml", "--out", "{w}/o")),
+    Case("ws1-ops-alias-bomb-config", ("run", "ws1-ops", "--config", "{d}/laughs.yaml", "--out", "{w}/o")),
+    Case("fingerprint-huge-config-json", ("fingerprint", "--checkpoint", "{d}/huge-config", "--out", "{w}/f")),
     Case("ws1-ops-huge-config", ("run", "ws1-ops", "--config", "{d}/huge.yaml", "--out", "{w}/o")),
     Case("seal-deep-evidence", ("seal", "{d}/ev-deep")),
     Case("report-deep-evidence", ("report", "{d}/ev-deep", "--out", "{w}/r")),
     Case("compare-deep", ("compare", "{d}/deep.json", "{d}/deep.json")),
-    Case("synth-disk-full", ("synth-checkpoint", "--config", "tiny", "--out", "{w}/c"), fsize=100_000,
-         must_not_exist=("{w}/c", "{w}/.c.*")),  # fmt: skip
-    Case("ws1-trajectory-disk-full", ("run", "ws1-trajectory", "--steps", "3", "--out", "{w}/t"), fsize=2_000),
+    Case(
+        "synth-disk-full",
+        ("synth-checkpoint", "--config", "tiny", "--out", "{w}/c"),
+        fsize=100_000,
+        must_not_exist=("{w}/c", "{w}/.c.*"),
+    ),  # fmt: skip
+    Case("ws1-trajectory-disk-full", ("run", "ws1-trajectory", "--steps", "3", "--out", "{w}/t"), fsize=6_000),
     # 3. output paths and indices
     Case("ws1-block-save-tensors-file", ("run", "ws1-block", "--save-tensors", "{d}/a-file/x", "--out", "{w}/b")),
-    Case("ws1-block-save-tensors-proc", ("run", "ws1-block", "--save-tensors", "/proc/h3gate-nowhere/x", "--out", "{w}/b")),
-    Case("ws1-model-save-tensors-proc", ("run", "ws1-model", "--save-tensors", "/proc/h3gate-nowhere/x", "--out", "{w}/m")),
-    Case("layout-save-proc", ("layout", "tiny", "--save", "/proc/h3gate-nowhere/x.safetensors")),
-    Case("schedule-save-proc", ("schedule", "--steps", "4", "--save", "/proc/h3gate-nowhere/x.safetensors")),
-    Case("keygen-out-proc", ("keygen", "--out", "/proc/h3gate-nowhere/key")),
+    Case("ws1-block-save-tensors-proc", ("run", "ws1-block", "--save-tensors", NOWHERE + "/x", "--out", "{w}/b")),
+    Case("ws1-model-save-tensors-proc", ("run", "ws1-model", "--save-tensors", NOWHERE + "/x", "--out", "{w}/m")),
+    Case("layout-save-proc", ("layout", "tiny", "--save", NOWHERE + "/x.safetensors")),
+    Case("schedule-save-proc", ("schedule", "--steps", "4", "--save", NOWHERE + "/x.safetensors")),
+    Case("keygen-out-proc", ("keygen", "--out", NOWHERE + "/key")),
     Case("report-out-file", ("report", "{d}/ev", "--out", "{d}/a-file")),
     Case("ws1-trajectory-until-99", ("run", "ws1-trajectory", "--steps", "3", "--until", "99", "--out", "{w}/t")),
     Case("ws1-model-layers-past-end", ("run", "ws1-model", "--layers", "0:999", "--out", "{w}/m")),
@@ -160,13 +193,15 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def run_case(case: Case, d: Path, w: Path, checkout: Path, cap: int, timeout: float) -> dict:
+def run_case(case: Case, d: Path, w: Path, checkout: Path, cap: int, timeout: float, address_space: int | None) -> dict:
     """Run one case; its exit code, peak RSS (bytes), wall seconds, stderr's last line, whether it was killed."""
     argv = [a.format(d=d, w=w) for a in case.argv]
     env = {**os.environ, "PYTHONPATH": str(checkout), "TRITON_INTERPRET": "1"}
     env.pop("H3GATE_HOME", None)
 
     def limits() -> None:
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         if case.fsize is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (case.fsize, case.fsize))
@@ -211,10 +246,12 @@ def main() -> int:
     parser.add_argument("--checkout", type=Path, default=ROOT)
     parser.add_argument("--cap-gib", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--as-gib", type=float, default=3.0, help="RLIMIT_AS of each case (0: none).")
     parser.add_argument("-k", default="", help="Run only the cases whose name contains this.")
     parser.add_argument("--json", type=Path, default=None, help="Also write the results to this file.")
     args = parser.parse_args()
     cap = int(args.cap_gib * 2**30)
+    address_space = int(args.as_gib * 2**30) if args.as_gib > 0 else None
     results = []
     with tempfile.TemporaryDirectory(prefix="h3gate-battery-") as tmp:
         d = Path(tmp) / "fixtures"
@@ -224,7 +261,7 @@ def main() -> int:
         for i, case in enumerate(c for c in CASES if args.k in c.name):
             w = Path(tmp) / f"case-{i}"
             w.mkdir()
-            r = run_case(case, d, w, args.checkout.resolve(), cap, args.timeout)
+            r = run_case(case, d, w, args.checkout.resolve(), cap, args.timeout, address_space)
             r["ok"] = r["rc"] == r["expect"] and not r["killed"] and not r["leftovers"]
             results.append(r)
             flag = "ok  " if r["ok"] else "FAIL"
