@@ -122,7 +122,8 @@ def check_writable(path: Path, what: str, folder: bool = False) -> None:
     temporary file, removed at once: a read-only mount or ``/proc`` refuses even root)."""
     p = Path(path)
     if p.exists() and folder != p.is_dir():
-        raise InputError(f"{what} {p}: exists and is {'not a folder' if folder else 'a folder'}")
+        why = "exists and is not a folder" if folder else "cannot write (a folder is there)"
+        raise InputError(f"{what} {p}: {why}")
     here = p if folder and p.is_dir() else p.parent
     while not here.exists() and here != here.parent:
         here = here.parent

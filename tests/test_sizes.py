@@ -76,36 +76,50 @@ def test_every_manifest_loads_through_the_bounded_loader():
         assert read_yaml(f) is not None
 
 
-@pytest.mark.parametrize("which", ["config", "header", "index", "tolerance", "yaml-config", "evidence"])
-def test_deep_documents_under_the_cli_are_exit_2(which, tmp_path, run_cli, tiny_checkpoint):
-    ckpt = tiny_checkpoint("sizes", "ckpt", 0)
+def _deep_files(tmp_path: Path) -> dict[str, Path]:
     deep = _deep_json()
-    if which in ("config", "header", "index"):
-        folder = tmp_path / "ck"
-        folder.mkdir()
-        (folder / "config.json").write_text((ckpt / "config.json").read_text())
-        if which == "config":
-            (folder / "config.json").write_text(deep)
-            for f in ckpt.glob("*.safetensors"):
-                os.link(f, folder / f.name)
-        elif which == "header":
-            blob = deep.encode()
-            (folder / "diffusion_pytorch_model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob)
-        else:
-            (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(deep)
+    (tmp_path / "config.json").write_text(deep)
+    (tmp_path / "index.json").write_text(deep)
+    (tmp_path / "deep.yaml").write_text("a: " + deep + "\n")
+    blob = deep.encode()
+    (tmp_path / "h.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob)
+    return {n: tmp_path / n for n in ("config.json", "index.json", "deep.yaml", "h.safetensors")}
+
+
+@pytest.mark.parametrize("reader", ["config.json", "index.json", "header", "tolerance", "config yaml", "evidence"])
+def test_every_reader_refuses_a_deep_document(reader, tmp_path):
+    """config.json and index.json (``checkpoint.read_json``), a safetensors header, a ``--tolerance`` and a
+    ``--config`` YAML, an evidence file under seal/report (``seal.load_json``)."""
+    from h3gate.checkpoint import read_json, read_safetensors_header
+    from h3gate.evidence.seal import load_json
+    from h3gate.manifests.model_config import load_config
+    from h3gate.manifests.tolerances import load_tolerance
+
+    files = _deep_files(tmp_path)
+    call = {
+        "config.json": lambda: read_json(files["config.json"]),
+        "index.json": lambda: read_json(files["index.json"]),
+        "header": lambda: read_safetensors_header(files["h.safetensors"]),
+        "tolerance": lambda: load_tolerance(files["deep.yaml"]),
+        "config yaml": lambda: load_config(files["deep.yaml"]),
+        "evidence": lambda: load_json(files["config.json"], "run/ws1-ops.json"),
+    }[reader]
+    with pytest.raises(InputError, match=r"(\.json|\.yaml|\.safetensors): .*nested .*(limit of 64|64 levels)"):
+        call()
+
+
+@pytest.mark.parametrize("verb", ["fingerprint", "seal"])
+def test_deep_documents_under_the_cli_are_exit_2(verb, tmp_path, run_cli):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    if verb == "fingerprint":
+        (folder / "config.json").write_text(_deep_json())
         code, _, err = run_cli("fingerprint", "--checkpoint", folder, "--out", tmp_path / "ev")
-    elif which in ("tolerance", "yaml-config"):
-        (tmp_path / "deep.yaml").write_text("a: " + deep + "\n")
-        flag = "--tolerance" if which == "tolerance" else "--config"
-        code, _, err = run_cli("run", "ws1-block", flag, tmp_path / "deep.yaml", "--out", tmp_path / "ev")
     else:
-        folder = tmp_path / "ev"
-        folder.mkdir()
-        (folder / "ws1-ops.json").write_text(deep)
+        (folder / "ws1-ops.json").write_text(_deep_json())
         code, _, err = run_cli("seal", folder)
     assert code == 2, err
-    assert err.startswith("h3gate: error: ") and "nested" in err and "limit" in err, err
-    assert "RecursionError" not in err
+    assert err.startswith("h3gate: error: ") and "nested 50000 levels deep, above the limit of 64" in err, err
 
 
 # ---- 2. failing writes -----------------------------------------------------------------------------------------
