@@ -196,7 +196,9 @@ def _rss_bytes(pid: int) -> int:
 def run_case(case: Case, d: Path, w: Path, checkout: Path, cap: int, timeout: float, address_space: int | None) -> dict:
     """Run one case; its exit code, peak RSS (bytes), wall seconds, stderr's last line, whether it was killed."""
     argv = [a.format(d=d, w=w) for a in case.argv]
-    env = {**os.environ, "PYTHONPATH": str(checkout), "TRITON_INTERPRET": "1"}
+    # GIT_OPTIONAL_LOCKS=0: provenance's ``git status`` leaves the checkout's index alone (under RLIMIT_FSIZE a
+    # refresh would die holding index.lock)
+    env = {**os.environ, "PYTHONPATH": str(checkout), "TRITON_INTERPRET": "1", "GIT_OPTIONAL_LOCKS": "0"}
     env.pop("H3GATE_HOME", None)
 
     def limits() -> None:
