@@ -330,3 +330,21 @@ def test_ws1_ops_estimate_against_measured_peak(tmp_path):
     grown = peaks[3160] - peaks[264]
     estimate = case_bytes("h3_swiglu", 3160, cfg) - case_bytes("h3_swiglu", 264, cfg)
     assert grown <= estimate <= 4 * grown + 16 * 2**20, (grown, estimate)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["schedule", "--steps", "1000000000"], "--steps 1000000000: above the limit of 10,000"),
+        (["run", "ws1-trajectory", "--steps", "1000000000"], "--steps 1000000000: above the limit of 10,000"),
+        (["run", "arms", "--steps", "1000000000"], "--steps 1000000000: above the limit of 10,000"),
+        (
+            ["run", "arms", "--batch", "1000000000"],
+            "--batch 1000000000 --steps 4 at --layout micro --config tiny: needs at least 14099121.1 GiB",
+        ),  # fmt: skip
+    ],
+)
+def test_absurd_steps_and_batch_are_exit_2(args, message, run_cli, tmp_path):
+    code, _, err = run_cli(*args, *(["--out", tmp_path / "o"] if args[0] == "run" else []))
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "o").exists()

@@ -195,6 +195,7 @@ def batch_bytes(cfg: ModelConfig, seq_len: int, batch: int, steps: int) -> int:
 def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     """Check every input (InputError before any weight is read or any folder written); the stack without its
     module, and the weight source."""
+    require_steps(settings.steps)
     require_diffusers()
     check_rollout(settings)
     if settings.lora_rank is not None:
@@ -205,7 +206,6 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
         raise InputError(f"--batch {settings.batch}: must be at least 1")
     if settings.steps < 2:
         raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
-    require_steps(settings.steps)
     checkpoint = None if settings.checkpoint is None else str(settings.checkpoint)
     run = prepare(RunSpec("model", settings.layout, settings.config, checkpoint, settings.device, settings.seed,
                           "strict", blocks=settings.layers, draw="device"))  # fmt: skip
