@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from h3gate.bounded import load_json_file, loads_json
 from h3gate.errors import InputError
 from h3gate.manifests.loader import validate
 from h3gate.manifests.model_config import ARCHITECTURE, ModelConfig
@@ -142,7 +143,7 @@ def read_safetensors_header(file: Path) -> tuple[dict[str, StoredTensor], dict[s
     except OSError as exc:
         raise InputError(f"{where}: cannot read ({exc.strerror or exc})") from None
     try:
-        header = json.loads(blob.decode("utf-8"))
+        header = loads_json(blob.decode("utf-8"), where, MAX_HEADER_BYTES)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{where}: header is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(header, dict):
@@ -175,7 +176,7 @@ def read_json(file: Path) -> Any:
     if not Path(file).is_file():
         raise InputError(f"{where}: missing")
     try:
-        return json.loads(Path(file).read_text(encoding="utf-8"))
+        return load_json_file(Path(file), where)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}: malformed JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except (UnicodeDecodeError, OSError) as exc:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.errors import InputError
-from h3gate.memory import require
+from h3gate.memory import require, require_steps
 from h3gate.ops.reference import conditioning_noise_mix
 
 VIDEO_SHIFT = 12.0
@@ -46,6 +46,7 @@ def build_schedule(steps: int, shift: float) -> Schedule:
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 2:
         raise InputError(f"--steps {steps}: must be an integer >= 2 (the grid includes the terminal sigma 0)")
     steps = int(steps)
+    require_steps(steps)
     # linspace, the shifted grid, its unique copy and the timesteps: four float32 tensors of ``steps`` values.
     require(16 * steps, f"--steps {steps}", hint="ask for fewer steps")
     shift = float(shift)

@@ -48,6 +48,7 @@ from h3gate.errors import InputError
 from h3gate.inventory import DEFAULT_PRECISION, TensorSpec, expected_inventory
 from h3gate.manifests.checkpoint_manifest import PrecisionMap
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.memory import require, require_disk
 from h3gate.paths import display
 
 NORM_STD = 0.1
@@ -228,6 +229,21 @@ def write_safetensors(path: Path, source: WeightSource, names: list[str], metada
     return len(head) + data_size
 
 
+SHARD_HEADER_BYTES = 256  # header bytes per tensor entry (name, dtype, shape, offsets), an upper estimate
+CONFIG_FILES_BYTES = 1 << 20  # config.json and the shard index
+
+
+def check_room(source: WeightSource, out: Path, shards: int) -> None:
+    """Before the folder is made: the disk under ``out`` holds every tensor's bytes plus the headers and JSON files;
+    host memory holds the largest tensor three times at float32 (the draw, its cast, the byte view written)."""
+    names = source.names()
+    data = sum(_nbytes(source, n) for n in names) + SHARD_HEADER_BYTES * len(names) + CONFIG_FILES_BYTES
+    require_disk(data, out, f"{display(out)} ({len(names)} tensors in {shards} file(s))", hint="free the disk or "
+                 "write elsewhere")  # fmt: skip
+    largest = max((prod(source.meta(n)[0]) for n in names), default=0)
+    require(3 * 4 * largest, f"{display(out)}: its largest tensor ({largest:,} values)")
+
+
 def _shard_name(i: int, n: int) -> str:
     return f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
 
@@ -256,6 +272,7 @@ def write_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{display(out)}: already exists and is not an empty folder")
     shards = plan_shards(source, shard_size)
+    check_room(source, out, len(shards))
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise InputError(f"{display(out)}: cannot create ({display(blocker)} is a file, not a folder)")

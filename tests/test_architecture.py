@@ -28,6 +28,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "h3gate.hashing",
             "h3gate.dtypes",
             "h3gate.memory",
+            "h3gate.bounded",
             "h3gate.numerics",
             "h3gate.ranks",
         ),

@@ -33,7 +33,9 @@ import torch
 from h3gate.arms.sglang_side import SglangEngine, SglangFault, build_sglang
 from h3gate.arms.sides import Rollout, rollout
 from h3gate.arms.stack import ArmsSettings, Stack, plan_stack
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.errors import InputError
+from h3gate.paths import display
 from h3gate.ranks import ERROR_PREFIX, rank_main, run_ranks
 from h3gate.runs.trajectory_files import complete_steps, load_step
 
@@ -63,7 +65,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    spec = json.loads((folder / SPEC).read_text(encoding="utf-8"))
+    spec = load_json_file(folder / SPEC, display(folder / SPEC))
     settings = settings_from(spec["settings"])
     torch.set_num_threads(spec["threads"])
     device = settings.device
@@ -135,7 +137,7 @@ def tp_rollouts(
             kind = "TP" if stack.settings.tp > 1 else "Ulysses"
             progress(f"rollout {', '.join(letters)} (sglang): {world} {kind} ranks")
         _launch(world, folder)
-        record = json.loads((folder / RECORD).read_text(encoding="utf-8"))
+        record = load_json_file(folder / RECORD, display(folder / RECORD), MAX_EVIDENCE_BYTES)
         engine = SglangEngine(stack, fault, source)
         rollouts = {k: read_rollout(stack, k, out / f"rollout-{k}", _final(folder, k), engine) for k in letters}
     for letter, rolled in rollouts.items():

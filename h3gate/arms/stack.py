@@ -31,6 +31,7 @@ from h3gate.graph.model import raw_metadata
 from h3gate.kernels.tp_layers import check_tp_order
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.memory import require, require_steps
 from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import RunSpec, prepare
 from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT
@@ -181,9 +182,20 @@ def check_rollout(settings: ArmsSettings) -> None:
                          "direct path, where SGLang's forward splits the rows itself)")  # fmt: skip
 
 
+def batch_bytes(cfg: ModelConfig, seq_len: int, batch: int, steps: int) -> int:
+    """What ``batch`` requests hold at once, an upper estimate: per packed row, one block's node values
+    (``6 H + 8 N D + 3 F``, float32) for every block and refiner block plus two (the autograd graph and the gradients
+    of the training arm, x2), and each step's latents of the four rollouts (float32, the widest input row)."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    blocks = cfg.num_layers + cfg.num_refiner_layers + 2
+    width = max(cfg.video_patch_dim, cfg.audio_in_channels)
+    return batch * seq_len * ((6 * h + 8 * nd + 3 * f) * 4 * 2 * blocks + steps * 4 * 4 * width)
+
+
 def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     """Check every input (InputError before any weight is read or any folder written); the stack without its
     module, and the weight source."""
+    require_steps(settings.steps)
     require_diffusers()
     check_rollout(settings)
     if settings.lora_rank is not None:
@@ -203,6 +215,9 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     if settings.ulysses > 1 and cfg.num_attention_heads % settings.ulysses:
         raise InputError(f"--ulysses {settings.ulysses}: {cfg.num_attention_heads} heads do not divide among the ranks")
     check_tp_order(settings.tp, settings.merge, cfg, f"--tp {settings.tp}", "add --merge-order seg8")
+    require(batch_bytes(cfg, layout.seq_len, settings.batch, settings.steps), f"--batch {settings.batch} --steps "
+            f"{settings.steps} at --layout {settings.layout} --config {config_name}", device, hint="ask for a smaller "
+            "batch")  # fmt: skip
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     plan = row_timestep_plan(layout, recipe, *recipe.schedules())
     requests = [make_request(layout, cfg, settings.seed, b, device) for b in range(settings.batch)]

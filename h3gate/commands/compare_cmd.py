@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, stdout_console, use_latest
 from h3gate.commands.explain import compare_lines, count
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
@@ -39,7 +40,7 @@ def compare_command(settings: CompareCommand) -> int:
     body = compare_runs(use_latest(Path(run_a)), use_latest(Path(run_b)), device)
     path = write_evidence(folder, f"{KIND}.json", KIND, body, device=device)
     if settings.json:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = load_json_file(path, display(path), MAX_EVIDENCE_BYTES)
         verdict = {"verdict": "pass" if body["all_equal"] else "fail"}
         print(json.dumps({"evidence": display(path), **{k: doc[k] for k in doc if k != "runs"}, **verdict}, indent=1))
     else:

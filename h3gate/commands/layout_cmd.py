@@ -28,6 +28,7 @@ from h3gate.manifests.layouts import (
     load_layout,
 )
 from h3gate.manifests.loader import describe_validation_error
+from h3gate.memory import check_writable
 
 DEFAULT_LAYOUT = "tiny"
 FLAGS = {
@@ -46,14 +47,21 @@ REF_FORMS = {"image": "image:H:W", "video": "video:F:H:W[:A]", "audio": "audio:A
 _ENTRY = re.compile(r"^entry (\d+) \([^)]*\): (.*)$")
 
 
-def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+def check_save_path(path: Path) -> None:
+    """``--save PATH`` before any work: a ``.safetensors`` name in an existing folder that takes a new file."""
     path = Path(path)
     if path.suffix != ".safetensors":
         raise InputError(f"--save {path}: must end in .safetensors")
     if not path.parent.is_dir():
         what = "is not a folder" if path.parent.exists() else "does not exist"
         raise InputError(f"--save {path}: folder {path.parent} {what}")
+    check_writable(path, "--save")
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write ``tensors`` to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+    path = Path(path)
+    check_save_path(path)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     atomic_write_safetensors({path: tensors}, metadata, f"--save {path}")
 
@@ -222,6 +230,8 @@ class LayoutCommand:
 def layout_command(settings: LayoutCommand) -> int:
     """``h3gate layout``: build, optionally save (five tensors; the reference row counts as metadata), print."""
     save = settings.save
+    if save is not None:
+        check_save_path(save)
     geometry = {field: getattr(settings, field) for field in GEOMETRY}
     anchors, vision_rows, refs = list(settings.anchors), list(settings.text_vision_rows), list(settings.refs)
     layout = resolve_layout(settings.name, geometry, anchors, vision_rows, settings.task, refs)

@@ -8,7 +8,6 @@ meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
 from h3gate.commands.explain import gate_detail, gate_lines
 from h3gate.commands.run_cmd import check_gate_args, layout_record, print_failing, save_tensor_files
@@ -103,7 +103,7 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
-        print_summary(json.loads(path.read_text(encoding="utf-8")), path)
+        print_summary(load_json_file(path, display(path), MAX_EVIDENCE_BYTES), path)
     return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
 
 

@@ -27,6 +27,7 @@ from h3gate.evidence.writer import write_evidence
 from h3gate.layout import parse_layouts
 from h3gate.manifests.layouts import LAYOUTS_FILE
 from h3gate.manifests.model_config import load_config
+from h3gate.memory import require
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "ws1-ops"
@@ -71,6 +72,10 @@ def ws1_ops_command(settings: Ws1OpsCommand) -> int:
     else:
         selected, not_run = opsgate.default_ops(known)
     headers = {op: opsgate.operator_header(op, device) for op in selected}  # strict binds first: fail before running
+    for name, n in rows:
+        need, op = max((opsgate.case_bytes(op, n, cfg_manifest.config), op) for op in selected)
+        require(need, f"--layouts {name} (S={n}) --config {settings.config}: operator {op}", device,
+                hint="ask for a smaller layout or --device cuda")  # fmt: skip
 
     folder = enter_run(out, LOCAL_EVIDENCE / KIND, settings.force)
     return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, folder, settings.json)

@@ -6,7 +6,6 @@ mode meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from rich.markup import escape
 from rich.table import Table
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
 from h3gate.commands.explain import failing_header, gate_detail, gate_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
@@ -24,6 +24,7 @@ from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
+from h3gate.memory import check_writable
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.memory_plan import GateNeeds
@@ -106,8 +107,8 @@ def check_gate_args(
     (:func:`~h3gate.evidence.runfolder.check_out`: holding evidence is refused without ``force``)."""
     tol_file = tolerance_path(tolerance)
     tol = load_tolerance(tol_file)
-    if save_tensors is not None and Path(save_tensors).exists() and not Path(save_tensors).is_dir():
-        raise InputError(f"--save-tensors {display(Path(save_tensors))}: exists and is not a folder")
+    if save_tensors is not None:
+        check_writable(Path(save_tensors), "--save-tensors", folder=True)
     check_out(out, force)
     return tol_file, tol
 
@@ -306,7 +307,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
-        print_table(json.loads(path.read_text(encoding="utf-8")), path)
+        print_table(load_json_file(path, display(path), MAX_EVIDENCE_BYTES), path)
     return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
 
 

@@ -9,9 +9,12 @@ from pathlib import Path
 from rich.table import Table
 
 from h3gate.commands.console import print_verdict, stdout_console
-from h3gate.commands.layout_cmd import save_safetensors
+from h3gate.commands.layout_cmd import check_save_path, save_safetensors
 from h3gate.errors import EXIT_PASS
+from h3gate.memory import require, require_steps
 from h3gate.schedule import Schedule, build_schedule, sigma_hash
+
+PRINT_BYTES_PER_STEP = 4096  # a grid point's Python floats, JSON text and table row (~2.2 KB measured)
 
 
 def schedule_summary(schedule: Schedule) -> dict:
@@ -39,6 +42,10 @@ class ScheduleCommand:
 def schedule_command(settings: ScheduleCommand) -> int:
     """Build the schedule, optionally save it, print it; 0."""
     save = settings.save
+    require_steps(settings.steps)
+    if save is not None:
+        check_save_path(save)
+    require(PRINT_BYTES_PER_STEP * settings.steps, f"--steps {settings.steps} (the printed grid)")
     schedule = build_schedule(settings.steps, settings.shift)
     summary = schedule_summary(schedule)
     if save is not None:

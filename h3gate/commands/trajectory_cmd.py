@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.commands.explain import trajectory_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
@@ -42,7 +43,7 @@ def _previous(rundir: Path) -> list[dict]:
     if not path.is_file():
         return []
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = load_json_file(path, display(path), MAX_EVIDENCE_BYTES)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return []
     return list(doc.get("invocations", []))
@@ -51,7 +52,7 @@ def _previous(rundir: Path) -> list[dict]:
 def _step_files(rundir: Path) -> dict[str, str]:
     out = {}
     for side in sorted((rundir / STEPS).glob("step-*.json")):
-        record = json.loads(side.read_text(encoding="utf-8"))
+        record = load_json_file(side, display(side), MAX_EVIDENCE_BYTES)
         out[record["file"]] = record["file_sha256"]
     return out
 

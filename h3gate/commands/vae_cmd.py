@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.commands.explain import gate_detail
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
-from h3gate.paths import LOCAL_EVIDENCE
+from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.vae import VaeRun
 
 KIND = "vae"
@@ -50,7 +50,7 @@ def vae_command(settings: VaeCommand) -> int:
     if settings.json:
         print(path.read_text(encoding="utf-8"), end="")
     else:
-        _print(json.loads(path.read_text(encoding="utf-8")), path)
+        _print(load_json_file(path, display(path), MAX_EVIDENCE_BYTES), path)
     return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import socket
@@ -14,6 +13,7 @@ from functools import cache
 from pathlib import Path
 
 import h3gate
+from h3gate.bounded import loads_json
 from h3gate.errors import InputError
 from h3gate.paths import display
 
@@ -102,8 +102,8 @@ def read_stamp(root: Path) -> dict | None:
     if _is_sha(text):
         return {"revision": text, "code_sha256": None, "dirty_files": None}
     try:
-        stamp = json.loads(text)
-    except ValueError:
+        stamp = loads_json(text, display(path))
+    except (ValueError, InputError):
         return None
     if not isinstance(stamp, dict) or not _is_sha(str(stamp.get("revision", ""))):
         return None

@@ -17,6 +17,7 @@ from jsonschema.exceptions import SchemaError, best_match
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+from h3gate.bounded import load_json_file
 from h3gate.errors import InputError
 from h3gate.paths import SCHEMAS, display
 
@@ -37,7 +38,7 @@ def kinds(folder: Path | None = None) -> list[str]:
 def read_schema(path: Path) -> dict:
     """One schema file parsed as JSON; unreadable, malformed or non-object files are input errors naming it."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = load_json_file(Path(path), display(path))
     except OSError as exc:
         raise InputError(f"{display(path)}: cannot read ({exc.strerror or exc})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

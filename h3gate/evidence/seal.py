@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, loads_json, read_bounded
 from h3gate.errors import InputError
 from h3gate.evidence import signing
 from h3gate.evidence.provenance import sha256_file
@@ -92,7 +93,9 @@ def parse_json(text: str, rel: str) -> Any:
     """Parse JSON text strictly (NaN/Infinity and duplicate keys refused); failures are input errors naming
     ``rel``."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        return loads_json(
+            text, rel, MAX_EVIDENCE_BYTES, parse_constant=_reject_constant, object_pairs_hook=_unique_keys
+        )
     except ValueError as exc:  # JSONDecodeError is a ValueError
         raise InputError(f"{rel}: malformed JSON ({exc})") from None
 
@@ -100,7 +103,7 @@ def parse_json(text: str, rel: str) -> Any:
 def read_text(path: Path, rel: str) -> str:
     """A file's UTF-8 text; unreadable is an input error naming ``rel``, bad UTF-8 malformed JSON."""
     try:
-        return path.read_text(encoding="utf-8")
+        return read_bounded(path, rel, MAX_EVIDENCE_BYTES)
     except OSError as exc:
         raise InputError(f"{rel}: cannot read ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:

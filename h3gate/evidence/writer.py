@@ -66,7 +66,9 @@ def new_file_mode() -> int:
 def atomic_write_safetensors(files: dict[Path, dict], metadata: dict[str, str], label: str) -> None:
     """Write each ``path -> {name: tensor}`` as safetensors: every temp file first (in its target folder, chmod to
     :func:`new_file_mode`: ``save_file`` leaves 0600 whatever the umask), then ``os.replace`` each; nothing
-    half-written. An ``OSError`` becomes ``InputError("<label>: cannot write (...)")``."""
+    half-written. An ``OSError`` (or the library's ``SafetensorError`` of a failed write, e.g. a full disk) becomes
+    ``InputError("<label>: cannot write (...)")``."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     temps: dict[Path, str] = {}
@@ -79,8 +81,8 @@ def atomic_write_safetensors(files: dict[Path, dict], metadata: dict[str, str], 
             os.chmod(tmp, new_file_mode())
         for path, tmp in temps.items():
             os.replace(tmp, path)
-    except OSError as exc:
-        raise InputError(f"{label}: cannot write ({exc.strerror or exc})") from None
+    except (OSError, SafetensorError) as exc:
+        raise InputError(f"{label}: cannot write ({getattr(exc, 'strerror', None) or exc})") from None
     finally:
         for tmp in temps.values():
             if os.path.exists(tmp):
@@ -90,10 +92,14 @@ def atomic_write_safetensors(files: dict[Path, dict], metadata: dict[str, str], 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``; nothing half-written.
 
-    The file gets the mode of any new file under the umask (:func:`new_file_mode`), not mkstemp's 0600.
+    The file gets the mode of any new file under the umask (:func:`new_file_mode`), not mkstemp's 0600. An
+    ``OSError`` (a full disk, a lost permission) is an ``InputError`` naming ``path``, the temp file removed.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(f"{display(path)}: cannot write ({exc.strerror or exc})") from None
     try:
         os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -101,9 +107,11 @@ def atomic_write_text(path: Path, text: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise InputError(f"{display(path)}: cannot write ({exc.strerror or exc})") from None
         raise
 
 

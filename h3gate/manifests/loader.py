@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from h3gate.bounded import MAX_CONFIG_BYTES, loads_yaml, read_bounded
 from h3gate.errors import InputError
 from h3gate.paths import display
 
@@ -65,8 +66,7 @@ def read_yaml(path: Path) -> Any:
     if not path.is_file():
         raise InputError(f"{display(path)}: no such manifest file")
     try:
-        with path.open("r", encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
+        return loads_yaml(read_bounded(path, display(path), MAX_CONFIG_BYTES), display(path))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

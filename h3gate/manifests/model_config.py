@@ -7,11 +7,18 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from h3gate.manifests.loader import load_yaml, resolve
+from h3gate.memory import GIB, host_available_bytes
 from h3gate.paths import MANIFESTS
 
 # Rows of the AdaLN table per timestep: video = 0, text = 1, audio = 2.
 MODALITY_NUM = 3
 ARCHITECTURE = "MiniMaxH3Transformer3DModel"
+# Declared sizes refused whatever the memory (H3: 5376 wide, 7168 attention width, ~60 blocks).
+MAX_LAYERS = 10_000  # num_layers + num_refiner_layers
+MAX_WIDTH = 2**20  # hidden_size, ffn_dim, text_dim, num_attention_heads * attention_head_dim, ...
+# Host memory a block costs before any weight is read: its inventory entries (~4 KB measured), graph nodes and
+# per-layer records of fingerprint and the gates.
+LAYER_STRUCTURE_BYTES = 64 * 1024
 
 
 class Strict(BaseModel):
@@ -39,6 +46,26 @@ class ModelConfig(Strict):
     norm_eps: PositiveFloat
     qk_norm_eps: PositiveFloat
     final_norm_eps: PositiveFloat
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ModelConfig:
+        """Absurd declared sizes, and a block count whose bookkeeping alone exceeds host memory, are refused."""
+        widths = {"hidden_size": self.hidden_size, "ffn_dim": self.ffn_dim, "text_dim": self.text_dim,
+                  "num_attention_heads * attention_head_dim": self.inner_dim, "in_channels": self.in_channels,
+                  "audio_in_channels": self.audio_in_channels, "freq_dim": self.freq_dim,
+                  "time_embed_hidden_dim": self.time_embed_hidden_dim, "time_embed_dim": self.time_embed_dim,
+                  "video patch width": self.video_patch_dim}  # fmt: skip
+        for name, width in widths.items():
+            if width > MAX_WIDTH:
+                raise ValueError(f"{name} {width}: above the limit of {MAX_WIDTH:,}")
+        layers = self.num_layers + self.num_refiner_layers
+        if layers > MAX_LAYERS:
+            raise ValueError(f"num_layers + num_refiner_layers {layers}: above the limit of {MAX_LAYERS:,} blocks")
+        need, available = layers * LAYER_STRUCTURE_BYTES, host_available_bytes()
+        if available is not None and need > available:
+            raise ValueError(f"num_layers {self.num_layers}: needs at least {need / GIB:.1f} GiB of host memory for "
+                             f"its blocks' bookkeeping, {available / GIB:.1f} GiB available")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _geometry(self) -> ModelConfig:

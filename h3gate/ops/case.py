@@ -82,13 +82,17 @@ def to_float64(value: Any) -> Any:
 def randn(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device, gen: torch.Generator, scale=1.0):
     """Seeded normal values in float32, scaled, then cast. A CPU generator draws on the CPU and moves the result
     (case inputs: the same bytes on every device); a device generator draws on its device (probe noise at 768p
-    sizes, where CPU generation would dominate the run)."""
+    sizes, where CPU generation would dominate the run). On the meta device: the shape alone (memory estimates)."""
+    if torch.device(device).type == "meta":
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
     if gen.device.type != "cpu":
         return (torch.randn(tuple(shape), generator=gen, device=gen.device, dtype=torch.float32) * scale).to(dtype)
     return (torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * scale).to(dtype).to(device)
 
 
 def randint(high: int, shape: Sequence[int], device: str | torch.device, gen: torch.Generator) -> torch.Tensor:
+    if torch.device(device).type == "meta":
+        return torch.empty(tuple(shape), dtype=torch.int64, device="meta")
     return torch.randint(0, high, tuple(shape), generator=gen, dtype=torch.int64).to(device)
 
 

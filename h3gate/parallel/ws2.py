@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.errors import InputError
 from h3gate.kernels.tp_layers import check_alignment
 from h3gate.layout import PackedLayout
@@ -28,6 +29,7 @@ from h3gate.parallel.sp import sp_node
 from h3gate.parallel.ulysses import row_sharded
 from h3gate.parallel.ws2_partition import Partition
 from h3gate.parallel.ws2_scope import SCOPES, Fault, build_scope, cotangents, forward_backward
+from h3gate.paths import display
 from h3gate.ranks import run_ranks
 from h3gate.runs.setup import Run, RunSpec, check_device, prepare, read_inputs
 
@@ -197,7 +199,8 @@ def _launch(plan: Ws2Plan, folder: Path, progress: Callable[[str], None] | None 
     if errors:
         raise RuntimeError("run ws2: " + "; ".join(errors))
     seconds = time.perf_counter() - started
-    return [json.loads((folder / f"rank-{r}.json").read_text(encoding="utf-8")) for r in range(world)], seconds
+    files = [folder / f"rank-{r}.json" for r in range(world)]
+    return [load_json_file(f, display(f), MAX_EVIDENCE_BYTES) for f in files], seconds
 
 
 def _modality(node, row: int | None, layout) -> str | None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bounded import load_json_file
+from h3gate.paths import display
 from h3gate.ranks import rank_main
 from h3gate.runs.setup import RunSpec, prepare
 
@@ -69,7 +71,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     from h3gate.parallel.ws2_partition import Partition
     from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward
 
-    spec = json.loads((folder / "spec.json").read_text(encoding="utf-8"))
+    spec = load_json_file(folder / "spec.json", display(folder / "spec.json"))
     torch.set_num_threads(spec["threads"])
     tp, cp = spec["tp"], spec["cp"]
     device = spec["device"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.errors import InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
@@ -46,7 +47,7 @@ def read_manifest(rundir: Path, flag: str = "--resume") -> dict:
     if not path.is_file():
         raise InputError(f"{flag} {display(rundir)}: no {MANIFEST} (not a trajectory run folder)")
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = load_json_file(path, display(path), MAX_EVIDENCE_BYTES)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{display(path)}: unreadable ({exc})") from None
     if not isinstance(doc, dict) or doc.get("kind") != MANIFEST_KIND or not isinstance(doc.get("run"), dict):
@@ -114,7 +115,7 @@ def load_step(rundir: Path, step: int) -> tuple[dict[str, torch.Tensor], dict]:
     side = folder / f"{step_name(step)}.json"
     path = folder / f"{step_name(step)}.safetensors"
     try:
-        record = json.loads(side.read_text(encoding="utf-8"))
+        record = load_json_file(side, display(side), MAX_EVIDENCE_BYTES)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{display(side)}: unreadable sidecar ({exc})") from None
     if not path.is_file():

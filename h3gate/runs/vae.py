@@ -40,6 +40,7 @@ from h3gate.errors import InputError
 from h3gate.gate.compare import bitwise_equal, error, tensor_sha256
 from h3gate.layout import build_layout, patchify_video_latents
 from h3gate.manifests.layouts import LayoutSpec
+from h3gate.memory import require
 from h3gate.numerics import deterministic_algorithms, torch_defaults
 
 MODALITIES = ("video", "audio")
@@ -326,11 +327,22 @@ def audio_checks(run: VaeRun, vae, step: Callable[[str], None] = lambda label: N
     return checks, record
 
 
+def pixel_bytes(geometry: str) -> int:
+    """A lower bound of the video checks' host or device memory: two clips' float32 pixels (3 channels) and, at
+    full resolution, the first encoder block's and the last decoder block's activations (``block_out_channels[0]``
+    channels each, three live: input, normalised, output)."""
+    frames, (h, w) = FRAMES[geometry], PIXELS[geometry]
+    return 2 * frames * h * w * 4 * (3 + 3 * VIDEO_CONFIG["block_out_channels"][0])
+
+
 def run_vae(run: VaeRun, progress: Callable[[str], None] | None = None) -> dict:
     """The ``vae`` evidence body of one modality (checks, latents, decoded-media hashes, the VAE's record);
     ``progress`` hears each stage (the VAE built, encode, decode)."""
     step = progress or (lambda label: None)
     check_settings(run)
+    if run.modality == "video":
+        require(pixel_bytes(run.geometry), f"run vae --modality video --geometry {run.geometry}", run.device,
+                hint="use --geometry tiny or --device cuda")  # fmt: skip
     step(f"building the seeded {run.modality} VAE")
     vae, vae_record = build_vae(run.modality, run.seed, run.device)
     with execution(run.strict), torch.no_grad():

@@ -317,6 +317,25 @@ def _flatten_invariance(inv: dict) -> list[tuple[str, bool | None]]:
     return out
 
 
+# Live float64-sized copies of a case's inputs during run_case: per-row inputs (the input, its float64 golden, the
+# kernel's, provider's and golden's outputs and gradients, provider variants, batch and mutation probes; h3_swiglu
+# at real/tiny: 12 x 60 MB estimated, ~560 MB measured), and the other inputs (weights: the float64 golden copy,
+# its gradient and the kernel's and provider's bf16 gradients).
+ROW_COPIES, OTHER_COPIES = 12, 4
+
+
+def case_bytes(op: str, rows: int, cfg: ModelConfig) -> int:
+    """An estimate of what ``run_case(op, rows, ...)`` holds at once, from the case built on the meta device
+    (shapes only, nothing allocated): 8 bytes a value times :data:`ROW_COPIES` for arguments with rows,
+    :data:`OTHER_COPIES` for the others."""
+    case = build_case(op, rows, cfg, "meta", 0)
+    total = 0
+    for i, t in enumerate(case.args):
+        if isinstance(t, torch.Tensor):
+            total += 8 * t.numel() * (ROW_COPIES if i in case.row_dims else OTHER_COPIES)
+    return total + sum(8 * OTHER_COPIES * t.numel() for t in case.kwargs.values() if isinstance(t, torch.Tensor))
+
+
 def operator_header(op: str, device: str) -> dict:
     """The operator's binding and the contract facts evidence restates next to what was measured."""
     spec = registry.spec(op)

@@ -26,6 +26,7 @@ from h3gate.gate.compare import bitwise_equal
 from h3gate.graph.core import OpTable
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.graph.stages import forward_stages, stage_params
+from h3gate.memory import require_disk, require_steps
 from h3gate.paths import display
 from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
 from h3gate.runs.trajectory_files import (
@@ -81,6 +82,7 @@ def prepare_trajectory(settings: TrajectorySettings) -> Trajectory:
     """Check everything (InputError before any weight is read), bind, then load the weights onto the device."""
     if settings.steps < 2:
         raise InputError(f"--steps {settings.steps}: must be at least 2 (grid points; steps - 1 evaluations)")
+    require_steps(settings.steps)
     if not settings.shift > 0:
         raise InputError(f"--shift {settings.shift}: must be positive")
     checkpoint = None if settings.checkpoint is None else str(settings.checkpoint)
@@ -275,6 +277,27 @@ def _value_at(fields: dict, dotted: str):
     return value
 
 
+STEP_FILE_OVERHEAD = 64 * 1024  # a step's safetensors header and its JSON sidecar, at most
+
+
+def step_file_bytes(run: Trajectory) -> int:
+    """Bytes one saved step writes: latents and velocity of both modalities (float32 rows), twice with
+    ``--batch-with``, plus :data:`STEP_FILE_OVERHEAD`."""
+    video, audio = initial_state(run, run.request)
+    rows = 2 * (video.numel() * video.element_size() + audio.numel() * audio.element_size())
+    return rows * (2 if run.other is not None else 1) + STEP_FILE_OVERHEAD
+
+
+def check_run_range(run: Trajectory, rundir: Path, until: int | None) -> None:
+    """``--until`` inside the run's steps, and the free disk under RUNDIR for every step still to write."""
+    last = run.evaluations - 1
+    if until is not None and not 0 <= until <= last:
+        raise InputError(f"--until {until}: outside the run's steps 0 .. {last} (--steps {run.settings.steps})")
+    todo = (last if until is None else until) + 1 - len(complete_steps(rundir))
+    require_disk(max(todo, 0) * step_file_bytes(run), rundir, f"--steps {run.settings.steps} ({todo} step files)",
+                 hint="ask for fewer steps or free the disk")  # fmt: skip
+
+
 def open_rundir(run: Trajectory, rundir: Path, reuse: bool, flag: str = "--resume") -> dict:
     """A new RUNDIR gets the manifest; a reused one (--resume, --verify-last) must hold the same run."""
     fields = manifest_fields(run)
@@ -304,8 +327,7 @@ def run_ws1_trajectory(
     """Start, resume or verify the prepared run (:func:`prepare_trajectory`) in ``rundir``; the ``ws1-trajectory``
     evidence body of this invocation."""
     started = time.perf_counter()
-    if until is not None and until < 0:
-        raise InputError(f"--until {until}: must be a step index >= 0")
+    check_run_range(run, rundir, until)
     fields = open_rundir(run, rundir, resume or check_last, "--resume" if resume else "--verify-last")
     steps = complete_steps(rundir)
     resumed = replay_saved(run, rundir, steps)
