@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from h3gate.commands.console import progress, stdout_console
-from h3gate.commands.run_cmd import check_gate_args, layout_record, save_tensor_files
+from h3gate.commands.run_cmd import check_gate_args, determinism_line, layout_record, save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import prepare_out, write_evidence
@@ -168,7 +168,8 @@ def _drift(d: dict | None) -> str:
         return "none"
     layer = "" if d.get("layer") is None else f" layer {d['layer']}"
     where = "whole tensor" if d.get("row") is None else f"row {d['row']}, {d.get('modality') or '-'}"
-    return f"{d['direction']} {d['stage']}{layer} {d['node']} ({where})"
+    name = d["node"] if not d.get("operator") else f"{d['operator']} backward (gradient of {d['node']})"
+    return f"{d['direction']} {d['stage']}{layer} {name} ({where})"
 
 
 def print_summary(doc: dict, path: Path) -> None:
@@ -198,6 +199,9 @@ def print_summary(doc: dict, path: Path) -> None:
         f"{summary['gradients']} gradients); failing: {summary['failing_tensors']}; worst row / bound: {worst}"
     )
     console.print(f"first drift (candidate vs provider, bitwise): {escape(_drift(doc['first_drift']))}")
+    line = determinism_line(doc.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
     if doc["first_failure"] is not None:
         f = doc["first_failure"]
         console.print(f"[red]first failure[/]: {escape(_drift(f))}: {escape(f['check'])} {escape(f['detail'])}")

@@ -130,7 +130,24 @@ def _ratio(rows: dict) -> str:
 def _drift(d: dict | None) -> str:
     if d is None:
         return "none"
-    return f"{d['node']} (row {d['first_row']}, {d['first_modality']})"
+    name = d["node"] if not d.get("operator") else f"{d['operator']} backward (gradient of {d['node']})"
+    where = "whole tensor" if d["first_row"] is None else f"row {d['first_row']}, {d['first_modality'] or '-'}"
+    return f"{name} ({where})"
+
+
+def determinism_line(record: dict | None) -> str | None:
+    """One line on the within-run determinism check: evaluations, pairs, the first mismatch (pass, row)."""
+    if record is None:
+        return None
+    pairs = ", ".join(f"{who} {n}" for who, n in sorted(record["pairs"].items())) or "none"
+    line = f"determinism: {record['evaluations']} evaluations, pairs on identical inputs: {pairs}"
+    bad = record["mismatches"]
+    if not bad:
+        return line + "; all bitwise"
+    m = bad[0]
+    row = "whole tensor" if m["row"] is None else f"row {m['row']}"
+    return (f"{line}; {len(bad)} differ, first: {m['role']} {m['node']} {m['kind']} ({m['passes'][0]} vs "
+            f"{m['passes'][1]}, {row})")  # fmt: skip
 
 
 def print_table(doc: dict, path: Path) -> None:
@@ -177,12 +194,13 @@ def print_table(doc: dict, path: Path) -> None:
             console.print(f"{key}: {escape(_drift(bw[key]))}")
         leaves_ok = sum(1 for v in bw["leaves"].values() if v and v["pass"])
         console.print(f"leaf gradients passing: {leaves_ok}/{len(bw['leaves'])}")
+    line = determinism_line(doc.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
     failure = doc["first_row_failure"]
     if failure is not None:
-        console.print(
-            f"first_row_failure: {failure['where']} {failure['node']} ({failure['view']}), row {failure['row']}, "
-            f"{failure['modality'] or '-'}"
-        )
+        where = "whole tensor" if failure["row"] is None else f"row {failure['row']}, {failure['modality'] or '-'}"
+        console.print(f"first_row_failure: {failure['where']} {failure['node']} ({escape(failure['view'])}), {where}")
     matrix = doc.get("fault_matrix")
     if matrix is not None:
         console.print(

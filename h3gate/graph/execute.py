@@ -32,6 +32,7 @@ from functools import partial
 import torch
 
 from h3gate.errors import InputError
+from h3gate.graph import determinism
 from h3gate.graph.body_nodes import Gemm
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.kernels import launches
@@ -74,11 +75,20 @@ def run_node(
 ) -> torch.Tensor:
     """``node``'s output from ``values`` (which hold at least its inputs), through ``override`` when given; kernel
     launches noted meanwhile belong to ``node`` (:mod:`h3gate.kernels.launches`)."""
+    reads = (*node.inputs, *getattr(override, "reads", ()))
+    seen = determinism.reading(params)
     with launches.node(node.name):
         if isinstance(override, NodeOverride):
-            return override.fn(ops, values, params, node)
-        fn = node.fn if override is None else override
-        return fn(ops, {k: values[k] for k in node.inputs}, params)
+            out = override.fn(ops, values, seen, node)
+        else:
+            fn = node.fn if override is None else override
+            x = determinism.inject_backward(node.name, {k: values[k] for k in node.inputs}, node.row_dim, ops)
+            out = fn(ops, x, seen)
+    out = determinism.inject_forward(node.name, out, node.row_dim, ops)
+    inputs = {k: values[k] for k in dict.fromkeys(reads)}
+    used = determinism.read_of(seen)
+    determinism.observe(node.name, "forward", ops, override, inputs, used, {"out": (out, node.row_dim)})
+    return out
 
 
 def sibling_gemms(nodes: Sequence[Node], k: int, ops: OpTable, overrides: Mapping[str, Override]) -> tuple[Node, ...]:
@@ -108,12 +118,17 @@ def _run_siblings(
     """The outputs of :func:`sibling_gemms` ``(nodes, k)`` by one grouped call, by node name (launches noted for each
     of them: :func:`h3gate.kernels.launches.current_nodes` names them during the call), or {} where there are none."""
     group = sibling_gemms(nodes, k, ops, overrides)
-    if not group:
+    if not group or determinism.injects_backward(n.name for n in group):
         return {}
     fns = [node.fn for node in group]
     with launches.node(*(node.name for node in group)):
         outs = ops[fns[0].op].grouped(values[fns[0].source], [params[fn.weight] for fn in fns])
-    return {node.name: out for node, out in zip(group, outs, strict=True)}
+    out: dict[str, torch.Tensor] = {}
+    for node, y in zip(group, outs, strict=True):
+        out[node.name] = determinism.inject_forward(node.name, y, node.row_dim, ops)
+        source, weight = {k: values[k] for k in node.inputs}, {node.fn.weight: params[node.fn.weight]}
+        determinism.observe(node.name, "forward", ops, None, source, weight, {"out": (out[node.name], node.row_dim)})
+    return out
 
 
 def run_nodes(
@@ -255,7 +270,30 @@ def iter_isolated(
         fed = feed(node, getattr(override, "reads", ()))
         with torch.no_grad():
             out = run_node(node, ops, fed, params, override)
+            if determinism.active() is not None:  # the isolated evaluation's partner (the recorder compares them)
+                with determinism.again():
+                    run_node(node, ops, fed, params, override)
         yield node, fed, out
+
+
+class _Leaves(Mapping):
+    """``params`` as gradient leaves: each a detached clone that requires grad, made when the node first reads it
+    (``made``: the ones it read, in reading order), so a node's VJP copies only its own parameters."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self.params, self.made = params, {}
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        if k not in self.made:
+            self.made[k] = self.params[k].detach().clone().requires_grad_(True)
+            determinism.copies({k: self.made[k]}, self.params)
+        return self.made[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 def node_vjp(
@@ -270,13 +308,20 @@ def node_vjp(
     """The gradients ``node``'s backward returns for ``wrt_inputs`` and its parameters, given ``cotangent`` (cast to
     the output's dtype): ``{"<node>:d<input or parameter>": gradient}``, unused leaves left out."""
     x = {k: (v.detach().clone().requires_grad_(True) if k in wrt_inputs else v) for k, v in feed.items()}
-    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    p = _Leaves(params)
+    seen = determinism.reading(p)
     with torch.enable_grad():
-        out = run_node(node, ops, x, p, override)
-        leaves = [*(x[k] for k in wrt_inputs), *p.values()]
+        out = run_node(node, ops, x, seen, override)
+        used = [k for k in params if k in p.made]
+        leaves = [*(x[k] for k in wrt_inputs), *(p.made[k] for k in used)]
         grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype), allow_unused=True)
-    keys = [*wrt_inputs, *p]
-    return {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
+    keys = [*wrt_inputs, *used]
+    result = {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
+    dims = {f"{node.name}:d{k}": (node.row_dim if k in wrt_inputs else None) for k in keys}
+    fed = {**{k: feed[k] for k in node.inputs if k in feed}, "cotangent": cotangent}
+    outs = {k: (g, dims[k]) for k, g in result.items()}
+    determinism.observe(node.name, "vjp:" + ",".join(wrt_inputs), ops, override, fed, determinism.read_of(seen), outs)
+    return result
 
 
 def iter_node_vjps(
@@ -292,7 +337,12 @@ def iter_node_vjps(
     overrides = overrides or {}
     for node in nodes:
         fed, wrt = feed(node)
-        yield node, fed, wrt, node_vjp(node, ops, fed, params, cotangent(node), wrt, overrides.get(node.name))
+        override = overrides.get(node.name)
+        grads = node_vjp(node, ops, fed, params, cotangent(node), wrt, override)
+        if determinism.active() is not None:  # the isolated VJP's partner (the recorder compares them)
+            with determinism.again():
+                node_vjp(node, ops, fed, params, cotangent(node), wrt, override)
+        yield node, fed, wrt, grads
 
 
 def node_calls(

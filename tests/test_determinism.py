@@ -1,0 +1,155 @@
+"""Within-run determinism (:mod:`h3gate.graph.determinism`): the fingerprint, and the gates failing on a 1-ulp change
+confined to ONE evaluation of one node, at each position of that node's call sequence, forward and backward."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from h3gate.graph import determinism
+from h3gate.graph.block import block_params, build_block_graph
+from h3gate.graph.inputs import build_block_inputs
+from h3gate.layout import build_layout
+from h3gate.manifests.layouts import LayoutSpec
+from h3gate.manifests.model_config import load_config
+from h3gate.manifests.tolerances import load_tolerance
+from h3gate.runs.ws1_block import BlockGate, run_block_gate
+from h3gate.synth import SyntheticSource
+
+SMALL = LayoutSpec(text_tokens=9, latent_frames=2, latent_height=4, latent_width=6, audio_latents=3, anchors=["first"])
+ROW = 3  # the packed row the injection touches (a text row of SMALL)
+
+
+# -- the fingerprint ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_every_single_element_one_ulp_change_changes_its_rows_fingerprint(dtype):
+    t = torch.randn(2, 7, 13, generator=torch.Generator().manual_seed(0)).to(dtype)
+    base = determinism.row_fingerprints(t, 1)
+    assert base.shape == (7,) and torch.equal(base, determinism.row_fingerprints(t.clone(), 1))
+    for flat in range(t.numel()):
+        u = t.clone()
+        u.view(-1)[flat] = torch.nextafter(u.view(-1)[flat].double(), torch.tensor(float("inf"))).to(dtype)
+        if torch.equal(u, t):  # the next double rounds back: take the dtype's next value through its bits
+            u = t.clone()
+            determinism._bits(u).view(-1)[flat] += 1
+        got = determinism.row_fingerprints(u, 1)
+        row = (flat // 13) % 7
+        assert (got != base).nonzero().flatten().tolist() == [row]
+        assert int(determinism.whole(u)) != int(determinism.whole(t))
+
+
+def test_bump_changes_exactly_one_element_per_batch_item():
+    t = torch.randn(3, 5, 4).to(torch.bfloat16)
+    u = determinism.bump(t, 2, 1)
+    differ = (u.view(torch.int16) != t.view(torch.int16)).nonzero().tolist()
+    assert differ == [[0, 2, 0], [1, 2, 0], [2, 2, 0]]
+    assert torch.all((u.view(torch.int16) - t.view(torch.int16)).abs() <= 1)
+
+
+# -- the gate ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    cfg = load_config("tiny").config
+    source = SyntheticSource(cfg, 0)
+    layout = build_layout(SMALL, "small-test")
+    return cfg, block_params(source, 0), build_block_inputs(layout, cfg, source, 0, "cpu")
+
+
+def _run(small, mode: str, backward: bool, spec: determinism.Injection | None = None):
+    cfg, params, inputs = small
+    tolerance = load_tolerance("ws1-block")
+    gate = BlockGate(build_block_graph(cfg), inputs, params, "cpu", mode, tolerance, backward=backward)
+    if spec is None:
+        return run_block_gate(gate), None
+    with determinism.injecting(spec) as state:
+        result = run_block_gate(gate)
+    return result, state
+
+
+def _located(report: dict) -> set[tuple[str, int | None]]:
+    """Every (node, row) the report names as not bitwise where two evaluations should agree: the determinism
+    mismatches, the repeat / batch / autograd-forward records, and gradient drifts by the operator that made them."""
+    found = {(m["node"], m["row"]) for m in report["determinism"]["mismatches"] if m["role"] == "candidate"}
+    for n in report["nodes"]:
+        for view in ("repeat", "batch_row"):
+            if not n[view]["bitwise"]:
+                found.add((n["name"], n[view]["first_row"]))
+    bw = report["backward"]
+    if bw is not None:
+        for key in ("first_grad_repeat_drift", "first_grad_batch_drift"):
+            d = bw[key]
+            if d is not None:
+                found |= {(op, d["first_row"]) for op in (d.get("operator") or d["node"]).split("+")}
+        for n, rec in bw["autograd_forward"].items():
+            if not rec["bitwise"]:
+                found.add((n, rec["first_row"]))
+        for n, rec in bw["autograd_forward_batch"].items():
+            if not rec["bitwise"]:
+                found.add((n, rec["first_row"]))
+    return found
+
+
+@pytest.fixture(scope="module")
+def forward_sequence(small):
+    """The clean forward-only run (the negative control) and o_proj's candidate call sequence in it."""
+    result, state = _run(small, "off", False, determinism.Injection("o_proj", 10**6))
+    return result, state.calls
+
+
+def test_no_injection_passes_and_records_the_pairs(forward_sequence):
+    result, calls = forward_sequence
+    rec = result.report["determinism"]
+    assert result.verdict == "pass" and rec["pass"] and rec["mismatches"] == []
+    assert rec["pairs"]["candidate"] >= 2 * 17  # chained vs repeat and isolated vs its repeat, for every node
+    assert [label for _, label in calls] == [
+        "chained", "isolated", "isolated repeat", "repeat", "batch 2 at 0", "batch 3 at 2"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("label", ["isolated", "isolated repeat"])
+def test_a_one_ulp_change_in_the_isolated_evaluation_alone_fails(small, forward_sequence, label):
+    _, calls = forward_sequence
+    k = [lab for _, lab in calls].index(label) + 1
+    result, state = _run(small, "off", False, determinism.Injection("o_proj", k, "forward", ROW))
+    assert state.fired == label
+    assert result.verdict == "fail"
+    assert ("o_proj", ROW) in _located(result.report)
+    # off mode: the candidate is the provider, so the chained evaluation has the isolated one's inputs too
+    mismatches = result.report["determinism"]["mismatches"]
+    assert mismatches and all(m["node"] == "o_proj" and m["row"] == ROW and label in m["passes"] for m in mismatches)
+    assert any(re.match(rf"determinism\.o_proj\.forward\.bitwise \(out: .*{label}.*, row 3, text\)", c)
+               for c in result.failing)  # fmt: skip
+    first = result.report["first_row_failure"]
+    assert (first["node"], first["row"], first["modality"]) == ("o_proj", ROW, "text")
+
+
+def _walk(small, node: str, mode: str, direction: str) -> list[str]:
+    """Inject at every position of ``node``'s candidate call sequence in a forward + backward run: the labels of
+    the positions that did NOT fail naming (node, row)."""
+    _, probe = _run(small, mode, True, determinism.Injection(node, 10**6, direction, ROW))
+    escaped = []
+    for k, (_, label) in enumerate(probe.calls, start=1):
+        result, state = _run(small, mode, True, determinism.Injection(node, k, direction, ROW))
+        assert state.fired == label
+        if result.verdict != "fail" or (node, ROW) not in _located(result.report):
+            escaped.append(f"{k}: {label}")
+    return escaped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("node", ["o_proj", "ffn_down", "attention", "swiglu"])
+def test_every_call_position_is_caught(small, node, direction):
+    assert _walk(small, node, "off", direction) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_every_call_position_is_caught_with_the_strict_kernels(small, direction):
+    assert _walk(small, "swiglu", "strict", direction) == []
