@@ -337,6 +337,9 @@ class Injection:
     direction: str = "forward"
     row: int = 0
 
+    def label(self) -> str:
+        return f"{self.direction}:{self.node}:row {self.row}:one ulp in call {self.call} only"
+
 
 @dataclass
 class _Injecting:
@@ -344,6 +347,12 @@ class _Injecting:
     calls: list[tuple[str, str]] = field(default_factory=list)  # (direction, evaluation label) of every counted call
     counts: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, direction) -> calls so far
     fired: str | None = None
+
+    def describe(self) -> str:
+        """The injection's label and where it fired (the evaluation's pass), or that it never did."""
+        if self.fired is not None:
+            return f"{self.spec.label()} (the {self.fired} evaluation)"
+        return f"{self.spec.label()} (never fired: {len(self.calls)} such calls of {self.spec.node})"
 
     def tick(self, node: str, direction: str) -> bool:
         n = self.counts.get((node, direction), 0) + 1
