@@ -153,3 +153,36 @@ def test_every_call_position_is_caught(small, node, direction):
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_every_call_position_is_caught_with_the_strict_kernels(small, direction):
     assert _walk(small, "swiglu", "strict", direction) == []
+
+
+# -- the --fault grammar -----------------------------------------------------------------------------------------
+
+
+def test_fault_grammar_ulp_at_k():
+    from h3gate.commands.run_cmd import parse_fault
+    from h3gate.errors import InputError
+
+    graph = build_block_graph(load_config("tiny").config)
+    assert parse_fault("o_proj:3:ulp@2", graph, 33) == determinism.Injection("o_proj", 2, "forward", 3)
+    assert parse_fault("swiglu:5:ulp@11:backward", graph, 33) == determinism.Injection("swiglu", 11, "backward", 5)
+    for bad, message in (
+        ("o_proj:3:ulp@0", "'ulp@0' is neither a kind"),
+        ("o_proj:3:scale:ulp@2", "ulp@K is the kind; only a direction may follow it"),
+        ("o_proj:33:ulp@2", "row '33' must be an integer in \\[0, 33\\)"),
+    ):
+        with pytest.raises(InputError, match=message):
+            parse_fault(bad, graph, 33)
+
+
+@pytest.mark.slow
+def test_ws1_model_fails_on_one_ulp_in_one_evaluation_and_the_console_agrees(tmp_path):
+    from test_ws1_model import _doc, _run, assert_console_agrees
+
+    args = ["--quiet", "run", "ws1-model", "--no-backward", "--layers", "1:2", "--out", str(tmp_path / "ev")]
+    done = _run([*args, "--fault", "block.1.o_proj:50:ulp@2"], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    doc = _doc(tmp_path / "ev")
+    assert doc["injected_fault"].startswith("forward:block.1.o_proj:row 50:one ulp in call 2 only (the ")
+    mismatch = doc["determinism"]["mismatches"][0]
+    assert (mismatch["node"], mismatch["row"]) == ("block.1.o_proj", 50)
+    assert_console_agrees(done.stdout, doc)

@@ -8,7 +8,9 @@ meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,8 @@ from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.writer import prepare_out, write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.graph import determinism
+from h3gate.graph.determinism import Injection
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.model_stages import timestep_count
@@ -48,12 +52,15 @@ class Ws1ModelCommand:
     json: bool = False
 
 
-def parse_model_fault(spec: str, setup: Run) -> RowFault:
-    """``NODE:ROW[:KIND][:DIRECTION]`` over the model graph's node names (a negative control)."""
+def parse_model_fault(spec: str, setup: Run) -> RowFault | Injection:
+    """``NODE:ROW[:KIND][:DIRECTION]`` over the model graph's node names (a negative control); the kind ``ulp@K``:
+    one ulp in the K-th candidate evaluation of NODE only (:class:`h3gate.graph.determinism.Injection`)."""
     parts = spec.split(":")
     if not 2 <= len(parts) <= 4:
-        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail][:forward|backward]")
+        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail|ulp@K][:forward|backward]")
     node, row, *rest = parts
+    calls = [p for p in rest if re.fullmatch(r"ulp@[1-9][0-9]{0,5}", p)]
+    rest = [p for p in rest if p not in calls]
     names = {n.name: n for n in setup.graph.nodes}
     if node not in names:
         raise InputError(f"--fault {spec!r}: unknown node {node!r} (e.g. block.0.o_proj, embed.pack)")
@@ -66,7 +73,12 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault:
     if not row.isdigit() or int(row) >= rows:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {node}")
     kind = next((p for p in rest if p in KINDS), "scale")
-    return RowFault(node, int(row), kind, next((p for p in rest if p in DIRECTIONS), "forward"))
+    direction = next((p for p in rest if p in DIRECTIONS), "forward")
+    if calls:
+        if len(rest) > 1 or any(p in KINDS for p in rest):
+            raise InputError(f"--fault {spec!r}: ulp@K is the kind; only a direction may follow it")
+        return Injection(node, int(calls[0].removeprefix("ulp@")), direction, int(row))
+    return RowFault(node, int(row), kind, direction)
 
 
 def ws1_model_command(settings: Ws1ModelCommand) -> int:
@@ -78,16 +90,21 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     check_forward_only(spec, backward)
     setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None), read=False)
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
+    if isinstance(injected, Injection) and spec.candidate == "sglang":
+        raise InputError(f"--fault {settings.fault!r}: ulp@K injects into h3gate's executor, not SGLang's module")
     if injected is not None and spec.candidate == "sglang":
         fault_point("model", setup.cfg, 0, injected)
     folder = prepare_out(Path(out) if out is not None else LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}")
     read_inputs(setup)
     setup_s = time.perf_counter() - started
+    single = injected if isinstance(injected, Injection) else None
+    fault = None if single is not None else injected
     with progress(KIND, len(steps(setup, backward)), started) as step:
-        gate = ModelGate.of(setup, tol, backward, injected, progress=step, keep_values=save_tensors is not None)
-        result = run_model_gate(gate)
+        gate = ModelGate.of(setup, tol, backward, fault, progress=step, keep_values=save_tensors is not None)
+        with determinism.injecting(single) if single is not None else contextlib.nullcontext() as state:
+            result = run_model_gate(gate)
     body = build_body(setup, result, seed, tol.name, tol_file)
-    body["injected_fault"] = None if injected is None else injected.label()
+    body["injected_fault"] = None if injected is None else (state.describe() if single else injected.label())
     body["timing"]["setup_s"] = round(setup_s, 4)
     body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
     if save_tensors is not None:

@@ -298,7 +298,9 @@ def observe(
     first = rec.first.get(key)
     label = _LABEL.get()
     if first is None:
-        rec.first[key] = _First(label, out_whole, outs)
+        # per-row fingerprints (8 bytes a row) stay on the device for the judged execution, in host memory otherwise
+        kept = outs if role == "candidate" else {k: v.to("cpu") for k, v in outs.items()}
+        rec.first[key] = _First(label, out_whole, kept)
         if override is not None:
             rec.roles.setdefault(-id(override), (override, "override"))  # held, so that its id stays unique
         return
@@ -306,7 +308,7 @@ def observe(
     for k, w in out_whole.items():
         if first.whole.get(k) == w and first.rows[k].shape == outs[k].shape:
             continue
-        a, b = first.rows[k], outs[k]
+        a, b = first.rows[k], outs[k].to(first.rows[k].device)
         if a.shape != b.shape:
             row = None
         else:
