@@ -186,3 +186,15 @@ def test_ws1_model_fails_on_one_ulp_in_one_evaluation_and_the_console_agrees(tmp
     mismatch = doc["determinism"]["mismatches"][0]
     assert (mismatch["node"], mismatch["row"]) == ("block.1.o_proj", 50)
     assert_console_agrees(done.stdout, doc)
+
+
+def test_a_gradient_is_named_after_the_operator_whose_backward_made_it():
+    from h3gate.commands.run_cmd import _drift
+    from h3gate.gate.drift import gradient_operator
+
+    graph = build_block_graph(load_config("tiny").config)
+    assert gradient_operator(graph.nodes, "ffn_gate_up") == "swiglu"  # swiglu's backward makes ffn_gate_up's gradient
+    assert gradient_operator(graph.nodes, graph.output) is None  # the cotangent: no node's backward
+    assert set(gradient_operator(graph.nodes, "norm1").split("+")) >= {"q_proj", "k_proj", "v_proj"}  # summed
+    drift = {"node": "ffn_gate_up", "operator": "swiglu", "first_row": 3, "first_modality": "text", "kind": "node"}
+    assert _drift(drift) == "swiglu backward (gradient of ffn_gate_up) (row 3, text)"
