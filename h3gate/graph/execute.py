@@ -17,6 +17,11 @@ module iterates a graph's nodes to run them (``tests/test_architecture.py`` fail
 
 Stages (:mod:`h3gate.graph.stages`) run through :func:`run_chained` on a stage's sub-graph.
 
+Every evaluation (:func:`run_node`, a grouped sibling, :func:`node_vjp`) is reported to the determinism recorder a
+gate entered (:mod:`h3gate.graph.determinism`; nothing when none is), which compares evaluations on bit-identical
+inputs; under one, :func:`iter_isolated` and :func:`iter_node_vjps` evaluate each node twice so that the isolated
+view has a partner.
+
 Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
 own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
 every value computed so far (the ablation probes and run ws2's rank-local nodes, which call :func:`run_node` on the
