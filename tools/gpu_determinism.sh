@@ -6,9 +6,9 @@
 # tool) with the wheelhouse in .whl/ as for tools/gpu_sglang.sh.
 #   det-clean:  run ws1-block, real, medium, strict, forward + backward, no fault (exit 0 expected);
 #   det-fwd:    one ulp in one forward evaluation (exit 1 each). A node's candidate evaluations, in order:
-#               1 chained, 2 isolated, 3 isolated repeat, 4 repeat, 5 batch 2 at 0, 6 batch 3 at 2, then under
-#               autograd 7 backward: candidate, 8 backward: candidate repeat, 9 vjp, 10 vjp repeat,
-#               11 backward: candidate batch 2 (the evidence's injected_fault names the evaluation it fired in);
+#               1 chained, 2 isolated, 3 repeat, 4 batch 2 at 0, 5 batch 3 at 2, then under autograd
+#               6 backward: candidate, 7 backward: candidate repeat, 8 vjp (its forward: the isolated one's partner),
+#               9 vjp repeat, 10 backward: candidate batch 2 (injected_fault names the evaluation it fired in);
 #   det-bwd:    one ulp in one backward evaluation (exit 1 each): 1 backward: candidate, 2 candidate repeat, 3 vjp
 #               (the isolated VJP), 4 vjp repeat, 5 candidate batch 2.
 #   usage: tools/gpu_determinism.sh det-clean det-fwd det-bwd   (each run about 30 s; a section is skipped once
@@ -22,7 +22,7 @@ for section in "$@"; do
   case $section in
   det-clean) gate det-clean 0 "${block[@]}" ;;
   det-fwd)
-    for fault in o_proj:50:ulp@2 swiglu:50:ulp@3 attention:50:ulp@2 ffn_down:50:ulp@9 o_proj:50:ulp@11; do
+    for fault in o_proj:50:ulp@2 swiglu:50:ulp@8 attention:50:ulp@2 ffn_down:50:ulp@9 o_proj:50:ulp@10; do
       gate "det-fwd-${fault//[:@]/-}" 1 "${block[@]}" --fault "$fault"
     done ;;
   det-bwd)

@@ -99,7 +99,8 @@ def row_fingerprints(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
 
 
 class _TensorCache:
-    """Whole-tensor fingerprints of parameter tensors, by identity and version (weakly held)."""
+    """Whole-tensor fingerprints of input and parameter tensors, by identity and version (weakly held: an entry
+    whose tensor is gone or was written since is never used)."""
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[weakref.ref, int, tuple, int]] = {}
@@ -111,7 +112,13 @@ class _TensorCache:
         return None
 
     def put(self, t: torch.Tensor, fp: int) -> None:
-        self._seen[id(t)] = (weakref.ref(t), t._version, tuple(t.shape), fp)
+        key = id(t)
+
+        def gone(ref: weakref.ref) -> None:  # drop the entry with its tensor (unless the id was reused meanwhile)
+            if self._seen.get(key, (None,))[0] is ref:
+                del self._seen[key]
+
+        self._seen[key] = (weakref.ref(t, gone), t._version, tuple(t.shape), fp)
 
 
 class Reads(Mapping):
@@ -248,11 +255,13 @@ def setting(name: str) -> Iterator[None]:
         _SETTING.reset(token)
 
 
-def _input_key(values: Mapping[str, torch.Tensor | None]) -> list[tuple[str, tuple, str, torch.Tensor]]:
+def _input_key(rec: Recorder, values: Mapping[str, torch.Tensor | None]) -> list[tuple[str, tuple, str, object]]:
+    """(name, shape, dtype, fingerprint) of each input: a cached int, or a device scalar still to be read."""
     out = []
     for k, v in values.items():
         if isinstance(v, torch.Tensor):
-            out.append((k, tuple(v.shape), str(v.dtype), whole(v)))
+            hit = rec.params.get(v)
+            out.append((k, tuple(v.shape), str(v.dtype), hit if hit is not None else whole(v)))
     return out
 
 
@@ -278,14 +287,19 @@ def observe(
     rec = _RECORDER.get()
     if rec is None:
         return
-    ins = _input_key(inputs)
+    ins = _input_key(rec, inputs)
     pks = _params_key(rec, params)
     outs = {k: row_fingerprints(t, rd) for k, (t, rd) in outputs.items() if isinstance(t, torch.Tensor)}
-    scalars = [fp for *_, fp in ins] + [fp for _, fp in pks if isinstance(fp, torch.Tensor)]
+    scalars = [fp for *_, fp in ins if isinstance(fp, torch.Tensor)]
+    scalars += [fp for _, fp in pks if isinstance(fp, torch.Tensor)]
     scalars += [whole(r) for r in outs.values()]
     host = [int(x) & _MASK for x in torch.stack([x.to(scalars[0].device) for x in scalars]).tolist()] if scalars else []
     it = iter(host)
-    in_key = tuple((k, shape, dtype, next(it)) for k, shape, dtype, _ in ins)
+    in_key = []
+    for (k, shape, dtype, fp), t in zip(ins, [v for v in inputs.values() if isinstance(v, torch.Tensor)], strict=True):
+        value = next(it) if isinstance(fp, torch.Tensor) else fp
+        rec.params.put(t, value)
+        in_key.append((k, shape, dtype, value))
     p_key = []
     for (k, fp), t in zip(pks, [v for v in params.values() if isinstance(v, torch.Tensor)], strict=True):
         value = next(it) if isinstance(fp, torch.Tensor) else fp
@@ -294,7 +308,7 @@ def observe(
     out_whole = {k: next(it) for k in outs}
     rec.evaluations += 1
     role = rec.role_of(table)
-    key = (node_name, kind, id(table), role, _SETTING.get(), id(override), in_key, tuple(p_key))
+    key = (node_name, kind, id(table), role, _SETTING.get(), id(override), tuple(in_key), tuple(p_key))
     first = rec.first.get(key)
     label = _LABEL.get()
     if first is None:

@@ -265,17 +265,20 @@ def iter_isolated(
     feed: Feed,
     params: Mapping[str, torch.Tensor],
     overrides: Mapping[str, Override] | None = None,
+    repeat: bool = True,
 ) -> Iterator[tuple[Node, Mapping[str, torch.Tensor], torch.Tensor]]:
     """``(node, fed values, output)``: each of ``nodes`` alone under ``no_grad`` on ``feed(node, reads)`` (values
     holding at least its inputs and, for a :class:`NodeOverride`, the earlier values it ``reads``), normally another
-    execution's values: the isolated view, which separates a node's own drift from the drift it inherited."""
+    execution's values: the isolated view, which separates a node's own drift from the drift it inherited. Under a
+    determinism recorder each node runs twice unless ``repeat`` is False (the caller's node VJPs recompute the same
+    forward on the same values: its partner)."""
     overrides = overrides or {}
     for node in nodes:
         override = overrides.get(node.name)
         fed = feed(node, getattr(override, "reads", ()))
         with torch.no_grad():
             out = run_node(node, ops, fed, params, override)
-            if determinism.active() is not None:  # the isolated evaluation's partner (the recorder compares them)
+            if repeat and determinism.active() is not None:  # the isolated evaluation's partner (compared)
                 with determinism.again():
                     run_node(node, ops, fed, params, override)
         yield node, fed, out

@@ -213,7 +213,9 @@ def _isolated_stream(
     """``(node, the provider's values it reads, the candidate's node on them)`` in graph order: the executor's
     isolated pass, or SGLang's teacher-forced forward (a node it did not capture: the provider's value, failed)."""
     if gate.sglang is None:
-        stream = iter_isolated(gate.graph.nodes, ex.tables["candidate"], store.feed, gate.params, gate.node_overrides)
+        # with the backward, each node VJP's forward on the same provider values is the isolated evaluation's partner
+        table, repeat = ex.tables["candidate"], not gate.backward
+        stream = iter_isolated(gate.graph.nodes, table, store.feed, gate.params, gate.node_overrides, repeat)
         while True:
             with determinism.evaluation("isolated"):
                 got = next(stream, None)
