@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,11 +100,35 @@ def test_the_backward_judges_every_parameter_and_the_request(default_run) -> Non
     assert doc["loss"].startswith("loss = ") and "recomputation" in doc["recomputation"]
 
 
+FIRST_FAILURE = re.compile(
+    r"^first failure: (?P<direction>forward|backward) (?P<stage>\S+)(?: layer (?P<layer>\d+))? "
+    r"(?:(?P<operator>\S+) backward \(gradient of (?P<grad>\S+)\)|(?P<node>\S+)) "
+    r"\((?:whole tensor|row (?P<row>\d+), (?P<modality>\S+))\): (?P<check>\S+)",
+    re.M,
+)
+
+
+def assert_console_agrees(stdout: str, doc: dict) -> None:
+    """The console's first-failure line names what the evidence's ``first_failure`` names: direction, stage, layer,
+    node (a gradient by the operator whose backward made it), row, modality, check."""
+    m = FIRST_FAILURE.search(stdout)
+    assert m is not None, stdout[-3000:]
+    f = doc["first_failure"]
+    got = {**m.groupdict(), "node": m["node"] or m["grad"]}
+    got["layer"] = None if got["layer"] is None else int(got["layer"])
+    got["row"] = None if got["row"] is None else int(got["row"])
+    got["modality"] = None if got["modality"] in (None, "-") else got["modality"]
+    for key in ("direction", "stage", "layer", "node", "operator", "row", "modality", "check"):
+        assert got[key] == f.get(key), (key, got[key], f.get(key))
+
+
 def test_a_forward_fault_on_one_row_fails_and_is_located(tmp_path) -> None:
     args = ["--quiet", "run", "ws1-model", "--no-backward", "--layers", "1:2", "--out", str(tmp_path / "ev")]
     done = _run([*args, "--fault", "block.1.o_proj:50:scale"], tmp_path)
     assert done.returncode == 1, done.stderr[-2000:]
     doc = _doc(tmp_path / "ev")
+    assert_console_agrees(done.stdout, doc)
+    assert (doc["first_failure"]["row"], doc["first_failure"]["modality"]) == (50, "audio")
     assert doc["injected_fault"] == "forward:block.1.o_proj:row 50:scale"
     failure = doc["first_row_failure"]
     assert (failure["direction"], failure["stage"], failure["layer"], failure["node"]) == (
@@ -150,6 +175,8 @@ def test_a_backward_fault_on_one_row_fails_in_the_backward_and_is_located(tmp_pa
         "backward", "block.0", "block.0.swiglu", 70,
     )  # fmt: skip
     assert failure["modality"] == "video"
+    assert failure["operator"] == doc["first_failure"]["operator"] == "block.0.ffn_down"  # named after its maker
+    assert_console_agrees(done.stdout, doc)
 
 
 def test_mode_off_is_the_provider_by_construction(tmp_path) -> None:

@@ -8,6 +8,8 @@ meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +21,15 @@ from rich.table import Table
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
 from h3gate.commands.explain import gate_detail, gate_lines
-from h3gate.commands.run_cmd import check_gate_args, layout_record, print_failing, save_tensor_files
+from h3gate.commands.run_cmd import check_gate_args, determinism_line, layout_record, print_failing, save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.graph import determinism
+from h3gate.graph.determinism import Injection
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.model_stages import timestep_count
@@ -51,12 +55,15 @@ class Ws1ModelCommand:
     force: bool = False
 
 
-def parse_model_fault(spec: str, setup: Run) -> RowFault:
-    """``NODE:ROW[:KIND][:DIRECTION]`` over the model graph's node names (a negative control)."""
+def parse_model_fault(spec: str, setup: Run) -> RowFault | Injection:
+    """``NODE:ROW[:KIND][:DIRECTION]`` over the model graph's node names (a negative control); the kind ``ulp@K``:
+    one ulp in the K-th candidate evaluation of NODE only (:class:`h3gate.graph.determinism.Injection`)."""
     parts = spec.split(":")
     if not 2 <= len(parts) <= 4:
-        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail][:forward|backward]")
+        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail|ulp@K][:forward|backward]")
     node, row, *rest = parts
+    calls = [p for p in rest if re.fullmatch(r"ulp@[1-9][0-9]{0,5}", p)]
+    rest = [p for p in rest if p not in calls]
     names = {n.name: n for n in setup.graph.nodes}
     if node not in names:
         raise InputError(f"--fault {spec!r}: unknown node {node!r} (e.g. block.0.o_proj, embed.pack)")
@@ -69,7 +76,12 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault:
     if not row.isdigit() or int(row) >= rows:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {node}")
     kind = next((p for p in rest if p in KINDS), "scale")
-    return RowFault(node, int(row), kind, next((p for p in rest if p in DIRECTIONS), "forward"))
+    direction = next((p for p in rest if p in DIRECTIONS), "forward")
+    if calls:
+        if len(rest) > 1 or any(p in KINDS for p in rest):
+            raise InputError(f"--fault {spec!r}: ulp@K is the kind; only a direction may follow it")
+        return Injection(node, int(calls[0].removeprefix("ulp@")), direction, int(row))
+    return RowFault(node, int(row), kind, direction)
 
 
 @run_scope
@@ -82,16 +94,21 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     check_forward_only(spec, backward)
     setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None), read=False)
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
+    if isinstance(injected, Injection) and spec.candidate == "sglang":
+        raise InputError(f"--fault {settings.fault!r}: ulp@K injects into h3gate's executor, not SGLang's module")
     if injected is not None and spec.candidate == "sglang":
         fault_point("model", setup.cfg, 0, injected)
     folder = enter_run(out, LOCAL_EVIDENCE / KIND / f"{setup.config_name}-{layout}", settings.force)
     read_inputs(setup)
     setup_s = time.perf_counter() - started
+    single = injected if isinstance(injected, Injection) else None
+    fault = None if single is not None else injected
     with progress(KIND, len(steps(setup, backward)), started) as step:
-        gate = ModelGate.of(setup, tol, backward, injected, progress=step, keep_values=save_tensors is not None)
-        result = run_model_gate(gate)
+        gate = ModelGate.of(setup, tol, backward, fault, progress=step, keep_values=save_tensors is not None)
+        with determinism.injecting(single) if single is not None else contextlib.nullcontext() as state:
+            result = run_model_gate(gate)
     body = build_body(setup, result, seed, tol.name, tol_file)
-    body["injected_fault"] = None if injected is None else injected.label()
+    body["injected_fault"] = None if injected is None else (state.describe() if single else injected.label())
     body["timing"]["setup_s"] = round(setup_s, 4)
     body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
     if save_tensors is not None:
@@ -172,7 +189,8 @@ def _drift(d: dict | None) -> str:
         return "none"
     layer = "" if d.get("layer") is None else f" layer {d['layer']}"
     where = "whole tensor" if d.get("row") is None else f"row {d['row']}, {d.get('modality') or '-'}"
-    return f"{d['direction']} {d['stage']}{layer} {d['node']} ({where})"
+    name = d["node"] if not d.get("operator") else f"{d['operator']} backward (gradient of {d['node']})"
+    return f"{d['direction']} {d['stage']}{layer} {name} ({where})"
 
 
 MODEL_COLUMNS = ("stage", "nodes", "params", "failing nodes", "failing grads", "worst row / bound")
@@ -222,6 +240,9 @@ def print_summary(doc: dict, path: Path) -> None:
         f"{summary['gradients']} gradients); failing: {summary['failing_tensors']}; worst row / bound: {worst}"
     )
     console.print(f"first drift (candidate vs provider, bitwise): {escape(_drift(doc['first_drift']))}")
+    line = determinism_line(doc.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
     if doc["first_failure"] is not None:
         f = doc["first_failure"]
         console.print(f"[red]first failure[/]: {escape(_drift(f))}: {escape(f['check'])} {escape(f['detail'])}")

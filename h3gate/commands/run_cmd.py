@@ -6,6 +6,8 @@ mode meeting a node without its strict kernel: nothing runs).
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.gate.variants import provider_variants
+from h3gate.graph import determinism
+from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
 from h3gate.memory import check_writable
 from h3gate.paths import LOCAL_EVIDENCE, display
@@ -57,13 +61,17 @@ class Ws1BlockCommand:
     force: bool = False
 
 
-def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
-    """``NODE:ROW[:KIND][:DIRECTION]`` -> a :class:`RowFault` (bad specs are InputErrors naming the part)."""
+def parse_fault(spec: str, graph, seq_len: int) -> RowFault | Injection:
+    """``NODE:ROW[:KIND][:DIRECTION]`` -> a :class:`RowFault`, or for the kind ``ulp@K`` an :class:`Injection`
+    (one ulp on column 0 of row ROW in the K-th candidate evaluation of NODE only: its output, or for ``backward``
+    the gradient its backward hands its first input); bad specs are InputErrors naming the part."""
     parts = spec.split(":")
     names = [n.name for n in graph.nodes]
     if len(parts) < 2 or len(parts) > 4:
-        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail][:forward|backward]")
+        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail|ulp@K][:forward|backward]")
     node, row, *rest = parts
+    calls = [p for p in rest if re.fullmatch(r"ulp@[1-9][0-9]{0,5}", p)]
+    rest = [p for p in rest if p not in calls]
     kind = next((p for p in rest if p in KINDS), "scale")
     direction = next((p for p in rest if p in DIRECTIONS), "forward")
     unknown = [p for p in rest if p not in KINDS and p not in DIRECTIONS]
@@ -73,6 +81,10 @@ def parse_fault(spec: str, graph, seq_len: int) -> RowFault:
         raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
     if not row.isdigit() or int(row) >= seq_len:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {seq_len})")
+    if calls:
+        if len(rest) > 1 or any(p in KINDS for p in rest):
+            raise InputError(f"--fault {spec!r}: ulp@K is the kind; only a direction may follow it")
+        return Injection(node, int(calls[0].removeprefix("ulp@")), direction, int(row))
     return RowFault(node, int(row), kind, direction)
 
 
@@ -136,9 +148,24 @@ def _ratio(rows: dict) -> str:
 def _drift(d: dict | None) -> str:
     if d is None:
         return "none"
-    if d.get("first_row") is None:
-        return f"{d['node']} (whole tensor)"
-    return f"{d['node']} (row {d['first_row']}, {d['first_modality'] or '-'})"
+    name = d["node"] if not d.get("operator") else f"{d['operator']} backward (gradient of {d['node']})"
+    where = "whole tensor" if d["first_row"] is None else f"row {d['first_row']}, {d['first_modality'] or '-'}"
+    return f"{name} ({where})"
+
+
+def determinism_line(record: dict | None) -> str | None:
+    """One line on the within-run determinism check: evaluations, pairs, the first mismatch (pass, row)."""
+    if record is None:
+        return None
+    pairs = ", ".join(f"{who} {n}" for who, n in sorted(record["pairs"].items())) or "none"
+    line = f"determinism: {record['evaluations']} evaluations, pairs on identical inputs: {pairs}"
+    bad = record["mismatches"]
+    if not bad:
+        return line + "; all bitwise"
+    m = bad[0]
+    row = "whole tensor" if m["row"] is None else f"row {m['row']}"
+    return (f"{line}; {len(bad)} differ, first: {m['role']} {m['node']} {m['kind']} ({m['passes'][0]} vs "
+            f"{m['passes'][1]}, {row})")  # fmt: skip
 
 
 BLOCK_COLUMNS = ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov",
@@ -206,13 +233,13 @@ def print_table(doc: dict, path: Path) -> None:
             console.print(f"{key}: {escape(_drift(bw[key]))}")
         leaves_ok = sum(1 for v in bw["leaves"].values() if v and v["pass"])
         console.print(f"leaf gradients passing: {leaves_ok}/{len(bw['leaves'])}")
+    line = determinism_line(doc.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
     failure = doc["first_row_failure"]
     if failure is not None:
-        console.print(
-            f"first_row_failure: {failure['where']} {failure['node']} ({failure['view']}), "
-            f"{'whole tensor' if failure['row'] is None else 'row ' + str(failure['row'])}, "
-            f"{failure['modality'] or '-'}"
-        )
+        where = "whole tensor" if failure["row"] is None else f"row {failure['row']}, {failure['modality'] or '-'}"
+        console.print(f"first_row_failure: {failure['where']} {failure['node']} ({escape(failure['view'])}), {where}")
     matrix = doc.get("fault_matrix")
     if matrix is not None:
         console.print(
@@ -283,6 +310,8 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     setup = prepare(spec, needs, read=False)
     fault = settings.fault
     injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
+    if isinstance(injected, Injection) and spec.candidate == "sglang":
+        raise InputError(f"--fault {fault!r}: ulp@K injects into h3gate's executor, not SGLang's module")
     if injected is not None and spec.candidate == "sglang":
         fault_point("block", setup.cfg, LAYER, injected)
     name = f"{setup.config_name}-{spec.layout}"
@@ -290,7 +319,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     read_inputs(setup)
     result = _run(setup, tol, settings.backward, injected, settings.fault_matrix, started, save_tensors is not None)
     body = build_body(setup, result, spec.mode, spec.seed, tol, tol_file)
-    body["injected_fault"] = None if injected is None else injected.label()
+    body["injected_fault"] = None if injected is None else body.pop("injected", None) or injected.label()
     body["timing"]["wall_s"] = round(time.perf_counter() - started, 4)
     if save_tensors is not None:
         meta = {
@@ -315,7 +344,7 @@ def _run(
     setup: Run,
     tol: ToleranceProfile,
     backward: bool,
-    injected: RowFault | None,
+    injected: RowFault | Injection | None,
     fault_matrix: bool,
     started: float,
     keep_golden: bool = False,
@@ -323,9 +352,14 @@ def _run(
     """The gate on the prepared setup (its bindings passed down), with progress lines; records ``setup_s``."""
     steps = forward_steps() + (backward_steps() if backward else []) + (["fault matrix"] if fault_matrix else [])
     setup_s = time.perf_counter() - started
+    single = injected if isinstance(injected, Injection) else None
+    fault = None if single is not None else injected
     with progress(KIND, len(steps), started) as step:
-        gate = BlockGate.of(setup, tol, backward, injected, progress=step, fault_matrix=fault_matrix,
+        gate = BlockGate.of(setup, tol, backward, fault, progress=step, fault_matrix=fault_matrix,
                             keep_golden=keep_golden)  # fmt: skip
-        result = run_block_gate(gate)
+        with determinism.injecting(single) if single is not None else contextlib.nullcontext() as state:
+            result = run_block_gate(gate)
+    if single is not None:
+        result.report["injected"] = state.describe()
     result.report["timing"]["setup_s"] = round(setup_s, 4)
     return result

@@ -6,7 +6,15 @@ gradient is computed first), so "first" always means "first to be computed".
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+
+def gradient_operator(nodes: Iterable, value: str) -> str | None:
+    """The node(s) whose backward produced the gradient of ``value``: the nodes reading it (``+``-joined when
+    several, whose contributions are summed); None when no node reads it (a graph output: its gradient is the
+    cotangent) or ``value`` is no node input (a parameter)."""
+    readers = [n.name for n in nodes if value in n.inputs]
+    return "+".join(readers) if readers else None
 
 
 def first_drift(order: Sequence[str], records: Mapping[str, Mapping | None]) -> dict | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from h3gate import numerics
+from h3gate.graph import determinism
 from h3gate.manifests.tolerances import CPU_VARIANTS, CUDA_VARIANTS
 
 
@@ -108,5 +109,17 @@ def provider_variants(names: list[str], device: str) -> tuple[list[Variant], lis
         if isinstance(made, str):
             skipped.append({"name": name, "reason": made})
         else:
-            run.append(made)
+            run.append(Variant(made.name, _keyed(made.name, made.enter)))
     return run, skipped
+
+
+def _keyed(name: str, enter: Callable[[], contextlib.AbstractContextManager]) -> Callable:
+    """``enter`` that also keys the evaluations under it by the variant (:func:`h3gate.graph.determinism.setting`):
+    a variant may change the provider's bytes, so its evaluations are never paired with the default's."""
+
+    @contextlib.contextmanager
+    def entered() -> Iterator[None]:
+        with determinism.setting(name), enter():
+            yield
+
+    return entered

@@ -17,6 +17,11 @@ module iterates a graph's nodes to run them (``tests/test_architecture.py`` fail
 
 Stages (:mod:`h3gate.graph.stages`) run through :func:`run_chained` on a stage's sub-graph.
 
+Every evaluation (:func:`run_node`, a grouped sibling, :func:`node_vjp`) is reported to the determinism recorder a
+gate entered (:mod:`h3gate.graph.determinism`; nothing when none is), which compares evaluations on bit-identical
+inputs; under one, :func:`iter_isolated` and :func:`iter_node_vjps` evaluate each node twice so that the isolated
+view has a partner.
+
 Overrides replace a node's function and come in two shapes: a plain callable ``fn(ops, inputs, params)`` (the node's
 own signature: negative controls, row faults) or a :class:`NodeOverride` ``fn(ops, values, params, node)`` that sees
 every value computed so far (the ablation probes and run ws2's rank-local nodes, which call :func:`run_node` on the
@@ -32,6 +37,7 @@ from functools import partial
 import torch
 
 from h3gate.errors import InputError
+from h3gate.graph import determinism
 from h3gate.graph.body_nodes import Gemm
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.kernels import launches
@@ -74,11 +80,20 @@ def run_node(
 ) -> torch.Tensor:
     """``node``'s output from ``values`` (which hold at least its inputs), through ``override`` when given; kernel
     launches noted meanwhile belong to ``node`` (:mod:`h3gate.kernels.launches`)."""
+    reads = (*node.inputs, *getattr(override, "reads", ()))
+    seen = determinism.reading(params)
     with launches.node(node.name):
         if isinstance(override, NodeOverride):
-            return override.fn(ops, values, params, node)
-        fn = node.fn if override is None else override
-        return fn(ops, {k: values[k] for k in node.inputs}, params)
+            out = override.fn(ops, values, seen, node)
+        else:
+            fn = node.fn if override is None else override
+            x = determinism.inject_backward(node.name, {k: values[k] for k in node.inputs}, node.row_dim, ops)
+            out = fn(ops, x, seen)
+    out = determinism.inject_forward(node.name, out, node.row_dim, ops)
+    inputs = {k: values[k] for k in dict.fromkeys(reads)}
+    used = determinism.read_of(seen)
+    determinism.observe(node.name, "forward", ops, override, inputs, used, {"out": (out, node.row_dim)})
+    return out
 
 
 def sibling_gemms(nodes: Sequence[Node], k: int, ops: OpTable, overrides: Mapping[str, Override]) -> tuple[Node, ...]:
@@ -108,12 +123,17 @@ def _run_siblings(
     """The outputs of :func:`sibling_gemms` ``(nodes, k)`` by one grouped call, by node name (launches noted for each
     of them: :func:`h3gate.kernels.launches.current_nodes` names them during the call), or {} where there are none."""
     group = sibling_gemms(nodes, k, ops, overrides)
-    if not group:
+    if not group or determinism.injects_backward(n.name for n in group):
         return {}
     fns = [node.fn for node in group]
     with launches.node(*(node.name for node in group)):
         outs = ops[fns[0].op].grouped(values[fns[0].source], [params[fn.weight] for fn in fns])
-    return {node.name: out for node, out in zip(group, outs, strict=True)}
+    out: dict[str, torch.Tensor] = {}
+    for node, y in zip(group, outs, strict=True):
+        out[node.name] = determinism.inject_forward(node.name, y, node.row_dim, ops)
+        source, weight = {k: values[k] for k in node.inputs}, {node.fn.weight: params[node.fn.weight]}
+        determinism.observe(node.name, "forward", ops, None, source, weight, {"out": (out[node.name], node.row_dim)})
+    return out
 
 
 def run_nodes(
@@ -245,17 +265,43 @@ def iter_isolated(
     feed: Feed,
     params: Mapping[str, torch.Tensor],
     overrides: Mapping[str, Override] | None = None,
+    repeat: bool = True,
 ) -> Iterator[tuple[Node, Mapping[str, torch.Tensor], torch.Tensor]]:
     """``(node, fed values, output)``: each of ``nodes`` alone under ``no_grad`` on ``feed(node, reads)`` (values
     holding at least its inputs and, for a :class:`NodeOverride`, the earlier values it ``reads``), normally another
-    execution's values: the isolated view, which separates a node's own drift from the drift it inherited."""
+    execution's values: the isolated view, which separates a node's own drift from the drift it inherited. Under a
+    determinism recorder each node runs twice unless ``repeat`` is False (the caller's node VJPs recompute the same
+    forward on the same values: its partner)."""
     overrides = overrides or {}
     for node in nodes:
         override = overrides.get(node.name)
         fed = feed(node, getattr(override, "reads", ()))
         with torch.no_grad():
             out = run_node(node, ops, fed, params, override)
+            if repeat and determinism.active() is not None:  # the isolated evaluation's partner (compared)
+                with determinism.again():
+                    run_node(node, ops, fed, params, override)
         yield node, fed, out
+
+
+class _Leaves(Mapping):
+    """``params`` as gradient leaves: each a detached clone that requires grad, made when the node first reads it
+    (``made``: the ones it read, in reading order), so a node's VJP copies only its own parameters."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self.params, self.made = params, {}
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        if k not in self.made:
+            self.made[k] = self.params[k].detach().clone().requires_grad_(True)
+            determinism.copies({k: self.made[k]}, self.params)
+        return self.made[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
 
 
 def node_vjp(
@@ -270,13 +316,20 @@ def node_vjp(
     """The gradients ``node``'s backward returns for ``wrt_inputs`` and its parameters, given ``cotangent`` (cast to
     the output's dtype): ``{"<node>:d<input or parameter>": gradient}``, unused leaves left out."""
     x = {k: (v.detach().clone().requires_grad_(True) if k in wrt_inputs else v) for k, v in feed.items()}
-    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    p = _Leaves(params)
+    seen = determinism.reading(p)
     with torch.enable_grad():
-        out = run_node(node, ops, x, p, override)
-        leaves = [*(x[k] for k in wrt_inputs), *p.values()]
+        out = run_node(node, ops, x, seen, override)
+        used = [k for k in params if k in p.made]
+        leaves = [*(x[k] for k in wrt_inputs), *(p.made[k] for k in used)]
         grads = torch.autograd.grad(out, leaves, cotangent.to(out.dtype), allow_unused=True)
-    keys = [*wrt_inputs, *p]
-    return {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
+    keys = [*wrt_inputs, *used]
+    result = {f"{node.name}:d{k}": g for k, g in zip(keys, grads, strict=True) if g is not None}
+    dims = {f"{node.name}:d{k}": (node.row_dim if k in wrt_inputs else None) for k in keys}
+    fed = {**{k: feed[k] for k in node.inputs if k in feed}, "cotangent": cotangent}
+    outs = {k: (g, dims[k]) for k, g in result.items()}
+    determinism.observe(node.name, "vjp:" + ",".join(wrt_inputs), ops, override, fed, determinism.read_of(seen), outs)
+    return result
 
 
 def iter_node_vjps(
@@ -292,7 +345,12 @@ def iter_node_vjps(
     overrides = overrides or {}
     for node in nodes:
         fed, wrt = feed(node)
-        yield node, fed, wrt, node_vjp(node, ops, fed, params, cotangent(node), wrt, overrides.get(node.name))
+        override = overrides.get(node.name)
+        grads = node_vjp(node, ops, fed, params, cotangent(node), wrt, override)
+        if determinism.active() is not None:  # the isolated VJP's partner (the recorder compares them)
+            with determinism.again():
+                node_vjp(node, ops, fed, params, cotangent(node), wrt, override)
+        yield node, fed, wrt, grads
 
 
 def node_calls(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from h3gate.graph import determinism
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.graph.execute import NO_HOOKS, Hooks, Override, run_chained
 from h3gate.graph.model import METADATA, OUTPUTS
@@ -214,6 +215,7 @@ def stage_vjp(
     wrt = differentiable(stage, saved)
     x = {k: (v.detach().requires_grad_(True) if k in wrt else v) for k, v in saved.items() if k in stage.external}
     p = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    determinism.copies(p, params)
     with torch.enable_grad():
         values = run_stage(stage, x, p, ops, overrides)
         for v in values.values():
@@ -223,12 +225,17 @@ def stage_vjp(
         grads = [incoming[k].to(values[k].dtype) for k in stage.outputs if k in incoming and values[k].requires_grad]
         if outs:
             torch.autograd.backward(outs, grads)
-    return StageGrads(
+    grads = StageGrads(
         nodes={k: v.grad for k, v in values.items() if v.grad is not None},
         inputs={k: x[k].grad for k in wrt if x[k].grad is not None},
         params={k: v.grad for k, v in p.items() if v.grad is not None},
         forward={k: v.detach() for k, v in values.items()},
     )
+    dims = {n.name: n.row_dim for n in stage.nodes}
+    outs = {k: (g, dims.get(k)) for part in (grads.nodes, grads.inputs, grads.params) for k, g in part.items()}
+    fed = {**{k: saved[k] for k in stage.external if k in saved}, **{f"d{k}": v for k, v in incoming.items()}}
+    determinism.observe(stage.label, "stage_vjp", ops, overrides or None, fed, params, outs)
+    return grads
 
 
 def accumulate(acc: dict[str, torch.Tensor], grads: Mapping[str, torch.Tensor]) -> None:

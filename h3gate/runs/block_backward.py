@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3gate.gate.compare import agreement, error
-from h3gate.gate.drift import first_drift
+from h3gate.gate.drift import first_drift, gradient_operator
 from h3gate.gate.invariance import GRAD_PLACEMENTS, batch_records, place, repeat_records, slices
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check, leaf_check
+from h3gate.graph import determinism
 from h3gate.graph.core import Values
 from h3gate.graph.inputs import stand_in
 from h3gate.manifests.tolerances import BackwardBounds
@@ -56,9 +57,10 @@ def backward(
         ctx, lambda: ex.grads("provider", None, cot)[:2], {**c_leaf, **c_node}, {**g_leaf, **g_node},
         {**p_leaf, **p_node},
     )  # fmt: skip
-    vjps = vjp_rows(
-        ctx, graph, ex.tables["candidate"], gate.node_overrides, gate.params, ex.golden_params, prov, p_node
-    )
+    with determinism.evaluation("vjp"):
+        vjps = vjp_rows(
+            ctx, graph, ex.tables["candidate"], gate.node_overrides, gate.params, ex.golden_params, prov, p_node
+        )
     for key, rec in vjps.items():
         rec["pass"] = rec["rows"]["pass"]
         if not rec["pass"]:
@@ -71,9 +73,12 @@ def backward(
     all_rows = {**row_dims, **{k: (1 if k == "hidden_states" else None) for k in leaf_names}}
     all_batch = {**batch_dims, **{k: (0 if k == "hidden_states" else None) for k in leaf_names}}
     per_row = ["hidden_states", *[n for n in names if batch_dims[n] is not None]]
-    cand_batch, prov_batch = _batch(
-        gate, ex, cot, h, per_row, all_rows, all_batch, modalities, (c_leaf, c_node, p_leaf, p_node)
+    cand_batch, prov_batch, fwd_batch = _batch(
+        gate, ex, cot, h, per_row, all_rows, all_batch, modalities, (c_leaf, c_node, p_leaf, p_node, no_grad_values)
     )
+    if tol.autograd_forward_bitwise:
+        failing.extend(f"backward.autograd_forward.{n}.batch_row_bitwise" for n, r in fwd_batch.items()
+                       if not r["bitwise"])  # fmt: skip
     grads = _Grads(tol, modalities, all_rows, cand_batch, prov_batch, chained_rows)
     leaves = grads.records(leaf_names, c_leaf, cr_leaf, p_leaf, pr_leaf, g_leaf, leaf=True)
     node_recs = grads.records(names, c_node, cr_node, p_node, pr_node, g_node, leaf=False)
@@ -85,6 +90,7 @@ def backward(
         found = first_drift(order, {k: (None if v is None else v[key]) for k, v in merged.items()})
         if found is not None:
             found["kind"] = "leaf" if found["node"] in leaves else "node"
+            found["operator"] = gradient_operator(graph.nodes, found["node"])
         return found
 
     report = {
@@ -95,6 +101,7 @@ def backward(
         "vjp": vjps,
         "autograd_forward": autograd_fwd,
         "first_autograd_forward_drift": first_drift(names, autograd_fwd),
+        "autograd_forward_batch": fwd_batch,
         "first_grad_drift": drift("chained"),
         "first_grad_repeat_drift": drift("repeat"),
         "first_grad_batch_drift": drift("batch_row"),
@@ -115,24 +122,30 @@ def _batch(
     all_rows: dict[str, int | None],
     all_batch: dict[str, int | None],
     modalities: list[str],
-    reference: tuple[Values, Values, Values, Values],
-) -> tuple[dict, dict]:
+    reference: tuple[Values, Values, Values, Values, Values],
+) -> tuple[dict, dict, dict]:
     """Gradient batch placements (each unrelated item with its own cotangent): (candidate, provider) records of
-    every per-row gradient present in every run."""
-    c_leaf, c_node, p_leaf, p_node = reference
+    every per-row gradient present in every run, and the candidate's forward under autograd in each placement
+    against its no_grad forward (the request's item of every per-row node output)."""
+    c_leaf, c_node, p_leaf, p_node, rollout = reference
+    rowed = [k for k in per_row if k in rollout and k != "hidden_states"]
+    forward_runs: list = []
     others = unrelated(gate.inputs, "hidden_states")
     cots = unrelated(gate.inputs, "cotangent")
     runs: dict[str, list] = {"candidate": [], "provider": []}
     for who in ("candidate", "provider"):
         for size, pos in GRAD_PLACEMENTS[1:]:
-            lg, ng, _ = ex.grads(who, f"{who} batch {size}", place(cot, cots, size, pos), place(h, others, size, pos))
+            lg, ng, out = ex.grads(who, f"{who} batch {size}", place(cot, cots, size, pos), place(h, others, size, pos))
             picked = {k: v for k, v in {**lg, **ng}.items() if k in per_row}
             runs[who].append((size, pos, slices(picked, all_batch, pos)))
-            del lg, ng
+            if who == "candidate":
+                forward_runs.append((size, pos, slices({k: out[k] for k in rowed}, all_batch, pos)))
+            del lg, ng, out
     per_row = [k for k in per_row if all(k in values for _, _, values in runs["candidate"] + runs["provider"])]
     cand_batch = batch_records(per_row, {**c_leaf, **c_node}, runs["candidate"], all_rows, modalities)
     prov_batch = batch_records(per_row, {**p_leaf, **p_node}, runs["provider"], all_rows, modalities)
-    return cand_batch, prov_batch
+    fwd_batch = batch_records(rowed, rollout, forward_runs, all_rows, modalities)
+    return cand_batch, prov_batch, fwd_batch
 
 
 class _Grads:

@@ -36,6 +36,7 @@ from h3gate.gate.compare import agreement, error
 from h3gate.gate.invariance import PLACEMENTS, merge_placements, place, placement_record, select
 from h3gate.gate.rows import row_errors
 from h3gate.gate.variants import Variant, refusal
+from h3gate.graph import determinism
 from h3gate.graph.core import Node, Values
 from h3gate.graph.execute import iter_isolated
 from h3gate.kernels import launches
@@ -64,13 +65,14 @@ class Lane:
     stream: Iterator[tuple[Node, torch.Tensor]]
     variant: Variant | None = None
     refused: str | None = None
+    label: str = "chained"  # the pass its evaluations belong to (h3gate.graph.determinism)
 
     def step(self) -> torch.Tensor | None:
         if self.refused is not None:
             return None
         entered = self.variant.enter() if self.variant is not None else contextlib.nullcontext()
         try:
-            with entered, torch.no_grad():
+            with entered, torch.no_grad(), determinism.evaluation(self.label):
                 return next(self.stream)[1]
         except RuntimeError as exc:
             if self.variant is None:
@@ -195,7 +197,8 @@ def _isolated(
     for node, feed, iso in _isolated_stream(gate, ex, store):
         n = node.name
         agree[n] = agreement(iso, feed[n], node.row_dim, gate.inputs.modalities)
-        local, envelope = isolated_envelope(ctx, node, feed, gate.params, ex.golden_params)
+        with determinism.evaluation("isolated envelope"):
+            local, envelope = isolated_envelope(ctx, node, feed, gate.params, ex.golden_params)
         rows[n] = ctx.judge(iso, envelope, local, node.row_dim)
         if ctx.keep:  # the candidate's own output too, unless an override made it (the matrix then re-runs it)
             own = None if n in (gate.node_overrides or {}) else iso
@@ -210,8 +213,15 @@ def _isolated_stream(
     """``(node, the provider's values it reads, the candidate's node on them)`` in graph order: the executor's
     isolated pass, or SGLang's teacher-forced forward (a node it did not capture: the provider's value, failed)."""
     if gate.sglang is None:
-        yield from iter_isolated(gate.graph.nodes, ex.tables["candidate"], store.feed, gate.params, gate.node_overrides)
-        return
+        # with the backward, each node VJP's forward on the same provider values is the isolated evaluation's partner
+        table, repeat = ex.tables["candidate"], not gate.backward
+        stream = iter_isolated(gate.graph.nodes, table, store.feed, gate.params, gate.node_overrides, repeat)
+        while True:
+            with determinism.evaluation("isolated"):
+                got = next(stream, None)
+            if got is None:
+                return
+            yield got
     values = gate.sglang.isolated(store.values("provider"))
     for node in gate.graph.nodes:
         feed = store.feed(node)
@@ -233,9 +243,11 @@ def _placed_lanes(gate: BlockGate, ex: _Executions, who: str) -> tuple[Lane, lis
     def item(size: int, pos: int) -> Lane:
         batch = ex.lane(who, hidden=place(x0, others, size, pos))
         items = ((n, select(v, 0 if n.row_dim is not None else None, pos)) for n, v in batch.stream)
-        return Lane(batch.name, items)
+        return Lane(batch.name, items, label=f"batch {size} at {pos}")
 
-    return ex.lane(who), [(size, pos, item(size, pos)) for size, pos in PLACEMENTS[1:]]
+    repeat = ex.lane(who)
+    repeat.label = "repeat"
+    return repeat, [(size, pos, item(size, pos)) for size, pos in PLACEMENTS[1:]]
 
 
 def _invariance(gate: BlockGate, ex: _Executions, store: ValueStore, who: str) -> tuple[dict, dict]:

@@ -278,10 +278,40 @@ def grad_rows(
     return {k: ctx.judge(candidate[k], errs[k], golden[k], dims[k]) for k in keys if errs[k]}
 
 
-def first_row_failure(nodes: list[dict], backward: dict | None, modalities: list[str]) -> dict | None:
+def mismatch_modality(mismatch: dict, modalities: Sequence[str]) -> str | None:
+    """The modality of a determinism mismatch's row (:mod:`h3gate.graph.determinism`), where its value has one
+    row per packed row."""
+    row = mismatch["row"]
+    return None if row is None or mismatch["rows"] != len(modalities) else modalities[row]
+
+
+def determinism_failure(mismatch: dict, modalities: Sequence[str]) -> str:
+    """The failing-check line of a candidate determinism mismatch: node, value, the two passes, the row."""
+    first, second = mismatch["passes"]
+    row = "whole tensor" if mismatch["row"] is None else f"row {mismatch['row']}"
+    mod = mismatch_modality(mismatch, modalities)
+    return (f"determinism.{mismatch['node']}.{mismatch['kind']}.bitwise ({mismatch['value']}: {first} vs {second}, "
+            f"{row}{'' if mod is None else ', ' + mod})")  # fmt: skip
+
+
+def determinism_first(record: dict | None, modalities: Sequence[str]) -> dict | None:
+    """The first failing determinism mismatch as a first-failure record, or None."""
+    bad = [m for m in (record or {}).get("mismatches", []) if m["role"] == "candidate"]
+    if not bad:
+        return None
+    m = bad[0]
+    where = "backward" if m["kind"].startswith("vjp") or m["passes"][1].startswith(("backward", "vjp")) else "forward"
+    return {"where": where, "node": m["node"], "view": f"determinism: {m['passes'][0]} vs {m['passes'][1]}",
+            "row": m["row"], "modality": mismatch_modality(m, modalities), "ratio": None}  # fmt: skip
+
+
+def first_row_failure(
+    nodes: list[dict], backward: dict | None, modalities: list[str], determinism: dict | None = None
+) -> dict | None:
     """The first row-rule failure in execution order: forward nodes (isolated, then chained), then the backward
-    (node VJPs from the last node back, node-output gradients, leaves). ``{"where", "node", "view", "row",
-    "modality", "ratio"}`` or None."""
+    (node VJPs from the last node back, node-output gradients, leaves); without one, the first failing
+    determinism mismatch (:func:`determinism_first`). ``{"where", "node", "view", "row", "modality", "ratio"}`` or
+    None."""
     found: list[tuple[str, str, str, dict]] = []
     for n in nodes:
         found += [("forward", n["name"], view, n["rows"][view]) for view in ("isolated", "chained")]
@@ -305,4 +335,4 @@ def first_row_failure(nodes: list[dict], backward: dict | None, modalities: list
                 "modality": None if mods is None or row is None else mods[row],
                 "ratio": check["ratio"],
             }
-    return None
+    return determinism_first(determinism, modalities)

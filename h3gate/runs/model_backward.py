@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3gate.gate.compare import agreement, bitwise_equal, error
+from h3gate.gate.drift import gradient_operator
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.gate.variants import refusal
+from h3gate.graph import determinism
 from h3gate.graph.core import to_float64
 from h3gate.graph.model import OUTPUTS
 from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
@@ -78,7 +80,7 @@ def _run(lane: Lane, stage: Stage, params, incoming: dict, overrides=None) -> St
     if lane.refused is not None:
         return None
     try:
-        with lane.entered():
+        with lane.entered(), determinism.evaluation(f"backward: {lane.name}"):
             return stage_vjp(stage, lane.saved[stage.label], params, lane.table, incoming, overrides)
     except RuntimeError as exc:
         if lane.variant is None:
@@ -118,8 +120,10 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
             findings.failing.append(f"backward.{key}.gradient_missing ({', '.join(missing)})")
             continue
         rec = _record(gate, ctx, stage, key, dims[key], cand, prov, gold, env, iso, iso_env, again, placed)
-        where = {"direction": "backward", "stage": stage.label, "layer": stage.layer, "node": key}
-        findings.note_failures(where, rec["checks"], rec["rows"])
+        where = {"direction": "backward", "stage": stage.label, "layer": stage.layer, "node": key,
+                 "operator": gradient_operator(gate.setup.graph.nodes, key)}  # fmt: skip
+        agreements = {"repeat_bitwise": rec["repeat"], "batch_row_bitwise": rec["batch_row"]}
+        findings.note_failures(where, rec["checks"], rec["rows"], agreements)
         findings.note_drift("backward_chained", where, rec["chained"])
         findings.note_drift("backward_repeat", where, rec["repeat"])
         if rec["batch_row"] is not None:
@@ -156,7 +160,11 @@ def _isolated(gate, lanes: Lanes, stage: Stage, params, gparams, prov_in: dict) 
     """The stage alone on the provider's saved inputs and incoming gradients: candidate, FP64, provider variants."""
     saved = lanes.provider.saved[stage.label]
     gold = stage_vjp(stage, to_float64(saved), gparams, lanes.golden.table, {k: v.double() for k, v in prov_in.items()})
-    cand = stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides)
+    with determinism.evaluation("isolated vjp"):
+        cand = stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides)
+        if determinism.active() is not None:  # its partner: the recorder compares the two
+            with determinism.again():
+                stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides)
     variants: dict[str, StageGrads] = {}
     for lane in lanes.providers[1:]:
         if lane.refused is not None:

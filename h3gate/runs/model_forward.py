@@ -20,6 +20,7 @@ import torch
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check
+from h3gate.graph import determinism
 from h3gate.graph.core import Node, Values, to_float64
 from h3gate.graph.execute import iter_isolated
 from h3gate.graph.stages import Stage, last_readers
@@ -61,13 +62,19 @@ class Findings:
         if self.drift.get(key) is None and not agree["bitwise"]:
             self.drift[key] = {**where, "row": agree.get("first_row"), "modality": agree.get("first_modality")}
 
-    def note_failures(self, where: dict, checks: list[dict], rows: Mapping[str, dict]) -> None:
+    def note_failures(
+        self, where: dict, checks: list[dict], rows: Mapping[str, dict], agreements: Mapping[str, dict | None]
+    ) -> None:
+        """Failing checks; the first failure with its row and modality (the failing row check's first row over
+        its bound, or the failing bitwise check's first differing row: ``agreements`` by check name)."""
         label = ".".join(str(where[k]) for k in ("direction", "node") if where.get(k) is not None)
         self.failing += [failure(label, c) for c in checks if not c["pass"]]
         if self.first_failure is None:
             bad = next((c for c in checks if not c["pass"]), None)
             if bad is not None:
-                self.first_failure = {**where, "check": bad["check"], "detail": bad["detail"]}
+                row, mod = _located(bad["check"], rows, agreements)
+                self.first_failure = {**where, "row": row, "modality": mod, "check": bad["check"],
+                                      "detail": bad["detail"]}  # fmt: skip
         if self.first_row_failure is None:
             for view, rec in rows.items():
                 if rec is not None and not rec["pass"]:
@@ -77,6 +84,38 @@ class Findings:
                         "ratio": rec["ratio"],
                     }  # fmt: skip
                     break
+
+
+def _located(name: str, rows: Mapping[str, dict], agreements: Mapping[str, dict | None]) -> tuple:
+    """(row, modality) a failing check names: a row check's first row over its bound, a bitwise check's first
+    differing row; (None, None) for a whole-tensor check."""
+    view = name.removeprefix("row_bound_")
+    if view != name and rows.get(view) is not None:
+        return rows[view]["first_over_row"], rows[view]["first_over_modality"]
+    agree = agreements.get(name)
+    if agree is None:
+        return None, None
+    return agree.get("first_row"), agree.get("first_modality")
+
+
+def note_determinism(findings: Findings, recorder, stages, modalities: list[str]) -> None:
+    """The candidate's determinism mismatches (:mod:`h3gate.graph.determinism`) as failing checks, and as the first
+    failure when nothing failed before them."""
+    where_of = {n.name: (s, n.layer) for s in stages for n in s.nodes}
+    where_of.update({s.label: (s, s.layer) for s in stages})
+    for m in recorder.failing():
+        first, second = m["passes"]
+        row = m["row"]
+        mod = None if row is None or m["rows"] != len(modalities) else modalities[row]
+        detail = f"{m['value']}: {first} vs {second}, " + ("whole tensor" if row is None else f"row {row}")
+        findings.failing.append(f"determinism.{m['node']}.{m['kind']}.bitwise ({detail})")
+        if findings.first_failure is None:
+            stage, layer = where_of[m["node"]]
+            backward = m["kind"] != "forward" or second.startswith(("backward", "isolated vjp"))
+            findings.first_failure = {
+                "direction": "backward" if backward else "forward", "stage": stage.label, "layer": layer,
+                "node": m["node"], "row": row, "modality": mod, "check": "determinism", "detail": detail,
+            }  # fmt: skip
 
 
 def forward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) -> tuple[list[dict], list[dict]]:
@@ -143,7 +182,9 @@ def _stage(
         if launched.get(node.name):
             rec["launch"] = launched[node.name]
         where = {"direction": "forward", "stage": stage.label, "layer": node.layer, "node": node.name}
-        findings.note_failures(where, rec["checks"], rec["rows"])
+        agreements = {"repeat_bitwise": repeat[node.name], "batch_row_bitwise": batch[node.name],
+                      "isolated_bitwise": rec["isolated"]}  # fmt: skip
+        findings.note_failures(where, rec["checks"], rec["rows"], agreements)
         for key, agree in (("chained", rec["chained"]), ("repeat", repeat[node.name]), ("batch", batch[node.name])):
             findings.note_drift(f"forward_{key}", where, agree)
         findings.note_drift("forward_isolated", where, rec["isolated"])
@@ -172,8 +213,13 @@ def _isolated(gate: ModelGate, stage: Stage, feed: Values, params) -> Iterator[t
     teacher-forced values (a node it did not capture: the provider's value, failed as such)."""
     if gate.sglang is None:
         table, overrides = gate.tables["candidate"], gate.node_overrides
-        for node, _, iso in iter_isolated(stage.nodes, table, lambda node, reads: feed, params, overrides):
-            yield node, iso
+        stream = iter_isolated(stage.nodes, table, lambda node, reads: feed, params, overrides)
+        while True:
+            with determinism.evaluation("isolated"):
+                got = next(stream, None)
+            if got is None:
+                return
+            yield got[0], got[2]
         return
     for node in stage.nodes:
         yield node, gate.sglang_isolated.get(node.name, feed[node.name])
@@ -188,7 +234,8 @@ class _Judged:
 
 def _node(ctx, node: Node, iso: torch.Tensor, feed, params, gparams, prov, cand, gold, chained_env, mods) -> _Judged:
     """The node alone on the provider's inputs (``iso``), and the row rule's chained and isolated views."""
-    local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
+    with determinism.evaluation("isolated envelope"):
+        local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
     least = contract_floor(ctx.rule.contract_floor, node.ops, "forward", cand[node.name].dtype)
     rows = {
         "isolated": ctx.judge(iso, iso_env, local, node.row_dim, at_least=least, mods=mods),

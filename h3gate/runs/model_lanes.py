@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gate.gate.variants import Variant, refusal
+from h3gate.graph import determinism
 from h3gate.graph.core import OpTable, Values
 from h3gate.graph.execute import Override
 from h3gate.graph.model import OUTPUTS
@@ -57,7 +58,7 @@ class Lane:
         if self.save:
             self.saved[stage.label] = {k: self.values[k] for k in stage.external}
         try:
-            with self.entered(), torch.no_grad():
+            with self.entered(), torch.no_grad(), determinism.evaluation(self.name):
                 out = run_stage(stage, self.values, params, self.table, self.overrides)
         except RuntimeError as exc:
             if self.variant is None:

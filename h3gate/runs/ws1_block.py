@@ -35,6 +35,7 @@ from h3gate.gate.invariance import GRAD_PLACEMENTS
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check
 from h3gate.gate.variants import Variant
+from h3gate.graph import determinism
 from h3gate.graph.core import Graph, OpTable, Values, to_float64
 from h3gate.graph.execute import iter_graph, run_backward
 from h3gate.graph.executions import NodeBinding, bind_graph, candidate_table, golden_table, provider_table
@@ -43,7 +44,7 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_backward import ROW_STEP_BACKWARD, backward
 from h3gate.runs.block_forward import PASSES, Forward, Lane, ValueStore, forward
 from h3gate.runs.block_records import bound_check, check, failure, unrelated, value_record
-from h3gate.runs.block_rows import RowContext, first_row_failure, value_row_dims
+from h3gate.runs.block_rows import RowContext, determinism_failure, first_row_failure, value_row_dims
 from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.fault_matrix import run_fault_matrix
 from h3gate.runs.setup import Run
@@ -172,8 +173,10 @@ class _Executions:
         leaves = {k: x[k].detach().clone().requires_grad_(True) for k in ("hidden_states", "temb")}
         x.update(leaves)
         params = {k: v.detach().clone().requires_grad_(True) for k, v in p.items()}
+        determinism.copies(params, p)
         graph = self.gate.graph
-        values = run_backward(graph, x, params, self.tables[who], cotangent, self._overrides(who), True)
+        with determinism.evaluation(f"backward: {label or who + ' (row rule)'}"):
+            values = run_backward(graph, x, params, self.tables[who], cotangent, self._overrides(who), True)
         leaf_grads = {k: v.grad for k, v in {**leaves, **params}.items()}
         node_grads = {n.name: values[n.name].grad for n in self.gate.graph.nodes}
         outputs = {n.name: values[n.name].detach() for n in self.gate.graph.nodes}
@@ -202,15 +205,21 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
     keep = ("provider", "candidate", "golden") if gate.keep_golden else ("provider", "candidate")
     where = gate.device if gate.store == "device" else "cpu"
     store = ValueStore(gate.device, where, gate.inputs.tensors, keep)
-    fw = forward(gate, ex, ctx, store)
-    nodes, failing = _node_records(gate, bindings, fw)
-    prov, cand = store.values("provider"), store.values("candidate")
-    backward_report, backward_s = None, 0.0
-    if gate.backward:
-        t1 = time.perf_counter()
-        backward_report, backward_failing = backward(gate, ex, cand, prov, fw.ctx, row_dims, batch_dims)
-        failing += backward_failing
-        backward_s = time.perf_counter() - t1
+    recorder = determinism.Recorder()
+    for who, table in ex.tables.items():
+        recorder.role(table, who)
+    with determinism.recording(recorder):
+        fw = forward(gate, ex, ctx, store)
+        nodes, failing = _node_records(gate, bindings, fw)
+        prov, cand = store.values("provider"), store.values("candidate")
+        backward_report, backward_s = None, 0.0
+        if gate.backward:
+            t1 = time.perf_counter()
+            backward_report, backward_failing = backward(gate, ex, cand, prov, fw.ctx, row_dims, batch_dims)
+            failing += backward_failing
+            backward_s = time.perf_counter() - t1
+    determinism_record = recorder.record()
+    failing += [determinism_failure(m, modalities) for m in recorder.failing()]
     matrix = None
     if gate.fault_matrix:
         ex.step("fault matrix")
@@ -236,7 +245,8 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         "backward": backward_report,
         "row_rule": fw.ctx.record(),
         "fault_matrix": matrix,
-        "first_row_failure": first_row_failure(nodes, backward_report, modalities),
+        "determinism": determinism_record,
+        "first_row_failure": first_row_failure(nodes, backward_report, modalities, determinism_record),
         "fallbacks": fallbacks,
         "verdict": verdict,
         "failing_checks": failing,

@@ -26,6 +26,7 @@ import torch
 
 from h3gate.gate.faults import RowFault
 from h3gate.gate.variants import provider_variants
+from h3gate.graph import determinism
 from h3gate.graph.core import OpTable, Values, to_float64
 from h3gate.graph.execute import run_chained
 from h3gate.graph.executions import NodeBinding, candidate_table, golden_table, provider_table
@@ -34,7 +35,7 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.model_backward import backward
-from h3gate.runs.model_forward import Findings, Lanes, forward
+from h3gate.runs.model_forward import Findings, Lanes, forward, note_determinism
 from h3gate.runs.model_lanes import CapturedLane, Lane
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, StageWeights
 from h3gate.runs.setup import Run
@@ -206,15 +207,21 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
         _sglang_isolated(gate)
     lanes = make_lanes(gate, ctx)
     findings = Findings()
-    nodes, stage_records = forward(gate, ctx, lanes, findings)
-    forward_s = time.perf_counter() - started
-    bw = None
-    if gate.backward:
-        bw = backward(gate, ctx, lanes, findings)
+    recorder = determinism.Recorder()
+    for who, table in gate.tables.items():
+        recorder.role(table, who)
+    with determinism.recording(recorder):
+        nodes, stage_records = forward(gate, ctx, lanes, findings)
+        forward_s = time.perf_counter() - started
+        bw = None
+        if gate.backward:
+            bw = backward(gate, ctx, lanes, findings)
+    note_determinism(findings, recorder, gate.stages, gate.modalities)
     for lane in lanes.providers:
         if lane.refused is not None:
             ctx.skipped.append({"name": lane.variant.name, "reason": lane.refused})
     report = _report(gate, ctx, lanes, nodes, stage_records, bw, findings)
+    report["determinism"] = recorder.record()
     report["timing"] = {
         "forward_s": round(forward_s, 4),
         "backward_s": round(time.perf_counter() - started - forward_s, 4),
