@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+from h3gate.bounded import load_json_file
 from h3gate.errors import InputError, set_crash_folder
 from h3gate.evidence.writer import prepare_out
 from h3gate.paths import display
@@ -72,9 +73,9 @@ def temp_files(folder: Path) -> list[Path]:
 def _holder_text(lock: Path) -> str:
     """``pid N (<command>, started <time>)`` from a lock file's record (what there is of it)."""
     try:
-        rec = json.loads(lock.read_text(encoding="utf-8"))
+        rec = load_json_file(lock, display(lock), 64 * 1024)
         return f"pid {rec['pid']} ({rec['command']}, started {rec['started']}, host {rec['host']})"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, InputError):
         return "another h3gate run (its lock file names no holder yet)"
 
 
