@@ -118,7 +118,7 @@ def test_a_crash_is_exit_3_with_the_traceback_in_a_file(tmp_path, monkeypatch, c
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["schedule", "--steps", "2000000000000"], "--steps 2000000000000: needs at least"),
+        (["schedule", "--steps", "2000000000000"], "--steps 2000000000000: above the limit of 10,000"),
         (
             [
                 "layout",

@@ -11,7 +11,8 @@
 #               9 vjp repeat, 10 backward: candidate batch 2 (injected_fault names the evaluation it fired in);
 #   det-bwd:    one ulp in one backward evaluation (exit 1 each): 1 backward: candidate, 2 candidate repeat, 3 vjp
 #               (the isolated VJP), 4 vjp repeat, 5 candidate batch 2.
-#   usage: tools/gpu_determinism.sh det-clean det-fwd det-bwd   (each run about 30 s; a section is skipped once
+#   walk-fwd / walk-bwd: every forward (1-10) / backward (1-5) evaluation of $WALK_NODE (default o_proj), in turn.
+#   usage: tools/gpu_determinism.sh det-clean det-fwd det-bwd walk-fwd walk-bwd   (each run about 30 s; a section is skipped once
 #          $BUDGET_S seconds have passed)
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -29,6 +30,14 @@ for section in "$@"; do
     for fault in o_proj:50:ulp@3 swiglu:50:ulp@4 attention:50:ulp@3 ffn_down:50:ulp@1; do
       gate "det-bwd-${fault//[:@]/-}" 1 "${block[@]}" --fault "$fault:backward"
     done ;;
-  *) echo "unknown section $section (det-clean det-fwd det-bwd)"; exit 2 ;;
+  walk-fwd)
+    for k in 1 2 3 4 5 6 7 8 9 10; do
+      gate "walk-fwd-${WALK_NODE:-o_proj}-$k" 1 "${block[@]}" --fault "${WALK_NODE:-o_proj}:50:ulp@$k"
+    done ;;
+  walk-bwd)
+    for k in 1 2 3 4 5; do
+      gate "walk-bwd-${WALK_NODE:-o_proj}-$k" 1 "${block[@]}" --fault "${WALK_NODE:-o_proj}:50:ulp@$k:backward"
+    done ;;
+  *) echo "unknown section $section (det-clean det-fwd det-bwd walk-fwd walk-bwd)"; exit 2 ;;
   esac
 done
