@@ -172,7 +172,11 @@ def test_version_names_h3gate_torch_and_triton(run_cli):
     assert re.fullmatch(rf"h3gate {re.escape(h3gate.__version__)} \(torch \S+, triton \S+, python \S+\)\n", out), out
 
 
-def test_shell_completion_is_on_and_goes_through_the_boundary(run_cli):
+def test_shell_completion_is_on_and_goes_through_the_boundary(run_cli, monkeypatch):
+    import shellingham
+
+    # Typer detects the shell from the process tree (an xdist worker's parent is no shell): pin it to bash.
+    monkeypatch.setattr(shellingham, "detect_shell", lambda *a, **k: ("bash", "/bin/bash"))
     code, out, _ = run_cli("--show-completion", "bash")
     assert code == 0 and "_H3GATE_COMPLETE" in out  # the variable of the program name h3gate, not __main__.py
 

@@ -47,7 +47,8 @@ def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, 
 @pytest.mark.parametrize(
     ("topology", "layout", "rows"),
     [
-        ("cp2", "micro-odd", [[0, 44], [44, 83]]),
+        # 28 s of make test's 300 on two cores: make test-slow (.ci/run runs both); TP2 and its fault stay in make test
+        pytest.param("cp2", "micro-odd", [[0, 44], [44, 83]], marks=pytest.mark.slow),
         pytest.param("tp2cp2", "micro", [[0, 44], [0, 44], [44, 84], [44, 84]], marks=pytest.mark.slow),
     ],
 )

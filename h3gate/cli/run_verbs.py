@@ -228,12 +228,7 @@ def run_arms(
     checkpoint: CheckpointOpt = None,
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml.")] = "micro",
     layers: Annotated[int | None, typer.Option("--layers", help="Keep the config's first N blocks.")] = None,
-    steps: Annotated[
-        int,
-        typer.Option(
-            "--steps", help="Sigma grid points, as the pipeline's num_inference_steps (steps - 1 evaluations)."
-        ),
-    ] = 4,
+    steps: Annotated[int, typer.Option("--steps", help="Sigma grid points (steps - 1 evaluations).")] = 4,
     batch: Annotated[int, typer.Option("--batch", help="Requests rolled out together (B).")] = 2,
     lora_rank: Annotated[
         int | None, typer.Option("--lora-rank", help="Train a PEFT LoRA of this rank (base frozen).")

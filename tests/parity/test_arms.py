@@ -77,6 +77,7 @@ def test_mixed_arms_drift_and_the_drift_is_located(acceptance) -> None:
     assert arms["P/P"]["gradients_repeat_bitwise"] is True and arms["P/P"]["lora_gate"] is True
 
 
+@pytest.mark.slow  # 21 s of make test's 300 on two cores: make test-slow (.ci/run runs both), with the backward one
 def test_a_forward_fault_on_the_strict_training_side_fails_r_r_and_is_located(tmp_path) -> None:
     args = ["--arms", "R/R", "--steps", "2", "--layers", "1", "--fault", "block.0.o_proj:30"]
     code, brief, log = _run(args, tmp_path)
