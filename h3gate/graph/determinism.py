@@ -217,27 +217,29 @@ _SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("h3gate_determini
 
 
 @contextlib.contextmanager
+def _bound(var: contextvars.ContextVar, value: object) -> Iterator[None]:
+    """``var`` set to ``value`` within the block, restored on exit."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
 def recording(recorder: Recorder) -> Iterator[Recorder]:
     """Report every node evaluation of the block to ``recorder``."""
-    token = _RECORDER.set(recorder)
-    try:
+    with _bound(_RECORDER, recorder):
         yield recorder
-    finally:
-        _RECORDER.reset(token)
 
 
 def active() -> Recorder | None:
     return _RECORDER.get()
 
 
-@contextlib.contextmanager
-def evaluation(label: str) -> Iterator[None]:
+def evaluation(label: str) -> contextlib.AbstractContextManager:
     """Label the evaluations of the block (the pass a mismatch names; not part of the key)."""
-    token = _LABEL.set(label)
-    try:
-        yield
-    finally:
-        _LABEL.reset(token)
+    return _bound(_LABEL, label)
 
 
 def again() -> contextlib.AbstractContextManager:
@@ -245,14 +247,9 @@ def again() -> contextlib.AbstractContextManager:
     return evaluation(f"{_LABEL.get()} repeat")
 
 
-@contextlib.contextmanager
-def setting(name: str) -> Iterator[None]:
+def setting(name: str) -> contextlib.AbstractContextManager:
     """A setting that may change bytes (a provider variant): part of the key of every evaluation in the block."""
-    token = _SETTING.set(name)
-    try:
-        yield
-    finally:
-        _SETTING.reset(token)
+    return _bound(_SETTING, name)
 
 
 def _input_key(rec: Recorder, values: Mapping[str, torch.Tensor | None]) -> list[tuple[str, tuple, str, object]]:
