@@ -245,12 +245,22 @@ def test_synth_disk_estimate_covers_what_it_writes(tmp_path, monkeypatch):
         assert written <= seen[-1] <= 2 * written + synth.CONFIG_FILES_BYTES, (written, seen[-1])
 
 
+# The child reports its own high-water mark (VmHWM, reset by exec) as it exits: a child's ru_maxrss would also count
+# the pages of the parent it was forked from (a pytest worker holding GBs after other tests), hiding any growth.
+_REPORT_PEAK = """import atexit, re, sys
+atexit.register(lambda: print("VMHWM", re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1),
+                              file=sys.stderr))
+from h3gate.cli import main
+main(sys.argv[1:])
+"""
+
+
 def _peak_rss_kib(argv: list[str]) -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "h3gate", *argv], env=env, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return usage.ru_maxrss
+    proc = subprocess.run([sys.executable, "-c", _REPORT_PEAK, *argv], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return int(next(line.split()[1] for line in proc.stderr.splitlines() if line.startswith("VMHWM ")))
 
 
 @pytest.mark.slow

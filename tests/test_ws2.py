@@ -138,8 +138,9 @@ def test_a_one_row_fault_on_one_rank_fails_and_is_located(run_cli, tmp_path, fau
     assert drift["name"] == node and drift["owner_rank"] == rank and drift["logical_row"] == row
     assert drift["modality"] == modality and drift["rows_differing"] == 1 and drift["ranks_differing"] == [rank]
     assert body["verdict"] == "fail" and body["failing_checks"]
-    checks = len(body["failing_checks"])
-    assert text.splitlines()[-1] == f"verdict: fail ({checks} failing checks; first drift: {node} on rank {rank})"
+    n = len(body["failing_checks"])
+    checks = f"{n} failing check{'' if n == 1 else 's'}"
+    assert text.splitlines()[-1] == f"verdict: fail ({checks}; first drift: {node} on rank {rank})"
     if phase == "backward":
         assert body["forward_byte_equal"]
 
