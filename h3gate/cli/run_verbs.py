@@ -195,6 +195,14 @@ def run_ws1_trajectory(
     verify_last: Annotated[
         bool, typer.Option("--verify-last", help="Recompute RUNDIR's last saved step and require it bitwise.")
     ] = False,
+    fault: Annotated[
+        str | None,
+        typer.Option(
+            "--fault",
+            help="NODE:ROW:ulp@K: one ulp in the K-th evaluation of NODE only (the determinism check's negative "
+            "control; the invocation's first step runs twice).",
+        ),
+    ] = None,
     json_: JsonOpt = False,
 ) -> None:
     """A dual-scheduler trajectory saved one model evaluation at a time in --out RUNDIR: resumable, verifiable."""
@@ -214,7 +222,7 @@ def run_ws1_trajectory(
         batch_with=batch_with,
     )
     settings = Ws1TrajectoryCommand(
-        run=run, out=out, until=until, resume=resume, verify_last=verify_last, json=json_
+        run=run, out=out, until=until, resume=resume, verify_last=verify_last, fault=fault, json=json_
     )  # fmt: skip
     run_command(ws1_trajectory_command, settings)
 

@@ -70,10 +70,15 @@ def trajectory_lines(body: dict) -> list[str]:
         f"saved: {body['steps_saved']}/{body['evaluations']} model evaluations of the dual-scheduler trajectory "
         f"(mode {run['mode']}, {weights(run.get('weights'))})."
     )
+    pairs = sum((body.get("determinism") or {}).get("pairs", {}).values())
+    repeat = f"every node's evaluations on bit-identical inputs within this invocation ({pairs} pairs)"
     if inv["verify_last"] is None:
+        if pairs:
+            return [what, f"compared: {repeat}; --verify-last recomputes a saved step, h3gate compare RUN_A RUN_B "
+                    "compares two runs."]  # fmt: skip
         return [what, "nothing was compared: --verify-last recomputes the last step bitwise; h3gate compare RUN_A "
                 "RUN_B compares two runs."]  # fmt: skip
-    return [what, f"compared: step {inv['verify_last']['step']} recomputed vs its saved bytes (bitwise)."]
+    return [what, f"compared: step {inv['verify_last']['step']} recomputed vs its saved bytes (bitwise); {repeat}."]
 
 
 def ws2_lines(body: dict) -> list[str]:
@@ -108,3 +113,19 @@ def gate_detail(failing: int, drift: str | None) -> str:
 def failing_header(failing: list[str]) -> str | None:
     """``failing checks (N):``, the line above the listed checks (None when there are none)."""
     return f"failing checks ({len(failing)}):" if failing else None
+
+
+def determinism_line(record: dict | None) -> str | None:
+    """One line on the within-run determinism check: evaluations, pairs, the first mismatch (pass, row)."""
+    if record is None:
+        return None
+    pairs = ", ".join(f"{who} {n}" for who, n in sorted(record["pairs"].items())) or "none"
+    line = f"determinism: {record['evaluations']} evaluations, pairs on identical inputs: {pairs}"
+    bad = record["mismatches"]
+    if not bad:
+        return line + ("; all bitwise" if any(record["pairs"].values()) else "; nothing compared")
+    m = bad[0]
+    row = "whole tensor" if m["row"] is None else f"row {m['row']}"
+    rank = "" if m.get("rank") is None else f" on rank {m['rank']}"
+    return (f"{line}; {len(bad)} differ, first: {m['role']} {m['node']} {m['kind']}{rank} ({m['passes'][0]} vs "
+            f"{m['passes'][1]}, {row})")  # fmt: skip

@@ -9,7 +9,6 @@ meeting a node without its strict kernel: nothing runs).
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +61,7 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault | Injection:
     if not 2 <= len(parts) <= 4:
         raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail|ulp@K][:forward|backward]")
     node, row, *rest = parts
-    calls = [p for p in rest if re.fullmatch(r"ulp@[1-9][0-9]{0,5}", p)]
+    calls = [p for p in rest if determinism.is_ulp(p)]
     rest = [p for p in rest if p not in calls]
     names = {n.name: n for n in setup.graph.nodes}
     if node not in names:
@@ -77,11 +76,8 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault | Injection:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {node}")
     kind = next((p for p in rest if p in KINDS), "scale")
     direction = next((p for p in rest if p in DIRECTIONS), "forward")
-    if calls:
-        if len(rest) > 1 or any(p in KINDS for p in rest):
-            raise InputError(f"--fault {spec!r}: ulp@K is the kind; only a direction may follow it")
-        return Injection(node, int(calls[0].removeprefix("ulp@")), direction, int(row))
-    return RowFault(node, int(row), kind, direction)
+    single = determinism.injection_of(spec, node, int(row), [*calls, *rest])
+    return single if single is not None else RowFault(node, int(row), kind, direction)
 
 
 @run_scope

@@ -7,7 +7,6 @@ mode meeting a node without its strict kernel: nothing runs).
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from rich.table import Table
 
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
-from h3gate.commands.explain import failing_header, gate_detail, gate_lines
+from h3gate.commands.explain import determinism_line, failing_header, gate_detail, gate_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
@@ -70,7 +69,7 @@ def parse_fault(spec: str, graph, seq_len: int) -> RowFault | Injection:
     if len(parts) < 2 or len(parts) > 4:
         raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail|ulp@K][:forward|backward]")
     node, row, *rest = parts
-    calls = [p for p in rest if re.fullmatch(r"ulp@[1-9][0-9]{0,5}", p)]
+    calls = [p for p in rest if determinism.is_ulp(p)]
     rest = [p for p in rest if p not in calls]
     kind = next((p for p in rest if p in KINDS), "scale")
     direction = next((p for p in rest if p in DIRECTIONS), "forward")
@@ -81,11 +80,8 @@ def parse_fault(spec: str, graph, seq_len: int) -> RowFault | Injection:
         raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
     if not row.isdigit() or int(row) >= seq_len:
         raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {seq_len})")
-    if calls:
-        if len(rest) > 1 or any(p in KINDS for p in rest):
-            raise InputError(f"--fault {spec!r}: ulp@K is the kind; only a direction may follow it")
-        return Injection(node, int(calls[0].removeprefix("ulp@")), direction, int(row))
-    return RowFault(node, int(row), kind, direction)
+    single = determinism.injection_of(spec, node, int(row), [*calls, *rest])
+    return single if single is not None else RowFault(node, int(row), kind, direction)
 
 
 def save_tensor_files(folder: Path, files: dict[str, dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
@@ -151,21 +147,6 @@ def _drift(d: dict | None) -> str:
     name = d["node"] if not d.get("operator") else f"{d['operator']} backward (gradient of {d['node']})"
     where = "whole tensor" if d["first_row"] is None else f"row {d['first_row']}, {d['first_modality'] or '-'}"
     return f"{name} ({where})"
-
-
-def determinism_line(record: dict | None) -> str | None:
-    """One line on the within-run determinism check: evaluations, pairs, the first mismatch (pass, row)."""
-    if record is None:
-        return None
-    pairs = ", ".join(f"{who} {n}" for who, n in sorted(record["pairs"].items())) or "none"
-    line = f"determinism: {record['evaluations']} evaluations, pairs on identical inputs: {pairs}"
-    bad = record["mismatches"]
-    if not bad:
-        return line + "; all bitwise"
-    m = bad[0]
-    row = "whole tensor" if m["row"] is None else f"row {m['row']}"
-    return (f"{line}; {len(bad)} differ, first: {m['role']} {m['node']} {m['kind']} ({m['passes'][0]} vs "
-            f"{m['passes'][1]}, {row})")  # fmt: skip
 
 
 BLOCK_COLUMNS = ("node", "owner row", "bound to", "repeat", "batch", "chained", "isolated", "rel_l2 cand / prov",

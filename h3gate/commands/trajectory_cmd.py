@@ -7,20 +7,32 @@ field), a damaged step file (naming it), a RUNDIR that already holds a run witho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
+
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, progress, stdout_console
-from h3gate.commands.explain import trajectory_lines
+from h3gate.commands.explain import determinism_line, trajectory_lines
+from h3gate.commands.model_cmd import parse_model_fault
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
+from h3gate.graph import determinism
+from h3gate.graph.determinism import Injection
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.trajectory_files import STEPS
-from h3gate.runs.ws1_trajectory import KIND, TrajectorySettings, prepare_trajectory, run_ws1_trajectory
+from h3gate.runs.ws1_trajectory import (
+    KIND,
+    Trajectory,
+    TrajectorySettings,
+    prepare_trajectory,
+    run_ws1_trajectory,
+)
 
 EVIDENCE = f"{KIND}.json"
 
@@ -35,6 +47,7 @@ class Ws1TrajectoryCommand:
     until: int | None = None
     resume: bool = False
     verify_last: bool = False
+    fault: str | None = None
     json: bool = False
 
 
@@ -71,13 +84,17 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
     run = prepare_trajectory(settings.run)  # every check, before the run's folder is made
+    single = None if settings.fault is None else trajectory_fault(settings.fault, run)
     if until is not None and until >= run.evaluations:
         raise InputError(f"--until {until}: past the run's last step ({run.evaluations} evaluations: steps 0 .. "
                          f"{run.evaluations - 1})")  # fmt: skip
     default = LOCAL_EVIDENCE / KIND / f"{run.setup.config_name}-{settings.run.layout}"
     rundir = enter_run(out, default, reuse=True)
-    with progress(KIND, None, started) as step:
+    injecting = determinism.injecting(single) if single is not None else contextlib.nullcontext()
+    with progress(KIND, None, started) as step, injecting as state:
         body = run_ws1_trajectory(run, rundir, until, settings.resume, settings.verify_last, step)
+    if single is not None:
+        body["invocation"]["injected_fault"] = state.describe()
     body["invocations"] = [*_previous(rundir), body["invocation"]]
     body["step_files"] = _step_files(rundir)
     path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.run.device)
@@ -85,7 +102,17 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
         print(path.read_text(encoding="utf-8"), end="")
     else:
         _summary(body, path)
-    return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+    return EXIT_FAIL if body["verdict"] == "fail" else EXIT_PASS
+
+
+def trajectory_fault(spec: str, run: Trajectory) -> Injection:
+    """``--fault NODE:ROW:ulp@K``: one ulp in the K-th evaluation of a model node (the run is forward only); any
+    other kind or a backward is refused."""
+    single = parse_model_fault(spec, run.setup)
+    if not isinstance(single, Injection) or single.direction != "forward":
+        raise InputError(f"--fault {spec!r}: run ws1-trajectory takes NODE:ROW:ulp@K (one ulp in the K-th evaluation "
+                         "of NODE; forward only)")  # fmt: skip
+    return single
 
 
 def _summary(body: dict, path: Path) -> None:
@@ -103,19 +130,29 @@ def _summary(body: dict, path: Path) -> None:
     if inv["verify_last"] is not None:
         v = inv["verify_last"]
         console.print(f"verify-last: step {v['step']} recomputed, bitwise: {'yes' if v['bitwise'] else 'NO'}")
+    line = determinism_line(body.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
+    for check in body["failing_checks"]:
+        console.print(f"  failing: {escape(check)}")
+    if inv.get("injected_fault"):
+        console.print(f"[yellow]injected fault (negative control): {escape(inv['injected_fault'])}[/]")
     console.print(f"evidence: {display(path)}")
     print_verdict(*trajectory_verdict(body), trajectory_lines(body), console)
 
 
 def trajectory_verdict(body: dict) -> tuple[str, str]:
-    """pass / fail only when something was compared (``--verify-last``); else complete / incomplete by the steps
-    saved."""
+    """The evidence's verdict (pass / fail where something was compared: ``--verify-last``, a determinism pair;
+    else complete / incomplete by the steps saved) and its parenthesis."""
     inv, saved = body["invocation"], f"{body['steps_saved']}/{body['evaluations']} steps saved"
-    if inv["verify_last"] is not None or body["verdict"] == "fail":
+    verdict = body["verdict"]
+    if verdict in ("pass", "fail"):
         v = inv["verify_last"]
         same = "" if v is None else ("bitwise" if v["bitwise"] else "with different bytes")
         step = "" if v is None else f"step {v['step']} recomputed {same}; "
-        return body["verdict"], step + saved
-    if body["complete"]:
-        return "complete", f"{saved}; nothing compared"
-    return "incomplete", f"{saved}; --resume continues, nothing compared"
+        pairs = sum((body.get("determinism") or {}).get("pairs", {}).values())
+        checks = "" if verdict == "pass" else f"{len(body['failing_checks'])} failing; "
+        return verdict, f"{checks}{step}{pairs} determinism pairs; {saved}"
+    if verdict == "complete":
+        return verdict, f"{saved}; nothing compared"
+    return verdict, f"{saved}; --resume continues, nothing compared"

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from h3gate.errors import InputError
 
 _CHUNK = 1 << 22  # elements converted to int64 at a time
 _WIDTH = 4096  # row width of a whole-tensor fingerprint
@@ -199,16 +202,45 @@ class Recorder:
         return [m for m in self.mismatches if m["role"] == "candidate"]
 
     def record(self) -> dict:
-        """The evidence block: what was compared and every mismatch (candidate ones fail)."""
-        return {
-            "rule": "two evaluations of one node on bit-identical inputs, parameters, op table and variant give "
-            "bit-identical outputs (per-row int64 fingerprints of the bytes)",
+        """The evidence block: what was compared and every mismatch (candidate ones fail); a run that evaluated no
+        node twice on bit-identical inputs says so (``note``) rather than claim coverage."""
+        out = {
+            "rule": RULE,
             "evaluations": self.evaluations,
             "keys": len(self.first),
             "pairs": dict(self.pairs),
             "mismatches": self.mismatches,
             "pass": not self.failing(),
         }
+        return out if any(self.pairs.values()) else {**out, "note": NOTHING_COMPARED}
+
+
+RULE = ("two evaluations of one node on bit-identical inputs, parameters, op table and variant give bit-identical "
+        "outputs (per-row int64 fingerprints of the bytes)")  # fmt: skip
+NOTHING_COMPARED = "no node was evaluated twice on bit-identical inputs in this run: nothing compared"
+
+
+def merged(records: Sequence[dict | None], what: Sequence[str]) -> dict:
+    """One evidence block from several processes' (``what``: each one's name, e.g. ``rank 1``): evaluations, keys
+    and pairs summed, every mismatch with its ``rank`` (the index of its record), each record kept under ``ranks``;
+    a process that sent none counts as nothing compared."""
+    pairs: dict[str, int] = {}
+    mismatches: list[dict] = []
+    for r, rec in enumerate(records):
+        for role, n in (rec or {}).get("pairs", {}).items():
+            pairs[role] = pairs.get(role, 0) + n
+        mismatches += [{**m, "rank": r} for m in (rec or {}).get("mismatches", [])]
+    out = {
+        "rule": RULE,
+        "evaluations": sum((rec or {}).get("evaluations", 0) for rec in records),
+        "keys": sum((rec or {}).get("keys", 0) for rec in records),
+        "pairs": pairs,
+        "mismatches": mismatches,
+        "pass": not any(m["role"] == "candidate" for m in mismatches),
+        "ranks": [{"name": name, "evaluations": (rec or {}).get("evaluations", 0),
+                   "pairs": dict((rec or {}).get("pairs", {}))} for name, rec in zip(what, records, strict=True)],
+    }  # fmt: skip
+    return out if any(pairs.values()) else {**out, "note": NOTHING_COMPARED}
 
 
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("h3gate_determinism", default=None)
@@ -352,6 +384,27 @@ class Injection:
 
     def label(self) -> str:
         return f"{self.direction}:{self.node}:row {self.row}:one ulp in call {self.call} only"
+
+
+ULP = re.compile(r"ulp@([1-9][0-9]{0,5})")
+DIRECTIONS = ("forward", "backward")
+
+
+def is_ulp(part: str) -> bool:
+    """Whether one ``:``-separated part of a ``--fault`` spec is the kind ``ulp@K``."""
+    return ULP.fullmatch(part) is not None
+
+
+def injection_of(spec: str, node: str, row: int, rest: Sequence[str]) -> Injection | None:
+    """The :class:`Injection` a ``--fault`` spec's parts after NODE and ROW name (``ulp@K`` and at most a direction),
+    or None when none of them is ``ulp@K``; InputError naming the spec when ``ulp@K`` comes with anything else."""
+    calls = [p for p in rest if is_ulp(p)]
+    if not calls:
+        return None
+    others = [p for p in rest if not is_ulp(p)]
+    if len(calls) > 1 or len(others) > 1 or any(p not in DIRECTIONS for p in others):
+        raise InputError(f"--fault {spec!r}: ulp@K is the kind; only a direction may follow it")
+    return Injection(node, int(ULP.fullmatch(calls[0]).group(1)), others[0] if others else "forward", row)
 
 
 @dataclass

@@ -50,7 +50,7 @@ def _e(text: object) -> str:
 def _badge(verdict: str | None) -> str:
     if verdict is None:
         return '<span class="badge muted">-</span>'
-    cls = {"pass": "pass", "fail": "fail", "verified": "pass", "failed": "fail"}.get(verdict, "warn")
+    cls = {"pass": "pass", "fail": "fail", "verified": "pass", "failed": "fail", "complete": "pass"}.get(verdict, "warn")
     return f'<span class="badge {cls}">{_e(verdict)}</span>'
 
 

@@ -8,6 +8,12 @@ The step file holds ``x_i``, ``a_i``, ``v_i``, ``u_i`` (and, under ``--batch-wit
 latents); the next step's inputs are what those imply, which ``--resume`` checks for every saved step before it
 continues. Under ``--batch-with SEED`` every evaluation is a batch of two: the unrelated request (drawn from SEED)
 first, the logical one second; both advance.
+
+Within-run determinism (:mod:`h3gate.graph.determinism`): every model evaluation of an invocation reports its node
+evaluations to one recorder (the strict table is the ``candidate``); the invocation's first evaluation (the verified
+step, else the first step it saves) runs twice, so every node has a pair. A candidate mismatch fails the invocation
+naming node, pass (``step K``, ``step K repeat``, ``verify-last step K``) and row. An invocation that evaluates
+nothing compares nothing and says so (verdict ``complete`` / ``incomplete``).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from h3gate.errors import InputError
 from h3gate.evidence.provenance import code_sha256
 from h3gate.fingerprint import canonical_sha256, config_body
 from h3gate.gate.compare import bitwise_equal
+from h3gate.graph import determinism
 from h3gate.graph.core import OpTable
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.graph.stages import forward_stages, stage_params
 from h3gate.memory import require_disk, require_steps
 from h3gate.paths import display
+from h3gate.runs.block_rows import determinism_failure
 from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
 from h3gate.runs.trajectory_files import (
     MANIFEST,
@@ -72,6 +80,7 @@ class Trajectory:
     plan: list[tuple[torch.Tensor, torch.Tensor]]
     request: Request
     other: Request | None
+    repeated: bool = False  # the invocation's first evaluation ran twice (its determinism pair)
 
     @property
     def evaluations(self) -> int:
@@ -167,6 +176,18 @@ def evaluate(run: Trajectory, step: int, state: State, other: State | None) -> t
     return mine, (None if other is None else (v[0], u[0]))
 
 
+def evaluate_recorded(run: Trajectory, step: int, state: State, other: State | None, label: str):
+    """:func:`evaluate` labelled ``label`` for the determinism record; under a recorder the first evaluation of the
+    invocation runs a second time (its pair)."""
+    with determinism.evaluation(label):
+        out = evaluate(run, step, state, other)
+        if not run.repeated and determinism.active() is not None:
+            run.repeated = True
+            with determinism.again():
+                evaluate(run, step, state, other)
+    return out
+
+
 def euler(run: Trajectory, step: int, state: State, velocity: State) -> State:
     """Both modalities' Euler updates on their generated rows (condition rows held)."""
     video, audio = run.recipe.schedules()
@@ -239,7 +260,7 @@ def verify_last(run: Trajectory, rundir: Path, resumed: Resumed) -> dict | None:
     device = run.setup.device
     saved = resumed.last
     other = None if run.other is None else _pair(saved, "batch.", "latents", device)
-    mine, _ = evaluate(run, k, _pair(saved, "", "latents", device), other)
+    mine, _ = evaluate_recorded(run, k, _pair(saved, "", "latents", device), other, f"verify-last step {k}")
     want = _pair(saved, "", "velocity", device)
     per = {m: bitwise_equal(mine[j], want[j]) for j, m in enumerate(("video", "audio"))}
     return {"step": k, "bitwise": all(per.values()), "per_modality": per}
@@ -255,7 +276,7 @@ def advance(
     started = time.perf_counter()
     for k in range(resumed.next_step, last + 1):
         t0 = time.perf_counter()
-        mine, theirs = evaluate(run, k, state, other)
+        mine, theirs = evaluate_recorded(run, k, state, other, f"step {k}")
         seconds = time.perf_counter() - t0
         record = {"seconds": round(seconds, 4), "device": run.setup.device, "mode": run.settings.mode}
         write_step(rundir, k, step_tensors(state, mine, other, theirs), record)
@@ -330,11 +351,18 @@ def run_ws1_trajectory(
     check_run_range(run, rundir, until)
     fields = open_rundir(run, rundir, resume or check_last, "--resume" if resume else "--verify-last")
     steps = complete_steps(rundir)
-    resumed = replay_saved(run, rundir, steps)
-    checked = verify_last(run, rundir, resumed) if check_last else None
-    done = advance(run, rundir, resumed, until, progress) if (resume or not check_last) else []
+    recorder = determinism.Recorder()
+    recorder.role(run.table, "candidate")
+    with determinism.recording(recorder):
+        resumed = replay_saved(run, rundir, steps)
+        checked = verify_last(run, rundir, resumed) if check_last else None
+        done = advance(run, rundir, resumed, until, progress) if (resume or not check_last) else []
     saved = len(steps) + len(done)
     failing = [] if checked is None or checked["bitwise"] else [f"verify_last.step_{checked['step']}.bitwise"]
+    modalities = run.setup.layout.row_modalities()
+    failing += [determinism_failure(m, modalities) for m in recorder.failing()]
+    record = recorder.record()
+    compared = checked is not None or any(record["pairs"].values())
     return {
         "run": fields,
         "evaluations": run.evaluations,
@@ -348,6 +376,17 @@ def run_ws1_trajectory(
             "seconds": round(time.perf_counter() - started, 4),
             "seconds_per_step": None if not done else round(sum(d["seconds"] for d in done) / len(done), 4),
         },
-        "verdict": "fail" if failing else "pass",
+        "determinism": record,
+        "verdict": verdict(failing, compared, saved == run.evaluations),
         "failing_checks": failing,
     }
+
+
+def verdict(failing: list[str], compared: bool, complete: bool) -> str:
+    """``fail`` / ``pass`` where something was compared (``--verify-last``, a determinism pair); else ``complete`` /
+    ``incomplete`` by the steps saved."""
+    if failing:
+        return "fail"
+    if compared:
+        return "pass"
+    return "complete" if complete else "incomplete"
