@@ -85,6 +85,7 @@ class StrictSession:
     overrides: dict[str, Callable] = field(default_factory=dict)
     checkpointed: int = 0
     launches: launches.Log = field(default_factory=dict)  # node -> op -> schedules the kernels launched (forwards)
+    table: OpTable | None = None  # the op table every forward of the session runs (a determinism recorder's key)
 
     def record(self) -> dict:
         """Evidence: the binding of every node (requested / actual kernel), the schedules the kernels launched, the
@@ -224,7 +225,7 @@ def _run_graph(session: StrictSession, stages: list[Stage], ops: _Tracing, value
     ops.phase = "recompute"  # what runs after the forward returned is a checkpoint's recomputation
 
 
-def _forward(session: StrictSession, table: OpTable):
+def _forward(session: StrictSession, table: _Tracing):
     stages = split_stages(build_model_graph(session.cfg))
     model = session.model
 
@@ -239,8 +240,9 @@ def _forward(session: StrictSession, table: OpTable):
         values = {"video_rows": hidden_states, "audio_rows": audio_hidden_states, "text": encoder_hidden_states}
         values.update(derive_metadata(raw, session.cfg, hidden_states.device))
         params = canonical_parameters(model, session.lora)
+        table.phase = "forward"
         with launches.recording() as launched:  # the kernels note their schedules, node by node
-            _run_graph(session, stages, _Tracing(table, session), values, params)
+            _run_graph(session, stages, table, values, params)
         launches.merge(session.launches, launched)
         session.calls += 1
         video, audio = values[OUTPUTS[0]], values[OUTPUTS[1]]
@@ -334,7 +336,7 @@ def strict(
     bindings = bind_graph(graph, mode, device, merge)
     update = bind(UPDATE_OP, mode, device, merge) if lora else None
     session = StrictSession(model, mode, cfg, bindings, lora, update, merge=merge)
-    table = candidate_table(bindings)
+    session.table = table = _Tracing(candidate_table(bindings), session)
     steps = contextlib.nullcontext() if scheduler is None else euler_steps(scheduler, session.trace,
                                                                            lambda: session.calls)  # fmt: skip
     with steps:

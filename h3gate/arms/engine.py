@@ -12,10 +12,18 @@ and no base parameter with a gradient. The first drift of an arm is located by :
 Verdict: ``pass`` when R/R (if run) is byte-equal at every step and composition, and every arm training with ``R``
 repeats its gradients bitwise and (under LoRA) passes the LoRA gate; the P arms' results are recorded, not judged
 (the provider's backward need not repeat on a GPU).
+
+Within-run determinism (:mod:`h3gate.graph.determinism`): every evaluation by R's strict kernels on the module (the
+``candidate``: its rollout, its first rollout step once more, each training step's request alone and both passes,
+the checkpointed blocks' recomputation) reports to one recorder; two evaluations of a node on bit-identical inputs
+that differ fail the run, naming node, pass and row. P runs diffusers' own forward and records nothing, so a run
+without R compares nothing there and says so. ``--fault NODE:ROW:ulp@K[:backward]``: one ulp in the K-th such
+evaluation of NODE only (the negative control).
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -31,8 +39,11 @@ from h3gate.evidence.provenance import code_sha256
 from h3gate.fingerprint import canonical_sha256, config_body
 from h3gate.gate.compare import bitwise_equal, error
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.graph import determinism
+from h3gate.graph.determinism import Injection
 from h3gate.graph.model import MODEL_INPUTS, build_model_graph
 from h3gate.paths import display
+from h3gate.runs.block_rows import determinism_failure
 from h3gate.schedule import sigma_hash
 
 if TYPE_CHECKING:
@@ -43,15 +54,19 @@ MODALITIES = ("video", "audio")
 COMPOSITIONS = ("alone", "batch.pass1", "batch.pass2")
 
 
-def parse_fault(spec: str, stack: Stack) -> RowFault:
-    """``NODE:ROW[:scale|zero_tail][:forward|backward]`` on the whole-model graph of the module's config."""
+def parse_fault(spec: str, stack: Stack) -> RowFault | Injection:
+    """``NODE:ROW[:scale|zero_tail][:forward|backward]`` on the whole-model graph of the module's config, or
+    ``NODE:ROW:ulp@K[:backward]``: one ulp in the K-th evaluation of NODE by R's strict kernels only."""
     parts = spec.split(":")
     nodes = {n.name: n for n in build_model_graph(stack.cfg).nodes}
     if len(parts) < 2 or not parts[1].isdigit():
-        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail][:forward|backward]")
+        raise InputError(f"--fault {spec!r}: expected NODE:ROW[:scale|zero_tail|ulp@K][:forward|backward]")
     if parts[0] not in nodes:
         raise InputError(f"--fault {spec!r}: unknown node {parts[0]!r} (e.g. block.0.o_proj, embed.pack)")
     extra = parts[2:]
+    single = determinism.injection_of(spec, parts[0], int(parts[1]), extra)
+    if single is not None:
+        return single
     unknown = [p for p in extra if p not in KINDS and p not in DIRECTIONS]
     if unknown:
         raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
@@ -179,19 +194,27 @@ def _slice(pair: State, b: int) -> State:
     return pair[0][b : b + 1], pair[1][b : b + 1]
 
 
-def check_fault(stack: Stack) -> RowFault | SglangFault | None:
+def check_fault(stack: Stack) -> RowFault | SglangFault | Injection | None:
     """``--fault`` parsed against the module's graph (InputError naming what is wrong): on R training's second pass,
-    or with ``--rollout sglang`` on SGLang's rollout module."""
+    or with ``--rollout sglang`` on SGLang's rollout module; ``ulp@K``: the K-th evaluation of the node by R's
+    strict kernels on the module (rollout and training, in the order they run)."""
     settings = stack.settings
     if settings.fault is None:
         return None
+    fault = parse_fault(settings.fault, stack)
+    if isinstance(fault, Injection):
+        if settings.rollout == "sglang":
+            raise InputError(f"--fault {settings.fault!r}: ulp@K injects into h3gate's executor, not SGLang's module")
+        if not any("R" in a for a in settings.arms):
+            raise InputError(f"--fault {settings.fault}: needs an arm with R")
+        return fault
     if settings.rollout == "sglang":
         from h3gate.arms.sglang_side import sglang_fault
 
-        return sglang_fault(parse_fault(settings.fault, stack), stack)
+        return sglang_fault(fault, stack)
     if not any(a.startswith("R/") for a in settings.arms):
         raise InputError(f"--fault {settings.fault}: needs an arm that trains with R (R/P or R/R)")
-    return parse_fault(settings.fault, stack)
+    return fault
 
 
 def _rollouts(stack: Stack, source, out: Path, injected, progress) -> tuple[dict[str, Rollout], dict]:
@@ -221,8 +244,12 @@ def run_arms(stack: Stack, source, out: Path, progress: Callable[[str], None] | 
     injected = check_fault(stack)
     build_stack(stack, source)
     fault = fault_overrides(injected, stack) if isinstance(injected, RowFault) else None
-    rollouts, rollout_record = _rollouts(stack, source, out, injected, progress)
-    arms = [run_arm(stack, arm, rollouts[arm.split("/")[1]], fault, progress) for arm in settings.arms]
+    single = injected if isinstance(injected, Injection) else None
+    recorder = determinism.Recorder()  # R's strict table is the candidate (arms.sides.bound names it)
+    injecting = determinism.injecting(single) if single is not None else contextlib.nullcontext()
+    with determinism.recording(recorder), injecting as state:
+        rollouts, rollout_record = _rollouts(stack, source, out, None if single else injected, progress)
+        arms = [run_arm(stack, arm, rollouts[arm.split("/")[1]], fault, progress) for arm in settings.arms]
     failing = []
     for rec in arms:
         if rec["arm"] == "R/R" and not rec["byte_equal"]:
@@ -231,7 +258,10 @@ def run_arms(stack: Stack, source, out: Path, progress: Callable[[str], None] | 
             failing.append(f"{rec['arm']}.gradients_repeat_bitwise")
         if rec["training"] == "R" and rec["lora_gate"] is False:
             failing.append(f"{rec['arm']}.lora_gate")
+    modalities = stack.layout.row_modalities()
+    failing += [determinism_failure(m, modalities) for m in recorder.failing()]
     return {"run": _run_record(stack, out), "rollout": rollout_record, "arms": arms,
+            "determinism": recorder.record(), **({"injected": state.describe()} if single is not None else {}),
             "verdict": "fail" if failing else "pass", "failing_checks": failing}  # fmt: skip
 
 

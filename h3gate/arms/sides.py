@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +33,7 @@ import torch
 
 import h3gate.strict
 from h3gate.arms.stack import Stack
+from h3gate.graph import determinism
 from h3gate.runs.trajectory_files import write_step
 
 State = tuple[torch.Tensor, torch.Tensor]  # (B, Nv, Cv), (B, Na, Ca) float32
@@ -43,12 +44,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bound(stack: Stack, letter: str, scheduler=None) -> contextlib.AbstractContextManager:
-    """The arm letter's operators on the module: ``R`` binds h3gate's strict kernels (in the stack's merge order),
-    ``P`` leaves diffusers."""
-    if letter == "R":
-        return h3gate.strict(stack.model, mode="strict", scheduler=scheduler, merge=stack.settings.merge)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def bound(stack: Stack, letter: str, scheduler=None) -> Iterator[Any]:
+    """The arm letter's operators on the module: ``R`` binds h3gate's strict kernels (in the stack's merge order;
+    under a determinism recorder its op table is the judged ``candidate``), ``P`` leaves diffusers (None)."""
+    if letter != "R":
+        yield None
+        return
+    with h3gate.strict(stack.model, mode="strict", scheduler=scheduler, merge=stack.settings.merge) as session:
+        recorder = determinism.active()
+        if recorder is not None:
+            recorder.role(session.table, "candidate")
+        yield session
 
 
 def call(stack: Stack, step: int, video: torch.Tensor, audio: torch.Tensor, text: torch.Tensor) -> State:
@@ -115,9 +122,13 @@ def rollout(
     with engine.bound(letter, schedulers) as session, torch.no_grad():
         for i in range(stack.evaluations):
             t0 = time.perf_counter()
-            v, u = engine.forward(i, x, a, text)
+            with determinism.evaluation(f"rollout {letter} step {i}"):
+                v, u = engine.forward(i, x, a, text)
             _sync(stack.device)
             seconds = time.perf_counter() - t0
+            if i == 0 and session is not None and out.engine is None and determinism.active() is not None:
+                with determinism.evaluation(f"rollout {letter} step {i} repeat"):  # its determinism pair
+                    engine.forward(i, x, a, text)
             out.states.append((x.cpu(), a.cpu()))
             out.velocities.append((v.cpu(), u.cpu()))
             out.seconds.append(seconds)
@@ -193,7 +204,7 @@ def train_step(
         t0 = time.perf_counter()
         alone = []
         for b in range(x.shape[0]):
-            with torch.enable_grad():
+            with torch.enable_grad(), determinism.evaluation(f"training {letter} step {step} alone {b}"):
                 v, u = call(stack, step, x[b : b + 1], a[b : b + 1], text[b : b + 1])
             alone.append((v.detach().cpu(), u.detach().cpu()))
             del v, u
@@ -203,7 +214,8 @@ def train_step(
         for k in range(2):
             if session is not None:
                 session.overrides = fault(session) if (fault is not None and k == 1) else {}
-            passes.append(_training_pass(stack, step, x, a, text, targets, order))
+            with determinism.evaluation(f"training {letter} step {step} pass {k + 1}"):
+                passes.append(_training_pass(stack, step, x, a, text, targets, order))
         ops = trace_summary(session.trace) if session is not None else {}
     return TrainingStep(alone, passes, order, seconds_alone, ops)
 

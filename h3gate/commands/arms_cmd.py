@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
+
 from h3gate.arms.engine import KIND, check_fault, run_arms
 from h3gate.arms.stack import ArmsSettings, plan_stack
 from h3gate.commands.console import print_verdict, progress, stdout_console
-from h3gate.commands.explain import arms_lines, gate_detail
+from h3gate.commands.explain import arms_lines, determinism_line, gate_detail
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -49,8 +51,8 @@ def arms_command(settings: ArmsCommand) -> int:
     path = write_evidence(folder, EVIDENCE, KIND, body, device=settings.run.device)
     if settings.json:
         print(json.dumps({"arms": [_brief(a) for a in body["arms"]], "rollout": body["rollout"],
-                          "verdict": body["verdict"], "failing_checks": body["failing_checks"],
-                          "evidence": str(path)}, indent=1))  # fmt: skip
+                          "determinism": body["determinism"], "verdict": body["verdict"],
+                          "failing_checks": body["failing_checks"], "evidence": str(path)}, indent=1))  # fmt: skip
     else:
         _summary(body, path)
     return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
@@ -90,7 +92,12 @@ def _summary(body: dict, path: Path) -> None:
             f"gradients repeat {'yes' if a['gradients_repeat_bitwise'] else 'NO'}{lora}; "
             f"{a['seconds_per_rollout_step']:.3f} s/rollout step, {a['seconds_per_training_step']:.3f} s/training step"
         )
+    line = determinism_line(body.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
     for check in body["failing_checks"]:
-        console.print(f"  failing: {check}")
+        console.print(f"  failing: {escape(check)}")
+    if body.get("injected"):
+        console.print(f"[yellow]injected fault (negative control): {escape(body['injected'])}[/]")
     console.print(f"evidence: {display(path)}")
     print_verdict(body["verdict"], gate_detail(len(body["failing_checks"]), None), arms_lines(body), console)
