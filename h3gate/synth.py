@@ -19,6 +19,7 @@ float32, everything else becomes bfloat16. A tensor depends on nothing but (seed
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -248,6 +249,51 @@ def _shard_name(i: int, n: int) -> str:
     return f"diffusion_pytorch_model-{i:05d}-of-{n:05d}.safetensors"
 
 
+PARTIAL_SUFFIX = ".partial"
+
+
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}."
+
+
+def _lock_folder(folder: Path) -> int | None:
+    """An exclusive ``flock`` on ``folder`` itself (its descriptor), or None when another process holds one."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def clean_partials(out: Path) -> list[str]:
+    """Remove the hidden ``.<name>.*.partial`` folders a killed :func:`write_checkpoint` into ``out`` left beside it
+    (their names, sorted). A writer holds an exclusive ``flock`` on its partial folder until the folder is renamed
+    into place, and the kernel drops it when the writer dies (SIGKILL included): a partial folder whose lock is held
+    belongs to a live writer and is refused (InputError naming it), never removed."""
+    if not out.parent.is_dir():
+        return []
+    found = sorted(p for p in out.parent.glob(f"{_partial_prefix(out)}*{PARTIAL_SUFFIX}") if p.is_dir())
+    removed = []
+    for partial in found:
+        if partial.is_symlink():
+            continue
+        fd = _lock_folder(partial)
+        if fd is None:
+            raise InputError(f"{display(out)}: {display(partial)} is being written by another h3gate process; wait "
+                             "for it to finish")  # fmt: skip
+        try:
+            shutil.rmtree(partial)
+        except OSError as exc:
+            raise InputError(f"{display(partial)}: a killed run's partial checkpoint; cannot remove it ("
+                             f"{exc.strerror or exc})") from None  # fmt: skip
+        finally:
+            os.close(fd)
+        removed.append(partial.name)
+    return removed
+
+
 def write_checkpoint(
     source_or_cfg: WeightSource | ModelConfig,
     seed: int | None,
@@ -258,7 +304,9 @@ def write_checkpoint(
     """Write ``config.json`` and the weights in diffusers' layout; returns a summary of what was written.
 
     A :class:`ModelConfig` becomes ``SyntheticSource(cfg, seed, precision)``. Everything is written into a temporary
-    folder next to ``out_dir`` and renamed into place at the end; an existing non-empty ``out_dir`` is refused.
+    folder next to ``out_dir`` (``.<name>.*.partial``, locked by this process while it writes) and renamed into place
+    at the end; an existing non-empty ``out_dir`` is refused; the partial folders of a killed write into ``out_dir``
+    are removed first (:func:`clean_partials`; ``cleaned`` in the summary).
     """
     started = time.perf_counter()
     out = Path(out_dir)
@@ -272,18 +320,39 @@ def write_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{display(out)}: already exists and is not an empty folder")
     shards = plan_shards(source, shard_size)
-    check_room(source, out, len(shards))
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise InputError(f"{display(out)}: cannot create ({display(blocker)} is a file, not a folder)")
+    cleaned = clean_partials(out)  # a killed write's disk space counts as free
+    check_room(source, out, len(shards))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(out), suffix=PARTIAL_SUFFIX, dir=out.parent))
+        lock = _lock_folder(tmp)  # held until the folder is renamed into place (a new folder: nobody else holds it)
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the checkpoint gets an ordinary folder's mode
     except OSError as exc:
         raise InputError(f"{display(out)}: cannot create ({exc.strerror or exc})") from None
+    try:
+        files = _write_into(tmp, out, source, cfg, shards)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    names = source.names()
+    return {
+        "path": display(out),
+        "files": files,
+        "tensors": len(names),
+        "parameters": sum(prod(source.meta(n)[0]) for n in names),
+        "tensor_bytes": sum(_nbytes(source, n) for n in names),
+        "seconds": round(time.perf_counter() - started, 3),
+        **({"cleaned": cleaned} if cleaned else {}),
+    }
+
+
+def _write_into(tmp: Path, out: Path, source: WeightSource, cfg: ModelConfig, shards: list) -> list[dict[str, Any]]:
+    """The files into ``tmp``, then ``tmp`` renamed to ``out`` (removed on any failure); the files' records."""
     metadata = {"format": "pt", "producer": "h3gate"}
     if isinstance(source, SyntheticSource):
         metadata["h3gate_seed"] = str(source.seed)
@@ -312,15 +381,7 @@ def write_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    names = source.names()
-    return {
-        "path": display(out),
-        "files": files,
-        "tensors": len(names),
-        "parameters": sum(prod(source.meta(n)[0]) for n in names),
-        "tensor_bytes": sum(_nbytes(source, n) for n in names),
-        "seconds": round(time.perf_counter() - started, 3),
-    }
+    return files
 
 
 def open_weights(

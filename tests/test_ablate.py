@@ -338,7 +338,9 @@ def test_a_one_row_fault_makes_h_c4_and_h_c5_drift(monkeypatch):
 
 def test_cli_list_unknown_row_and_usage_errors(run_cli):
     code, out, _ = run_cli("ablate", "--list", "--json")
-    assert code == 0 and list(json.loads(out)) == list(ROWS)
+    listed = json.loads(out)
+    assert code == 0 and list(listed) == ["rows", "verdict"] and listed["verdict"] == "complete"
+    assert list(listed["rows"]) == list(ROWS) and listed["rows"]["H5"]["probe"] == ROWS["H5"].probe
     code, _, err = run_cli("ablate", "H99", "--device", "cpu")
     assert code == 2 and "ablation row 'H99': unknown" in err
     code, _, err = run_cli("ablate", "--device", "cpu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,11 @@ def _ok(result: Result) -> None:
 
 def _doc(rundir: Path) -> dict:
     return json.loads((rundir / "ws1-trajectory.json").read_text(encoding="utf-8"))
+
+
+def doc_pairs(rundir: Path) -> int:
+    """The candidate's determinism pairs of the RUNDIR's last invocation."""
+    return _doc(rundir)["determinism"]["pairs"].get("candidate", 0)
 
 
 def _step_bytes(rundir: Path) -> dict[str, bytes]:
@@ -192,8 +198,10 @@ def _rewrite_step(rundir: Path, step: int, change: Callable[[dict[str, torch.Ten
 def test_an_uninterrupted_strict_run_saves_every_step_with_its_digests(run_a, tmp_path) -> None:
     rundir, (result,) = run_a
     _ok(result)
-    # nothing was compared: the run is complete, not passed (issue 42)
-    assert result[1].splitlines()[-1] == "verdict: complete (6/6 steps saved; nothing compared)"
+    # compared: its first step evaluated twice, every node's pair bitwise (an invocation evaluating nothing compares
+    # nothing: complete, not passed, issue 42; tests/test_determinism_verbs.py)
+    assert re.fullmatch(r"verdict: pass \(\d+ determinism pairs; 6/6 steps saved\)", result[1].splitlines()[-1])
+    assert doc_pairs(rundir) > 0 and "; all bitwise" in result[1]
     assert (rundir / "manifest.json").is_file()
     names = [f"step-{k:04d}" for k in range(EVALUATIONS)]
     assert sorted(p.name for p in (rundir / "steps").iterdir()) == sorted(
@@ -228,9 +236,8 @@ def test_stopped_at_step_3_and_resumed_equals_the_uninterrupted_run(run_b, run_a
     rundir, (first, second) = run_b
     _ok(first)
     _ok(second)
-    assert first[1].splitlines()[-1] == (
-        f"verdict: incomplete (4/{EVALUATIONS} steps saved; --resume continues, nothing compared)"
-    )
+    assert re.fullmatch(rf"verdict: pass \(\d+ determinism pairs; 4/{EVALUATIONS} steps saved\)",
+                        first[1].splitlines()[-1])  # fmt: skip
     at_stop = json.loads((rundir.parent / "at-stop.json").read_text(encoding="utf-8"))
     assert (at_stop["doc"]["steps_saved"], at_stop["doc"]["complete"]) == (4, False)
     assert at_stop["steps"] == sorted(f"step-{k:04d}.{x}" for k in range(4) for x in ("json", "safetensors"))
@@ -264,7 +271,8 @@ def test_verify_last_recomputes_the_last_step_bitwise(run_a, tmp_path) -> None:
     result = _run([*TRAJ, "--out", str(rundir), *STEPS, "--resume", "--verify-last"], tmp_path)
     _ok(result)
     last = EVALUATIONS - 1
-    assert result[1].splitlines()[-1] == f"verdict: pass (step {last} recomputed bitwise; 6/6 steps saved)"
+    verdict = rf"verdict: pass \(step {last} recomputed bitwise; \d+ determinism pairs; 6/6 steps saved\)"
+    assert re.fullmatch(verdict, result[1].splitlines()[-1])
     doc = _doc(rundir)
     inv = doc["invocation"]
     assert inv["verify_last"]["step"] == EVALUATIONS - 1 and inv["verify_last"]["bitwise"] is True

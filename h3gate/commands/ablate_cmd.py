@@ -57,8 +57,11 @@ def _signature_text(sig: dict | None) -> str:
 
 
 def _list(rows: dict[str, AblationRow], json_: bool) -> int:
+    """The rows as a table (verdict line last) or, with ``json_``, ``{"rows": {id: row}, "verdict": "complete"}``
+    (the verdict key every ``--json`` carries; nothing is judged)."""
     if json_:
-        print(json.dumps({k: v.model_dump(mode="json") for k, v in rows.items()}, indent=1))
+        listed = {k: v.model_dump(mode="json") for k, v in rows.items()}
+        print(json.dumps({"rows": listed, "verdict": "complete"}, indent=1))
         return EXIT_PASS
     table = Table(title=f"RFC section 6 ablation rows ({display(ABLATIONS_FILE)})")
     for col in ("row", "factor", "run", "probe", "expected", "expected first drift"):

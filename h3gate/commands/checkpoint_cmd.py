@@ -83,6 +83,8 @@ def synth_command(settings: SynthCheckpointCommand) -> int:
         f"{summary['tensors']} tensors, {summary['parameters']:,} parameters, "
         f"{summary['tensor_bytes']:,} tensor bytes, written in {summary['seconds']:.2f} s"
     )
+    if summary.get("cleaned"):
+        console.print(f"removed a killed run's partial folder(s) beside it: {', '.join(summary['cleaned'])}")
     detail = f"{summary['tensors']} tensors written; seeded synthetic weights, not a real model's"
     print_verdict("complete", detail, console=console)
     return EXIT_PASS

@@ -12,8 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.markup import escape
+
 from h3gate.commands.console import print_verdict, progress, stdout_console
-from h3gate.commands.explain import gate_detail, ws2_lines
+from h3gate.commands.explain import determinism_line, gate_detail, ws2_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -46,7 +48,8 @@ def ws2_command(settings: Ws2Command) -> int:
     path = write_evidence(folder, EVIDENCE, KIND, body, device=run.device)
     if settings.json:
         keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
-                "gradients_compared", "first_drift", "first_backward_drift", "verdict", "failing_checks")  # fmt: skip
+                "gradients_compared", "first_drift", "first_backward_drift", "determinism", "verdict",
+                "failing_checks")  # fmt: skip
         print(json.dumps({**{k: body[k] for k in keys}, "evidence": str(path)}, indent=1))
     else:
         _summary(body, path)
@@ -68,8 +71,13 @@ def _summary(body: dict, path: Path) -> None:
     )
     console.print(f"  forward: {_where(body['first_drift'])}")
     console.print(f"  backward ({body['gradients_compared']}): {_where(body['first_backward_drift'])}")
+    line = determinism_line(body.get("determinism"))
+    if line is not None:
+        console.print(escape(line))
     for check in body["failing_checks"]:
-        console.print(f"  failing: {check}")
+        console.print(f"  failing: {escape(check)}")
+    if body.get("injected"):
+        console.print(f"[yellow]injected fault (negative control): {escape(body['injected'])}[/]")
     console.print(f"evidence: {display(path)}")
     d = body["first_drift"] or body["first_backward_drift"]
     drift = None if d is None else f"{d['name']} on rank {d['owner_rank']}"

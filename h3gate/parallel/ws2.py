@@ -9,6 +9,7 @@ here (``python -m h3gate.parallel.ws2_rank``), gloo on CPU or NCCL on GPUs, rend
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -21,6 +22,8 @@ import torch
 
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.errors import InputError
+from h3gate.graph import determinism
+from h3gate.graph.determinism import Injection
 from h3gate.kernels.tp_layers import check_alignment
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
@@ -28,9 +31,10 @@ from h3gate.parallel.collectives import cp_bounds
 from h3gate.parallel.sp import sp_node
 from h3gate.parallel.ulysses import row_sharded
 from h3gate.parallel.ws2_partition import Partition
-from h3gate.parallel.ws2_scope import SCOPES, Fault, build_scope, cotangents, forward_backward
+from h3gate.parallel.ws2_scope import SCOPES, Fault, build_scope, cotangents, forward_backward, repeat_forward
 from h3gate.paths import display
 from h3gate.ranks import run_ranks
+from h3gate.runs.block_rows import determinism_failure
 from h3gate.runs.setup import Run, RunSpec, check_device, prepare, read_inputs
 
 KIND = "ws2"
@@ -64,6 +68,18 @@ class Ws2Settings:
     partition: Partition = field(default_factory=Partition)  # the ablation rows' variants (no CLI flag)
 
 
+@dataclass(frozen=True)
+class RankInjection:
+    """``RANK:NODE:ROW:ulp@K[:backward]``: one ulp in the K-th evaluation of NODE on rank RANK only (ROW: a row of
+    that rank's own tensor), the determinism check's negative control."""
+
+    rank: int
+    injection: Injection
+
+    def record(self) -> dict:
+        return {"rank": self.rank, **dataclasses.asdict(self.injection)}
+
+
 @dataclass
 class Ws2Plan:
     settings: Ws2Settings
@@ -73,6 +89,7 @@ class Ws2Plan:
     backend: str
     run: Run  # TP1's run, checked and bound, nothing read yet: the parent reads it for the reference
     faults: list
+    injection: RankInjection | None = None
 
     @property
     def cfg(self) -> ModelConfig:
@@ -88,7 +105,10 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
 
     parts = spec.split(":")
     names = [n.name for n in graph.nodes]
-    if len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[2].isdigit():
+    if not 3 <= len(parts) <= 5 or not parts[0].isdigit() or not parts[2].isdigit():
+        raise InputError(f"--fault {spec!r}: expected RANK:NODE:ROW[:forward|backward] or RANK:NODE:ROW:ulp@K"
+                         "[:backward]")  # fmt: skip
+    if len(parts) == 5 and not any(determinism.is_ulp(p) for p in parts[3:]):
         raise InputError(f"--fault {spec!r}: expected RANK:NODE:ROW[:forward|backward]")
     rank, node, row = int(parts[0]), parts[1], int(parts[2])
     phase = parts[3] if len(parts) == 4 else "forward"
@@ -96,6 +116,9 @@ def _fault(spec: str, world: int, graph, seq_len: int, tp: int = 1, cp: int = 1,
         raise InputError(f"--fault {spec!r}: rank {rank} outside the topology's {world} ranks")
     if node not in names:
         raise InputError(f"--fault {spec!r}: unknown node {node!r} (known: {', '.join(names[:6])}, ...)")
+    single = determinism.injection_of(spec, node, row, parts[3:])
+    if single is not None:
+        return RankInjection(rank, single)
     if phase not in ("forward", "backward"):
         raise InputError(f"--fault {spec!r}: {phase!r} is neither forward nor backward")
     if row >= seq_len:
@@ -150,12 +173,17 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
             raise InputError(f"--layout {s.layout}: {layout.seq_len} packed rows leave a rank of {s.topology} "
                              f"without rows (shards of whole row segments: {list(bounds)})")  # fmt: skip
     s.partition.check(tp, cp, sp, s.scope, layout.seq_len)
-    faults = [_fault(f, tp * cp, graph, layout.seq_len, tp, cp, s.scope, sp) for f in s.faults]
-    return Ws2Plan(s, tp, cp, sp, backend, run, faults)
+    parsed = [_fault(f, tp * cp, graph, layout.seq_len, tp, cp, s.scope, sp) for f in s.faults]
+    faults = [f for f in parsed if isinstance(f, Fault)]
+    injections = [f for f in parsed if isinstance(f, RankInjection)]
+    if len(injections) > 1:
+        raise InputError(f"--fault: {len(injections)} ulp@K faults; a run takes one")
+    return Ws2Plan(s, tp, cp, sp, backend, run, faults, injections[0] if injections else None)
 
 
-def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float]:
-    """TP1 on this device in the seg8 merge order; writes ``inputs`` and ``reference`` into ``folder``."""
+def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float, dict | None]:
+    """TP1 on this device in the seg8 merge order; writes ``inputs`` and ``reference`` into ``folder``; returns its
+    graph, leaves, bindings, seconds and determinism record (its forward, then each node once more)."""
     from safetensors.torch import save_file
 
     s, run = plan.settings, plan.run
@@ -169,8 +197,14 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
         return cots
 
     started = time.perf_counter()
-    values, grads = forward_backward(scope, scope.inputs, scope.params, run.tables()["candidate"], None, cot_fn)
-    seconds = time.perf_counter() - started
+    ops = run.tables()["candidate"]
+    recorder = determinism.Recorder()
+    recorder.role(ops, "candidate")
+    with determinism.recording(recorder):
+        with determinism.evaluation("forward"):
+            values, grads = forward_backward(scope, scope.inputs, scope.params, ops, None, cot_fn)
+        seconds = time.perf_counter() - started
+        repeat_forward(scope, scope.inputs, values, scope.params, ops, None)
     tensors = {f"v:{k}": v for k, v in values.items()}
     tensors.update({f"g:{k}": g for k, g in grads.items()})
     tensors.update({f"c:{k}": c for k, c in cots.items()})
@@ -181,7 +215,7 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
     run.block = run.model = None
     if device != "cpu":
         torch.cuda.empty_cache()
-    return graph, leaves, bindings, seconds
+    return graph, leaves, bindings, seconds, recorder.record()
 
 
 def _launch(plan: Ws2Plan, folder: Path, progress: Callable[[str], None] | None = None) -> tuple[list[dict], float]:
@@ -189,7 +223,8 @@ def _launch(plan: Ws2Plan, folder: Path, progress: Callable[[str], None] | None 
     s, world = plan.settings, plan.tp * plan.cp
     spec = {"run": plan.run.spec.record(), "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp,
             "backend": plan.backend, "device": s.device, "init_file": str(folder / "rendezvous"),
-            "faults": [f.record() for f in plan.faults], "partition": s.partition.record()}  # fmt: skip
+            "faults": [f.record() for f in plan.faults], "partition": s.partition.record(),
+            "injection": None if plan.injection is None else plan.injection.record()}  # fmt: skip
     for f in spec["faults"]:
         f.pop("kind")
     (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -242,14 +277,16 @@ class Reference:
     leaves: tuple[str, ...]
     bindings: dict
     seconds: float
+    determinism: dict | None = None
 
-    def serve(self, plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float]:
-        """Copy the files into a run's ``folder`` (what :func:`_reference` returns, without running it again)."""
+    def serve(self, plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], dict, float, dict | None]:
+        """Copy the files into a run's ``folder`` (what :func:`_reference` returns, without running it again: no
+        determinism record of TP1 in this run)."""
         if self.key != reference_key(plan.settings):
             raise ValueError(f"run ws2: the TP1 of {self.key} cannot serve {reference_key(plan.settings)}")
         for name in ("inputs", "reference"):
             shutil.copyfile(self.folder / name, folder / name)
-        return self.graph, self.leaves, self.bindings, self.seconds
+        return self.graph, self.leaves, self.bindings, self.seconds, None
 
 
 def reference_key(s: Ws2Settings) -> tuple:
@@ -269,7 +306,7 @@ def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callabl
         folder = Path(tmp)
         run = _reference if reference is None else reference.serve
         step("TP1 reference (one device, seg8 merge order)")
-        graph, leaves, bindings, ref_seconds = run(plan, folder)
+        graph, leaves, bindings, ref_seconds, ref_determinism = run(plan, folder)
         step(f"TP1 done; {plan.tp * plan.cp} {plan.backend} ranks started")
         per_rank, rank_seconds = _launch(plan, folder, progress)
     nodes = {n.name: n for n in graph.nodes}
@@ -281,6 +318,12 @@ def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callabl
     s = plan.settings
     failing = [f"{d['phase']}: {d['name']} rank {d['owner_rank']} row {d['logical_row']}" for d in (forward, backward)
                if d is not None]  # fmt: skip
+    processes = [] if ref_determinism is None else [("TP1", None, ref_determinism)]
+    processes += [(f"rank {r}", r, rec.get("determinism")) for r, rec in enumerate(per_rank)]
+    record = determinism.merged(processes)
+    failing += [f"{determinism_failure(m, [])} on {'rank ' + str(m['rank']) if 'rank' in m else 'TP1'}"
+                for m in record["mismatches"] if m["role"] == "candidate"]  # fmt: skip
+    injected = next((rec["injected"] for rec in per_rank if rec.get("injected")), None)
     return {
         "topology": s.topology,
         "tp": plan.tp, "cp": plan.cp, "sp": plan.sp,
@@ -298,6 +341,8 @@ def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callabl
                    "grads_differing": len(rec["grads"])} for rec in per_rank],  # fmt: skip
         "ranks_seconds": rank_seconds,
         "faults": [f.record() for f in plan.faults],
+        "determinism": record,
+        **({"injected": injected} if plan.injection is not None else {}),
         "forward_byte_equal": forward is None,
         "gradients_compared": COMPARED,
         "backward_byte_equal": backward is None,

@@ -10,6 +10,7 @@ Ranks are laid out TP-innermost: ``rank = cp_rank * tp + tp_rank``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -67,9 +68,11 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    from h3gate.graph import determinism
+    from h3gate.graph.determinism import Injection
     from h3gate.parallel.shards import RankPlan
     from h3gate.parallel.ws2_partition import Partition
-    from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward
+    from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward, repeat_forward
 
     spec = load_json_file(folder / "spec.json", display(folder / "spec.json"))
     torch.set_num_threads(spec["threads"])
@@ -90,10 +93,20 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
                           spec.get("sp", False), Partition.from_record(spec.get("partition")))  # fmt: skip
     faults = [Fault(**f) for f in spec["faults"] if f["rank"] == rank]
     overrides = plan.overrides(faults)
+    single = spec.get("injection")
+    single = None if single is None or single.pop("rank") != rank else Injection(**single)
+    recorder = determinism.Recorder()
+    recorder.role(ops, "candidate")
+    injecting = determinism.injecting(single) if single is not None else contextlib.nullcontext()
     with safe_open(str(folder / "reference"), framework="pt", device=str(device)) as ref:
         cots = {k[2:]: plan.local_value(k[2:], ref.get_tensor(k)) for k in ref.keys() if k.startswith("c:")}  # noqa: SIM118
-        values, grads = forward_backward(scope, plan.local_inputs(inputs), plan.params, ops, overrides, lambda _: cots)
-        out = {"values": {}, "grads": {}, "checked_values": 0, "checked_grads": 0}
+        local = plan.local_inputs(inputs)
+        with determinism.recording(recorder), injecting as state:
+            with determinism.evaluation("forward"):
+                values, grads = forward_backward(scope, local, plan.params, ops, overrides, lambda _: cots)
+            repeat_forward(scope, local, values, plan.params, ops, overrides)
+        out = {"values": {}, "grads": {}, "checked_values": 0, "checked_grads": 0,
+               "determinism": recorder.record(), "injected": None if single is None else state.describe()}  # fmt: skip
         for node in scope.graph.nodes:
             d = byte_diff(values[node.name], plan.local_value(node.name, ref.get_tensor("v:" + node.name)),
                           node.row_dim)  # fmt: skip

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from h3gate.gate.faults import corrupt, grad_fault
+from h3gate.graph import determinism
 from h3gate.graph.core import Graph
-from h3gate.graph.execute import NodeOverride, run_chained, run_node
+from h3gate.graph.execute import NodeOverride, iter_isolated, run_chained, run_node
 from h3gate.graph.inputs import seeded_normal
 from h3gate.graph.model import OUTPUTS, load_model_params
 from h3gate.runs.model_stages import model_cotangents
@@ -113,6 +114,25 @@ def forward_backward(
     grads.update({f"param:{k}": p.grad for k, p in leaf_params.items() if p.grad is not None})
     nodes = {node.name: values[node.name].detach() for node in scope.graph.nodes}
     return nodes, {k: g for k, g in grads.items() if g is not None}
+
+
+def repeat_forward(
+    scope: Scope,
+    inputs: Mapping[str, torch.Tensor],
+    values: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    ops,
+    overrides: Mapping | None,
+) -> None:
+    """Under a determinism recorder, every node once more alone on the values its forward read (``inputs`` and the
+    forward's node ``values``), in graph order (each rank's collectives in the same order): each node's pair, which
+    the recorder compares with its forward (:mod:`h3gate.graph.determinism`). Nothing without a recorder."""
+    if determinism.active() is None:
+        return
+    fed = {**inputs, **values}
+    with determinism.evaluation("forward repeat"):
+        for _ in iter_isolated(scope.graph.nodes, ops, lambda node, reads: fed, params, overrides, repeat=False):
+            pass
 
 
 def byte_diff(got: torch.Tensor, want: torch.Tensor, row_dim: int | None) -> dict | None:
