@@ -129,6 +129,30 @@ def test_a_one_ulp_change_in_the_isolated_evaluation_alone_fails(small, forward_
     assert (first["node"], first["row"], first["modality"]) == ("o_proj", ROW, "text")
 
 
+def test_the_unrelated_requests_two_placements_share_are_compared_and_agree(forward_sequence):
+    result, _ = forward_sequence
+    shared = {n["name"]: n["batch_row"]["fillers"] for n in result.report["nodes"] if n["batch_row"]["fillers"]}
+    assert "o_proj" in shared and len(shared) >= 15  # every node with a batch axis (not the AdaLN table)
+    for fillers in shared.values():  # u0: second of the batch of 2, first of the batch of 3
+        assert [(f["filler"], f["first"], f["second"], f["bitwise"]) for f in fillers] == [
+            (0, [2, 0, 1], [3, 2, 0], True)
+        ]
+
+
+def test_one_ulp_on_an_unrelated_requests_row_in_one_placement_fails_the_batch_row_check(small, forward_sequence):
+    """The negative control: one ulp on o_proj's row of the unrelated request (batch item 1) in the batch of 2 only;
+    the request's own item is untouched, so only the fillers' comparison can see it."""
+    _, calls = forward_sequence
+    k = [lab for _, lab in calls].index("batch 2 at 0") + 1
+    result, state = _run(small, "off", False, determinism.Injection("o_proj", k, "forward", ROW, item=1))
+    assert state.fired == "batch 2 at 0"
+    rec = next(n for n in result.report["nodes"] if n["name"] == "o_proj")["batch_row"]
+    assert all(p["bitwise"] for p in rec["placements"])  # the request's rows: untouched
+    assert [(f["bitwise"], f["first_row"]) for f in rec["fillers"]] == [(False, ROW)]
+    assert (rec["bitwise"], rec["first_row"]) == (False, ROW)
+    assert result.verdict == "fail" and any("o_proj" in c and "batch_row_bitwise" in c for c in result.failing)
+
+
 def _walk(small, node: str, mode: str, direction: str) -> list[str]:
     """Inject at every position of ``node``'s candidate call sequence in a forward + backward run: the labels of
     the positions that did NOT fail naming (node, row)."""
@@ -196,6 +220,32 @@ def test_ws1_model_fails_on_one_ulp_in_one_evaluation_and_the_console_agrees(tmp
     mismatch = doc["determinism"]["mismatches"][0]
     assert (mismatch["node"], mismatch["row"]) == ("block.1.o_proj", 50)
     assert_console_agrees(done.stdout, doc)
+
+
+@pytest.mark.slow  # one forward-only whole-model gate (two layers' worth) twice: make test-slow
+def test_ws1_model_fails_on_one_ulp_on_an_unrelated_requests_row_in_one_placement():
+    """ws1-model's filler negative control: one ulp on block.1.o_proj's row 50 of the unrelated request u0 (item 0)
+    in the batch of 3 only; the request's own rows are untouched, so only the fillers' comparison sees it."""
+    from h3gate.manifests.tolerances import load_tolerance
+    from h3gate.numerics import strict_numerics
+    from h3gate.runs.setup import ModelNeeds, RunSpec, prepare, read_inputs
+    from h3gate.runs.ws1_model import ModelGate, run_model_gate
+
+    spec = RunSpec("model", "micro", layers="1:2", draw="device")
+    setup = read_inputs(prepare(spec, ModelNeeds(backward=False), read=False))
+    gate = ModelGate.of(setup, load_tolerance("ws1-model"), backward=False)
+    with strict_numerics("cpu"), determinism.injecting(determinism.Injection("block.1.o_proj", 10**6)) as probe:
+        clean = run_model_gate(gate)
+    assert clean.verdict == "pass"
+    k = [label for _, label in probe.calls].index("candidate batch 3@2") + 1
+    spec_ = determinism.Injection("block.1.o_proj", k, "forward", 50, item=0)
+    with strict_numerics("cpu"), determinism.injecting(spec_) as state:
+        result = run_model_gate(ModelGate.of(setup, load_tolerance("ws1-model"), backward=False))
+    assert state.fired == "candidate batch 3@2"
+    rec = next(n for n in result.report["nodes"] if n["name"] == "block.1.o_proj")["batch_row"]
+    assert all(p["bitwise"] for p in rec["placements"])
+    assert [(f["first"], f["bitwise"], f["first_row"]) for f in rec["fillers"]] == [([3, 2, 0], False, 50)]
+    assert result.verdict == "fail"
 
 
 def test_a_gradient_is_named_after_the_operator_whose_backward_made_it():

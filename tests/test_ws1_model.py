@@ -65,6 +65,10 @@ def test_the_default_command_passes_with_strict_kernels(default_run) -> None:
     assert doc["model"]["complete"] and doc["model"]["stages"][0] == "embed" and doc["model"]["stages"][-1] == "heads"
     assert {lane["name"] for lane in doc["lanes"]} >= {"golden", "provider", "candidate", "candidate repeat"}
     assert any(lane["batch"] for lane in doc["lanes"] if lane["saved_for_backward"])
+    # the unrelated request both placements hold (first of the batch of 3, first of the batch of 2): bitwise too
+    shared = [n["batch_row"]["fillers"] for n in doc["nodes"] if n["batch_row"] and n["batch_row"].get("fillers")]
+    assert len(shared) > len(doc["nodes"]) // 2
+    assert all([(f["first"], f["second"], f["bitwise"]) for f in s] == [([3, 2, 0], [2, 1, 0], True)] for s in shared)
     seq_len = doc["layout"]["seq_len"]
     for node in doc["nodes"]:
         names = {c["check"] for c in node["checks"]}

@@ -97,6 +97,54 @@ def placement_record(
     return {"batch": size, "position": position, **agreement(value, reference, row_dim, modalities)}
 
 
+def filler_slots(placements: Sequence[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+    """Unrelated item ``j`` -> ``(placement index, batch index)`` of every placement holding it, for the items more
+    than one placement holds (:func:`place`'s order: the unrelated items in order, the request inserted at its
+    position)."""
+    slots: dict[int, list[tuple[int, int]]] = {}
+    for k, (size, position) in enumerate(placements):
+        for j in range(size - 1):
+            slots.setdefault(j, []).append((k, j if j < position else j + 1))
+    return {j: s for j, s in slots.items() if len(s) > 1}
+
+
+def filler_records(
+    batches: Sequence[torch.Tensor | None],
+    placements: Sequence[tuple[int, int]],
+    batch_dim: int | None,
+    row_dim: int | None,
+    modalities: Sequence[str] | None,
+) -> list[dict]:
+    """Batch-row invariance of the unrelated items (fillers): one value of each placement's whole batch
+    (``batches``, in ``placements``' order; None where a placement gave none), each filler's slice in every later
+    placement holding it against its slice in the first, bitwise. Nothing for a value without a batch axis."""
+    if batch_dim is None:
+        return []
+    out = []
+    for j, slots in filler_slots(placements).items():
+        (k0, i0), rest = slots[0], slots[1:]
+        if batches[k0] is None:
+            continue
+        ref = select(batches[k0], batch_dim, i0)
+        for k, i in rest:
+            if batches[k] is None:
+                continue
+            agree = agreement(select(batches[k], batch_dim, i), ref, row_dim, modalities)
+            out.append({"filler": j, "first": [*placements[k0], i0], "second": [*placements[k], i],
+                        **{key: agree[key] for key in ("bitwise", "first_row", "first_modality")}})  # fmt: skip
+    return out
+
+
+def with_fillers(record: dict, fillers: list[dict]) -> dict:
+    """A batch-row record (:func:`merge_placements`) with its fillers' records: bitwise only when they are too (the
+    first row named is the request's where it differs, else the first differing filler's)."""
+    bad = next((f for f in fillers if not f["bitwise"]), None)
+    out = {**record, "fillers": fillers}
+    if record["bitwise"] and bad is not None:
+        out.update(bitwise=False, first_row=bad["first_row"], first_modality=bad["first_modality"])
+    return out
+
+
 def merge_placements(names: Sequence[str], per_placement: Sequence[Mapping[str, dict]]) -> dict[str, dict]:
     """The :func:`batch_records` result from per-placement records."""
     out: dict[str, dict] = {}

@@ -375,15 +375,18 @@ def observe(
 class Injection:
     """Add one ulp to one element of ``node``'s output (``forward``) or of the gradient its backward hands its
     first differentiable input (``backward``), in the ``call``-th such evaluation of the node (1-based): the element
-    is column 0 of packed row ``row`` (of every batch item of a batched value)."""
+    is column 0 of packed row ``row`` (of every batch item of a batched value, or of batch item ``item`` alone: a
+    fault confined to one unrelated request of a batch placement)."""
 
     node: str
     call: int
     direction: str = "forward"
     row: int = 0
+    item: int | None = None
 
     def label(self) -> str:
-        return f"{self.direction}:{self.node}:row {self.row}:one ulp in call {self.call} only"
+        where = f"row {self.row}" if self.item is None else f"row {self.row} of batch item {self.item}"
+        return f"{self.direction}:{self.node}:{where}:one ulp in call {self.call} only"
 
 
 ULP = re.compile(r"ulp@([1-9][0-9]{0,5})")
@@ -446,9 +449,9 @@ def injecting(spec: Injection) -> Iterator[_Injecting]:
         _INJECT.reset(token)
 
 
-def bump(t: torch.Tensor, row: int, row_dim: int | None) -> torch.Tensor:
+def bump(t: torch.Tensor, row: int, row_dim: int | None, item: int | None = None) -> torch.Tensor:
     """A copy of ``t`` whose element at row ``row`` (along ``row_dim``; index 0 on every other axis but the batch
-    axis 0, where every item's) is one ulp larger in magnitude (its bits plus one)."""
+    axis 0, where every item's, or item ``item``'s alone) is one ulp larger in magnitude (its bits plus one)."""
     out = t.detach().contiguous().clone()
     if out.ndim == 0:
         out = out.reshape(1)
@@ -456,7 +459,7 @@ def bump(t: torch.Tensor, row: int, row_dim: int | None) -> torch.Tensor:
     if row_dim is not None and row_dim < out.ndim:
         index[row_dim] = min(row, out.shape[row_dim] - 1)
         if row_dim > 0:
-            index[0] = slice(None)
+            index[0] = slice(None) if item is None else min(item, out.shape[0] - 1)
     _bits(out)[tuple(index)] += 1
     out = out.reshape(t.shape)
     return out if not t.requires_grad else t + (out - t).detach()
@@ -475,7 +478,7 @@ def inject_forward(node_name: str, out: torch.Tensor, row_dim: int | None, table
         return out
     if not state.tick(node_name, "forward"):
         return out
-    return bump(out, state.spec.row, row_dim)
+    return bump(out, state.spec.row, row_dim, state.spec.item)
 
 
 class _GradBump(torch.autograd.Function):
@@ -494,7 +497,7 @@ class _GradBump(torch.autograd.Function):
             hit = state is not None and state.tick(node_name, "backward")
         finally:
             _LABEL.reset(token)
-        return (bump(grad, state.spec.row, row_dim) if hit else grad), None, None
+        return (bump(grad, state.spec.row, row_dim, state.spec.item) if hit else grad), None, None
 
 
 def injects_backward(nodes) -> bool:

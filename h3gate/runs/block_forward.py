@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3gate.gate.compare import agreement, error
-from h3gate.gate.invariance import PLACEMENTS, merge_placements, place, placement_record, select
+from h3gate.gate.invariance import (
+    PLACEMENTS,
+    filler_records,
+    merge_placements,
+    place,
+    placement_record,
+    select,
+    with_fillers,
+)
 from h3gate.gate.rows import row_errors
 from h3gate.gate.variants import Variant, refusal
 from h3gate.graph import determinism
@@ -228,42 +236,49 @@ def _isolated_stream(
         yield node, feed, values.get(node.name, feed[node.name])
 
 
-def _placed_lanes(gate: BlockGate, ex: _Executions, who: str) -> tuple[Lane, list[tuple[int, int, Lane]]]:
-    """The repeat lane and one lane per batch placement, each yielding the request's item (batch of 1)."""
+def _placed_lanes(gate: BlockGate, ex: _Executions, who: str) -> tuple[Lane, list[tuple[int, int, Lane]], bool]:
+    """The repeat lane and one lane per batch placement, and whether those yield the whole batch (h3gate's lanes;
+    SGLang's yield the request's item alone)."""
     if who == "candidate" and gate.sglang is not None:
         sg, nodes = gate.sglang, gate.graph.nodes
 
         def lane(values: Values) -> Lane:
             return Lane(who, iter([(n, values.get(n.name)) for n in nodes]))
 
-        return lane(sg.repeat()), [(s, p, lane(sg.placed(s, p))) for s, p in PLACEMENTS[1:]]
+        return lane(sg.repeat()), [(s, p, lane(sg.placed(s, p))) for s, p in PLACEMENTS[1:]], False
     x0 = gate.inputs.tensors["hidden_states"]
     others = unrelated(gate.inputs, "hidden_states")
 
-    def item(size: int, pos: int) -> Lane:
-        batch = ex.lane(who, hidden=place(x0, others, size, pos))
-        items = ((n, select(v, 0 if n.row_dim is not None else None, pos)) for n, v in batch.stream)
-        return Lane(batch.name, items, label=f"batch {size} at {pos}")
+    def batch(size: int, pos: int) -> Lane:
+        lane = ex.lane(who, hidden=place(x0, others, size, pos))
+        return Lane(lane.name, lane.stream, label=f"batch {size} at {pos}")
 
     repeat = ex.lane(who)
     repeat.label = "repeat"
-    return repeat, [(size, pos, item(size, pos)) for size, pos in PLACEMENTS[1:]]
+    return repeat, [(size, pos, batch(size, pos)) for size, pos in PLACEMENTS[1:]], True
 
 
 def _invariance(gate: BlockGate, ex: _Executions, store: ValueStore, who: str) -> tuple[dict, dict]:
-    """Pass 3 for ``who``: per node (repeat agreement, batch-row record), each against the stored output."""
+    """Pass 3 for ``who``: per node (repeat agreement, batch-row record), each against the stored output; the
+    unrelated items a batch shares with another placement, against each other (:func:`filler_records`)."""
     mods = gate.inputs.modalities
-    repeat, batches = _placed_lanes(gate, ex, who)
+    repeat, batches, whole = _placed_lanes(gate, ex, who)
     repeats: dict[str, dict] = {}
     placed: list[dict[str, dict]] = [{} for _ in batches]
+    fillers: dict[str, list[dict]] = {}
+    where = [(size, pos) for size, pos, _ in batches]
     for node in gate.graph.nodes:
         n, rd = node.name, node.row_dim
+        bd = 0 if rd is not None else None
         ref = store.get(who, n)
         again = repeat.step()
         repeats[n] = agreement(ref if again is None else again, ref, rd, mods)
-        for records, (size, pos, lane) in zip(placed, batches, strict=True):
-            picked = lane.step()
+        full = [lane.step() for _, _, lane in batches]
+        for records, (size, pos, _), value in zip(placed, batches, full, strict=True):
+            picked = select(value, bd, pos) if whole and value is not None else value
             records[n] = placement_record(ref if picked is None else picked, ref, size, pos, rd, mods)
-            del picked
-        del ref
-    return repeats, merge_placements([n.name for n in gate.graph.nodes], placed)
+        if whole:
+            fillers[n] = filler_records(full, where, bd, rd, mods)
+        del ref, full
+    merged = merge_placements([n.name for n in gate.graph.nodes], placed)
+    return repeats, {n: with_fillers(rec, fillers[n]) if n in fillers else rec for n, rec in merged.items()}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from h3gate.gate.compare import agreement, error, tensor_sha256
+from h3gate.gate.invariance import filler_records, with_fillers
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check
 from h3gate.graph import determinism
@@ -27,7 +28,7 @@ from h3gate.graph.stages import Stage, last_readers
 from h3gate.kernels import launches
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
-from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels
+from h3gate.runs.model_lanes import CapturedLane, Lane, contract_floor, merged, row_labels
 
 if TYPE_CHECKING:
     from h3gate.runs.ws1_model import ModelGate
@@ -194,18 +195,27 @@ def _stage(
 
 
 def _placements(stage: Stage, lanes: list[Lane], params, cand: Values, mods: Mapping) -> dict[str, dict]:
-    """Per node: the candidate's item in every batch placement, bitwise against the batch-of-1 candidate."""
+    """Per node: the candidate's item in every batch placement, bitwise against the batch-of-1 candidate; and the
+    unrelated requests two placements share, against each other (:func:`h3gate.gate.invariance.filler_records`;
+    not for captured lanes, which hold the request's item alone)."""
     per: dict[str, list[dict]] = {n.name: [] for n in stage.nodes}
-    for lane in lanes:
-        out = lane.run(stage, params)
-        size, pos = lane.batch
-        for n in stage.nodes:
+    outs = [lane.run(stage, params) for lane in lanes]
+    whole = not any(isinstance(lane, CapturedLane) for lane in lanes)
+    where = [lane.batch for lane in lanes]
+    fillers: dict[str, list[dict]] = {}
+    for n in stage.nodes:
+        for lane, out in zip(lanes, outs, strict=True):
+            size, pos = lane.batch
             got = lane.item(out[n.name], n.row_dim) if n.name in out else cand[n.name]
             per[n.name].append(
                 {"batch": size, "position": pos, **agreement(got, cand[n.name], n.row_dim, mods[n.name])}
             )
-        del out
-    return {name: merged(recs) for name, recs in per.items()}
+        if whole:
+            bd = 0 if n.row_dim == 1 else None  # the batch axis select_item reads
+            fillers[n.name] = filler_records([o.get(n.name) for o in outs], where, bd, n.row_dim, mods[n.name])
+    del outs
+    return {name: with_fillers(merged(recs), fillers[name]) if name in fillers else merged(recs)
+            for name, recs in per.items()}  # fmt: skip
 
 
 def _isolated(gate: ModelGate, stage: Stage, feed: Values, params) -> Iterator[tuple[Node, torch.Tensor]]:
