@@ -32,7 +32,7 @@ prediction assumes the clean run passes up to that node; tests/test_model_fault_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -206,7 +206,7 @@ def _forward_case(ctx: RowContext, node: Node, kept: dict, fault: RowFault, tol:
     bound = error_check(ch.error(fault.row, fault.kind), kept["provider"], tol.forward.error_metric,
                         tol.forward.error_factor, tol.forward.error_floor)  # fmt: skip
     views = {"isolated": iso.judge(ctx, fault.row, fault.kind), "chained": ch.judge(ctx, fault.row, fault.kind)}
-    checks += [("bound", bound["pass"], None)]
+    checks += [("error_bound", bound["pass"], None)]
     checks += [(f"row_bound_{v}", views[v]["pass"], views[v]["first_over_row"]) for v in ("isolated", "chained")]
     return {"judged": node.name, "operator": None, "method": "splice", "checks": {c[0]: c[1] for c in checks},
             **_ratios(views), **_first(checks, views, ("isolated", "chained"), iso.mods, fault)}  # fmt: skip
@@ -242,7 +242,7 @@ def _backward_case(ctx: RowContext, keep: MatrixKeep, node: Node, fault: RowFaul
                         tol.backward.node_factor, tol.backward.node_floor)  # fmt: skip
     views = {"isolated": iso.judge(ctx, r, kind, got.get("isolated")),
              "chained": ch.judge(ctx, r, kind, got.get("chained"))}  # fmt: skip
-    checks = [("bound", bound["pass"], None)]
+    checks = [("error_bound", bound["pass"], None)]
     checks += [(f"row_bound_{v}", views[v]["pass"], views[v]["first_over_row"]) for v in ("isolated", "chained")]
     return {"judged": key, "operator": gradient_operator(keep.graph.nodes, key),
             "method": "stage re-run" if rerun is not None else "splice", "checks": {c[0]: c[1] for c in checks},
@@ -268,27 +268,39 @@ def run_model_fault_matrix(
     promised: Callable[[Node], bool],
     kinds: Sequence[str] = KINDS,
     directions: Sequence[str] = DIRECTIONS,
+    only: Collection[str] | None = None,
 ) -> dict:
     """The ``fault_matrix`` evidence section of a gate that kept ``ctx.kept[KEY]`` (module docstring); ``load``: a
-    stage's parameters (re-runs), ``promised(node)``: whether its isolated-bitwise promise applies."""
+    stage's parameters (re-runs), ``promised(node)``: whether its isolated-bitwise promise applies; ``only``: the
+    fault labels to judge (a test's sample; default every fault). A fault that changes no bit of its row (a zero
+    gradient row: the packed rows a head's selection drops) is listed under ``excluded``, not counted."""
     keep: MatrixKeep = ctx.kept[KEY]
     stage_of = {n.name: s for s in (v["stage"] for v in keep.backward.values()) for n in s.nodes}
     loaded: dict[str, Mapping[str, torch.Tensor]] = {}
-    records = []
+    records, excluded = [], list(keep.excluded)
     for node, fault in _faults(keep, kinds, directions):
+        if only is not None and fault.label() not in only:
+            continue
         if fault.direction == "forward":
-            case = _forward_case(ctx, node, keep.forward[node.name], fault, tol, promised(node))
+            view, got = keep.forward[node.name]["isolated"], None
         else:
             stage = stage_of[node.name]
-            got = None
+            view, got = keep.backward[node.inputs[0]]["isolated"], None
             if node.inputs[0] in keep.rerun:
                 if stage.label not in loaded:
                     loaded = {stage.label: load(stage)}  # one stage's parameters at a time
                 got = _rerun(keep, stage, loaded[stage.label], table, node, fault)
+        if bitwise_equal(view.faulted_row(fault.row, fault.kind, (got or {}).get("isolated")), view.rows[fault.row][0]):
+            excluded.append({"node": node.name, "direction": fault.direction, "reason": f"{fault.label()}: changes "
+                             "no bit of the value (zero there), so there is nothing to catch"})  # fmt: skip
+            continue
+        if fault.direction == "forward":
+            case = _forward_case(ctx, node, keep.forward[node.name], fault, tol, promised(node))
+        else:
             case = _backward_case(ctx, keep, node, fault, tol, got)
         records.append({"fault": fault.label(), "depth": keep.depth_of[node.name], "node": node.name,
                         "direction": fault.direction, "kind": fault.kind, "row": fault.row,
                         "stage": node.meta["stage"], "layer": node.layer, **case})  # fmt: skip
     declared = [{"depth": d, "nodes": [n for n, dd in keep.depth_of.items() if dd == d]}
                 for d in dict.fromkeys(keep.depth_of.values())]  # fmt: skip
-    return summary(__doc__, records, depths=declared, excluded=keep.excluded)
+    return summary(__doc__, records, depths=declared, excluded=excluded)
