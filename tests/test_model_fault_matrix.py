@@ -201,3 +201,26 @@ def test_the_matrix_predicts_what_the_real_gate_reports(tmp_path, monkeypatch) -
         want = (case["direction"], case["judged"], case["layer"], case["operator"], case["first_check"],
                 case["named_row"], case["named_modality"])  # fmt: skip
         assert got == want, (label, got, want)
+
+
+def test_the_memory_plan_counts_what_the_matrix_keeps(monkeypatch) -> None:
+    from h3gate import memory
+    from h3gate.errors import InputError
+    from h3gate.runs.memory_plan import model_fault_matrix_bytes, model_lower_bound_bytes
+    from h3gate.runs.setup import ModelNeeds
+
+    stages = len(split_stages(prepare(RunSpec("model", "micro"), read=False).graph))
+    gate = model_lower_bound_bytes(TINY, 84, stages, ModelNeeds().lanes, True)
+    kept = model_fault_matrix_bytes(TINY, 84)
+    assert kept == (TINY.num_refiner_layers + 2) * 2 * 2 * 84 * TINY.hidden_size * 4
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: gate + kept // 2)  # between the two
+    prepare(RunSpec("model", "micro"), ModelNeeds(), read=False)
+    with pytest.raises(InputError, match=r"ws1-model --layout micro --config tiny \(S=84\): needs at least"):
+        prepare(RunSpec("model", "micro"), ModelNeeds(fault_matrix=True), read=False)
+
+
+def test_the_matrix_with_an_injected_fault_is_exit_2_with_one_line(run_cli, tmp_path) -> None:
+    code, out, err = run_cli("run", "ws1-model", "--fault-matrix", "--fault", "block.0.o_proj:1", "--out",
+                             str(tmp_path / "ev"))  # fmt: skip
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("h3gate: error: --fault-matrix with --fault") and not (tmp_path / "ev").exists()

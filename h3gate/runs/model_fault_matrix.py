@@ -143,6 +143,7 @@ def keep_node(ctx: RowContext, node: Node, iso: torch.Tensor, local: torch.Tenso
         "chained": RowView.of(cand, gold, chained_env, rd, rows, at_least, mods, sums=True),
         "provider": error(prov, gold),
         "differing": None if diff is None else diff.tolist(),
+        "bitwise": bitwise_equal(iso, prov),
         "provider_rows": {r: row_slice(prov, r, rd).detach().cpu().clone() for r in rows},
     }
 
@@ -194,7 +195,7 @@ def _bitwise_check(kept: dict, fault: RowFault) -> tuple[str, bool, int | None]:
     view: RowView = kept["isolated"]
     changed = not bitwise_equal(view.faulted_row(fault.row, fault.kind), kept["provider_rows"][fault.row])
     if kept["differing"] is None:  # no row axis: whole-tensor agreement
-        return "isolated_bitwise", not changed, None
+        return "isolated_bitwise", kept["bitwise"] and not changed, None
     rows = (set(kept["differing"]) - {fault.row}) | ({fault.row} if changed else set())
     return "isolated_bitwise", not rows, min(rows, default=None)
 
