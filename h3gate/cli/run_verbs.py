@@ -127,6 +127,15 @@ def run_ws1_model(
         ),
     ] = None,
     fault: FaultOpt = None,
+    fault_matrix: Annotated[
+        bool,
+        typer.Option(
+            "--fault-matrix",
+            help="Also prove the gate catches one wrong row at every depth (refiner, first and last block, final "
+            "AdaLN and heads): forward and backward, row 1, the last row and each modality's first, scaled by "
+            "1 + 2^-6 and last 16 columns zeroed; exit 1 unless every fault is caught and located.",
+        ),
+    ] = False,
     merge_order: MergeOpt = "single",
     candidate: CandidateOpt = "h3gate",
     sglang_quality: SglangQualityOpt = "lossless",
@@ -159,6 +168,7 @@ def run_ws1_model(
         tolerance=tolerance,
         save_tensors=save_tensors,
         fault=fault,
+        fault_matrix=fault_matrix,
         out=out,
         json=json_,
         force=force,

@@ -49,6 +49,7 @@ class Ws1ModelCommand:
     tolerance: str = "ws1-model"
     save_tensors: Path | None = None
     fault: str | None = None
+    fault_matrix: bool = False
     out: Path | None = None
     json: bool = False
     force: bool = False
@@ -87,8 +88,11 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     spec, backward, save_tensors, out = settings.run, settings.backward, settings.save_tensors, settings.out
     layout, mode, seed = spec.layout, spec.mode, spec.seed
     tol_file, tol = check_gate_args(mode, settings.tolerance, save_tensors, out, settings.force)
-    check_forward_only(spec, backward)
-    setup = prepare(spec, ModelNeeds(backward=backward, save_tensors=save_tensors is not None), read=False)
+    check_forward_only(spec, backward, settings.fault_matrix)
+    if settings.fault_matrix and settings.fault is not None:
+        raise InputError("--fault-matrix with --fault: the matrix judges the clean run's views; run them apart")
+    needs = ModelNeeds(backward=backward, save_tensors=save_tensors is not None, fault_matrix=settings.fault_matrix)
+    setup = prepare(spec, needs, read=False)
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
     if isinstance(injected, Injection) and spec.candidate == "sglang":
         raise InputError(f"--fault {settings.fault!r}: ulp@K injects into h3gate's executor, not SGLang's module")
@@ -99,8 +103,9 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     setup_s = time.perf_counter() - started
     single = injected if isinstance(injected, Injection) else None
     fault = None if single is not None else injected
-    with progress(KIND, len(steps(setup, backward)), started) as step:
-        gate = ModelGate.of(setup, tol, backward, fault, progress=step, keep_values=save_tensors is not None)
+    with progress(KIND, len(steps(setup, backward)) + settings.fault_matrix, started) as step:
+        gate = ModelGate.of(setup, tol, backward, fault, progress=step, keep_values=save_tensors is not None,
+                            fault_matrix=settings.fault_matrix)  # fmt: skip
         with determinism.injecting(single) if single is not None else contextlib.nullcontext() as state:
             result = run_model_gate(gate)
     body = build_body(setup, result, seed, tol.name, tol_file)
@@ -246,6 +251,11 @@ def print_summary(doc: dict, path: Path) -> None:
         if f.get("row") is None and row is not None:  # a whole-tensor check failed first: name the row as well
             console.print(f"[red]first row over its bound[/]: {escape(_drift(row))}, {row['view']}, "
                           f"{row['ratio']:.2f} x its bound")  # fmt: skip
+    matrix = doc.get("fault_matrix")
+    if matrix is not None:
+        console.print(
+            f"fault matrix: {matrix['caught']}/{matrix['total']} one-row faults caught, {matrix['located']} located"
+        )
     if doc.get("injected_fault"):
         console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
     print_failing(console, doc["failing_checks"])

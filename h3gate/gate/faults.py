@@ -25,9 +25,21 @@ KINDS = ("scale", "zero_tail")
 DIRECTIONS = ("forward", "backward")
 
 
+def fault_axis(t: torch.Tensor, row_dim: int | None) -> int | None:
+    """The axis :func:`corrupt` faults along: ``row_dim``, else dim 0 of a 2-d+ tensor; None: the whole tensor."""
+    return row_dim if row_dim is not None else (0 if t.ndim >= 2 else None)
+
+
+def row_slice(t: torch.Tensor, row: int, row_dim: int | None) -> torch.Tensor:
+    """Row ``row`` of ``t`` as a one-row view along :func:`fault_axis` (the whole tensor when it has no row axis);
+    ``corrupt(row_slice(t, r, d), 0, d, kind)`` holds the bytes of row ``r`` of ``corrupt(t, r, d, kind)``."""
+    dim = fault_axis(t, row_dim)
+    return t if dim is None else t.narrow(dim, row, 1)
+
+
 def corrupt(t: torch.Tensor, row: int, row_dim: int | None, kind: str) -> torch.Tensor:
     """A copy of ``t`` with one row corrupted (differentiable through the untouched rows)."""
-    dim = row_dim if row_dim is not None else (0 if t.ndim >= 2 else None)
+    dim = fault_axis(t, row_dim)
     out = t.clone()
     view = out.reshape(1, -1) if dim is None else out.movedim(dim, 0)
     target = view[0 if dim is None else row]

@@ -13,12 +13,14 @@ verdict is ``fail``) and *located* when the first row over the bound is the faul
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault, corrupt
-from h3gate.gate.rows import as_rows
+from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault, corrupt, fault_axis, row_slice
+from h3gate.gate.rows import as_rows, row_chunks, row_errors
 from h3gate.graph.core import Graph, Node, OpTable, Values
 from h3gate.graph.execute import node_vjp, run_node
 from h3gate.runs.block_rows import RowContext, node_inputs
@@ -101,11 +103,89 @@ def run_fault_matrix(
                         "kind": fault.kind, "row": fault.row, "view": view, "caught": caught, "located": located,
                         "located_modality": modality, "ratio": check["ratio"],
                         "rows_over": check["rows_over"]})  # fmt: skip
+    return summary(__doc__, records)
+
+
+def summary(doc: str | None, records: list[dict], **extra) -> dict:
+    """The ``fault_matrix`` section of ``records`` (each with ``caught`` and ``located``): the method (the
+    docstring's second paragraph onwards), the counts, and ``pass`` when every fault is located."""
     return {
-        "method": __doc__.split("\n\n", 1)[1].replace("\n", " ").strip(),
+        "method": (doc or "").split("\n\n", 1)[-1].replace("\n", " ").strip(),
         "total": len(records),
         "caught": sum(r["caught"] for r in records),
         "located": sum(r["located"] for r in records),
         "faults": records,
-        "pass": all(r["located"] for r in records),
+        **extra,
+        "pass": bool(records) and all(r["located"] for r in records),
     }
+
+
+@dataclass
+class RowView:
+    """One judged view of one value (the candidate's rows against the golden's under an envelope), reduced to what a
+    one-row fault changes: a fault changes row ``r`` only, so the faulted tensor's per-row errors are the clean ones
+    with row ``r`` re-measured on the faulted row (:func:`h3gate.gate.rows.row_errors` measures each row on its
+    own). ``rows``: the candidate's and golden's clean rows at the fault rows; ``sums``: per row ``|c - g|^2``,
+    ``|g|^2`` and ``max |c - g|`` (float64), from which the whole-tensor error is re-summed (to the last float64
+    bits: :func:`h3gate.gate.compare.error` sums in one reduction)."""
+
+    errs: torch.Tensor
+    env: Mapping[str, torch.Tensor]
+    dtype: torch.dtype
+    row_dim: int | None
+    rows: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    at_least: float = 0.0
+    mods: list[str] | None = None
+    sums: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, cand: torch.Tensor, gold: torch.Tensor, env: Mapping[str, torch.Tensor], row_dim: int | None,
+           rows: Sequence[int], at_least: float = 0.0, mods: list[str] | None = None,
+           sums: bool = False) -> RowView:  # fmt: skip
+        """The view of ``cand`` against ``gold`` keeping the rows ``rows`` (on the CPU)."""
+        kept = {r: (_row(cand, r, row_dim), _row(gold, r, row_dim)) for r in rows}
+        per_row = row_sums(cand, gold, row_dim) if sums else None
+        return cls(row_errors(cand, gold, row_dim), dict(env), cand.dtype, row_dim, kept, at_least, mods, per_row)
+
+    def count(self) -> int:
+        return int(self.errs.numel())
+
+    def faulted_row(self, row: int, kind: str, got: torch.Tensor | None = None) -> torch.Tensor:
+        """Row ``row`` as the fault leaves it: ``got`` (a re-run's row) or the clean row corrupted."""
+        return got if got is not None else corrupt(self.rows[row][0], 0, self.row_dim, kind)
+
+    def errors(self, row: int, kind: str, got: torch.Tensor | None = None) -> torch.Tensor:
+        errs = self.errs.clone()
+        errs[row] = row_errors(self.faulted_row(row, kind, got), self.rows[row][1], self.row_dim)[0]
+        return errs
+
+    def judge(self, ctx, row: int, kind: str, got: torch.Tensor | None = None) -> dict:
+        """The gate's row check (:meth:`h3gate.runs.block_rows.RowContext.judge_errors`) of the faulted value."""
+        return ctx.judge_errors(self.errors(row, kind, got), self.dtype, self.env, self.at_least, self.mods)
+
+    def error(self, row: int, kind: str, got: torch.Tensor | None = None) -> dict:
+        """``{"max_abs", "rel_l2"}`` of the faulted value against the golden (needs ``sums``)."""
+        sums = self.sums.clone()
+        sums[row] = row_sums(self.faulted_row(row, kind, got), self.rows[row][1], self.row_dim)[0]
+        num, den = math.sqrt(float(sums[:, 0].sum())), math.sqrt(float(sums[:, 1].sum()))
+        rel = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+        return {"max_abs": float(sums[:, 2].max()), "rel_l2": rel}
+
+
+def _row(t: torch.Tensor, row: int, row_dim: int | None) -> torch.Tensor:
+    return row_slice(t, row, row_dim).detach().cpu().clone()
+
+
+def row_sums(cand: torch.Tensor, gold: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+    """(R, 3) float64 on the CPU: per row ``|c - g|^2``, ``|g|^2``, ``max |c - g|``, upcast in chunks of rows."""
+    dim = fault_axis(cand, row_dim)
+    c, g = (
+        t.detach().reshape(1, -1) if dim is None else t.detach().movedim(dim, 0) for t in (cand, gold.to(cand.device))
+    )
+    width = c[0].numel() if c.shape[0] else 0
+    parts = []
+    for r0, r1 in row_chunks(c.shape[0], width):
+        diff = c[r0:r1].reshape(r1 - r0, -1).double() - g[r0:r1].reshape(r1 - r0, -1).double()
+        gg = g[r0:r1].reshape(r1 - r0, -1).double()
+        parts.append(torch.stack([diff.square().sum(1), gg.square().sum(1), diff.abs().amax(1)], 1).cpu())
+    return torch.cat(parts)

@@ -153,6 +153,14 @@ def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: 
     return weights + values + boundaries
 
 
+def model_fault_matrix_bytes(cfg: ModelConfig, seq_len: int) -> int:
+    """A lower bound on what ``run ws1-model --fault-matrix`` keeps beyond the gate until its end: for every stage
+    whose backward faults re-run (each refiner block, the first and the last transformer block), the provider's and
+    the candidate's saved stage inputs and incoming gradients (``S x H`` each, FP32 at most). Its per-row views are
+    a few float64 values per row of each declared node."""
+    return (cfg.num_refiner_layers + 2) * 2 * 2 * seq_len * cfg.hidden_size * 4
+
+
 def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage]) -> int:
     """A lower bound on ``--save-tensors``' host memory: every block's and refiner block's node values (six nodes
     ``H`` wide, eight ``N D``, gate-up ``2F`` and swiglu ``F`` per packed row) at bf16 (provider, candidate) plus

@@ -30,6 +30,7 @@ from h3gate.graph.model import OUTPUTS
 from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext
+from h3gate.runs.model_fault_matrix import keep_gradient
 from h3gate.runs.model_forward import Findings, Lanes
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
 from h3gate.runs.model_stages import LEAVES, model_cotangents
@@ -120,6 +121,9 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
             findings.failing.append(f"backward.{key}.gradient_missing ({', '.join(missing)})")
             continue
         rec = _record(gate, ctx, stage, key, dims[key], cand, prov, gold, env, iso, iso_env, again, placed)
+        if ctx.keep:  # the fault matrix's views of a declared gradient (h3gate.runs.model_fault_matrix)
+            states = [(lane.saved[stage.label], incoming[lane.name]) for lane in (lanes.provider, lanes.candidate)]
+            keep_gradient(ctx, stage, key, cand, prov, gold, env, iso, iso_env, *states)
         where = {"direction": "backward", "stage": stage.label, "layer": stage.layer, "node": key,
                  "operator": gradient_operator(gate.setup.graph.nodes, key)}  # fmt: skip
         agreements = {"repeat_bitwise": rec["repeat"], "batch_row_bitwise": rec["batch_row"]}

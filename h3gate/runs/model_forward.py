@@ -28,6 +28,7 @@ from h3gate.graph.stages import Stage, last_readers
 from h3gate.kernels import launches
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
+from h3gate.runs.model_fault_matrix import keep_node
 from h3gate.runs.model_lanes import CapturedLane, Lane, contract_floor, merged, row_labels
 
 if TYPE_CHECKING:
@@ -252,6 +253,9 @@ def _node(ctx, node: Node, iso: torch.Tensor, feed, params, gparams, prov, cand,
         "chained": ctx.judge(cand[node.name], chained_env[node.name], gold[node.name], node.row_dim, at_least=least,
                              mods=mods, key=f"forward.chained.{node.name}"),
     }  # fmt: skip
+    if ctx.keep:  # the fault matrix's views of a declared node (h3gate.runs.model_fault_matrix)
+        keep_node(ctx, node, iso, local, iso_env, cand[node.name], gold[node.name], chained_env[node.name],
+                  prov[node.name], least, mods)  # fmt: skip
     del local
     err_c, err_p = error(cand[node.name], gold[node.name]), error(prov[node.name], gold[node.name])
     return _Judged(iso, rows, {"candidate": err_c, "provider": err_p})

@@ -39,6 +39,7 @@ from h3gate.runs.memory_plan import (
     GateNeeds,
     MemoryPlan,
     check_memory,
+    model_fault_matrix_bytes,
     model_lower_bound_bytes,
     plan_block_memory,
     saved_values_bytes,
@@ -91,11 +92,13 @@ class RunSpec:
 @dataclass(frozen=True)
 class ModelNeeds:
     """What a whole-model gate holds at once, for its memory bound: ``lanes`` executions advanced together, the
-    backward's saved stage inputs, and ``--save-tensors``' host copy of every node value."""
+    backward's saved stage inputs, ``--save-tensors``' host copy of every node value, and what ``--fault-matrix``
+    keeps."""
 
     lanes: int = 12
     backward: bool = True
     save_tensors: bool = False
+    fault_matrix: bool = False
 
 
 @dataclass
@@ -361,6 +364,7 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
     check_weights(run.source, stages, cfg, what)
     if isinstance(needs, ModelNeeds):
         need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), needs.lanes, needs.backward)
+        need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
         require(need, f"ws1-model --layout {spec.layout} --config {run.config_name} (S={packed.seq_len})", device,
                 hint="use a smaller layout, --layers or --no-backward")  # fmt: skip
         if needs.save_tensors:

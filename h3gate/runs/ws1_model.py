@@ -35,7 +35,8 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.model_backward import backward
-from h3gate.runs.model_forward import Findings, Lanes, forward, note_determinism
+from h3gate.runs.model_fault_matrix import KEY, MatrixKeep, run_model_fault_matrix
+from h3gate.runs.model_forward import Findings, Lanes, forward, note_determinism, promised
 from h3gate.runs.model_lanes import CapturedLane, Lane
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, StageWeights
 from h3gate.runs.setup import Run
@@ -74,6 +75,7 @@ class ModelGate:
     node_overrides: Mapping[str, Callable] | None = None
     progress: Callable[[str], None] | None = None
     keep_values: bool = False  # --save-tensors: every lane's node values on the CPU
+    fault_matrix: bool = False  # also run the one-row fault matrix (h3gate.runs.model_fault_matrix)
     tables: dict[str, OpTable] = field(default_factory=dict)
     kept: dict[str, Values] = field(default_factory=dict)
     sglang: SglangRun | None = None  # the candidate is SGLang's DiT (h3gate.runs.candidate), forward only
@@ -202,7 +204,9 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
     }
     rule = gate.tolerance.row_rule
     variants, skipped = provider_variants(list(rule.variants), gate.device)
-    ctx = RowContext(rule, variants, skipped, gate.modalities, {})
+    ctx = RowContext(rule, variants, skipped, gate.modalities, {}, keep=gate.fault_matrix)
+    if gate.fault_matrix:
+        ctx.kept[KEY] = MatrixKeep.plan(gate.setup.graph, gate.stages, gate.setup.layers, gate.backward)
     if gate.sglang is not None:
         _sglang_isolated(gate)
     lanes = make_lanes(gate, ctx)
@@ -217,17 +221,30 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
         if gate.backward:
             bw = backward(gate, ctx, lanes, findings)
     note_determinism(findings, recorder, gate.stages, gate.modalities)
+    matrix = _fault_matrix(gate, ctx, findings) if gate.fault_matrix else None
     for lane in lanes.providers:
         if lane.refused is not None:
             ctx.skipped.append({"name": lane.variant.name, "reason": lane.refused})
     report = _report(gate, ctx, lanes, nodes, stage_records, bw, findings)
     report["determinism"] = recorder.record()
+    if matrix is not None:
+        report["fault_matrix"] = matrix
     report["timing"] = {
         "forward_s": round(forward_s, 4),
         "backward_s": round(time.perf_counter() - started - forward_s, 4),
         "total_s": round(time.perf_counter() - started, 4),
     }
     return ModelGateResult(report, report["verdict"], findings.failing, gate.kept)
+
+
+def _fault_matrix(gate: ModelGate, ctx: RowContext, findings: Findings) -> dict:
+    """The one-row fault matrix on the views this run kept; a fault not caught and located fails the gate."""
+    gate.step("fault matrix")
+    matrix = run_model_fault_matrix(ctx, gate.tables["candidate"], gate.weights.load, gate.tolerance,
+                                    lambda node: promised(gate, node)[1])  # fmt: skip
+    ctx.kept.clear()
+    findings.failing += [f"fault_matrix.{r['fault']}.not_located" for r in matrix["faults"] if not r["located"]]
+    return matrix
 
 
 def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records, bw, findings: Findings) -> dict:
