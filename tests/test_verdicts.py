@@ -133,8 +133,9 @@ def test_the_long_gates_print_their_verdict_last(kind, capsys):
     _printers()[kind](doc, path)
     out = capsys.readouterr().out
     word = verdict_of(out)
-    if kind == "ws1-trajectory":  # nothing compared unless --verify-last ran
-        compared = doc["invocation"]["verify_last"] is not None
+    if kind == "ws1-trajectory":  # nothing compared unless --verify-last ran or a determinism pair was
+        pairs = sum(doc.get("determinism", {}).get("pairs", {}).values())
+        compared = doc["invocation"]["verify_last"] is not None or pairs > 0
         assert word == (doc["verdict"] if compared else ("complete" if doc["complete"] else "incomplete"))
     elif kind != "bench-ws1-block":
         assert word == doc["verdict"]
@@ -170,6 +171,11 @@ def test_trajectory_says_pass_only_when_it_compared():
     assert trajectory_verdict(verified) == ("pass", "step 5 recomputed bitwise; 6/6 steps saved")
     differs = {**done, "verdict": "fail", "invocation": {"verify_last": {"step": 5, "bitwise": False}}}
     assert trajectory_verdict(differs)[0] == "fail"
+    # a run that evaluated its first step twice compared every node's pair; one that evaluated nothing did not
+    paired = {**body, "determinism": {"pairs": {"candidate": 63}}}
+    assert trajectory_verdict(paired) == ("pass", "63 determinism pairs; 2/6 steps saved")
+    idle = {**done, "verdict": "complete", "determinism": {"pairs": {}}}
+    assert trajectory_verdict(idle) == ("complete", "6/6 steps saved; nothing compared")
 
 
 def test_compare_fails_naming_the_first_difference():
@@ -259,8 +265,8 @@ def test_the_long_verbs_end_with_their_verdict(run_cli, tmp_path):
     """The gates the cheap tests render from committed evidence, run for real (CPU, tiny shapes)."""
     runs = [
         (["run", "ws1-block", "--no-backward", "--mode", "off", "--out", "{tmp}/b"], "pass"),
-        (["run", "ws1-trajectory", "--steps", "2", "--out", "{tmp}/t1"], "complete"),
-        (["run", "ws1-trajectory", "--steps", "2", "--out", "{tmp}/t2", "--mode", "off"], "complete"),
+        (["run", "ws1-trajectory", "--steps", "2", "--out", "{tmp}/t1"], "pass"),  # its step and the step's repeat
+        (["run", "ws1-trajectory", "--steps", "2", "--out", "{tmp}/t2", "--mode", "off"], "pass"),
         (["compare", "{tmp}/t1", "{tmp}/t2", "--out", "{tmp}/c"], "fail"),
         (["run", "vae", "--modality", "audio", "--out", "{tmp}/v"], "pass"),
         (["run", "ws2", "--topology", "tp2", "--out", "{tmp}/w"], "pass"),

@@ -258,7 +258,8 @@ def run_arms(
         typer.Option(
             "--fault",
             help="NODE:ROW[:scale|zero_tail][:forward|backward] on R training's second pass (negative control); with "
-            "--rollout sglang, NODE:ROW on SGLang's rollout module (ROW of its output: request b's row s at b*S+s).",
+            "--rollout sglang, NODE:ROW on SGLang's rollout module (ROW of its output: request b's row s at b*S+s); "
+            "NODE:ROW:ulp@K[:backward]: one ulp in the K-th evaluation of NODE by R's strict kernels only.",
         ),
     ] = None,
     rollout: Annotated[
@@ -333,7 +334,11 @@ def run_ws2(
     seed: SeedOpt = 0,
     fault: Annotated[
         list[str] | None,
-        typer.Option("--fault", help="RANK:NODE:ROW[:forward|backward]: one row scaled on one rank (repeatable)."),
+        typer.Option(
+            "--fault",
+            help="RANK:NODE:ROW[:forward|backward]: one row scaled on one rank (repeatable); RANK:NODE:ROW:ulp@K"
+            "[:backward]: one ulp in the K-th evaluation of NODE on that rank only (ROW of its own tensor).",
+        ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu | cuda (default cpu).")] = "cpu",
     out: Annotated[Path | None, out_option("ws2/<topology>-<scope>-<config>-<layout>")] = None,

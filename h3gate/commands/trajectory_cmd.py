@@ -142,17 +142,18 @@ def _summary(body: dict, path: Path) -> None:
 
 
 def trajectory_verdict(body: dict) -> tuple[str, str]:
-    """The evidence's verdict (pass / fail where something was compared: ``--verify-last``, a determinism pair;
-    else complete / incomplete by the steps saved) and its parenthesis."""
+    """pass / fail only when something was compared (``--verify-last``, a determinism pair); else complete /
+    incomplete by the steps saved (records written before the determinism block: by ``--verify-last`` alone)."""
     inv, saved = body["invocation"], f"{body['steps_saved']}/{body['evaluations']} steps saved"
-    verdict = body["verdict"]
-    if verdict in ("pass", "fail"):
+    record = body.get("determinism")
+    pairs = None if record is None else sum(record["pairs"].values())
+    if inv["verify_last"] is not None or body["verdict"] == "fail" or pairs:
         v = inv["verify_last"]
         same = "" if v is None else ("bitwise" if v["bitwise"] else "with different bytes")
         step = "" if v is None else f"step {v['step']} recomputed {same}; "
-        pairs = sum((body.get("determinism") or {}).get("pairs", {}).values())
-        checks = "" if verdict == "pass" else f"{len(body['failing_checks'])} failing; "
-        return verdict, f"{checks}{step}{pairs} determinism pairs; {saved}"
-    if verdict == "complete":
-        return verdict, f"{saved}; nothing compared"
-    return verdict, f"{saved}; --resume continues, nothing compared"
+        paired = "" if pairs is None else f"{pairs} determinism pairs; "
+        failing = "" if body["verdict"] != "fail" else f"; {len(body.get('failing_checks', []))} failing"
+        return body["verdict"], f"{step}{paired}{saved}{failing}"
+    if body["complete"]:
+        return "complete", f"{saved}; nothing compared"
+    return "incomplete", f"{saved}; --resume continues, nothing compared"
