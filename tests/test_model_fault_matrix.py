@@ -224,3 +224,17 @@ def test_the_matrix_with_an_injected_fault_is_exit_2_with_one_line(run_cli, tmp_
                              str(tmp_path / "ev"))  # fmt: skip
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("h3gate: error: --fault-matrix with --fault") and not (tmp_path / "ev").exists()
+
+
+def test_a_backward_fault_s_row_is_a_row_of_the_gradient_of_the_node_s_first_input() -> None:
+    from h3gate.commands.model_cmd import parse_model_fault
+    from h3gate.errors import InputError
+
+    setup = prepare(RunSpec("model", "micro"), read=False)
+    # heads.video_select has 48 video rows; its backward hands heads.video_proj (84 packed rows) its gradient
+    fault = parse_model_fault("heads.video_select:83:scale:backward", setup)
+    assert (fault.node, fault.row, fault.direction) == ("heads.video_select", 83, "backward")
+    with pytest.raises(InputError, match=r"row '83' must be an integer in \[0, 48\) for heads.video_select$"):
+        parse_model_fault("heads.video_select:83:scale", setup)
+    with pytest.raises(InputError, match=r"\[0, 84\) for heads.video_select's input heads.video_proj$"):
+        parse_model_fault("heads.video_select:84:scale:backward", setup)

@@ -31,6 +31,7 @@ from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
+from h3gate.runs.model_backward import LEAF_ROWS
 from h3gate.runs.model_stages import timestep_count
 from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare, read_inputs
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, run_model_gate, steps
@@ -70,13 +71,17 @@ def parse_model_fault(spec: str, setup: Run) -> RowFault | Injection:
     unknown = [p for p in rest if p not in KINDS and p not in DIRECTIONS]
     if unknown:
         raise InputError(f"--fault {spec!r}: {unknown[0]!r} is neither a kind ({', '.join(KINDS)}) nor a direction")
-    counts = {**setup.layout.rows_per_modality(), "packed": setup.layout.seq_len,
-              "timestep": timestep_count(setup.layout)}  # fmt: skip
-    rows = counts.get(names[node].meta["rows"], 1)
-    if not row.isdigit() or int(row) >= rows:
-        raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {node}")
     kind = next((p for p in rest if p in KINDS), "scale")
     direction = next((p for p in rest if p in DIRECTIONS), "forward")
+    counts = {**setup.layout.rows_per_modality(), "packed": setup.layout.seq_len,
+              "timestep": timestep_count(setup.layout)}  # fmt: skip
+    # a backward fault's row is a row of the gradient handed to the node's first input
+    source = names[node].inputs[0] if direction == "backward" and not calls else node
+    space = names[source].meta["rows"] if source in names else LEAF_ROWS.get(source)
+    rows = counts.get(space, 1)
+    if not row.isdigit() or int(row) >= rows:
+        what = node if source == node else f"{node}'s input {source}"
+        raise InputError(f"--fault {spec!r}: row {row!r} must be an integer in [0, {rows}) for {what}")
     single = determinism.injection_of(spec, node, int(row), [*calls, *rest])
     return single if single is not None else RowFault(node, int(row), kind, direction)
 
