@@ -9,8 +9,9 @@ golden, the provider under every variant, the candidate, its repeat, its batch p
 without judging and stores, at every boundary, each lane's live values (what later stages read:
 :func:`h3gate.graph.stages.last_readers`) and, going back, each saving lane's incoming gradients (what
 :func:`h3gate.runs.model_backward.backward` holds in ``incoming`` there). Its backward recomputes one range at a
-time from the range's stored forward boundary (checkpointing at range granularity), so memory holds one range's
-stage inputs per saving lane, never the model's.
+time from the range's stored forward boundary, in segments of :data:`SEGMENT` stages whose starting values a first
+pass keeps in host memory (checkpointing), so the device holds one segment's stage inputs per saving lane, never
+the range's or the model's.
 
 Phase 2 (:func:`run_range`) gates one range on its own: the gate's own ``forward`` / ``backward`` over the range's
 stages, every lane started from the stored boundary; its node and gradient records are those an unsharded run
@@ -49,6 +50,7 @@ from h3gate.runs.model_forward import Findings, forward
 from h3gate.runs.ws1_model import ModelGate, first_profile, lane_records, make_lanes, new_recorder
 
 Span = tuple[int, int]
+SEGMENT = 6  # stages phase 1's backward recomputes and holds at once (a longer range: host checkpoints between)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, pro
         raise ValueError(f"{rundir}: forward boundaries stored out of order ({done})")
     for lane in lanes:
         lane.save = False
-    if first:
+    if 0 < first < len(plan.ranges):
         _load_forward(gate, rundir, blocks[first - 1], lanes)
     for r in range(first, len(plan.ranges)):
         step(f"phase 1 forward: blocks {plan.ranges[r][0]}:{plan.ranges[r][1]}")
@@ -158,6 +160,8 @@ def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: li
     stored = [j for j in range(len(blocks) - 1) if files.stored(rundir, blocks[j], "backward")]
     if stored:
         j = min(stored)
+        if j == 0:
+            return
         grads, refused = files.read_boundary(rundir, blocks[j], "backward", gate.device)
         incoming = {lane.name: dict(grads[lane.name]) for lane in saving}
         start = j  # range j's backward is stored at boundary j - 1
@@ -170,23 +174,38 @@ def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: li
         step(f"phase 1 backward: blocks {plan.ranges[r][0]}:{plan.ranges[r][1]}")
         _load_forward(gate, rundir, blocks[r - 1], saving)  # recompute the range from its stored start
         for lane in saving:
-            lane.save, lane.saved = True, {}
+            lane.save = False
             lane.refused = lane.refused or refused.get(lane.name)
-        _advance(gate, saving, plan.spans[r], last)
-        for stage in reversed(gate.stages[slice(*plan.spans[r])]):
-            params = gate.weights.load(stage)
-            gparams = to_float64(params)
+        segments = [(i, min(i + SEGMENT, plan.spans[r][1])) for i in range(*plan.spans[r], SEGMENT)]
+        marks = []
+        for seg in segments:  # each segment's start kept in host memory; the last one's stays in the lanes
+            marks.append({lane.name: {k: v.to("cpu") for k, v in lane.values.items()} for lane in saving})
+            if seg != segments[-1]:
+                _advance(gate, saving, seg, last)
+        for seg, mark in reversed(list(zip(segments, marks, strict=True))):
             for lane in saving:
-                overrides = gate.node_overrides if lane.kind == "candidate" else None
-                got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides)
-                if got is not None:
-                    accumulate(incoming[lane.name], got.inputs)
-                for k in stage.outputs:
-                    incoming[lane.name].pop(k, None)
-                lane.saved.pop(stage.label, None)
-            del params, gparams
+                lane.values = {k: v.to(gate.device) for k, v in mark[lane.name].items()}
+                lane.save, lane.saved = True, {}
+            _advance(gate, saving, seg, last)
+            _vjps(gate, saving, seg, incoming)
         refused = {lane.name: lane.refused for lane in saving}
         files.write_boundary(rundir, blocks[r - 1], "backward", incoming, refused)
+
+
+def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict) -> None:
+    """Every saving lane's stage backward over ``span``, last stage first, summing into ``incoming``."""
+    for stage in reversed(gate.stages[slice(*span)]):
+        params = gate.weights.load(stage)
+        gparams = to_float64(params)
+        for lane in saving:
+            overrides = gate.node_overrides if lane.kind == "candidate" else None
+            got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides)
+            if got is not None:
+                accumulate(incoming[lane.name], got.inputs)
+            for k in stage.outputs:
+                incoming[lane.name].pop(k, None)
+            lane.saved.pop(stage.label, None)
+        del params, gparams
 
 
 def _boundary_check(gate: ModelGate, rundir: Path, lanes: list, block: int | None, where: dict, findings) -> list:
