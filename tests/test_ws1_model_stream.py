@@ -338,3 +338,11 @@ def test_a_fault_in_block_1_mode_off(tmp_path) -> None:
 
 def test_torch_is_not_left_in_a_process_group() -> None:
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def test_the_default_range_plans() -> None:
+    from h3gate.commands.model_stream_cmd import parse_ranges
+
+    assert parse_ranges(None, None, 2) == [(0, 1), (1, 2)]
+    assert parse_ranges(None, None, 50) == [(a, a + 5) for a in range(0, 50, 5)]
+    assert parse_ranges(None, 7, 50)[-1] == (49, 50) and parse_ranges("0:5,5:45,45:50", None, 50)[1] == (5, 45)

@@ -25,9 +25,10 @@ from h3gate.evidence.provenance import code_sha256, sha256_file
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
 from h3gate.graph.determinism import Injection
-from h3gate.memory import require_disk
+from h3gate.memory import require, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs import stream_files as files
+from h3gate.runs.memory_plan import model_lower_bound_bytes
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
 from h3gate.runs.model_stream import StreamPlan, boundary_bytes, build_plan, phase1, run_range
@@ -127,18 +128,27 @@ def _barrier(device: str) -> None:
             dist.barrier()
 
 
-def _prepared(s: Ws1ModelCommand, device: str | None = None) -> tuple[Run, object, Path]:
-    """The cheap checks and the run, nothing read."""
+def _prepared(s: Ws1ModelCommand, device: str | None = None, out: bool = True) -> tuple[Run, object, Path]:
+    """The cheap checks and the run, nothing read (``out``: check ``--out``, rank 0's folder)."""
     if s.run.candidate == "sglang":
         raise InputError("--stream: the SGLang candidate is computed whole; stream the h3gate candidate")
     if s.save_tensors is not None:
         raise InputError("--save-tensors: not with a streamed run (each range holds only its own values)")
-    tol_file, tol = check_gate_args(s.run.mode, s.tolerance, None, None if s.merge_dir else s.out, s.force)
+    tol_file, tol = check_gate_args(s.run.mode, s.tolerance, None, s.out if out else None, s.force)
     spec = s.run if device is None else s.run.with_(device=device)
-    setup = prepare(spec.with_(layers=None), ModelNeeds(backward=s.backward), read=False)
+    setup = prepare(spec.with_(layers=None), None, read=False)
     if s.fault is not None and isinstance(parse_model_fault(s.fault, setup), Injection):
         raise InputError(f"--fault {s.fault!r}: ulp@K counts one process's evaluations; not with a streamed run")
     return setup, tol, tol_file
+
+
+def _require_memory(s: Ws1ModelCommand, setup: Run, blocks: int) -> None:
+    """A range of ``blocks`` blocks (with the stages before and after them) against the device's memory."""
+    cfg, seq = setup.cfg, setup.layout.seq_len
+    stages = blocks + cfg.num_refiner_layers + 6
+    need = model_lower_bound_bytes(cfg, seq, stages, ModelNeeds().lanes, s.backward)
+    require(need, f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, ranges of "
+            f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)")  # fmt: skip
 
 
 def _gate(s: Ws1ModelCommand, setup: Run, tol, step=None) -> ModelGate:
@@ -155,7 +165,7 @@ def _new_plan(s: Ws1ModelCommand, setup: Run, gate: ModelGate, settings: dict, r
     count = len(ranges)  # boundaries between ranges and one after the last stage
     require_disk(per * count, rundir, f"--stream: {count} boundaries of {per / 1e9:.2f} GB "
                  f"(S={setup.layout.seq_len}, {len(lanes)} lanes)", hint="fewer ranges (--range-size)")  # fmt: skip
-    return {"kind": files.PLAN_KIND, "settings": settings, "ranges": [list(r) for r in ranges], "lanes": lanes,
+    return {"settings": settings, "ranges": [list(r) for r in ranges], "lanes": lanes,
             "memory": {"boundaries": "disk", "folder": files.BOUNDARIES, "bytes_per_boundary": per,
                        "boundaries_stored": count, "total_bytes": per * count,
                        "formula": "per lane: m S H e + T H f + S (2 D f + 48); saving lanes again m S H e + T H f "
@@ -208,6 +218,7 @@ def _range_command(s: Ws1ModelCommand) -> int:
         raise InputError("--from RUNDIR: needs --layers A:B (one of the run's ranges)")
     setup, tol, tol_file = _prepared(s)
     a, b = parse_layers(s.run.layers, setup.cfg)
+    _require_memory(s, setup, b - a)
     rundir = Path(s.from_dir)
     doc = _check_plan(rundir, "--from", _settings_record(s, tol_file))
     if [a, b] not in doc["ranges"]:
@@ -235,11 +246,25 @@ def _stream(s: Ws1ModelCommand) -> int:
     """``--stream`` (new run or ``--resume RUNDIR``): phase 1, the ranges (over the launcher's ranks), phase 3."""
     started = time.perf_counter()
     rank, world = _distributed()
+    if s.run.layers is not None:
+        raise InputError("--layers with --stream: a range runs with --layers A:B --from RUNDIR (--ranges plans them)")
     device = _init_ranks(s.run.device) if world > 1 else s.run.device
-    setup, tol, tol_file = _prepared(s, device)
+    try:
+        return _streamed(s, rank, world, device, started)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: float) -> int:
+    setup, tol, tol_file = _prepared(s, device, out=rank == 0)
     settings = _settings_record(s, tol_file)
+    ranges = parse_ranges(s.ranges, s.range_size, setup.cfg.num_layers)
     if s.resume is not None:
-        _check_plan(Path(s.resume), "--resume", settings)
+        ranges = [tuple(r) for r in _check_plan(Path(s.resume), "--resume", settings)["ranges"]]
+    _require_memory(s, setup, max(b - a for a, b in ranges))
     rundir = None
     if rank == 0:
         out = s.resume if s.resume is not None else s.out
@@ -268,14 +293,14 @@ def _stream(s: Ws1ModelCommand) -> int:
 def _phase1(s, setup: Run, tol, rundir: Path, settings: dict, step) -> None:
     gate = _gate(s, setup, tol, step)
     if not (rundir / files.PLAN).is_file():
-        files.write_json(rundir / files.PLAN, _new_plan(s, setup, gate, settings, rundir))
+        files.write_plan(rundir, _new_plan(s, setup, gate, settings, rundir))
     doc = files.read_plan(rundir, "--resume")
     ctx = gate_context(gate)
     seconds = phase1(gate, ctx, rundir, _plan_of(doc, setup), step)
     if "phase1" not in doc or any(seconds.values()):
         prior = doc.get("phase1", {"forward_s": 0.0, "backward_s": 0.0, "calls": 0})
         doc["phase1"] = {k: round(prior[k] + seconds[k], 4) for k in seconds} | {"calls": prior["calls"] + 1}
-        files.write_json(rundir / files.PLAN, doc)
+        files.write_plan(rundir, doc)
 
 
 def _boundaries_done(rank: int, rundir: Path, plan: StreamPlan) -> int:
@@ -288,7 +313,7 @@ def _boundaries_done(rank: int, rundir: Path, plan: StreamPlan) -> int:
 def _merge_command(s: Ws1ModelCommand) -> int:
     """``--merge RUNDIR``: phase 3 (``--partial``: of the ranges stored so far, failing as incomplete)."""
     started = time.perf_counter()
-    setup, _, tol_file = _prepared(s)
+    setup, _, tol_file = _prepared(s, out=False)
     rundir = Path(s.merge_dir)
     doc = _check_plan(rundir, "--merge", _settings_record(s, tol_file))
     rundir = enter_run(rundir, rundir, reuse=True, flag="--merge")

@@ -13,7 +13,8 @@
 
 Every file is written atomically (temp file, ``os.replace``); a boundary's sidecar is written after its tensor
 files, so a boundary is stored exactly when its sidecar exists and every file hashes to what it says. safetensors
-and JSON only. Folder convention: :mod:`h3gate.evidence.runfolder`.
+and JSON only; every JSON is an evidence document (``schemas/ws1-model-stream-plan``, ``ws1-model-boundary``,
+``ws1-model-range``), so ``h3gate seal`` takes the folder. Folder convention: :mod:`h3gate.evidence.runfolder`.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import torch
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.errors import InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import atomic_write_safetensors, atomic_write_text, to_json
+from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
 from h3gate.paths import display
 
 PLAN = "plan.json"
 PLAN_KIND = "ws1-model-stream-plan"
 RANGE_KIND = "ws1-model-range"
+BOUNDARY_KIND = "ws1-model-boundary"
 BOUNDARIES = "boundaries"
 RANGES = "ranges"
 DIRECTIONS = ("forward", "backward")
@@ -50,9 +52,11 @@ def range_name(a: int, b: int) -> str:
     return f"{a}-{b}"
 
 
-def write_json(path: Path, body: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(to_json(body), indent=1, allow_nan=False) + "\n")
+def write_doc(rundir: Path, rel: str, kind: str, body: dict) -> Path:
+    """An evidence document (provenance stamped, schema ``kind`` validated, atomic); a read document's own
+    ``kind``, ``schema_version`` and ``provenance`` are restamped."""
+    body = {k: v for k, v in body.items() if k not in ("kind", "schema_version", "provenance")}
+    return write_evidence(rundir, rel, kind, body)
 
 
 def read_json(path: Path, kind: str, what: str) -> dict:
@@ -84,8 +88,8 @@ def write_boundary(
         cpu = {k: v.detach().contiguous().cpu() for k, v in values.items()}
         atomic_write_safetensors({path: cpu}, {"lane": lane}, f"{display(path)}")
         files[lane] = {"file": f"{direction}/{path.name}", "sha256": sha256_file(path), "tensors": len(cpu)}
-    write_json(folder / f"{direction}.json", {"kind": "ws1-model-boundary", "direction": direction,
-                                              "block": block, "lanes": files, "refused": refused})  # fmt: skip
+    rel = f"{BOUNDARIES}/{boundary_name(block)}/{direction}.json"
+    write_doc(rundir, rel, BOUNDARY_KIND, {"direction": direction, "block": block, "lanes": files, "refused": refused})
 
 
 def stored(rundir: Path, block: int | None, direction: str) -> bool:
@@ -101,7 +105,7 @@ def read_boundary(
     from safetensors.torch import load_file
 
     folder = rundir / BOUNDARIES / boundary_name(block)
-    side = read_json(folder / f"{direction}.json", "ws1-model-boundary", "boundary sidecar")
+    side = read_json(folder / f"{direction}.json", BOUNDARY_KIND, "boundary sidecar")
     out = {}
     for lane, info in side["lanes"].items():
         if lanes is not None and lane not in lanes:
@@ -123,9 +127,11 @@ def range_path(rundir: Path, a: int, b: int) -> Path:
 
 
 def write_range(rundir: Path, a: int, b: int, body: dict) -> Path:
-    path = range_path(rundir, a, b)
-    write_json(path, {"kind": RANGE_KIND, **body})
-    return path
+    return write_doc(rundir, f"{RANGES}/{range_name(a, b)}.json", RANGE_KIND, body)
+
+
+def write_plan(rundir: Path, body: dict) -> Path:
+    return write_doc(rundir, PLAN, PLAN_KIND, body)
 
 
 def read_range(rundir: Path, a: int, b: int) -> dict:
