@@ -157,6 +157,8 @@ def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, pro
 def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: list, last, step) -> None:
     """Each saving lane's incoming gradients at every boundary between ranges, last range first."""
     blocks = plan.boundaries
+    if len(blocks) == 1:  # one range: phase 2 starts its backward from the model's cotangents
+        return
     stored = [j for j in range(len(blocks) - 1) if files.stored(rundir, blocks[j], "backward")]
     if stored:
         j = min(stored)
