@@ -218,9 +218,9 @@ def run_ws1_model(
         boundaries_only=boundaries_only,
     )
     if settings.streamed:
-        from h3gate.commands.model_stream_cmd import stream_command
+        from h3gate.commands.model_stream_cmd import run_streamed
 
-        run_command(stream_command, settings)
+        run_command(run_streamed, settings)
     run_command(ws1_model_command, settings)
 
 

@@ -193,12 +193,12 @@ def _run_ranges(s, setup, tol, rundir: Path, plan: StreamPlan, mine: list[int], 
 
 
 @run_scope
-def stream_command(s: Ws1ModelCommand) -> int:
+def run_streamed(s: Ws1ModelCommand) -> int:
     """Dispatch on the streamed modes (module docstring)."""
     if s.merge_dir is not None:
-        return _merge_command(s)
+        return _merge_only(s)
     if s.from_dir is not None:
-        return _range_command(s)
+        return _one_range(s)
     return _stream(s)
 
 
@@ -211,7 +211,7 @@ def _stored_for(rundir: Path, plan: StreamPlan, r: int, backward: bool) -> bool:
     return all(files.stored(rundir, blk, d) for blk, d in need)
 
 
-def _range_command(s: Ws1ModelCommand) -> int:
+def _one_range(s: Ws1ModelCommand) -> int:
     """``--layers A:B --from RUNDIR``: phase 2 of one range (no lock: ranges run side by side); verdict complete."""
     started = time.perf_counter()
     if s.run.layers is None:
@@ -310,7 +310,7 @@ def _boundaries_done(rank: int, rundir: Path, plan: StreamPlan) -> int:
     return EXIT_PASS
 
 
-def _merge_command(s: Ws1ModelCommand) -> int:
+def _merge_only(s: Ws1ModelCommand) -> int:
     """``--merge RUNDIR``: phase 3 (``--partial``: of the ranges stored so far, failing as incomplete)."""
     started = time.perf_counter()
     setup, _, tol_file = _prepared(s, out=False)
