@@ -139,7 +139,7 @@ def test_the_projection_tool_reads_the_measured_ranges(runs, capsys) -> None:
     assert abs(sum(block[p] for p in tool.PARTS) - block["seconds"]) < 1e-3
     one, eight = proj["gpus"]["1"], proj["gpus"]["8"]
     assert one["phase2_s"] == proj["phase2_work_s"] and one["phase2_s"] / 5 < eight["phase2_s"] < one["phase2_s"]
-    assert one["total_s"] == round(proj["phase1_s"] + one["phase2_s"], 1)
+    assert abs(one["total_s"] - (proj["phase1_s"] + one["phase2_s"])) <= 0.1
 
 
 def test_an_interrupted_run_resumes_to_the_same_record(runs) -> None:
@@ -183,6 +183,7 @@ def test_resume_refuses_a_folder_of_other_settings(runs, run_cli) -> None:
     assert code == 2 and "no plan.json (not a streamed ws1-model run folder)" in err
 
 
+@pytest.mark.slow  # one range again (~3 s; --from and --merge are in the negative control below too)
 def test_one_range_then_a_merge(runs, tmp_path) -> None:
     folder = tmp_path / "run"
     shutil.copytree(runs["tmp"] / "streamed", folder)
