@@ -32,8 +32,10 @@ def run_ranks(
     timeout_s: int,
     progress: Callable[[str], None] | None = None,
     result: Callable[[int], Path] | None = None,
+    args: list[str] | None = None,
 ) -> list[str]:
-    """Start ``world`` ranks of ``module`` on ``folder`` through torch's launcher and wait for all: one line per
+    """Start ``world`` ranks of ``module`` (its arguments ``args``, default ``--dir folder``; rank logs under
+    ``folder`` either way) through torch's launcher and wait for all: one line per
     failed rank (``rank R exit C: its last error line``), empty when every rank exited 0; past ``timeout_s`` the
     launcher is stopped (it stops its ranks) and the one line says so. The launcher stops every rank at the first
     failure, so which of several failing ranks exits with its own code is a race: those come first, the ranks a
@@ -46,7 +48,8 @@ def run_ranks(
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "--log-dir", str(logs), "--redirects", "3", "-m", module, "--dir", str(folder)]  # fmt: skip
+               "--log-dir", str(logs), "--redirects", "3", "-m", module,
+               *(["--dir", str(folder)] if args is None else args)]  # fmt: skip
     logs.mkdir(parents=True, exist_ok=True)
     launcher = logs / "launcher.log"
     with launcher.open("w", encoding="utf-8") as out:

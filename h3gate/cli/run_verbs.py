@@ -143,6 +143,52 @@ def run_ws1_model(
     out: Annotated[Path | None, out_option("ws1-model/<config>-<layout>")] = None,
     force: ForceOpt = False,
     json_: JsonOpt = False,
+    stream: Annotated[
+        bool,
+        typer.Option(
+            "--stream",
+            help="Streamed gate in a RUNDIR: phase 1 stores every lane's values and gradients at each range "
+            "boundary, phase 2 gates each range from them, phase 3 merges (same record and verdict). Under "
+            "torchrun the ranges are split over the ranks.",
+        ),
+    ] = False,
+    ranges: Annotated[
+        str | None,
+        typer.Option(
+            "--ranges",
+            help="--stream's ranges of blocks, A:B,B:C,... (default one per block, or 5 "
+            "blocks a range above 8 blocks).",
+        ),
+    ] = None,  # fmt: skip
+    range_size: Annotated[
+        int | None, typer.Option("--range-size", help="--stream: K blocks a range (instead of --ranges).")
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            help="Continue the streamed RUNDIR after its last stored boundary and range "
+            "(refused for other code or settings).",
+        ),
+    ] = None,  # fmt: skip
+    from_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="Phase 2 of one range of a streamed RUNDIR: --layers A:B --from RUNDIR writes "
+            "RUNDIR/ranges/A-B.json (verdict complete); any machine that sees RUNDIR may run one.",
+        ),
+    ] = None,  # fmt: skip
+    merge: Annotated[
+        Path | None,
+        typer.Option("--merge", help="Phase 3: merge a streamed RUNDIR's ranges into RUNDIR/ws1-model.json."),
+    ] = None,
+    partial: Annotated[
+        bool, typer.Option("--partial", help="--merge the ranges gated so far (fails as incomplete).")
+    ] = False,
+    boundaries_only: Annotated[
+        bool, typer.Option("--boundaries-only", help="--stream: stop after phase 1 (the boundaries).")
+    ] = False,
 ) -> None:
     """The whole-model gate: every node of every stage and every gradient, provider vs strict vs FP64 golden."""
     device = resolve_device(device)
@@ -172,7 +218,19 @@ def run_ws1_model(
         out=out,
         json=json_,
         force=force,
+        stream=stream,
+        ranges=ranges,
+        range_size=range_size,
+        resume=resume,
+        from_dir=from_dir,
+        merge_dir=merge,
+        partial=partial,
+        boundaries_only=boundaries_only,
     )
+    if settings.streamed:
+        from h3gate.commands.model_stream_cmd import run_streamed
+
+        run_command(run_streamed, settings)
     run_command(ws1_model_command, settings)
 
 

@@ -54,6 +54,19 @@ class Ws1ModelCommand:
     out: Path | None = None
     json: bool = False
     force: bool = False
+    # the streamed gate (h3gate.commands.model_stream_cmd): all phases, or one range, or the merge, of a RUNDIR
+    stream: bool = False
+    ranges: str | None = None
+    range_size: int | None = None
+    resume: Path | None = None
+    from_dir: Path | None = None
+    merge_dir: Path | None = None
+    partial: bool = False
+    boundaries_only: bool = False
+
+    @property
+    def streamed(self) -> bool:
+        return self.stream or any(p is not None for p in (self.resume, self.from_dir, self.merge_dir))
 
 
 def parse_model_fault(spec: str, setup: Run) -> RowFault | Injection:

@@ -50,7 +50,8 @@ def _e(text: object) -> str:
 def _badge(verdict: str | None) -> str:
     if verdict is None:
         return '<span class="badge muted">-</span>'
-    cls = {"pass": "pass", "fail": "fail", "verified": "pass", "failed": "fail", "complete": "pass"}.get(verdict, "warn")
+    classes = {"pass": "pass", "fail": "fail", "verified": "pass", "failed": "fail", "complete": "pass"}
+    cls = classes.get(verdict, "warn")
     return f'<span class="badge {cls}">{_e(verdict)}</span>'
 
 

@@ -30,6 +30,7 @@ from h3gate.graph.model import OUTPUTS
 from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext
+from h3gate.runs.model_clock import lane_part
 from h3gate.runs.model_fault_matrix import keep_gradient
 from h3gate.runs.model_forward import Findings, Lanes
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
@@ -42,22 +43,41 @@ LEAF_ROWS = {"video_rows": "video", "audio_rows": "audio", "text": "text"}
 WHOLE = -1  # grad_row_dim of a parameter gradient: judged as one row
 
 
-def backward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) -> dict:
-    """The backward report: per stage, every gradient's record; the leaves' records; the autograd-forward check."""
-    saving = [lane for lane in lanes.all() if lane.save]
+def model_incoming(seed: int, lanes: list[Lane]) -> dict[str, dict[str, torch.Tensor]]:
+    """Per saving lane, the gradients the model's outputs receive (the declared loss's seeded cotangents; FP64 for
+    the golden)."""
     incoming: dict[str, dict[str, torch.Tensor]] = {}
-    for lane in saving:
-        cot = model_cotangents(gate.seed, lane.values, lane.batch)
+    for lane in lanes:
+        cot = model_cotangents(seed, lane.values, lane.batch)
         incoming[lane.name] = {k: (v.double() if lane.golden else v) for k, v in cot.items()}
+    return incoming
+
+
+def backward(
+    gate: ModelGate,
+    ctx: RowContext,
+    lanes: Lanes,
+    findings: Findings,
+    span: tuple[int, int] | None = None,
+    incoming: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> dict:
+    """The backward report of stages ``span`` (default all), last first: per stage, every gradient's record; the
+    leaves' records; the autograd-forward check. ``incoming``: per saving lane, the gradients the values after the
+    span received (default: the model's cotangents)."""
+    saving = [lane for lane in lanes.all() if lane.save]
+    if incoming is None:
+        incoming = model_incoming(gate.seed, saving)
     grads: dict[str, dict] = {}
     autograd_forward: dict[str, dict] = {}
     stage_times = {}
-    for stage in reversed(gate.stages):
+    first, end = span or (0, len(gate.stages))
+    for stage in reversed(gate.stages[first:end]):
         gate.step(f"backward: {stage.label}")
         t0 = time.perf_counter()
         params = gate.weights.load(stage)
         gparams = to_float64(params)
-        recs, agf = _stage(gate, ctx, lanes, saving, incoming, stage, params, gparams, findings)
+        with gate.clock.stage(stage.label, "backward"):
+            recs, agf = _stage(gate, ctx, lanes, saving, incoming, stage, params, gparams, findings)
         grads.update(recs)
         autograd_forward.update(agf)
         for lane in saving:
@@ -77,7 +97,7 @@ def backward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings)
     }
 
 
-def _run(lane: Lane, stage: Stage, params, incoming: dict, overrides=None) -> StageGrads | None:
+def lane_vjp(lane: Lane, stage: Stage, params, incoming: dict, overrides=None) -> StageGrads | None:
     if lane.refused is not None:
         return None
     try:
@@ -100,7 +120,8 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
     for lane in saving:
         own = incoming[lane.name]
         overrides = gate.node_overrides if lane.kind == "candidate" else None
-        results[lane.name] = _run(lane, stage, lane.params(params, gparams), own, overrides)
+        with gate.clock.part(lane_part(lane.kind, lane.name, lane.variant, lane.batch)):
+            results[lane.name] = lane_vjp(lane, stage, lane.params(params, gparams), own, overrides)
         if results[lane.name] is not None:
             accumulate(own, results[lane.name].inputs)
     gold = flat(results[lanes.golden.name])
@@ -108,7 +129,8 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
     prov = flat(results[lanes.provider.name])
     dims = {k: grad_row_dim(stage, k, v) for k, v in gold.items()}
     env = _envelope(lanes.providers, results, gold, dims)
-    iso = _isolated(gate, lanes, stage, params, gparams, prov_in)
+    with gate.clock.part("isolated"):
+        iso = _isolated(gate, lanes, stage, params, gparams, prov_in)
     iso_results = {lanes.provider.name: results[lanes.provider.name], **iso["variants"]}
     iso_env = _envelope(lanes.providers, iso_results, iso["golden"], dims)
     again = flat(results[lanes.repeat.name])
@@ -267,6 +289,8 @@ def _autograd_forward(lane: Lane, got: StageGrads, stage: Stage) -> dict[str, di
     out = {}
     for k in stage.outputs:
         rollout = lane.values.get(k) if k in OUTPUTS else _saved_value(lane, k)
+        if rollout is None:  # read by stages after a streamed range (h3gate.runs.model_stream): the lane holds it
+            rollout = lane.values.get(k)
         if rollout is None:
             continue
         out[k] = {"bitwise": bitwise_equal(got.forward[k], rollout)}

@@ -120,17 +120,24 @@ def note_determinism(findings: Findings, recorder, stages, modalities: list[str]
             }  # fmt: skip
 
 
-def forward(gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings) -> tuple[list[dict], list[dict]]:
-    """Run every stage through every lane; (node records, stage records)."""
+def forward(
+    gate: ModelGate, ctx: RowContext, lanes: Lanes, findings: Findings, span: tuple[int, int] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """Run stages ``span`` (indices into ``gate.stages``, default all) through every lane, whose values hold what
+    the first of them reads; (node records, stage records). A value is released after its last reader in the whole
+    model, so what later stages read stays in the lanes."""
     nodes: list[dict] = []
     stage_records: list[dict] = []
     last = last_readers(gate.stages)
-    for i, stage in enumerate(gate.stages):
+    first, end = span or (0, len(gate.stages))
+    for i in range(first, end):
+        stage = gate.stages[i]
         gate.step(f"forward: {stage.label}")
         t0 = time.perf_counter()
         params = gate.weights.load(stage)
         gparams = to_float64(params)
-        recs, outputs = _stage(gate, ctx, lanes, stage, params, gparams, findings)
+        with gate.clock.stage(stage.label, "forward"):
+            recs, outputs = _stage(gate, ctx, lanes, stage, params, gparams, findings)
         nodes += recs
         stage_records.append({
             "stage": stage.label, "layer": stage.layer, "nodes": len(stage.nodes), "parameters": len(params),
@@ -153,32 +160,41 @@ def _stage(
     findings: Findings,
 ) -> tuple[list[dict], dict]:
     feed = {k: lanes.provider.values[k] for k in stage.external}
-    gold = lanes.golden.run(stage, gparams)
-    prov = lanes.provider.run(stage, params)
+    part = gate.clock.part
+    with part("golden"):
+        gold = lanes.golden.run(stage, gparams)
+    with part("provider"):
+        prov = lanes.provider.run(stage, params)
     chained_env = {n.name: {"default": row_errors(prov[n.name], gold[n.name], n.row_dim)} for n in stage.nodes}
     for lane in lanes.providers[1:]:
-        out = lane.run(stage, params)
+        with part("variants"):
+            out = lane.run(stage, params)
         if out is None:
             continue
         for n in stage.nodes:
             chained_env[n.name][lane.variant.name] = row_errors(out[n.name], gold[n.name], n.row_dim)
         del out
-    with launches.recording() as launched:  # the candidate's kernels note their schedules, node by node
+    with launches.recording() as launched, part("candidate"):  # the candidate's kernels note their schedules
         cand = lanes.candidate.run(stage, params)
     cand = {n.name: cand.get(n.name, prov[n.name]) for n in stage.nodes}  # uncaptured (SGLang): failed as such
     mods = {n.name: row_labels(n.meta["rows"], cand[n.name], n.row_dim, gate.modalities) for n in stage.nodes}
-    again = lanes.repeat.run(stage, params)
+    with part("repeat"):
+        again = lanes.repeat.run(stage, params)
     repeat = {n.name: agreement(again.get(n.name, cand[n.name]), cand[n.name], n.row_dim, mods[n.name])
               for n in stage.nodes}  # fmt: skip
     del again
-    batch = _placements(stage, lanes.batches, params, cand, mods)
+    with part("batch"):
+        batch = _placements(stage, lanes.batches, params, cand, mods)
     feed.update(prov)
     if gate.keep_values:
         for who, values in (("provider", prov), ("candidate", cand), ("golden", gold)):
             gate.kept.setdefault(who, {}).update({k: v.detach().cpu().clone() for k, v in values.items()})
     records = []
     for node, iso in _isolated(gate, stage, feed, params):
-        judged = _node(ctx, node, iso, feed, params, gparams, prov, cand, gold, chained_env, mods[node.name])
+        with gate.clock.part("isolated_envelope"), determinism.evaluation("isolated envelope"):
+            local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
+        judged = _node(ctx, node, iso, local, iso_env, prov, cand, gold, chained_env, mods[node.name])
+        del local, iso_env
         judged.error["bound"] = _bound(gate, judged.error)
         rec = _record(gate, node, judged, repeat[node.name], batch[node.name], prov, cand, mods[node.name])
         if launched.get(node.name):
@@ -226,7 +242,7 @@ def _isolated(gate: ModelGate, stage: Stage, feed: Values, params) -> Iterator[t
         table, overrides = gate.tables["candidate"], gate.node_overrides
         stream = iter_isolated(stage.nodes, table, lambda node, reads: feed, params, overrides)
         while True:
-            with determinism.evaluation("isolated"):
+            with determinism.evaluation("isolated"), gate.clock.part("isolated"):
                 got = next(stream, None)
             if got is None:
                 return
@@ -243,10 +259,9 @@ class _Judged:
     error: dict
 
 
-def _node(ctx, node: Node, iso: torch.Tensor, feed, params, gparams, prov, cand, gold, chained_env, mods) -> _Judged:
-    """The node alone on the provider's inputs (``iso``), and the row rule's chained and isolated views."""
-    with determinism.evaluation("isolated envelope"):
-        local, iso_env = isolated_envelope(ctx, node, feed, params, gparams)
+def _node(ctx, node: Node, iso: torch.Tensor, local, iso_env, prov, cand, gold, chained_env, mods) -> _Judged:
+    """The node alone on the provider's inputs (``iso``; ``local`` its node-local FP64 golden, ``iso_env`` the
+    provider variants' isolated envelope), and the row rule's chained and isolated views."""
     least = contract_floor(ctx.rule.contract_floor, node.ops, "forward", cand[node.name].dtype)
     rows = {
         "isolated": ctx.judge(iso, iso_env, local, node.row_dim, at_least=least, mods=mods),

@@ -35,6 +35,7 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.model_backward import backward
+from h3gate.runs.model_clock import Clock
 from h3gate.runs.model_fault_matrix import KEY, MatrixKeep, run_model_fault_matrix
 from h3gate.runs.model_forward import Findings, Lanes, forward, note_determinism, promised
 from h3gate.runs.model_lanes import CapturedLane, Lane
@@ -80,6 +81,7 @@ class ModelGate:
     kept: dict[str, Values] = field(default_factory=dict)
     sglang: SglangRun | None = None  # the candidate is SGLang's DiT (h3gate.runs.candidate), forward only
     sglang_isolated: Values = field(default_factory=dict)  # its teacher-forced node values
+    clock: Clock = field(default_factory=Clock)  # started by a streamed range (h3gate.runs.model_stream)
 
     @classmethod
     def of(cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, fault: RowFault | None = None,
@@ -194,9 +196,8 @@ def _sglang_isolated(gate: ModelGate) -> None:
     gate.sglang_isolated = gate.sglang.isolated(provider)
 
 
-def run_model_gate(gate: ModelGate) -> ModelGateResult:
-    """Every lane through every stage, forward then backward; see the module docstring."""
-    started = time.perf_counter()
+def gate_context(gate: ModelGate) -> RowContext:
+    """The gate's op tables (set on it) and its row-rule context: the variants this device runs."""
     gate.tables = {
         "provider": provider_table(),
         "candidate": candidate_table(gate.bindings),
@@ -207,13 +208,38 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
     ctx = RowContext(rule, variants, skipped, gate.modalities, {}, keep=gate.fault_matrix)
     if gate.fault_matrix:
         ctx.kept[KEY] = MatrixKeep.plan(gate.setup.graph, gate.stages, gate.setup.layers, gate.backward)
+    return ctx
+
+
+def new_recorder(gate: ModelGate) -> determinism.Recorder:
+    recorder = determinism.Recorder()
+    for who, table in gate.tables.items():
+        recorder.role(table, who)
+    return recorder
+
+
+def lane_records(lanes: Lanes) -> list[dict]:
+    return [
+        {
+            "name": lane.name,
+            "kind": lane.kind,
+            "batch": None if lane.batch is None else list(lane.batch),
+            "saved_for_backward": lane.save,
+            "refused": lane.refused,
+        }
+        for lane in lanes.all()
+    ]
+
+
+def run_model_gate(gate: ModelGate) -> ModelGateResult:
+    """Every lane through every stage, forward then backward; see the module docstring."""
+    started = time.perf_counter()
+    ctx = gate_context(gate)
     if gate.sglang is not None:
         _sglang_isolated(gate)
     lanes = make_lanes(gate, ctx)
     findings = Findings()
-    recorder = determinism.Recorder()
-    for who, table in gate.tables.items():
-        recorder.role(table, who)
+    recorder = new_recorder(gate)
     with determinism.recording(recorder):
         nodes, stage_records = forward(gate, ctx, lanes, findings)
         forward_s = time.perf_counter() - started
@@ -225,7 +251,8 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
     for lane in lanes.providers:
         if lane.refused is not None:
             ctx.skipped.append({"name": lane.variant.name, "reason": lane.refused})
-    report = _report(gate, ctx, lanes, nodes, stage_records, bw, findings)
+    profile = first_profile(ctx, findings.drift.get("forward_chained"))
+    report = gate_report(gate, ctx.record(), lane_records(lanes), nodes, stage_records, bw, findings, profile)
     report["determinism"] = recorder.record()
     if matrix is not None:
         report["fault_matrix"] = matrix
@@ -247,7 +274,10 @@ def _fault_matrix(gate: ModelGate, ctx: RowContext, findings: Findings) -> dict:
     return matrix
 
 
-def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records, bw, findings: Findings) -> dict:
+def gate_report(
+    gate: ModelGate, row_rule: dict, lanes: list[dict], nodes, stage_records, bw, findings: Findings, profile
+) -> dict:
+    """The report body from the gate's parts (one run's, or a streamed run's merged ranges)."""
     fallbacks = [
         {"node": n, "op": b.op, "reason": b.reason}
         for n, nb in gate.bindings.items()
@@ -274,22 +304,13 @@ def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records
         },
         "loss": LOSS if gate.backward else None,
         "recomputation": RECOMPUTATION if gate.backward else None,
-        "lanes": [
-            {
-                "name": lane.name,
-                "kind": lane.kind,
-                "batch": None if lane.batch is None else list(lane.batch),
-                "saved_for_backward": lane.save,
-                "refused": lane.refused,
-            }
-            for lane in lanes.all()
-        ],  # fmt: skip
+        "lanes": lanes,
         "nodes": nodes,
         "stages": stage_records,
         "backward": bw,
-        "row_rule": ctx.record(),
+        "row_rule": row_rule,
         "first_drift": first,
-        "first_drift_profile": _first_profile(ctx, findings.drift.get("forward_chained")),
+        "first_drift_profile": profile,
         "drifts": {k: findings.drift.get(k) for k in sorted(findings.drift)},
         "first_failure": findings.first_failure,
         "first_row_failure": findings.first_row_failure,
@@ -309,7 +330,7 @@ def _report(gate: ModelGate, ctx: RowContext, lanes: Lanes, nodes, stage_records
     }
 
 
-def _first_profile(ctx: RowContext, drift: dict | None) -> dict | None:
+def first_profile(ctx: RowContext, drift: dict | None) -> dict | None:
     """Every row's error and bound (chained view) of the first forward-drifting node, for the report's row profile."""
     node = None if drift is None else (drift.get("node") or drift.get("name"))
     return None if node is None else ctx.profile(f"forward.chained.{node}", node)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# H200 evidence for issue 45 (the streamed whole-model gate: run ws1-model --stream), real config at 768p, from the
+# repository root on the lent GPU host, with the wheels of `make wheelhouse` in .whl/ and the revision stamp. The run
+# folder lives on the host's disk ($RUNDIR, default /tmp/ws768): it survives from one call to the next while the
+# machine stays warm, so each section is one call (each under the 10-minute limit) and phase 1 resumes across calls:
+#   phase1:  boundaries of every lane before blocks 5 and 45 and after the heads (--ranges 0:5,5:45,45:50), run
+#            under a $CAP_S-second timeout; call it again until its log ends "verdict: incomplete (phase 1: ...)";
+#   first:   phase 2 of blocks 0:5 with the stages before them (embeddings, refiner, packing, time);
+#   last:    phase 2 of blocks 45:50 with the stages after them (final AdaLN, heads);
+#   merge:   phase 3 of the ranges gated (--partial: 5:45 is not, so the record fails as incomplete by design), the
+#            JSON records (plan, ranges, ws1-model.json) copied to $OUT/ev/ws1-model-768p-streamed and sealed there,
+#            and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the measured blocks.
+#   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then first; then last; then merge
+# Forward only by default (BACKWARD=--backward to add it: the memory estimate refuses a 768p range with the
+# backward on one H200); 5:45 makes two boundaries of ~8 GB (forward, 7 provider variants) fit the 64 GiB disk.
+. tools/gpu_common.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+rundir=${RUNDIR:-/tmp/ws768}
+df -h "$(dirname "$rundir")" | tail -1
+cap=${CAP_S:-540}
+opts=(--config real --layout 768p --device cuda --mode strict "${BACKWARD:---no-backward}")
+for section in "$@"; do
+  case $section in
+  phase1)
+    if [ -f "$rundir/plan.json" ]; then where=(--resume "$rundir"); else where=(--out "$rundir"); fi
+    step "$cap" stream768-phase1 python3 -m h3gate run ws1-model "${opts[@]}" --stream --boundaries-only \
+      --ranges "${RANGES:-0:5,5:45,45:50}" "${where[@]}"
+    du -sh "$rundir/boundaries" ;;
+  first) step "$cap" stream768-range-0-5 python3 -m h3gate run ws1-model "${opts[@]}" --layers 0:5 --from "$rundir" ;;
+  last) step "$cap" stream768-range-45-50 python3 -m h3gate run ws1-model "${opts[@]}" --layers 45:50 --from "$rundir" ;;
+  merge)
+    step "$cap" stream768-merge python3 -m h3gate run ws1-model "${opts[@]}" --merge "$rundir" --partial
+    dest=$ev/ws1-model-768p-streamed
+    mkdir -p "$dest/ranges" && cp "$rundir/plan.json" "$rundir/ws1-model.json" "$dest/" && cp "$rundir"/ranges/*.json "$dest/ranges/"
+    python3 -m h3gate seal "$dest" >"$ev/logs/stream768-seal.log" 2>&1; echo "== seal: rc=$?"
+    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size 5 | tee "$ev/logs/stream768-projection.txt"
+    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size 5 --json >"$dest/projection.json" ;;
+  *) echo "unknown section $section" >&2 ;;
+  esac
+done
+tar czf "$out/evidence.tgz" -C "$ev" .
