@@ -1,0 +1,51 @@
+"""The reference of the fused row-segment weight gradient (kernels/rows_dw.py): ``rows_seg8.linear_row_grads`` v1,
+which launched the single-walk dW kernel (and the colsum kernel) once per row segment into FP32 partials and added
+them with ``row_merge.row_sum``'s torch tree. Test code only: the fused kernel must equal it byte for byte."""
+
+from __future__ import annotations
+
+import torch
+
+from h3gate.kernels.gemm_configs import gemm_config
+from h3gate.kernels.gemm_triton import colsum, matmul
+from h3gate.kernels.merge_tree import finish
+from h3gate.kernels.row_merge import RowGroup, row_sum, seq_slice
+from h3gate.kernels.rows_dw import fp32_out_config
+
+F32 = torch.float32
+
+
+def linear_row_grads_v1(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    w_shape: tuple[int, int],
+    full: tuple[int, int],
+    rows: RowGroup,
+    bias: bool,
+    spans_of=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """v1's (dW, db): per segment ``matmul`` (a_trans, the full layer's dw tiling, FP32 out) and ``colsum`` at FP32
+    on the segment's rows, ``row_sum``'s tree and merge, one rounding. ``spans_of`` (a negative control) replaces
+    ``row_merge.local_spans`` for the segment rows."""
+    import h3gate.kernels.row_merge as rm
+
+    x = x.reshape(1, -1) if x.ndim == 1 else x
+    n_loc, k_loc = gy.shape[-1], x.shape[-1]
+    cfg = fp32_out_config(gemm_config("dw", full[0], full[1], x.dtype), x.dtype)
+    g3 = gy.reshape(*x.shape[:-1], n_loc)
+
+    def partial(lo: int, hi: int) -> list[torch.Tensor]:
+        gs, xs = seq_slice(g3, lo, hi).reshape(-1, n_loc), seq_slice(x, lo, hi).reshape(-1, k_loc)
+        dw = torch.empty(w_shape, dtype=F32, device=x.device)
+        matmul(gs, xs, dw, None, cfg, a_trans=True, b_trans=False)
+        return [dw, colsum(gs, F32)] if bias else [dw]
+
+    shapes = [w_shape, (w_shape[0],)] if bias else [w_shape]
+    original = rm.local_spans
+    if spans_of is not None:
+        rm.local_spans = spans_of
+    try:
+        sums = row_sum(rows, partial, shapes, x.device)
+    finally:
+        rm.local_spans = original
+    return finish(sums[0], None, x.dtype), (finish(sums[1], None, x.dtype) if bias else None)
