@@ -1,0 +1,145 @@
+"""The fused row-segment weight gradient (kernels/rows_dw.py, ``rows_seg8.linear_row_grads`` v2) under Triton's
+interpreter: dW and db byte-equal to v1 (the single-walk dW and colsum kernels launched once per row segment, the
+torch tree; ``rows_dw_reference.py``) for bfloat16 and float32, S with uneven and empty segments, batch items,
+N / K off the tile, with and without bias; every CP rank's FP32 subtree combined in rank order = one device's bytes;
+and negative controls: another segment order or a row moved between segments is not those bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3gate.kernels.merge_tree import combine, finish
+from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, local_spans, one_device, row_bounds
+from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
+from h3gate.kernels.rows_seg8 import linear_row_grads
+from tests.triton_kernels.rows_dw_reference import linear_row_grads_v1
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def case(batch: int, s: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """dY (B, S, N) and X (B, S, K), seeded normal values cast to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, s, n, generator=gen).to(dtype), torch.randn(batch, s, k, generator=gen).to(dtype)
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# (B, S, N, K, bias): S = 83 segments of 11 (the last 6); S = 5 < 8 rows (segments 5-7 empty); S = 17 (L = 3,
+# segments 6-7 empty); two batch items of 37 rows (L = 5, the last segment 2 rows); N, K off the tile, K > 128 (the
+# fused tile's BLOCK_N 128 against v1's 256).
+CASES = [(1, 83, 48, 40, True), (1, 5, 20, 24, True), (1, 17, 16, 16, False), (2, 37, 33, 130, True)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("+b" if c[4] else ""))
+def test_fused_dw_and_db_are_v1s_bytes(shape, dtype) -> None:
+    batch, s, n, k, bias = shape
+    gy, x = case(batch, s, n, k, dtype)
+    got = linear_row_grads(gy, x, (n, k), (n, k), one_device(s), bias)
+    want = linear_row_grads_v1(gy, x, (n, k), (n, k), one_device(s), bias)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    assert got[0].dtype == dtype and (not bias or got[1].shape == (n,))
+
+
+def subtrees(gy, x, degree: int, bias: bool) -> list[torch.Tensor]:
+    """Every CP``degree`` rank's FP32 subtree (dW flat, then db) from its own rows alone, in rank order."""
+    s, n = x.shape[-2], gy.shape[-1]
+    cfg = fused_dw_config((n, x.shape[-1]), x.dtype)
+    bounds, out = cp_row_bounds(s, degree), []
+    for r in range(degree):
+        g, xs, group = gy[:, bounds[r] : bounds[r + 1]], x[:, bounds[r] : bounds[r + 1]], RowGroup(degree, r, s, None)
+        parts = [rows_dw(g.contiguous(), xs.contiguous(), group, cfg, None).reshape(-1)]
+        out.append(torch.cat(parts + ([rows_colsum(g.contiguous(), group, None)] if bias else [])))
+    return out
+
+
+def check_cp(gy, x, bias: bool, degrees=(2, 4, 8)) -> None:
+    """Per degree: the combined subtrees rounded are one device's bytes, and every rank's ``linear_row_grads``
+    (its rows, the all-gather answering every rank's subtree) sends its own subtree and returns them too."""
+    s, n, k = x.shape[-2], gy.shape[-1], x.shape[-1]
+    one = linear_row_grads(gy, x, (n, k), (n, k), one_device(s), bias)
+    for degree in degrees:
+        parts = subtrees(gy, x, degree, bias)
+        total = combine(parts, degree, op="row seg8")
+        assert same(finish(total[: n * k].view(n, k), None, x.dtype), one[0]), degree
+        bounds = cp_row_bounds(s, degree)
+        for r in range(degree):
+            sent = []
+
+            def gather(t, parts=parts, sent=sent):
+                sent.append(t)
+                return parts
+
+            rows = slice(bounds[r], bounds[r + 1])
+            got = linear_row_grads(gy[:, rows], x[:, rows], (n, k), (n, k), RowGroup(degree, r, s, gather), bias)
+            assert same(sent[0], parts[r]) and same(got[0], one[0]) and same(got[1], one[1]), (degree, r)
+
+
+def test_cp_ranks_subtrees_combine_to_one_devices_bytes() -> None:
+    """S = 83, float32 (every bit of the FP32 sums shows): CP2 / CP4 / CP8, dW and db."""
+    gy, x = case(1, 83, 24, 20, F32, seed=3)
+    check_cp(gy, x, True)
+
+
+def _permuted(group: RowGroup) -> list[tuple[int, int]]:
+    """Segments 1 and 2 swapped: ((p0 + p2) + (p1 + p3)) + ... (a sibling swap would add the same values)."""
+    spans = local_spans(group)
+    return [spans[0], spans[2], spans[1], *spans[3:]]
+
+
+def _shifted(group: RowGroup) -> list[tuple[int, int]]:
+    """Segment 2's first row moved to the end of segment 1."""
+    spans = local_spans(group)
+    (lo1, hi1), (lo2, hi2) = spans[1], spans[2]
+    return [spans[0], (lo1, hi1 + 1), (lo2 + 1, hi2), *spans[3:]]
+
+
+def crafted(dtype: torch.dtype):
+    """S = 83 (segments of 11 rows) of random values, but dY's columns 0 and 1 crafted over X's column of ones: the
+    sums in dW[0:2, 0] see the row order even after a rounding to bfloat16. Column 0: 1, 1, 2^25, -2^25 as the first
+    row of segments 0-3: declared ((1 + 1) + (2^25 - 2^25)) = 2, segments 1 and 2 swapped ((1 + 2^25) + (1 - 2^25))
+    = 0. Column 1: 1 in segments 0 and 1, 2^25 at segment 2's first row and -2^25 three rows later: declared 2,
+    with that first row in segment 1 ((1 + (1 + 2^25)) + (-2^25)) = 0."""
+    gy, x = case(1, 83, 48, 40, dtype, seed=5)
+    gy[..., :2], x[..., 0] = 0, 1
+    for col, rows in ((0, (0, 11, 22, 33)), (1, (0, 11, 22, 25))):
+        for row, value in zip(rows, (1.0, 1.0, 2.0**25, -(2.0**25)), strict=True):
+            gy[0, row, col] = value
+    return gy, x
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("control", [_permuted, _shifted], ids=["segments-1-2-swapped", "row-shifted"])
+def test_negative_control_another_row_order_is_not_the_bytes(control, dtype) -> None:
+    """The bitwise comparison can fail: v1 with segments 1 and 2 swapped, or one row moved from segment 2 to 1,
+    differs from the fused kernel, which equals v1 in the declared order (dW[0:2, 0] = 2 and db[0:2] = 2)."""
+    s, n, k = 83, 48, 40
+    gy, x = crafted(dtype)
+    got = linear_row_grads(gy, x, (n, k), (n, k), one_device(s), True)
+    want = linear_row_grads_v1(gy, x, (n, k), (n, k), one_device(s), True)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    assert got[0][:2, 0].tolist() == [2.0, 2.0] and got[1][:2].tolist() == [2.0, 2.0]
+    wrong = linear_row_grads_v1(gy, x, (n, k), (n, k), one_device(s), True, spans_of=control)
+    assert not same(got[0], wrong[0]) and not same(got[1], wrong[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+def test_fused_dw_sweep_and_cp_at_every_degree(dtype) -> None:
+    """More S (1 row; below, at and around 8 and whole chunks; a 3-item batch), N / K off the tiles, every CP degree
+    with and without bias."""
+    for batch, s, n, k in [(1, 1, 8, 8), (1, 7, 17, 9), (1, 8, 16, 16), (1, 9, 40, 24), (1, 65, 20, 136),
+                           (3, 29, 18, 36), (1, 264, 70, 150), (1, 513, 33, 20)]:  # fmt: skip
+        gy, x = case(batch, s, n, k, dtype, seed=s)
+        for bias in (False, True):
+            got = linear_row_grads(gy, x, (n, k), (n, k), one_device(s), bias)
+            want = linear_row_grads_v1(gy, x, (n, k), (n, k), one_device(s), bias)
+            assert same(got[0], want[0]) and same(got[1], want[1]), (batch, s, n, k, bias)
+        if s >= 8:  # every rank holds rows (run ws2 refuses a plan that leaves one without)
+            check_cp(gy, x, True, degrees=(2, 4, 8) if row_bounds(s)[7] < s else (2, 4))
