@@ -29,7 +29,7 @@ from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
 from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for, seq_slice
 from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
 
-KERNEL_ID = "triton:h3gate.rows_seg8:v2"
+KERNEL_ID = "triton:h3gate.rows_seg8:v1"
 F32 = torch.float32
 
 
