@@ -6,6 +6,8 @@ and negative controls: another segment order or a row moved between segments is 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,12 +18,15 @@ from h3gate.kernels.rows_seg8 import linear_row_grads
 from tests.triton_kernels.rows_dw_reference import linear_row_grads_v1
 
 BF16, F32 = torch.bfloat16, torch.float32
+# CPU under the interpreter (tests/conftest.py); ``TRITON_INTERPRET=0`` on a GPU host runs these compiled on CUDA.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
 def case(batch: int, s: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
-    """dY (B, S, N) and X (B, S, K), seeded normal values cast to ``dtype``."""
+    """dY (B, S, N) and X (B, S, K), seeded normal values drawn on the CPU, cast to ``dtype``, on DEVICE."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, s, n, generator=gen).to(dtype), torch.randn(batch, s, k, generator=gen).to(dtype)
+    gy, x = torch.randn(batch, s, n, generator=gen), torch.randn(batch, s, k, generator=gen)
+    return gy.to(dtype).to(DEVICE), x.to(dtype).to(DEVICE)
 
 
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
