@@ -105,7 +105,7 @@ def variants():
     sw128 = {**swb, "BLOCK_N": 128, "TAIL_M": 64}
     yield "gemm.swap.tma.tail64", gemm_swapped._gemm_swapped_kernel, sw, sw128, False, opts
     # The fused row-segment dW (all 8 segments, the tree in scratch slots, rounded in the epilogue; a CP rank's FP32
-    # subtree of 2 segments; batch items) and its colsum (db).
+    # subtree of 2 segments) and its colsum (db).
     rd = dict(g_ptr=B, x_ptr=B, out_ptr=B, scratch_ptr=F, N="i32", K="i32", S_LOC="i32", BATCH="i32", L="i32",
               S_GLOB="i32", LO="i32", SEG0="i32", stride_g="i32", stride_x="i32", stride_o="i32",
               NUM_PROGS="i32")  # fmt: skip
@@ -113,7 +113,6 @@ def variants():
     yield "gemm.rows_dw", _rows_dw_kernel, rd, rdc, False, opts
     cp4 = {**rdc, "C": 2, "FINISH": False}
     yield "gemm.rows_dw.cp4", _rows_dw_kernel, {**rd, "out_ptr": F}, cp4, False, opts
-    yield "gemm.rows_dw.batched", _rows_dw_kernel, rd, {**rdc, "BATCHED": True}, False, opts
     cs = dict(g_ptr=B, out_ptr=B, N="i32", S_LOC="i32", BATCH="i32", L="i32", S_GLOB="i32", LO="i32", SEG0="i32",
               stride_g="i32")  # fmt: skip
     csc = dict(BLOCK_R=32, BLOCK_N=128, C=8, FINISH=True, BATCHED=False, INTERPRET=False)

@@ -119,7 +119,7 @@ def crafted(dtype: torch.dtype):
     return gy, x
 
 
-@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [BF16, pytest.param(F32, marks=pytest.mark.slow)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("control", [_permuted, _shifted], ids=["segments-1-2-swapped", "row-shifted"])
 def test_negative_control_another_row_order_is_not_the_bytes(control, dtype) -> None:
     """The bitwise comparison can fail: v1 with segments 1 and 2 swapped, or one row moved from segment 2 to 1,
@@ -148,3 +148,34 @@ def test_fused_dw_sweep_and_cp_at_every_degree(dtype) -> None:
             assert same(got[0], want[0]) and same(got[1], want[1]), (batch, s, n, k, bias)
         if s >= 8:  # every rank holds rows (run ws2 refuses a plan that leaves one without)
             check_cp(gy, x, True, degrees=(2, 4, 8) if row_bounds(s)[7] < s else (2, 4))
+
+
+@pytest.mark.slow  # 3 s of interpreted launches; the tool prints the whole block's counts
+def test_one_launch_per_weight_gradient_where_v1_launched_eight() -> None:
+    """tools/count_seg8_launches.py's counter on one seg8 linear's backward (dX and dW, bias): v1 launched the dW
+    kernel and the colsum once per row segment (8 + 8) and added with torch; now one dW and one colsum launch."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
+
+    if DEVICE != "cpu":
+        pytest.skip("launches are counted in Triton's interpreter")
+    path = Path(__file__).resolve().parents[2] / "tools" / "count_seg8_launches.py"
+    spec = importlib.util.spec_from_file_location("count_seg8_launches", path)
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("count_seg8_launches", tool)
+    spec.loader.exec_module(tool)
+    gy, x = case(1, 83, 24, 16, BF16, seed=7)
+    w = torch.randn(24, 16, generator=torch.Generator().manual_seed(8)).to(BF16).to(DEVICE)
+    counts = {}
+    for version in ("v1", "v2"):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, w[:, 0].contiguous())]
+        with tool.weight_grads(version), tool.counting() as counts[version]:
+            h3_attention_o_gemm_seg8(*leaves).backward(gy)
+    v1, v2 = counts["v1"], counts["v2"]
+    assert (v1["triton._gemm_kernel"], v1["triton._colsum_kernel"], v1["triton._rows_dw_kernel"]) == (8, 8, 0)
+    assert (v2["triton._gemm_kernel"], v2["triton._colsum_kernel"], v2["triton._rows_dw_kernel"]) == (0, 0, 1)
+    assert v2["triton._rows_colsum_kernel"] == 1 and v1["triton._seg8_kernel"] == v2["triton._seg8_kernel"] == 1
+    assert v1["aten.cat"] == 8 and v1["aten.add"] >= 7 and v2["aten.cat"] == v2["aten.add"] == 0
