@@ -135,19 +135,38 @@ def _rms_fwd_kernel(
 
 @triton.jit
 def _rms_bwd_kernel(
-    x_ptr, w_ptr, g_ptr, rstd_ptr, scale_ptr, idx_ptr, dx_ptr, n_ptr, dwp_ptr, M, H, S, scale_rs, h_f,
+    x_ptr, w_ptr, g_ptr, rstd_ptr, scale_ptr, idx_ptr, dx_ptr, n_ptr, dwp_ptr, seg_ptr, M, H, S, scale_rs, h_f,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODULATE: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, SEGMENTED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
+    """Rows ``pid * ROWS + [0, ROWS)`` of M (``idx`` row ``r % S``). ``SEGMENTED`` (:func:`rms_backward_segments`):
+    M batch items of S rows; ``seg_ptr`` (3, 8) int64 holds per row segment its first program, first row ``lo`` and
+    length ``len``; program ``pid`` of segment k walks the k-th segment's ``M * len`` rows (b-major) from its
+    ``pid - first``-th block of ROWS, exactly as a launch on that segment's rows alone would (idx row ``lo + r``)."""
     DT: tl.constexpr = dx_ptr.dtype.element_ty
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cm = cols < H
     w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERPRET)[None, :]
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if SEGMENTED:
+        k = pid * 0
+        for t in tl.static_range(1, 8):
+            k += (tl.load(seg_ptr + t) <= pid).to(tl.int64)
+        first = pid - tl.load(seg_ptr + k)
+        lo = tl.load(seg_ptr + 8 + k)
+        length = tl.load(seg_ptr + 16 + k)
     for i in range(0, ROWS // BLOCK_M):
-        rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
-        rm = rows < M
+        if SEGMENTED:
+            v = first * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
+            rm = v < M * length
+            b = v // length
+            irow = lo + (v - b * length)
+            rows = b * S + irow
+        else:
+            rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
+            rm = rows < M
+            irow = rows % S
         m = rm[:, None] & cm[None, :]
         offs = rows[:, None] * H + cols[None, :]
         x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
@@ -155,7 +174,7 @@ def _rms_bwd_kernel(
         rstd = tl.load(rstd_ptr + rows, mask=rm, other=0.0)[:, None]
         xhat = x * rstd
         if MODULATE:
-            j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
+            j = tl.load(idx_ptr + irow, mask=rm, other=0).to(tl.int64)
             sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0), INTERPRET)
             dn = g * exact.rnd(1.0 + sc, DT, INTERPRET)
             if NEED_N:
@@ -251,12 +270,51 @@ def rms_backward(x, weight, rstd, g, scale=None, idx=None, need_n: bool = False)
     progs = triton.cdiv(m, rows)
     dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
     _rms_bwd_kernel[(progs,)](
-        x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
+        x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp, dwp,
         m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
         ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=provider_rounds_first(x.device),
-        NEED_N=need_n, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+        NEED_N=need_n, SEGMENTED=False, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
     )  # fmt: skip
     return dx, dwp, n if need_n else None
+
+
+@cache
+def _segment_table(spans: tuple[tuple[int, int], ...], batch: int, rows: int, device: torch.device):
+    """(first program of each segment, then of none: the total), and the (3, 8) int64 table of the segmented
+    launch: first program, first row, length per segment (segments past ``spans`` start at the total)."""
+    firsts = [0]
+    for lo, hi in spans:
+        firsts.append(firsts[-1] + triton.cdiv(batch * (hi - lo), rows))
+    pad = 8 - len(spans)
+    table = [firsts[:-1] + [firsts[-1]] * pad, [lo for lo, _ in spans] + [0] * pad,
+             [max(hi - lo, 1) for lo, hi in spans] + [1] * pad]  # fmt: skip
+    return tuple(firsts), torch.tensor(table, dtype=torch.int64, device=device)
+
+
+def rms_backward_segments(x, weight, rstd, g, scale, idx, spans, need_n: bool = False):
+    """:func:`rms_backward` of every row segment ``spans[k] = (lo, hi)`` of ``x`` (..., S, H) in ONE launch:
+    ``(dx, dweight_partials, n, firsts)``: dx and n of every row (a row's own, as any launch gives them), and
+    segment k's program partials in rows ``[firsts[k], firsts[k + 1])``, bitwise those of ``rms_backward`` on
+    the segment's rows alone (``seq_slice(t, lo, hi)``, ``idx[lo:hi]``): the same programs of ROWS rows from the
+    segment's start. ``spans`` contiguous, ascending, at most 8 (empty ones have no program)."""
+    modulate = idx is not None
+    h, s = x.shape[-1], x.shape[-2]
+    batch = x.numel() // (h * s) if s else 0
+    dx = torch.empty_like(x)
+    n = torch.empty_like(x) if need_n else dx
+    block_h, block_m, warps = _bwd_config(h)
+    rows = max(BWD_ROWS, block_m)
+    firsts, table = _segment_table(tuple(spans), batch, rows, x.device)
+    dwp = torch.empty((firsts[-1], h), dtype=torch.float32, device=x.device)
+    if firsts[-1]:
+        _rms_bwd_kernel[(firsts[-1],)](
+            x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp, table,
+            batch, h, s, scale.stride(0) if modulate else 0, float(h),
+            ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate,
+            ROUND_FIRST=provider_rounds_first(x.device), NEED_N=need_n, SEGMENTED=True, INTERPRET=INTERPRET,
+            num_warps=warps, **STRICT_LAUNCH,
+        )  # fmt: skip
+    return dx, dwp, n if need_n else None, firsts
 
 
 class _RmsNorm(torch.autograd.Function):

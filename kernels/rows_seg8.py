@@ -19,14 +19,16 @@ fixed by S, each the operator's own reduction on that segment's rows at FP32, th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from h3gate.kernels.common import cached
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
-from h3gate.kernels.gather import segment_plan, segment_sum, sum_rows
+from h3gate.kernels.gather import segment_plan, segment_sum
 from h3gate.kernels.merge_tree import finish
-from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
-from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for, seq_slice
+from h3gate.kernels.norms import check_modulate, rms_backward, rms_backward_segments, rms_forward
+from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for
 from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
 
 KERNEL_ID = "triton:h3gate.rows_seg8:v1"
@@ -81,6 +83,21 @@ def table_partials(g, idx, rows: int, spans, other=None) -> torch.Tensor:
     return out[0].view(len(spans), rows, h)
 
 
+@functools.lru_cache(maxsize=64)
+def _weight_plan(firsts: tuple[int, ...], device: torch.device):
+    """The plan of :func:`weight_partials`: partial row r belongs to the segment k with ``firsts[k] <= r <
+    firsts[k + 1]``."""
+    counts = torch.tensor([b - a for a, b in zip(firsts, firsts[1:], strict=False)])
+    return segment_plan(torch.repeat_interleave(torch.arange(len(counts)), counts).to(device), len(counts))
+
+
+def weight_partials(dwp: torch.Tensor, firsts: tuple[int, ...]) -> torch.Tensor:
+    """(segments, H) FP32: segment k's program partials (rows ``[firsts[k], firsts[k + 1])`` of ``dwp``) summed in
+    ``gather.sum_rows``' order, all segments in one plan keyed by segment (each key's 256-row chunks start at its own
+    first row, as ``sum_rows`` of that segment's partials alone; a segment without partials is +0)."""
+    return segment_sum(dwp.unsqueeze(0), _weight_plan(tuple(firsts), dwp.device), F32)[0]
+
+
 class _RmsNormRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, shift, scale, idx, eps, op):
@@ -96,21 +113,9 @@ class _RmsNormRows(torch.autograd.Function):
         need_w, need_shift, need_scale = ctx.needs_input_grad[1:4]
         if not (need_w or need_shift or need_scale):
             return rms_backward(x, weight, rstd, g, scale, idx)[0], None, None, None, None, None, None
-        rstd = rstd.view(x.shape[:-1])
-        dx = torch.empty_like(x)
-        n = torch.empty_like(x) if need_scale else None
-        spans, w_parts = local_spans(ctx.rows), []
-        for lo, hi in spans:  # the kernel on each segment's rows: its dx, n and weight partial
-            if hi <= lo:
-                w_parts.append(torch.zeros(weight.shape, dtype=F32, device=x.device))
-                continue
-            xs, gs, rs = seq_slice(x, lo, hi), seq_slice(g, lo, hi), rstd[..., lo:hi].contiguous()
-            dxs, dwp, ns = rms_backward(xs, weight, rs, gs, scale, idx[lo:hi], need_scale)
-            dx[..., lo:hi, :] = dxs
-            if n is not None:
-                n[..., lo:hi, :] = ns
-            w_parts.append(sum_rows(dwp, F32))
-        stacked = [torch.stack(w_parts)] if need_w else []
+        spans = local_spans(ctx.rows)
+        dx, dwp, n, firsts = rms_backward_segments(x, weight, rstd, g, scale, idx, spans, need_scale)
+        stacked = [weight_partials(dwp, firsts)] if need_w else []
         if need_shift:
             stacked.append(table_partials(g, idx, scale.shape[0], spans))
         if need_scale:

@@ -1,8 +1,9 @@
 """Launches of the seg8 block's backward on the CPU (Triton's interpreter), before and after the fused row-segment
 weight gradient (kernels/rows_dw.py): every Triton kernel launch and every aten op that computes (a device kernel on
 CUDA; views and allocations left out), by name, counted while autograd runs the backward. ``v1`` runs the seg8
-GEMMs' weight gradients as before (tests/triton_kernels/rows_dw_reference.py: the single-walk dW kernel once per row
-segment, the torch tree); ``v2`` as shipped.
+GEMMs' weight gradients and the seg8 modulated norms' backward as before (tests/triton_kernels/rows_dw_reference.py:
+a launch per row segment, the torch tree); ``v2`` as shipped. Also checks that both give every gradient (inputs and
+parameters) byte for byte.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python tools/count_seg8_launches.py [--layout tiny] [--config tiny] [--json F]
 """
@@ -68,21 +69,36 @@ def counting() -> Iterator[Counter]:
         yield counts
 
 
+def _norm_backward_v1(ctx, grad):
+    """v1's ``_RmsNormRows.backward``: a norm backward launch per row segment."""
+    from h3gate.kernels.norms import rms_backward
+    from tests.triton_kernels.rows_dw_reference import rmsnorm_rows_backward_v1
+
+    x, weight, rstd, scale = ctx.saved_tensors
+    need, g = tuple(ctx.needs_input_grad[1:4]), grad.contiguous()
+    if not any(need):
+        return rms_backward(x, weight, rstd, g, scale, ctx.idx)[0], None, None, None, None, None, None
+    return *rmsnorm_rows_backward_v1(x, weight, rstd, g, scale, ctx.idx, ctx.rows, need), None, None, None
+
+
 @contextmanager
 def weight_grads(version: str) -> Iterator[None]:
-    """``v1``: the seg8 GEMMs' weight gradients by the reference (8 launches per weight, the torch tree)."""
+    """``v1``: the seg8 GEMMs' weight gradients by the reference (8 launches per weight, the torch tree), and the
+    seg8 modulated norms' backward by a launch per row segment."""
     with ExitStack() as stack:
         if version == "v1":
-            from h3gate.kernels import gemm_merge, tp_layers
+            from h3gate.kernels import gemm_merge, rows_seg8, tp_layers
             from tests.triton_kernels.rows_dw_reference import linear_row_grads_v1
 
             for module in (gemm_merge, tp_layers):
                 stack.enter_context(mock.patch.object(module, "linear_row_grads", linear_row_grads_v1))
+            norm = rows_seg8._RmsNormRows
+            stack.enter_context(mock.patch.object(norm, "backward", staticmethod(_norm_backward_v1)))
         yield
 
 
-def block_backward(layout: str, config: str, version: str) -> Counter:
-    """The launches of one backward of the seg8 block at ``layout`` / ``config`` on the CPU."""
+def block_backward(layout: str, config: str, version: str) -> tuple[Counter, dict[str, torch.Tensor]]:
+    """The launches of one backward of the seg8 block at ``layout`` / ``config`` on the CPU, and its gradients."""
     from h3gate.graph.execute import run_backward
     from h3gate.graph.executions import bind_graph, candidate_table
     from h3gate.graph.inputs import stand_in
@@ -99,7 +115,8 @@ def block_backward(layout: str, config: str, version: str) -> Counter:
                   "temb": x["temb"].detach().clone().requires_grad_(True)}  # fmt: skip
         with weight_grads(version), counting() as counts:
             run_backward(setup.graph, inputs, leaves, table, cot)
-    return counts
+    grads = {k: t.grad for k, t in {**inputs, **leaves}.items() if isinstance(t, torch.Tensor) and t.grad is not None}
+    return counts, grads
 
 
 def main() -> int:
@@ -110,7 +127,11 @@ def main() -> int:
     ap.add_argument("--config", default="tiny")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    counts = {v: block_backward(args.layout, args.config, v) for v in ("v1", "v2")}
+    runs = {v: block_backward(args.layout, args.config, v) for v in ("v1", "v2")}
+    counts = {v: c for v, (c, _) in runs.items()}
+    g1, g2 = runs["v1"][1], runs["v2"][1]
+    differ = [k for k in g1 if k not in g2 or not torch.equal(g1[k].view(torch.uint8), g2[k].view(torch.uint8))]
+    print(f"gradients: {len(g1)} tensors, v2 {'byte-equal to v1' if not differ and len(g1) == len(g2) else differ}")
     names = sorted(set(counts["v1"]) | set(counts["v2"]))
     print(f"{'launch':40s} {'v1':>6s} {'v2':>6s}")
     for name in names:
@@ -121,8 +142,9 @@ def main() -> int:
     print(f"{'total':40s} {sum(counts['v1'].values()):6d} {sum(counts['v2'].values()):6d}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"layout": args.layout, "config": args.config, **{v: dict(c) for v, c in counts.items()}}, f)
-    return 0
+            json.dump({"layout": args.layout, "config": args.config, "gradients": len(g1), "differ": differ,
+                       **{v: dict(c) for v, c in counts.items()}}, f)  # fmt: skip
+    return 1 if differ or len(g1) != len(g2) else 0
 
 
 if __name__ == "__main__":

@@ -49,3 +49,36 @@ def linear_row_grads_v1(
     finally:
         rm.local_spans = original
     return finish(sums[0], None, x.dtype), (finish(sums[1], None, x.dtype) if bias else None)
+
+
+def rmsnorm_rows_backward_v1(x, weight, rstd, g, scale, idx, rows: RowGroup, need=(True, True, True)):
+    """v1's ``_RmsNormRows.backward`` (the seg8 modulated RMSNorm): the norm's backward kernel launched once per row
+    segment (its dx, n and 32-row program partials, the partials by ``gather.sum_rows``), the shift / scale table
+    partials, ``row_sum``'s tree; ``(dx, dweight, dshift, dscale)``."""
+    from h3gate.kernels.gather import sum_rows
+    from h3gate.kernels.norms import rms_backward
+    from h3gate.kernels.row_merge import local_spans
+    from h3gate.kernels.rows_seg8 import table_partials
+
+    need_w, need_shift, need_scale = need
+    rstd = rstd.view(x.shape[:-1])
+    dx = torch.empty_like(x)
+    n = torch.empty_like(x) if need_scale else None
+    spans, w_parts = local_spans(rows), []
+    for lo, hi in spans:
+        if hi <= lo:
+            w_parts.append(torch.zeros(weight.shape, dtype=F32, device=x.device))
+            continue
+        xs, gs, rs = seq_slice(x, lo, hi), seq_slice(g, lo, hi), rstd[..., lo:hi].contiguous()
+        dxs, dwp, ns = rms_backward(xs, weight, rs, gs, scale, idx[lo:hi], need_scale)
+        dx[..., lo:hi, :] = dxs
+        if n is not None:
+            n[..., lo:hi, :] = ns
+        w_parts.append(sum_rows(dwp, F32))
+    stacked = [torch.stack(w_parts)] if need_w else []
+    if need_shift:
+        stacked.append(table_partials(g, idx, scale.shape[0], spans))
+    if need_scale:
+        stacked.append(table_partials(g, idx, scale.shape[0], spans, other=n))
+    sums = iter(row_sum(rows, None, [], x.device, stacked))
+    return (dx, *(finish(next(sums), None, x.dtype) if want else None for want in need))

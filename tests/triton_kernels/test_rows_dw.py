@@ -179,3 +179,50 @@ def test_one_launch_per_weight_gradient_where_v1_launched_eight() -> None:
     assert (v2["triton._gemm_kernel"], v2["triton._colsum_kernel"], v2["triton._rows_dw_kernel"]) == (0, 0, 1)
     assert v2["triton._rows_colsum_kernel"] == 1 and v1["triton._seg8_kernel"] == v2["triton._seg8_kernel"] == 1
     assert v1["aten.cat"] == 8 and v1["aten.add"] >= 7 and v2["aten.cat"] == v2["aten.add"] == 0
+
+
+def norm_case(batch: int, s: int, h: int, seed: int = 0):
+    """The modulated norm's inputs (x, weight, shift, scale, idx over 6 table rows) and a cotangent, bfloat16."""
+    gen = torch.Generator().manual_seed(seed)
+    x, g = torch.randn(batch, s, h, generator=gen), torch.randn(batch, s, h, generator=gen)
+    w, tab = 1 + 0.1 * torch.randn(h, generator=gen), 0.1 * torch.randn(6, 2 * h, generator=gen)
+    idx = torch.randint(0, 6, (s,), generator=gen).to(DEVICE)
+    x, g, w, tab = (t.to(BF16).to(DEVICE) for t in (x, g, w, tab))
+    return (x, w, tab[:, :h].contiguous(), tab[:, h:].contiguous(), idx), g
+
+
+def check_norm(batch: int, s: int, h: int, degree: int = 1, rank: int = 0) -> None:
+    """The seg8 modulated norm's backward (one segmented launch) = v1's (a launch per row segment), every gradient,
+    on CP``degree`` rank ``rank``'s rows (its subtrees through the same stand-in all-gather)."""
+    from h3gate.kernels.norms import rms_forward
+    from h3gate.kernels.row_merge import packed_rows
+    from h3gate.kernels.rows_seg8 import h3_rmsnorm_modulate_seg8
+    from tests.triton_kernels.rows_dw_reference import rmsnorm_rows_backward_v1
+
+    (x, w, shift, scale, idx), g = norm_case(batch, s, h, seed=s + h)
+    lo, hi = cp_row_bounds(s, degree)[rank : rank + 2]
+    x, g, idx = x[:, lo:hi].contiguous(), g[:, lo:hi].contiguous(), idx[lo:hi].contiguous()
+    group = RowGroup(degree, rank, s, lambda t: [t] * degree)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w, shift, scale)]
+    with packed_rows(group):
+        h3_rmsnorm_modulate_seg8(*leaves, idx, 1e-6).backward(g)
+    rstd = rms_forward(x, w, shift, scale, idx, 1e-6, True)[1]
+    want = rmsnorm_rows_backward_v1(x, w, rstd, g, scale, idx, group)
+    for i, (leaf, ref) in enumerate(zip(leaves, want, strict=True)):
+        assert same(leaf.grad, ref), (batch, s, h, degree, rank, i)
+
+
+def test_seg8_norm_backward_in_one_launch_is_v1s_bytes() -> None:
+    """Two batch items of 21 rows (segments of 3, the last empty), 16 wide; more in the slow sweep (CP ranks in
+    test_row_merge.py)."""
+    check_norm(2, 21, 16)
+
+
+@pytest.mark.slow
+def test_seg8_norm_backward_sweep() -> None:
+    """Several programs and sum_rows chunks per segment (3000 rows of 16: 375-row segments), every CP degree."""
+    for batch, s, h in [(1, 83, 64), (2, 37, 48), (1, 5, 32), (1, 3000, 16), (3, 29, 40), (1, 264, 128)]:
+        for degree in (1, 2, 4, 8):
+            for rank in range(degree):
+                if cp_row_bounds(s, degree)[rank] < cp_row_bounds(s, degree)[rank + 1]:
+                    check_norm(batch, s, h, degree, rank)
