@@ -9,10 +9,12 @@ fixed by S, each the operator's own reduction on that segment's rows at FP32, th
   BLOCK_K, ``gemm_config("dw", N, K, dtype)``; db per segment the colsum kernel's walk), one launch each, rounded in
   the epilogue on one device; no partial buffers. v1 launched the single-walk kernels once per segment into FP32
   partials and added them with torch: the same bytes.
-* ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (the
-  kernel run on each segment's rows: every row's dx is its own); per segment the weight partial (the kernel's 32-row
-  program partials by ``gather.sum_rows`` at FP32) and the shift / scale table partials (``gather.table_grad`` of the
-  segment's rows at FP32); the three trees, one rounding each.
+* ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (every
+  row's dx is its own); per segment the weight partial (the kernel's 32-row program partials, programs starting at
+  the segment's first row, by ``gather.sum_rows``' order at FP32) and the shift / scale table partials
+  (``gather.table_grad`` of the segment's rows at FP32); the three trees, one rounding each. One backward launch for
+  every segment (:func:`h3gate.kernels.norms.rms_backward_segments`) and one segment sum of all weight partials
+  (:func:`weight_partials`); v1 launched the norm's backward once per segment: the same bytes.
 * ``adaln_gate_residual_seg8`` - forward and dy as ``adaln_gate_residual``; the gate table's gradient per segment
   (``table_grad(g, idx, other=y)`` at FP32), the tree, one rounding.
 """
@@ -31,7 +33,7 @@ from h3gate.kernels.norms import check_modulate, rms_backward, rms_backward_segm
 from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for
 from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
 
-KERNEL_ID = "triton:h3gate.rows_seg8:v1"
+KERNEL_ID = "triton:h3gate.rows_seg8:v2"
 F32 = torch.float32
 
 
