@@ -116,7 +116,8 @@ class _RmsNormRows(torch.autograd.Function):
         if not (need_w or need_shift or need_scale):
             return rms_backward(x, weight, rstd, g, scale, idx)[0], None, None, None, None, None, None
         spans = local_spans(ctx.rows)
-        dx, dwp, n, firsts = rms_backward_segments(x, weight, rstd, g, scale, idx, spans, need_scale)
+        segments = [(lo, hi - lo, 0, 1) for lo, hi in spans]
+        dx, dwp, n, firsts = rms_backward_segments(x, weight, rstd, g, scale, idx, segments, need_scale)
         stacked = [weight_partials(dwp, firsts)] if need_w else []
         if need_shift:
             stacked.append(table_partials(g, idx, scale.shape[0], spans))

@@ -1,9 +1,9 @@
 """Launches of the seg8 block's backward on the CPU (Triton's interpreter), before and after the fused row-segment
 weight gradient (kernels/rows_dw.py): every Triton kernel launch and every aten op that computes (a device kernel on
 CUDA; views and allocations left out), by name, counted while autograd runs the backward. ``v1`` runs the seg8
-GEMMs' weight gradients and the seg8 modulated norms' backward as before (tests/triton_kernels/rows_dw_reference.py:
-a launch per row segment, the torch tree); ``v2`` as shipped. Also checks that both give every gradient (inputs and
-parameters) byte for byte.
+GEMMs' weight gradients and the seg8 norms' backward as before (tests/triton_kernels/rows_dw_reference.py: a launch
+per row segment (the QK norm: per head group and row segment), the torch tree); ``v2`` as shipped. Also checks
+that both give every gradient (inputs and parameters) byte for byte.
 
     TRITON_INTERPRET=1 PYTHONPATH=. python tools/count_seg8_launches.py [--layout tiny] [--config tiny] [--json F]
 """
@@ -81,10 +81,19 @@ def _norm_backward_v1(ctx, grad):
     return *rmsnorm_rows_backward_v1(x, weight, rstd, g, scale, ctx.idx, ctx.rows, need), None, None, None
 
 
+def _qk_backward_v1(ctx, grad):
+    """v1's ``QkNormGrouped.backward``: a norm backward launch per (head group, row segment)."""
+    from tests.triton_kernels.rows_dw_reference import qk_norm_backward_v1
+
+    xv, weight, rstd = ctx.saved_tensors
+    dx, dw = qk_norm_backward_v1(xv, weight, rstd, grad.contiguous(), ctx.heads, ctx.first, ctx.rows, ctx.group)
+    return dx, dw, None, None, None, None
+
+
 @contextmanager
 def weight_grads(version: str) -> Iterator[None]:
-    """``v1``: the seg8 GEMMs' weight gradients by the reference (8 launches per weight, the torch tree), and the
-    seg8 modulated norms' backward by a launch per row segment."""
+    """``v1``: the seg8 GEMMs' weight gradients by the reference (8 launches per weight, the torch tree), the seg8
+    modulated norms' backward by a launch per row segment, the QK norms' by a launch per (head group, row segment)."""
     with ExitStack() as stack:
         if version == "v1":
             from h3gate.kernels import gemm_merge, rows_seg8, tp_layers
@@ -92,8 +101,9 @@ def weight_grads(version: str) -> Iterator[None]:
 
             for module in (gemm_merge, tp_layers):
                 stack.enter_context(mock.patch.object(module, "linear_row_grads", linear_row_grads_v1))
-            norm = rows_seg8._RmsNormRows
+            norm, qk = rows_seg8._RmsNormRows, tp_layers.QkNormGrouped
             stack.enter_context(mock.patch.object(norm, "backward", staticmethod(_norm_backward_v1)))
+            stack.enter_context(mock.patch.object(qk, "backward", staticmethod(_qk_backward_v1)))
         yield
 
 

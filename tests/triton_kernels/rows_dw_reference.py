@@ -82,3 +82,36 @@ def rmsnorm_rows_backward_v1(x, weight, rstd, g, scale, idx, rows: RowGroup, nee
         stacked.append(table_partials(g, idx, scale.shape[0], spans, other=n))
     sums = iter(row_sum(rows, None, [], x.device, stacked))
     return (dx, *(finish(next(sums), None, x.dtype) if want else None for want in need))
+
+
+def qk_norm_backward_v1(xv, weight, rstd, g, heads: int, first: int, rows: RowGroup, group):
+    """v1's ``QkNormGrouped.backward`` (the seg8 QK norm): the norm's backward launched once per (head group, row
+    segment) on that block's rows copied out, ``sum_rows`` of its program partials, ``row_sum``'s tree over the row
+    segments, the head-group tree; ``(dx (..., h_r * 128), dweight)``."""
+    from h3gate.kernels.gather import sum_rows
+    from h3gate.kernels.norms import HEAD_DIM, rms_backward
+    from h3gate.kernels.tp_layers import head_groups
+
+    rstd = rstd.view(*xv.shape[:-1])
+    bounds = head_groups(heads)
+    spans = [(bounds[i] - first, bounds[i + 1] - first) for i in group.owned]
+    dx = torch.empty_like(xv)
+    groups = [None if hi <= lo else (xv[..., lo:hi, :].contiguous(), g[..., lo:hi, :].contiguous(),
+                                     rstd[..., lo:hi].contiguous()) for lo, hi in spans]  # fmt: skip
+
+    def partial(r0: int, r1: int) -> list[torch.Tensor]:
+        out = []
+        for (lo, hi), grp in zip(spans, groups, strict=True):
+            if grp is None:
+                out.append(torch.zeros(HEAD_DIM, dtype=F32, device=xv.device))
+                continue
+            xs, gs, rs = (t[:, r0:r1].contiguous() for t in grp)
+            dxi, dwp, _ = rms_backward(xs, weight, rs, gs)
+            dx[..., r0:r1, lo:hi, :] = dxi
+            out.append(sum_rows(dwp, F32))
+        return out
+
+    level = row_sum(rows, partial, [(HEAD_DIM,)] * len(spans), xv.device)
+    while len(level) > 1:
+        level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
+    return dx.view(*g.shape[:-2], -1), finish(group.merge(level[0]), None, weight.dtype)

@@ -226,3 +226,38 @@ def test_seg8_norm_backward_sweep() -> None:
             for rank in range(degree):
                 if cp_row_bounds(s, degree)[rank] < cp_row_bounds(s, degree)[rank + 1]:
                     check_norm(batch, s, h, degree, rank)
+
+
+def check_qk(batch: int, s: int, heads: int, degree: int = 1, rank: int = 0, tp: int = 1, tp_rank: int = 0) -> None:
+    """The seg8 QK norm's backward (one launch over every (head group, row segment)) = v1's (a launch per pair), on
+    CP``degree`` rank ``rank``'s rows and TP``tp`` rank ``tp_rank``'s heads (subtrees through stand-in gathers)."""
+    from h3gate.kernels.norms import rms_forward
+    from h3gate.kernels.row_merge import packed_rows
+    from h3gate.kernels.tp_layers import MergeGroup, QkNormGrouped
+    from tests.triton_kernels.rows_dw_reference import qk_norm_backward_v1
+
+    gen = torch.Generator().manual_seed(s + heads)
+    h_r, lo, hi = heads // tp, *cp_row_bounds(s, degree)[rank : rank + 2]
+    x = torch.randn(batch, hi - lo, h_r * 128, generator=gen).to(BF16).to(DEVICE)
+    g = torch.randn(batch, hi - lo, h_r, 128, generator=gen).to(BF16).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(128, generator=gen)).to(BF16).to(DEVICE)
+    group, rows = MergeGroup(tp, tp_rank, lambda t: [t] * tp), RowGroup(degree, rank, s, lambda t: [t] * degree)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, w)]
+    with packed_rows(rows):
+        QkNormGrouped.apply(leaves[0], leaves[1], heads, tp_rank * h_r, 1e-6, group).backward(g)
+    xv = x.view(batch, hi - lo, h_r, 128)
+    rstd = rms_forward(xv, w, None, None, None, 1e-6, True)[1]
+    dx, dw = qk_norm_backward_v1(xv, w, rstd, g, heads, tp_rank * h_r, rows, group)
+    assert same(leaves[0].grad, dx) and same(leaves[1].grad, dw), (batch, s, heads, degree, rank, tp, tp_rank)
+
+
+def test_seg8_qk_norm_backward_in_one_launch_is_v1s_bytes() -> None:
+    """12 heads (groups of 2, the last two empty), 19 rows (segments of 3, the last one 1 row)."""
+    check_qk(1, 19, 12)
+
+
+@pytest.mark.slow
+def test_seg8_qk_norm_backward_sweep() -> None:
+    """Batch items, 8 and 56 heads, CP and TP ranks (TP2 rank 1: its 4 of 8 groups; CP4 rank 2)."""
+    for args in [(2, 29, 8), (1, 83, 56), (1, 83, 16, 4, 2), (1, 37, 16, 1, 0, 2, 1), (2, 40, 8, 2, 1, 2, 0)]:
+        check_qk(*args)
