@@ -3,7 +3,8 @@
 # the lent GPU host, .whl and .h3gate-revision carried:  bash tools/gpu_seg8_dw.sh SECTION [SECTION ...]
 #   check        tools/gpu_seg8_dw_check.py: fused dW == v1 (8 launches + torch tree) byte for byte at the block's
 #                weights, M = 3160 and 38974 (one device, CP2 combined, db), each timed next to v1 and the single walk
-#   tests        tests/triton_kernels/test_rows_dw.py (slow sweep included) and test_row_merge.py compiled on CUDA
+#   tests        tests/triton_kernels/test_rows_dw.py (dW, db, the norms' one-launch backward against v1; slow sweeps
+#                included) and test_row_merge.py compiled on CUDA
 #   block        bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider): compare
 #                strict_seg8_over_strict with evidence/h200/bench-ws1-block-seg8rows-{medium,768p} (2.83x, 1.154x)
 #   block-gate   run ws1-block --merge-order seg8 at medium (the seg8 block through the gate, backward included)

@@ -1,7 +1,8 @@
 """On a GPU: the fused row-segment weight gradient (kernels/rows_dw.py) against v1 (the single-walk dW kernel launched
 once per row segment into FP32 partials, the torch tree: tests/triton_kernels/rows_dw_reference.py) at the block's
 real weights and row counts: byte equality (one device, CP2 subtrees combined, with a bias), and both timed next to
-the single-walk dW kernel (the floor), CUDA events, median of repeated calls.
+the single-walk dW kernel (the floor), CUDA events, median of repeated calls. Then the seg8 norms' backward (the
+modulated norm, H = 5376; the QK norm, 56 heads of 128) in one launch against v1's launch per segment: bytes, time.
 
     python3 tools/gpu_seg8_dw_check.py [--rows 3160 38974] [--json OUT.json]   # exit 1 on any difference
 """
@@ -72,6 +73,45 @@ def check(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
     return rec
 
 
+def check_norms(m: int, gen: torch.Generator) -> list[dict]:
+    """The seg8 modulated norm's and QK norm's backward (autograd Functions called on a stand-in ctx) against v1."""
+    from types import SimpleNamespace
+
+    from h3gate.kernels.norms import rms_forward
+    from h3gate.kernels.rows_seg8 import _RmsNormRows
+    from h3gate.kernels.tp_layers import ONE_DEVICE, QkNormGrouped
+    from tests.triton_kernels.rows_dw_reference import qk_norm_backward_v1, rmsnorm_rows_backward_v1
+
+    h, rows, out = 5376, one_device(m), []
+    x, g = (torch.randn(1, m, h, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(h, device="cuda", generator=gen)).bfloat16()
+    tab = (0.1 * torch.randn(6, 2 * h, device="cuda", generator=gen)).bfloat16()
+    shift, scale = tab[:, :h].contiguous(), tab[:, h:].contiguous()
+    idx = torch.randint(0, 6, (m,), device="cuda", generator=gen)
+    rstd = rms_forward(x, w, shift, scale, idx, 1e-6, True)[1]
+    need = (True,) * 4 + (False,) * 3
+    ctx = SimpleNamespace(saved_tensors=(x, w, rstd, scale), idx=idx, rows=rows, needs_input_grad=need)
+    new = _RmsNormRows.backward(ctx, g)[:4]
+    old = rmsnorm_rows_backward_v1(x, w, rstd, g, scale, idx, rows)
+    same = all(torch.equal(a, b) for a, b in zip(new, old, strict=True))
+    rec = {"norm": "h3_rmsnorm_modulate_seg8", "m": m, "bitwise_v1": same,
+           "ms_v1": timed(lambda: rmsnorm_rows_backward_v1(x, w, rstd, g, scale, idx, rows)),
+           "ms_one_launch": timed(lambda: _RmsNormRows.backward(ctx, g))}  # fmt: skip
+    out.append(rec)
+    xv = torch.randn(1, m, 56, 128, device="cuda", generator=gen).bfloat16()
+    gq = torch.randn(1, m, 56, 128, device="cuda", generator=gen).bfloat16()
+    wq = (1 + 0.1 * torch.randn(128, device="cuda", generator=gen)).bfloat16()
+    rq = rms_forward(xv, wq, None, None, None, 1e-6, True)[1]
+    qctx = SimpleNamespace(saved_tensors=(xv, wq, rq), heads=56, first=0, group=ONE_DEVICE, rows=rows)
+    new = QkNormGrouped.backward(qctx, gq)[:2]
+    old = qk_norm_backward_v1(xv, wq, rq, gq, 56, 0, rows, ONE_DEVICE)
+    out.append({"norm": "h3_qk_rmsnorm_d128_seg8", "m": m,
+                "bitwise_v1": all(torch.equal(a, b) for a, b in zip(new, old, strict=True)),
+                "ms_v1": timed(lambda: qk_norm_backward_v1(xv, wq, rq, gq, 56, 0, rows, ONE_DEVICE)),
+                "ms_one_launch": timed(lambda: QkNormGrouped.backward(qctx, gq))})  # fmt: skip
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[3160, 38974])
@@ -88,6 +128,11 @@ def main() -> int:
             print(f"{name:8s} {n}x{k} M={m}: {'bitwise' if ok else 'DIFFERENT'} {rec}", flush=True)
             records.append(rec)
             torch.cuda.empty_cache()
+        for rec in check_norms(m, gen):
+            bad += not rec["bitwise_v1"]
+            print(f"{rec['norm']} M={m}: {'bitwise' if rec['bitwise_v1'] else 'DIFFERENT'} {rec}", flush=True)
+            records.append(rec)
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"device": torch.cuda.get_device_name(), "records": records}, f, indent=1)

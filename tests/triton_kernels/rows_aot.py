@@ -38,7 +38,7 @@ def variants():
     fwd = dict(x_ptr=B, w_ptr=B, out_ptr=B, rstd_ptr=F, shift_ptr=B, scale_ptr=B, idx_ptr=I64, M="i32", H="i32",
                S="i32", shift_rs="i32", scale_rs="i32", h_f=PF, eps=PF)  # fmt: skip
     bwd = dict(x_ptr=B, w_ptr=B, g_ptr=B, rstd_ptr=F, scale_ptr=B, idx_ptr=I64, dx_ptr=B, n_ptr=B, dwp_ptr=F,
-               seg_ptr=I64, M="i32", H="i32", S="i32", scale_rs="i32", h_f=PF)  # fmt: skip
+               seg_ptr=I64, M="i32", H="i32", S="i32", HR="i32", scale_rs="i32", h_f=PF)  # fmt: skip
     yield "gather.cast", g._gather_kernel, gat, dict(BLOCK_N=2, BLOCK_C=1024, CAST=True, SUM1=False), False
     yield (
         "gather.sum1",
@@ -56,10 +56,13 @@ def variants():
         yield f"rms.fwd.chunked.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=1, BLOCK_H=2048, NCH=3,
               MODULATE=mod, ROUND_FIRST=rf, SAVE_RSTD=True), False  # fmt: skip
         yield f"rms.bwd.mod{mod:d}", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=16, BLOCK_H=128, MODULATE=mod,
-              ROUND_FIRST=rf, NEED_N=mod, SEGMENTED=False), False  # fmt: skip
-    # the seg8 modulated norm's backward: every row segment in one launch
+              ROUND_FIRST=rf, NEED_N=mod, SEGMENTED=False, NSEG=1), False  # fmt: skip
+    # the seg8 norms' backward, every segment in one launch: the modulated norm's 8 row segments (H = 5376), the QK
+    # norm's 64 (head group, row segment) blocks (D = 128)
     yield "rms.bwd.segmented", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=1, BLOCK_H=8192, MODULATE=True,
-          ROUND_FIRST=False, NEED_N=True, SEGMENTED=True), False, dict(num_warps=8)  # fmt: skip
+          ROUND_FIRST=False, NEED_N=True, SEGMENTED=True, NSEG=8), False, dict(num_warps=8)  # fmt: skip
+    yield "rms.bwd.segmented.qk", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=16, BLOCK_H=128, MODULATE=False,
+          ROUND_FIRST=False, NEED_N=False, SEGMENTED=True, NSEG=64), False  # fmt: skip
     ts = dict(t_ptr=F, out_ptr=F, half="i32", half_f=PF, neg_log=PF)
     yield "timestep.fwd", timestep._sinusoid_fwd_kernel, ts, dict(BLOCK=128), True
     yield "timestep.bwd", timestep._sinusoid_bwd_kernel, dict(t_ptr=F, g_ptr=F, dt_ptr=F, half="i32", half_f=PF,
