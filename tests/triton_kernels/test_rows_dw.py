@@ -261,3 +261,25 @@ def test_seg8_qk_norm_backward_sweep() -> None:
     """Batch items, 8 and 56 heads, CP and TP ranks (TP2 rank 1: its 4 of 8 groups; CP4 rank 2)."""
     for args in [(2, 29, 8), (1, 83, 56), (1, 83, 16, 4, 2), (1, 37, 16, 1, 0, 2, 1), (2, 40, 8, 2, 1, 2, 0)]:
         check_qk(*args)
+
+
+def test_negative_control_norm_segments_shifted_is_not_the_bytes() -> None:
+    """The norm comparison can fail: the one-launch backward with segment 1 starting one row late (that row in
+    segment 0) gives another float32 weight gradient than v1, while the declared segments give v1's bytes."""
+    from h3gate.kernels.norms import rms_backward_segments, rms_forward
+    from h3gate.kernels.row_merge import row_sum
+    from h3gate.kernels.rows_seg8 import weight_partials
+    from tests.triton_kernels.rows_dw_reference import rmsnorm_rows_backward_v1
+
+    (x, w, shift, scale, idx), g = norm_case(1, 83, 16, seed=11)
+    x, w, shift, scale, g = (t.float() for t in (x, w, shift, scale, g))
+    rows = one_device(83)
+    rstd = rms_forward(x, w, shift, scale, idx, 1e-6, True)[1]
+    want = rmsnorm_rows_backward_v1(x, w, rstd, g, scale, idx, rows, (True, False, False))[1]
+    spans = local_spans(rows)
+    shifted = [(spans[0][0], spans[0][1] + 1), (spans[1][0] + 1, spans[1][1]), *spans[2:]]
+    got = {}
+    for name, sp in (("declared", spans), ("shifted", shifted)):
+        _, dwp, _, firsts = rms_backward_segments(x, w, rstd, g, scale, idx, [(a, b - a, 0, 1) for a, b in sp])
+        got[name] = finish(row_sum(rows, None, [], x.device, [weight_partials(dwp, firsts)])[0], None, F32)
+    assert same(got["declared"], want) and not same(got["shifted"], want)
