@@ -393,7 +393,7 @@ class _LinearSeg8(torch.autograd.Function):
             dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype, ctx.launch).view(x.shape)
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_db:
-            dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db)
+            dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db, ctx.launch)
         return dx, dw if ctx.needs_input_grad[1] else None, db, None, None
 
 

@@ -23,7 +23,9 @@
 
 Bitwise ``rows_seg8``'s v1 weight gradient (8 launches of the single-walk dW kernel into FP32 partials and the tree
 by torch): the same products added in the same order. The tile shape (BLOCK_N capped at 128 so the accumulator and a
-slot tile fit the registers), the grid and the tile order are scheduling, never arithmetic.
+slot tile fit the registers), the grid, the tile order and the loads (pointer loads; TMA loads with the tail chunk's
+rows past the segment zeroed on chip where ``GemmLaunch.rows_dw_tma``, off until measured) are scheduling, never
+arithmetic.
 
 Predicted gain (H200: ~4.8 TB/s HBM, ~990 TFLOP/s dense BF16). Per weight (N, K) v1 moved about 186 N K bytes beside
 the GEMM: 8 FP32 partials written (32 N K), copied by ``torch.cat`` (64 N K), 7 tree adds (84 N K), the rounding
@@ -55,9 +57,9 @@ import torch
 import triton
 import triton.language as tl
 
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, num_sms
+from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, num_sms, tma_allocator
 from h3gate.kernels.exact import helper, mma, rne
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
+from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import SEGMENTS
 from h3gate.kernels.row_merge import RowGroup
@@ -124,11 +126,30 @@ def _walk(g_ptr, x_ptr, offs_m, offs_n, mask_m, mask_n, lo, seg_rows, length, S_
     return acc
 
 
+@helper
+def _walk_tma(a_desc, b_desc, off_m, off_n, lo, length, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """:func:`_walk` with TMA tile loads (one item, rows ``lo + [0, length)``): the whole chunks as loaded, then the
+    tail chunk with its rows past the segment's end set to zero before the MMA (the same values as the masked loads;
+    rows past the tensor's end are zero-filled by the TMA unit)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    full = length // BLOCK_K
+    for ki in range(full):
+        a = tl.trans(a_desc.load([lo + ki * BLOCK_K, off_m]))
+        acc = mma(a, b_desc.load([lo + ki * BLOCK_K, off_n]), acc, INTERPRET)
+    if length > full * BLOCK_K:
+        in_k = (tl.arange(0, BLOCK_K) < length - full * BLOCK_K)[:, None]
+        a = a_desc.load([lo + full * BLOCK_K, off_m])
+        b = b_desc.load([lo + full * BLOCK_K, off_n])
+        acc = mma(tl.trans(tl.where(in_k, a, tl.zeros_like(a))), tl.where(in_k, b, tl.zeros_like(b)), acc, INTERPRET)
+    return acc
+
+
 @triton.jit(do_not_specialize=["S_LOC", "L", "S_GLOB", "LO", "SEG0", "NUM_PROGS"])
 def _rows_dw_kernel(
     g_ptr, x_ptr, out_ptr, scratch_ptr, N, K, S_LOC, BATCH, L, S_GLOB, LO, SEG0, stride_g, stride_x, stride_o,
     NUM_PROGS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    C: tl.constexpr, FINISH: tl.constexpr, BATCHED: tl.constexpr, INTERPRET: tl.constexpr,
+    C: tl.constexpr, FINISH: tl.constexpr, BATCHED: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """OUT (N, K) = the tree over the C owned segments SEG0, ..., SEG0 + C - 1 of dY^T X, per tile: each segment
     walked from acc = 0, pending subtrees in this program's scratch slots (slot l: a finished subtree of 2^l
@@ -137,6 +158,9 @@ def _rows_dw_kernel(
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(K, BLOCK_N)
+    if USE_TMA:  # one batch item (BATCHED False): the segment's rows are contiguous
+        a_desc = tl.make_tensor_descriptor(g_ptr, [S_LOC, N], [stride_g, 1], [BLOCK_K, BLOCK_M])
+        b_desc = tl.make_tensor_descriptor(x_ptr, [S_LOC, K], [stride_x, 1], [BLOCK_K, BLOCK_N])
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     slots = scratch_ptr + pid.to(tl.int64) * (3 * BLOCK_M * BLOCK_N) + tile
     for tile_id in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
@@ -148,8 +172,12 @@ def _rows_dw_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(C):
             lo, hi = _bounds(pid * 0 + SEG0 + j, L, S_GLOB, LO)  # scalar tensors, compiled and interpreted
-            acc = _walk(g_ptr, x_ptr, offs_m, offs_n, mask_m, mask_n, lo, hi - lo, BATCH * (hi - lo), S_LOC,
-                        stride_g, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, BATCHED, INTERPRET)  # fmt: skip
+            if USE_TMA:
+                acc = _walk_tma(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, lo, hi - lo, BLOCK_M, BLOCK_N,
+                                BLOCK_K, INTERPRET)  # fmt: skip
+            else:
+                acc = _walk(g_ptr, x_ptr, offs_m, offs_n, mask_m, mask_n, lo, hi - lo, BATCH * (hi - lo), S_LOC,
+                            stride_g, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, BATCHED, INTERPRET)  # fmt: skip
             tl.debug_barrier()  # the slots were written by other threads of this program
             if j % 2 == 1:
                 acc = tl.load(slots) + acc
@@ -222,13 +250,29 @@ def _segments(rows: RowGroup) -> dict:
     return dict(L=-(-rows.seq_len // SEGMENTS), S_GLOB=rows.seq_len, LO=rows.lo, SEG0=rows.owned.start)
 
 
+def _tma_fits(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """TMA loads on CUDA for one batch item whose bases and row strides are 16-byte aligned (else the pointer walk:
+    the same chunks, values and MMA)."""
+    return (g.is_cuda and not INTERPRET and g.shape[0] == 1 and all(t.data_ptr() % 16 == 0
+            and (t.shape[-1] * t.element_size()) % 16 == 0 for t in (g, x)))  # fmt: skip
+
+
 def rows_dw(
-    g: torch.Tensor, x: torch.Tensor, rows: RowGroup, cfg: GemmConfig, dtype: torch.dtype | None
+    g: torch.Tensor,
+    x: torch.Tensor,
+    rows: RowGroup,
+    cfg: GemmConfig,
+    dtype: torch.dtype | None,
+    launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """dW (N_loc, K_loc) of contiguous ``g`` (B, S_loc, N_loc) and ``x`` (B, S_loc, K_loc) over ``rows``' owned
-    segments: rounded to ``dtype`` (the device owns all 8 segments), or the FP32 subtree (``dtype`` None)."""
+    segments: rounded to ``dtype`` (the device owns all 8 segments), or the FP32 subtree (``dtype`` None). TMA loads
+    where ``launch.rows_dw_tma`` and the operands allow them."""
     batch, s_loc, n = g.shape
     k = x.shape[-1]
+    tma = launch.rows_dw_tma and _tma_fits(g, x)
+    if tma:
+        triton.set_allocator(tma_allocator)
     out = torch.empty((n, k), dtype=dtype or torch.float32, device=x.device)
     tiles = -(-n // cfg.block_m) * -(-k // cfg.block_n)
     progs = max(1, min(tiles, num_sms(x.device)))
@@ -236,7 +280,7 @@ def rows_dw(
     _rows_dw_kernel[(progs,)](
         g, x, out, scratch, n, k, s_loc, batch, **_segments(rows), stride_g=n, stride_x=k, stride_o=k,
         NUM_PROGS=progs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        C=len(rows.owned), FINISH=dtype is not None, BATCHED=batch > 1, INTERPRET=INTERPRET,
+        C=len(rows.owned), FINISH=dtype is not None, BATCHED=batch > 1, USE_TMA=tma, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return out

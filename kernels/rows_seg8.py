@@ -28,6 +28,7 @@ import torch
 from h3gate.kernels.common import cached
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
 from h3gate.kernels.gather import segment_plan, segment_sum
+from h3gate.kernels.gemm_configs import PRODUCTION, GemmLaunch
 from h3gate.kernels.merge_tree import finish
 from h3gate.kernels.norms import check_modulate, rms_backward, rms_backward_segments, rms_forward
 from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for
@@ -43,7 +44,13 @@ def linear_rows(op: str, x: torch.Tensor) -> RowGroup:
 
 
 def linear_row_grads(
-    gy: torch.Tensor, x: torch.Tensor, w_shape: tuple[int, int], full: tuple[int, int], rows: RowGroup, bias: bool
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    w_shape: tuple[int, int],
+    full: tuple[int, int],
+    rows: RowGroup,
+    bias: bool,
+    launch: GemmLaunch = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dW, db) of ``y = x @ w^T [+ b]`` (``w`` of shape ``w_shape``, a slice of the full ``full`` (N, K) layer) in
     the row-segment order, rounded once to x's dtype; ``gy`` (..., S, N_local), ``x`` (..., S, K_local). One launch
@@ -56,7 +63,7 @@ def linear_row_grads(
     if (n_loc, k_loc) != tuple(w_shape):
         raise ValueError(f"linear_row_grads: dY/X widths {(n_loc, k_loc)} != weight shape {tuple(w_shape)}")
     out = x.dtype if rows.degree == 1 else None
-    dw = rows_dw(g3, x3, rows, fused_dw_config(full, x.dtype), out)
+    dw = rows_dw(g3, x3, rows, fused_dw_config(full, x.dtype), out, launch)
     db = rows_colsum(g3, rows, out) if bias else None
     if out is not None:
         return dw, db

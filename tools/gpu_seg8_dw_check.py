@@ -1,7 +1,8 @@
 """On a GPU: the fused row-segment weight gradient (kernels/rows_dw.py) against v1 (the single-walk dW kernel launched
 once per row segment into FP32 partials, the torch tree: tests/triton_kernels/rows_dw_reference.py) at the block's
 real weights and row counts: byte equality (one device, CP2 subtrees combined, with a bias), and both timed next to
-the single-walk dW kernel (the floor), CUDA events, median of repeated calls. Then the seg8 norms' backward (the
+the single-walk dW kernel (the floor), CUDA events, median of repeated calls; the TMA walk (``GemmLaunch.rows_dw_tma``,
+off in PRODUCTION) against the pointer walk, bytes and time. Then the seg8 norms' backward (the
 modulated norm, H = 5376; the QK norm, 56 heads of 128) in one launch against v1's launch per segment: bytes, time.
 
     python3 tools/gpu_seg8_dw_check.py [--rows 3160 38974] [--json OUT.json]   # exit 1 on any difference
@@ -13,10 +14,11 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
-from h3gate.kernels.gemm_configs import gemm_config
+from h3gate.kernels.gemm_configs import PRODUCTION, gemm_config
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.kernels.merge_tree import combine, finish
 from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, one_device
@@ -68,6 +70,9 @@ def check(name: str, n: int, k: int, m: int, gen: torch.Generator) -> dict:
     rec["ms_single_walk"] = timed(lambda: matmul(g2, x2, single, None, scfg, a_trans=True, b_trans=False))
     rec["ms_v1"] = timed(lambda: linear_row_grads_v1(gy, x, (n, k), (n, k), rows, False))
     rec["ms_fused"] = timed(lambda: linear_row_grads(gy, x, (n, k), (n, k), rows, False))
+    tma = replace(PRODUCTION, rows_dw_tma=True)  # the TMA walk (off in PRODUCTION until measured)
+    rec["tma_bitwise"] = torch.equal(linear_row_grads(gy, x, (n, k), (n, k), rows, False, tma)[0], new)
+    rec["ms_fused_tma"] = timed(lambda: linear_row_grads(gy, x, (n, k), (n, k), rows, False, tma))
     rec["v1_over_fused"] = rec["ms_v1"] / rec["ms_fused"]
     rec["fused_over_single"] = rec["ms_fused"] / rec["ms_single_walk"]
     return rec
@@ -123,7 +128,7 @@ def main() -> int:
     for m in args.rows:
         for name, (n, k) in WEIGHTS.items():
             rec = check(name, n, k, m, gen)
-            ok = rec["bitwise_v1"] and rec["cp2_bitwise"] and rec.get("db_bitwise_v1", True)
+            ok = rec["bitwise_v1"] and rec["cp2_bitwise"] and rec["tma_bitwise"] and rec.get("db_bitwise_v1", True)
             bad += not ok
             print(f"{name:8s} {n}x{k} M={m}: {'bitwise' if ok else 'DIFFERENT'} {rec}", flush=True)
             records.append(rec)

@@ -115,8 +115,10 @@ def variants():
     rd = dict(g_ptr=B, x_ptr=B, out_ptr=B, scratch_ptr=F, N="i32", K="i32", S_LOC="i32", BATCH="i32", L="i32",
               S_GLOB="i32", LO="i32", SEG0="i32", stride_g="i32", stride_x="i32", stride_o="i32",
               NUM_PROGS="i32")  # fmt: skip
-    rdc = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, C=8, FINISH=True, BATCHED=False, INTERPRET=False)
+    rdc = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, C=8, FINISH=True, BATCHED=False, USE_TMA=False,
+               INTERPRET=False)  # fmt: skip
     yield "gemm.rows_dw", _rows_dw_kernel, rd, rdc, False, opts
+    yield "gemm.rows_dw.tma", _rows_dw_kernel, rd, {**rdc, "USE_TMA": True}, False, opts
     cp4 = {**rdc, "C": 2, "FINISH": False}
     yield "gemm.rows_dw.cp4", _rows_dw_kernel, {**rd, "out_ptr": F}, cp4, False, opts
     cs = dict(g_ptr=B, out_ptr=B, N="i32", S_LOC="i32", BATCH="i32", L="i32", S_GLOB="i32", LO="i32", SEG0="i32",
