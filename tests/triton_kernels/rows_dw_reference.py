@@ -22,11 +22,13 @@ def linear_row_grads_v1(
     full: tuple[int, int],
     rows: RowGroup,
     bias: bool,
+    launch=None,
+    *,
     spans_of=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """v1's (dW, db): per segment ``matmul`` (a_trans, the full layer's dw tiling, FP32 out) and ``colsum`` at FP32
-    on the segment's rows, ``row_sum``'s tree and merge, one rounding. ``spans_of`` (a negative control) replaces
-    ``row_merge.local_spans`` for the segment rows."""
+    on the segment's rows, ``row_sum``'s tree and merge, one rounding (``launch``, the fused kernel's launch choices,
+    is not v1's). ``spans_of`` (a negative control) replaces ``row_merge.local_spans`` for the segment rows."""
     import h3gate.kernels.row_merge as rm
 
     x = x.reshape(1, -1) if x.ndim == 1 else x
