@@ -131,6 +131,10 @@ class GemmLaunch:
     # The segmented-8 kernel (h3gate.kernels.gemm_merge) loads its tiles by TMA where both operands' bases and row
     # strides are 16-byte aligned (False: the pointer walk always; the same chunks, values and MMA).
     seg8_tma: bool = True
+    # The fused row-segment dW (h3gate.kernels.rows_dw) loads its tiles by TMA for one batch item with 16-byte aligned
+    # operands (False: the pointer walk; the same chunks, values and MMA). Off until measured on the H200
+    # (tools/gpu_seg8_dw_check.py compares both walks' bytes and times).
+    rows_dw_tma: bool = False
 
 
 PRODUCTION = GemmLaunch()

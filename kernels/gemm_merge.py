@@ -30,7 +30,9 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
   output dtype: in the kernel's epilogue when one device owns all 8 segments, else :func:`finish` after
   :func:`combine`. dX the same without bias.
 * backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY (a sum over
-  packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`.
+  packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`,
+  every segment and the tree inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`; kernel id v3, v2
+  launched the single-walk dW kernel once per segment: the same bytes).
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
 * tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
@@ -58,7 +60,7 @@ from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
 from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
 
-KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v2"
+KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v3"
 ROLES = ("fwd", "dx")
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -391,7 +393,7 @@ class _LinearSeg8(torch.autograd.Function):
             dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype, ctx.launch).view(x.shape)
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_db:
-            dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db)
+            dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db, ctx.launch)
         return dx, dw if ctx.needs_input_grad[1] else None, db, None, None
 
 

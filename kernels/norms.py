@@ -135,19 +135,45 @@ def _rms_fwd_kernel(
 
 @triton.jit
 def _rms_bwd_kernel(
-    x_ptr, w_ptr, g_ptr, rstd_ptr, scale_ptr, idx_ptr, dx_ptr, n_ptr, dwp_ptr, M, H, S, scale_rs, h_f,
+    x_ptr, w_ptr, g_ptr, rstd_ptr, scale_ptr, idx_ptr, dx_ptr, n_ptr, dwp_ptr, seg_ptr, M, H, S, HR, scale_rs, h_f,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODULATE: tl.constexpr,
-    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, INTERPRET: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, NEED_N: tl.constexpr, SEGMENTED: tl.constexpr, NSEG: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
+    """Rows ``pid * ROWS + [0, ROWS)`` of M (``idx`` row ``r % S``). ``SEGMENTED`` (:func:`rms_backward_segments`):
+    the rows are (M batch items, S positions, HR heads); ``seg_ptr`` (5, NSEG) int64 holds per segment its first
+    program, first position ``lo``, positions ``len``, first head ``h0`` and heads ``w``; program ``pid`` of segment
+    k walks that segment's ``M * len * w`` rows in (item, position, head) order from its ``pid - first``-th block of
+    ROWS, exactly as a launch on those rows copied out alone would (idx row ``lo + s``)."""
     DT: tl.constexpr = dx_ptr.dtype.element_ty
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cm = cols < H
     w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERPRET)[None, :]
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if SEGMENTED:
+        k = pid * 0
+        for t in tl.static_range(1, NSEG):
+            k += (tl.load(seg_ptr + t) <= pid).to(tl.int64)
+        first = pid - tl.load(seg_ptr + k)
+        lo = tl.load(seg_ptr + NSEG + k)
+        per = tl.load(seg_ptr + 2 * NSEG + k)
+        h0 = tl.load(seg_ptr + 3 * NSEG + k)
+        width = tl.load(seg_ptr + 4 * NSEG + k)
+        per = per * width
     for i in range(0, ROWS // BLOCK_M):
-        rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
-        rm = rows < M
+        if SEGMENTED:
+            v = first * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
+            rm = v < M * per
+            b = v // per
+            rem = v - b * per
+            pos = rem // width
+            irow = lo + pos
+            rows = (b * S + irow) * HR + h0 + (rem - pos * width)
+        else:
+            rows = pid * ROWS + i * BLOCK_M + tl.arange(0, BLOCK_M)
+            rm = rows < M
+            irow = rows % S
         m = rm[:, None] & cm[None, :]
         offs = rows[:, None] * H + cols[None, :]
         x = exact.f32(tl.load(x_ptr + offs, mask=m, other=0.0), INTERPRET)
@@ -155,7 +181,7 @@ def _rms_bwd_kernel(
         rstd = tl.load(rstd_ptr + rows, mask=rm, other=0.0)[:, None]
         xhat = x * rstd
         if MODULATE:
-            j = tl.load(idx_ptr + rows % S, mask=rm, other=0).to(tl.int64)
+            j = tl.load(idx_ptr + irow, mask=rm, other=0).to(tl.int64)
             sc = exact.f32(tl.load(scale_ptr + j[:, None] * scale_rs + cols[None, :], mask=m, other=0.0), INTERPRET)
             dn = g * exact.rnd(1.0 + sc, DT, INTERPRET)
             if NEED_N:
@@ -251,12 +277,57 @@ def rms_backward(x, weight, rstd, g, scale=None, idx=None, need_n: bool = False)
     progs = triton.cdiv(m, rows)
     dwp = torch.empty((progs, h), dtype=torch.float32, device=x.device)
     _rms_bwd_kernel[(progs,)](
-        x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp,
-        m, h, idx.shape[0] if modulate else 1, scale.stride(0) if modulate else 0, float(h),
+        x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp, dwp,
+        m, h, idx.shape[0] if modulate else 1, 1, scale.stride(0) if modulate else 0, float(h),
         ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate, ROUND_FIRST=provider_rounds_first(x.device),
-        NEED_N=need_n, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+        NEED_N=need_n, SEGMENTED=False, NSEG=1, INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
     )  # fmt: skip
     return dx, dwp, n if need_n else None
+
+
+def _nseg(n: int) -> int:
+    return 8 if n <= 8 else 64
+
+
+@cache
+def _segment_table(segments: tuple[tuple[int, int, int, int], ...], batch: int, rows: int, device: torch.device):
+    """(first program of each segment, then the total) and the (5, NSEG) int64 table of the segmented launch:
+    first program, first position, positions, first head, heads per segment (padding segments start at the total)."""
+    firsts = [0]
+    for _, length, _, width in segments:
+        firsts.append(firsts[-1] + triton.cdiv(batch * length * width, rows))
+    pad = _nseg(len(segments)) - len(segments)
+    cols = [firsts[:-1] + [firsts[-1]] * pad, [lo for lo, _, _, _ in segments] + [0] * pad,
+            [max(n, 1) for _, n, _, _ in segments] + [1] * pad, [h0 for _, _, h0, _ in segments] + [0] * pad,
+            [max(w, 1) for _, _, _, w in segments] + [1] * pad]  # fmt: skip
+    return tuple(firsts), torch.tensor(cols, dtype=torch.int64, device=device)
+
+
+def rms_backward_segments(x, weight, rstd, g, scale, idx, segments, need_n: bool = False, heads: bool = False):
+    """:func:`rms_backward` of every segment in ONE launch: ``(dx, dweight_partials, n, firsts)``. ``x`` is
+    (..., S, H), or with ``heads`` (..., S, HR, H) (the QK norm's (position, head) rows); ``segments[k] = (lo, len,
+    h0, w)``: positions ``[lo, lo + len)`` x heads ``[h0, h0 + w)`` of every batch item (at most 64 segments). dx
+    and n of every covered row (a row's own, as any launch gives them); segment k's program partials in rows
+    ``[firsts[k], firsts[k + 1])``, bitwise those of ``rms_backward`` on the segment's rows copied out alone
+    (``x[..., lo:lo+len, h0:h0+w, :]``, ``idx[lo:lo+len]``): the same programs of ROWS rows from its first row."""
+    modulate = idx is not None
+    h, s, hr = x.shape[-1], x.shape[-3 if heads else -2], x.shape[-2] if heads else 1
+    batch = x.numel() // (h * hr * s) if s else 0
+    dx = torch.empty_like(x)
+    n = torch.empty_like(x) if need_n else dx
+    block_h, block_m, warps = _bwd_config(h)
+    rows = max(BWD_ROWS, block_m)
+    firsts, table = _segment_table(tuple(segments), batch, rows, x.device)
+    dwp = torch.empty((firsts[-1], h), dtype=torch.float32, device=x.device)
+    if firsts[-1]:
+        _rms_bwd_kernel[(firsts[-1],)](
+            x, weight, g, rstd, scale if modulate else x, idx if modulate else x, dx, n, dwp, table,
+            batch, h, s, hr, scale.stride(0) if modulate else 0, float(h),
+            ROWS=rows, BLOCK_M=block_m, BLOCK_H=block_h, MODULATE=modulate,
+            ROUND_FIRST=provider_rounds_first(x.device), NEED_N=need_n, SEGMENTED=True, NSEG=_nseg(len(segments)),
+            INTERPRET=INTERPRET, num_warps=warps, **STRICT_LAUNCH,
+        )  # fmt: skip
+    return dx, dwp, n if need_n else None, firsts
 
 
 class _RmsNorm(torch.autograd.Function):

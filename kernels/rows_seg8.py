@@ -4,33 +4,37 @@ The forward of every operator here is its single-device operator's, launch for l
 gradients that sum over packed rows change order: they follow :mod:`h3gate.kernels.row_merge` (8 row segments
 fixed by S, each the operator's own reduction on that segment's rows at FP32, the fixed tree, one rounding).
 
-* :func:`linear_row_grads` - dW = dY^T X (and db = sum dY) per segment with the single-walk dW kernel and tiling of
-  the FULL layer (``gemm_config("dw", N, K, dtype)``) into an FP32 output (no rounding; the pipeline depth lowered
-  where the FP32 epilogue tile would not fit in shared memory: :func:`fp32_out_config`), the colsum kernel at FP32.
-* ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (the
-  kernel run on each segment's rows: every row's dx is its own); per segment the weight partial (the kernel's 32-row
-  program partials by ``gather.sum_rows`` at FP32) and the shift / scale table partials (``gather.table_grad`` of the
-  segment's rows at FP32); the three trees, one rounding each.
+* :func:`linear_row_grads` - dW = dY^T X (and db = sum dY): every segment's partial and the tree inside one program
+  per dW tile (:mod:`h3gate.kernels.rows_dw`: per segment the single-walk dW kernel's walk with the FULL layer's
+  BLOCK_K, ``gemm_config("dw", N, K, dtype)``; db per segment the colsum kernel's walk), one launch each, rounded in
+  the epilogue on one device; no partial buffers. v1 launched the single-walk kernels once per segment into FP32
+  partials and added them with torch: the same bytes.
+* ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (every
+  row's dx is its own); per segment the weight partial (the kernel's 32-row program partials, programs starting at
+  the segment's first row, by ``gather.sum_rows``' order at FP32) and the shift / scale table partials
+  (``gather.table_grad`` of the segment's rows at FP32); the three trees, one rounding each. One backward launch for
+  every segment (:func:`h3gate.kernels.norms.rms_backward_segments`) and one segment sum of all weight partials
+  (:func:`weight_partials`); v1 launched the norm's backward once per segment: the same bytes.
 * ``adaln_gate_residual_seg8`` - forward and dy as ``adaln_gate_residual``; the gate table's gradient per segment
   (``table_grad(g, idx, other=y)`` at FP32), the tree, one rounding.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import functools
 
 import torch
 
 from h3gate.kernels.common import cached
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
-from h3gate.kernels.gather import segment_plan, segment_sum, sum_rows
-from h3gate.kernels.gemm_configs import GemmConfig, gemm_config
-from h3gate.kernels.gemm_triton import colsum, matmul
+from h3gate.kernels.gather import segment_plan, segment_sum
+from h3gate.kernels.gemm_configs import PRODUCTION, GemmLaunch
 from h3gate.kernels.merge_tree import finish
-from h3gate.kernels.norms import check_modulate, rms_backward, rms_forward
-from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for, seq_slice
+from h3gate.kernels.norms import check_modulate, rms_backward, rms_backward_segments, rms_forward
+from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for
+from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
 
-KERNEL_ID = "triton:h3gate.rows_seg8:v1"
+KERNEL_ID = "triton:h3gate.rows_seg8:v2"
 F32 = torch.float32
 
 
@@ -39,42 +43,33 @@ def linear_rows(op: str, x: torch.Tensor) -> RowGroup:
     return rows_for(op, x.shape[-2] if x.ndim >= 2 else 1)
 
 
-SMEM_LIMIT = 232448  # bytes of shared memory per block on the H100/H200 (the tightest target)
-
-
-def fp32_out_config(cfg: GemmConfig, dtype: torch.dtype) -> GemmConfig:
-    """The dW tiling with an FP32 output: the same tile and BLOCK_K (so the same MMA sequence per element), the
-    pipeline depth lowered until the input stages and the FP32 epilogue tile fit in shared memory. ``num_stages``
-    only decides how many chunks are loaded ahead, never what is added or in which order."""
-    elt = torch.tensor([], dtype=dtype).element_size()
-    stages = cfg.num_stages
-    while (
-        stages > 1
-        and stages * (cfg.block_m + cfg.block_n) * cfg.block_k * elt + cfg.block_m * cfg.block_n * 4 > SMEM_LIMIT
-    ):
-        stages -= 1
-    return replace(cfg, num_stages=stages)
-
-
 def linear_row_grads(
-    gy: torch.Tensor, x: torch.Tensor, w_shape: tuple[int, int], full: tuple[int, int], rows: RowGroup, bias: bool
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    w_shape: tuple[int, int],
+    full: tuple[int, int],
+    rows: RowGroup,
+    bias: bool,
+    launch: GemmLaunch = PRODUCTION,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dW, db) of ``y = x @ w^T [+ b]`` (``w`` of shape ``w_shape``, a slice of the full ``full`` (N, K) layer) in
-    the row-segment order, rounded once to x's dtype; ``gy`` (..., S, N_local), ``x`` (..., S, K_local)."""
+    the row-segment order, rounded once to x's dtype; ``gy`` (..., S, N_local), ``x`` (..., S, K_local). One launch
+    for dW and one for db (:mod:`h3gate.kernels.rows_dw`); under CP the FP32 subtrees are merged over the group (one
+    all-gather of both) and rounded after."""
     x = x.reshape(1, -1) if x.ndim == 1 else x
-    n_loc, k_loc = gy.shape[-1], x.shape[-1]
-    cfg = fp32_out_config(gemm_config("dw", full[0], full[1], x.dtype), x.dtype)
-    g3 = gy.reshape(*x.shape[:-1], n_loc)
-
-    def partial(lo: int, hi: int) -> list[torch.Tensor]:
-        gs, xs = seq_slice(g3, lo, hi).reshape(-1, n_loc), seq_slice(x, lo, hi).reshape(-1, k_loc)
-        dw = torch.empty(w_shape, dtype=F32, device=x.device)
-        matmul(gs, xs, dw, None, cfg, a_trans=True, b_trans=False)
-        return [dw, colsum(gs, F32)] if bias else [dw]
-
-    shapes = [w_shape, (w_shape[0],)] if bias else [w_shape]
-    sums = row_sum(rows, partial, shapes, x.device)
-    return finish(sums[0], None, x.dtype), (finish(sums[1], None, x.dtype) if bias else None)
+    n_loc, k_loc, s_loc, batch = gy.shape[-1], x.shape[-1], x.shape[-2], x.shape[:-2].numel()
+    g3 = gy.reshape(batch, s_loc, n_loc).contiguous()
+    x3 = x.reshape(batch, s_loc, k_loc).contiguous()
+    if (n_loc, k_loc) != tuple(w_shape):
+        raise ValueError(f"linear_row_grads: dY/X widths {(n_loc, k_loc)} != weight shape {tuple(w_shape)}")
+    out = x.dtype if rows.degree == 1 else None
+    dw = rows_dw(g3, x3, rows, fused_dw_config(full, x.dtype), out, launch)
+    db = rows_colsum(g3, rows, out) if bias else None
+    if out is not None:
+        return dw, db
+    total = rows.merge(torch.cat([dw.reshape(-1)] + ([db] if bias else [])))
+    dw = finish(total[: dw.numel()].view(dw.shape), None, x.dtype)
+    return dw, (finish(total[dw.numel() :], None, x.dtype) if bias else None)
 
 
 def table_partials(g, idx, rows: int, spans, other=None) -> torch.Tensor:
@@ -97,6 +92,21 @@ def table_partials(g, idx, rows: int, spans, other=None) -> torch.Tensor:
     return out[0].view(len(spans), rows, h)
 
 
+@functools.lru_cache(maxsize=64)
+def _weight_plan(firsts: tuple[int, ...], device: torch.device):
+    """The plan of :func:`weight_partials`: partial row r belongs to the segment k with ``firsts[k] <= r <
+    firsts[k + 1]``."""
+    counts = torch.tensor([b - a for a, b in zip(firsts, firsts[1:], strict=False)])
+    return segment_plan(torch.repeat_interleave(torch.arange(len(counts)), counts).to(device), len(counts))
+
+
+def weight_partials(dwp: torch.Tensor, firsts: tuple[int, ...]) -> torch.Tensor:
+    """(segments, H) FP32: segment k's program partials (rows ``[firsts[k], firsts[k + 1])`` of ``dwp``) summed in
+    ``gather.sum_rows``' order, all segments in one plan keyed by segment (each key's 256-row chunks start at its own
+    first row, as ``sum_rows`` of that segment's partials alone; a segment without partials is +0)."""
+    return segment_sum(dwp.unsqueeze(0), _weight_plan(tuple(firsts), dwp.device), F32)[0]
+
+
 class _RmsNormRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, shift, scale, idx, eps, op):
@@ -112,21 +122,10 @@ class _RmsNormRows(torch.autograd.Function):
         need_w, need_shift, need_scale = ctx.needs_input_grad[1:4]
         if not (need_w or need_shift or need_scale):
             return rms_backward(x, weight, rstd, g, scale, idx)[0], None, None, None, None, None, None
-        rstd = rstd.view(x.shape[:-1])
-        dx = torch.empty_like(x)
-        n = torch.empty_like(x) if need_scale else None
-        spans, w_parts = local_spans(ctx.rows), []
-        for lo, hi in spans:  # the kernel on each segment's rows: its dx, n and weight partial
-            if hi <= lo:
-                w_parts.append(torch.zeros(weight.shape, dtype=F32, device=x.device))
-                continue
-            xs, gs, rs = seq_slice(x, lo, hi), seq_slice(g, lo, hi), rstd[..., lo:hi].contiguous()
-            dxs, dwp, ns = rms_backward(xs, weight, rs, gs, scale, idx[lo:hi], need_scale)
-            dx[..., lo:hi, :] = dxs
-            if n is not None:
-                n[..., lo:hi, :] = ns
-            w_parts.append(sum_rows(dwp, F32))
-        stacked = [torch.stack(w_parts)] if need_w else []
+        spans = local_spans(ctx.rows)
+        segments = [(lo, hi - lo, 0, 1) for lo, hi in spans]
+        dx, dwp, n, firsts = rms_backward_segments(x, weight, rstd, g, scale, idx, segments, need_scale)
+        stacked = [weight_partials(dwp, firsts)] if need_w else []
         if need_shift:
             stacked.append(table_partials(g, idx, scale.shape[0], spans))
         if need_scale:

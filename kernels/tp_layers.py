@@ -11,7 +11,8 @@ the same functions, no communication, which is what the one-device ``*_seg8`` op
   ``dY[:, N_r] @ W[N_r, :]`` (its owned segments), gathered, the tree's upper levels, one rounding. ``halves``
   (gate/up, fused (2F, K) weight owned as chunk pairs): each half is its own (F, K) segmented-8 reduction and
   ``dX = rne(T_value + T_gate)`` (one FP32 add of the two trees). dW = dY^T @ X in the row-segment order over the
-  packed rows (:func:`h3gate.kernels.rows_seg8.linear_row_grads`; merged over CP, unsplit by TP).
+  packed rows (:func:`h3gate.kernels.rows_seg8.linear_row_grads`: one fused launch, :mod:`h3gate.kernels.rows_dw`;
+  merged over CP, unsplit by TP).
 * :class:`RowLinear` (attention O, FFN down; weight columns = the rank's K) - forward: the rank's subtree over its
   K segments, gathered, upper levels, one rounding: every rank holds the full Y. dX (its K columns): the full
   segmented-8 walk over N (unsplit), one rounding. dW (its columns) = dY^T @ X_r in the row-segment order.
@@ -34,18 +35,17 @@ import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels.common import needs_graph
-from h3gate.kernels.gather import sum_rows
 from h3gate.kernels.gemm import check_linear
 from h3gate.kernels.gemm import forward as single_walk
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import rank_slice, segment_partials
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.kernels.merge_tree import SEGMENTS, combine, finish, owned_segments
-from h3gate.kernels.norms import HEAD_DIM, check_qk, qk_rmsnorm, rms_backward, rms_forward
-from h3gate.kernels.row_merge import row_sum, rows_for
-from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
+from h3gate.kernels.norms import HEAD_DIM, check_qk, qk_rmsnorm, rms_backward_segments, rms_forward
+from h3gate.kernels.row_merge import local_spans, row_sum, rows_for
+from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows, weight_partials
 
-KERNEL_ID = "triton:h3gate.tp_layers_seg8:v1"
+KERNEL_ID = "triton:h3gate.tp_layers_seg8:v2"
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 
@@ -224,30 +224,17 @@ class QkNormGrouped(torch.autograd.Function):
     def backward(ctx, grad):
         xv, weight, rstd = ctx.saved_tensors
         g = grad.contiguous()
-        rstd = rstd.view(*xv.shape[:-1])
         bounds, local = head_groups(ctx.heads), xv.shape[-2]
         spans = [(bounds[i] - ctx.first, bounds[i + 1] - ctx.first) for i in ctx.group.owned]
         for i, (lo, hi) in zip(ctx.group.owned, spans, strict=True):
             if hi > lo and not 0 <= lo < hi <= local:
                 raise InputError(f"h3_qk_rmsnorm_d128_seg8: head group {i} is not on this rank's {local} heads")
-        dx = torch.empty_like(xv)
-        # each head group's rows copied once (B, S, g, D); a row segment of it is then a contiguous view (B = 1)
-        groups = [None if hi <= lo else (xv[..., lo:hi, :].contiguous(), g[..., lo:hi, :].contiguous(),
-                                         rstd[..., lo:hi].contiguous()) for lo, hi in spans]  # fmt: skip
-
-        def partial(r0: int, r1: int) -> list[torch.Tensor]:
-            out = []
-            for (lo, hi), grp in zip(spans, groups, strict=True):
-                if grp is None:
-                    out.append(torch.zeros(HEAD_DIM, dtype=torch.float32, device=xv.device))
-                    continue
-                xs, gs, rs = (t[:, r0:r1].contiguous() for t in grp)
-                dxi, dwp, _ = rms_backward(xs, weight, rs, gs)
-                dx[..., r0:r1, lo:hi, :] = dxi
-                out.append(sum_rows(dwp, torch.float32))
-            return out
-
-        level = row_sum(ctx.rows, partial, [(HEAD_DIM,)] * len(spans), xv.device)
+        # one launch: segment (group i, row segment k) = the rows (b, s in k, h in i), group-major
+        row_spans = local_spans(ctx.rows)
+        segments = [(r0, r1 - r0, lo, max(hi - lo, 0)) for lo, hi in spans for r0, r1 in row_spans]
+        dx, dwp, _, firsts = rms_backward_segments(xv, weight, rstd, g, None, None, segments, heads=True)
+        parts = weight_partials(dwp, firsts).view(len(spans), len(row_spans), HEAD_DIM)
+        level = list(row_sum(ctx.rows, None, [], xv.device, [parts.transpose(0, 1)])[0].unbind(0))
         while len(level) > 1:
             level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
         dweight = finish(ctx.group.merge(level[0]), None, weight.dtype)

@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from h3gate.kernels import elementwise, gather, gemm_swapped, gemm_triton, norms, packed, rope, timestep  # noqa: E402
 from h3gate.kernels.common import STRICT_LAUNCH  # noqa: E402
+from h3gate.kernels.rows_dw import _rows_colsum_kernel, _rows_dw_kernel  # noqa: E402
 
 B, F, I64, I32, PF = "*bf16", "*fp32", "*i64", "*i32", "fp32"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -37,7 +38,7 @@ def variants():
     fwd = dict(x_ptr=B, w_ptr=B, out_ptr=B, rstd_ptr=F, shift_ptr=B, scale_ptr=B, idx_ptr=I64, M="i32", H="i32",
                S="i32", shift_rs="i32", scale_rs="i32", h_f=PF, eps=PF)  # fmt: skip
     bwd = dict(x_ptr=B, w_ptr=B, g_ptr=B, rstd_ptr=F, scale_ptr=B, idx_ptr=I64, dx_ptr=B, n_ptr=B, dwp_ptr=F,
-               M="i32", H="i32", S="i32", scale_rs="i32", h_f=PF)  # fmt: skip
+               seg_ptr=I64, M="i32", H="i32", S="i32", HR="i32", scale_rs="i32", h_f=PF)  # fmt: skip
     yield "gather.cast", g._gather_kernel, gat, dict(BLOCK_N=2, BLOCK_C=1024, CAST=True, SUM1=False), False
     yield (
         "gather.sum1",
@@ -55,7 +56,13 @@ def variants():
         yield f"rms.fwd.chunked.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=1, BLOCK_H=2048, NCH=3,
               MODULATE=mod, ROUND_FIRST=rf, SAVE_RSTD=True), False  # fmt: skip
         yield f"rms.bwd.mod{mod:d}", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=16, BLOCK_H=128, MODULATE=mod,
-              ROUND_FIRST=rf, NEED_N=mod), False  # fmt: skip
+              ROUND_FIRST=rf, NEED_N=mod, SEGMENTED=False, NSEG=1), False  # fmt: skip
+    # the seg8 norms' backward, every segment in one launch: the modulated norm's 8 row segments (H = 5376), the QK
+    # norm's 64 (head group, row segment) blocks (D = 128)
+    yield "rms.bwd.segmented", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=1, BLOCK_H=8192, MODULATE=True,
+          ROUND_FIRST=False, NEED_N=True, SEGMENTED=True, NSEG=8), False, dict(num_warps=8)  # fmt: skip
+    yield "rms.bwd.segmented.qk", n._rms_bwd_kernel, bwd, dict(ROWS=32, BLOCK_M=16, BLOCK_H=128, MODULATE=False,
+          ROUND_FIRST=False, NEED_N=False, SEGMENTED=True, NSEG=64), False  # fmt: skip
     ts = dict(t_ptr=F, out_ptr=F, half="i32", half_f=PF, neg_log=PF)
     yield "timestep.fwd", timestep._sinusoid_fwd_kernel, ts, dict(BLOCK=128), True
     yield "timestep.bwd", timestep._sinusoid_bwd_kernel, dict(t_ptr=F, g_ptr=F, dt_ptr=F, half="i32", half_f=PF,
@@ -103,6 +110,21 @@ def variants():
     yield "gemm.swap.ptr.tail16", gemm_swapped._gemm_swapped_kernel, sw, {**swb, "USE_TMA": False}, False, w4
     sw128 = {**swb, "BLOCK_N": 128, "TAIL_M": 64}
     yield "gemm.swap.tma.tail64", gemm_swapped._gemm_swapped_kernel, sw, sw128, False, opts
+    # The fused row-segment dW (all 8 segments, the tree in scratch slots, rounded in the epilogue; a CP rank's FP32
+    # subtree of 2 segments) and its colsum (db).
+    rd = dict(g_ptr=B, x_ptr=B, out_ptr=B, scratch_ptr=F, N="i32", K="i32", S_LOC="i32", BATCH="i32", L="i32",
+              S_GLOB="i32", LO="i32", SEG0="i32", stride_g="i32", stride_x="i32", stride_o="i32",
+              NUM_PROGS="i32")  # fmt: skip
+    rdc = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, C=8, FINISH=True, BATCHED=False, USE_TMA=False,
+               INTERPRET=False)  # fmt: skip
+    yield "gemm.rows_dw", _rows_dw_kernel, rd, rdc, False, opts
+    yield "gemm.rows_dw.tma", _rows_dw_kernel, rd, {**rdc, "USE_TMA": True}, False, opts
+    cp4 = {**rdc, "C": 2, "FINISH": False}
+    yield "gemm.rows_dw.cp4", _rows_dw_kernel, {**rd, "out_ptr": F}, cp4, False, opts
+    cs = dict(g_ptr=B, out_ptr=B, N="i32", S_LOC="i32", BATCH="i32", L="i32", S_GLOB="i32", LO="i32", SEG0="i32",
+              stride_g="i32")  # fmt: skip
+    csc = dict(BLOCK_R=32, BLOCK_N=128, C=8, FINISH=True, BATCHED=False, INTERPRET=False)
+    yield "rows_dw.colsum", _rows_colsum_kernel, cs, csc, False, dict(num_warps=4)
 
 
 def main() -> int:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# H200 evidence for the fused row-segment weight gradient (kernels/rows_dw.py; issue 46), from the repository root on
+# the lent GPU host, .whl and .h3gate-revision carried:  bash tools/gpu_seg8_dw.sh SECTION [SECTION ...]
+#   check        tools/gpu_seg8_dw_check.py: fused dW == v1 (8 launches + torch tree) byte for byte at the block's
+#                weights, M = 3160 and 38974 (one device, CP2 combined, db, the optional TMA walk), each timed next
+#                to v1 and the single walk; the seg8 norms' one-launch backward against v1 (bytes, time)
+#   tests        tests/triton_kernels/test_rows_dw.py (dW, db, the norms' one-launch backward against v1; slow sweeps
+#                included) and test_row_merge.py compiled on CUDA
+#   block        bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider): compare
+#                strict_seg8_over_strict with evidence/h200/bench-ws1-block-seg8rows-{medium,768p} (2.83x, 1.154x)
+#   block-gate   run ws1-block --merge-order seg8 at medium (the seg8 block through the gate, backward included)
+#   ws2          run ws2 tp2, cp2 and tp2cp2 at released widths, block scope, medium (every gradient byte-equal)
+# BUDGET_S (default 540): a section that would start later than that is skipped (run check, tests, block, block-gate
+# and ws2 as separate calls). Run `block` on main's checkout too, same machine, for the before/after ratio.
+# Every step runs under a time cap; each evidence folder lands under $OUT/ev/<name>/ and $OUT/evidence.tgz.
+. tools/gpu_common.sh
+H="python3 -m h3gate"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+for s in "$@"; do
+  case $s in
+    check) step 420 seg8-dw-check python3 tools/gpu_seg8_dw_check.py --json "$ev/seg8-dw-check.json";;
+    tests) step 300 seg8-dw-tests env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+      tests/triton_kernels/test_rows_dw.py tests/triton_kernels/test_row_merge.py;;
+    block) for L in medium 768p; do
+        step 240 "bench-ws1-block-seg8dw-$L" $H bench ws1-block --merge-order seg8 --config real --layout "$L" \
+          --device cuda --out "$ev/bench-ws1-block-seg8dw-$L"
+      done;;
+    block-gate) gate ws1-block-seg8dw-real-medium 0 run ws1-block --merge-order seg8 --config real --layout medium \
+      --device cuda --mode strict;;
+    ws2) for T in tp2 cp2 tp2cp2; do
+        gate "ws2-$T-seg8dw-real-block-medium" 0 run ws2 --topology "$T" --backend gloo --device cuda --config real \
+          --scope block --layout medium
+      done;;
+  esac
+done
+tar czf "$out/evidence.tgz" -C "$ev" .
