@@ -112,10 +112,12 @@ def test_ws2_merges_each_processes_record_and_names_the_rank():
     clean = {"evaluations": 34, "keys": 17, "pairs": {"candidate": 17}, "mismatches": []}
     bad = {**clean, "mismatches": [{"node": "o_proj", "kind": "forward", "value": "out", "role": "candidate",
                                     "passes": ["forward", "forward repeat"], "row": 3, "rows": 84}]}  # fmt: skip
-    rec = determinism.merged([("TP1", None, clean), ("rank 0", 0, clean), ("rank 1", 1, bad)])
+    from h3gate.parallel.ws2 import merged_determinism
+
+    rec = merged_determinism([("TP1", None, clean), ("rank 0", 0, clean), ("rank 1", 1, bad)])
     assert rec["pairs"] == {"candidate": 51} and rec["evaluations"] == 102 and not rec["pass"]
     assert rec["mismatches"][0]["rank"] == 1 and [r["name"] for r in rec["ranks"]] == ["TP1", "rank 0", "rank 1"]
-    assert determinism.merged([("TP1", None, None)])["note"] == determinism.NOTHING_COMPARED
+    assert merged_determinism([("TP1", None, None)])["note"] == determinism.NOTHING_COMPARED
 
 
 @pytest.mark.parametrize(

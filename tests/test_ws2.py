@@ -42,6 +42,11 @@ def test_tp_ranks_are_byte_equal_to_tp1_forward_and_backward(run_cli, tmp_path, 
         assert shapes["ff.net.0.proj.weight"] == [1024 // n, 192] and shapes["ff.net.2.weight"] == [192, 512 // n]
     bound = {b["ops"][0].get("bound") for b in body["reference"]["bindings"].values()}
     assert {"h3_attention_o_gemm_seg8", "h3_ffn_down_gemm_seg8", "h3_qkv_gemm_seg8"} <= bound
+    # within-run determinism: TP1 and every rank evaluate each node once more after the forward, bitwise
+    rec = body["determinism"]
+    assert rec["pass"] and rec["mismatches"] == [] and rec["pairs"] == {"candidate": 17 * (n + 1)}
+    assert [r["name"] for r in rec["ranks"]] == ["TP1", *(f"rank {r}" for r in range(n))]
+    assert f"pairs on identical inputs: candidate {17 * (n + 1)}; all bitwise" in text
 
 
 @pytest.mark.parametrize(

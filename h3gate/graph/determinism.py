@@ -220,29 +220,6 @@ RULE = ("two evaluations of one node on bit-identical inputs, parameters, op tab
 NOTHING_COMPARED = "no node was evaluated twice on bit-identical inputs in this run: nothing compared"
 
 
-def merged(processes: Sequence[tuple[str, int | None, dict | None]]) -> dict:
-    """One evidence block from several processes' records, each ``(name, rank or None, record)``: evaluations, keys
-    and pairs summed, each mismatch tagged with its process's ``rank`` (where it has one), each process's counts kept
-    under ``ranks``; a process that sent no record counts as nothing compared."""
-    pairs: dict[str, int] = {}
-    mismatches: list[dict] = []
-    for _, rank, rec in processes:
-        for role, n in (rec or {}).get("pairs", {}).items():
-            pairs[role] = pairs.get(role, 0) + n
-        mismatches += [{**m, **({} if rank is None else {"rank": rank})} for m in (rec or {}).get("mismatches", [])]
-    out = {
-        "rule": RULE,
-        "evaluations": sum((rec or {}).get("evaluations", 0) for *_, rec in processes),
-        "keys": sum((rec or {}).get("keys", 0) for *_, rec in processes),
-        "pairs": pairs,
-        "mismatches": mismatches,
-        "pass": not any(m["role"] == "candidate" for m in mismatches),
-        "ranks": [{"name": name, "evaluations": (rec or {}).get("evaluations", 0),
-                   "pairs": dict((rec or {}).get("pairs", {}))} for name, _, rec in processes],
-    }  # fmt: skip
-    return out if any(pairs.values()) else {**out, "note": NOTHING_COMPARED}
-
-
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("h3gate_determinism", default=None)
 _LABEL: contextvars.ContextVar[str] = contextvars.ContextVar("h3gate_determinism_label", default="unlabelled")
 _SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("h3gate_determinism_setting", default="")

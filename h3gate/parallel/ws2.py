@@ -14,7 +14,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,6 +298,29 @@ def make_reference(plan: Ws2Plan, folder: Path) -> Reference:
     return Reference(folder, reference_key(plan.settings), *_reference(plan, folder))
 
 
+def merged_determinism(processes: Sequence[tuple[str, int | None, dict | None]]) -> dict:
+    """One evidence block from several processes' records, each ``(name, rank or None, record)``: evaluations, keys
+    and pairs summed, each mismatch tagged with its process's ``rank`` (where it has one), each process's counts kept
+    under ``ranks``; a process that sent no record counts as nothing compared."""
+    pairs: dict[str, int] = {}
+    mismatches: list[dict] = []
+    for _, rank, rec in processes:
+        for role, n in (rec or {}).get("pairs", {}).items():
+            pairs[role] = pairs.get(role, 0) + n
+        mismatches += [{**m, **({} if rank is None else {"rank": rank})} for m in (rec or {}).get("mismatches", [])]
+    out = {
+        "rule": determinism.RULE,
+        "evaluations": sum((rec or {}).get("evaluations", 0) for *_, rec in processes),
+        "keys": sum((rec or {}).get("keys", 0) for *_, rec in processes),
+        "pairs": pairs,
+        "mismatches": mismatches,
+        "pass": not any(m["role"] == "candidate" for m in mismatches),
+        "ranks": [{"name": name, "evaluations": (rec or {}).get("evaluations", 0),
+                   "pairs": dict((rec or {}).get("pairs", {}))} for name, _, rec in processes],
+    }  # fmt: skip
+    return out if any(pairs.values()) else {**out, "note": determinism.NOTHING_COMPARED}
+
+
 def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Run TP1 (or reuse ``reference``) and the topology's ranks; the evidence body (verdict ``pass`` iff forward
     and backward byte-equal). ``progress`` hears each stage: TP1 done, then each rank as it finishes."""
@@ -320,7 +343,7 @@ def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callabl
                if d is not None]  # fmt: skip
     processes = [] if ref_determinism is None else [("TP1", None, ref_determinism)]
     processes += [(f"rank {r}", r, rec.get("determinism")) for r, rec in enumerate(per_rank)]
-    record = determinism.merged(processes)
+    record = merged_determinism(processes)
     failing += [f"{determinism_failure(m, [])} on {'rank ' + str(m['rank']) if 'rank' in m else 'TP1'}"
                 for m in record["mismatches"] if m["role"] == "candidate"]  # fmt: skip
     injected = next((rec["injected"] for rec in per_rank if rec.get("injected")), None)
