@@ -161,6 +161,7 @@ E2E = (
     "forward:final.norm_out:row 1:scale",
     "backward:refiner.0.ffn_down:row 1:scale",
     "backward:block.0.ffn_down:row 83:scale",
+    "backward:block.0.q_norm:row 40:scale",  # seen by q_norm's backward alone only (isolated_node)
     "backward:block.1.residual_mlp:row 40:scale",
     "backward:heads.video_select:row 83:scale",
 )

@@ -98,6 +98,13 @@ def test_the_backward_judges_every_parameter_and_the_request(default_run) -> Non
         assert leaf["rows"]["chained"]["rows"] == rows[modality]
     node_grads = [r for r in bw["gradients"].values() if r["kind"] == "node"]
     assert len(node_grads) >= 50 and all(r["pass"] for r in node_grads)
+    # each node's backward alone (isolated_node): every node output a node of its own stage reads, judged on each
+    # such reader's VJP; the q/k/v gradients of a block's norm1 on three readers
+    alone = [r for r in node_grads if r["isolated_node"] is not None]
+    assert len(alone) >= 40 and all(r["rows"]["isolated_node"]["pass"] for r in alone)
+    assert all("row_bound_isolated_node" in {c["check"] for c in r["checks"]} for r in alone)
+    readers = bw["gradients"]["block.0.norm1"]["isolated_node"]["ratios"]
+    assert set(readers) == {"block.0.q_proj", "block.0.k_proj", "block.0.v_proj"}
     assert bw["autograd_forward"] and all(v["bitwise"] for v in bw["autograd_forward"].values())
     assert doc["summary"]["failing_tensors"] == 0
     assert doc["summary"]["tensors_judged"] == len(doc["nodes"]) + len(bw["gradients"]) + len(bw["leaves"])
@@ -163,6 +170,21 @@ def test_the_console_names_the_row_the_evidence_names_and_never_a_none(capsys) -
     assert "None" not in out
     assert "first failure: forward block.1 layer 1 block.1.o_proj (whole tensor): batch_row_bitwise" in out
     assert "first row over its bound: forward block.1 layer 1 block.1.o_proj (row 30, video), isolated, 3.24 x" in out
+
+
+@pytest.mark.slow  # ~60 s on two cores: make test-slow
+def test_a_backward_fault_within_the_stage_bound_fails_on_its_node_alone(tmp_path) -> None:
+    """q_norm's backward 2^-6 off on one row: inside the stage-isolated and chained bounds, caught only by
+    q_norm's VJP alone (isolated_node), and named after it."""
+    args = ["--quiet", "run", "ws1-model", "--layers", "0:1", "--out", str(tmp_path / "ev")]
+    done = _run([*args, "--fault", "block.0.q_norm:40:scale:backward"], tmp_path)
+    assert done.returncode == 1, done.stderr[-2000:]
+    doc = _doc(tmp_path / "ev")
+    first = doc["first_failure"]
+    assert (first["check"], first["node"], first["operator"], first["row"], first["modality"]) == (
+        "row_bound_isolated_node", "block.0.q_proj", "block.0.q_norm", 40, "audio",
+    )  # fmt: skip
+    assert doc["failing_checks"] == [f"backward.block.0.q_proj.row_bound_isolated_node ({first['detail']})"]
 
 
 @pytest.mark.slow  # 31 s on two cores: make test-slow (.ci/run runs both); the forward fault above and the block's

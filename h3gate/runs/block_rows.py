@@ -231,13 +231,15 @@ def vjp_envelope(
     wrt: Sequence[str],
     params: Mapping[str, torch.Tensor],
     golden_params: Mapping[str, torch.Tensor],
+    row_dims: Mapping[str, int | None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict[str, int | None]]:
     """(node-local FP64 VJP, per-variant row errors of the provider's node VJP against it, each gradient's row
-    axis), on the provider's inputs and incoming gradient: the backward twin of :func:`isolated_envelope`."""
+    axis), on the provider's inputs and incoming gradient: the backward twin of :func:`isolated_envelope`.
+    ``row_dims``: each value's row axis (default ``ctx.row_dims``)."""
     table, golden = provider_table(), golden_table()
     gold = node_vjp(node, golden, node_inputs(node, prov, upcast=True), golden_params, cot.double(), wrt)
     errs: dict[str, dict[str, torch.Tensor]] = {k: {} for k in gold}
-    dims = {k: _grad_row_dim(ctx, k) for k in gold}
+    dims = {k: _grad_row_dim(ctx.row_dims if row_dims is None else row_dims, k) for k in gold}
     for variant in ctx.variants:
         got = run_variant(variant, functools.partial(node_vjp, node, table, fed, params, cot, wrt), ctx.skipped)
         if got is not None:
@@ -246,10 +248,10 @@ def vjp_envelope(
     return gold, errs, dims
 
 
-def _grad_row_dim(ctx: RowContext, key: str) -> int | None:
+def _grad_row_dim(row_dims: Mapping[str, int | None], key: str) -> int | None:
     """Row axis of a VJP output: the input's own row axis; parameters by output channel (dim 0)."""
     wrt = key.split(":d", 1)[1]
-    return ctx.row_dims.get(wrt)
+    return row_dims.get(wrt)
 
 
 def grad_rows(

@@ -6,9 +6,16 @@ gradients its outputs received (:func:`h3gate.runs.model_stages.stage_vjp`): the
 every variant (the chained envelope), the candidate, its repeat and its batch placement. Then the stage alone
 (isolated): the candidate's stage backward on the provider's saved inputs and the provider's incoming gradients,
 against the same stage backward in FP64, under the envelope of the provider's under every variant; a drift is
-located at its stage, not inherited. Judged: the gradient of every node output, of every parameter (by its
-checkpoint name, one row) and of the request (``video_rows``, ``audio_rows``, ``text``); the
-stage's outputs recomputed under autograd must equal the no_grad forward bitwise (training == rollout).
+located at its stage, not inherited. Then each node alone (``isolated_node``, as ws1-block's ``vjp`` view:
+:func:`h3gate.runs.block_rows.vjp_envelope`): every node's backward (:func:`h3gate.graph.execute.iter_node_vjps`)
+on the provider's saved inputs and forward values and the provider's gradient of its output, the gradient it hands
+each input made in the stage, against the node-local FP64 VJP, under the envelope of the provider's node VJP under
+every variant; a node output's gradient is judged on each of its readers' in the stage (the first failing, else the
+largest ratio, named), so a one-row fault in one node's backward is located at that node.
+
+Judged: the gradient of every node output, of every parameter (by its checkpoint name, one row) and of the request
+(``video_rows``, ``audio_rows``, ``text``); the stage's outputs recomputed under autograd must equal the no_grad
+forward bitwise (training == rollout).
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.gate.variants import refusal
 from h3gate.graph import determinism
-from h3gate.graph.core import to_float64
+from h3gate.graph.core import Node, to_float64
+from h3gate.graph.execute import iter_node_vjps
 from h3gate.graph.model import OUTPUTS
 from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
 from h3gate.runs.block_records import bound_check, check
-from h3gate.runs.block_rows import RowContext
+from h3gate.runs.block_rows import RowContext, node_inputs, vjp_envelope
 from h3gate.runs.model_clock import lane_part
-from h3gate.runs.model_fault_matrix import keep_gradient
+from h3gate.runs.model_fault_matrix import keep_gradient, keep_node_vjp
 from h3gate.runs.model_forward import Findings, Lanes
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
 from h3gate.runs.model_stages import LEAVES, model_cotangents
@@ -131,6 +139,8 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
     env = _envelope(lanes.providers, results, gold, dims)
     with gate.clock.part("isolated"):
         iso = _isolated(gate, lanes, stage, params, gparams, prov_in)
+        per_node = _isolated_nodes(gate, ctx, stage, params, gparams, lanes.provider.saved[stage.label],
+                                   results[lanes.provider.name])  # fmt: skip
     iso_results = {lanes.provider.name: results[lanes.provider.name], **iso["variants"]}
     iso_env = _envelope(lanes.providers, iso_results, iso["golden"], dims)
     again = flat(results[lanes.repeat.name])
@@ -142,12 +152,16 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
         if missing:
             findings.failing.append(f"backward.{key}.gradient_missing ({', '.join(missing)})")
             continue
-        rec = _record(gate, ctx, stage, key, dims[key], cand, prov, gold, env, iso, iso_env, again, placed)
+        rec = _record(gate, ctx, stage, key, dims[key], cand, prov, gold, env, iso, iso_env, again, placed,
+                      per_node.get(key, {}))  # fmt: skip
         if ctx.keep:  # the fault matrix's views of a declared gradient (h3gate.runs.model_fault_matrix)
             states = [(lane.saved[stage.label], incoming[lane.name]) for lane in (lanes.provider, lanes.candidate)]
             keep_gradient(ctx, stage, key, cand, prov, gold, env, iso, iso_env, *states)
         where = {"direction": "backward", "stage": stage.label, "layer": stage.layer, "node": key,
                  "operator": gradient_operator(gate.setup.graph.nodes, key)}  # fmt: skip
+        first_bad = next((c["check"] for c in rec["checks"] if not c["pass"]), None)
+        if first_bad == "row_bound_isolated_node":  # named after the one node whose backward failed alone
+            where["operator"] = rec["isolated_node"]["node"]
         agreements = {"repeat_bitwise": rec["repeat"], "batch_row_bitwise": rec["batch_row"]}
         findings.note_failures(where, rec["checks"], rec["rows"], agreements)
         findings.note_drift("backward_chained", where, rec["chained"])
@@ -160,6 +174,42 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
         if not ok["bitwise"] and gate.tolerance.backward.autograd_forward_bitwise:
             findings.failing.append(f"backward.autograd_forward.{k}.bitwise")
     return records, agf
+
+
+def _isolated_nodes(gate, ctx: RowContext, stage: Stage, params, gparams, saved, prov: StageGrads) -> dict:
+    """Per node output M of the stage: per node R of the stage reading M, the row check of R's backward alone
+    (module docstring) for M: ``{M: {R: check}}``, readers in backward execution order."""
+    values = {**saved, **prov.forward}
+    dims = {n.name: n.row_dim for n in stage.nodes}
+
+    def feed(node: Node) -> tuple[dict, list[str]]:
+        wrt = [k for k in node.inputs if k in dims and values[k].is_floating_point()]
+        return node_inputs(node, values, upcast=False), wrt
+
+    def cotangent(node: Node) -> torch.Tensor:
+        return prov.nodes[node.name]
+
+    nodes = [n for n in reversed(stage.nodes) if prov.nodes.get(n.name) is not None and feed(n)[1]]
+    out: dict[str, dict[str, dict]] = {}
+    with determinism.evaluation("isolated node vjp"):
+        vjps = iter_node_vjps(nodes, gate.tables["candidate"], feed, params, cotangent, gate.node_overrides)
+        for node, fed, wrt, cand in vjps:
+            gold, errs, rds = vjp_envelope(ctx, node, fed, values, cotangent(node), wrt, params, gparams, dims)
+            for k in (k for k in gold if k.split(":d", 1)[1] in dims):
+                m = k.split(":d", 1)[1]
+                mods = row_labels(_rows_of(stage, m), cand[k], rds[k], gate.modalities)
+                least = contract_floor(ctx.rule.contract_floor, node.ops, "backward", cand[k].dtype)
+                out.setdefault(m, {})[node.name] = ctx.judge(cand[k], errs[k], gold[k], rds[k], least, mods)
+                if ctx.keep:  # the fault matrix's view of a declared node's backward (h3gate.runs.model_fault_matrix)
+                    keep_node_vjp(ctx, node, m, cand[k], gold[k], errs[k], rds[k], least, mods)
+            del cand, gold, errs
+    return out
+
+
+def _node_view(readers: Mapping[str, dict]) -> str:
+    """The reader named by a gradient's ``isolated_node`` view: the first failing, else the largest ratio's."""
+    name = next((r for r, c in readers.items() if not c["pass"]), None)
+    return name if name is not None else max(readers, key=lambda r: readers[r]["ratio"] or 0.0)
 
 
 def _order(stage: Stage, gold: Mapping[str, torch.Tensor]) -> list[str]:
@@ -220,7 +270,7 @@ def rowed(t: torch.Tensor, rd: int | None) -> tuple[torch.Tensor, int | None]:
     return (t.reshape(1, -1), 0) if rd == WHOLE else (t, rd)
 
 
-def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, again, placed) -> dict:
+def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, again, placed, readers) -> dict:
     tol = gate.tolerance.backward
     c, p, g = cand[key], prov[key], gold[key]
     kind = _kind(stage, key)
@@ -232,7 +282,9 @@ def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, agai
         bound = leaf_check(err_c, err_p, float(g.abs().max()), c.dtype == torch.bfloat16, tol.error_metric,
                            tol.leaf_factor, tol.leaf_floor, tol.bf16_ulp_allowance)  # fmt: skip
     least = contract_floor(ctx.rule.contract_floor, _ops(stage, key, gold), "backward", c.dtype)
+    named = _node_view(readers) if readers else None
     rows = {
+        **({"isolated_node": readers[named]} if readers else {}),
         "chained": ctx.judge(rowed(c, rd)[0], env[key], *rowed(g, rd), at_least=least, mods=mods),
         "isolated": ctx.judge(rowed(iso["candidate"][key], rd)[0], iso_env[key], *rowed(iso["golden"][key], rd),
                               at_least=least, mods=mods),
@@ -250,14 +302,19 @@ def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, agai
     if tol.batch_row_bitwise and batch is not None:
         checks.append(check("batch_row_bitwise", batch["bitwise"]))
     checks.append(bound_check(bound))
-    for view in ("isolated", "chained"):
-        row = rows[view]
-        checks.append(check(f"row_bound_{view}", row["pass"], "" if row["pass"] else describe(row, mods)))
+    for view in ("isolated_node", "isolated", "chained"):
+        row = rows.get(view)
+        if row is not None:
+            detail = "" if row["pass"] else describe(row, mods)
+            detail = f"{named}'s backward alone: {detail}" if detail and view == "isolated_node" else detail
+            checks.append(check(f"row_bound_{view}", row["pass"], detail))
     return {
         "name": key, "kind": kind, "stage": stage.label, "layer": stage.layer, "shape": list(c.shape),
         "dtype": str(c.dtype).removeprefix("torch."), "row_dim": rd, "repeat": repeat, "batch_row": batch,
         "chained": agreement(c, p, rd, mods), "isolated": agreement(iso["candidate"][key], p, rd, mods),
         "error": {"candidate": err_c, "provider": err_p, "bound": bound}, "rows": rows, "checks": checks,
+        "isolated_node": None if named is None else {"node": named,
+                                                     "ratios": {r: c["ratio"] for r, c in readers.items()}},
         "pass": all(x["pass"] for x in checks),
     }  # fmt: skip
 

@@ -14,17 +14,21 @@ timestep rows in the AdaLN projections, packed rows in the blocks and heads).
 No gate runs per fault. For the declared nodes only, the gate keeps each judged view reduced to what a one-row
 fault changes (:class:`h3gate.runs.fault_matrix.RowView`: clean per-row errors, the envelope, the fault rows):
 forward, the node's isolated view (its candidate on the provider's inputs against the node-local FP64 golden,
-under the provider variants' envelope) and chained view (with the whole-tensor error); backward, the isolated
-(the stage alone on the provider's saved inputs and incoming gradients) and chained views of M's gradient. A
+under the provider variants' envelope) and chained view (with the whole-tensor error); backward, the faulted
+node's own backward alone (``isolated_node``: the gradient it hands M on the provider's inputs and gradient of its
+output, against the node-local FP64 VJP, under the provider variants' envelope; a fault changes that term's row r
+only, whatever M's other readers), and the isolated (the stage alone on the provider's saved inputs and incoming
+gradients) and chained views of M's gradient. A
 forward fault, and a backward fault whose M has no other reader, leave that value the clean one with row r
 corrupted, as the override makes it; where M has several readers or leaves the stage, M's stage backward is re-run
 with the fault's override on the kept saved inputs and incoming gradients (provider's: isolated; candidate's:
 chained) and row r of M's gradient taken (the other rows are the clean ones). Each faulted value is judged by the
 gate's own checks in the gate's order (forward: isolated-bitwise where the profile promises it, the whole-tensor
-bound, the isolated then chained row checks; backward: the node-gradient bound, the isolated and chained row
-checks; the repeat and batch-row checks pass, every candidate lane carrying the same override). A fault is caught
-when one of them fails and located when the first failure names the faulted row and its modality (a whole-tensor
-check names no row: the gate's first row failure then does, chained before isolated in the backward) at the
+bound, the isolated then chained row checks; backward: the node-gradient bound, the isolated_node, isolated and
+chained row checks; the repeat and batch-row checks pass, every candidate lane carrying the same override). A fault
+is caught when one of them fails and located when the first failure names the faulted row and its modality (a
+whole-tensor check names no row: the gate's first row failure then does, isolated_node, chained, isolated in the
+backward) at the
 faulted node (backward: the gradient of M, made by the faulted node's backward) in its stage and layer. The
 prediction assumes the clean run passes up to that node; tests/test_model_fault_matrix.py checks it against
 ``run ws1-model --fault``.
@@ -104,6 +108,7 @@ class MatrixKeep:
     excluded: list[dict]
     forward: dict[str, dict] = field(default_factory=dict)
     backward: dict[str, dict] = field(default_factory=dict)
+    node_vjp: dict[str, RowView] = field(default_factory=dict)  # declared node -> its backward alone, for M
     stage_state: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
@@ -175,6 +180,17 @@ def keep_gradient(ctx: RowContext, stage: Stage, key: str, cand: Mapping, prov: 
                                          "chained": (dict(chained_state[0]), incoming["chained"])}  # fmt: skip
 
 
+def keep_node_vjp(ctx: RowContext, node: Node, source: str, cand: torch.Tensor, gold: torch.Tensor, env: Mapping,
+                  row_dim: int | None, at_least: float, mods: list[str] | None) -> None:  # fmt: skip
+    """The backward hook (``runs/model_backward``): a declared node's backward alone (``isolated_node``), as the gate
+    judged the gradient it hands its first input ``source``."""
+    keep: MatrixKeep | None = ctx.kept.get(KEY)
+    if keep is None or node.name not in keep.targets.get(source, ()) or node.inputs[0] != source:
+        return
+    rows = fault_rows_of(_rows(cand, row_dim), mods)
+    keep.node_vjp[node.name] = RowView.of(cand, gold, env, row_dim, rows, at_least, mods)
+
+
 def _first(checks: list[tuple[str, bool, int | None]], views: Mapping[str, dict], order: Sequence[str],
            mods: list[str] | None, fault: RowFault) -> dict:  # fmt: skip
     """Caught / located from the faulted value's checks in the gate's order (module docstring)."""
@@ -243,11 +259,18 @@ def _backward_case(ctx: RowContext, keep: MatrixKeep, node: Node, fault: RowFaul
                         tol.backward.node_factor, tol.backward.node_floor)  # fmt: skip
     views = {"isolated": iso.judge(ctx, r, kind, got.get("isolated")),
              "chained": ch.judge(ctx, r, kind, got.get("chained"))}  # fmt: skip
+    own = keep.node_vjp.get(node.name)
+    if own is not None:  # the faulted node's term alone: its clean row corrupted, as the override would
+        views["isolated_node"] = own.judge(ctx, r, kind)
     checks = [("error_bound", bound["pass"], None)]
-    checks += [(f"row_bound_{v}", views[v]["pass"], views[v]["first_over_row"]) for v in ("isolated", "chained")]
-    return {"judged": key, "operator": gradient_operator(keep.graph.nodes, key),
-            "method": "stage re-run" if rerun is not None else "splice", "checks": {c[0]: c[1] for c in checks},
-            **_ratios(views), **_first(checks, views, ("chained", "isolated"), iso.mods, fault)}  # fmt: skip
+    order = [v for v in ("isolated_node", "isolated", "chained") if v in views]
+    checks += [(f"row_bound_{v}", views[v]["pass"], views[v]["first_over_row"]) for v in order]
+    first = _first(checks, views, [v for v in ("isolated_node", "chained", "isolated") if v in views], iso.mods, fault)
+    alone = first["first_check"] == "row_bound_isolated_node"  # named after the node whose backward failed alone
+    operator = node.name if alone else gradient_operator(keep.graph.nodes, key)
+    return {"judged": key, "operator": operator, "method": "stage re-run" if rerun is not None else "splice",
+            "checks": {c[0]: c[1] for c in checks}, **_ratios(views),
+            "node_ratio": (views.get("isolated_node") or {}).get("ratio"), **first}  # fmt: skip
 
 
 def _faults(keep: MatrixKeep, kinds: Sequence[str], directions: Sequence[str]) -> Iterator[tuple[Node, RowFault]]:
