@@ -57,8 +57,11 @@ def _determinism(ranges: list[dict]) -> dict:
             pairs[k] = pairs.get(k, 0) + v
         mismatches += d["mismatches"]
     failing = [m for m in mismatches if m["role"] == "candidate"]
-    return {**rec, "evaluations": evaluations, "keys": keys, "pairs": {k: v for k, v in pairs.items() if v},
-            "mismatches": mismatches, "pass": not failing}  # fmt: skip
+    out = {**rec, "evaluations": evaluations, "keys": keys, "pairs": {k: v for k, v in pairs.items() if v},
+           "mismatches": mismatches, "pass": not failing}  # fmt: skip
+    if out["pairs"]:  # a run that compared something carries no "nothing compared" note (Recorder.record)
+        out.pop("note", None)
+    return out
 
 
 def _row_rule(ranges: list[dict], lanes: list[dict]) -> dict:
