@@ -71,8 +71,8 @@ def test_the_fault_matrix_catches_and_locates_every_one_row_fault(default_with_m
 @pytest.mark.parametrize(
     ("spec", "failing", "row", "modality"),
     [
-        ("swiglu:5", "forward.swiglu.row_bound_isolated", 5, "text"),
-        ("norm1:263:zero_tail", "forward.norm1.row_bound_isolated", 263, "video"),
+        pytest.param("swiglu:5", "forward.swiglu.row_bound_isolated", 5, "text", marks=pytest.mark.slow),
+        pytest.param("norm1:263:zero_tail", "forward.norm1.row_bound_isolated", 263, "video", marks=pytest.mark.slow),
         # the backward at the micro-odd layout (83 rows): the same gate over a third of the rows
         ("ffn_down:70:scale:backward", "backward.vjp.ffn_down:dswiglu.row_bound", 70, "video"),
     ],

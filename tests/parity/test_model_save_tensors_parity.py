@@ -20,7 +20,7 @@ from h3gate.gate.compare import tensor_sha256
 from h3gate.graph.model import OUTPUTS, build_model_graph
 from h3gate.manifests.model_config import load_config
 
-pytestmark = [pytest.mark.parity, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.parity, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 CFG = load_config("tiny").config
 SAVED = ("output.video", "output.audio")
 DIFFUSERS_ARGS = {
