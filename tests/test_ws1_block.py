@@ -494,6 +494,7 @@ def test_the_streamed_peak_is_the_block_s_widest_live_set(small):
     assert memory_plan.streamed_peak_width(real) == 3 * real.ffn_dim + 2 * real.hidden_size
 
 
+@pytest.mark.slow
 def test_a_host_store_gives_the_same_records_and_runs_forward_only(small):
     """The host-memory path of the value store (every value moved to ``cpu`` when kept, back to the device when
     read) gives the device store's records; on this CPU both places are the host, so what this shows is that the

@@ -82,6 +82,7 @@ def test_a_checkpoint_missing_a_block_is_exit_2_in_one_line(run_cli, checkpoints
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_layers_that_skip_the_missing_block_run(run_cli, checkpoints, tmp_path):
     _, partial = checkpoints
     code, _, err = _ws1_model(run_cli, "--checkpoint", partial, "--layers", "0:1", "--out", tmp_path / "ev")
