@@ -107,3 +107,28 @@ def dsilu(x, INTERPRET: tl.constexpr):
 def rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 ``x`` rounded once to ``DT`` and read back as float32 (what a PyTorch op at dtype ``DT`` returns)."""
     return f32(rne(x, DT, INTERPRET), INTERPRET)
+
+
+@helper
+def fold_segment(acc, slots, j, last, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Segment ``j``'s FP32 partial ``acc`` folded into the segmented-8 tree
+    ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` (:mod:`h3gate.kernels.merge_tree`): the pending subtrees of
+    this program wait in its three scratch ``slots`` (level 1, 2, 4; BLOCK_M x BLOCK_N FP32 each); the left operand
+    of every add is the older subtree, as the tree reads. Returns the subtree ending at ``j``; at ``j == last`` the
+    whole tree. IEEE adds (the kernels launch without FMA contraction)."""
+    tl.debug_barrier()  # the slots were written by other threads of this program
+    if j % 2 == 1:
+        acc = tl.load(slots) + acc
+    if j % 4 == 3:
+        acc = tl.load(slots + BLOCK_M * BLOCK_N) + acc
+    if j % 8 == 7:
+        acc = tl.load(slots + 2 * BLOCK_M * BLOCK_N) + acc
+    if j != last:
+        tl.debug_barrier()
+        if j % 2 == 0:
+            tl.store(slots, acc)
+        elif j % 4 == 1:
+            tl.store(slots + BLOCK_M * BLOCK_N, acc)
+        else:
+            tl.store(slots + 2 * BLOCK_M * BLOCK_N, acc)
+    return acc

@@ -52,7 +52,7 @@ import triton.language as tl
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph, num_sms, tma_allocator
-from h3gate.kernels.exact import helper, mma, rne
+from h3gate.kernels.exact import fold_segment, helper, mma, rne
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import check_linear
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
@@ -195,21 +195,7 @@ def _seg8_kernel(
                 acc = _walk(a_ptr + start.to(tl.int64) * stride_ar, b_ptr + start.to(tl.int64) * stride_br, offs_m,
                             offs_n, mask_m, mask_n, length, stride_am, stride_ar, stride_br, stride_bn, BLOCK_M,
                             BLOCK_N, BLOCK_K, EVEN_R, B_TRANS, INTERPRET)  # fmt: skip
-            tl.debug_barrier()  # the slots were written by other threads of this program
-            if j % 2 == 1:
-                acc = tl.load(slots) + acc
-            if j % 4 == 3:
-                acc = tl.load(slots + BLOCK_M * BLOCK_N) + acc
-            if j % 8 == 7:
-                acc = tl.load(slots + 2 * BLOCK_M * BLOCK_N) + acc
-            if j != C - 1:
-                tl.debug_barrier()
-                if j % 2 == 0:
-                    tl.store(slots, acc)
-                elif j % 4 == 1:
-                    tl.store(slots + BLOCK_M * BLOCK_N, acc)
-                else:
-                    tl.store(slots + 2 * BLOCK_M * BLOCK_N, acc)
+            acc = fold_segment(acc, slots, j, C - 1, BLOCK_M, BLOCK_N)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         if FINISH:
             if HAS_BIAS:

@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, num_sms, tma_allocator
-from h3gate.kernels.exact import helper, mma, rne
+from h3gate.kernels.exact import fold_segment, helper, mma, rne
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import SEGMENTS
@@ -178,21 +178,7 @@ def _rows_dw_kernel(
             else:
                 acc = _walk(g_ptr, x_ptr, offs_m, offs_n, mask_m, mask_n, lo, hi - lo, BATCH * (hi - lo), S_LOC,
                             stride_g, stride_x, BLOCK_M, BLOCK_N, BLOCK_K, BATCHED, INTERPRET)  # fmt: skip
-            tl.debug_barrier()  # the slots were written by other threads of this program
-            if j % 2 == 1:
-                acc = tl.load(slots) + acc
-            if j % 4 == 3:
-                acc = tl.load(slots + BLOCK_M * BLOCK_N) + acc
-            if j % 8 == 7:
-                acc = tl.load(slots + 2 * BLOCK_M * BLOCK_N) + acc
-            if j != C - 1:
-                tl.debug_barrier()
-                if j % 2 == 0:
-                    tl.store(slots, acc)
-                elif j % 4 == 1:
-                    tl.store(slots + BLOCK_M * BLOCK_N, acc)
-                else:
-                    tl.store(slots + 2 * BLOCK_M * BLOCK_N, acc)
+            acc = fold_segment(acc, slots, j, C - 1, BLOCK_M, BLOCK_N)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
         if FINISH:
             tl.store(out_ptrs, rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
