@@ -110,7 +110,7 @@ def rnd(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @helper
-def fold_segment(acc, slots, j, last, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def fold_segment(acc, slots, j: tl.constexpr, last: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Segment ``j``'s FP32 partial ``acc`` folded into the segmented-8 tree
     ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` (:mod:`h3gate.kernels.merge_tree`): the pending subtrees of
     this program wait in its three scratch ``slots`` (level 1, 2, 4; BLOCK_M x BLOCK_N FP32 each); the left operand
