@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from h3gate.kernels import elementwise, gather, gemm_swapped, gemm_triton, norms, packed, rope, timestep  # noqa: E402
 from h3gate.kernels.common import STRICT_LAUNCH  # noqa: E402
+from h3gate.kernels.gemm_merge import _seg8_kernel  # noqa: E402
 from h3gate.kernels.rows_dw import _rows_colsum_kernel, _rows_dw_kernel  # noqa: E402
 
 B, F, I64, I32, PF = "*bf16", "*fp32", "*i64", "*i32", "fp32"
@@ -120,6 +121,13 @@ def variants():
     yield "gemm.rows_dw", _rows_dw_kernel, rd, rdc, False, opts
     yield "gemm.rows_dw.tma", _rows_dw_kernel, rd, {**rdc, "USE_TMA": True}, False, opts
     cp4 = {**rdc, "C": 2, "FINISH": False}
+    # The seg8 GEMM forward (its tree fold is the dW's helper): all 8 segments rounded with the bias, pointer loads.
+    sg = dict(a_ptr=B, b_ptr=B, out_ptr=B, bias_ptr=B, scratch_ptr=F, M="i32", N="i32", R_LOC="i32", SEG="i32",
+              stride_am="i32", stride_ar="i32", stride_br="i32", stride_bn="i32", stride_om="i32",
+              NUM_PROGS="i32")  # fmt: skip
+    sgc = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, C=8, FINISH=True, HAS_BIAS=True, EVEN_R=True,
+               B_TRANS=True, USE_TMA=False, INTERPRET=False)  # fmt: skip
+    yield "gemm.seg8", _seg8_kernel, sg, sgc, False, opts
     yield "gemm.rows_dw.cp4", _rows_dw_kernel, {**rd, "out_ptr": F}, cp4, False, opts
     cs = dict(g_ptr=B, out_ptr=B, N="i32", S_LOC="i32", BATCH="i32", L="i32", S_GLOB="i32", LO="i32", SEG0="i32",
               stride_g="i32")  # fmt: skip
