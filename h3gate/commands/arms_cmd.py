@@ -14,12 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.markup import escape
-
 from h3gate.arms.engine import KIND, check_fault, run_arms
 from h3gate.arms.stack import ArmsSettings, plan_stack
 from h3gate.commands.console import print_verdict, progress, stdout_console
-from h3gate.commands.explain import arms_lines, determinism_line, gate_detail
+from h3gate.commands.explain import arms_lines, gate_detail, print_checks
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -92,12 +90,6 @@ def _summary(body: dict, path: Path) -> None:
             f"gradients repeat {'yes' if a['gradients_repeat_bitwise'] else 'NO'}{lora}; "
             f"{a['seconds_per_rollout_step']:.3f} s/rollout step, {a['seconds_per_training_step']:.3f} s/training step"
         )
-    line = determinism_line(body.get("determinism"))
-    if line is not None:
-        console.print(escape(line))
-    for check in body["failing_checks"]:
-        console.print(f"  failing: {escape(check)}")
-    if body.get("injected"):
-        console.print(f"[yellow]injected fault (negative control): {escape(body['injected'])}[/]")
+    print_checks(console, body.get("determinism"), body["failing_checks"], body.get("injected"))
     console.print(f"evidence: {display(path)}")
     print_verdict(body["verdict"], gate_detail(len(body["failing_checks"]), None), arms_lines(body), console)

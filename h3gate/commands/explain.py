@@ -4,6 +4,8 @@ it says what this run did, not what a typical run does."""
 
 from __future__ import annotations
 
+from rich.markup import escape
+
 PROVIDER = "the provider (h3gate's op-for-op replay of diffusers 0.42.1)"
 ALLOWED_DRIFT = (
     "first drift: the first node whose bytes differ from the provider's; allowed while every packed row stays "
@@ -129,3 +131,15 @@ def determinism_line(record: dict | None) -> str | None:
     rank = "" if m.get("rank") is None else f" on rank {m['rank']}"
     return (f"{line}; {len(bad)} differ, first: {m['role']} {m['node']} {m['kind']}{rank} ({m['passes'][0]} vs "
             f"{m['passes'][1]}, {row})")  # fmt: skip
+
+
+def print_checks(console, determinism: dict | None, failing: list[str], injected: str | None) -> None:
+    """The lines every gate prints above its evidence path: its determinism line, each failing check, and the
+    injected negative control when there is one."""
+    line = determinism_line(determinism)
+    if line is not None:
+        console.print(escape(line))
+    for check in failing:
+        console.print(f"  failing: {escape(check)}")
+    if injected:
+        console.print(f"[yellow]injected fault (negative control): {escape(injected)}[/]")

@@ -13,11 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.markup import escape
-
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, progress, stdout_console
-from h3gate.commands.explain import determinism_line, trajectory_lines
+from h3gate.commands.explain import print_checks, trajectory_lines
 from h3gate.commands.model_cmd import parse_model_fault
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
@@ -130,13 +128,7 @@ def _summary(body: dict, path: Path) -> None:
     if inv["verify_last"] is not None:
         v = inv["verify_last"]
         console.print(f"verify-last: step {v['step']} recomputed, bitwise: {'yes' if v['bitwise'] else 'NO'}")
-    line = determinism_line(body.get("determinism"))
-    if line is not None:
-        console.print(escape(line))
-    for check in body["failing_checks"]:
-        console.print(f"  failing: {escape(check)}")
-    if inv.get("injected_fault"):
-        console.print(f"[yellow]injected fault (negative control): {escape(inv['injected_fault'])}[/]")
+    print_checks(console, body.get("determinism"), body["failing_checks"], inv.get("injected_fault"))
     console.print(f"evidence: {display(path)}")
     print_verdict(*trajectory_verdict(body), trajectory_lines(body), console)
 

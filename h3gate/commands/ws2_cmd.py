@@ -12,10 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.markup import escape
-
 from h3gate.commands.console import print_verdict, progress, stdout_console
-from h3gate.commands.explain import determinism_line, gate_detail, ws2_lines
+from h3gate.commands.explain import gate_detail, print_checks, ws2_lines
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -71,13 +69,7 @@ def _summary(body: dict, path: Path) -> None:
     )
     console.print(f"  forward: {_where(body['first_drift'])}")
     console.print(f"  backward ({body['gradients_compared']}): {_where(body['first_backward_drift'])}")
-    line = determinism_line(body.get("determinism"))
-    if line is not None:
-        console.print(escape(line))
-    for check in body["failing_checks"]:
-        console.print(f"  failing: {escape(check)}")
-    if body.get("injected"):
-        console.print(f"[yellow]injected fault (negative control): {escape(body['injected'])}[/]")
+    print_checks(console, body.get("determinism"), body["failing_checks"], body.get("injected"))
     console.print(f"evidence: {display(path)}")
     d = body["first_drift"] or body["first_backward_drift"]
     drift = None if d is None else f"{d['name']} on rank {d['owner_rank']}"
