@@ -139,7 +139,8 @@ def test_the_projection_tool_reads_the_measured_ranges(runs, capsys) -> None:
     assert abs(sum(block[p] for p in tool.PARTS) - block["seconds"]) < 1e-3
     one, eight = proj["gpus"]["1"], proj["gpus"]["8"]
     assert one["phase2_s"] == proj["phase2_work_s"] and one["phase2_s"] / 5 < eight["phase2_s"] < one["phase2_s"]
-    assert abs(one["total_s"] - (proj["phase1_s"] + one["phase2_s"])) <= 0.1
+    # three values each rounded to 0.1 s: their sums differ by at most 3 * 0.05 s
+    assert abs(one["total_s"] - (proj["phase1_s"] + one["phase2_s"])) <= 0.15 + 1e-9
 
 
 def test_an_interrupted_run_resumes_to_the_same_record(runs) -> None:
