@@ -4,8 +4,12 @@ set -u
 out=${OUT:?}
 ev=$out/ev
 mkdir -p "$ev/logs"
-ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
-  --no-cache-dir --upgrade --target /tmp/site || exit 2
+# installed once per machine: scripts run side by side (xargs -P) find the marker and skip the install
+if [ ! -f /tmp/site/.h3gate-wheels ]; then
+  ls .whl/*.whl | grep -v '/h3gate-' | xargs python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site || exit 2
+  touch /tmp/site/.h3gate-wheels
+fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 # step CAP NAME CMD...: CMD under a CAP-second timeout, its log in $ev/logs/NAME.log, rc and seconds echoed with
 # the log's tail; skipped once the script has run past $BUDGET_S (default 540) seconds. A script may define its own.
