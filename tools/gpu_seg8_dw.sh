@@ -18,11 +18,11 @@ H="python3 -m h3gate"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
-    check) step 420 seg8-dw-check python3 tools/gpu_seg8_dw_check.py --json "$ev/seg8-dw-check.json";;
+    check) step 240 seg8-dw-check python3 tools/gpu_seg8_dw_check.py --json "$ev/seg8-dw-check.json";;
     tests) step 300 seg8-dw-tests env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/triton_kernels/test_rows_dw.py tests/triton_kernels/test_row_merge.py;;
     block) for L in medium 768p; do
-        step 240 "bench-ws1-block-seg8dw-$L" $H bench ws1-block --merge-order seg8 --config real --layout "$L" \
+        step 200 "bench-ws1-block-seg8dw-$L" $H bench ws1-block --merge-order seg8 --config real --layout "$L" \
           --device cuda --out "$ev/bench-ws1-block-seg8dw-$L"
       done;;
     block-gate) gate ws1-block-seg8dw-real-medium 0 run ws1-block --merge-order seg8 --config real --layout medium \
