@@ -23,10 +23,10 @@ BWD_FAULTS="o_proj:50:ulp@3 swiglu:50:ulp@4 attention:50:ulp@3 ffn_down:50:ulp@1
 W=${WALK_NODE:-o_proj}
 if [ "${1:-}" = list ]; then
   echo "det-clean 0 -"
-  for f in $FWD_FAULTS; do [ "${f%%:*}" = "$W" ] || echo "det-fwd-${f//[:@]/-} 1 $f"; done
-  for f in $BWD_FAULTS; do [ "${f%%:*}" = "$W" ] || echo "det-bwd-${f//[:@]/-} 1 $f:backward"; done
   for k in 1 2 3 4 5 6 7 8 9 10; do echo "walk-fwd-$W-$k 1 $W:50:ulp@$k"; done
   for k in 1 2 3 4 5; do echo "walk-bwd-$W-$k 1 $W:50:ulp@$k:backward"; done
+  for f in $FWD_FAULTS; do [ "${f%%:*}" = "$W" ] || echo "det-fwd-${f//[:@]/-} 1 $f"; done
+  for f in $BWD_FAULTS; do [ "${f%%:*}" = "$W" ] || echo "det-bwd-${f//[:@]/-} 1 $f:backward"; done
   exit 0
 fi
 . tools/gpu_common.sh
