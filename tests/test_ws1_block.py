@@ -333,6 +333,36 @@ def test_cpu_memory_lower_bound_counts_weights_and_kept_values():
     assert kept == 264 * (6 * h + 8 * nd + 3 * f) * 14  # float64 golden, provider, candidate chained and isolated
 
 
+def test_the_backward_bound_adds_five_lanes_of_gradients():
+    """While the golden's backward runs, the provider, its repeat, the candidate, its repeat (bf16) and the golden
+    (float64) hold their weight and node-output gradients together: 16 bytes per weight and per element."""
+    cfg = load_config("tiny").config
+    h, nd, f = 192, 256, 384
+    weights = 4 * h * nd + 3 * h * f
+    assert memory_plan.block_backward_bytes(cfg, 0) == weights * 16
+    node_elems = sum(memory_plan.row_widths(cfg)[n] for n in BLOCK_NODES)
+    kept = memory_plan.block_backward_bytes(cfg, 264) - memory_plan.block_backward_bytes(cfg, 0)
+    assert kept == 264 * node_elems * 16
+
+
+def test_the_released_block_backward_is_refused_on_one_h200_and_medium_is_not(monkeypatch):
+    """768p's block backward holds at least 153.7 GiB (forward values 71.0 GiB, gradients 82.8 GiB): refused up front
+    on a 139.3 GiB H200, naming --no-backward; medium's (21.0 GiB) is planned on the device."""
+    from h3gate import memory
+    from h3gate.manifests.layouts import load_layout
+
+    cfg, gib = load_config("real").config, 2**30
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: int(139.3 * gib))
+
+    def plan(name: str):
+        packed = build_layout(load_layout(name), name)
+        return memory_plan.plan_block_memory(cfg, packed, name, "real", "cuda", memory_plan.GateNeeds(7))
+
+    assert round(plan("medium").device_bytes / gib, 1) == 21.0
+    with pytest.raises(InputError, match=r"\(S=38974\): needs at least 153\.7 GiB.*; use a smaller layout or --no-b"):
+        plan("768p")
+
+
 def test_the_memory_bound_refuses_the_released_ref2va_block_on_one_h200():
     """Measured on the H200 (139.3 GiB free): 768p's block gate ran; ref2va-768p's ran out of memory in the golden
     (session 11). The bound keeps the first and refuses the second before any weight is read."""
@@ -469,7 +499,7 @@ def test_the_streamed_forward_fits_the_released_ref2va_block_on_one_h200(monkeyp
         "host", 103.8, 41.2,
     )  # fmt: skip
     assert plan("768p", backward=False).store == "device"
-    with pytest.raises(InputError, match=r"\(S=83386\): needs at least 147\.8 GiB.*; use a smaller layout or --no-b"):
+    with pytest.raises(InputError, match=r"\(S=83386\): needs at least 318\.3 GiB.*; use a smaller layout or --no-b"):
         plan("ref2va-768p", backward=True)
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 32 * gib)
     with pytest.raises(InputError, match=r"value store needs at least 41\.2 GiB of host memory, 32\.0 GiB available"):

@@ -37,6 +37,17 @@ def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
     return weights + values
 
 
+def block_backward_bytes(cfg: ModelConfig, rows: int) -> int:
+    """A lower bound on what the one-block backward (``runs/block_backward.py``) adds: the gradients of the provider,
+    its repeat, the candidate, its repeat (bf16) and the golden (float64) are held together while the golden's
+    backward runs, each lane's leaf gradients (the block weights) and every node output's gradient for ``rows``
+    packed rows: ``(4 * 2 + 8)`` bytes per weight and per node-output element."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    widths = row_widths(cfg)
+    per_lane = 4 * 2 + 8
+    return (4 * h * nd + 3 * h * f) * per_lane + rows * sum(widths[n] for n in BLOCK_NODES) * per_lane
+
+
 def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str) -> None:
     """The whole-execution lower bound against host memory (CPU) or the GPU's free memory, before any weight is
     placed there."""
@@ -98,13 +109,15 @@ def plan_block_memory(
 ) -> MemoryPlan:
     """Where the value store goes, or an :class:`InputError` before any weight is read.
 
-    The backward and the fault matrix hold whole executions on the device (:func:`block_lower_bound_bytes`,
-    at least the forward's); a forward-only run keeps its store on the device when everything fits, else in host
-    memory with pass 1 on the device (on the CPU both are the host)."""
+    The backward and the fault matrix hold whole executions on the device (:func:`block_lower_bound_bytes`, at
+    least the forward's, plus the backward's gradients: :func:`block_backward_bytes`); a forward-only run keeps its
+    store on the device when everything fits, else in host memory with pass 1 on the device (on the CPU both are
+    the host)."""
     rows = packed.seq_len
     streamed = block_forward_bytes(cfg, rows, needs, store_on_device=True)
     if needs.backward or needs.fault_matrix:
-        need = max(block_lower_bound_bytes(cfg, rows), streamed)
+        whole = block_lower_bound_bytes(cfg, rows) + (block_backward_bytes(cfg, rows) if needs.backward else 0)
+        need = max(whole, streamed)
         _require(need, packed, layout, config_name, device, "use a smaller layout or --no-backward")
         return MemoryPlan("device", need, 0, "whole executions (backward or fault matrix)")
     available = memory.device_available_bytes(device)
