@@ -31,6 +31,7 @@ from h3gate.manifests.model_config import load_config
 from h3gate.manifests.tolerances import load_tolerance
 from h3gate.numerics import strict_numerics
 from h3gate.runs import fault_matrix, model_fault_matrix, ws1_model
+from h3gate.runs.block_rows import RowContext
 from h3gate.runs.fault_matrix import RowView, row_sums
 from h3gate.runs.model_fault_matrix import KEY, MatrixKeep, depths, fault_rows_of
 from h3gate.runs.model_forward import Findings
@@ -239,3 +240,65 @@ def test_a_backward_fault_s_row_is_a_row_of_the_gradient_of_the_node_s_first_inp
         parse_model_fault("heads.video_select:83:scale", setup)
     with pytest.raises(InputError, match=r"\[0, 84\) for heads.video_select's input heads.video_proj$"):
         parse_model_fault("heads.video_select:84:scale:backward", setup)
+
+
+# -- a fault that changes no value: the sign of a zero gradient row's zeros ------------------------------------------
+
+
+def _signed_zero_gradient_keep() -> tuple[MatrixKeep, RowContext]:
+    """The plan of tiny's graph with synthetic views of block.1.ffn_gate_up's gradient (the one swiglu's backward
+    makes), whose row 1 is zero with mixed signs, as the last block's text rows are (the heads drop them, and
+    swiglu's ``g * value * dsilu(gate)`` keeps the sign of ``value * dsilu`` on ``g = 0``)."""
+    graph = prepare(RunSpec("model", "micro"), read=False).graph
+    keep = MatrixKeep.plan(graph, split_stages(graph), (0, 2), backward=True)
+    gen = torch.Generator().manual_seed(5)
+    gold = torch.randn((1, 84, 2 * TINY.ffn_dim), generator=gen, dtype=torch.float64)
+    gold[0, 1] = 0.0
+    cand = gold.to(torch.bfloat16)
+    cand[0, 1] = torch.where(torch.arange(cand.shape[-1]) % 2 == 1, -0.0, 0.0)
+    prov = (gold * (1 + 2**-8 * torch.randn(gold.shape, generator=gen, dtype=torch.float64))).to(torch.bfloat16)
+    env = {"default": row_errors(prov, gold, 1)}
+    mods = ["text"] * 24 + ["video"] * 16 + ["audio"] * 12 + ["video"] * 32
+    rows = fault_rows_of(84, mods)
+    stage = next(s for s in split_stages(graph) if s.label == "block.1")
+    keep.backward["block.1.ffn_gate_up"] = {
+        "isolated": RowView.of(cand, gold, env, 1, rows, 0.0, mods),
+        "chained": RowView.of(cand, gold, env, 1, rows, 0.0, mods, sums=True),
+        "provider": error(prov, gold), "stage": stage,
+    }  # fmt: skip
+    keep.node_vjp["block.1.swiglu"] = RowView.of(cand, gold, env, 1, rows, 0.0, mods)
+    ctx = RowContext(load_tolerance("ws1-model").row_rule, [], [], mods, {}, keep=True, kept={KEY: keep})
+    return keep, ctx
+
+
+def test_a_fault_that_only_flips_the_sign_of_zeros_is_excluded_not_missed(monkeypatch) -> None:
+    keep, ctx = _signed_zero_gradient_keep()
+    labels = {f"backward:block.1.swiglu:row {r}:{k}" for r in (1, 40, 83) for k in ("scale", "zero_tail")}
+
+    def matrix() -> dict:
+        keep.excluded = []
+        return model_fault_matrix.run_model_fault_matrix(ctx, None, None, load_tolerance("ws1-model"),
+                                                         lambda node: False, only=labels)  # fmt: skip
+
+    got = matrix()
+    assert got["total"] == got["located"] == 4 and got["pass"], got["faults"]
+    reasons = {e["reason"].split(": ", 1)[0]: e["reason"] for e in got["excluded"]}
+    assert "changes no bit" in reasons["backward:block.1.swiglu:row 1:scale"]
+    assert "only the sign of 8 zeros" in reasons["backward:block.1.swiglu:row 1:zero_tail"]
+    # negative control: judged by bytes, the sign flip is counted, no check sees it, and the matrix fails
+    bytes_only = model_fault_matrix.unchanged_reason
+    monkeypatch.setattr(model_fault_matrix, "unchanged_reason", lambda f, c, bits: bytes_only(f, c, True))
+    got = matrix()
+    missed = [f for f in got["faults"] if not f["caught"]]
+    assert [f["fault"] for f in missed] == ["backward:block.1.swiglu:row 1:zero_tail"] and not got["pass"]
+
+
+def test_a_sign_flip_is_a_fault_where_an_isolated_bitwise_check_judges_the_value() -> None:
+    clean = torch.tensor([[1.5, 0.0, *[-0.0, 0.0, -0.0, 0.0] * 4]], dtype=torch.bfloat16)  # the last 16: zeros
+    flipped = corrupt(clean, 0, 0, "zero_tail")
+    assert model_fault_matrix.unchanged_reason(flipped, clean, bits=True) is None
+    assert "sign of 8 zeros" in model_fault_matrix.unchanged_reason(flipped, clean, bits=False)
+    scaled = corrupt(clean, 0, 0, "scale")
+    assert model_fault_matrix.unchanged_reason(scaled, clean, bits=False) is None  # 1.5 changed
+    clean[0, -1] = 2.0
+    assert model_fault_matrix.unchanged_reason(corrupt(clean, 0, 0, "zero_tail"), clean, bits=False) is None

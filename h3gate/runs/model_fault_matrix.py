@@ -31,7 +31,9 @@ whole-tensor check names no row: the gate's first row failure then does, isolate
 backward) at the
 faulted node (backward: the gradient of M, made by the faulted node's backward) in its stage and layer. The
 prediction assumes the clean run passes up to that node; tests/test_model_fault_matrix.py checks it against
-``run ws1-model --fault``.
+``run ws1-model --fault``. A fault that changes nothing a check reads is listed as excluded, not counted: one that
+changes no bit of its row (a zero gradient row), or only the sign of zeros where no isolated-bitwise check judges
+the value (a zero row's ``-0.0`` made ``+0.0``: every row and whole-tensor error is the same).
 """
 
 from __future__ import annotations
@@ -273,6 +275,19 @@ def _backward_case(ctx: RowContext, keep: MatrixKeep, node: Node, fault: RowFaul
             "node_ratio": (views.get("isolated_node") or {}).get("ratio"), **first}  # fmt: skip
 
 
+def unchanged_reason(faulted: torch.Tensor, clean: torch.Tensor, bits: bool) -> str | None:
+    """Why a fault leaves nothing to catch, or None: it changes no bit of its row, or (``bits`` False: no
+    isolated-bitwise check judges the value) only the sign of zeros, where every check left reads values (the row
+    and whole-tensor errors, in float64: ``-0.0 == +0.0``; the repeat and batch-row lanes carry the same fault)."""
+    if bitwise_equal(faulted, clean):
+        return "changes no bit of the value (zero there), so there is nothing to catch"
+    if bits or not torch.equal(faulted, clean.to(faulted.device)):
+        return None
+    flipped = int((torch.signbit(faulted) != torch.signbit(clean.to(faulted.device))).sum())
+    return (f"changes no value, only the sign of {flipped} zeros (-0.0 to +0.0), and no bitwise check judges this "
+            "value, so there is nothing to catch")  # fmt: skip
+
+
 def _faults(keep: MatrixKeep, kinds: Sequence[str], directions: Sequence[str]) -> Iterator[tuple[Node, RowFault]]:
     """Every fault of the matrix in graph order: per declared node, per direction, per row, per kind."""
     for node in (n for n in keep.graph.nodes if n.name in keep.depth_of):
@@ -296,8 +311,9 @@ def run_model_fault_matrix(
 ) -> dict:
     """The ``fault_matrix`` evidence section of a gate that kept ``ctx.kept[KEY]`` (module docstring); ``load``: a
     stage's parameters (re-runs), ``promised(node)``: whether its isolated-bitwise promise applies; ``only``: the
-    fault labels to judge (a test's sample; default every fault). A fault that changes no bit of its row (a zero
-    gradient row: the packed rows a head's selection drops) is listed under ``excluded``, not counted."""
+    fault labels to judge (a test's sample; default every fault). A fault that changes nothing a check reads
+    (:func:`unchanged_reason`; a zero gradient row: the packed rows a head's selection drops) is listed under
+    ``excluded``, not counted."""
     keep: MatrixKeep = ctx.kept[KEY]
     stage_of = {n.name: s for s in (v["stage"] for v in keep.backward.values()) for n in s.nodes}
     loaded: dict[str, Mapping[str, torch.Tensor]] = {}
@@ -314,9 +330,12 @@ def run_model_fault_matrix(
                 if stage.label not in loaded:
                     loaded = {stage.label: load(stage)}  # one stage's parameters at a time
                 got = _rerun(keep, stage, loaded[stage.label], table, node, fault)
-        if bitwise_equal(view.faulted_row(fault.row, fault.kind, (got or {}).get("isolated")), view.rows[fault.row][0]):
-            excluded.append({"node": node.name, "direction": fault.direction, "reason": f"{fault.label()}: changes "
-                             "no bit of the value (zero there), so there is nothing to catch"})  # fmt: skip
+        faulted = view.faulted_row(fault.row, fault.kind, (got or {}).get("isolated"))
+        bits = fault.direction == "forward" and promised(node)
+        unchanged = unchanged_reason(faulted, view.rows[fault.row][0], bits)
+        if unchanged is not None:
+            excluded.append({"node": node.name, "direction": fault.direction,
+                             "reason": f"{fault.label()}: {unchanged}"})  # fmt: skip
             continue
         if fault.direction == "forward":
             case = _forward_case(ctx, node, keep.forward[node.name], fault, tol, promised(node))
