@@ -42,13 +42,15 @@ def _device(device: str) -> str:
 @dataclass(frozen=True)
 class Ws1OpsCommand:
     """``run ws1-ops``' settings: the operators (none: every one with a strict kernel and a case builder), the
-    layouts giving row counts (comma-separated), the config giving widths and dtypes."""
+    layouts giving row counts (comma-separated), the config giving widths and dtypes, the merge order (``seg8``: each
+    operator's declared ``_seg8`` twin where it has one)."""
 
     ops: tuple[str, ...] = ()
     layouts: str = "tiny"
     config: str = "tiny"
     device: str = "cpu"
     seed: int = 0
+    merge: str = "single"
     out: Path | None = None
     json: bool = False
     force: bool = False
@@ -58,10 +60,12 @@ class Ws1OpsCommand:
 def ws1_ops_command(settings: Ws1OpsCommand) -> int:
     """Run every selected operator at every row count and write ``ws1-ops.json``; 0 pass / 1 fail."""
     from h3gate.ops.cases import CASES
+    from h3gate.ops.registry import check_merge
     from h3gate.runs import ws1_ops as opsgate
 
     ops, seed, out = list(settings.ops), settings.seed, settings.out
     device = _device(settings.device)
+    merge = check_merge(settings.merge)
     check_out(out, settings.force)
     cfg_manifest = load_config(settings.config)
     rows = parse_layouts(settings.layouts)
@@ -70,15 +74,15 @@ def ws1_ops_command(settings: Ws1OpsCommand) -> int:
         opsgate.check_ops(ops, known)
         selected, not_run = list(dict.fromkeys(ops)), []
     else:
-        selected, not_run = opsgate.default_ops(known)
-    headers = {op: opsgate.operator_header(op, device) for op in selected}  # strict binds first: fail before running
+        selected, not_run = opsgate.default_ops(known, merge)
+    headers = {op: opsgate.operator_header(op, device, merge) for op in selected}  # strict binds first: fail early
     for name, n in rows:
         need, op = max((opsgate.case_bytes(op, n, cfg_manifest.config), op) for op in selected)
         require(need, f"--layouts {name} (S={n}) --config {settings.config}: operator {op}", device,
                 hint="ask for a smaller layout or --device cuda")  # fmt: skip
 
     folder = enter_run(out, LOCAL_EVIDENCE / KIND, settings.force)
-    return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, folder, settings.json)
+    return _run_and_write(selected, not_run, headers, rows, cfg_manifest, device, seed, merge, folder, settings.json)
 
 
 def _run_and_write(
@@ -89,6 +93,7 @@ def _run_and_write(
     cfg_manifest,
     device: str,
     seed: int,
+    merge: str,
     out: Path | None,
     json_: bool,
 ) -> int:
@@ -105,7 +110,7 @@ def _run_and_write(
             for name, n in rows:
                 step(f"{op} @ {name} (S={n})")
                 try:
-                    res = opsgate.run_case(op, n, cfg_manifest.config, device, seed)
+                    res = opsgate.run_case(op, n, cfg_manifest.config, device, seed, merge=merge)
                 except torch.OutOfMemoryError as exc:  # e.g. a float64 golden too large for the device: recorded
                     message = str(exc).splitlines()[0] if str(exc) else "out of memory"
                     results.append({"layout": name, "layout_rows": n, "error": message, "verdict": "fail"})
@@ -125,6 +130,7 @@ def _run_and_write(
         "config": cfg_manifest.name,
         "device": device,
         "seed": seed,
+        "merge_order": merge,
         "layouts": [{"name": n, "rows": r} for n, r in rows],
         "device_rules": rules,
         "operators": operators,
@@ -159,6 +165,23 @@ def _flag(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "[red]NO[/red]")
 
 
+def _name(o: dict) -> str:
+    """The operator, and the twin that ran for it under a merge order."""
+    bound = o["binding"].get("bound")
+    return o["op"] if not bound else f"{o['op']} as {bound}"
+
+
+def _merge_line(operators: list[dict]) -> str | None:
+    """Under ``--merge-order seg8``: which operators ran a seg8 twin and which had none (their single kernel ran)."""
+    records = [o["merge"] for o in operators if "merge" in o]
+    if not records or records[0]["requested"] != "seg8":
+        return None
+    single = [o["op"] for o in operators if o.get("merge", {}).get("actual") == "single"]
+    twins = len(records) - len(single)
+    rest = f"no declared twin, single kernel ran: {', '.join(single)}" if single else "every one had a twin"
+    return f"merge order seg8: {count(twins, 'operator')} ran a seg8 twin; {rest}"
+
+
 def _table(operators: list[dict], path: Path, verdict: str, failures: list[str], elapsed: float) -> None:
     console = stdout_console()
     table = Table(title=f"ws1-ops: {verdict.upper()} ({elapsed:.1f} s)")
@@ -168,7 +191,7 @@ def _table(operators: list[dict], path: Path, verdict: str, failures: list[str],
         for r in o["results"]:
             if "error" in r:
                 table.add_row(
-                    escape(o["op"]), str(r["layout_rows"]), "", "", escape(r["error"][:40]), "", "[red]NO[/red]"
+                    escape(_name(o)), str(r["layout_rows"]), "", "", escape(r["error"][:40]), "", "[red]NO[/red]"
                 )
                 continue
             f = r["forward"]
@@ -187,10 +210,13 @@ def _table(operators: list[dict], path: Path, verdict: str, failures: list[str],
                 flags.append(inv["prefix"]["forward"])
             invariant = all(x is not False for x in flags)
             table.add_row(
-                escape(o["op"]), str(r["layout_rows"]), escape(o["binding"]["kernel_id"]), bw, acc,
+                escape(_name(o)), str(r["layout_rows"]), escape(o["binding"]["kernel_id"]), bw, acc,
                 "-" if worst is None else f"{worst:.2e}", _flag(invariant),
             )  # fmt: skip
     console.print(table)
+    merge = _merge_line(operators)
+    if merge is not None:
+        console.print(escape(merge))
     for f in failures:
         console.print(f"[red]fail[/red] {escape(f)}")
     console.print(f"evidence: {escape(display(path))}")

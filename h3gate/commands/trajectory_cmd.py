@@ -119,6 +119,7 @@ def _summary(body: dict, path: Path) -> None:
     run = body["run"]
     console.print(
         f"ws1-trajectory {run['config']['name']} / {run['layout']['name']}, mode {run['mode']}, "
+        f"merge order {run.get('merge_order', 'single')}, "
         f"{run['device_kind']}, batch {run['batch']['size']}: {body['steps_saved']}/{body['evaluations']} steps saved"
         + (" (all)" if body["complete"] else "")
     )

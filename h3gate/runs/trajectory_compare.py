@@ -3,9 +3,9 @@ node capture on both sides to name the first node, layer, packed row and modalit
 
 Per step saved by both runs (each file checked against its sidecar first): the latents fed in and the velocities out,
 per modality, bytewise equal or not, with the drift size (max abs, rel l2 of B against A). At the first step where
-anything differs, both runs are rebuilt from their manifests (weights, layout, mode; on this machine's device) and
-that step is evaluated again from run A's saved inputs on both sides (so the model's own difference is located, not
-the inherited one), stage by stage in lockstep, comparing every node's output for the logical request.
+anything differs, both runs are rebuilt from their manifests (weights, layout, mode, merge order; on this machine's
+device) and that step is evaluated again from run A's saved inputs on both sides (so the model's own difference is
+located, not the inherited one), stage by stage in lockstep, comparing every node's output for the logical request.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def settings_of(run: dict, device: str) -> TrajectorySettings:
     checkpoint = Path(weights["path"]) if weights.get("kind") == "checkpoint" and weights.get("path") else None
     return TrajectorySettings(
         layout=run["layout"]["name"], config=run["config"]["name"], checkpoint=checkpoint, device=device,
-        mode=run["mode"], steps=run["schedule"]["steps"], shift=run["schedule"]["video_shift"],
-        seed=run["seed"], batch_with=run["batch"]["with_seed"],
+        mode=run["mode"], merge=run.get("merge_order", "single"), steps=run["schedule"]["steps"],
+        shift=run["schedule"]["video_shift"], seed=run["seed"], batch_with=run["batch"]["with_seed"],
     )  # fmt: skip
 
 

@@ -16,6 +16,11 @@ For one operator and one row count it runs, on the case's inputs (``h3gate.ops.c
   and of each gradient against the golden, bounded by the provider's own row errors under every provider variant the
   device offers (``forward.rows``, ``backward[i].rows``), so one wrong row fails however long the tensor.
 
+``merge`` (``--merge-order``): under ``seg8`` an operator with a declared ``<op>_seg8`` twin runs the twin's case,
+kernel and contract (what every ``--merge-order seg8`` gate binds for it); one without a twin runs its single kernel,
+recorded as such (``merge``: the order requested, the one the kernel that ran is in, the operator that ran, why they
+differ). The merge order never changes what a case checks.
+
 A result passes when every promise held: ``provider_bitwise`` where the contract promises it (forward), accuracy
 within the declared bound, every row within the row rule, every invariance probe bitwise. Tensors without a batch
 (or row) dimension that sum over
@@ -159,15 +164,17 @@ def run_case(
     seed: int,
     backward: bool = True,
     kernel: Callable | None = None,
+    merge: str = "single",
 ) -> OpResult:
-    """Everything ws1-ops records for one operator at one row count. ``kernel`` replaces the bound strict kernel (a
-    negative control: a deliberately wrong kernel must fail)."""
-    case = build_case(op, rows, cfg, device, seed)
-    binding = registry.bind(op, "strict", device)
+    """Everything ws1-ops records for one operator at one row count, in merge order ``merge`` (module docstring).
+    ``kernel`` replaces the bound strict kernel (a negative control: a deliberately wrong kernel must fail)."""
+    target = registry.merge_twin(op, merge)  # the operator that runs: op, or its declared seg8 twin
+    case = build_case(target, rows, cfg, device, seed)
+    binding = registry.bind(op, "strict", device, merge)
     kernel_fn = kernel or binding.fn
-    ref = registry.reference(op)
-    spec = registry.spec(op)
-    fwd_bounds, bwd_bounds, source = bounds(op)
+    ref = registry.reference(target)
+    spec = registry.spec(target)
+    fwd_bounds, bwd_bounds, source = bounds(target)
     gen = torch.Generator(device=device).manual_seed(seed + 7919)  # probe noise (output gradient, neighbours)
     failures: list[str] = []
 
@@ -223,7 +230,7 @@ def run_case(
         "invariance": inv,
         "tolerance_source": source,
         "row_rule": ctx.record(),
-        **({"launch": launched[""][op]} if op in launched.get("", {}) else {}),
+        **({"launch": launched[""][target]} if target in launched.get("", {}) else {}),
         "verdict": "pass" if not failures else "fail",
     }
     return OpResult(record, failures)
@@ -336,14 +343,36 @@ def case_bytes(op: str, rows: int, cfg: ModelConfig) -> int:
     return total + sum(8 * OTHER_COPIES * t.numel() for t in case.kwargs.values() if isinstance(t, torch.Tensor))
 
 
-def operator_header(op: str, device: str) -> dict:
-    """The operator's binding and the contract facts evidence restates next to what was measured."""
-    spec = registry.spec(op)
-    binding = registry.bind(op, "strict", device)
+def is_twin(op: str) -> bool:
+    """``op`` is a declared ``<name>_seg8`` twin of a declared operator ``<name>``."""
+    return op.endswith("_seg8") and op.removesuffix("_seg8") in registry.specs()
+
+
+def merge_record(op: str, merge: str) -> dict:
+    """The merge order asked for, the order of the kernel that runs (``seg8`` for a twin, bound or named), the
+    operator that runs, and why the two orders differ (empty when they agree)."""
+    target = registry.merge_twin(op, merge)
+    actual = "seg8" if is_twin(target) else "single"
+    reason = ""
+    if actual != merge:
+        reason = (
+            f"no declared {op}_seg8 twin: its single kernel runs, as every --merge-order seg8 gate binds it"
+            if merge == "seg8"
+            else f"{op} is the declared seg8 twin of {op.removesuffix('_seg8')}, run by name"
+        )
+    return {"requested": merge, "actual": actual, "operator": target, "reason": reason}
+
+
+def operator_header(op: str, device: str, merge: str = "single") -> dict:
+    """The operator's binding in merge order ``merge``, the merge record, and the contract facts (of the operator
+    that runs) evidence restates next to what was measured."""
+    spec = registry.spec(registry.merge_twin(op, merge))
+    binding = registry.bind(op, "strict", device, merge)
     c = spec.contract
     return {
         "op": op,
         "binding": binding.record(),
+        "merge": merge_record(op, merge),
         "contract": {
             "provider_bitwise": c.provider_bitwise,
             "accumulator": c.accumulator,
@@ -354,11 +383,14 @@ def operator_header(op: str, device: str) -> dict:
     }
 
 
-def default_ops(known: Sequence[str]) -> tuple[list[str], list[dict]]:
-    """Operators with a case builder and a declared kernel; the others, with the reason they do not run."""
+def default_ops(known: Sequence[str], merge: str = "single") -> tuple[list[str], list[dict]]:
+    """Operators with a case builder and a declared kernel; the others, with the reason they do not run. Under
+    ``seg8`` a twin runs as its operator's binding, not a second time by its own name."""
     run, skipped = [], []
     for op in sorted(registry.specs()):
-        if op not in known:
+        if merge == "seg8" and is_twin(op):
+            skipped.append({"op": op, "reason": f"runs as {op.removesuffix('_seg8')} (--merge-order seg8)"})
+        elif op not in known:
             skipped.append({"op": op, "reason": "no case builder"})
         elif registry.spec(op).kernel is None:
             skipped.append({"op": op, "reason": "no strict kernel declared"})

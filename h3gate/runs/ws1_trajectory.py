@@ -7,7 +7,9 @@ modality's own Euler update on its generated rows (condition rows held):
 The step file holds ``x_i``, ``a_i``, ``v_i``, ``u_i`` (and, under ``--batch-with``, the unrelated request's
 latents); the next step's inputs are what those imply, which ``--resume`` checks for every saved step before it
 continues. Under ``--batch-with SEED`` every evaluation is a batch of two: the unrelated request (drawn from SEED)
-first, the logical one second; both advance.
+first, the logical one second; both advance. The operators are bound once in ``--merge-order`` (``single`` or
+``seg8``: each operator with a declared ``_seg8`` twin runs the twin, :mod:`h3gate.ops.registry`); the order is a
+manifest field (a resume in the other order is refused) and the evidence lists every operator's binding.
 
 Within-run determinism (:mod:`h3gate.graph.determinism`): every model evaluation of an invocation reports its node
 evaluations to one recorder (the strict table is the ``candidate``); the invocation's first evaluation (the verified
@@ -62,6 +64,7 @@ class TrajectorySettings:
     checkpoint: Path | None = None
     device: str = "cpu"
     mode: str = "strict"
+    merge: str = "single"
     steps: int = 6
     shift: float = VIDEO_SHIFT
     seed: int = 0
@@ -96,7 +99,7 @@ def prepare_trajectory(settings: TrajectorySettings) -> Trajectory:
         raise InputError(f"--shift {settings.shift}: must be positive")
     checkpoint = None if settings.checkpoint is None else str(settings.checkpoint)
     spec = RunSpec("model", settings.layout, settings.config, checkpoint, settings.device, settings.seed,
-                   settings.mode, draw="device")  # fmt: skip
+                   settings.mode, merge=settings.merge, draw="device")  # fmt: skip
     setup = prepare(spec, ModelNeeds(lanes=2, backward=False))
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     video, audio = recipe.schedules()
@@ -138,6 +141,7 @@ def manifest_fields(run: Trajectory) -> dict:
         },  # fmt: skip
         "seed": s.seed,
         "mode": s.mode,
+        "merge_order": s.merge,
         "device_kind": "cuda" if setup.device.startswith("cuda") else "cpu",
         "batch": {
             "with_seed": s.batch_with,
@@ -377,9 +381,16 @@ def run_ws1_trajectory(
             "seconds_per_step": None if not done else round(sum(d["seconds"] for d in done) / len(done), 4),
         },
         "determinism": record,
+        "bindings": operator_bindings(run),
         "verdict": verdict(failing, compared, saved == run.evaluations),
         "failing_checks": failing,
     }
+
+
+def operator_bindings(run: Trajectory) -> dict[str, dict]:
+    """What every operator of the model ran, once per operator (a merge order's twin named by ``bound``)."""
+    per_op = {b.op: b.record() for nb in run.setup.bindings.values() for b in nb.bindings}
+    return dict(sorted(per_op.items()))
 
 
 def verdict(failing: list[str], compared: bool, complete: bool) -> str:
