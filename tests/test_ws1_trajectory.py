@@ -355,8 +355,9 @@ def test_the_provider_drifts_from_step_0_located_to_a_node(run_p, run_a, tmp_pat
         (["--steps", "9"], "schedule.steps differs"),
         ([*STEPS, "--mode", "off"], "mode differs"),
         ([*STEPS, "--batch-with", "3"], "batch.with_seed differs"),
+        ([*STEPS, "--merge-order", "seg8"], "merge_order differs from the saved run (saved 'single', now 'seg8')"),
     ],
-    ids=["steps", "mode", "batch-with"],
+    ids=["steps", "mode", "batch-with", "merge-order"],
 )
 def test_resume_with_changed_settings_is_refused(run_a, tmp_path, run_cli, args, message) -> None:
     rundir = _copy(run_a, tmp_path)
