@@ -9,6 +9,7 @@
 #   block        bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider): compare
 #                strict_seg8_over_strict with evidence/h200/bench-ws1-block-seg8rows-{medium,768p} (2.83x, 1.154x)
 #   block-gate   run ws1-block --merge-order seg8 at medium (the seg8 block through the gate, backward included)
+#   verbs        run ws1-ops (tiny, medium rows) and ws1-trajectory (medium, 7 steps) in the seg8 order
 #   ws2          run ws2 tp2, cp2 and tp2cp2 at released widths, block scope, medium (every gradient byte-equal)
 # BUDGET_S (default 540): a section that would start later than that is skipped (run check, tests, block, block-gate
 # and ws2 as separate calls). Run `block` on main's checkout too, same machine, for the before/after ratio.
@@ -27,6 +28,9 @@ for s in "$@"; do
       done;;
     block-gate) gate ws1-block-seg8dw-real-medium 0 run ws1-block --merge-order seg8 --config real --layout medium \
       --device cuda --mode strict;;
+    verbs) gate ws1-ops-seg8-real 0 run ws1-ops --merge-order seg8 --config real --layouts tiny,medium --device cuda
+      gate ws1-trajectory-seg8-real-medium 0 run ws1-trajectory --merge-order seg8 --config real --layout medium \
+        --steps 7 --device cuda;;
     ws2) for T in tp2 cp2 tp2cp2; do
         gate "ws2-$T-seg8dw-real-block-medium" 0 run ws2 --topology "$T" --backend gloo --device cuda --config real \
           --scope block --layout medium
