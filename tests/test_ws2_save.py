@@ -65,16 +65,22 @@ def test_the_gather_puts_every_rank_elements_back_where_its_plan_took_them(tmp_p
     x = torch.randn(2, 3, 8).to(torch.bfloat16)
     w = torch.randn(4, 5)
     _shards(tmp_path, x, w, [(0, 3), (3, 8)])
-    values, grads = gather(tmp_path, 2)
-    assert set(values) == {"x"} and set(grads) == {"w"}
+    values, grads, replicas = gather(tmp_path, 2)
+    assert set(values) == {"x"} and set(grads) == {"w"} and replicas == {}
     assert values["x"].dtype == torch.bfloat16 and torch.equal(values["x"].view(torch.int16), x.view(torch.int16))
     assert torch.equal(grads["w"], w)
 
 
-def test_a_replicated_element_is_the_lowest_rank_copy(tmp_path) -> None:
+def test_a_replicated_element_is_the_lowest_rank_copy_and_a_differing_copy_is_named(tmp_path) -> None:
     x, w = torch.randn(2, 4), torch.zeros(3)
     _shards(tmp_path, x, w, [(0, 2), (2, 4)], w_by_rank=[torch.full((3,), 1.0), torch.full((3,), 2.0)])
-    assert torch.equal(gather(tmp_path, 2)[1]["w"], torch.full((3,), 1.0))
+    _, grads, replicas = gather(tmp_path, 2)
+    assert torch.equal(grads["w"], torch.full((3,), 1.0)) and replicas == {"g:w": [1]}
+    # a copy differing only in the sign of a zero is another copy too (bytes, not values)
+    _shards(tmp_path, x, w, [(0, 2), (2, 4)], w_by_rank=[torch.zeros(3), -torch.zeros(3)])
+    assert gather(tmp_path, 2)[2] == {"g:w": [1]}
+    _shards(tmp_path, x, w, [(0, 2), (2, 4)], w_by_rank=[torch.zeros(3), torch.zeros(3)])  # control
+    assert gather(tmp_path, 2)[2] == {}
 
 
 def test_an_element_no_rank_holds_is_an_error(tmp_path) -> None:
@@ -128,7 +134,8 @@ COMMON = ("--config", "ws2-tiny", "--layout", "micro", "--seed", "0")
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """``run ws2 --topology tp2``, ``run ws1-block --merge-order seg8`` and ``--merge-order single`` (forward only:
-    ws1-block saves values), each with ``--save-tensors``: (exit codes, folders, ws2's evidence)."""
+    ws1-block saves values), and ``run ws2`` with one row faulted on rank 1 in a sharded value (``q_proj``: heads)
+    and a replicated one (``o_proj``), each with ``--save-tensors``: (exit codes, folder, ws2 evidence by run)."""
     from h3gate.cli import main
 
     tmp = tmp_path_factory.mktemp("ws2-save")
@@ -136,21 +143,24 @@ def saved(tmp_path_factory):
         "ws2": ["run", "ws2", "--topology", "tp2", *COMMON],
         "seg8": ["run", "ws1-block", "--merge-order", "seg8", "--device", "cpu", "--no-backward", *COMMON],
         "single": ["run", "ws1-block", "--merge-order", "single", "--device", "cpu", "--no-backward", *COMMON],
+        "faulted": ["run", "ws2", "--topology", "tp2", "--fault", "1:q_proj:30", "--fault", "1:o_proj:30", *COMMON],
     }
     codes = {}
     for name, args in runs.items():
         with pytest.raises(SystemExit) as exc:
             main(["--quiet", *args, "--save-tensors", str(tmp / name), "--out", str(tmp / f"ev-{name}")])
         codes[name] = exc.value.code
-    doc = json.loads((tmp / "ev-ws2" / "ws2.json").read_text(encoding="utf-8"))
-    return codes, tmp, doc
+    docs = {k: json.loads((tmp / f"ev-{k}" / "ws2.json").read_text(encoding="utf-8")) for k in ("ws2", "faulted")}
+    return codes, tmp, docs
 
 
 @pytest.mark.slow
 def test_ws2_writes_ws1_block_candidate_files_byte_for_byte(saved) -> None:
-    codes, tmp, doc = saved
-    assert codes == {"ws2": 0, "seg8": 0, "single": 0}
+    codes, tmp, docs = saved
+    assert codes == {"ws2": 0, "seg8": 0, "single": 0, "faulted": 1}
+    doc = docs["ws2"]
     assert doc["verdict"] == "pass" and doc["saved_tensors"] == str(tmp / "ws2")
+    assert doc["saved_tensors_replicas_differing"] == {}
     ws2, seg8 = tmp / "ws2", tmp / "seg8"
     assert sorted(p.name for p in ws2.iterdir()) == ["candidate-grads.safetensors", "candidate.safetensors",
                                                      "inputs.safetensors"]  # fmt: skip
@@ -185,6 +195,21 @@ def test_the_comparison_reports_another_merge_order_and_one_perturbed_element(sa
     values["o_proj"] = bits.view(torch.bfloat16)
     save_file(values, str(tmp_path / "bent" / "candidate.safetensors"))
     assert differing(tmp_path / "bent", tmp / "seg8", "candidate") == ["o_proj"]
+
+
+@pytest.mark.slow
+def test_the_saved_files_hold_what_the_ranks_computed(saved) -> None:
+    """Negative control: a row faulted on rank 1 shows in the gathered files (its heads of ``q_proj``), and a
+    replicated value only rank 1 got wrong (``o_proj``) is named with that rank (rank 0's copy is saved)."""
+    codes, tmp, docs = saved
+    assert codes["faulted"] == 1
+    changed = differing(tmp / "faulted", tmp / "seg8", "candidate")
+    assert "q_proj" in changed and "output" in changed
+    q = load_file(tmp / "faulted" / "candidate.safetensors")["q_proj"]
+    want = load_file(tmp / "seg8" / "candidate.safetensors")["q_proj"]
+    rows = (q.view(torch.int16) != want.view(torch.int16)).reshape(q.shape[0], q.shape[1], -1).any(-1).nonzero()
+    assert rows[:, 1].unique().tolist() == [30]  # that row only
+    assert docs["faulted"]["saved_tensors_replicas_differing"]["v:o_proj"] == [1]
 
 
 @pytest.mark.slow

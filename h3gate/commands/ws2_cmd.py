@@ -60,6 +60,7 @@ def ws2_command(settings: Ws2Command) -> int:
     if save_tensors is not None:
         save_tensor_files(Path(save_tensors), tensors_to_save(plan, gathered), _metadata(plan))
         body["saved_tensors"] = display(Path(save_tensors))
+        body["saved_tensors_replicas_differing"] = gathered.replicas_differing
     path = write_evidence(folder, EVIDENCE, KIND, body, device=run.device)
     if settings.json:
         keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
@@ -114,6 +115,13 @@ def _summary(body: dict, path: Path) -> None:
     console.print(f"  forward: {_where(body['first_drift'])}")
     console.print(f"  backward ({body['gradients_compared']}): {_where(body['first_backward_drift'])}")
     print_checks(console, body.get("determinism"), body["failing_checks"], body.get("injected"))
+    if body.get("saved_tensors") is not None:
+        console.print(f"tensors (gathered from the ranks): {body['saved_tensors']}")
+        replicas = body["saved_tensors_replicas_differing"]
+        for key, ranks in list(replicas.items())[:5]:
+            console.print(f"  [yellow]{key}: rank {', '.join(map(str, ranks))}'s copy differs (lowest rank's saved)[/]")
+        if len(replicas) > 5:
+            console.print(f"  [yellow]... and {len(replicas) - 5} more tensors (see the evidence)[/]")
     console.print(f"evidence: {display(path)}")
     d = body["first_drift"] or body["first_backward_drift"]
     drift = None if d is None else f"{d['name']} on rank {d['owner_rank']}"

@@ -328,12 +328,15 @@ def merged_determinism(processes: Sequence[tuple[str, int | None, dict | None]])
 class Gathered:
     """What the ranks computed, un-sharded (:func:`~h3gate.parallel.ws2_gather.gather`): node ``values``,
     gradients ``grads`` (``node:`` / ``input:`` / ``param:`` names), and what every rank read: the ``inputs`` file
-    and the seeded ``cotangents`` of the outputs (TP1's, each rank took its slice)."""
+    and the seeded ``cotangents`` of the outputs (TP1's, each rank took its slice); ``replicas_differing``: the
+    tensors (``v:<node>`` / ``g:<name>``) some element of which a higher rank holds with other bytes than the
+    lowest rank, whose copy was kept, and those ranks."""
 
     inputs: dict[str, torch.Tensor]
     values: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     cotangents: dict[str, torch.Tensor]
+    replicas_differing: dict[str, list[int]]
 
 
 def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callable[[str], None] | None = None) -> dict:
@@ -410,7 +413,7 @@ def _gathered(folder: Path, world: int) -> Gathered:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    values, grads = ws2_gather.gather(folder, world)
+    values, grads, replicas = ws2_gather.gather(folder, world)
     with safe_open(str(folder / "reference"), framework="pt") as ref:
         cots = {k[2:]: ref.get_tensor(k) for k in ref.keys() if k.startswith("c:")}  # noqa: SIM118
-    return Gathered(load_file(str(folder / "inputs")), values, grads, cots)
+    return Gathered(load_file(str(folder / "inputs")), values, grads, cots, replicas)
