@@ -65,8 +65,8 @@ def ws2_command(settings: Ws2Command) -> int:
     if settings.json:
         keys = ("topology", "world_size", "scope", "backend", "forward_byte_equal", "backward_byte_equal",
                 "gradients_compared", "first_drift", "first_backward_drift", "determinism", "verdict",
-                "failing_checks")  # fmt: skip
-        print(json.dumps({**{k: body[k] for k in keys}, "evidence": str(path)}, indent=1))
+                "failing_checks", "saved_tensors", "saved_tensors_replicas_differing")  # fmt: skip
+        print(json.dumps({**{k: body[k] for k in keys if k in body}, "evidence": str(path)}, indent=1))
     else:
         _summary(body, path)
     return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
