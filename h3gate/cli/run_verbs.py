@@ -401,6 +401,14 @@ def run_ws2(
         ),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu | cuda (default cpu).")] = "cpu",
+    save_tensors: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-tensors",
+            help="Write the ranks' gathered values as ws1-block's (--scope model: ws1-model's) inputs/candidate "
+            ".safetensors, and their gradients as candidate-grads.safetensors, into this folder.",
+        ),
+    ] = None,
     out: Annotated[Path | None, out_option("ws2/<topology>-<scope>-<config>-<layout>")] = None,
     force: ForceOpt = False,
     json_: JsonOpt = False,
@@ -420,7 +428,7 @@ def run_ws2(
         seed=seed,
         faults=fault or [],
     )
-    run_command(ws2_command, Ws2Command(run=run, out=out, json=json_, force=force))
+    run_command(ws2_command, Ws2Command(run=run, out=out, json=json_, force=force, save_tensors=save_tensors))
 
 
 @run_app.command("vae")

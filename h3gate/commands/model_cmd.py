@@ -171,11 +171,15 @@ def build_body(setup: Run, result: ModelGateResult, seed: int, tol_name: str, to
 
 def diffusers_inputs(setup: Run) -> dict[str, torch.Tensor]:
     """The arguments of diffusers' ``MiniMaxH3Transformer3DModel.forward`` under its own names."""
+    return diffusers_arguments(setup.layout, setup.cfg, setup.inputs)
+
+
+def diffusers_arguments(layout, cfg, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`diffusers_inputs` of the graph inputs ``x`` of a model run at ``layout`` and ``cfg``."""
     from h3gate.runs.model_stages import model_inputs
 
-    _, extra = model_inputs(setup.layout, setup.cfg, 0, "cpu")
+    _, extra = model_inputs(layout, cfg, 0, "cpu")
     raw = extra["raw"]
-    x = setup.inputs
     tensors = {
         "hidden_states": x["video_rows"],
         "audio_hidden_states": x["audio_rows"],
@@ -191,14 +195,16 @@ def diffusers_inputs(setup: Run) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
 
 
+SAVED_OUTPUTS = {"output.video": "heads.video_select", "output.audio": "heads.audio_select"}  # saved copies: key, node
+
+
 def tensors_to_save(setup: Run, result: ModelGateResult) -> dict[str, dict[str, torch.Tensor]]:
     """``inputs`` (diffusers' names) and ``provider`` / ``candidate`` / ``golden`` keyed by node name, with the two
     velocities under ``output.video`` and ``output.audio``."""
     files = {"inputs": diffusers_inputs(setup)}
     for who, values in result.values.items():
         nodes = {k: v.contiguous() for k, v in values.items()}
-        nodes["output.video"] = nodes["heads.video_select"].clone()
-        nodes["output.audio"] = nodes["heads.audio_select"].clone()
+        nodes.update({key: nodes[node].clone() for key, node in SAVED_OUTPUTS.items()})
         files[who] = nodes
     return files
 

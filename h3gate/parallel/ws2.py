@@ -27,6 +27,7 @@ from h3gate.graph.determinism import Injection
 from h3gate.kernels.tp_layers import check_alignment
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.parallel import ws2_gather
 from h3gate.parallel.collectives import cp_bounds
 from h3gate.parallel.sp import sp_node
 from h3gate.parallel.ulysses import row_sharded
@@ -218,13 +219,15 @@ def _reference(plan: Ws2Plan, folder: Path) -> tuple[object, tuple[str, ...], di
     return graph, leaves, bindings, seconds, recorder.record()
 
 
-def _launch(plan: Ws2Plan, folder: Path, progress: Callable[[str], None] | None = None) -> tuple[list[dict], float]:
-    """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3)."""
+def _launch(plan: Ws2Plan, folder: Path, progress: Callable[[str], None] | None = None,
+            gather: bool = False) -> tuple[list[dict], float]:  # fmt: skip
+    """Spawn every rank, wait, read each ``rank-R.json``; a rank that fails is an internal error (exit 3).
+    ``gather``: each rank also writes what it holds (:mod:`h3gate.parallel.ws2_gather`)."""
     s, world = plan.settings, plan.tp * plan.cp
     spec = {"run": plan.run.spec.record(), "threads": s.threads, "tp": plan.tp, "cp": plan.cp, "sp": plan.sp,
             "backend": plan.backend, "device": s.device, "init_file": str(folder / "rendezvous"),
             "faults": [f.record() for f in plan.faults], "partition": s.partition.record(),
-            "injection": None if plan.injection is None else plan.injection.record()}  # fmt: skip
+            "injection": None if plan.injection is None else plan.injection.record(), "gather": gather}  # fmt: skip
     for f in spec["faults"]:
         f.pop("kind")
     (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -321,17 +324,47 @@ def merged_determinism(processes: Sequence[tuple[str, int | None, dict | None]])
     return out if any(pairs.values()) else {**out, "note": determinism.NOTHING_COMPARED}
 
 
+@dataclass
+class Gathered:
+    """What the ranks computed, un-sharded (:func:`~h3gate.parallel.ws2_gather.gather`): node ``values``,
+    gradients ``grads`` (``node:`` / ``input:`` / ``param:`` names), and what every rank read: the ``inputs`` file
+    and the seeded ``cotangents`` of the outputs (TP1's, each rank took its slice); ``replicas_differing``: the
+    tensors (``v:<node>`` / ``g:<name>``) some element of which a higher rank holds with other bytes than the
+    lowest rank, whose copy was kept, and those ranks."""
+
+    inputs: dict[str, torch.Tensor]
+    values: dict[str, torch.Tensor]
+    grads: dict[str, torch.Tensor]
+    cotangents: dict[str, torch.Tensor]
+    replicas_differing: dict[str, list[int]]
+
+
 def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Run TP1 (or reuse ``reference``) and the topology's ranks; the evidence body (verdict ``pass`` iff forward
     and backward byte-equal). ``progress`` hears each stage: TP1 done, then each rank as it finishes."""
+    return _execute(plan, reference, progress, gather=False)[0]
+
+
+def run_ws2_gathered(plan: Ws2Plan, progress: Callable[[str], None] | None = None) -> tuple[dict, Gathered]:
+    """:func:`run_ws2`, and every rank's values and gradients gathered (``run ws2 --save-tensors``)."""
+    body, gathered = _execute(plan, None, progress, gather=True)
+    assert gathered is not None
+    return body, gathered
+
+
+def _execute(plan: Ws2Plan, reference: Reference | None, progress: Callable[[str], None] | None,
+             gather: bool) -> tuple[dict, Gathered | None]:  # fmt: skip
     step = progress or (lambda label: None)
+    gathered = None
     with tempfile.TemporaryDirectory(prefix="h3gate-ws2-") as tmp:
         folder = Path(tmp)
         run = _reference if reference is None else reference.serve
         step("TP1 reference (one device, seg8 merge order)")
         graph, leaves, bindings, ref_seconds, ref_determinism = run(plan, folder)
         step(f"TP1 done; {plan.tp * plan.cp} {plan.backend} ranks started")
-        per_rank, rank_seconds = _launch(plan, folder, progress)
+        per_rank, rank_seconds = _launch(plan, folder, progress, gather)
+        if gather:
+            gathered = _gathered(folder, plan.tp * plan.cp)
     nodes = {n.name: n for n in graph.nodes}
     order = [n.name for n in graph.nodes]
     grad_order = [f"node:{n}" for n in reversed(order)] + [f"input:{k}" for k in leaves]
@@ -373,4 +406,14 @@ def run_ws2(plan: Ws2Plan, reference: Reference | None = None, progress: Callabl
         "first_backward_drift": backward,
         "failing_checks": failing,
         "verdict": "pass" if not failing else "fail",
-    }  # fmt: skip
+    }, gathered  # fmt: skip
+
+
+def _gathered(folder: Path, world: int) -> Gathered:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    values, grads, replicas = ws2_gather.gather(folder, world)
+    with safe_open(str(folder / "reference"), framework="pt") as ref:
+        cots = {k[2:]: ref.get_tensor(k) for k in ref.keys() if k.startswith("c:")}  # noqa: SIM118
+    return Gathered(load_file(str(folder / "inputs")), values, grads, cots, replicas)

@@ -4,7 +4,8 @@ torch.distributed.run ... -m h3gate.parallel.ws2_rank --dir D``; gloo or NCCL).
 Reads ``D/spec.json``, ``D/inputs`` and ``D/reference`` (the one-device strict run: every node value ``v:<node>``,
 every gradient ``g:<name>``, the cotangents ``c:<output>``), builds its shard of the scope (TP: its heads' and
 channels' weights; CP: its packed rows and their metadata), runs one forward and the backward, compares every value
-and gradient it holds with the same slice of the reference, byte for byte, and writes ``D/rank-R.json``.
+and gradient it holds with the same slice of the reference, byte for byte, and writes ``D/rank-R.json`` (with
+``"gather"`` in the spec also ``D/rank-R.safetensors``, what it holds: :mod:`h3gate.parallel.ws2_gather`).
 Ranks are laid out TP-innermost: ``rank = cp_rank * tp + tp_rank``.
 """
 
@@ -71,6 +72,7 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
     from h3gate.graph import determinism
     from h3gate.graph.determinism import Injection
     from h3gate.parallel.shards import RankPlan
+    from h3gate.parallel.ws2_gather import write_shards
     from h3gate.parallel.ws2_partition import Partition
     from h3gate.parallel.ws2_scope import Fault, build_scope, byte_diff, forward_backward, repeat_forward
 
@@ -118,6 +120,8 @@ def run_rank(rank: int, world: int, folder: Path) -> None:
             out["checked_grads"] += 1
             if d is not None:
                 out["grads"][name] = {**d, **plan.locate_grad(name, d)}
+        if spec.get("gather"):
+            write_shards(plan, values, grads, ref, folder)
     out["runtime"] = runtime_record(spec["backend"], device, rank, world, tp, cp)
     out["plan"] = plan.record()
     (folder / f"rank-{rank}.json").write_text(json.dumps(out), encoding="utf-8")
