@@ -126,6 +126,50 @@ def test_a_bad_save_tensors_path_is_exit_2_before_any_work(run_cli, tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]
 
 
+@pytest.mark.parametrize("short", ["memory", "disk"])
+def test_a_gathered_copy_that_does_not_fit_is_exit_2_before_any_rank(run_cli, tmp_path, monkeypatch, short) -> None:
+    """The gathered values and gradients (host memory) and their files (disk) are bounded before any rank starts:
+    with one byte less than the bound available, exit 2 naming --save-tensors; with the bound itself, no refusal."""
+    from h3gate import memory
+    from h3gate.commands import ws2_cmd
+    from h3gate.runs.memory_plan import gathered_tensors_bytes
+
+    started = []
+    monkeypatch.setattr(
+        ws2_cmd,
+        "run_ws2_gathered",
+        lambda *a, **k: started.append(1) or (_ for _ in ()).throw(RuntimeError("ranks started")),
+    )
+    plan = ws2_cmd.plan_ws2(
+        ws2_cmd.Ws2Settings(
+            topology="tp2",
+            scope="block",
+            backend=None,
+            device="cpu",
+            config="ws2-tiny",
+            layout="micro",
+            seed=0,
+            faults=[],
+        )
+    )
+    host, disk = gathered_tensors_bytes(plan.cfg, plan.layout.seq_len, 1)
+    assert disk < host  # positions are held, not written
+    budget = {"memory": host - 1, "disk": disk - 1}[short]
+    target = "device_available_bytes" if short == "memory" else "free_disk_bytes"
+    monkeypatch.setattr(memory, target, lambda *_a: budget)
+    code, out, err = run_cli(
+        "run", "ws2", "--topology", "tp2", "--save-tensors", tmp_path / "t", "--out", tmp_path / "ev"
+    )
+    what = "needs at least" if short == "memory" else "writes at least"
+    assert code == 2 and err.startswith("h3gate: error: --save-tensors at --scope block --layout micro") and what in err
+    assert len(err.strip().splitlines()) == 1 and not started and not (tmp_path / "ev").exists()
+    monkeypatch.setattr(memory, target, lambda *_a: budget + 1)  # the control: exactly the bound fits
+    code, _, err = run_cli(
+        "run", "ws2", "--topology", "tp2", "--save-tensors", tmp_path / "t", "--out", tmp_path / "ev"
+    )
+    assert code == 3 and started  # got past the check to the (stubbed) ranks
+
+
 # ---- end to end: ws2 TP2 against ws1-block seg8 ------------------------------------------------------------------
 
 COMMON = ("--config", "ws2-tiny", "--layout", "micro", "--seed", "0")

@@ -22,9 +22,11 @@ from h3gate.commands.run_cmd import save_tensor_files
 from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
-from h3gate.memory import check_writable
+from h3gate.graph.stages import split_stages
+from h3gate.memory import check_writable, require, require_disk
 from h3gate.parallel.ws2 import KIND, Gathered, Ws2Plan, Ws2Settings, plan_ws2, run_ws2, run_ws2_gathered
 from h3gate.paths import LOCAL_EVIDENCE, display
+from h3gate.runs.memory_plan import gathered_tensors_bytes
 
 EVIDENCE = f"{KIND}.json"
 
@@ -50,6 +52,8 @@ def ws2_command(settings: Ws2Command) -> int:
     if save_tensors is not None:
         check_writable(Path(save_tensors), "--save-tensors", folder=True)
     plan = plan_ws2(run)
+    if save_tensors is not None:
+        _check_save_sizes(plan, Path(save_tensors))
     name = f"{run.topology}-{run.scope}-{plan.run.config_name}-{run.layout}"
     folder = enter_run(out, LOCAL_EVIDENCE / KIND / name, settings.force)
     with progress(KIND, None, started) as step:
@@ -70,6 +74,17 @@ def ws2_command(settings: Ws2Command) -> int:
     else:
         _summary(body, path)
     return EXIT_PASS if body["verdict"] == "pass" else EXIT_FAIL
+
+
+def _check_save_sizes(plan: Ws2Plan, folder: Path) -> None:
+    """``--save-tensors``' gathered copy against host memory and the folder's disk, before any rank starts."""
+    blocks = 1
+    if plan.settings.scope == "model":
+        blocks = sum(1 for s in split_stages(plan.run.graph) if s.label.startswith(("block.", "refiner.")))
+    host, disk = gathered_tensors_bytes(plan.cfg, plan.layout.seq_len, blocks)
+    what = f"--save-tensors at --scope {plan.settings.scope} --layout {plan.settings.layout} (S={plan.layout.seq_len})"
+    require(host, f"{what}: the gathered values and gradients", "cpu", hint="use a smaller layout or --scope block")
+    require_disk(disk, folder, what, hint="use a smaller layout or another folder")
 
 
 def tensors_to_save(plan: Ws2Plan, gathered: Gathered) -> dict[str, dict[str, torch.Tensor]]:

@@ -181,3 +181,14 @@ def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage]) -> i
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     blocks = sum(1 for s in stages if s.label.startswith(("block.", "refiner.")))
     return blocks * seq_len * (6 * h + 8 * nd + 3 * f) * (2 + 2 + 8)
+
+
+def gathered_tensors_bytes(cfg: ModelConfig, seq_len: int, blocks: int) -> tuple[int, int]:
+    """Lower bounds on ``run ws2 --save-tensors``: (host memory, disk). The parent holds every gathered node value
+    and node-output gradient of ``blocks`` blocks (bf16, ``S`` rows of six ``H``-wide nodes, eight ``N D``, gate-up
+    ``2F`` and swiglu ``F``) with each element's position (int32 at least), and the blocks' weight gradients (bf16);
+    the files hold the values and gradients."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    elements = blocks * seq_len * (6 * h + 8 * nd + 3 * f)
+    weight_grads = blocks * (4 * h * nd + 3 * h * f) * 2
+    return elements * (2 + 2 + 4 + 4) + weight_grads, elements * (2 + 2) + weight_grads
