@@ -27,10 +27,10 @@ from h3gate.gate.variants import provider_variants
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
-from h3gate.memory import check_writable
+from h3gate.memory import check_writable, require, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
-from h3gate.runs.memory_plan import GateNeeds
+from h3gate.runs.memory_plan import GateNeeds, block_saved_bytes
 from h3gate.runs.setup import LAYER, Run, RunSpec, prepare, read_inputs
 from h3gate.runs.ws1_block import (
     BlockGate,
@@ -289,6 +289,8 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     lanes = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
     needs = GateNeeds(lanes, settings.backward, settings.fault_matrix, save_golden=save_tensors is not None)
     setup = prepare(spec, needs, read=False)
+    if save_tensors is not None:
+        _check_save_sizes(setup, settings.backward, Path(save_tensors))
     fault = settings.fault
     injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
     if isinstance(injected, Injection) and spec.candidate == "sglang":
@@ -321,6 +323,16 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     return EXIT_PASS if result.verdict == "pass" else EXIT_FAIL
 
 
+def _check_save_sizes(setup: Run, backward: bool, folder: Path) -> None:
+    """``--save-tensors``' files (values of every lane, the candidate's gradients with the backward) against host
+    memory and the folder's disk, before any weight is read."""
+    need = block_saved_bytes(setup.cfg, setup.layout.seq_len, backward)
+    what = f"--save-tensors at --layout {setup.spec.layout} (S={setup.layout.seq_len})"
+    kept = "the saved values and gradients" if backward else "the saved values"
+    require(need, f"{what}: {kept}", "cpu", hint="use a smaller layout")
+    require_disk(need, folder, what, hint="use a smaller layout or another folder")
+
+
 def _run(
     setup: Run,
     tol: ToleranceProfile,
@@ -337,7 +349,7 @@ def _run(
     fault = None if single is not None else injected
     with progress(KIND, len(steps), started) as step:
         gate = BlockGate.of(setup, tol, backward, fault, progress=step, fault_matrix=fault_matrix,
-                            keep_golden=keep_golden)  # fmt: skip
+                            keep_golden=keep_golden, keep_grads=keep_golden and backward)  # fmt: skip
         with determinism.injecting(single) if single is not None else contextlib.nullcontext() as state:
             result = run_block_gate(gate)
     if single is not None:

@@ -49,6 +49,12 @@ def stand_in(seed: int, tag: str, item: int, seq_len: int, width: int, device: s
     return seeded_normal(seed, f"{tag}:{item}", (1, seq_len, width)).to(torch.bfloat16).to(device)
 
 
+def block_cotangent(seed: int, seq_len: int, width: int, device: str | torch.device) -> torch.Tensor:
+    """The ``g`` of the one-block backward ``<output, g>`` (``run ws1-block`` and ``run ws2 --scope block``):
+    item 0 of the ``cotangent`` stand-in stream, (1, S, width) bf16."""
+    return stand_in(seed, "cotangent", 0, seq_len, width, device)
+
+
 @dataclass(frozen=True)
 class TimestepPlan:
     """Which schedule step the block input is taken at, and the conditioning rows' levels."""

@@ -2,8 +2,9 @@
 inputs, one forward under autograd and the backward of the seeded cotangents, and the byte comparison of a value.
 
 Scopes: ``block`` - transformer block 0 (17 nodes; leaves ``hidden_states`` and ``temb``; cotangent
-``seeded_normal(seed, "cotangent:ws2-block")`` on ``residual_mlp``); ``model`` - the whole transformer (refiner,
-every block, heads; leaves the video, audio and text rows; the declared loss's cotangents ``model_cotangents``).
+``block_cotangent`` on ``residual_mlp``, the one ``run ws1-block`` starts its backward from); ``model`` - the whole
+transformer (refiner, every block, heads; leaves the video, audio and text rows; the declared loss's cotangents
+``model_cotangents``).
 Every float parameter is a leaf too. Faults (negative controls) are the gates' own one-row faults
 (:mod:`h3gate.gate.faults`): forward scales the node's output row, backward the gradient its first input receives.
 """
@@ -19,7 +20,7 @@ from h3gate.gate.faults import corrupt, grad_fault
 from h3gate.graph import determinism
 from h3gate.graph.core import Graph
 from h3gate.graph.execute import NodeOverride, iter_isolated, run_chained, run_node
-from h3gate.graph.inputs import seeded_normal
+from h3gate.graph.inputs import block_cotangent
 from h3gate.graph.model import OUTPUTS, load_model_params
 from h3gate.runs.model_stages import model_cotangents
 from h3gate.runs.setup import Run
@@ -56,7 +57,9 @@ def cotangents(scope: Scope, values: Mapping[str, torch.Tensor], seed: int) -> d
 
     if scope.name == "block":
         out = values[scope.graph.output]
-        cots = {scope.graph.output: seeded_normal(seed, "cotangent:ws2-block", tuple(out.shape))}
+        if out.dim() != 3 or out.shape[0] != 1:
+            raise RuntimeError(f"run ws2: block output of shape {tuple(out.shape)}, expected (1, S, H)")
+        cots = {scope.graph.output: block_cotangent(seed, out.shape[1], out.shape[2], "cpu")}
     else:
         cots = model_cotangents(seed, values)
     return {k: c.to(values[k].dtype).to(values[k].device) for k, c in cots.items()}

@@ -3,7 +3,8 @@ provider, candidate, their repeats, the golden and the gradient batch placements
 gradient rows (row rule); autograd-vs-no_grad forward; one record per leaf and node-output gradient.
 
 Nothing here mutates its caller's state: :func:`backward` returns the report and the failing checks, in the order
-the gate lists them (VJPs, autograd forward, leaves, nodes).
+the gate lists them (VJPs, autograd forward, leaves, nodes), and with ``gate.keep_grads`` the candidate's gradients
+on the host under ``run ws2``'s names (:func:`candidate_grads`, ``--save-tensors``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from h3gate.gate.invariance import GRAD_PLACEMENTS, batch_records, place, repeat
 from h3gate.gate.rows import describe
 from h3gate.gate.tolerance import error_check, leaf_check
 from h3gate.graph import determinism
-from h3gate.graph.core import Values
-from h3gate.graph.inputs import stand_in
+from h3gate.graph.core import Graph, Values
+from h3gate.graph.inputs import block_cotangent
 from h3gate.manifests.tolerances import BackwardBounds
 from h3gate.runs.block_records import bound_check, check, failure, unrelated, value_record
 from h3gate.runs.block_rows import RowContext, failure_line, grad_rows, vjp_rows
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from h3gate.runs.ws1_block import BlockGate, _Executions
 
 ROW_STEP_BACKWARD = "provider variants and node VJPs (row rule)"
+INPUT_LEAVES = ("hidden_states", "temb")
 
 
 def backward(
@@ -39,17 +41,19 @@ def backward(
     ctx: RowContext,
     row_dims: dict[str, int | None],
     batch_dims: dict[str, int | None],
-) -> tuple[dict, list[str]]:
-    """Gradient executions and their records: (the ``backward`` report, its failing checks)."""
+) -> tuple[dict, list[str], dict[str, torch.Tensor]]:
+    """Gradient executions and their records: (the ``backward`` report, its failing checks, the candidate's
+    gradients kept for ``--save-tensors``: :func:`candidate_grads` with ``gate.keep_grads``, else empty)."""
     graph, tol = gate.graph, gate.tolerance.backward
     modalities = ctx.modalities
     names = [n.name for n in graph.nodes]
     failing: list[str] = []
     h = gate.inputs.tensors["hidden_states"]
-    cot = stand_in(gate.inputs.seed, "cotangent", 0, h.shape[1], h.shape[2], h.device)
+    cot = block_cotangent(gate.inputs.seed, h.shape[1], h.shape[2], h.device)
     p_leaf, p_node, _ = ex.grads("provider", "provider", cot)
     pr_leaf, pr_node, _ = ex.grads("provider", "provider repeat", cot)
     c_leaf, c_node, c_out = ex.grads("candidate", "candidate", cot)
+    kept = candidate_grads(graph, c_leaf, c_node, cot.to(c_out[graph.output].dtype)) if gate.keep_grads else {}
     cr_leaf, cr_node, _ = ex.grads("candidate", "candidate repeat", cot)
     g_leaf, g_node, _ = ex.grads("golden", "golden", cot.double())
     ex.step(f"backward: {ROW_STEP_BACKWARD}")
@@ -110,7 +114,18 @@ def backward(
             "first_grad_batch_drift": first_drift(order, prov_batch),
         },
     }
-    return report, failing
+    return report, failing, kept
+
+
+def candidate_grads(graph: Graph, leaf: Values, node: Values, cot: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The candidate's gradients on the host, keyed as ``run ws2`` keys its gathered ones: ``node:<node>`` (graph
+    order), ``input:<leaf>``, ``param:<weight>`` (each that took a gradient) and ``cotangent:<output>`` (the ``g`` of
+    ``<output, g>``, as the backward used it: in the output's dtype)."""
+    out = {f"node:{n.name}": node[n.name] for n in graph.nodes if node.get(n.name) is not None}
+    out.update({f"input:{k}": leaf[k] for k in INPUT_LEAVES if leaf.get(k) is not None})
+    out.update({f"param:{k}": g for k, g in leaf.items() if k not in INPUT_LEAVES and g is not None})
+    out[f"cotangent:{graph.output}"] = cot
+    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
 
 def _batch(

@@ -3,7 +3,8 @@ the device (or host) has; an :class:`~h3gate.errors.InputError` naming the optio
 
 The one-block gate plans where its value store goes (:func:`plan_block_memory`: on the device, or in host memory
 for a forward-only run whose store does not fit beside pass 1); the whole-model gate bounds one stage's weights
-and values per lane (:func:`model_lower_bound_bytes`) and ``--save-tensors``' host copy (:func:`saved_values_bytes`).
+and values per lane (:func:`model_lower_bound_bytes`) and ``--save-tensors``' host copy (:func:`saved_values_bytes`;
+the one-block gate's: :func:`block_saved_bytes`).
 """
 
 from __future__ import annotations
@@ -181,6 +182,18 @@ def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage]) -> i
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     blocks = sum(1 for s in stages if s.label.startswith(("block.", "refiner.")))
     return blocks * seq_len * (6 * h + 8 * nd + 3 * f) * (2 + 2 + 8)
+
+
+def block_saved_bytes(cfg: ModelConfig, rows: int, backward: bool) -> int:
+    """A lower bound on ``run ws1-block --save-tensors``' files, every tensor held on the host before any is
+    written: each node value of the provider and the candidate (bf16) and the golden (float64), each lane's
+    ``output`` copy and the block input; with the backward the candidate's gradients (bf16): every node output's,
+    the block input's, the cotangent and the block weights'."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    nodes = rows * sum(row_widths(cfg)[n] for n in BLOCK_NODES)
+    values = (nodes + rows * h) * (2 + 2 + 8) + rows * h * 2
+    grads = (nodes + 2 * rows * h + 4 * h * nd + 3 * h * f) * 2 if backward else 0
+    return values + grads
 
 
 def gathered_tensors_bytes(cfg: ModelConfig, seq_len: int, blocks: int) -> tuple[int, int]:

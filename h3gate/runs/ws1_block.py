@@ -97,6 +97,7 @@ class BlockGate:
     bindings: Mapping[str, NodeBinding] | None = None  # from h3gate.runs.setup.prepare; None: bound here
     store: str = "device"  # where the provider's and candidate's values are kept: "device" or "host" (forward only)
     keep_golden: bool = False  # keep the golden's values too (--save-tensors)
+    keep_grads: bool = False  # keep the candidate's gradients, on the host (--save-tensors with the backward)
     sglang: SglangRun | None = None  # the candidate is SGLang's DiT (runs/block_sglang.py), forward only
 
     @classmethod
@@ -124,6 +125,7 @@ class BlockGateResult:
     verdict: str
     failing: list[str]
     values: dict[str, Values] = field(default_factory=dict)  # provider / candidate (/ golden if kept) values
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the candidate's, if kept (block_backward)
 
 
 class _Executions:
@@ -212,10 +214,10 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         fw = forward(gate, ex, ctx, store)
         nodes, failing = _node_records(gate, bindings, fw)
         prov, cand = store.values("provider"), store.values("candidate")
-        backward_report, backward_s = None, 0.0
+        backward_report, backward_s, grads = None, 0.0, {}
         if gate.backward:
             t1 = time.perf_counter()
-            backward_report, backward_failing = backward(gate, ex, cand, prov, fw.ctx, row_dims, batch_dims)
+            backward_report, backward_failing, grads = backward(gate, ex, cand, prov, fw.ctx, row_dims, batch_dims)
             failing += backward_failing
             backward_s = time.perf_counter() - t1
     determinism_record = recorder.record()
@@ -258,7 +260,7 @@ def run_block_gate(gate: BlockGate) -> BlockGateResult:
         },
     }
     values = {who: store.values(who) for who in keep}
-    return BlockGateResult(report, verdict, failing, values)
+    return BlockGateResult(report, verdict, failing, values, grads)
 
 
 def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forward) -> tuple[list[dict], list[str]]:
@@ -342,7 +344,8 @@ def input_record(inputs: BlockInputs) -> dict:
 
 
 def tensors_to_save(result: BlockGateResult, graph: Graph, inputs: BlockInputs) -> dict[str, dict[str, torch.Tensor]]:
-    """``--save-tensors`` files: inputs, and provider/candidate/golden keyed by node name plus ``output``."""
+    """``--save-tensors`` files: inputs, and provider/candidate/golden keyed by node name plus ``output``; with the
+    candidate's gradients kept, ``candidate-grads`` (``run ws2 --save-tensors``' keys)."""
     out: dict[str, dict[str, torch.Tensor]] = {
         "inputs": {k: v.detach().contiguous().cpu() for k, v in inputs.tensors.items()}
     }
@@ -350,6 +353,8 @@ def tensors_to_save(result: BlockGateResult, graph: Graph, inputs: BlockInputs) 
         nodes = {n.name: values[n.name].detach().contiguous().cpu().clone() for n in graph.nodes}
         nodes["output"] = nodes[graph.output].clone()
         out[who] = nodes
+    if result.grads:
+        out["candidate-grads"] = dict(result.grads)
     return out
 
 
