@@ -288,6 +288,61 @@ def test_saved_tensors_are_what_ran(default_run):
     assert load_file(saved / "golden.safetensors")["output"].dtype == torch.float64
 
 
+def test_saved_gradients_are_the_candidate_gradients_the_gate_hashed(default_run):
+    """With the backward, ``candidate-grads`` holds the candidate's gradients under ``run ws2``'s keys: each is the
+    tensor whose sha256 the evidence's backward record carries, and the cotangent is ``block_cotangent``'s.
+    Negative control: one gradient changed by one ulp no longer matches its record."""
+    from h3gate.graph.inputs import block_cotangent
+
+    _, doc, saved = default_run
+    grads = load_file(saved / "candidate-grads.safetensors")
+    bw = doc["backward"]
+    leaves = {f"input:{k}" if k in ("hidden_states", "temb") else f"param:{k}": rec for k, rec in bw["leaves"].items()}
+    records = {**{f"node:{k}": rec for k, rec in bw["nodes"].items()}, **leaves}
+    assert set(grads) == {*records, "cotangent:residual_mlp"}
+    assert {k.partition(":")[0] for k in grads} == {"node", "input", "param", "cotangent"}
+    for key, rec in records.items():
+        assert tensor_sha256(grads[key]) == rec["sha256"]["candidate"], key
+    h = load_file(saved / "inputs.safetensors")["hidden_states"]
+    want = block_cotangent(int(doc["seed"]), h.shape[1], h.shape[2], "cpu")
+    assert torch.equal(grads["cotangent:residual_mlp"].view(torch.int16), want.view(torch.int16))
+    bent = grads["node:o_proj"].clone()
+    bent.view(torch.int16).view(-1)[3] += 1
+    assert tensor_sha256(bent) != records["node:o_proj"]["sha256"]["candidate"]
+
+
+@pytest.mark.parametrize("short", ["memory", "disk"])
+def test_saved_tensors_that_do_not_fit_are_exit_2_before_any_work(run_cli, tmp_path, monkeypatch, short) -> None:
+    """``--save-tensors``' files are bounded against host memory and the folder's disk before any weight is read:
+    one byte less than :func:`~h3gate.runs.memory_plan.block_saved_bytes` available is exit 2 naming it; the bound
+    itself passes (the control); the gradients count only with the backward."""
+    from h3gate import memory
+
+    spec = run_setup.RunSpec(device="cpu")
+    setup = run_setup.prepare(spec, read=False)
+    need = memory_plan.block_saved_bytes(setup.cfg, setup.layout.seq_len, True)
+    assert memory_plan.block_saved_bytes(setup.cfg, setup.layout.seq_len, False) < need
+    started = []
+    monkeypatch.setattr(run_cmd, "read_inputs", lambda *a, **k: started.append(1) or (_ for _ in ()).throw(
+        RuntimeError("weights read")))  # fmt: skip
+    real = memory.device_available_bytes
+    target = "device_available_bytes" if short == "memory" else "free_disk_bytes"
+    for budget, refused in ((need - 1, True), (need, False)):
+        if short == "memory":
+            monkeypatch.setattr(memory, target, lambda d, b=budget: b if d == "cpu" else real(d))
+        else:
+            monkeypatch.setattr(memory, target, lambda *_a, b=budget: b)
+        monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: None)  # the gate's own plan: no bound
+        args = ("run", "ws1-block", "--device", "cpu", "--save-tensors", tmp_path / "t", "--out", tmp_path / "ev")
+        code, out, err = run_cli(*args)
+        if refused:
+            what = "needs at least" if short == "memory" else "writes at least"
+            assert code == 2 and err.startswith("h3gate: error: --save-tensors at --layout tiny") and what in err, err
+            assert len(err.strip().splitlines()) == 1 and not started and not (tmp_path / "ev").exists()
+        else:
+            assert code == 3 and started, err  # past the check, to the (stubbed) weights
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
