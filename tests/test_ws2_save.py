@@ -4,8 +4,9 @@
 The gather (every rank's elements put back where its plan's slicing took them) on hand-made shards, with its
 negative controls (an element no rank holds is an error; positions that lie give a different tensor); a bad path
 is exit 2 before any work; end to end (slow): ``run ws2 --topology tp2`` and ``run ws1-block --merge-order seg8``
-on the same config, layout and seed write byte-equal candidate files under the same keys, and a ``--merge-order
-single`` ws1-block run or one perturbed element is reported as a difference.
+on the same config, layout and seed write byte-equal candidate files under the same keys, values and gradients
+(both backwards start from one cotangent, ``block_cotangent``), and a ``--merge-order single`` ws1-block run or one
+perturbed element is reported as a difference.
 """
 
 from __future__ import annotations
@@ -101,6 +102,22 @@ def test_positions_that_lie_give_another_tensor(tmp_path) -> None:
     assert not torch.equal(gather(tmp_path, 2)[0]["x"], x)
 
 
+def test_ws2_block_cotangent_is_ws1_block_cotangent() -> None:
+    """The block scope's cotangent is ``block_cotangent`` (the tensor ``run ws1-block`` starts its backward from),
+    cast to the output's dtype; negative control: another seed gives another tensor."""
+    from types import SimpleNamespace
+
+    from h3gate.graph.inputs import block_cotangent
+    from h3gate.parallel.ws2_scope import cotangents
+
+    scope = SimpleNamespace(name="block", graph=SimpleNamespace(output="residual_mlp"))
+    out = torch.zeros(1, 12, 16, dtype=torch.bfloat16)
+    got = cotangents(scope, {"residual_mlp": out}, 7)["residual_mlp"]
+    want = block_cotangent(7, 12, 16, "cpu")
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got.view(torch.int16), block_cotangent(8, 12, 16, "cpu").view(torch.int16))
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 
@@ -177,16 +194,17 @@ COMMON = ("--config", "ws2-tiny", "--layout", "micro", "--seed", "0")
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """``run ws2 --topology tp2``, ``run ws1-block --merge-order seg8`` and ``--merge-order single`` (forward only:
-    ws1-block saves values), and ``run ws2`` with one row faulted on rank 1 in a sharded value (``q_proj``: heads)
-    and a replicated one (``o_proj``), each with ``--save-tensors``: (exit codes, folder, ws2 evidence by run)."""
+    """``run ws2 --topology tp2``, ``run ws1-block --merge-order seg8`` and ``--merge-order single`` (with the
+    backward: ws1-block saves its candidate's gradients too), and ``run ws2`` with one row faulted on rank 1 in a
+    sharded value (``q_proj``: heads) and a replicated one (``o_proj``), each with ``--save-tensors``: (exit codes,
+    folder, ws2 evidence by run)."""
     from h3gate.cli import main
 
     tmp = tmp_path_factory.mktemp("ws2-save")
     runs = {
         "ws2": ["run", "ws2", "--topology", "tp2", *COMMON],
-        "seg8": ["run", "ws1-block", "--merge-order", "seg8", "--device", "cpu", "--no-backward", *COMMON],
-        "single": ["run", "ws1-block", "--merge-order", "single", "--device", "cpu", "--no-backward", *COMMON],
+        "seg8": ["run", "ws1-block", "--merge-order", "seg8", "--device", "cpu", *COMMON],
+        "single": ["run", "ws1-block", "--merge-order", "single", "--device", "cpu", *COMMON],
         "faulted": ["run", "ws2", "--topology", "tp2", "--fault", "1:q_proj:30", "--fault", "1:o_proj:30", *COMMON],
     }
     codes = {}
@@ -223,6 +241,31 @@ def test_ws2_writes_ws1_block_candidate_files_byte_for_byte(saved) -> None:
     assert {"input:hidden_states", "input:temb", "param:attn.to_q.weight", "cotangent:residual_mlp"} <= set(grads)
     # sharded under TP2 (heads, FFN channels), gathered whole
     assert grads["param:attn.to_q.weight"].shape == (1024, 192) and grads["node:swiglu"].shape[-1] == 512
+
+
+@pytest.mark.slow
+def test_ws2_writes_ws1_block_candidate_gradients_byte_for_byte(saved, tmp_path) -> None:
+    """``candidate-grads``: every key ws2 writes is in ws1-block's file with the same bytes (and no other), the
+    cotangent included. Negative controls: ws1-block in the single-walk order differs in some gradient; one element
+    of one saved gradient changed by one ulp is reported, under its key only."""
+    _, tmp, _ = saved
+    ws2, seg8 = tmp / "ws2", tmp / "seg8"
+    with (
+        safe_open(str(ws2 / "candidate-grads.safetensors"), "pt") as a,
+        safe_open(str(seg8 / "candidate-grads.safetensors"), "pt") as b,
+    ):
+        assert set(a.keys()) == set(b.keys())
+        assert len(a.keys()) > 20
+    assert differing(ws2, seg8, "candidate-grads") == []
+    assert differing(ws2, tmp / "single", "candidate-grads") != []
+    assert "cotangent:residual_mlp" not in differing(ws2, tmp / "single", "candidate-grads")  # one cotangent
+    shutil.copytree(ws2, tmp_path / "bent")
+    grads = load_file(tmp_path / "bent" / "candidate-grads.safetensors")
+    bits = grads["param:attn.to_q.weight"].view(torch.int16).clone()
+    bits.view(-1)[11] += 1
+    grads["param:attn.to_q.weight"] = bits.view(torch.bfloat16)
+    save_file(grads, str(tmp_path / "bent" / "candidate-grads.safetensors"))
+    assert differing(tmp_path / "bent", seg8, "candidate-grads") == ["param:attn.to_q.weight"]
 
 
 @pytest.mark.slow

@@ -42,7 +42,11 @@ def run_ws1_block(
     seed: SeedOpt = 0,
     save_tensors: Annotated[
         Path | None,
-        typer.Option("--save-tensors", help="Write inputs/provider/candidate/golden .safetensors into this folder."),
+        typer.Option(
+            "--save-tensors",
+            help="Write inputs/provider/candidate/golden .safetensors into this folder (with the backward also the "
+            "candidate's gradients as candidate-grads.safetensors, run ws2's keys).",
+        ),
     ] = None,
     fault_matrix: Annotated[
         bool,
