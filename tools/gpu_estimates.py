@@ -10,8 +10,10 @@ weights the run reads count, the CUDA context does not). The record gives both a
 for a *lower bound* (ws1-block, ws1-model, ws1-trajectory) a ratio above 1 means the bound refuses runs that fit;
 for an *upper estimate* (ws1-ops, arms) a ratio below 1 means it lets through runs that do not.
 
-* ``ws1-block``: :func:`h3gate.runs.memory_plan.plan_block_memory` (the plan ``prepare`` makes), then
-  :func:`h3gate.runs.ws1_block.run_block_gate`;
+* ``ws1-block``: :func:`h3gate.runs.memory_plan.plan_block_memory` (the plan ``prepare`` makes: its lower bound,
+  and its upper estimate :func:`h3gate.runs.memory_plan.block_peak_estimate_bytes` as ``upper_bytes`` with
+  ``upper_ratio = upper / peak``, which must be at least 1), then :func:`h3gate.runs.ws1_block.run_block_gate`
+  (forward and backward, ``--mode``: default strict);
 * ``ws1-model``: :func:`h3gate.runs.memory_plan.model_lower_bound_bytes` (forward and backward), then
   :func:`h3gate.runs.ws1_model.run_model_gate`;
 * ``ws1-trajectory``: the same bound with two lanes, no backward (``prepare_trajectory``), then one step;
@@ -82,7 +84,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _block(device: str, layout: str, config: str | None) -> tuple[int, str, str, Callable]:
+def _block(device: str, layout: str, config: str | None, mode: str = "strict") -> tuple[int, str, str, Callable, int]:
     from h3gate.gate.variants import provider_variants
     from h3gate.runs.memory_plan import GateNeeds
     from h3gate.runs.setup import RunSpec, prepare, read_inputs
@@ -90,13 +92,15 @@ def _block(device: str, layout: str, config: str | None) -> tuple[int, str, str,
 
     tol = load_tolerance("ws1-block")
     lanes = len(provider_variants(list(tol.row_rule.variants), device)[0])
-    setup = prepare(RunSpec("block", layout, config, None, device, draw="device"), GateNeeds(lanes), read=False)
+    spec = RunSpec("block", layout, config, None, device, mode=mode, draw="device")
+    setup = prepare(spec, GateNeeds(lanes), read=False)
     plan = setup.memory
 
     def run() -> object:
         return run_block_gate(BlockGate.of(read_inputs(setup), tol, True))
 
-    return plan.device_bytes, "lower bound", f"plan_block_memory: {plan.estimate}", run
+    what = f"plan_block_memory: {plan.estimate}; upper: block_peak_estimate_bytes"
+    return plan.device_bytes, "lower bound", what, run, plan.upper_bytes
 
 
 def _model(device: str, layout: str, config: str | None) -> tuple[int, str, str, Callable]:
@@ -169,13 +173,24 @@ def _arms(device: str, layout: str, config: str | None) -> tuple[int, str, str, 
 PLANS = {"ws1-block": _block, "ws1-model": _model, "ws1-trajectory": _trajectory, "ws1-ops": _ops, "arms": _arms}
 
 
-def measure(verb: str, device: str, layout: str, config: str | None, dry: bool, ops: tuple[str, ...] = OPS) -> dict:
-    """One verb's record: its estimate and, unless ``dry``, the peak of its run and the ratio."""
+def measure(
+    verb: str, device: str, layout: str, config: str | None, dry: bool, ops: tuple[str, ...] = OPS,
+    mode: str = "strict",
+) -> dict:  # fmt: skip
+    """One verb's record: its estimate (and upper estimate, where the verb has both) and, unless ``dry``, the peak
+    of its run and the ratios."""
     plan = PLANS[verb]
-    need, kind, what, run = plan(device, layout, config, ops) if plan is _ops else plan(device, layout, config)
+    if plan is _ops:
+        need, kind, what, run, *upper = plan(device, layout, config, ops)
+    elif plan is _block:
+        need, kind, what, run, *upper = plan(device, layout, config, mode)
+    else:
+        need, kind, what, run, *upper = plan(device, layout, config)
     rec = {"verb": verb, "layout": layout, "config": config or "default", "device": device,
            "estimate_bytes": need, "estimate_kind": kind, "estimate": what, "peak_bytes": None, "ratio": None,
            "seconds": None}  # fmt: skip
+    if plan is _block:
+        rec.update(mode=mode, upper_bytes=upper[0], upper_ratio=None)
     if dry or run is None:
         return rec
     meter = Meter(device)
@@ -185,6 +200,10 @@ def measure(verb: str, device: str, layout: str, config: str | None, dry: bool, 
     peak = meter.peak()
     rec.update(peak_bytes=peak, ratio=None if peak <= 0 else round(need / peak, 4),
                seconds=round(time.perf_counter() - started, 3), peak=meter.what)  # fmt: skip
+    if device.startswith("cuda"):  # what the caching allocator held: the allocated peak plus its fragments
+        rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    if rec.get("upper_bytes") is not None and peak > 0:
+        rec["upper_ratio"] = round(rec["upper_bytes"] / peak, 4)
     return rec
 
 
@@ -195,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", default="micro")
     parser.add_argument("--config", default=None, help="a config name (default: each verb's default, tiny)")
     parser.add_argument("--ops", default=",".join(OPS), help="ws1-ops' operators (comma-separated)")
+    parser.add_argument(
+        "--mode",
+        default="strict",
+        choices=("strict", "auto", "audit", "off"),
+        help="ws1-block's candidate mode (off: no kernels, the CPU twin's fast case)",
+    )
     parser.add_argument("--dry", action="store_true", help="the estimates only; no engine runs")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -208,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     with strict_numerics(args.device):
         for verb in verbs:
             ops = tuple(o for o in args.ops.split(",") if o)
-            records.append(measure(verb, args.device, args.layout, args.config, args.dry, ops))
+            records.append(measure(verb, args.device, args.layout, args.config, args.dry, ops, args.mode))
             print(json.dumps(records[-1]), flush=True)
     meta = {"torch": torch.__version__, "device": args.device, "dry": args.dry,
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}  # fmt: skip

@@ -7,6 +7,7 @@ mode meeting a node without its strict kernel: nothing runs).
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -291,6 +292,8 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     setup = prepare(spec, needs, read=False)
     if save_tensors is not None:
         _check_save_sizes(setup, settings.backward, Path(save_tensors))
+    if setup.memory is not None and setup.memory.warning is not None:
+        print(f"h3gate: warning: {setup.memory.warning}", file=sys.stderr)
     fault = settings.fault
     injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
     if isinstance(injected, Injection) and spec.candidate == "sglang":

@@ -2,24 +2,27 @@
 the device (or host) has; an :class:`~h3gate.errors.InputError` naming the options when it does not fit.
 
 The one-block gate plans where its value store goes (:func:`plan_block_memory`: on the device, or in host memory
-for a forward-only run whose store does not fit beside pass 1); the whole-model gate bounds one stage's weights
-and values per lane (:func:`model_lower_bound_bytes`) and ``--save-tensors``' host copy (:func:`saved_values_bytes`;
-the one-block gate's: :func:`block_saved_bytes`).
+for a forward-only run whose store does not fit beside pass 1) on lower bounds, which refuse, and carries an upper
+estimate of its peak (:func:`block_peak_estimate_bytes`), which only warns; the whole-model gate bounds one stage's
+weights and values per lane (:func:`model_lower_bound_bytes`) and ``--save-tensors``' host copy
+(:func:`saved_values_bytes`; the one-block gate's: :func:`block_saved_bytes`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from h3gate import memory
 from h3gate.errors import InputError
-from h3gate.graph.block import BLOCK_NODES, build_block_graph, row_widths
+from h3gate.graph.block import BLOCK_NODES, block_param_shapes, build_block_graph, row_widths
 from h3gate.graph.execute import live_at
 from h3gate.graph.stages import Stage
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.memory import GIB
 from h3gate.memory import host_available_bytes as available_memory_bytes
+from h3gate.ops.golden import CHUNK_BYTES, DENSE_ATTENTION_GOLDEN_BYTES
 
 
 def block_lower_bound_bytes(cfg: ModelConfig, rows: int) -> int:
@@ -49,6 +52,87 @@ def block_backward_bytes(cfg: ModelConfig, rows: int) -> int:
     return (4 * h * nd + 3 * h * f) * per_lane + rows * sum(widths[n] for n in BLOCK_NODES) * per_lane
 
 
+# The upper estimate's allowance for the allocator, over the bytes counted. CUDA: torch's caching allocator keeps
+# freed blocks for reuse (a request no cached block fits grows the pool beside them) and rounds blocks up (2 MiB
+# segments for large ones); 1.25, not yet measured. CPU: glibc's heap (an arena per thread) grows through the
+# streamed forward's transients and keeps them resident: at tiny config the counted bytes match the live tensors,
+# while VmHWM less the process's own buffers was up to 1.75x them (S = 3160), spread 16 % from run to run; the
+# process's own buffers (oneDNN, OpenMP, the autograd engine: ~110 MB at every S measured) are
+# :data:`CPU_PROCESS_BYTES`. Measured: docs/measurements/gpu-estimates.md.
+ALLOCATOR_SLACK = {"cuda": 1.25, "cpu": 2.25}
+CPU_PROCESS_BYTES = 128 << 20
+
+
+def block_weight_count(cfg: ModelConfig) -> int:
+    """Every parameter of one block (q/k/v/o, feed-forward, the AdaLN projection and the norms)."""
+    return sum(math.prod(shape) for shape, _ in block_param_shapes(cfg).values())
+
+
+def golden_attention_bytes(cfg: ModelConfig, rows: int, device: str, batch: int = 1) -> int:
+    """The golden attention's working set beyond its inputs and output, at its peak (forward or backward).
+
+    Dense (:func:`h3gate.ops.golden.attention_golden` while one float64 ``(B, nh, S, S)`` score matrix ``M`` fits
+    ``DENSE_ATTENTION_GOLDEN_BYTES``): torch's math SDPA holds three such matrices at once in the forward (scores,
+    softmax, the safe-softmax result, with a bool mask of ``M / 8``) and three under autograd's backward (the saved
+    probabilities, their gradient, the scores' gradient): ``3 M + M / 8``. On the CPU torch runs float64 SDPA with
+    its flash kernel (query/key blocks, no ``S x S`` matrix): 0. Chunked (above the limit, any device): at most
+    four ``(B, nh, C, S)`` float64 blocks (scores, their shifted copy, probabilities; in the backward the
+    probabilities, ``dp``, ``dp - rowdot`` and ``ds``)."""
+    nh = cfg.num_attention_heads
+    scores = batch * nh * rows * rows * 8
+    if scores > DENSE_ATTENTION_GOLDEN_BYTES:
+        per_row = batch * nh * rows * 8
+        return 4 * per_row * min(rows, max(1, CHUNK_BYTES // per_row))
+    return 0 if device == "cpu" else 3 * scores + scores // 8
+
+
+def block_peak_estimate_bytes(cfg: ModelConfig, rows: int, needs: GateNeeds, device: str, store: str = "device") -> int:
+    """An upper estimate of a ws1-block run's device peak: :data:`ALLOCATOR_SLACK` times the largest phase (and
+    :data:`CPU_PROCESS_BYTES` on the CPU). Per weight ``W``, per node-output element ``E`` (``S`` rows of every
+    node) and per block-input element ``X``:
+
+    * the streamed forward: :func:`block_forward_bytes`, the golden's intermediates at its widest node (one more
+      float64 per element) and :func:`golden_attention_bytes`;
+    * the golden's backward (:func:`_golden_phase`) and the gradient batch placements (:func:`_batch_phase`), when
+      the backward or the fault matrix runs."""
+    widths = row_widths(cfg)
+    elements = rows * sum(widths[n] for n in BLOCK_NODES)
+    attention = golden_attention_bytes(cfg, rows, device)
+    forward_phase = (block_forward_bytes(cfg, rows, needs, store == "device") + rows * streamed_peak_width(cfg) * 8
+                     + attention)  # fmt: skip
+    phase = forward_phase
+    if needs.backward or needs.fault_matrix:
+        store_per = 2 + 2 + (8 if needs.save_golden else 0)
+        weights, inputs = block_weight_count(cfg), rows * widths["hidden_states"]
+        phase = max(phase, _golden_phase(weights, elements, inputs, store_per) + attention,
+                    _batch_phase(weights, elements, inputs, store_per))  # fmt: skip
+    kind = "cpu" if device == "cpu" else "cuda"
+    return int(ALLOCATOR_SLACK[kind] * phase) + (CPU_PROCESS_BYTES if kind == "cpu" else 0)
+
+
+def _golden_phase(weights: int, elements: int, inputs: int, store_per: int) -> int:
+    """The golden's backward, all held at once: per ``W`` the bf16 parameters, their float64 copy, the golden's
+    float64 leaf clone and gradient, the four bf16 lanes' gradients (``2 + 8 + 8 + 8 + 4 * 2``); per ``E`` the value
+    store, the candidate's autograd outputs and its repeat's (bf16, the latter held by the backward until the next
+    lane's replace them), the four lanes' node gradients (bf16), the golden's values, node gradients and autograd's
+    saved intermediates (at most one float64 per element: norms keep ``x / rms``, the result and the gathered
+    scale, the residuals their gathered gate, swiglu ``silu(gate)``, SDPA its output)
+    (``store + 2 * 2 + 4 * 2 + 3 * 8``); per ``X`` the input, its float64 copy and clone, five lanes' gradients and the
+    cotangent (``2 + 8 + 8 + 4 * 2 + 8 + 2 + 8``). The attention's working set is added by the caller."""
+    return weights * 34 + elements * (store_per + 2 * 2 + 8 + 24) + inputs * 44
+
+
+def _batch_phase(weights: int, elements: int, inputs: int, store_per: int) -> int:
+    """The provider's batch-of-two gradient, after the golden's: per ``W`` the parameters (bf16, float64), five
+    lanes' gradients, the batch lane's clone and gradient (``2 + 8 + 4 * 2 + 8 + 2 + 2``); per ``E`` the value
+    store, five lanes' node gradients (four bf16, the golden's float64), the golden's values (kept to the backward's
+    end), the candidate's batch gradients with their probed slices and its autograd forward's slices
+    (``2 * 2 + 2 + 2``), and the running lane at batch 2: values, gradients and intermediates (at most one float32
+    per element: ``2 * (2 + 2 + 4)``); per ``X`` as the golden phase's, and the batch's two inputs and
+    cotangents."""
+    return weights * 30 + elements * (store_per + 8 + 8 + 8 + 8 + 16) + inputs * (44 + 2 * 2 * 2)
+
+
 def check_memory(cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str) -> None:
     """The whole-execution lower bound against host memory (CPU) or the GPU's free memory, before any weight is
     placed there."""
@@ -69,17 +153,31 @@ class GateNeeds:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Where the gate keeps the provider's and candidate's values (``device`` or ``host``) and the estimates the
-    plan compared (lower bounds, bytes)."""
+    """Where the gate keeps the provider's and candidate's values (``device`` or ``host``), the estimates the plan
+    compared (lower bounds, bytes: what refuses), and the upper estimate of the device's peak with what the device
+    had free (``None`` where unknown): :attr:`warning` when the peak may not fit."""
 
     store: str
     device_bytes: int
     host_bytes: int
     estimate: str
+    upper_bytes: int | None = None
+    available_bytes: int | None = None
+
+    @property
+    def warning(self) -> str | None:
+        """One line when the upper estimate exceeds what the device has (the run may still fit: it is not refused)."""
+        if self.upper_bytes is None or self.available_bytes is None or self.upper_bytes <= self.available_bytes:
+            return None
+        return (f"memory: the peak may reach {self.upper_bytes / GIB:.1f} GiB (upper estimate; at least "
+                f"{self.device_bytes / GIB:.1f} GiB), {self.available_bytes / GIB:.1f} GiB available: the run may "
+                "run out of memory")  # fmt: skip
 
     def record(self) -> dict:
+        upper = {} if self.upper_bytes is None else {"upper_gib": round(self.upper_bytes / GIB, 2)}
+        free = {} if self.available_bytes is None else {"available_gib": round(self.available_bytes / GIB, 2)}
         return {"store": self.store, "estimate": self.estimate, "device_gib": round(self.device_bytes / GIB, 2),
-                "host_gib": round(self.host_bytes / GIB, 2)}  # fmt: skip
+                "host_gib": round(self.host_bytes / GIB, 2), **upper, **free}  # fmt: skip
 
 
 def streamed_peak_width(cfg: ModelConfig) -> int:
@@ -113,7 +211,17 @@ def plan_block_memory(
     The backward and the fault matrix hold whole executions on the device (:func:`block_lower_bound_bytes`, at
     least the forward's, plus the backward's gradients: :func:`block_backward_bytes`); a forward-only run keeps its
     store on the device when everything fits, else in host memory with pass 1 on the device (on the CPU both are
-    the host)."""
+    the host). Only the lower bounds refuse; the plan carries :func:`block_peak_estimate_bytes` and what the
+    device has free, for a warning (:attr:`MemoryPlan.warning`)."""
+    plan = _plan_store(cfg, packed, layout, config_name, device, needs)
+    upper = block_peak_estimate_bytes(cfg, packed.seq_len, needs, device, plan.store)
+    free = available_memory_bytes() if device == "cpu" else memory.device_available_bytes(device)
+    return MemoryPlan(plan.store, plan.device_bytes, plan.host_bytes, plan.estimate, upper, free)
+
+
+def _plan_store(
+    cfg: ModelConfig, packed: PackedLayout, layout: str, config_name: str, device: str, needs: GateNeeds
+) -> MemoryPlan:
     rows = packed.seq_len
     streamed = block_forward_bytes(cfg, rows, needs, store_on_device=True)
     if needs.backward or needs.fault_matrix:
