@@ -259,13 +259,19 @@ def test_ws2_writes_ws1_block_candidate_gradients_byte_for_byte(saved, tmp_path)
     assert differing(ws2, seg8, "candidate-grads") == []
     assert differing(ws2, tmp / "single", "candidate-grads") != []
     assert "cotangent:residual_mlp" not in differing(ws2, tmp / "single", "candidate-grads")  # one cotangent
-    shutil.copytree(ws2, tmp_path / "bent")
-    grads = load_file(tmp_path / "bent" / "candidate-grads.safetensors")
-    bits = grads["param:attn.to_q.weight"].view(torch.int16).clone()
-    bits.view(-1)[11] += 1
-    grads["param:attn.to_q.weight"] = bits.view(torch.bfloat16)
-    save_file(grads, str(tmp_path / "bent" / "candidate-grads.safetensors"))
-    assert differing(tmp_path / "bent", seg8, "candidate-grads") == ["param:attn.to_q.weight"]
+    bent = _one_ulp_copy(ws2, tmp_path / "bent", "candidate-grads", "param:attn.to_q.weight", 11)
+    assert differing(bent, seg8, "candidate-grads") == ["param:attn.to_q.weight"]
+
+
+def _one_ulp_copy(folder: Path, to: Path, stem: str, key: str, index: int) -> Path:
+    """A copy of ``folder`` with element ``index`` of ``stem``'s bf16 tensor ``key`` one ulp up."""
+    shutil.copytree(folder, to)
+    tensors = load_file(to / f"{stem}.safetensors")
+    bits = tensors[key].view(torch.int16).clone()
+    bits.view(-1)[index] += 1
+    tensors[key] = bits.view(torch.bfloat16)
+    save_file(tensors, str(to / f"{stem}.safetensors"))
+    return to
 
 
 @pytest.mark.slow
@@ -275,13 +281,8 @@ def test_the_comparison_reports_another_merge_order_and_one_perturbed_element(sa
     _, tmp, _ = saved
     ws2 = tmp / "ws2"
     assert "o_proj" in differing(ws2, tmp / "single", "candidate")  # the row-parallel GEMM's merge order
-    shutil.copytree(ws2, tmp_path / "bent")
-    values = load_file(tmp_path / "bent" / "candidate.safetensors")
-    bits = values["o_proj"].view(torch.int16).clone()
-    bits.view(-1)[7] += 1
-    values["o_proj"] = bits.view(torch.bfloat16)
-    save_file(values, str(tmp_path / "bent" / "candidate.safetensors"))
-    assert differing(tmp_path / "bent", tmp / "seg8", "candidate") == ["o_proj"]
+    bent = _one_ulp_copy(ws2, tmp_path / "bent", "candidate", "o_proj", 7)
+    assert differing(bent, tmp / "seg8", "candidate") == ["o_proj"]
 
 
 @pytest.mark.slow
