@@ -72,3 +72,18 @@ def test_an_unknown_verb_is_refused(tool, tmp_path):
     with pytest.raises(SystemExit) as exc:
         tool.main(["--device", "cpu", "--verbs", "ws3", "--out", str(tmp_path / "x.json")])
     assert exc.value.code == 2 and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow  # two processes, one operator's ws1-ops case each (about 25 s on two cores): make test-slow
+def test_several_verbs_are_measured_each_in_a_process_of_its_own(tool, tmp_path, monkeypatch):
+    calls = []
+    real = tool.subprocess.run
+    monkeypatch.setattr(tool.subprocess, "run", lambda cmd, **k: calls.append(cmd) or real(cmd, **k))
+    out = tmp_path / "est.json"
+    argv = ["--device", "cpu", "--verbs", "ws1-ops,ws1-ops", "--ops", "h3_swiglu", "--out", str(out)]
+    assert tool.main(argv) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["verb"] for r in records] == ["ws1-ops", "ws1-ops"] and len(calls) == 2
+    assert all(c[c.index("--verbs") + 1] == "ws1-ops" and str(out) not in c for c in calls)
+    first, second = (r["peak_bytes"] for r in records)
+    assert first > 0 and second > 0 and 0.5 < first / second < 2  # two fresh processes: the same run, both seen

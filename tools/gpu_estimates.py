@@ -22,6 +22,9 @@ for an *upper estimate* (ws1-ops, arms) a ratio below 1 means it lets through ru
 
 ``run ws2`` is not measured here: its ranks are processes of their own (each rank's peak is one ws1-block-like run).
 
+With several verbs (not ``--dry``) each is measured in a process of its own, so that what one verb left in the
+allocator or the heap does not hide the next one's peak.
+
 ``--device cpu`` is the CPU twin (what the tests run): the same estimates and engines, the peak read as the process's
 resident high-water mark (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), less the resident size
 before. ``--dry`` computes the estimates only (no engine runs). Writes ``{"meta", "records"}``.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -207,6 +211,25 @@ def measure(
     return rec
 
 
+def _measure_apart(verb: str, argv: list[str]) -> dict:
+    """One verb measured in a process of its own (this tool, ``--verbs VERB``): what an earlier verb left in the
+    allocator or the heap would otherwise hide the next one's peak."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--verbs", "--out"):
+            skip = True
+        elif not a.startswith(("--verbs=", "--out=")):
+            rest.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), *rest, "--verbs", verb, "--out", str(out)],
+                       check=True)  # fmt: skip
+        (rec,) = json.loads(out.read_text(encoding="utf-8"))["records"]
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (the CPU twin)")
@@ -229,12 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--verbs: unknown {unknown[0]!r} (known: {', '.join(VERBS)})")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device (the CPU twin is --device cpu)")
-    records = []
-    with strict_numerics(args.device):
-        for verb in verbs:
-            ops = tuple(o for o in args.ops.split(",") if o)
-            records.append(measure(verb, args.device, args.layout, args.config, args.dry, ops, args.mode))
-            print(json.dumps(records[-1]), flush=True)
+    if len(verbs) > 1 and not args.dry:
+        records = [_measure_apart(verb, argv if argv is not None else sys.argv[1:]) for verb in verbs]
+    else:
+        records = []
+        with strict_numerics(args.device):
+            for verb in verbs:
+                ops = tuple(o for o in args.ops.split(",") if o)
+                records.append(measure(verb, args.device, args.layout, args.config, args.dry, ops, args.mode))
+                print(json.dumps(records[-1]), flush=True)
     meta = {"torch": torch.__version__, "device": args.device, "dry": args.dry,
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
