@@ -83,6 +83,7 @@ def _backward(graph, params, inputs, ops, cotangent):
     return values, x, p
 
 
+@pytest.mark.slow  # 10 s on two idle cores: make test-slow; the attention's own permutation tests stay in make test
 def test_block_strict_path_is_byte_equal_under_a_consistent_permutation(block) -> None:
     """Every row-resolved node value and node gradient and the hidden-state gradient are byte-equal after the
     inverse permutation. Gradients that sum over packed rows (every dW, the AdaLN tables into temb) sum in packed

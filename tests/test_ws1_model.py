@@ -133,6 +133,8 @@ def assert_console_agrees(stdout: str, doc: dict) -> None:
         assert got[key] == f.get(key), (key, got[key], f.get(key))
 
 
+@pytest.mark.slow  # 8 s on two idle cores: make test-slow; make test keeps the model's backward fault below and the
+# forward fault matrix (tests/test_model_fault_matrix.py)
 def test_a_forward_fault_on_one_row_fails_and_is_located(tmp_path) -> None:
     args = ["--quiet", "run", "ws1-model", "--no-backward", "--layers", "1:2", "--out", str(tmp_path / "ev")]
     done = _run([*args, "--fault", "block.1.o_proj:50:scale"], tmp_path)
@@ -187,8 +189,8 @@ def test_a_backward_fault_within_the_stage_bound_fails_on_its_node_alone(tmp_pat
     assert doc["failing_checks"] == [f"backward.block.0.q_proj.row_bound_isolated_node ({first['detail']})"]
 
 
-@pytest.mark.slow  # 31 s on two cores: make test-slow (.ci/run runs both); the forward fault above and the block's
-# backward fault (test_gate_trust) stay in make test
+@pytest.mark.slow  # 31 s on two cores: make test-slow (.ci/run runs both); the q_norm backward fault above and the
+# block's backward fault (test_gate_trust) stay in make test
 def test_a_backward_fault_on_one_row_fails_in_the_backward_and_is_located(tmp_path) -> None:
     args = ["--quiet", "run", "ws1-model", "--layers", "0:1", "--out", str(tmp_path / "ev")]
     done = _run([*args, "--fault", "block.0.ffn_down:70:scale:backward"], tmp_path)
