@@ -110,6 +110,13 @@ def require_disk(nbytes: int, path: Path, what: str, hint: str = "") -> None:
         )
 
 
+def require_saved(host: int, disk: int, folder: Path, what: str, hint: str) -> None:
+    """Refuse ``--save-tensors`` (``what``) when the copy it holds (``host`` bytes of host memory) or the files it
+    writes (``disk`` bytes under ``folder``) do not fit."""
+    require(host, what, "cpu", hint=hint)
+    require_disk(disk, folder, what, hint=f"{hint} or another folder")
+
+
 def require_steps(steps: int, flag: str = "--steps") -> None:
     """Refuse a sigma grid above :data:`MAX_STEPS` points."""
     if steps > MAX_STEPS:

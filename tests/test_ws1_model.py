@@ -258,3 +258,25 @@ def test_save_tensors_beyond_host_memory_is_refused_before_running(monkeypatch) 
     prepare(RunSpec("model", "micro"), ModelNeeds(backward=False))  # without --save-tensors: fits
     with pytest.raises(InputError, match=r"--save-tensors at --layout micro --config tiny .*bound it with --layers"):
         prepare(RunSpec("model", "micro"), ModelNeeds(backward=False, save_tensors=True))
+
+
+def test_save_tensors_beyond_the_folder_s_free_disk_is_refused_before_running(run_cli, tmp_path, monkeypatch) -> None:
+    """The files ``--save-tensors`` writes against the folder's free disk, before any weight is read; one byte more
+    (the control) gets past the check (to the weights, stubbed: exit 3)."""
+    from h3gate import memory
+    from h3gate.commands import model_cmd
+    from h3gate.runs.memory_plan import saved_values_bytes
+    from h3gate.runs.setup import RunSpec, prepare
+
+    setup = prepare(RunSpec("model", "micro"), read=False)
+    need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph))
+    monkeypatch.setattr(model_cmd, "read_inputs", lambda setup: (_ for _ in ()).throw(RuntimeError("weights read")))
+    args = ["run", "ws1-model", "--no-backward", "--save-tensors", tmp_path / "t", "--out", tmp_path / "ev"]
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda path: need - 1)
+    code, out, err = run_cli(*args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("h3gate: error: --save-tensors at --layout micro (S=84): writes at least")
+    assert "--layers" in err
+    assert not (tmp_path / "ev").exists() and not (tmp_path / "t").exists()
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda path: need)
+    assert run_cli(*args)[0] == 3

@@ -22,7 +22,7 @@ from h3gate.errors import InputError
 from h3gate.graph.core import Graph, OpTable
 from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
-from h3gate.graph.inputs import stand_in
+from h3gate.graph.inputs import block_cotangent
 from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import RunSpec, prepare
 
@@ -85,7 +85,7 @@ def bench_block(
     seg8 = seg8_arm(tables, graph, device, merge)
     x, params = setup.inputs.tensors, setup.params
     h = x["hidden_states"]
-    cot = stand_in(0, "cotangent", 0, h.shape[1], h.shape[2], h.device)
+    cot = block_cotangent(0, h.shape[1], h.shape[2], h.device)
 
     def forward(table: OpTable) -> Callable[[], object]:
         def run() -> object:

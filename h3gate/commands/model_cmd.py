@@ -29,8 +29,11 @@ from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
+from h3gate.graph.stages import split_stages
+from h3gate.memory import require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
+from h3gate.runs.memory_plan import saved_values_bytes
 from h3gate.runs.model_backward import LEAF_ROWS
 from h3gate.runs.model_stages import timestep_count
 from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare, read_inputs
@@ -110,7 +113,11 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     if settings.fault_matrix and settings.fault is not None:
         raise InputError("--fault-matrix with --fault: the matrix judges the clean run's views; run them apart")
     needs = ModelNeeds(backward=backward, save_tensors=save_tensors is not None, fault_matrix=settings.fault_matrix)
-    setup = prepare(spec, needs, read=False)
+    setup = prepare(spec, needs, read=False)  # with save_tensors: the saved copy against host memory
+    if save_tensors is not None:
+        need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph))
+        require_disk(need, Path(save_tensors), f"--save-tensors at --layout {layout} (S={setup.layout.seq_len})",
+                     hint="bound it with --layers or use another folder")  # fmt: skip
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
     if isinstance(injected, Injection) and spec.candidate == "sglang":
         raise InputError(f"--fault {settings.fault!r}: ulp@K injects into h3gate's executor, not SGLang's module")

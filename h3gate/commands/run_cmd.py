@@ -28,7 +28,7 @@ from h3gate.gate.variants import provider_variants
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
-from h3gate.memory import check_writable, require, require_disk
+from h3gate.memory import check_writable, require_saved
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.memory_plan import GateNeeds, block_saved_bytes
@@ -332,8 +332,7 @@ def _check_save_sizes(setup: Run, backward: bool, folder: Path) -> None:
     need = block_saved_bytes(setup.cfg, setup.layout.seq_len, backward)
     what = f"--save-tensors at --layout {setup.spec.layout} (S={setup.layout.seq_len})"
     kept = "the saved values and gradients" if backward else "the saved values"
-    require(need, f"{what}: {kept}", "cpu", hint="use a smaller layout")
-    require_disk(need, folder, what, hint="use a smaller layout or another folder")
+    require_saved(need, need, folder, f"{what}: {kept}", "use a smaller layout")
 
 
 def _run(

@@ -23,7 +23,7 @@ from h3gate.errors import EXIT_FAIL, EXIT_PASS
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
 from h3gate.graph.stages import split_stages
-from h3gate.memory import check_writable, require, require_disk
+from h3gate.memory import check_writable, require_saved
 from h3gate.parallel.ws2 import KIND, Gathered, Ws2Plan, Ws2Settings, plan_ws2, run_ws2, run_ws2_gathered
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.memory_plan import gathered_tensors_bytes
@@ -83,8 +83,7 @@ def _check_save_sizes(plan: Ws2Plan, folder: Path) -> None:
         blocks = sum(1 for s in split_stages(plan.run.graph) if s.label.startswith(("block.", "refiner.")))
     host, disk = gathered_tensors_bytes(plan.cfg, plan.layout.seq_len, blocks)
     what = f"--save-tensors at --scope {plan.settings.scope} --layout {plan.settings.layout} (S={plan.layout.seq_len})"
-    require(host, f"{what}: the gathered values and gradients", "cpu", hint="use a smaller layout or --scope block")
-    require_disk(disk, folder, what, hint="use a smaller layout or another folder")
+    require_saved(host, disk, folder, f"{what}: the gathered values and gradients", "use a smaller layout")
 
 
 def tensors_to_save(plan: Ws2Plan, gathered: Gathered) -> dict[str, dict[str, torch.Tensor]]:
