@@ -131,6 +131,10 @@ class GemmLaunch:
     # The segmented-8 kernel (h3gate.kernels.gemm_merge) loads its tiles by TMA where both operands' bases and row
     # strides are 16-byte aligned (False: the pointer walk always; the same chunks, values and MMA).
     seg8_tma: bool = True
+    # The segmented-8 one-device forward runs the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon_seg8) on
+    # Hopper in bfloat16 where its tiling applies (False: the Triton seg8 kernel; the same chunks, MMA, tree and bytes,
+    # to be confirmed on the H200: tools/gpu_seg8_gluon_check.py).
+    seg8_gluon: bool = True
     # The fused row-segment dW (h3gate.kernels.rows_dw) loads its tiles by TMA for one batch item with 16-byte aligned
     # operands (False: the pointer walk; the same chunks, values and MMA). Off until measured on the H200
     # (tools/gpu_seg8_dw_check.py compares both walks' bytes and times).

@@ -36,7 +36,14 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
 * tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
-  accumulator and a slot tile fit the registers), pointer loads, persistent; no TMA or swapped tilings.
+  accumulator and a slot tile fit the registers), persistent, pointer or TMA loads (the same chunks); no swapped
+  tilings.
+* kernel paths (:func:`forward_plan`; ``launch_record`` names the one that ran) - ``triton_seg8``
+  (:func:`_seg8_kernel`, every product) and, for the one-device forward in bfloat16 on Hopper where the layer's
+  pinned BLOCK_K is its tiling's (:func:`gluon_tiling`), ``gluon_warp_specialised_seg8``
+  (:mod:`h3gate.kernels.gemm_gluon_seg8`: the same chunks in the same wgmma k16 steps from zero per segment, the
+  same tree with the same slots, bias and rounding; its bytes equal to the Triton seg8 kernel's, to be confirmed on
+  the H200: ``tools/gpu_seg8_gluon_check.py``). The interpreter and other devices run ``triton_seg8``.
 * compilation - :data:`h3gate.kernels.common.STRICT_LAUNCH`: no FMA contraction, no FTZ; no TF32, no split beyond
   the 8 declared segments, no atomics.
 """
@@ -51,17 +58,28 @@ import triton.language as tl
 
 from h3gate.dtypes import dtype_name
 from h3gate.errors import InputError
-from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, check_tensor, needs_graph, num_sms, tma_allocator
+from h3gate.kernels import launches, selection
+from h3gate.kernels.common import (
+    INTERPRET,
+    STRICT_LAUNCH,
+    aligned,
+    check_tensor,
+    needs_graph,
+    num_sms,
+    tma_allocator,
+)
 from h3gate.kernels.exact import fold_segment, helper, mma, rne
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import check_linear
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
+from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, matmul_seg8_ws
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
 from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
 
 KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v3"
 ROLES = ("fwd", "dx")
+TRITON, GLUON = "triton_seg8", "gluon_warp_specialised_seg8"  # the forward's kernel paths
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -348,11 +366,47 @@ def segment_partials(
 # -------------------------------------------------------------------------------------------------- the operator
 
 
+def gluon_tiling(n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
+    """The Gluon seg8 forward's tiling for the layer with weight (N, K) at ``dtype``, or None where it does not apply:
+    bfloat16, its BLOCK_K the layer's pinned one (so the same segment boundaries and chunks), rows 16-byte aligned
+    (TMA). Tile shape is scheduling; BLOCK_K is not."""
+    if dtype != torch.bfloat16 or n % 8 or k % 8 or pinned_config("fwd", (n, k), dtype).block_k != SEG8_GLUON.block_k:
+        return None
+    return SEG8_GLUON
+
+
+def forward_plan(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION) -> tuple[str, GemmConfig]:
+    """The one-device seg8 forward's path and tiling for ``x (..., K) @ weight (N, K)^T`` here: ``GLUON`` on a
+    Hopper GPU (never under the interpreter) where :func:`gluon_tiling` applies and ``launch.seg8_gluon``, else
+    ``TRITON`` with :func:`fused_config`."""
+    n, k = weight.shape
+    cfg = gluon_tiling(n, k, x.dtype)
+    if cfg is not None and launch.seg8_gluon and x.numel() and selection.device_class(x.device) == "cuda-sm90":
+        return GLUON, cfg
+    return TRITON, fused_config("fwd", (n, k), x.dtype)
+
+
+def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION) -> dict:
+    """The forward's path and tiling (:func:`forward_plan`) and whether TMA loads it; the backward's dX and dW are
+    the Triton seg8 and row-segment kernels."""
+    path, cfg = forward_plan(x, weight, launch)
+    x2 = x.reshape(-1, weight.shape[1])
+    tma = path == GLUON or (launch.seg8_tma and _tma_fits(x2, weight))
+    return {"forward": {"tiling": cfg.tag, "tma": tma, "kernel": path}, "interpreted": INTERPRET}
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: GemmLaunch) -> torch.Tensor:
-    """TP1: all 8 segments on this device, the whole tree, the bias and the one rounding."""
+    """TP1: all 8 segments on this device, the whole tree, the bias and the one rounding (by :func:`forward_plan`'s
+    path; contiguous, 16-byte aligned copies for the Gluon kernel's TMA where needed: the same bytes)."""
     n, k = weight.shape
     seg = segment_size(k, pinned_config("fwd", (n, k), x.dtype).block_k)
-    y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype, launch)
+    path, cfg = forward_plan(x, weight, launch)
+    if path == GLUON:
+        x2, w2 = (aligned(t.contiguous()) for t in (x.reshape(-1, k), weight))
+        y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        matmul_seg8_ws(x2, w2, y, bias, cfg, seg, num_sms(x.device))
+    else:
+        y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype, launch)
     return y.view(*x.shape[:-1], n)
 
 
@@ -395,6 +449,7 @@ def linear_merge(
 
     Bytes equal :func:`combine` of any TP degree's :func:`segment_partials` followed by :func:`finish`."""
     check_linear(op, x, weight, bias)
+    launches.note(op, lambda: launch_record(x, weight, launch))
     if needs_graph(x, weight, bias):
         return _LinearSeg8.apply(x, weight, bias, op, launch)
     return _forward(x, weight, bias, launch)

@@ -23,6 +23,7 @@ from h3gate.kernels import (
     attention_tma,
     gemm_configs,
     gemm_gluon,
+    gemm_gluon_seg8,
 )
 
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg",
@@ -32,7 +33,7 @@ _TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "ord_ptr": "*i64",
           "S": "i32", "H": "i32", "n_tiles": "i32", "m_tiles": "i32", "qk_scale": "fp32",
           "sm_scale": "fp32", "stride_b": "i32", "stride_s": "i32",
           **dict.fromkeys(("M", "N", "stride_cm", "num_tiles", "num_pid_a", "num_pid_b", "n_split", "num_narrow",
-                           "num_pid_n", "per_group", "k_tiles"), "i32")}  # fmt: skip
+                           "num_pid_n", "per_group", "k_tiles", "cps"), "i32"), "scratch_ptr": "*fp32"}  # fmt: skip
 
 
 def ptx_facts(kernel, consts: dict, warps: int, stages: int, ptxas: bool = False) -> dict:
@@ -58,8 +59,11 @@ def ptxas_report(ptx: str) -> dict:
     return {"spill_bytes": sum(spills), "wgmma_serialized": "wgmma.mma_async instructions are serialized" in log}
 
 
-def _gluon_ptx(kernel, args: dict, consts: dict, maxnreg: int) -> dict:
-    """A Gluon kernel compiled for sm_90 (host descriptors over CPU tensors of the right shape): PTX facts, ptxas."""
+def _gluon_ptx(kernel, args: dict, consts: dict, maxnreg: int, patterns: dict | None = None,
+               aligned: tuple[str, ...] = ()) -> dict:  # fmt: skip
+    """A Gluon kernel compiled for sm_90 (host descriptors over CPU tensors of the right shape): PTX facts, ptxas;
+    ``patterns``: more counts, of regular expressions, by name; ``aligned``: arguments specialised as multiples of 16
+    (pointers: 16-byte aligned), as a launch specialises them."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -68,9 +72,11 @@ def _gluon_ptx(kernel, args: dict, consts: dict, maxnreg: int) -> dict:
         for n in kernel.arg_names
     }
     opts = {"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg, "enable_fp_fusion": False}
-    ptx = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 64),
-                         options=opts).asm["ptx"]  # fmt: skip
-    return {**{w: ptx.count(w) for w in FACTS}, **ptxas_report(ptx)}
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    ptx = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]  # fmt: skip
+    more = {name: len(re.findall(pattern, ptx)) for name, pattern in (patterns or {}).items()}
+    return {**{w: ptx.count(w) for w in FACTS}, **more, **ptxas_report(ptx)}
 
 
 def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
@@ -128,6 +134,24 @@ def gemm_gluon_facts(cfg, bias: bool, groups: int = 1) -> dict:
     return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, consts.pop("maxnreg"))
 
 
+# Instructions the strict kernels must not emit (FMA contraction, atomics), and the tree's FP32 adds and slot traffic.
+SEG8_PATTERNS = {"fma": r"\bfma\.", "atomics": r"\b(?:atom|red)\.", "add.rn.f32": r"\badd\.rn\.f32\b",
+                 "ld.global": r"\bld\.global\.", "st.global": r"\bst\.global\.", "libdevice": r"__nv_"}  # fmt: skip
+
+
+def gemm_seg8_facts(cfg, bias: bool) -> dict:
+    """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg``, its bias and scratch
+    16-byte aligned and N a multiple of 16 (as the block's layers launch it)."""
+    x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
+    y = torch.empty(300, 512, dtype=torch.bfloat16)
+    descs = gemm_gluon_seg8.seg8_descriptors(x, w, y, cfg)
+    args = {"bias_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
+    consts = {n: None for n, d in descs.items() if d is None}
+    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias))
+    return _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS,
+                      ("bias_ptr", "scratch_ptr", "N"))  # fmt: skip
+
+
 def main() -> None:
     cfg = attention.attn_config(128, torch.bfloat16)
     fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n}
@@ -154,6 +178,7 @@ def main() -> None:
     for i, (tag, cfg) in enumerate(sorted(tilings.items())):
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
     out["gemm_gluon:grouped_qkv"] = gemm_gluon_facts(gemm_configs.GLUON_GROUPED, bias=False, groups=3)
+    out["gemm_gluon_seg8"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=True)
     json.dump(out, sys.stdout)
 
 

@@ -130,3 +130,29 @@ def test_gluon_gemm_tilings_keep_their_mmas_asynchronous(facts) -> None:
     grouped = facts["gemm_gluon:grouped_qkv"]
     assert grouped["wgmma.mma_async"] == 8 and grouped["cp.async.bulk.tensor"] >= tma_copies, grouped
     assert grouped["wgmma_serialized"] is False and grouped["spill_bytes"] == 0, grouped
+
+
+def test_gluon_seg8_forward_lowers_without_fma_atomics_or_spills(facts) -> None:
+    """The segmented-8 Gluon forward (``gemm_gluon_seg8``, production tiling, with a bias) lowers for sm_90: per
+    consumer two n128 MMAs of 4 k16 steps a chunk (2 x 2 x 4 wgmma sites), the producer's A, B and B-tail TMA loads,
+    register reallocation, ptxas keeping the wgmma asynchronous without spills; no FMA (STRICT_LAUNCH, no libdevice
+    call) and no atomics; the tree's IEEE adds at its three fold sites plus the bias add (each 64 registers a half, 2
+    halves, 2 consumers: 1024 ``add.rn.f32``) and its slot stores at three sites (32 v2 stores a half: 384), the
+    output stored by TMA."""
+    got = facts["gemm_gluon_seg8"]
+    assert got["wgmma.mma_async"] == 16 and got["cp.async.bulk.tensor"] >= 3 and got["setmaxnreg"] >= 4, got
+    assert got["fma"] == got["fma.rn.f32"] == got["atomics"] == got["libdevice"] == 0, got
+    assert got["add.rn.f32"] == 1024 and got["st.global"] == 384 and got["ld.global"] >= 384, got
+    assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
+
+
+def test_seg8_ptx_patterns_see_what_they_forbid() -> None:
+    """Negative control of the counts above: the patterns find an FMA and atomics in PTX text, and do not take the
+    ``shared.`` of a state space for a reduction."""
+    import re
+
+    from tests.triton_kernels.sm90_lowering import SEG8_PATTERNS
+
+    ptx = "fma.rn.f32 %r1, %r2, %r3, %r4;\natom.global.add.f32 %r5, [%rd1], %r6;\nred.global.add.f32 [%rd1], %r6;\n"
+    assert len(re.findall(SEG8_PATTERNS["fma"], ptx)) == 1 and len(re.findall(SEG8_PATTERNS["atomics"], ptx)) == 2
+    assert not re.findall(SEG8_PATTERNS["atomics"], "ld.shared.v2.f32 {%r1, %r2}, [%r3];\nst.shared.b32 [%r3], %r1;")

@@ -1,0 +1,99 @@
+"""The segmented-8 Gluon forward's dispatch, on the CPU: which calls run it (Hopper, bfloat16, the layer's pinned
+BLOCK_K equal to its tiling's, never under the interpreter), what the launch record names, and the host checks. The
+kernel runs only on a GPU (bytes against the Triton seg8 kernel: ``tools/gpu_seg8_gluon_check.py``);
+``test_sm90_compile.py`` lowers it for sm_90."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from h3gate.kernels import gemm_merge, launches, selection
+from h3gate.kernels.gemm_configs import PRODUCTION
+
+gemm_gluon_seg8 = pytest.importorskip("h3gate.kernels.gemm_gluon_seg8")  # Triton's Gluon (3.6 and later)
+
+BF16 = torch.bfloat16
+O_PROJ, DOWN = (5376, 7168), (5376, 14336)
+
+
+def _stub(m: int, k: int, dtype: torch.dtype = BF16, device: str = "cuda:0") -> SimpleNamespace:
+    """What the dispatch reads of x: device, dtype, element count (no CUDA here)."""
+    return SimpleNamespace(device=torch.device(device), dtype=dtype, numel=lambda: m * k)
+
+
+def _weight(n: int, k: int, dtype: torch.dtype = BF16) -> SimpleNamespace:
+    return SimpleNamespace(shape=(n, k), dtype=dtype)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A Hopper GPU outside the interpreter, as the path selection sees it."""
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
+
+
+@pytest.mark.parametrize("layer", [O_PROJ, DOWN])
+@pytest.mark.parametrize("m", [1, 264, 3160, 38974])
+def test_hopper_bf16_block_layers_run_the_gluon_seg8_forward(hopper, layer, m) -> None:
+    n, k = layer
+    path, cfg = gemm_merge.forward_plan(_stub(m, k), _weight(n, k))
+    assert (path, cfg) == (gemm_merge.GLUON, gemm_gluon_seg8.SEG8_GLUON)
+    assert cfg.block_k == gemm_merge.pinned_config("fwd", layer, BF16).block_k  # the same segments and chunks
+
+
+def test_the_triton_seg8_kernel_runs_everywhere_else(monkeypatch, hopper) -> None:
+    n, k = O_PROJ
+    triton = (gemm_merge.TRITON, gemm_merge.fused_config("fwd", O_PROJ, BF16))
+    assert gemm_merge.forward_plan(_stub(3160, k), _weight(n, k), replace(PRODUCTION, seg8_gluon=False)) == triton
+    assert gemm_merge.forward_plan(_stub(0, k), _weight(n, k)) == triton  # no rows: nothing to launch
+    fp32 = gemm_merge.forward_plan(_stub(3160, k, torch.float32), _weight(n, k, torch.float32))
+    assert fp32[0] == gemm_merge.TRITON
+    # a layer whose pinned BLOCK_K is 128 (the final AdaLN projection), and rows TMA cannot address (N % 8)
+    assert gemm_merge.forward_plan(_stub(2, 2688), _weight(10752, 2688))[0] == gemm_merge.TRITON
+    assert gemm_merge.pinned_config("fwd", (10752, 2688), BF16).block_k == 128
+    assert gemm_merge.forward_plan(_stub(64, 64), _weight(12, 64))[0] == gemm_merge.TRITON
+    for other in ("cuda-other", "cpu-interpreter"):
+        monkeypatch.setattr(selection, "device_class", lambda device, other=other: other)
+        assert gemm_merge.forward_plan(_stub(3160, k), _weight(n, k)) == triton
+
+
+def test_a_gluon_tiling_with_another_block_k_is_never_used(monkeypatch, hopper) -> None:
+    """Negative control of the BLOCK_K guard: the same layer, the Gluon tiling's BLOCK_K changed, runs Triton."""
+    n, k = O_PROJ
+    assert gemm_merge.gluon_tiling(n, k, BF16) is not None
+    monkeypatch.setattr(gemm_merge, "SEG8_GLUON", replace(gemm_gluon_seg8.SEG8_GLUON, block_k=128))
+    assert gemm_merge.gluon_tiling(n, k, BF16) is None
+    assert gemm_merge.forward_plan(_stub(3160, k), _weight(n, k))[0] == gemm_merge.TRITON
+
+
+def test_the_launch_record_names_the_path(monkeypatch) -> None:
+    x, w = torch.zeros(5, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)
+    rec = gemm_merge.launch_record(x, w)
+    cfg = gemm_merge.fused_config("fwd", (32, 64), BF16)
+    assert rec["forward"] == {"tiling": cfg.tag, "tma": False, "kernel": gemm_merge.TRITON}
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
+    rec = gemm_merge.launch_record(x, w)
+    assert rec["forward"] == {"tiling": gemm_gluon_seg8.SEG8_GLUON.tag, "tma": True, "kernel": gemm_merge.GLUON}
+
+
+def test_interpreted_calls_run_and_record_the_triton_kernel() -> None:
+    """Under the interpreter (the suite's mode) the operator runs the Triton seg8 kernel and its record says so."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(s, generator=gen).to(BF16) for s in ((3, 64), (16, 64)))
+    with launches.recording() as log:
+        y = gemm_merge.h3_attention_o_gemm_seg8(x, w)
+    (rec,) = log[""]["h3_attention_o_gemm_seg8"]
+    assert rec["forward"]["kernel"] == gemm_merge.TRITON and rec["interpreted"]
+    want = gemm_merge._subtree(x, w, range(8), (16, 64), "fwd", 64, None, BF16, PRODUCTION)
+    assert torch.equal(y, want)
+
+
+def test_the_host_side_refuses_segments_off_the_chunks() -> None:
+    cfg = gemm_gluon_seg8.SEG8_GLUON
+    x, w, y = torch.zeros(4, 128, dtype=BF16), torch.zeros(256, 128, dtype=BF16), torch.zeros(4, 256, dtype=BF16)
+    with pytest.raises(ValueError, match="segment 96"):
+        gemm_gluon_seg8.matmul_seg8_ws(x, w, y, None, cfg, 96, 132)
+    assert gemm_gluon_seg8.halves(cfg) == (128, 128) and gemm_gluon_seg8.halves(replace(cfg, block_n=128)) == (128, 0)
