@@ -9,27 +9,34 @@ ascending order from a zero FP32 accumulator, each chunk the ``wgmma`` k16 steps
 (:func:`h3gate.kernels.gemm_gluon._mainloop` itself); the K tail past K reads TMA's zero fill as the Triton walk reads
 its mask's zeros, and an empty trailing segment is the zero accumulator, +0. At each segment's end the consumer waits
 its MMAs (``warpgroup_mma_wait(0)``, the walk's own end) and folds the partial into
-``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` exactly as :func:`h3gate.kernels.exact.fold_segment` does: the
-pending subtrees (level 1, 2, 4) wait in three FP32 slots of this program's and consumer's own global scratch, the
-older subtree the left operand of each IEEE add (launched without FMA contraction); the accumulator then restarts at
-zero. Epilogue: + bias in FP32, one RNE rounding to bfloat16, TMA store. Which program, consumer or MMA holds an
-element is scheduling; the bytes are claimed equal to the Triton seg8 kernel's, to be confirmed on the H200
+``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` with the adds of :func:`h3gate.kernels.exact.fold_segment`: the
+pending subtrees of 1, 2 and 4 segments wait in three slots of this consumer's own, the older subtree the left
+operand of each IEEE FP32 add (launched without FMA contraction); the accumulator then restarts at zero. Epilogue:
++ bias in FP32, one RNE rounding to bfloat16. Which program, consumer, MMA or slot holds an element is scheduling;
+the bytes are claimed equal to the Triton seg8 kernel's, to be confirmed on the H200
 (``tools/gpu_seg8_gluon_check.py``).
 
-Design. A tile is 128 rows (two consumer warpgroups of 64) x ``block_n`` columns; ``block_n`` 256 runs as two
-n128 MMAs a k16 step into two 64 x 128 accumulators (the B tail mechanism of the single-walk kernel, B rows
-``[off, off + 128)`` and ``[off + 128, off + 256)``) so the fold touches 64 registers at a time: a consumer thread
-holds 2 x 64 FP32 accumulator registers, plus 64 for a slot half being loaded, of the 240 it gets (``REGS``); one
-64 x 256 accumulator would need 128 + 128 at a fold. The slots live in global memory (shared memory holds the ring,
-3 x 48 KB, and the output staging, 64 KB: no room for 3 x 128 KB of FP32 subtrees), addressed in the accumulator's
-own register layout, so each thread reads back only what it wrote (program order, no barrier). Stores are
-fire-and-forget; loads stall the consumer: per tile and consumer the tree stores 7 and loads 7 slot tiles of
-64 KB (odd segments 1, 2, 1, 3 loads at j = 1, 3, 5, 7). Estimate at M = 3160 on 132 SMs: a 128 x 256 tile's
-chunk is ~1k tensor-core cycles, so O (K = 7168, 112 chunks) is ~115k cycles of MMA a tile and down (K = 14336) ~230k;
-the folds cost the MMA drain at each of 8 boundaries (~0.3k cycles) and ~7 L2 round trips of 128 KB a tile (both
-consumers fold at the same chunk; ~1.5-3k cycles each), ~13-24k cycles: ~11-20 % over the single walk for O,
-~6-10 % for down, less where the other consumer's MMAs or the producer's prefetch (the ring stays full during a fold)
-overlap it. The scratch is 384 KB a program (50 MB at 132 programs, the L2's size; ``block_n`` 128 halves it).
+Design: where the slots live. A consumer thread gets 240 registers (``REGS``); its 64 rows of a 128-column tile are
+64 FP32 accumulator registers, and each slot is 64 more (32 KB a consumer). The shared memory (227 KB) holds the TMA
+ring, 32 KB a stage at 128 columns. Two layouts, picked by the tiling's ``block_n``:
+
+* 128 (production, :data:`SEG8_GLUON`): the slots on chip. The level-1 subtree (written and read at every odd
+  segment) in registers, 64 + 64 of the 240 (the level-2 one there as well, 192, makes ptxas spill); the level-2 and
+  level-4 ones in shared memory (2 x 2 x 32 KB, rows XOR-swizzled), next to a ring of 3 (96 KB): 224 KB; the output
+  stored from registers (no staging buffer left). Per tile and consumer the tree moves 3 x 32 KB into and out of
+  shared memory (~1.5k cycles of the SM's 128 B/clk for both consumers) and drains the MMAs 8 times (~0.3k cycles
+  each, the ring staying full meanwhile): ~4k cycles against ~57k of MMA for O (K = 7168: 112 chunks of ~512
+  tensor-core cycles at 128 x 128) and ~115k for down, ~7 % and ~3.5 % over a single walk of the same tile; no
+  global memory traffic beyond the operands and the output. The cost is the tile: 128 x 128 reads 33 % more operand
+  bytes a FLOP than the single walk's 128 x 256.
+* 256: the single walk's tile, as two n128 MMAs a k16 step into two 64 x 128 accumulators (its B tail mechanism:
+  B rows ``[off, off + 128)`` and ``[off + 128, off + 256)``) so that a fold holds 128 + 64 registers, not 128 + 128;
+  the slots (3 x 64 KB a consumer) in global scratch, 384 KB a program (50 MB at 132 programs, the L2's size),
+  addressed in the accumulator's register layout so each thread reads back only what it wrote (program order, no
+  barrier). Stores are fire-and-forget; loads stall: per tile and consumer 7 slot stores and 7 loads of 64 KB,
+  1.8 MB a tile of L2 traffic against 5.5 MB of operands for O; estimated ~13-26k cycles a tile (7 L2 round trips of
+  128 KB at 40-80 B/clk, 8 drains) against ~115k of MMA for O and ~230k for down: ~11-23 % and ~6-11 % over the
+  single walk, less where the producer's prefetch or the other consumer overlaps it. Kept for the measurement.
 
 GPU only (Gluon has no interpreter); sm_90, bfloat16, rows 16-byte aligned (TMA).
 """
@@ -43,18 +50,20 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm_configs import GemmConfig
-from h3gate.kernels.gemm_gluon import _mainloop, _producer, _store_tma, _tile_coords
+from h3gate.kernels.gemm_gluon import _mainloop, _producer, _store, _store_tma, _tile_coords
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 
-# The segmented-8 Gluon forward's tiling: two consumers of 64 rows x 256 columns (two n128 MMAs), BLOCK_K 64 (it runs
-# only for layers whose pinned BLOCK_K is this one), GROUP_M 16, a ring of 3 (the single-walk wide tiling's shape).
-SEG8_GLUON = GemmConfig(128, 256, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
+# The segmented-8 Gluon forward's tiling: two consumers of 64 rows x 128 columns, the tree's slots on chip, BLOCK_K 64
+# (it runs only for layers whose pinned BLOCK_K is this one), GROUP_M 16, a ring of 3 (what fits beside the slots).
+# With block_n 256 the slots are in global scratch (see above).
+SEG8_GLUON = GemmConfig(128, 128, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
 SEGMENTS = gl.constexpr(8)
 CONSUMERS = gl.constexpr(2)
 
 
 def halves(cfg: GemmConfig) -> tuple[int, int]:
-    """(NB, NT): the two MMAs' B rows of a ``cfg`` tile; 256 columns as 128 + 128, up to 128 as one MMA."""
+    """(NB, NT): the two MMAs' B rows of a ``cfg`` tile; 256 columns as 128 + 128 (slots in global scratch), up to
+    128 as one MMA (slots on chip)."""
     return (cfg.block_n // 2, cfg.block_n // 2) if cfg.block_n == 256 else (cfg.block_n, 0)
 
 
@@ -95,66 +104,116 @@ def _slot_ptrs(base, layout: gl.constexpr, W: gl.constexpr, COL0: gl.constexpr, 
 
 
 @gluon.jit
-def _tree(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base, C: gl.constexpr, NB: gl.constexpr,
-          NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One tile's 8 segments for consumer C: each from zero accumulators over its chunks (the single walk's
-    :func:`_mainloop`), folded into the tree; returns (the tree's two halves, the ring step after the tile)."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
-    NT_L: gl.constexpr = NT if NT > 0 else 8
-    layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, NT_L, 16])  # fmt: skip
-    W: gl.constexpr = NB + NT
-    TILE: gl.constexpr = 64 * W
+def _segment(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, j, layout: gl.constexpr,
+             layout_t: gl.constexpr, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, NT_L: gl.constexpr,
+             STAGES: gl.constexpr):  # fmt: skip
+    """Segment ``j``'s partial: its chunks (none: +0) from zero accumulators (``acc_t``: NT_L columns, NT of them
+    multiplied) by the single walk's :func:`_mainloop`; returns (acc, acc_t, the ring step after it)."""
+    lo = gl.minimum(j * cps, k_tiles)
+    n = gl.minimum(lo + cps, k_tiles) - lo
     acc = gl.zeros([64, NB], gl.float32, layout)
     acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
-    for j in range(SEGMENTS):
-        lo = gl.minimum(j * cps, k_tiles)
-        n = gl.minimum(lo + cps, k_tiles) - lo
-        acc = gl.zeros([64, NB], gl.float32, layout)
-        acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
-        if n > 0:
-            acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, n, acc, acc_t, C, NB, NT,
-                                         STAGES)  # fmt: skip
-        acc = _fold(acc, _slot_ptrs(base, layout, W, 0, NB), j, TILE)
-        if NT > 0:
-            acc_t = _fold(acc_t, _slot_ptrs(base, layout_t, W, NB, NT_L), j, TILE)
+    if n > 0:
+        acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, n, acc, acc_t, C, NB, NT, STAGES)
     return acc, acc_t, step
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, bias_ptr, scratch_ptr, N, num_tiles, num_pid_a,
-              num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, GROUP: gl.constexpr,
-              STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
-    """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree, + bias, one rounding, TMA
-    stores of each half through its own staging buffer."""
+def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base, C: gl.constexpr, NB: gl.constexpr,
+                  NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """One tile's 8 segments for consumer C, the tree's pending subtrees in its global scratch slots (``base``);
+    returns (the tree's two halves, the ring step after the tile)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
+    layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, NT, 16])  # fmt: skip
+    W: gl.constexpr = NB + NT
+    acc = gl.zeros([64, NB], gl.float32, layout)
+    acc_t = gl.zeros([64, NT], gl.float32, layout_t)
+    for j in range(SEGMENTS):
+        acc, acc_t, step = _segment(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
+                                    NB, NT, NT, STAGES)  # fmt: skip
+        acc = _fold(acc, _slot_ptrs(base, layout, W, 0, NB), j, 64 * W)
+        acc_t = _fold(acc_t, _slot_ptrs(base, layout_t, W, NB, NT), j, 64 * W)
+    return acc, acc_t, step
+
+
+@gluon.jit
+def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots, C: gl.constexpr, NB: gl.constexpr,
+                 STAGES: gl.constexpr):  # fmt: skip
+    """One tile's 8 segments for consumer C, the pending subtree of 1 segment in registers (``s0``), of 2 and 4 in
+    this consumer's two shared-memory slots; the adds of :func:`_fold`. Returns (the tree, a placeholder, the ring
+    step after the tile)."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
+    layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+    acc = gl.zeros([64, NB], gl.float32, layout)
+    acc_t = gl.zeros([64, 8], gl.float32, layout_t)
+    s0 = acc
+    for j in range(SEGMENTS):
+        acc, acc_t, step = _segment(a_ring, b_ring, b_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
+                                    NB, 0, 8, STAGES)  # fmt: skip
+        if j % 2 == 0:
+            s0 = acc
+        else:
+            acc = s0 + acc
+            if j % 4 == 1:
+                slots.index(2 * C).store(acc)
+            else:
+                acc = slots.index(2 * C).load(layout) + acc
+                if j == 3:
+                    slots.index(2 * C + 1).store(acc)
+                else:
+                    acc = slots.index(2 * C + 1).load(layout) + acc
+    return acc, acc_t, step
+
+
+@gluon.jit
+def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr, M, N,
+              stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr,
+              NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
+    """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
+    scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
+    rounding."""
     step = k_tiles * 0
     base = scratch_ptr + (gl.program_id(0) * CONSUMERS + C).to(gl.int64) * (3 * 64 * (NB + NT))
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
-        acc, acc_t, step = _tree(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base, C, NB, NT, STAGES)
         off_i = pid_a * 128 + C * 64
         off_j = pid_b * (NB + NT)
-        _store_tma(acc, c_desc, c_smem.index(2 * C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
         if NT > 0:
+            acc, acc_t, step = _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base, C, NB,
+                                             NT, STAGES)  # fmt: skip
+            _store_tma(acc, c_desc, c_smem.index(2 * C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
-    tma.store_wait(0)
+        else:
+            acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots, C, NB,
+                                            STAGES)  # fmt: skip
+            offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
+            _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
+    if NT > 0:
+        tma.store_wait(0)
 
 
 @gluon.jit
-def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, bias_ptr, scratch_ptr, N, num_tiles, num_pid_a, num_pid_b,
-                    k_tiles, cps, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr, BLOCK_K: gl.constexpr,
-                    GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr, REGS_C: gl.constexpr,
-                    REGS_P: gl.constexpr):  # fmt: skip
+def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_ptr, M, N, stride_cm, num_tiles,
+                    num_pid_a, num_pid_b, k_tiles, cps, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
+                    BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
     """``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp producer are workers. A tile: 128 A (X) rows x
-    (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 or BLOCK_B; ``cps`` chunks a segment; ``scratch_ptr``: (programs, 2, 3,
-    64, BLOCK_B + B_TAIL) FP32."""
+    (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (the slots in shared memory) or BLOCK_B (in ``scratch_ptr``: (programs,
+    2, 3, 64, 2 * BLOCK_B) FP32); ``cps`` chunks a segment."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
     if B_TAIL > 0:
         bt_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, B_TAIL, BLOCK_K], bt_desc.layout)
     else:
         bt_ring = b_ring  # unused
-    c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_B], c_desc.layout)
+    if B_TAIL > 0:  # the slots in global scratch, the output staged for TMA stores
+        c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_B], c_desc.layout)
+        slots = c_smem  # unused
+    else:  # each consumer's level-2 and level-4 subtrees, rows XOR-swizzled against bank conflicts
+        slots = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 64, BLOCK_B],
+                                          gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))  # fmt: skip
+        c_smem = slots  # unused: stored from registers
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -163,10 +222,12 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, bias_ptr, scratch_ptr, N, n
     zero = num_tiles * 0  # the producer's unused narrow-tile and grouped-launch arguments
     gl.warp_specialize(
         [
-            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, bias_ptr, scratch_ptr, N, num_tiles,
-                         num_pid_a, num_pid_b, k_tiles, cps, 0, BLOCK_B, B_TAIL, GROUP, STAGES, HAS_BIAS)),
-            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, bias_ptr, scratch_ptr, N, num_tiles,
-                         num_pid_a, num_pid_b, k_tiles, cps, 1, BLOCK_B, B_TAIL, GROUP, STAGES, HAS_BIAS)),
+            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
+                         M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 0, BLOCK_B, B_TAIL, GROUP,
+                         STAGES, HAS_BIAS)),
+            (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
+                         M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 1, BLOCK_B, B_TAIL, GROUP,
+                         STAGES, HAS_BIAS)),
             (_producer, (a_desc, b_desc, b_desc, b_desc, bt_desc, b_desc, a_ring, b_ring, bt_ring, full, empty,
                          num_tiles, num_pid_a, num_pid_b, zero, zero, zero, zero, k_tiles, BLOCK_B, B_TAIL, 0,
                          BLOCK_K, GROUP, STAGES, 128, 1)),
@@ -177,11 +238,12 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, bias_ptr, scratch_ptr, N, n
 
 
 def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig) -> dict:
-    """Host TMA descriptors: A = X (128-row boxes), B = W (NB rows), its tail (NT rows, or None), C = Y (64 x NB)."""
+    """Host TMA descriptors: A = X (128-row boxes), B = W (NB rows), its tail (NT rows) and C = Y (64 x NB) where the
+    tile has two halves (else None: stored from registers)."""
     nb, nt = halves(cfg)
     bk = cfg.block_k
     return {"a_desc": desc(x, [128, bk]), "b_desc": desc(w, [nb, bk]), "bt_desc": desc(w, [nt, bk]) if nt else None,
-            "c_desc": desc(y, [64, nb])}  # fmt: skip
+            "c_desc": desc(y, [64, nb]) if nt else None}  # fmt: skip
 
 
 def seg8_constants(cfg: GemmConfig, bias: bool) -> dict:
@@ -201,10 +263,11 @@ def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torc
     if seg % cfg.block_k or cfg.block_m != 128 or halves(cfg)[1] not in (0, halves(cfg)[0]):
         raise ValueError(f"gemm_gluon_seg8: segment {seg} with tiling {cfg.tag}")
     p = plan(m, n, k, cfg, programs)
-    scratch = torch.empty((p.grid, CONSUMERS.value, 3, 64, cfg.block_n), dtype=torch.float32, device=x.device)
+    size = (p.grid, CONSUMERS.value, 3, 64, cfg.block_n) if halves(cfg)[1] else (1,)  # global slots: 256 wide only
+    scratch = torch.empty(size, dtype=torch.float32, device=x.device)
     _seg8_ws_kernel[(p.grid,)](
-        **seg8_descriptors(x, w, y, cfg), bias_ptr=bias if bias is not None else y, scratch_ptr=scratch, N=n,
-        num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, k_tiles=p.k_tiles, cps=seg // cfg.block_k,
-        num_warps=4, **seg8_constants(cfg, bias is not None), **STRICT_LAUNCH,
+        **seg8_descriptors(x, w, y, cfg), c_ptr=y, bias_ptr=bias if bias is not None else y, scratch_ptr=scratch, M=m,
+        N=n, stride_cm=y.stride(0), num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, k_tiles=p.k_tiles,
+        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None), **STRICT_LAUNCH,
     )  # fmt: skip
     return y

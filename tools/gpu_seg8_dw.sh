@@ -4,6 +4,8 @@
 #   check        tools/gpu_seg8_dw_check.py: fused dW == v1 (8 launches + torch tree) byte for byte at the block's
 #                weights, M = 3160 and 38974 (one device, CP2 combined, db, the optional TMA walk), each timed next
 #                to v1 and the single walk; the seg8 norms' one-launch backward against v1 (bytes, time)
+#   gluon        tools/gpu_seg8_gluon_check.py: the seg8 Gluon forward == the Triton seg8 kernel byte for byte (O with
+#                a bias, down; M = 264, 3160, 38974), timed next to it, the single walk and cuBLAS
 #   tests        tests/triton_kernels/test_rows_dw.py (dW, db, the norms' one-launch backward against v1; slow sweeps
 #                included) and test_row_merge.py compiled on CUDA
 #   block        bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider): compare
@@ -20,6 +22,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for s in "$@"; do
   case $s in
     check) step 240 seg8-dw-check python3 tools/gpu_seg8_dw_check.py --json "$ev/seg8-dw-check.json";;
+    gluon) step 240 seg8-gluon-check python3 tools/gpu_seg8_gluon_check.py --json "$ev/seg8-gluon-check.json";;
     tests) step 300 seg8-dw-tests env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
       tests/triton_kernels/test_rows_dw.py tests/triton_kernels/test_row_merge.py;;
     block) for L in medium 768p; do

@@ -136,12 +136,13 @@ def gemm_gluon_facts(cfg, bias: bool, groups: int = 1) -> dict:
 
 # Instructions the strict kernels must not emit (FMA contraction, atomics), and the tree's FP32 adds and slot traffic.
 SEG8_PATTERNS = {"fma": r"\bfma\.", "atomics": r"\b(?:atom|red)\.", "add.rn.f32": r"\badd\.rn\.f32\b",
-                 "ld.global": r"\bld\.global\.", "st.global": r"\bst\.global\.", "libdevice": r"__nv_"}  # fmt: skip
+                 "ld.global": r"\bld\.global\.", "st.global": r"\bst\.global\.", "libdevice": r"__nv_",
+                 "ld.shared.v2": r"\bld\.shared\.v2\.", "st.shared.v2": r"\bst\.shared\.v2\."}  # fmt: skip
 
 
 def gemm_seg8_facts(cfg, bias: bool) -> dict:
-    """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg``, its bias and scratch
-    16-byte aligned and N a multiple of 16 (as the block's layers launch it)."""
+    """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg``, its output, bias and
+    scratch 16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it)."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
     y = torch.empty(300, 512, dtype=torch.bfloat16)
     descs = gemm_gluon_seg8.seg8_descriptors(x, w, y, cfg)
@@ -149,7 +150,7 @@ def gemm_seg8_facts(cfg, bias: bool) -> dict:
     consts = {n: None for n, d in descs.items() if d is None}
     consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias))
     return _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS,
-                      ("bias_ptr", "scratch_ptr", "N"))  # fmt: skip
+                      ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
 
 def main() -> None:

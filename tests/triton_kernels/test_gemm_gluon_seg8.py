@@ -6,27 +6,18 @@ kernel runs only on a GPU (bytes against the Triton seg8 kernel: ``tools/gpu_seg
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from h3gate.kernels import gemm_merge, launches, selection
 from h3gate.kernels.gemm_configs import PRODUCTION
+from tests.triton_kernels.test_gemm_gluon import _stub, _weight  # what the dispatch reads of x and the weight
 
 gemm_gluon_seg8 = pytest.importorskip("h3gate.kernels.gemm_gluon_seg8")  # Triton's Gluon (3.6 and later)
 
 BF16 = torch.bfloat16
 O_PROJ, DOWN = (5376, 7168), (5376, 14336)
-
-
-def _stub(m: int, k: int, dtype: torch.dtype = BF16, device: str = "cuda:0") -> SimpleNamespace:
-    """What the dispatch reads of x: device, dtype, element count (no CUDA here)."""
-    return SimpleNamespace(device=torch.device(device), dtype=dtype, numel=lambda: m * k)
-
-
-def _weight(n: int, k: int, dtype: torch.dtype = BF16) -> SimpleNamespace:
-    return SimpleNamespace(shape=(n, k), dtype=dtype)
 
 
 @pytest.fixture
@@ -96,4 +87,21 @@ def test_the_host_side_refuses_segments_off_the_chunks() -> None:
     x, w, y = torch.zeros(4, 128, dtype=BF16), torch.zeros(256, 128, dtype=BF16), torch.zeros(4, 256, dtype=BF16)
     with pytest.raises(ValueError, match="segment 96"):
         gemm_gluon_seg8.matmul_seg8_ws(x, w, y, None, cfg, 96, 132)
-    assert gemm_gluon_seg8.halves(cfg) == (128, 128) and gemm_gluon_seg8.halves(replace(cfg, block_n=128)) == (128, 0)
+    assert gemm_gluon_seg8.halves(cfg) == (128, 0) and gemm_gluon_seg8.halves(replace(cfg, block_n=256)) == (128, 128)
+
+
+def test_evidence_accepts_the_seg8_paths_and_nothing_unknown() -> None:
+    """The launch record's schema (``common.schema.json#/$defs/launch``) names both seg8 paths; an unknown kernel name
+    is refused (negative control)."""
+    from jsonschema import Draft202012Validator
+
+    from h3gate.evidence.schema import registry
+
+    reg = registry()
+    launch = reg.resolver(base_uri="common.schema.json").lookup("#/$defs/launch").contents
+    validator = Draft202012Validator(launch, registry=reg)
+    for kernel in (gemm_merge.TRITON, gemm_merge.GLUON):
+        record = {"forward": {"tiling": gemm_gluon_seg8.SEG8_GLUON.tag, "tma": True, "kernel": kernel}}
+        assert not list(validator.iter_errors({**record, "interpreted": False})), kernel
+    wrong = {"forward": {"tiling": "t", "tma": True, "kernel": "gluon_seg8"}, "interpreted": False}
+    assert list(validator.iter_errors(wrong))
