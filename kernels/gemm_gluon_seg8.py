@@ -17,26 +17,27 @@ the bytes are claimed equal to the Triton seg8 kernel's, to be confirmed on the 
 (``tools/gpu_seg8_gluon_check.py``).
 
 Design: where the slots live. A consumer thread gets 240 registers (``REGS``); its 64 rows of a 128-column tile are
-64 FP32 accumulator registers, and each slot is 64 more (32 KB a consumer). The shared memory (227 KB) holds the TMA
+64 FP32 accumulator registers, and a slot is 64 more (32 KB a consumer). The shared memory (227 KB) holds the TMA
 ring, 32 KB a stage at 128 columns. Two layouts, picked by the tiling's ``block_n``:
 
-* 128 (production, :data:`SEG8_GLUON`): the slots on chip. The level-1 subtree (written and read at every odd
-  segment) in registers, 64 + 64 of the 240 (the level-2 one there as well, 192, makes ptxas spill); the level-2 and
-  level-4 ones in shared memory (2 x 2 x 32 KB, rows XOR-swizzled), next to a ring of 3 (96 KB): 224 KB; the output
-  stored from registers (no staging buffer left). Per tile and consumer the tree moves 3 x 32 KB into and out of
-  shared memory (~1.5k cycles of the SM's 128 B/clk for both consumers) and drains the MMAs 8 times (~0.3k cycles
-  each, the ring staying full meanwhile): ~4k cycles against ~57k of MMA for O (K = 7168: 112 chunks of ~512
-  tensor-core cycles at 128 x 128) and ~115k for down, ~7 % and ~3.5 % over a single walk of the same tile; no
-  global memory traffic beyond the operands and the output. The cost is the tile: 128 x 128 reads 33 % more operand
-  bytes a FLOP than the single walk's 128 x 256.
+* 128 (production, :data:`SEG8_GLUON`): the slots by how often they are used. Level 1 (written at every even segment,
+  read at every odd one) in registers: acc + s0 = 128 of the 240 (level 2 there as well, 192, makes ptxas spill).
+  Level 2 (2 writes, 2 reads a tile) in shared memory, 32 KB a consumer, rows XOR-swizzled; with a ring of 4
+  (128 KB) 192 KB. Level 4 (1 write at j = 3, 1 read at j = 7) in global scratch, 32 KB a consumer (8 MB at 132
+  programs), addressed in the accumulator's register layout so that each thread reads back only what it wrote
+  (program order, no barrier). The output is stored from registers (no staging buffer). Per tile and consumer the
+  tree moves 2 x 32 KB each way through shared memory (~1k cycles of the SM's 128 B/clk for both consumers), one
+  L2 round trip of 64 KB for both (~1-2k cycles, the one load that stalls) and drains the MMAs 8 times (~0.3k cycles
+  each, the ring staying full meanwhile): ~4-5k cycles against ~57k of MMA for O (K = 7168: 112 chunks of ~512
+  tensor-core cycles at 128 x 128) and ~115k for down, ~8 % and ~4 % over a single walk of the same tile. The cost
+  is the tile: 128 x 128 reads 33 % more operand bytes a FLOP than the single walk's 128 x 256.
 * 256: the single walk's tile, as two n128 MMAs a k16 step into two 64 x 128 accumulators (its B tail mechanism:
   B rows ``[off, off + 128)`` and ``[off + 128, off + 256)``) so that a fold holds 128 + 64 registers, not 128 + 128;
-  the slots (3 x 64 KB a consumer) in global scratch, 384 KB a program (50 MB at 132 programs, the L2's size),
-  addressed in the accumulator's register layout so each thread reads back only what it wrote (program order, no
-  barrier). Stores are fire-and-forget; loads stall: per tile and consumer 7 slot stores and 7 loads of 64 KB,
-  1.8 MB a tile of L2 traffic against 5.5 MB of operands for O; estimated ~13-26k cycles a tile (7 L2 round trips of
-  128 KB at 40-80 B/clk, 8 drains) against ~115k of MMA for O and ~230k for down: ~11-23 % and ~6-11 % over the
-  single walk, less where the producer's prefetch or the other consumer overlaps it. Kept for the measurement.
+  all three slots (3 x 64 KB a consumer) in global scratch, 384 KB a program (50 MB at 132 programs, the L2's size),
+  in the register layout as above. Stores are fire-and-forget; loads stall: per tile and consumer 7 slot stores and 7
+  loads of 64 KB, 1.8 MB a tile of L2 traffic against 5.5 MB of operands for O; estimated ~13-26k cycles a tile (7
+  L2 round trips of 128 KB at 40-80 B/clk, 8 drains) against ~115k of MMA for O and ~230k for down: ~11-23 % and
+  ~6-11 % over the single walk, less where the producer's prefetch or the other consumer overlaps it.
 
 GPU only (Gluon has no interpreter); sm_90, bfloat16, rows 16-byte aligned (TMA).
 """
@@ -53,17 +54,18 @@ from h3gate.kernels.gemm_configs import GemmConfig
 from h3gate.kernels.gemm_gluon import _mainloop, _producer, _store, _store_tma, _tile_coords
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 
-# The segmented-8 Gluon forward's tiling: two consumers of 64 rows x 128 columns, the tree's slots on chip, BLOCK_K 64
-# (it runs only for layers whose pinned BLOCK_K is this one), GROUP_M 16, a ring of 3 (what fits beside the slots).
-# With block_n 256 the slots are in global scratch (see above).
-SEG8_GLUON = GemmConfig(128, 128, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
+# The segmented-8 Gluon forward's tiling: two consumers of 64 rows x 128 columns, the tree's levels 1 and 2 on chip,
+# BLOCK_K 64 (it runs only for layers whose pinned BLOCK_K is this one), GROUP_M 16, a ring of 4: 196856 bytes of shared
+# memory (a ring of 5 takes 229648 of the 232448 an H100 / H200 block may have). With block_n 256 the slots are in
+# global scratch (see above).
+SEG8_GLUON = GemmConfig(128, 128, 64, 16, 4, 4, persistent=True, tma=True, gluon=True)
 SEGMENTS = gl.constexpr(8)
 CONSUMERS = gl.constexpr(2)
 
 
 def halves(cfg: GemmConfig) -> tuple[int, int]:
     """(NB, NT): the two MMAs' B rows of a ``cfg`` tile; 256 columns as 128 + 128 (slots in global scratch), up to
-    128 as one MMA (slots on chip)."""
+    128 as one MMA (levels 1 and 2 on chip)."""
     return (cfg.block_n // 2, cfg.block_n // 2) if cfg.block_n == 256 else (cfg.block_n, 0)
 
 
@@ -138,11 +140,11 @@ def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base
 
 
 @gluon.jit
-def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots, C: gl.constexpr, NB: gl.constexpr,
+def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C: gl.constexpr, NB: gl.constexpr,
                  STAGES: gl.constexpr):  # fmt: skip
-    """One tile's 8 segments for consumer C, the pending subtree of 1 segment in registers (``s0``), of 2 and 4 in
-    this consumer's two shared-memory slots; the adds of :func:`_fold`. Returns (the tree, a placeholder, the ring
-    step after the tile)."""
+    """One tile's 8 segments for consumer C, the pending subtree of 1 segment in registers (``s0``), of 2 in this
+    consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout); the adds
+    of :func:`_fold`. Returns (the tree, a placeholder, the ring step after the tile)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     acc = gl.zeros([64, NB], gl.float32, layout)
@@ -156,13 +158,13 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots, C: gl.c
         else:
             acc = s0 + acc
             if j % 4 == 1:
-                slots.index(2 * C).store(acc)
+                slot.store(acc)
             else:
-                acc = slots.index(2 * C).load(layout) + acc
+                acc = slot.load(layout) + acc
                 if j == 3:
-                    slots.index(2 * C + 1).store(acc)
+                    gl.store(ptrs, acc)
                 else:
-                    acc = slots.index(2 * C + 1).load(layout) + acc
+                    acc = gl.load(ptrs) + acc
     return acc, acc_t, step
 
 
@@ -173,8 +175,10 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
     """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
     scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
     rounding."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
+    FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
     step = k_tiles * 0
-    base = scratch_ptr + (gl.program_id(0) * CONSUMERS + C).to(gl.int64) * (3 * 64 * (NB + NT))
+    base = scratch_ptr + (gl.program_id(0) * CONSUMERS + C).to(gl.int64) * FLOATS
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
         off_i = pid_a * 128 + C * 64
@@ -185,9 +189,9 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
             _store_tma(acc, c_desc, c_smem.index(2 * C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
-            acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots, C, NB,
-                                            STAGES)  # fmt: skip
-            offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, acc.type.layout))
+            acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots.index(C),
+                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES)  # fmt: skip
+            offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
     if NT > 0:
         tma.store_wait(0)
@@ -199,8 +203,8 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
                     BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                     REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
     """``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp producer are workers. A tile: 128 A (X) rows x
-    (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (the slots in shared memory) or BLOCK_B (in ``scratch_ptr``: (programs,
-    2, 3, 64, 2 * BLOCK_B) FP32); ``cps`` chunks a segment."""
+    (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (``scratch_ptr``: (programs, 2, 1, 64, BLOCK_B) FP32, the level-4 slot)
+    or BLOCK_B (``scratch_ptr``: (programs, 2, 3, 64, 2 * BLOCK_B), every slot); ``cps`` chunks a segment."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
     if B_TAIL > 0:
@@ -210,8 +214,8 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
     if B_TAIL > 0:  # the slots in global scratch, the output staged for TMA stores
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_B], c_desc.layout)
         slots = c_smem  # unused
-    else:  # each consumer's level-2 and level-4 subtrees, rows XOR-swizzled against bank conflicts
-        slots = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS, 64, BLOCK_B],
+    else:  # each consumer's level-2 subtree, rows XOR-swizzled against bank conflicts
+        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, BLOCK_B],
                                           gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))  # fmt: skip
         c_smem = slots  # unused: stored from registers
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -260,10 +264,11 @@ def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torc
     BLOCK_K), ``programs`` the SM count."""
     m, k = x.shape
     n = w.shape[0]
-    if seg % cfg.block_k or cfg.block_m != 128 or halves(cfg)[1] not in (0, halves(cfg)[0]):
+    if seg % cfg.block_k or cfg.block_m != 128:
         raise ValueError(f"gemm_gluon_seg8: segment {seg} with tiling {cfg.tag}")
     p = plan(m, n, k, cfg, programs)
-    size = (p.grid, CONSUMERS.value, 3, 64, cfg.block_n) if halves(cfg)[1] else (1,)  # global slots: 256 wide only
+    slots = 3 if halves(cfg)[1] else 1  # global slots a consumer: all three 256 wide, the level-4 one 128 wide
+    size = (p.grid, CONSUMERS.value, slots, 64, cfg.block_n)
     scratch = torch.empty(size, dtype=torch.float32, device=x.device)
     _seg8_ws_kernel[(p.grid,)](
         **seg8_descriptors(x, w, y, cfg), c_ptr=y, bias_ptr=bias if bias is not None else y, scratch_ptr=scratch, M=m,

@@ -1,10 +1,10 @@
 """On a Hopper GPU: the segmented-8 Gluon forward (kernels/gemm_gluon_seg8.py, the one-device seg8 operator's path
 there) against the Triton seg8 kernel (``_seg8_kernel``; ``GemmLaunch.seg8_gluon`` off): byte equality at the block's
 row-parallel layers (O with a bias, down), M = 264, 3160 and 38974, for the production tiling (128 x 128, the tree's
-slots on chip) and a 128 x 256 variant (slots in global scratch); then each timed next to the single-walk forward
-(kernels/gemm.py's declared path) and cuBLAS (``F.linear``, TF32 off), CUDA events, median of repeated calls after
-warm-up, with ratios to cuBLAS (cuBLAS ms / kernel ms: 1.0 is cuBLAS's throughput). ``--quick``: small shapes with a
-partial last chunk, empty segments and partial tiles (bytes only, a smoke test of the kernel).
+levels 1 and 2 on chip), its ring of 5 and a 128 x 256 variant (every slot in global scratch); then each timed next
+to the single-walk forward (kernels/gemm.py's declared path) and cuBLAS (``F.linear``, TF32 off), CUDA events, median
+of repeated calls after warm-up, with ratios to cuBLAS (cuBLAS ms / kernel ms: 1.0 is cuBLAS's throughput).
+``--quick``: small shapes with a partial last chunk, empty segments and partial tiles (bytes only, a smoke test).
 
     python3 tools/gpu_seg8_gluon_check.py [--rows 264 3160 38974] [--json OUT.json]   # exit 1 on any difference
     python3 tools/gpu_seg8_gluon_check.py --quick
@@ -32,8 +32,10 @@ LAYERS = {"o": (5376, 7168, True), "down": (5376, 14336, False)}  # (N, K, bias)
 # tile of 8 columns; with 256-column tiles its second half is past N), one row.
 QUICK = [("k1000", 300, 328, 1000, True), ("k200", 77, 136, 200, False), ("k7168", 1, 264, 7168, True)]
 TRITON = replace(PRODUCTION, seg8_gluon=False)
-# production (128 x 128, the tree's slots on chip) and 128 x (128 + 128) with the slots in global scratch
-VARIANTS = {"gluon": SEG8_GLUON, "gluon_n256_scratch": replace(SEG8_GLUON, block_n=256)}
+# production (128 x 128, levels 1 and 2 of the tree on chip, a ring of 4), its ring of 5, and 128 x (128 + 128) with
+# every slot in global scratch (a ring of 3)
+VARIANTS = {"gluon": SEG8_GLUON, "gluon_s5": replace(SEG8_GLUON, num_stages=5),
+            "gluon_n256_scratch": replace(SEG8_GLUON, block_n=256, num_stages=3)}  # fmt: skip
 
 
 def seg8_gluon(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg) -> torch.Tensor:
