@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from h3gate.kernels import gemm_merge, launches, selection
+from h3gate.kernels.common import INTERPRET
 from h3gate.kernels.gemm_configs import PRODUCTION
 from tests.triton_kernels.test_gemm_gluon import _stub, _weight  # what the dispatch reads of x and the weight
 
@@ -70,6 +71,7 @@ def test_the_launch_record_names_the_path(monkeypatch) -> None:
     assert rec["forward"] == {"tiling": gemm_gluon_seg8.SEG8_GLUON.tag, "tma": True, "kernel": gemm_merge.GLUON}
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's path (CPU tensors)")
 def test_interpreted_calls_run_and_record_the_triton_kernel() -> None:
     """Under the interpreter (the suite's mode) the operator runs the Triton seg8 kernel and its record says so."""
     gen = torch.Generator().manual_seed(0)
