@@ -77,6 +77,21 @@ def test_sustained_gives_ms_and_joules_per_call_and_their_ratios(monkeypatch):
     _check("sustained").validate(out)
 
 
+def test_an_arm_whose_span_read_zero_joules_leaves_the_energy_ratio_unmeasured(monkeypatch):
+    """NVML's counter moves in steps: a node shorter than one step can read 0 J (768p, an H100: a ZeroDivisionError
+    once). The record keeps the milliseconds, drops the joule ratio and says why; the control with joules keeps it."""
+    dev = _Device()
+    dev.patch(monkeypatch)
+    fns = {"provider": dev.call(2.0, 0.0, 0.0), "strict": dev.call(1.0, 0.5, 0.0)}
+    out = energy.sustained(fns, seconds=0.01, warm_s=0.0, rounds=1)
+    assert out["strict_over_provider_ms"] == pytest.approx(0.5) and "strict_over_provider_j" not in out
+    assert "did not advance" in out["strict_over_provider_j_unmeasured"]
+    _check("sustained").validate(out)
+    fns = {"provider": dev.call(2.0, 1.0, 0.0), "strict": dev.call(1.0, 0.5, 0.0)}
+    out = energy.sustained(fns, seconds=0.01, warm_s=0.0, rounds=1)
+    assert out["strict_over_provider_j"] == pytest.approx(0.5) and "strict_over_provider_j_unmeasured" not in out
+
+
 def test_a_full_launch_queue_is_not_called_host_bound(monkeypatch):
     """A device-bound stream fills the launch queue, and then the host waits for a slot on every call: the span's host
     time approaches the device time, but the enqueue itself (timed on an idle device in the warm-up) stays small, and

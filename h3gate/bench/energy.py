@@ -122,7 +122,10 @@ def sustained(
     if "strict" in arms and "provider" in arms:
         out["strict_over_provider_ms"] = arms["strict"]["ms_per_call"] / arms["provider"]["ms_per_call"]
         if energy is not None:
-            out["strict_over_provider_j"] = arms["strict"]["j_per_call"] / arms["provider"]["j_per_call"]
+            if arms["strict"]["j_per_call"] > 0 and arms["provider"]["j_per_call"] > 0:
+                out["strict_over_provider_j"] = arms["strict"]["j_per_call"] / arms["provider"]["j_per_call"]
+            else:  # NVML's counter moves in steps; a span shorter than one step can read 0 J
+                out["strict_over_provider_j_unmeasured"] = "the energy counter did not advance over an arm's span"
     return out
 
 

@@ -90,7 +90,7 @@ def _bench_block(layout: str, config: str, device: str, folder: Path, json_: boo
     from h3gate.bench.block import bench_block
     from h3gate.evidence.writer import write_evidence
 
-    with progress("bench ws1-block", 3) as step:
+    with progress("bench ws1-block", 4) as step:
         body, manifests = bench_block(layout, config, device, progress=step, merge=merge)
     path = write_evidence(folder, f"{BLOCK_KIND}.json", BLOCK_KIND, body, manifests=manifests, device=device)
     return _print_phases("ws1-block", body, path, json_)
@@ -102,7 +102,7 @@ def _bench_model(layout: str, config: str, device: str, folder: Path, json_: boo
     from h3gate.bench.model import bench_model
     from h3gate.evidence.writer import write_evidence
 
-    with progress("bench ws1-model", 4) as step:
+    with progress("bench ws1-model", 5) as step:
         body, manifests = bench_model(layout, config, device, progress=step, merge=merge)
     path = write_evidence(
         folder, f"{MODEL_KIND}.json", MODEL_KIND, body, command=["h3gate", *sys.argv[1:]], manifests=manifests,
