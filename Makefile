@@ -121,11 +121,12 @@ wheelhouse:
 report: $(TSTAMP)
 	$(BIN)/h3gate report evidence/h200 --out evidence/h200-report
 
-# The generated pages (tests/test_docs.py fails when either is stale). PROVENANCE.md is sealed with evidence/h200:
-# after it changes, reseal (h3gate seal evidence/h200).
+# The generated pages (tests/test_docs.py fails when any is stale). Each PROVENANCE.md is sealed with its folder:
+# after it changes, reseal (h3gate seal evidence/h200, evidence/h100).
 docs: $(STAMP)
 	$(BIN)/python tools/gen_cli_reference.py
 	$(BIN)/python tools/gen_provenance.py evidence/h200
+	$(BIN)/python tools/gen_provenance.py evidence/h100
 
 clean:
 	rm -rf $(VENV) $(NVENV) evidence/local .pytest_cache .ruff_cache .hypothesis build dist
