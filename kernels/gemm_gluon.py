@@ -146,13 +146,18 @@ def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring
 
 @gluon.jit
 def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-               NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+               NT: gl.constexpr, STAGES: gl.constexpr, MN_MAJOR: gl.constexpr = False):  # fmt: skip
     """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more);
-    consumer C's 64 rows of a slot's A tile from row C * 64."""
+    consumer C's 64 rows of a slot's A tile from row C * 64. ``MN_MAJOR`` (the weight gradient, NT = 0): a slot
+    holds the operands reduction rows outermost, consumer C's (BLOCK_K x 64) box of A from row C * 64 and one
+    (BLOCK_K x NB) box of B, fed to the MMA as MN-major views (``acc += A^T B``)."""
     slot = step % STAGES
     mbarrier.wait(full.index(slot), (step // STAGES) & 1)
     a = a_ring.index(slot).slice(C * 64, 64)
-    acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
+    if MN_MAJOR:
+        acc = warpgroup_mma(a.permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+    else:
+        acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
     if NT > 0:
         acc_t = warpgroup_mma(a, bt_ring.index(slot).permute((1, 0)), acc_t, is_async=True)
     return acc, acc_t
@@ -160,11 +165,12 @@ def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr,
 
 @gluon.jit
 def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-              NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              NT: gl.constexpr, STAGES: gl.constexpr, MN_MAJOR: gl.constexpr = False):  # fmt: skip
     """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
-    chunk's barrier is awaited; returns (acc, acc_t, the ring step after the tile)."""
+    chunk's barrier is awaited (``MN_MAJOR``: :func:`_mma_chunk`'s); returns (acc, acc_t, the ring step after the
+    tile)."""
     for ki in range(k_tiles):
-        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES)
+        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES, MN_MAJOR)
         if NT > 0:
             acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # the previous chunk's MMAs have retired
         else:
