@@ -32,7 +32,10 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
 * backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY (a sum over
   packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`,
   every segment and the tree inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`; kernel id v3, v2
-  launched the single-walk dW kernel once per segment: the same bytes).
+  launched the single-walk dW kernel once per segment: the same bytes); where ``GemmLaunch.rows_dw_gluon`` (off
+  until measured) the one-device bfloat16 dW on Hopper runs the warp-specialised Gluon kernel
+  (:mod:`h3gate.kernels.gemm_gluon_rows_dw`, ``gluon_warp_specialised_rows_dw``; else ``triton_rows_dw``): the same
+  chunks, wgmma steps, tree and rounding, its bytes to be confirmed on the GPU.
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
 * tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
@@ -75,7 +78,7 @@ from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm
 from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, matmul_seg8_ws
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
-from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
+from h3gate.kernels.rows_seg8 import dw_record, linear_row_grads, linear_rows
 
 KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v3"
 ROLES = ("fwd", "dx")
@@ -386,13 +389,16 @@ def forward_plan(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRO
     return TRITON, fused_config("fwd", (n, k), x.dtype)
 
 
-def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION) -> dict:
-    """The forward's path and tiling (:func:`forward_plan`) and whether TMA loads it; the backward's dX and dW are
-    the Triton seg8 and row-segment kernels."""
+def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION,
+                  op: str = "linear_merge") -> dict:  # fmt: skip
+    """The forward's path and tiling (:func:`forward_plan`) and whether TMA loads it, the weight gradient's where a
+    backward runs (:func:`h3gate.kernels.rows_seg8.dw_record`); the backward's dX is the Triton seg8 kernel."""
     path, cfg = forward_plan(x, weight, launch)
-    x2 = x.reshape(-1, weight.shape[1])
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
     tma = path == GLUON or (launch.seg8_tma and _tma_fits(x2, weight))
-    return {"forward": {"tiling": cfg.tag, "tma": tma, "kernel": path}, "interpreted": INTERPRET}
+    dw = dw_record(x, (n, k), linear_rows(op, x), launch)
+    return {"forward": {"tiling": cfg.tag, "tma": tma, "kernel": path}, "dw": dw, "interpreted": INTERPRET}
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: GemmLaunch) -> torch.Tensor:
@@ -449,7 +455,7 @@ def linear_merge(
 
     Bytes equal :func:`combine` of any TP degree's :func:`segment_partials` followed by :func:`finish`."""
     check_linear(op, x, weight, bias)
-    launches.note(op, lambda: launch_record(x, weight, launch))
+    launches.note(op, lambda: launch_record(x, weight, launch, op))
     if needs_graph(x, weight, bias):
         return _LinearSeg8.apply(x, weight, bias, op, launch)
     return _forward(x, weight, bias, launch)
