@@ -76,12 +76,17 @@ def _dw_producer(g_descs, x_descs, a_ring, b_ring, full, empty, num_tiles, num_p
 
 
 @gluon.jit
-def _rows_dw_ws_kernel(g_descs, x_descs, c_ptr, scratch_ptr, M, N, stride_cm, num_tiles, num_pid_a, num_pid_b,
-                       k_tiles, cps, BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-                       REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
-    """``c_ptr`` (M, N) = dW (M = dY's width, N = X's) in the row-segment order; ``g_descs`` / ``x_descs``: each
-    segment's (BLOCK_K x 64) dY and (BLOCK_K x 128) X descriptors; ``scratch_ptr``: (programs, 2, 64, 128) FP32, the
-    level-4 slots. ``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp producer are workers."""
+def _rows_dw_ws_kernel(g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x6, x7, c_ptr, scratch_ptr, M, N,
+                       stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, BLOCK_K: gl.constexpr,
+                       GROUP: gl.constexpr, STAGES: gl.constexpr, REGS_C: gl.constexpr,
+                       REGS_P: gl.constexpr):  # fmt: skip
+    """``c_ptr`` (M, N) = dW (M = dY's width, N = X's) in the row-segment order; ``g0`` ... ``g7`` / ``x0`` ...
+    ``x7``: each segment's (BLOCK_K x 64) dY and (BLOCK_K x 128) X descriptors (separate arguments: Triton 3.6's
+    launcher encodes host descriptors only at the top level of the signature, not inside tuples); ``scratch_ptr``:
+    (programs, 2, 64, 128) FP32, the level-4 slots. ``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp
+    producer are workers."""
+    g_descs = (g0, g1, g2, g3, g4, g5, g6, g7)
+    x_descs = (x0, x1, x2, x3, x4, x5, x6, x7)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * BLOCK_K, 64], g_descs[0].layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, 128], x_descs[0].layout)
     slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, 128], gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
@@ -127,7 +132,8 @@ def launch_args(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor, cfg: GemmCo
     pid_a, pid_b = cdiv(n, cfg.block_m), cdiv(k, cfg.block_n)
     cps, total = segment_chunks(s, cfg.block_k)
     g_descs, x_descs = segment_descriptors(g, x, cfg.block_k)
-    return {"g_descs": g_descs, "x_descs": x_descs, "c_ptr": out, "M": n, "N": k, "stride_cm": out.stride(0),
+    descs = {**{f"g{i}": d for i, d in enumerate(g_descs)}, **{f"x{i}": d for i, d in enumerate(x_descs)}}
+    return {**descs, "c_ptr": out, "M": n, "N": k, "stride_cm": out.stride(0),
             "num_tiles": pid_a * pid_b, "num_pid_a": pid_a, "num_pid_b": pid_b, "k_tiles": total, "cps": cps,
             "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages, "REGS_C": REGS[0],
             "REGS_P": REGS[1], "maxnreg": WS_MAXNREG, "grid": min(pid_a * pid_b, programs)}  # fmt: skip
