@@ -165,3 +165,17 @@ def test_stubbed_forward_shapes_read_for_the_record() -> None:
     x.reshape = lambda *s: x
     rec = rows_seg8.dw_record(x, (32, 64), one_device(40), ON)
     assert rec["kernel"] == rows_seg8.TRITON_DW
+
+
+def test_the_bench_record_names_the_knobs_set() -> None:
+    """bench ws1-block's ``gemm_launch`` (the knobs ``H3GATE_GEMM_LAUNCH`` set) is knob -> boolean; anything else is
+    refused (negative control)."""
+    from jsonschema import Draft202012Validator
+
+    from h3gate.evidence.schema import registry
+
+    reg = registry()
+    prop = reg.resolver(base_uri="bench-ws1-block.schema.json").lookup("#/properties/gemm_launch").contents
+    validator = Draft202012Validator(prop, registry=reg)
+    assert not list(validator.iter_errors({"rows_dw_gluon": True}))
+    assert list(validator.iter_errors({"rows_dw_gluon": "1"}))
