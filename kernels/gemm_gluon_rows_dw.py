@@ -8,7 +8,7 @@ item. The rows are cut into the segments ``[r_i, r_i+1)``, ``r_i = min(i * L, S)
 ascending BLOCK_K-row chunks starting at its own first row ``r_i``, each chunk the ``wgmma`` k16 steps of the
 single-walk dW kernel (``gemm_triton.matmul(..., a_trans=True)``, which loads the stored (BLOCK_K x 128) tiles and
 transposes dY on chip; here the same boxes are fed as MN-major shared-memory views: :func:`gemm_gluon._mma_chunk`'s
-``MN_MAJOR``). The tail chunk's rows past the segment's end add exact zeros in both operands: each segment has its own
+``AB_ROWS``). The tail chunk's rows past the segment's end add exact zeros in both operands: each segment has its own
 pair of TMA descriptors whose global shape is the segment's rows alone (base at row ``r_i``, ``r_i * width * 2``
 bytes: 16-byte aligned for widths that are multiples of 8), so the TMA unit zero-fills them; no shared-memory pass.
 An empty segment (S < 8 L) gives +0. The tree ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` and its slots are
@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm_configs import GemmConfig
-from h3gate.kernels.gemm_gluon import _tile_coords, _tma_load
+from h3gate.kernels.gemm_gluon import AB_ROWS, _tile_coords, _tma_load
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, cdiv, desc
 from h3gate.kernels.gemm_gluon_seg8 import CONSUMERS, SEGMENTS, _consumer
 from h3gate.kernels.row_merge import row_bounds
@@ -99,10 +99,10 @@ def _rows_dw_ws_kernel(g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x
         [
             (_consumer, (a_ring, b_ring, b_ring, full, empty, slots, slots, slots, c_ptr, c_ptr, scratch_ptr, M, N,
                          stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 0, 128, 0, GROUP, STAGES, False,
-                         True)),
+                         AB_ROWS)),
             (_consumer, (a_ring, b_ring, b_ring, full, empty, slots, slots, slots, c_ptr, c_ptr, scratch_ptr, M, N,
                          stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 1, 128, 0, GROUP, STAGES, False,
-                         True)),
+                         AB_ROWS)),
             (_dw_producer, (g_descs, x_descs, a_ring, b_ring, full, empty, num_tiles, num_pid_a, num_pid_b, k_tiles,
                             cps, BLOCK_K, GROUP, STAGES)),
         ],

@@ -108,9 +108,9 @@ def _slot_ptrs(base, layout: gl.constexpr, W: gl.constexpr, COL0: gl.constexpr, 
 @gluon.jit
 def _segment(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, j, layout: gl.constexpr,
              layout_t: gl.constexpr, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, NT_L: gl.constexpr,
-             STAGES: gl.constexpr, MN_MAJOR: gl.constexpr = False):  # fmt: skip
+             STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Segment ``j``'s partial: its chunks (none: +0) from zero accumulators (``acc_t``: NT_L columns, NT of them
-    multiplied) by the single walk's :func:`_mainloop` (``MN_MAJOR``: its weight-gradient operands); returns (acc,
+    multiplied) by the single walk's :func:`_mainloop` (``OPERANDS``: the slots' operand layout); returns (acc,
     acc_t, the ring step after it)."""
     lo = gl.minimum(j * cps, k_tiles)
     n = gl.minimum(lo + cps, k_tiles) - lo
@@ -118,7 +118,7 @@ def _segment(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, j, layout
     acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
     if n > 0:
         acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, n, acc, acc_t, C, NB, NT, STAGES,
-                                     MN_MAJOR)  # fmt: skip
+                                     OPERANDS)  # fmt: skip
     return acc, acc_t, step
 
 
@@ -143,7 +143,7 @@ def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base
 
 @gluon.jit
 def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C: gl.constexpr, NB: gl.constexpr,
-                 STAGES: gl.constexpr, MN_MAJOR: gl.constexpr = False):  # fmt: skip
+                 STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """One tile's 8 segments for consumer C, the pending subtree of 1 segment in registers (``s0``), of 2 in this
     consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout); the adds
     of :func:`_fold`. Returns (the tree, a placeholder, the ring step after the tile)."""
@@ -154,7 +154,7 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
     s0 = acc
     for j in range(SEGMENTS):
         acc, acc_t, step = _segment(a_ring, b_ring, b_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
-                                    NB, 0, 8, STAGES, MN_MAJOR)  # fmt: skip
+                                    NB, 0, 8, STAGES, OPERANDS)  # fmt: skip
         if j % 2 == 0:
             s0 = acc
         else:
@@ -174,10 +174,11 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
 def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr, M, N,
               stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr,
               NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-              MN_MAJOR: gl.constexpr = False):  # fmt: skip
+              OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
     scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
-    rounding. ``MN_MAJOR`` (on chip only): the weight gradient's operands (:mod:`h3gate.kernels.gemm_gluon_rows_dw`)."""
+    rounding. ``OPERANDS`` (on chip only): the slots' operand layout (:func:`h3gate.kernels.gemm_gluon._mma_chunk`:
+    the dX's, the weight gradient's: :mod:`h3gate.kernels.gemm_gluon_rows_dw`)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
     step = k_tiles * 0
@@ -193,7 +194,7 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
             acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots.index(C),
-                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, MN_MAJOR)  # fmt: skip
+                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, OPERANDS)  # fmt: skip
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
     if NT > 0:
