@@ -146,6 +146,10 @@ class GemmLaunch:
     # rows_dw; the same chunks, MMA, tree and bytes, to be confirmed on the GPU: tools/gpu_seg8_gluon_dw_check.py).
     # Off until measured there.
     rows_dw_gluon: bool = False
+    # The one-device seg8 dX (dY W, the column-parallel layers' backward) runs the Gluon seg8 kernel with W's boxes of
+    # reduction rows (h3gate.kernels.gemm_gluon_seg8, ``dx``) on Hopper in bfloat16 where its tiling applies (False: the
+    # Triton seg8 kernel; the same chunks, MMA, tree and bytes, to be confirmed on the GPU). Off until measured there.
+    seg8_gluon_dx: bool = False
 
 
 # Measurement only: ``H3GATE_GEMM_LAUNCH="rows_dw_gluon,rows_dw_tma=0"`` sets GemmLaunch knobs of this process's

@@ -202,8 +202,8 @@ def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C
 @gluon.jit
 def _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NJ: gl.constexpr, SWAP: gl.constexpr,
            HAS_BIAS: gl.constexpr):  # fmt: skip
-    """Bias in FP32, one rounding to bfloat16, stored element by element: rows ``offs_i`` of A, NJ rows of B from
-    ``off_j`` (swapped: A rows are output columns, B rows output rows)."""
+    """Bias in FP32, one rounding to bfloat16 (an FP32 output: stored as summed), stored element by element: rows
+    ``offs_i`` of A, NJ rows of B from ``off_j`` (swapped: A rows are output columns, B rows output rows)."""
     offs_j = off_j + gl.arange(0, NJ, layout=gl.SliceLayout(0, acc.type.layout))
     if SWAP:  # i: weight row (output column), j: token (output row)
         if HAS_BIAS:
@@ -215,7 +215,7 @@ def _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NJ: gl.constexp
             acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_j, mask=offs_j < N, other=0.0).to(gl.float32), 0)
         ptrs = c_ptr + gl.expand_dims(offs_i.to(gl.int64), 1) * stride_cm + gl.expand_dims(offs_j, 0)
         mask = gl.expand_dims(offs_i < M, 1) & gl.expand_dims(offs_j < N, 0)
-    gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit

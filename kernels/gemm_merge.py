@@ -331,7 +331,9 @@ def _subtree(
     launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """The owned segments reduced by the tree's lower levels (one fused launch): FP32 (M, Nout), or with
-    ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding."""
+    ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding. The one-device dX (all 8
+    segments of the full layer) by :func:`forward_plan`'s "dx" path (16-byte aligned copies for the Gluon kernel's
+    TMA where needed: the same bytes)."""
     rows = a.shape[:-1].numel()
     n_out = b.shape[0] if role == "fwd" else b.shape[1]
     if a.shape[-1] == 0:  # every owned segment is empty: each partial, and their sum, is +0
@@ -339,6 +341,11 @@ def _subtree(
         return total if out_dtype is None else finish(total, bias, out_dtype)
     a2 = a.reshape(rows, a.shape[-1])
     out = torch.empty((rows, n_out), dtype=out_dtype or torch.float32, device=a.device)
+    if role == "dx" and len(owned) == SEGMENTS and tuple(b.shape) == tuple(full_shape):
+        path, cfg = forward_plan(a2, b, launch, "dx")
+        if path == GLUON:
+            a2, b = aligned(a2.contiguous()), aligned(b.contiguous())
+            return matmul_seg8_ws(a2, b, out, None, cfg, seg, num_sms(a.device), dx=True)
     cfg = fused_config(role, tuple(full_shape), a.dtype)
     _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, role == "fwd", launch)
     return out
@@ -369,36 +376,39 @@ def segment_partials(
 # -------------------------------------------------------------------------------------------------- the operator
 
 
-def gluon_tiling(n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
-    """The Gluon seg8 forward's tiling for the layer with weight (N, K) at ``dtype``, or None where it does not apply:
-    bfloat16, its BLOCK_K the layer's pinned one (so the same segment boundaries and chunks), rows 16-byte aligned
-    (TMA). Tile shape is scheduling; BLOCK_K is not."""
-    if dtype != torch.bfloat16 or n % 8 or k % 8 or pinned_config("fwd", (n, k), dtype).block_k != SEG8_GLUON.block_k:
+def gluon_tiling(n: int, k: int, dtype: torch.dtype, role: str = "fwd") -> GemmConfig | None:
+    """The Gluon seg8 kernel's tiling for ``role`` of the layer with weight (N, K) at ``dtype``, or None where it does
+    not apply: bfloat16, its BLOCK_K the layer's pinned one for the role (so the same segment boundaries and chunks),
+    rows 16-byte aligned (TMA). Tile shape is scheduling; BLOCK_K is not."""
+    if dtype != torch.bfloat16 or n % 8 or k % 8 or pinned_config(role, (n, k), dtype).block_k != SEG8_GLUON.block_k:
         return None
     return SEG8_GLUON
 
 
-def forward_plan(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION) -> tuple[str, GemmConfig]:
-    """The one-device seg8 forward's path and tiling for ``x (..., K) @ weight (N, K)^T`` here: ``GLUON`` on a
-    Hopper GPU (never under the interpreter) where :func:`gluon_tiling` applies and ``launch.seg8_gluon``, else
-    ``TRITON`` with :func:`fused_config`."""
+def forward_plan(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION,
+                 role: str = "fwd") -> tuple[str, GemmConfig]:  # fmt: skip
+    """The one-device seg8 forward's path and tiling for ``x (..., K) @ weight (N, K)^T`` here (``role`` "dx": of the
+    dX ``dY (..., N) @ weight``, ``x`` = dY): ``GLUON`` on a Hopper GPU (never under the interpreter) where
+    :func:`gluon_tiling` applies and ``launch.seg8_gluon`` (dX: ``launch.seg8_gluon_dx``), else ``TRITON`` with
+    :func:`fused_config`."""
     n, k = weight.shape
-    cfg = gluon_tiling(n, k, x.dtype)
-    if cfg is not None and launch.seg8_gluon and x.numel() and selection.device_class(x.device) == "cuda-sm90":
+    cfg = gluon_tiling(n, k, x.dtype, role)
+    on = launch.seg8_gluon if role == "fwd" else launch.seg8_gluon_dx
+    if cfg is not None and on and x.numel() and selection.device_class(x.device) == "cuda-sm90":
         return GLUON, cfg
-    return TRITON, fused_config("fwd", (n, k), x.dtype)
+    return TRITON, fused_config(role, (n, k), x.dtype)
 
 
 def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION,
                   op: str = "linear_merge") -> dict:  # fmt: skip
-    """The forward's path and tiling (:func:`forward_plan`) and whether TMA loads it, the weight gradient's where a
-    backward runs (:func:`h3gate.kernels.rows_seg8.dw_record`); the backward's dX is the Triton seg8 kernel."""
-    path, cfg = forward_plan(x, weight, launch)
+    """The forward's and, where a backward runs, dX's path and tiling (:func:`forward_plan`) and whether TMA loads
+    them (dX's operands judged by x's), and the weight gradient's (:func:`h3gate.kernels.rows_seg8.dw_record`)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    tma = path == GLUON or (launch.seg8_tma and _tma_fits(x2, weight))
-    dw = dw_record(x, (n, k), linear_rows(op, x), launch)
-    return {"forward": {"tiling": cfg.tag, "tma": tma, "kernel": path}, "dw": dw, "interpreted": INTERPRET}
+    fits = launch.seg8_tma and _tma_fits(x.reshape(-1, k), weight)
+    rec = {role: forward_plan(x, weight, launch, role) for role in ROLES}
+    rec = {role: {"tiling": cfg.tag, "tma": path == GLUON or fits, "kernel": path} for role, (path, cfg) in rec.items()}
+    rec = {"forward": rec["fwd"], "dx": rec["dx"], "dw": dw_record(x, (n, k), linear_rows(op, x), launch)}
+    return {**rec, "interpreted": INTERPRET}
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: GemmLaunch) -> torch.Tensor:

@@ -165,6 +165,19 @@ def test_gluon_rows_dw_lowers_mn_major_without_fma_atomics_or_spills(facts) -> N
     assert facts["gemm_gluon_seg8"]["wgmma.mn_major"] == 0, facts["gemm_gluon_seg8"]
 
 
+def test_gluon_seg8_dx_lowers_with_b_mn_major_without_fma_atomics_or_spills(facts) -> None:
+    """The segmented-8 Gluon kernel's dX (``dx``: B = W's boxes of BLOCK_K reduction rows; into the FP32 sum, as the
+    column-parallel layers take it) lowers for sm_90 as the forward does but for the B operand: read MN-major
+    (trans-b set, trans-a not: the form of the Triton seg8 kernel's TMA dX walk), two TMA copies for its 128 columns,
+    the tree's adds without a bias (384), the level-4 slot and the FP32 output (v2) the only global stores. The
+    forward reads no MN-major B (the pattern's negative control)."""
+    got, fwd = facts["gemm_gluon_seg8_dx"], facts["gemm_gluon_seg8"]
+    assert got["wgmma.mma_async"] == got["wgmma.b_mn_major"] == 8 and fwd["wgmma.b_mn_major"] == 0, (got, fwd)
+    assert got["cp.async.bulk.tensor"] == 3 and got["add.rn.f32"] == 384 and got["st.global"] == 128, got
+    assert got["fma"] == got["fma.rn.f32"] == got["atomics"] == got["libdevice"] == 0, got
+    assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
+
+
 def test_seg8_ptx_patterns_see_what_they_forbid() -> None:
     """Negative control of the counts above: the patterns find an FMA and atomics in PTX text, and do not take the
     ``shared.`` of a state space for a reduction."""
