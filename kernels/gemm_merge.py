@@ -46,7 +46,10 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
   pinned BLOCK_K is its tiling's (:func:`gluon_tiling`), ``gluon_warp_specialised_seg8``
   (:mod:`h3gate.kernels.gemm_gluon_seg8`: the same chunks in the same wgmma k16 steps from zero per segment, the
   same tree with the same slots, bias and rounding; its bytes equal to the Triton seg8 kernel's, to be confirmed on
-  the H200: ``tools/gpu_seg8_gluon_check.py``). The interpreter and other devices run ``triton_seg8``.
+  the H200: ``tools/gpu_seg8_gluon_check.py``); the one-device dX (all 8 segments of the full layer, rounded or the
+  FP32 sum) likewise where ``GemmLaunch.seg8_gluon_dx`` (off until measured; W's (BLOCK_K x 128) boxes fed as an
+  MN-major B, as the Triton kernel's TMA dX walk feeds them; ``tools/gpu_seg8_gluon_dw_check.py``). The interpreter
+  and other devices run ``triton_seg8``.
 * compilation - :data:`h3gate.kernels.common.STRICT_LAUNCH`: no FMA contraction, no FTZ; no TF32, no split beyond
   the 8 declared segments, no atomics.
 """
