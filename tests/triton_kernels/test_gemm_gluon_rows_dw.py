@@ -179,3 +179,16 @@ def test_the_bench_record_names_the_knobs_set() -> None:
     validator = Draft202012Validator(prop, registry=reg)
     assert not list(validator.iter_errors({"rows_dw_gluon": True}))
     assert list(validator.iter_errors({"rows_dw_gluon": "1"}))
+
+
+def test_the_bench_prints_the_knobs_set(capsys) -> None:
+    """A bench record with ``gemm_launch`` says so above its verdict; one without says nothing of it."""
+    from h3gate.commands import bench_cmd
+    from tests.test_verdicts import _committed, verdict_of
+
+    doc, path = _committed("bench-ws1-block")
+    for knobs in ({"rows_dw_gluon": True, "seg8_gluon_dx": True}, None):
+        bench_cmd._print_phases("ws1-block", {**doc, **({"gemm_launch": knobs} if knobs else {})}, path, False)
+        out = capsys.readouterr().out
+        said = "GEMM launch knobs set by H3GATE_GEMM_LAUNCH (measurement only): rows_dw_gluon=1, seg8_gluon_dx=1."
+        assert (said in " ".join(out.split())) == bool(knobs) and verdict_of(out) == "complete"
