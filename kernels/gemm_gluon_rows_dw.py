@@ -29,6 +29,17 @@ forward's; with a ring of 4 and the two 32 KB level-2 slots 192 KB of shared mem
 the 64 x 128 accumulator and the level-1 subtree, 128 of its 240 (the forward's budget). The output (N, K) is read
 as one weight's dW: pid_a over N (A = dY^T), pid_b over K (B = X), GROUP_M-swizzled.
 
+Lowered for sm_90 (``tests/triton_kernels/test_sm90_compile.py``): per consumer one m64n128k16 wgmma of 4 k16 steps
+a chunk with both operands' transpose bits set (trans-a, trans-b: the form the Triton ``rows_dw`` pointer walk's
+``tl.dot`` lowers to), 32 TMA copies (8 segments x two dY boxes and the X box in two 64-column copies), 384 IEEE adds
+(3 fold sites x 64 registers x 2 consumers), no FMA, no atomics, no spills.
+
+Cost (predicted, to be measured): the MMA work is the chunks, ``8 ceil(L / 64)`` a tile against the single walk's
+``ceil(S / 64)``: at S = 3160 (L = 395) 56 against 50 (+12 %), at S = 38974 616 against 609 (+1 %); the tile reads
+1.33x the single walk's operand bytes a FLOP (128 x 128 against 128 x 256) and drains its MMAs 8 times, as the
+Gluon seg8 forward does (1.10x its single walk at medium). So about 1.2-1.5x the single-walk dW at medium, about
+1.1-1.3x at 768p, against ``rows_dw``'s 4.7-5.0x and 2.0x. Host: 16 descriptors a launch (~60 us of Python here).
+
 GPU only (Gluon has no interpreter); sm_90, bfloat16, one batch item, rows 16-byte aligned (TMA).
 """
 
