@@ -45,11 +45,13 @@ dtype default below. The ``tma`` variant needs 16-byte aligned row strides; :fun
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from h3gate.dtypes import dtype_name
+from h3gate.errors import InputError
 
 ROLES: tuple[str, ...] = ("fwd", "dx", "dw")
 
@@ -139,9 +141,43 @@ class GemmLaunch:
     # operands (False: the pointer walk; the same chunks, values and MMA). Off until measured on the H200
     # (tools/gpu_seg8_dw_check.py compares both walks' bytes and times).
     rows_dw_tma: bool = False
+    # The one-device row-segment dW (all 8 segments, rounded once) runs the warp-specialised Gluon kernel
+    # (h3gate.kernels.gemm_gluon_rows_dw) on Hopper in bfloat16 for one batch item where its tiling applies (False:
+    # rows_dw; the same chunks, MMA, tree and bytes, to be confirmed on the GPU: tools/gpu_seg8_gluon_dw_check.py).
+    # Off until measured there.
+    rows_dw_gluon: bool = False
+    # The one-device seg8 dX (dY W, the column-parallel layers' backward) runs the Gluon seg8 kernel with W's boxes of
+    # reduction rows (h3gate.kernels.gemm_gluon_seg8, ``dx``) on Hopper in bfloat16 where its tiling applies (False: the
+    # Triton seg8 kernel; the same chunks, MMA, tree and bytes, to be confirmed on the GPU). Off until measured there.
+    seg8_gluon_dx: bool = False
 
 
-PRODUCTION = GemmLaunch()
+# Measurement only: ``H3GATE_GEMM_LAUNCH="rows_dw_gluon,rows_dw_tma=0"`` sets GemmLaunch knobs of this process's
+# PRODUCTION (name: on, name=0 / name=1), so that a bench can time a knob before its default changes. No knob changes
+# bytes; the bench record lists the knobs set (:func:`launch_overrides`) and launch records name the paths that ran.
+LAUNCH_ENV = "H3GATE_GEMM_LAUNCH"
+
+
+def parse_launch(spec: str) -> dict[str, bool]:
+    """``name[=0|1],...`` -> {GemmLaunch field: value}; an unknown field or value is an InputError."""
+    known, out = {f.name for f in fields(GemmLaunch)}, {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in known or value not in ("", "0", "1"):
+            raise InputError(f"{LAUNCH_ENV}: {item!r}, expected name[=0|1] with name one of {sorted(known)}")
+        out[name] = value != "0"
+    return out
+
+
+PRODUCTION = replace(GemmLaunch(), **parse_launch(os.environ.get(LAUNCH_ENV, "")))
+
+
+def launch_overrides() -> dict[str, bool]:
+    """The knobs where this process's PRODUCTION differs from the defaults (set by ``H3GATE_GEMM_LAUNCH``)."""
+    default = GemmLaunch()
+    return {f.name: getattr(PRODUCTION, f.name) for f in fields(GemmLaunch)
+            if getattr(PRODUCTION, f.name) != getattr(default, f.name)}  # fmt: skip
+
 
 _BF16 = "bfloat16"
 _FP32 = "float32"

@@ -65,6 +65,11 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
+# How a ring slot holds the MMA's operands (:func:`_mma_chunk`): K-contiguous tiles (the forward), B as boxes of
+# BLOCK_K reduction rows (dX = dY W: W row-major), or both (dW = dY^T X).
+K_MAJOR, B_ROWS, AB_ROWS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+
+
 @gluon.jit
 def _tile_coords(tile_id, num_pid_a, num_pid_b, GROUP: gl.constexpr):
     """GROUP-swizzled tile order over (A tiles, B tiles): scheduling only."""
@@ -98,11 +103,12 @@ def _load_b(b_desc, b1_desc, b2_desc, pid_b, per_group, k0, bar, dst, NB: gl.con
 def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, step, first, n_tiles,
              num_pid_a, num_pid_b, col0, per_group, k_tiles, NB: gl.constexpr, NT: gl.constexpr,
              BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, A_ROWS: gl.constexpr,
-             GROUPS: gl.constexpr):  # fmt: skip
+             GROUPS: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Tiles ``first``, ``first + programs``, ... of ``n_tiles`` (B rows ``col0 + pid_b * (NB + NT)``): each chunk's A
     tile (A_ROWS rows), NB B rows (``b_desc``; grouped: of ``b_desc``, ``b1_desc`` or ``b2_desc``, ``per_group`` B
-    tiles each) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is reloaded once every consumer
-    released it. Returns the ring step after the last."""
+    tiles each; ``OPERANDS`` B_ROWS: the (BLOCK_K x NB) box of B's reduction rows ``ki * BLOCK_K`` at column
+    ``col0 + pid_b * NB``) and NT more (``bt_desc``, NT > 0) into the ring, ascending K; a slot is reloaded once every
+    consumer released it. Returns the ring step after the last."""
     for t in range(first, n_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
         off_b = col0 + pid_b * (NB + NT)
@@ -120,6 +126,8 @@ def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring,
             if GROUPS > 1:
                 _load_b(b_desc, b1_desc, b2_desc, pid_b, per_group, ki * BLOCK_K, bar, b_ring.index(slot).slice(0, NB),
                         NB)  # fmt: skip
+            elif OPERANDS == B_ROWS:
+                _tma_load(b_desc, [ki * BLOCK_K, off_b], bar, b_ring.index(slot))
             else:
                 _tma_load(b_desc, [off_b, ki * BLOCK_K], bar, b_ring.index(slot).slice(0, NB))
             step += 1
@@ -130,12 +138,14 @@ def _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring,
 def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring, bt_ring, full, empty, num_tiles,
               num_pid_a, num_pid_b, n_split, num_narrow, num_pid_n, per_group, k_tiles, BLOCK_B: gl.constexpr,
               B_TAIL: gl.constexpr, NARROW: gl.constexpr, BLOCK_K: gl.constexpr, GROUP: gl.constexpr,
-              STAGES: gl.constexpr, A_ROWS: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, A_ROWS: gl.constexpr, GROUPS: gl.constexpr,
+              OPERANDS: gl.constexpr = 0):  # fmt: skip
     """The wide tiles, then (``NARROW`` > 0) the narrow tiles of the last columns, dealt on from the program after
-    the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles)."""
+    the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles); ``OPERANDS``: the
+    wide tiles' B loads (:func:`_produce`)."""
     step = _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0,
                     gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles, BLOCK_B, B_TAIL,
-                    BLOCK_K, GROUP, STAGES, A_ROWS, GROUPS)  # fmt: skip
+                    BLOCK_K, GROUP, STAGES, A_ROWS, GROUPS, OPERANDS)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)
         first = (gl.program_id(0) + programs - num_tiles % programs) % programs
@@ -146,13 +156,21 @@ def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring
 
 @gluon.jit
 def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-               NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+               NT: gl.constexpr, STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Issue this consumer's MMAs of ring step ``step`` (``acc += A B^T`` over NB B rows, ``acc_t`` over NT more);
-    consumer C's 64 rows of a slot's A tile from row C * 64."""
+    consumer C's 64 rows of a slot's A tile from row C * 64. ``OPERANDS`` (NT = 0 unless K_MAJOR): how a slot holds
+    them, :data:`K_MAJOR` (both K-contiguous, B as NB rows: the forward), :data:`B_ROWS` (B as one (BLOCK_K x NB) box
+    of reduction rows, fed as an MN-major view: ``acc += A B``, the seg8 dX) or :data:`AB_ROWS` (A too, consumer C's
+    (BLOCK_K x 64) box from row C * 64: ``acc += A^T B``, the weight gradient)."""
     slot = step % STAGES
     mbarrier.wait(full.index(slot), (step // STAGES) & 1)
     a = a_ring.index(slot).slice(C * 64, 64)
-    acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
+    if OPERANDS == AB_ROWS:
+        acc = warpgroup_mma(a.permute((1, 0)), b_ring.index(slot), acc, is_async=True)
+    elif OPERANDS == B_ROWS:
+        acc = warpgroup_mma(a, b_ring.index(slot), acc, is_async=True)
+    else:
+        acc = warpgroup_mma(a, b_ring.index(slot).slice(0, NB).permute((1, 0)), acc, is_async=True)
     if NT > 0:
         acc_t = warpgroup_mma(a, bt_ring.index(slot).permute((1, 0)), acc_t, is_async=True)
     return acc, acc_t
@@ -160,11 +178,12 @@ def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr,
 
 @gluon.jit
 def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-              NT: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+              NT: gl.constexpr, STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
-    chunk's barrier is awaited; returns (acc, acc_t, the ring step after the tile)."""
+    chunk's barrier is awaited (``OPERANDS``: :func:`_mma_chunk`'s); returns (acc, acc_t, the ring step after the
+    tile)."""
     for ki in range(k_tiles):
-        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES)
+        acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES, OPERANDS)
         if NT > 0:
             acc, acc_t = warpgroup_mma_wait(2, deps=(acc, acc_t))  # the previous chunk's MMAs have retired
         else:
@@ -183,8 +202,8 @@ def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C
 @gluon.jit
 def _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NJ: gl.constexpr, SWAP: gl.constexpr,
            HAS_BIAS: gl.constexpr):  # fmt: skip
-    """Bias in FP32, one rounding to bfloat16, stored element by element: rows ``offs_i`` of A, NJ rows of B from
-    ``off_j`` (swapped: A rows are output columns, B rows output rows)."""
+    """Bias in FP32, one rounding to bfloat16 (an FP32 output: stored as summed), stored element by element: rows
+    ``offs_i`` of A, NJ rows of B from ``off_j`` (swapped: A rows are output columns, B rows output rows)."""
     offs_j = off_j + gl.arange(0, NJ, layout=gl.SliceLayout(0, acc.type.layout))
     if SWAP:  # i: weight row (output column), j: token (output row)
         if HAS_BIAS:
@@ -196,7 +215,7 @@ def _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NJ: gl.constexp
             acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_j, mask=offs_j < N, other=0.0).to(gl.float32), 0)
         ptrs = c_ptr + gl.expand_dims(offs_i.to(gl.int64), 1) * stride_cm + gl.expand_dims(offs_j, 0)
         mask = gl.expand_dims(offs_i < M, 1) & gl.expand_dims(offs_j < N, 0)
-    gl.store(ptrs, acc.to(gl.bfloat16), mask=mask)
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm_configs import GemmConfig
-from h3gate.kernels.gemm_gluon import _mainloop, _producer, _store, _store_tma, _tile_coords
+from h3gate.kernels.gemm_gluon import B_ROWS, K_MAJOR, _mainloop, _producer, _store, _store_tma, _tile_coords
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 
 # The segmented-8 Gluon forward's tiling: two consumers of 64 rows x 128 columns, the tree's levels 1 and 2 on chip,
@@ -108,15 +108,17 @@ def _slot_ptrs(base, layout: gl.constexpr, W: gl.constexpr, COL0: gl.constexpr, 
 @gluon.jit
 def _segment(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, j, layout: gl.constexpr,
              layout_t: gl.constexpr, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, NT_L: gl.constexpr,
-             STAGES: gl.constexpr):  # fmt: skip
+             STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Segment ``j``'s partial: its chunks (none: +0) from zero accumulators (``acc_t``: NT_L columns, NT of them
-    multiplied) by the single walk's :func:`_mainloop`; returns (acc, acc_t, the ring step after it)."""
+    multiplied) by the single walk's :func:`_mainloop` (``OPERANDS``: the slots' operand layout); returns (acc,
+    acc_t, the ring step after it)."""
     lo = gl.minimum(j * cps, k_tiles)
     n = gl.minimum(lo + cps, k_tiles) - lo
     acc = gl.zeros([64, NB], gl.float32, layout)
     acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
     if n > 0:
-        acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, n, acc, acc_t, C, NB, NT, STAGES)
+        acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, n, acc, acc_t, C, NB, NT, STAGES,
+                                     OPERANDS)  # fmt: skip
     return acc, acc_t, step
 
 
@@ -141,7 +143,7 @@ def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base
 
 @gluon.jit
 def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C: gl.constexpr, NB: gl.constexpr,
-                 STAGES: gl.constexpr):  # fmt: skip
+                 STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """One tile's 8 segments for consumer C, the pending subtree of 1 segment in registers (``s0``), of 2 in this
     consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout); the adds
     of :func:`_fold`. Returns (the tree, a placeholder, the ring step after the tile)."""
@@ -152,7 +154,7 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
     s0 = acc
     for j in range(SEGMENTS):
         acc, acc_t, step = _segment(a_ring, b_ring, b_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
-                                    NB, 0, 8, STAGES)  # fmt: skip
+                                    NB, 0, 8, STAGES, OPERANDS)  # fmt: skip
         if j % 2 == 0:
             s0 = acc
         else:
@@ -171,10 +173,12 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
 @gluon.jit
 def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr, M, N,
               stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr,
-              NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):  # fmt: skip
+              NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+              OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
     scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
-    rounding."""
+    rounding. ``OPERANDS`` (on chip only): the slots' operand layout (:func:`h3gate.kernels.gemm_gluon._mma_chunk`:
+    the dX's, the weight gradient's: :mod:`h3gate.kernels.gemm_gluon_rows_dw`)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
     step = k_tiles * 0
@@ -190,7 +194,7 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
             acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots.index(C),
-                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES)  # fmt: skip
+                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, OPERANDS)  # fmt: skip
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
     if NT > 0:
@@ -201,12 +205,16 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
 def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_ptr, M, N, stride_cm, num_tiles,
                     num_pid_a, num_pid_b, k_tiles, cps, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
                     BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    REGS_C: gl.constexpr, REGS_P: gl.constexpr):  # fmt: skip
+                    REGS_C: gl.constexpr, REGS_P: gl.constexpr, OPERANDS: gl.constexpr):  # fmt: skip
     """``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp producer are workers. A tile: 128 A (X) rows x
     (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (``scratch_ptr``: (programs, 2, 1, 64, BLOCK_B) FP32, the level-4 slot)
-    or BLOCK_B (``scratch_ptr``: (programs, 2, 3, 64, 2 * BLOCK_B), every slot); ``cps`` chunks a segment."""
+    or BLOCK_B (``scratch_ptr``: (programs, 2, 3, 64, 2 * BLOCK_B), every slot); ``cps`` chunks a segment.
+    ``OPERANDS`` B_ROWS (dX = dY W, B_TAIL 0): A is dY, B = W's (BLOCK_K x BLOCK_B) boxes of reduction rows."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
-    b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
+    if OPERANDS == B_ROWS:
+        b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_B], b_desc.layout)
+    else:
+        b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_B, BLOCK_K], b_desc.layout)
     if B_TAIL > 0:
         bt_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, B_TAIL, BLOCK_K], bt_desc.layout)
     else:
@@ -228,51 +236,54 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
         [
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
                          M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 0, BLOCK_B, B_TAIL, GROUP,
-                         STAGES, HAS_BIAS)),
+                         STAGES, HAS_BIAS, OPERANDS)),
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
                          M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 1, BLOCK_B, B_TAIL, GROUP,
-                         STAGES, HAS_BIAS)),
+                         STAGES, HAS_BIAS, OPERANDS)),
             (_producer, (a_desc, b_desc, b_desc, b_desc, bt_desc, b_desc, a_ring, b_ring, bt_ring, full, empty,
                          num_tiles, num_pid_a, num_pid_b, zero, zero, zero, zero, k_tiles, BLOCK_B, B_TAIL, 0,
-                         BLOCK_K, GROUP, STAGES, 128, 1)),
+                         BLOCK_K, GROUP, STAGES, 128, 1, OPERANDS)),
         ],
         [4, 1],
         [REGS_C, REGS_P],
     )  # fmt: skip
 
 
-def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig) -> dict:
-    """Host TMA descriptors: A = X (128-row boxes), B = W (NB rows), its tail (NT rows) and C = Y (64 x NB) where the
-    tile has two halves (else None: stored from registers)."""
+def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, dx: bool = False) -> dict:
+    """Host TMA descriptors: A = X (128-row boxes), B = W (NB rows; ``dx``: BLOCK_K rows x NB columns), its tail (NT
+    rows) and C = Y (64 x NB) where the tile has two halves (else None: stored from registers)."""
     nb, nt = halves(cfg)
     bk = cfg.block_k
-    return {"a_desc": desc(x, [128, bk]), "b_desc": desc(w, [nb, bk]), "bt_desc": desc(w, [nt, bk]) if nt else None,
+    b_desc = desc(w, [bk, nb] if dx else [nb, bk])
+    return {"a_desc": desc(x, [128, bk]), "b_desc": b_desc, "bt_desc": desc(w, [nt, bk]) if nt else None,
             "c_desc": desc(y, [64, nb]) if nt else None}  # fmt: skip
 
 
-def seg8_constants(cfg: GemmConfig, bias: bool) -> dict:
-    """The kernel's compile-time constants and register limit for ``cfg`` (a bias added or not)."""
+def seg8_constants(cfg: GemmConfig, bias: bool, dx: bool = False) -> dict:
+    """The kernel's compile-time constants and register limit for ``cfg`` (a bias added or not; ``dx``: B's boxes
+    of reduction rows)."""
     nb, nt = halves(cfg)
     return {"BLOCK_B": nb, "B_TAIL": nt, "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages,
-            "HAS_BIAS": bias, "REGS_C": REGS[0], "REGS_P": REGS[1], "maxnreg": WS_MAXNREG}  # fmt: skip
+            "HAS_BIAS": bias, "REGS_C": REGS[0], "REGS_P": REGS[1], "maxnreg": WS_MAXNREG,
+            "OPERANDS": B_ROWS if dx else K_MAJOR}  # fmt: skip
 
 
 def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig,
-                   seg: int, programs: int) -> torch.Tensor:  # fmt: skip
-    """``y (M, N)`` = the segmented-8 ``x (M, K) @ w (N, K)^T [+ bias]`` (contiguous bfloat16, 16-byte aligned rows
-    and bases, CUDA, sm_90) with segments of ``seg`` columns (a multiple of ``cfg.block_k``, the layer's pinned
-    BLOCK_K), ``programs`` the SM count."""
+                   seg: int, programs: int, dx: bool = False) -> torch.Tensor:  # fmt: skip
+    """``y (M, N)`` = the segmented-8 ``x (M, K) @ w (N, K)^T [+ bias]`` (``dx``: ``x (M, K) @ w (K, N)``, the
+    column-parallel dX dY W) (contiguous bfloat16, 16-byte aligned rows and bases, CUDA, sm_90) with segments of
+    ``seg`` columns of x (a multiple of ``cfg.block_k``, the layer's pinned BLOCK_K), ``programs`` the SM count."""
     m, k = x.shape
-    n = w.shape[0]
-    if seg % cfg.block_k or cfg.block_m != 128:
+    n = w.shape[1] if dx else w.shape[0]
+    if seg % cfg.block_k or cfg.block_m != 128 or (dx and halves(cfg)[1]):
         raise ValueError(f"gemm_gluon_seg8: segment {seg} with tiling {cfg.tag}")
     p = plan(m, n, k, cfg, programs)
     slots = 3 if halves(cfg)[1] else 1  # global slots a consumer: all three 256 wide, the level-4 one 128 wide
     size = (p.grid, CONSUMERS.value, slots, 64, cfg.block_n)
     scratch = torch.empty(size, dtype=torch.float32, device=x.device)
     _seg8_ws_kernel[(p.grid,)](
-        **seg8_descriptors(x, w, y, cfg), c_ptr=y, bias_ptr=bias if bias is not None else y, scratch_ptr=scratch, M=m,
-        N=n, stride_cm=y.stride(0), num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, k_tiles=p.k_tiles,
-        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None), **STRICT_LAUNCH,
+        **seg8_descriptors(x, w, y, cfg, dx), c_ptr=y, bias_ptr=bias if bias is not None else y, scratch_ptr=scratch,
+        M=m, N=n, stride_cm=y.stride(0), num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, k_tiles=p.k_tiles,
+        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None, dx), **STRICT_LAUNCH,
     )  # fmt: skip
     return y

@@ -32,7 +32,10 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
 * backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY (a sum over
   packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`,
   every segment and the tree inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`; kernel id v3, v2
-  launched the single-walk dW kernel once per segment: the same bytes).
+  launched the single-walk dW kernel once per segment: the same bytes); where ``GemmLaunch.rows_dw_gluon`` (off
+  until measured) the one-device bfloat16 dW on Hopper runs the warp-specialised Gluon kernel
+  (:mod:`h3gate.kernels.gemm_gluon_rows_dw`, ``gluon_warp_specialised_rows_dw``; else ``triton_rows_dw``): the same
+  chunks, wgmma steps, tree and rounding, its bytes to be confirmed on the GPU.
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
 * tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
@@ -43,7 +46,10 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
   pinned BLOCK_K is its tiling's (:func:`gluon_tiling`), ``gluon_warp_specialised_seg8``
   (:mod:`h3gate.kernels.gemm_gluon_seg8`: the same chunks in the same wgmma k16 steps from zero per segment, the
   same tree with the same slots, bias and rounding; its bytes equal to the Triton seg8 kernel's, to be confirmed on
-  the H200: ``tools/gpu_seg8_gluon_check.py``). The interpreter and other devices run ``triton_seg8``.
+  the H200: ``tools/gpu_seg8_gluon_check.py``); the one-device dX (all 8 segments of the full layer, rounded or the
+  FP32 sum) likewise where ``GemmLaunch.seg8_gluon_dx`` (off until measured; W's (BLOCK_K x 128) boxes fed as an
+  MN-major B, as the Triton kernel's TMA dX walk feeds them; ``tools/gpu_seg8_gluon_dw_check.py``). The interpreter
+  and other devices run ``triton_seg8``.
 * compilation - :data:`h3gate.kernels.common.STRICT_LAUNCH`: no FMA contraction, no FTZ; no TF32, no split beyond
   the 8 declared segments, no atomics.
 """
@@ -75,7 +81,7 @@ from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm
 from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, matmul_seg8_ws
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
-from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows
+from h3gate.kernels.rows_seg8 import dw_record, linear_row_grads, linear_rows
 
 KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v3"
 ROLES = ("fwd", "dx")
@@ -328,7 +334,9 @@ def _subtree(
     launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """The owned segments reduced by the tree's lower levels (one fused launch): FP32 (M, Nout), or with
-    ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding."""
+    ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding. The one-device dX (all 8
+    segments of the full layer) by :func:`forward_plan`'s "dx" path (16-byte aligned copies for the Gluon kernel's
+    TMA where needed: the same bytes)."""
     rows = a.shape[:-1].numel()
     n_out = b.shape[0] if role == "fwd" else b.shape[1]
     if a.shape[-1] == 0:  # every owned segment is empty: each partial, and their sum, is +0
@@ -336,6 +344,11 @@ def _subtree(
         return total if out_dtype is None else finish(total, bias, out_dtype)
     a2 = a.reshape(rows, a.shape[-1])
     out = torch.empty((rows, n_out), dtype=out_dtype or torch.float32, device=a.device)
+    if role == "dx" and len(owned) == SEGMENTS and tuple(b.shape) == tuple(full_shape):
+        path, cfg = forward_plan(a2, b, launch, "dx")
+        if path == GLUON:
+            a2, b = aligned(a2.contiguous()), aligned(b.contiguous())
+            return matmul_seg8_ws(a2, b, out, None, cfg, seg, num_sms(a.device), dx=True)
     cfg = fused_config(role, tuple(full_shape), a.dtype)
     _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, role == "fwd", launch)
     return out
@@ -366,33 +379,39 @@ def segment_partials(
 # -------------------------------------------------------------------------------------------------- the operator
 
 
-def gluon_tiling(n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
-    """The Gluon seg8 forward's tiling for the layer with weight (N, K) at ``dtype``, or None where it does not apply:
-    bfloat16, its BLOCK_K the layer's pinned one (so the same segment boundaries and chunks), rows 16-byte aligned
-    (TMA). Tile shape is scheduling; BLOCK_K is not."""
-    if dtype != torch.bfloat16 or n % 8 or k % 8 or pinned_config("fwd", (n, k), dtype).block_k != SEG8_GLUON.block_k:
+def gluon_tiling(n: int, k: int, dtype: torch.dtype, role: str = "fwd") -> GemmConfig | None:
+    """The Gluon seg8 kernel's tiling for ``role`` of the layer with weight (N, K) at ``dtype``, or None where it does
+    not apply: bfloat16, its BLOCK_K the layer's pinned one for the role (so the same segment boundaries and chunks),
+    rows 16-byte aligned (TMA). Tile shape is scheduling; BLOCK_K is not."""
+    if dtype != torch.bfloat16 or n % 8 or k % 8 or pinned_config(role, (n, k), dtype).block_k != SEG8_GLUON.block_k:
         return None
     return SEG8_GLUON
 
 
-def forward_plan(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION) -> tuple[str, GemmConfig]:
-    """The one-device seg8 forward's path and tiling for ``x (..., K) @ weight (N, K)^T`` here: ``GLUON`` on a
-    Hopper GPU (never under the interpreter) where :func:`gluon_tiling` applies and ``launch.seg8_gluon``, else
-    ``TRITON`` with :func:`fused_config`."""
+def forward_plan(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION,
+                 role: str = "fwd") -> tuple[str, GemmConfig]:  # fmt: skip
+    """The one-device seg8 forward's path and tiling for ``x (..., K) @ weight (N, K)^T`` here (``role`` "dx": of the
+    dX ``dY (..., N) @ weight``, ``x`` = dY): ``GLUON`` on a Hopper GPU (never under the interpreter) where
+    :func:`gluon_tiling` applies and ``launch.seg8_gluon`` (dX: ``launch.seg8_gluon_dx``), else ``TRITON`` with
+    :func:`fused_config`."""
     n, k = weight.shape
-    cfg = gluon_tiling(n, k, x.dtype)
-    if cfg is not None and launch.seg8_gluon and x.numel() and selection.device_class(x.device) == "cuda-sm90":
+    cfg = gluon_tiling(n, k, x.dtype, role)
+    on = launch.seg8_gluon if role == "fwd" else launch.seg8_gluon_dx
+    if cfg is not None and on and x.numel() and selection.device_class(x.device) == "cuda-sm90":
         return GLUON, cfg
-    return TRITON, fused_config("fwd", (n, k), x.dtype)
+    return TRITON, fused_config(role, (n, k), x.dtype)
 
 
-def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION) -> dict:
-    """The forward's path and tiling (:func:`forward_plan`) and whether TMA loads it; the backward's dX and dW are
-    the Triton seg8 and row-segment kernels."""
-    path, cfg = forward_plan(x, weight, launch)
-    x2 = x.reshape(-1, weight.shape[1])
-    tma = path == GLUON or (launch.seg8_tma and _tma_fits(x2, weight))
-    return {"forward": {"tiling": cfg.tag, "tma": tma, "kernel": path}, "interpreted": INTERPRET}
+def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PRODUCTION,
+                  op: str = "linear_merge") -> dict:  # fmt: skip
+    """The forward's and, where a backward runs, dX's path and tiling (:func:`forward_plan`) and whether TMA loads
+    them (dX's operands judged by x's), and the weight gradient's (:func:`h3gate.kernels.rows_seg8.dw_record`)."""
+    n, k = weight.shape
+    fits = launch.seg8_tma and _tma_fits(x.reshape(-1, k), weight)
+    rec = {role: forward_plan(x, weight, launch, role) for role in ROLES}
+    rec = {role: {"tiling": cfg.tag, "tma": path == GLUON or fits, "kernel": path} for role, (path, cfg) in rec.items()}
+    rec = {"forward": rec["fwd"], "dx": rec["dx"], "dw": dw_record(x, (n, k), linear_rows(op, x), launch)}
+    return {**rec, "interpreted": INTERPRET}
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch: GemmLaunch) -> torch.Tensor:
@@ -449,7 +468,7 @@ def linear_merge(
 
     Bytes equal :func:`combine` of any TP degree's :func:`segment_partials` followed by :func:`finish`."""
     check_linear(op, x, weight, bias)
-    launches.note(op, lambda: launch_record(x, weight, launch))
+    launches.note(op, lambda: launch_record(x, weight, launch, op))
     if needs_graph(x, weight, bias):
         return _LinearSeg8.apply(x, weight, bias, op, launch)
     return _forward(x, weight, bias, launch)

@@ -25,10 +25,12 @@ import functools
 
 import torch
 
-from h3gate.kernels.common import cached
+from h3gate.kernels import selection
+from h3gate.kernels.common import INTERPRET, aligned, cached, num_sms
 from h3gate.kernels.elementwise import _GateResidual, check_gate_residual, gate_launch
 from h3gate.kernels.gather import segment_plan, segment_sum
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmLaunch
+from h3gate.kernels.gemm_gluon_rows_dw import ROWS_DW_GLUON, rows_dw_ws
 from h3gate.kernels.merge_tree import finish
 from h3gate.kernels.norms import check_modulate, rms_backward, rms_backward_segments, rms_forward
 from h3gate.kernels.row_merge import RowGroup, local_spans, row_sum, rows_for
@@ -36,11 +38,39 @@ from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
 
 KERNEL_ID = "triton:h3gate.rows_seg8:v2"
 F32 = torch.float32
+TRITON_DW, GLUON_DW = "triton_rows_dw", "gluon_warp_specialised_rows_dw"  # the weight gradient's kernel paths
 
 
 def linear_rows(op: str, x: torch.Tensor) -> RowGroup:
     """The row group a linear layer's weight gradient uses for input ``x`` (read at forward time)."""
     return rows_for(op, x.shape[-2] if x.ndim >= 2 else 1)
+
+
+def dw_path(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device, rows: RowGroup,
+            full: tuple[int, int], launch: GemmLaunch = PRODUCTION) -> str:  # fmt: skip
+    """The weight gradient's kernel for dY (B, S, N) and X (B, S, K) (``shape`` = (B, S, N, K)) of a slice of the
+    ``full`` layer: ``GLUON_DW`` (:mod:`h3gate.kernels.gemm_gluon_rows_dw`) where ``launch.rows_dw_gluon`` on a Hopper
+    GPU (never interpreted) for the one-device dW (all 8 segments, rounded once) of one batch item in bfloat16, the
+    full layer's dW BLOCK_K the Gluon tiling's (the same chunks) and N, K multiples of 8 (TMA rows, and every
+    segment's first row 16-byte aligned); else ``TRITON_DW`` (:func:`h3gate.kernels.rows_dw.rows_dw`)."""
+    batch, seq, n, k = shape
+    fits = rows.degree == 1 and batch == 1 and seq > 0 and dtype == torch.bfloat16 and n % 8 == 0 and k % 8 == 0
+    if not (launch.rows_dw_gluon and fits) or fused_dw_config(full, dtype).block_k != ROWS_DW_GLUON.block_k:
+        return TRITON_DW
+    return GLUON_DW if selection.device_class(device) == "cuda-sm90" else TRITON_DW
+
+
+def dw_record(x: torch.Tensor, full: tuple[int, int], rows: RowGroup, launch: GemmLaunch = PRODUCTION) -> dict:
+    """The launch record of the one-device weight gradient of ``x (..., S, K) @ w (N, K)^T`` (``full`` = (N, K)):
+    :func:`dw_path`'s kernel, its tiling and whether TMA loads it (the Gluon kernel; ``rows_dw``'s TMA walk where
+    ``launch.rows_dw_tma`` on CUDA for one batch item of 8-multiple widths)."""
+    (n, k), x3 = full, (x.reshape(1, -1) if x.ndim == 1 else x)
+    shape = (x3.shape[:-2].numel(), x3.shape[-2], n, k)
+    path = dw_path(shape, x.dtype, x.device, rows, full, launch)
+    if path == GLUON_DW:
+        return {"tiling": ROWS_DW_GLUON.tag, "tma": True, "kernel": path}
+    tma = launch.rows_dw_tma and shape[0] == 1 and not (n % 8 or k % 8) and x.is_cuda and not INTERPRET
+    return {"tiling": fused_dw_config(full, x.dtype).tag, "tma": tma, "kernel": path}
 
 
 def linear_row_grads(
@@ -54,8 +84,8 @@ def linear_row_grads(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dW, db) of ``y = x @ w^T [+ b]`` (``w`` of shape ``w_shape``, a slice of the full ``full`` (N, K) layer) in
     the row-segment order, rounded once to x's dtype; ``gy`` (..., S, N_local), ``x`` (..., S, K_local). One launch
-    for dW and one for db (:mod:`h3gate.kernels.rows_dw`); under CP the FP32 subtrees are merged over the group (one
-    all-gather of both) and rounded after."""
+    for dW (:func:`dw_path`'s kernel) and one for db (:mod:`h3gate.kernels.rows_dw`); under CP the FP32 subtrees
+    are merged over the group (one all-gather of both) and rounded after."""
     x = x.reshape(1, -1) if x.ndim == 1 else x
     n_loc, k_loc, s_loc, batch = gy.shape[-1], x.shape[-1], x.shape[-2], x.shape[:-2].numel()
     g3 = gy.reshape(batch, s_loc, n_loc).contiguous()
@@ -63,7 +93,11 @@ def linear_row_grads(
     if (n_loc, k_loc) != tuple(w_shape):
         raise ValueError(f"linear_row_grads: dY/X widths {(n_loc, k_loc)} != weight shape {tuple(w_shape)}")
     out = x.dtype if rows.degree == 1 else None
-    dw = rows_dw(g3, x3, rows, fused_dw_config(full, x.dtype), out, launch)
+    if dw_path((batch, s_loc, n_loc, k_loc), x.dtype, x.device, rows, full, launch) == GLUON_DW:
+        dw = torch.empty((n_loc, k_loc), dtype=x.dtype, device=x.device)
+        rows_dw_ws(aligned(g3[0]), aligned(x3[0]), dw, num_sms(x.device))
+    else:
+        dw = rows_dw(g3, x3, rows, fused_dw_config(full, x.dtype), out, launch)
     db = rows_colsum(g3, rows, out) if bias else None
     if out is not None:
         return dw, db

@@ -23,6 +23,7 @@ from h3gate.graph.core import Graph, OpTable
 from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import block_cotangent
+from h3gate.kernels.gemm_configs import launch_overrides
 from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import RunSpec, prepare
 
@@ -138,6 +139,7 @@ def bench_block(
         ),
         "bindings": {name: nb.record() for name, nb in bindings.items()},
         **({"seg8_bindings": {name: nb.record() for name, nb in seg8.items()}} if seg8 else {}),
+        **({"gemm_launch": launch_overrides()} if launch_overrides() else {}),  # H3GATE_GEMM_LAUNCH (measurement)
         "results": results,
         "forward_nodes": nodes,
         "sustained": steady,

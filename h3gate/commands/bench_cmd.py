@@ -163,6 +163,9 @@ def _print_phases(target: str, body: dict, path: Path, json_: bool) -> int:
     console.print(f"evidence: {display(path)}")
     explain = [f"timed: h3gate's strict {target} next to the provider's (medians of CUDA-event timings); recorded, "
                "not judged."]  # fmt: skip
+    if body.get("gemm_launch"):  # H3GATE_GEMM_LAUNCH: knobs set for this measurement
+        knobs = ", ".join(f"{k}={int(v)}" for k, v in body["gemm_launch"].items())
+        explain.append(f"GEMM launch knobs set by H3GATE_GEMM_LAUNCH (measurement only): {knobs}.")
     print_verdict("complete", f"{len(body['results'])} phases timed", explain, console)
     return EXIT_PASS
 

@@ -23,6 +23,7 @@ from h3gate.kernels import (
     attention_tma,
     gemm_configs,
     gemm_gluon,
+    gemm_gluon_rows_dw,
     gemm_gluon_seg8,
 )
 
@@ -134,23 +135,40 @@ def gemm_gluon_facts(cfg, bias: bool, groups: int = 1) -> dict:
     return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, consts.pop("maxnreg"))
 
 
-# Instructions the strict kernels must not emit (FMA contraction, atomics), and the tree's FP32 adds and slot traffic.
+# Instructions the strict kernels must not emit (FMA contraction, atomics), the tree's FP32 adds and slot traffic, and
+# the wgmma reading both operands, or B alone, MN-major from shared memory (its last two immediates: trans-a, trans-b).
 SEG8_PATTERNS = {"fma": r"\bfma\.", "atomics": r"\b(?:atom|red)\.", "add.rn.f32": r"\badd\.rn\.f32\b",
                  "ld.global": r"\bld\.global\.", "st.global": r"\bst\.global\.", "libdevice": r"__nv_",
-                 "ld.shared.v2": r"\bld\.shared\.v2\.", "st.shared.v2": r"\bst\.shared\.v2\."}  # fmt: skip
+                 "ld.shared.v2": r"\bld\.shared\.v2\.", "st.shared.v2": r"\bst\.shared\.v2\.",
+                 "wgmma.mn_major": r"\bwgmma\.mma_async\.[^;]*,\s*1,\s*1;",
+                 "wgmma.b_mn_major": r"\bwgmma\.mma_async\.[^;]*,\s*0,\s*1;"}  # fmt: skip
 
 
-def gemm_seg8_facts(cfg, bias: bool) -> dict:
-    """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg``, its output, bias and
-    scratch 16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it)."""
-    x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
-    y = torch.empty(300, 512, dtype=torch.bfloat16)
-    descs = gemm_gluon_seg8.seg8_descriptors(x, w, y, cfg)
-    args = {"bias_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
+def gemm_seg8_facts(cfg, bias: bool, dx: bool = False) -> dict:
+    """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg`` (``dx``: its dX,
+    dY (M, N) W (N, K), into the FP32 sum the column-parallel layers round after), its output, bias and scratch
+    16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it)."""
+    x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(*((256, 512) if dx else (512, 256)))
+    y = torch.empty(300, 512, dtype=torch.float32 if dx else torch.bfloat16)
+    descs = gemm_gluon_seg8.seg8_descriptors(x, w.bfloat16(), y, cfg, dx)
+    args = {"bias_ptr": y, "c_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
     consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias))
+    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias, dx))
     return _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS,
                       ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
+
+
+def gemm_rows_dw_facts(seq_len: int = 300) -> dict:
+    """The warp-specialised row-segment weight gradient (``gemm_gluon_rows_dw``, production tiling) over ``seq_len``
+    rows, its output and scratch 16-byte aligned, the output's width and row stride multiples of 16 (the block's)."""
+    g, x = torch.empty(seq_len, 512, dtype=torch.bfloat16), torch.empty(seq_len, 256, dtype=torch.bfloat16)
+    out = torch.empty(512, 256, dtype=torch.bfloat16)
+    args = gemm_gluon_rows_dw.launch_args(g, x, out, gemm_gluon_rows_dw.ROWS_DW_GLUON, 132)
+    consts = {n: args.pop(n) for n in ("BLOCK_K", "GROUP", "STAGES", "REGS_C", "REGS_P", "maxnreg", "grid")}
+    maxnreg = consts.pop("maxnreg")
+    del consts["grid"]
+    return _gluon_ptx(gemm_gluon_rows_dw._rows_dw_ws_kernel, args, consts, maxnreg, SEG8_PATTERNS,
+                      ("scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
 
 def main() -> None:
@@ -180,6 +198,8 @@ def main() -> None:
         out[f"gemm_gluon:{tag}"] = gemm_gluon_facts(cfg, bias=i == 0)
     out["gemm_gluon:grouped_qkv"] = gemm_gluon_facts(gemm_configs.GLUON_GROUPED, bias=False, groups=3)
     out["gemm_gluon_seg8"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=True)
+    out["gemm_gluon_rows_dw"] = gemm_rows_dw_facts()
+    out["gemm_gluon_seg8_dx"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=False, dx=True)
     json.dump(out, sys.stdout)
 
 

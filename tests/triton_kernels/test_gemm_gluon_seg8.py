@@ -107,3 +107,66 @@ def test_evidence_accepts_the_seg8_paths_and_nothing_unknown() -> None:
         assert not list(validator.iter_errors({**record, "interpreted": False})), kernel
     wrong = {"forward": {"tiling": "t", "tma": True, "kernel": "gluon_seg8"}, "interpreted": False}
     assert list(validator.iter_errors(wrong))
+
+
+ON_DX = replace(PRODUCTION, seg8_gluon_dx=True)
+QKV, GATE_UP = (7168, 5376), (28672, 5376)
+
+
+@pytest.mark.parametrize("layer", [QKV, O_PROJ, GATE_UP, DOWN])
+def test_the_dx_knob_runs_the_gluon_seg8_dx_on_hopper(hopper, layer) -> None:
+    """dX = dY W (reduction over N, the column-parallel layers' TP split): the Gluon seg8 kernel where
+    ``seg8_gluon_dx`` (off in PRODUCTION), its BLOCK_K the layer's pinned dX one; else the Triton seg8 kernel."""
+    n, k = layer
+    gluon = (gemm_merge.GLUON, gemm_gluon_seg8.SEG8_GLUON)
+    assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), ON_DX, "dx") == gluon
+    assert gemm_merge.pinned_config("dx", layer, BF16).block_k == gemm_gluon_seg8.SEG8_GLUON.block_k
+    triton = (gemm_merge.TRITON, gemm_merge.fused_config("dx", layer, BF16))
+    assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), PRODUCTION, "dx") == triton
+
+
+def test_the_dx_block_k_guard_and_other_devices(monkeypatch, hopper) -> None:
+    """Negative controls: the Gluon tiling's BLOCK_K changed, or another device, runs the Triton seg8 dX."""
+    n, k = QKV
+    monkeypatch.setattr(gemm_merge, "SEG8_GLUON", replace(gemm_gluon_seg8.SEG8_GLUON, block_k=128))
+    assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), ON_DX, "dx")[0] == gemm_merge.TRITON
+    monkeypatch.setattr(gemm_merge, "SEG8_GLUON", gemm_gluon_seg8.SEG8_GLUON)
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-other")
+    assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), ON_DX, "dx")[0] == gemm_merge.TRITON
+
+
+def test_the_dx_launches_the_chosen_kernel(monkeypatch, hopper) -> None:
+    """Knob on, all 8 segments of the full layer: the Gluon seg8 kernel with ``dx`` and the layer's dX segments, into
+    the finished output or the FP32 sum (the column-parallel layers round after their merge); a rank's segments, a
+    slice of the layer, or the knob off: the Triton seg8 launch."""
+    calls = []
+    monkeypatch.setattr(gemm_merge, "matmul_seg8_ws",
+                        lambda g, w, y, b, cfg, seg, p, dx: calls.append(("gluon", seg, dx, y.dtype)))  # fmt: skip
+    monkeypatch.setattr(gemm_merge, "_launch", lambda a, b, out, *args: calls.append(("triton", out.dtype)))
+    monkeypatch.setattr(gemm_merge, "num_sms", lambda device: 132)
+    g2, w = torch.zeros(5, 1000, dtype=BF16), torch.zeros(1000, 64, dtype=BF16)
+    seg = gemm_merge.segment_size(1000, 64)
+    for out in (BF16, None):
+        gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, out, ON_DX)
+    gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, None, PRODUCTION)
+    gemm_merge._subtree(g2[:, :512], w[:512], range(4), (1000, 64), "dx", seg, None, None, ON_DX)
+    gemm_merge._subtree(g2, w[:, :32], range(8), (1000, 64), "dx", seg, None, None, ON_DX)
+    gluon = [("gluon", seg, True, BF16), ("gluon", seg, True, torch.float32)]
+    assert calls == gluon + [("triton", torch.float32)] * 3 and seg == 128
+
+
+def test_the_launch_record_names_the_dx_path(monkeypatch) -> None:
+    x, w = torch.zeros(5, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)
+    assert gemm_merge.launch_record(x, w, ON_DX)["dx"]["kernel"] == gemm_merge.TRITON
+    monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
+    assert gemm_merge.launch_record(x, w)["dx"]["kernel"] == gemm_merge.TRITON
+    assert gemm_merge.launch_record(x, w, ON_DX)["dx"] == {"tiling": gemm_gluon_seg8.SEG8_GLUON.tag, "tma": True,
+                                                           "kernel": gemm_merge.GLUON}  # fmt: skip
+
+
+def test_the_dx_host_side_refuses_the_scratch_tiling() -> None:
+    """The dX's B boxes are one 128-column MMA: the 256-wide tiling (two halves, slots in global scratch) is refused."""
+    cfg = replace(gemm_gluon_seg8.SEG8_GLUON, block_n=256, num_stages=3)
+    g2, w, y = torch.zeros(4, 128, dtype=BF16), torch.zeros(128, 256, dtype=BF16), torch.zeros(4, 256, dtype=BF16)
+    with pytest.raises(ValueError, match="segment 64"):
+        gemm_gluon_seg8.matmul_seg8_ws(g2, w, y, None, cfg, 64, 132, dx=True)

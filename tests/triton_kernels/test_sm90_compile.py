@@ -147,6 +147,37 @@ def test_gluon_seg8_forward_lowers_without_fma_atomics_or_spills(facts) -> None:
     assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
 
 
+def test_gluon_rows_dw_lowers_mn_major_without_fma_atomics_or_spills(facts) -> None:
+    """The row-segment Gluon weight gradient (``gemm_gluon_rows_dw``, production tiling) lowers for sm_90, ptxas
+    keeping its wgmma asynchronous without spills, no FMA, no libdevice call, no atomics: per consumer one m64n128k16
+    MMA of 4 k16 steps a chunk, both operands read MN-major from shared memory (trans-a and trans-b set: the form the
+    Triton ``rows_dw`` pointer walk lowers to), the producer's per-segment TMA loads (8 segments x (two dY boxes + the
+    X box, two copies of 64 columns): 32), the tree's IEEE adds at its three fold sites (no bias: 384), the level-2
+    slot in shared memory and the level-4 slot and the output as its only global traffic. The forward's wgmma
+    (K-major operands) counts no MN-major MMA: the pattern tells the two apart."""
+    got = facts["gemm_gluon_rows_dw"]
+    assert got["wgmma.mma_async"] == got["wgmma.mn_major"] == 8 and got["cp.async.bulk.tensor"] == 32, got
+    assert got["setmaxnreg"] >= 4 and got["add.rn.f32"] == 384, got
+    assert got["st.global"] == 128 and got["ld.global"] == 64, got
+    assert got["ld.shared.v2"] >= 64 and got["st.shared.v2"] >= 64, got
+    assert got["fma"] == got["fma.rn.f32"] == got["atomics"] == got["libdevice"] == 0, got
+    assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
+    assert facts["gemm_gluon_seg8"]["wgmma.mn_major"] == 0, facts["gemm_gluon_seg8"]
+
+
+def test_gluon_seg8_dx_lowers_with_b_mn_major_without_fma_atomics_or_spills(facts) -> None:
+    """The segmented-8 Gluon kernel's dX (``dx``: B = W's boxes of BLOCK_K reduction rows; into the FP32 sum, as the
+    column-parallel layers take it) lowers for sm_90 as the forward does but for the B operand: read MN-major
+    (trans-b set, trans-a not: the form of the Triton seg8 kernel's TMA dX walk), two TMA copies for its 128 columns,
+    the tree's adds without a bias (384), the level-4 slot and the FP32 output (v2) the only global stores. The
+    forward reads no MN-major B (the pattern's negative control)."""
+    got, fwd = facts["gemm_gluon_seg8_dx"], facts["gemm_gluon_seg8"]
+    assert got["wgmma.mma_async"] == got["wgmma.b_mn_major"] == 8 and fwd["wgmma.b_mn_major"] == 0, (got, fwd)
+    assert got["cp.async.bulk.tensor"] == 3 and got["add.rn.f32"] == 384 and got["st.global"] == 128, got
+    assert got["fma"] == got["fma.rn.f32"] == got["atomics"] == got["libdevice"] == 0, got
+    assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
+
+
 def test_seg8_ptx_patterns_see_what_they_forbid() -> None:
     """Negative control of the counts above: the patterns find an FMA and atomics in PTX text, and do not take the
     ``shared.`` of a state space for a reduction."""
