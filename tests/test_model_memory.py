@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from h3gate.commands import model_cmd, trajectory_cmd
 from h3gate.errors import InputError
+from h3gate.graph.stages import split_stages
 from h3gate.layout import build_layout
 from h3gate.manifests.layouts import layout_names, load_layout
 from h3gate.manifests.model_config import load_config
@@ -94,3 +95,26 @@ def test_ws1_trajectory_warns_when_the_upper_estimate_exceeds_what_is_free(run_c
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
     code, _, err = run_cli(*args)
     assert code == 2 and err == "h3gate: error: stop\n"
+
+
+def test_a_streamed_range_warns_with_its_own_stages(capsys, monkeypatch):
+    """``--stream`` checks each range: its upper estimate counts the range's stages (its blocks, the refiner and the
+    six others), below the whole model's; the warning names it; with enough free, none."""
+    from types import SimpleNamespace
+
+    from h3gate.commands import model_stream_cmd
+    from h3gate.manifests.tolerances import load_tolerance
+
+    setup = prepare(RunSpec("model", "micro"), None, read=False)
+    s = SimpleNamespace(run=SimpleNamespace(layout="micro"), backward=True)
+    tol, cfg = load_tolerance("ws1-model"), setup.cfg
+    upper = model_memory.model_peak_estimate_bytes(cfg, 84, 1 + cfg.num_refiner_layers + 6, 3, True, "cpu")
+    assert upper < model_memory.model_peak_estimate_bytes(cfg, 84, len(split_stages(setup.graph)), 3, True, "cpu")
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 50 << 20)
+    model_stream_cmd._require_memory(s, setup, 1, tol)
+    err = capsys.readouterr().err
+    assert err.startswith(f"h3gate: warning: memory: the peak may reach {upper / GIB:.1f} GiB (upper estimate")
+    assert err.endswith("the run may run out of memory\n") and err.count("\n") == 1
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
+    model_stream_cmd._require_memory(s, setup, 1, tol)
+    assert capsys.readouterr().err == ""

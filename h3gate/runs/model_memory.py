@@ -31,7 +31,7 @@ from h3gate.runs.memory_plan import (
 )
 
 # The CPU process's own buffers in a forward under no_grad (oneDNN's scratch, OpenMP's per-thread stacks; no autograd
-# engine): a trajectory evaluation at tiny config, micro layout, grows the resident size by 12.3-12.6 MB with 5.8 MB
+# engine): a trajectory evaluation at tiny config, micro layout, grows the resident size by 12.3-12.9 MB with 5.8 MB
 # counted (docs/measurements/gpu-estimates.md); the backward's :data:`~h3gate.runs.memory_plan.CPU_PROCESS_BYTES`
 # (128 MiB) would put the estimate at ten times the peak.
 CPU_FORWARD_PROCESS_BYTES = 8 << 20
@@ -102,15 +102,17 @@ def model_backward_phase(cfg: ModelConfig, rows: int, stages: int, providers: in
       ones: golden, candidate and ``P - 1`` variants (``8 + 2 + 2 (P - 1)``);
     * per ``E``: values and gradients of the chained lanes (``16 + 4 P + 4 + 4 + 2 * 4``) and of the isolated ones
       (``16 + 4 + 4 (P - 1)``), and autograd's saved intermediates of the FP64 lane running (at most one FP64 per
-      element, ``8``) with its attention's working set;
+      element, ``8``); the running op's backward temporaries (two FP64 per element of the widest node,
+      :func:`~h3gate.runs.memory_plan.streamed_peak_width`) and the golden attention's working set;
     * per ``X``: every stage's input still kept by each saving lane (at the heads' backward all of them) and each
       saving lane's incoming and accumulated input gradients (``2 * ...``)."""
     w, e, x = stage_sizes(cfg, rows)
     p = providers
     weights = w * (2 + 8 + (8 + 2 * p + 2 + 2 + 2) + (8 + 2 + 2 * (p - 1)))
     values = e * ((16 + 4 * p + 4 + 4 + 2 * 4) + (16 + 4 + 4 * (p - 1)) + 8)
+    working = rows * streamed_peak_width(cfg) * 2 * 8 + golden_attention_bytes(cfg, rows, device)
     boundaries = x * (stages + 2) * _saving_bytes(p)
-    return weights + values + golden_attention_bytes(cfg, rows, device) + boundaries
+    return weights + values + working + boundaries
 
 
 def trajectory_peak_estimate_bytes(cfg: ModelConfig, rows: int, batch: int, device: str) -> int:
