@@ -63,6 +63,8 @@ def test_the_default_command_passes_with_strict_kernels(default_run) -> None:
     )
     assert not any("launch" in n for n in doc["nodes"] if n["ops"] == ["h3_swiglu"])  # one schedule: nothing noted
     assert doc["model"]["complete"] and doc["model"]["stages"][0] == "embed" and doc["model"]["stages"][-1] == "heads"
+    memory = doc["memory"]  # the plan: the lower bound that refused nothing, the upper estimate that only warns
+    assert memory["upper_gib"] >= memory["device_gib"] > 0 and memory["available_gib"] > 0
     assert {lane["name"] for lane in doc["lanes"]} >= {"golden", "provider", "candidate", "candidate repeat"}
     assert any(lane["batch"] for lane in doc["lanes"] if lane["saved_for_backward"])
     # the unrelated request both placements hold (first of the batch of 3, first of the batch of 2): bitwise too

@@ -24,7 +24,8 @@ import torch
 
 from h3gate.runs import stream_files
 
-VOLATILE = {"timing", "provenance", "streamed", "forward_s", "stage_seconds", "seconds", "total_s", "wall_s"}
+# memory: the plain run's plan (a streamed run plans each range, with the range's stages, and records no plan)
+VOLATILE = {"timing", "provenance", "streamed", "forward_s", "stage_seconds", "seconds", "total_s", "wall_s", "memory"}
 OFF = ["--mode", "off", "--no-backward"]
 BACKWARD = ["--mode", "off"]
 

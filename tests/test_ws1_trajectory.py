@@ -213,6 +213,7 @@ def test_an_uninterrupted_strict_run_saves_every_step_with_its_digests(run_a, tm
     assert (doc["run"]["mode"], doc["run"]["device_kind"], doc["run"]["layout"]["name"]) == ("strict", "cpu", "micro")
     assert (doc["run"]["schedule"]["steps"], doc["run"]["batch"]["with_seed"]) == (7, None)
     assert len(doc["invocations"]) == 1
+    assert doc["memory"]["upper_gib"] >= doc["memory"]["device_gib"] > 0 and doc["memory"]["available_gib"] > 0
     assert [s["step"] for s in doc["invocation"]["steps"]] == list(range(EVALUATIONS))
     for k, name in enumerate(names):
         side = json.loads((rundir / "steps" / f"{name}.json").read_text(encoding="utf-8"))

@@ -14,9 +14,11 @@ for an *upper estimate* (ws1-ops, arms) a ratio below 1 means it lets through ru
   and its upper estimate :func:`h3gate.runs.memory_plan.block_peak_estimate_bytes` as ``upper_bytes`` with
   ``upper_ratio = upper / peak``, which must be at least 1), then :func:`h3gate.runs.ws1_block.run_block_gate`
   (forward and backward, ``--mode``: default strict);
-* ``ws1-model``: :func:`h3gate.runs.memory_plan.model_lower_bound_bytes` (forward and backward), then
-  :func:`h3gate.runs.ws1_model.run_model_gate`;
-* ``ws1-trajectory``: the same bound with two lanes, no backward (``prepare_trajectory``), then one step;
+* ``ws1-model``: :func:`h3gate.runs.memory_plan.model_lower_bound_bytes` and the upper estimate
+  :func:`h3gate.runs.model_memory.model_peak_estimate_bytes` (the plan ``prepare`` records), then
+  :func:`h3gate.runs.ws1_model.run_model_gate` (forward and backward; ``--no-backward``: forward only);
+* ``ws1-trajectory``: the same bound with two lanes, no backward, and the upper estimate
+  :func:`h3gate.runs.model_memory.trajectory_peak_estimate_bytes` (``prepare_trajectory``), then one step;
 * ``ws1-ops``: :func:`h3gate.runs.ws1_ops.case_bytes`, then :func:`h3gate.runs.ws1_ops.run_case` for each operator;
 * ``arms``: :func:`h3gate.arms.stack.batch_bytes`, then ``run_arms`` (R/R, one step; needs diffusers, else skipped).
 
@@ -107,36 +109,36 @@ def _block(device: str, layout: str, config: str | None, mode: str = "strict") -
     return plan.device_bytes, "lower bound", what, run, plan.upper_bytes
 
 
-def _model(device: str, layout: str, config: str | None) -> tuple[int, str, str, Callable]:
-    from h3gate.graph.stages import split_stages
-    from h3gate.runs.memory_plan import model_lower_bound_bytes
+def _model(device: str, layout: str, config: str | None, backward: bool = True) -> tuple[int, str, str, Callable, int]:
+    from h3gate.gate.variants import provider_variants
     from h3gate.runs.setup import ModelNeeds, RunSpec, prepare, read_inputs
     from h3gate.runs.ws1_model import ModelGate, run_model_gate
 
-    needs = ModelNeeds(backward=True)
+    tol = load_tolerance("ws1-model")
+    providers = len(provider_variants(list(tol.row_rule.variants), device)[0])
+    needs = ModelNeeds(backward=backward, providers=providers)
     setup = prepare(RunSpec("model", layout, config, None, device, draw="device"), needs, read=False)
-    stages = len(split_stages(setup.graph))
-    need = model_lower_bound_bytes(setup.cfg, setup.layout.seq_len, stages, needs.lanes, needs.backward)
+    plan = setup.memory
 
     def run() -> object:
-        return run_model_gate(ModelGate.of(read_inputs(setup), load_tolerance("ws1-model"), True))
+        return run_model_gate(ModelGate.of(read_inputs(setup), tol, backward))
 
-    return need, "lower bound", f"model_lower_bound_bytes ({needs.lanes} lanes, backward)", run
+    what = f"model_lower_bound_bytes ({needs.lanes} lanes); upper: model_peak_estimate_bytes ({plan.estimate})"
+    return plan.device_bytes, "lower bound", what, run, plan.upper_bytes
 
 
-def _trajectory(device: str, layout: str, config: str | None) -> tuple[int, str, str, Callable]:
-    from h3gate.graph.stages import split_stages
-    from h3gate.runs.memory_plan import model_lower_bound_bytes
+def _trajectory(device: str, layout: str, config: str | None) -> tuple[int, str, str, Callable, int]:
     from h3gate.runs.ws1_trajectory import TrajectorySettings, evaluate, initial_state, prepare_trajectory
 
     traj = prepare_trajectory(TrajectorySettings(layout=layout, config=config, device=device, steps=2))
-    setup = traj.setup
-    need = model_lower_bound_bytes(setup.cfg, setup.layout.seq_len, len(split_stages(setup.graph)), 2, False)
+    plan = traj.setup.memory
 
     def run() -> object:
         return evaluate(traj, 0, initial_state(traj, traj.request), None)
 
-    return need, "lower bound", "model_lower_bound_bytes (2 lanes, forward only: prepare_trajectory)", run
+    what = ("model_lower_bound_bytes (2 lanes, forward only: prepare_trajectory); upper: "
+            f"trajectory_peak_estimate_bytes ({plan.estimate})")  # fmt: skip
+    return plan.device_bytes, "lower bound", what, run, plan.upper_bytes
 
 
 def _ops(device: str, layout: str, config: str | None, ops: tuple[str, ...] = OPS) -> tuple[int, str, str, Callable]:
@@ -179,7 +181,7 @@ PLANS = {"ws1-block": _block, "ws1-model": _model, "ws1-trajectory": _trajectory
 
 def measure(
     verb: str, device: str, layout: str, config: str | None, dry: bool, ops: tuple[str, ...] = OPS,
-    mode: str = "strict",
+    mode: str = "strict", backward: bool = True,
 ) -> dict:  # fmt: skip
     """One verb's record: its estimate (and upper estimate, where the verb has both) and, unless ``dry``, the peak
     of its run and the ratios."""
@@ -188,13 +190,19 @@ def measure(
         need, kind, what, run, *upper = plan(device, layout, config, ops)
     elif plan is _block:
         need, kind, what, run, *upper = plan(device, layout, config, mode)
+    elif plan is _model:
+        need, kind, what, run, *upper = plan(device, layout, config, backward)
     else:
         need, kind, what, run, *upper = plan(device, layout, config)
     rec = {"verb": verb, "layout": layout, "config": config or "default", "device": device,
            "estimate_bytes": need, "estimate_kind": kind, "estimate": what, "peak_bytes": None, "ratio": None,
            "seconds": None}  # fmt: skip
     if plan is _block:
-        rec.update(mode=mode, upper_bytes=upper[0], upper_ratio=None)
+        rec["mode"] = mode
+    if plan is _model:
+        rec["backward"] = backward
+    if upper:
+        rec.update(upper_bytes=upper[0], upper_ratio=None)
     if dry or run is None:
         return rec
     meter = Meter(device)
@@ -243,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("strict", "auto", "audit", "off"),
         help="ws1-block's candidate mode (off: no kernels, the CPU twin's fast case)",
     )
+    parser.add_argument("--no-backward", action="store_true", help="ws1-model forward only (default: and backward)")
     parser.add_argument("--dry", action="store_true", help="the estimates only; no engine runs")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -259,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         with strict_numerics(args.device):
             for verb in verbs:
                 ops = tuple(o for o in args.ops.split(",") if o)
-                records.append(measure(verb, args.device, args.layout, args.config, args.dry, ops, args.mode))
+                records.append(measure(verb, args.device, args.layout, args.config, args.dry, ops, args.mode,
+                                       not args.no_backward))  # fmt: skip
                 print(json.dumps(records[-1]), flush=True)
     meta = {"torch": torch.__version__, "device": args.device, "dry": args.dry,
             "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}  # fmt: skip

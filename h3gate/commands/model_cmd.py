@@ -20,13 +20,21 @@ from rich.table import Table
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
 from h3gate.commands.explain import gate_detail, gate_lines
-from h3gate.commands.run_cmd import check_gate_args, determinism_line, layout_record, print_failing, save_tensor_files
+from h3gate.commands.run_cmd import (
+    check_gate_args,
+    determinism_line,
+    layout_record,
+    print_failing,
+    save_tensor_files,
+    warn_memory,
+)
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
+from h3gate.gate.variants import provider_variants
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.graph.stages import split_stages
@@ -112,8 +120,11 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     check_forward_only(spec, backward, settings.fault_matrix)
     if settings.fault_matrix and settings.fault is not None:
         raise InputError("--fault-matrix with --fault: the matrix judges the clean run's views; run them apart")
-    needs = ModelNeeds(backward=backward, save_tensors=save_tensors is not None, fault_matrix=settings.fault_matrix)
+    providers = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
+    needs = ModelNeeds(backward=backward, save_tensors=save_tensors is not None, fault_matrix=settings.fault_matrix,
+                       providers=providers)  # fmt: skip
     setup = prepare(spec, needs, read=False)  # with save_tensors: the saved copy against host memory
+    warn_memory(setup.memory)
     if save_tensors is not None:
         need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph))
         require_disk(need, Path(save_tensors), f"--save-tensors at --layout {layout} (S={setup.layout.seq_len})",
@@ -172,6 +183,7 @@ def build_body(setup: Run, result: ModelGateResult, seed: int, tol_name: str, to
             for k, v in setup.inputs.items()
         },
         "tolerance": {"name": tol_name, "file": display(tol_file), "sha256": sha256_file(tol_file)},
+        **({"memory": setup.memory.record()} if setup.memory is not None else {}),
         **result.report,
     }
 

@@ -19,16 +19,19 @@ import torch
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.commands.model_cmd import KIND, Ws1ModelCommand, build_body, parse_model_fault, print_summary
-from h3gate.commands.run_cmd import check_gate_args
+from h3gate.commands.run_cmd import check_gate_args, warn_memory
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import code_sha256, sha256_file
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
+from h3gate.gate.variants import provider_variants
 from h3gate.graph.determinism import Injection
+from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.memory import require, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs import stream_files as files
 from h3gate.runs.memory_plan import model_lower_bound_bytes
+from h3gate.runs.model_memory import plan_model_memory
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
 from h3gate.runs.model_stream import StreamPlan, boundary_bytes, build_plan, phase1, run_range
@@ -144,13 +147,16 @@ def _prepared(s: Ws1ModelCommand, device: str | None = None, out: bool = True) -
     return setup, tol, tol_file
 
 
-def _require_memory(s: Ws1ModelCommand, setup: Run, blocks: int) -> None:
-    """A range of ``blocks`` blocks (with the stages before and after them) against the device's memory."""
+def _require_memory(s: Ws1ModelCommand, setup: Run, blocks: int, tol: ToleranceProfile) -> None:
+    """A range of ``blocks`` blocks (with the stages before and after them) against the device's memory: the lower
+    bound refuses, the upper estimate (the gate's lanes over the range's stages) warns."""
     cfg, seq = setup.cfg, setup.layout.seq_len
     stages = blocks + cfg.num_refiner_layers + 6
     need = model_lower_bound_bytes(cfg, seq, stages, ModelNeeds().lanes, s.backward)
     require(need, f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, ranges of "
             f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)")  # fmt: skip
+    providers = len(provider_variants(list(tol.row_rule.variants), setup.device)[0])
+    warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0))
 
 
 def _gate(s: Ws1ModelCommand, setup: Run, tol, step=None) -> ModelGate:
@@ -220,7 +226,7 @@ def _one_range(s: Ws1ModelCommand) -> int:
         raise InputError("--from RUNDIR: needs --layers A:B (one of the run's ranges)")
     setup, tol, tol_file = _prepared(s)
     a, b = parse_layers(s.run.layers, setup.cfg)
-    _require_memory(s, setup, b - a)
+    _require_memory(s, setup, b - a, tol)
     rundir = Path(s.from_dir)
     doc = _check_plan(rundir, "--from", _settings_record(s, tol_file))
     if [a, b] not in doc["ranges"]:
@@ -266,7 +272,7 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
     ranges = parse_ranges(s.ranges, s.range_size, setup.cfg.num_layers)
     if s.resume is not None:
         ranges = [tuple(r) for r in _check_plan(Path(s.resume), "--resume", settings)["ranges"]]
-    _require_memory(s, setup, max(b - a for a, b in ranges))
+    _require_memory(s, setup, max(b - a for a, b in ranges), tol)
     rundir = None
     if rank == 0:
         out = s.resume if s.resume is not None else s.out

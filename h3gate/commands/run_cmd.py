@@ -31,7 +31,7 @@ from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolera
 from h3gate.memory import check_writable, require_saved
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
-from h3gate.runs.memory_plan import GateNeeds, block_saved_bytes
+from h3gate.runs.memory_plan import GateNeeds, MemoryPlan, block_saved_bytes
 from h3gate.runs.setup import LAYER, Run, RunSpec, prepare, read_inputs
 from h3gate.runs.ws1_block import (
     BlockGate,
@@ -107,6 +107,12 @@ def layout_record(layout) -> dict:
         "anchors": list(layout.spec.anchors),
         "tensor_sha256": layout.tensor_hashes(),
     }
+
+
+def warn_memory(plan: MemoryPlan | None) -> None:
+    """One warning line on stderr when the plan's upper estimate exceeds what the device has (never a refusal)."""
+    if plan is not None and plan.warning is not None:
+        print(f"h3gate: warning: {plan.warning}", file=sys.stderr)
 
 
 def check_gate_args(
@@ -292,8 +298,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     setup = prepare(spec, needs, read=False)
     if save_tensors is not None:
         _check_save_sizes(setup, settings.backward, Path(save_tensors))
-    if setup.memory is not None and setup.memory.warning is not None:
-        print(f"h3gate: warning: {setup.memory.warning}", file=sys.stderr)
+    warn_memory(setup.memory)
     fault = settings.fault
     injected = parse_fault(fault, setup.graph, setup.layout.seq_len) if fault is not None else None
     if isinstance(injected, Injection) and spec.candidate == "sglang":

@@ -17,6 +17,7 @@ from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.commands.explain import print_checks, trajectory_lines
 from h3gate.commands.model_cmd import parse_model_fault
+from h3gate.commands.run_cmd import warn_memory
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
@@ -82,6 +83,7 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
     if until is not None and until < 0:
         raise InputError(f"--until {until}: must be a step index >= 0")
     run = prepare_trajectory(settings.run)  # every check, before the run's folder is made
+    warn_memory(run.setup.memory)
     single = None if settings.fault is None else trajectory_fault(settings.fault, run)
     if until is not None and until >= run.evaluations:
         raise InputError(f"--until {until}: past the run's last step ({run.evaluations} evaluations: steps 0 .. "
@@ -95,6 +97,8 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
         body["invocation"]["injected_fault"] = state.describe()
     body["invocations"] = [*_previous(rundir), body["invocation"]]
     body["step_files"] = _step_files(rundir)
+    if run.setup.memory is not None:
+        body["memory"] = run.setup.memory.record()
     path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.run.device)
     if settings.json:
         print(path.read_text(encoding="utf-8"), end="")

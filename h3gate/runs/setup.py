@@ -44,6 +44,7 @@ from h3gate.runs.memory_plan import (
     plan_block_memory,
     saved_values_bytes,
 )
+from h3gate.runs.model_memory import plan_model_memory
 from h3gate.runs.model_stages import StageWeights, model_inputs
 from h3gate.synth import SyntheticSource, layout_variant
 
@@ -93,12 +94,16 @@ class RunSpec:
 class ModelNeeds:
     """What a whole-model gate holds at once, for its memory bound: ``lanes`` executions advanced together, the
     backward's saved stage inputs, ``--save-tensors``' host copy of every node value, and what ``--fault-matrix``
-    keeps."""
+    keeps. For the upper estimate: ``providers`` the provider lanes among them (the default and the variants this
+    device runs); ``evaluation_batch`` set: a trajectory's one candidate evaluation of that many requests, every
+    weight resident (:mod:`h3gate.runs.model_memory`)."""
 
     lanes: int = 12
     backward: bool = True
     save_tensors: bool = False
     fault_matrix: bool = False
+    providers: int = 7
+    evaluation_batch: int | None = None
 
 
 @dataclass
@@ -367,8 +372,10 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
         need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
         require(need, f"ws1-model --layout {spec.layout} --config {run.config_name} (S={packed.seq_len})", device,
                 hint="use a smaller layout, --layers or --no-backward")  # fmt: skip
+        saved = saved_values_bytes(cfg, packed.seq_len, stages) if needs.save_tensors else 0
         if needs.save_tensors:
-            require(saved_values_bytes(cfg, packed.seq_len, stages), f"--save-tensors at --layout {spec.layout} "
-                    f"--config {run.config_name} (every node's values, three executions)", "cpu",
-                    hint="bound it with --layers")  # fmt: skip
+            require(saved, f"--save-tensors at --layout {spec.layout} --config {run.config_name} (every node's "
+                    "values, three executions)", "cpu", hint="bound it with --layers")  # fmt: skip
+        run.memory = plan_model_memory(cfg, packed.seq_len, len(stages), needs.providers, needs.backward,
+                                       needs.evaluation_batch, device, need, saved)  # fmt: skip
     run.bindings = bind_graph(run.graph, spec.mode, device, spec.merge)

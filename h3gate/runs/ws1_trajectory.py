@@ -100,7 +100,8 @@ def prepare_trajectory(settings: TrajectorySettings) -> Trajectory:
     checkpoint = None if settings.checkpoint is None else str(settings.checkpoint)
     spec = RunSpec("model", settings.layout, settings.config, checkpoint, settings.device, settings.seed,
                    settings.mode, merge=settings.merge, draw="device")  # fmt: skip
-    setup = prepare(spec, ModelNeeds(lanes=2, backward=False))
+    batch = 1 if settings.batch_with is None else 2
+    setup = prepare(spec, ModelNeeds(lanes=2, backward=False, evaluation_batch=batch))
     recipe = Recipe(steps=settings.steps, video_shift=settings.shift, audio_shift=AUDIO_SHIFT)
     video, audio = recipe.schedules()
     plan = row_timestep_plan(setup.layout, recipe, video, audio)

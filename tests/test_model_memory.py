@@ -1,0 +1,120 @@
+"""The whole-model verbs' upper memory estimates (``h3gate.runs.model_memory``): counted from what the engines hold,
+recorded in the plan, and a warning line (never a refusal) where the device has less. The CPU twin's measurements
+against them are slow tests in tests/test_gpu_estimates.py."""
+
+from __future__ import annotations
+
+from h3gate.commands import model_cmd, trajectory_cmd
+from h3gate.errors import InputError
+from h3gate.graph.stages import split_stages
+from h3gate.layout import build_layout
+from h3gate.manifests.layouts import layout_names, load_layout
+from h3gate.manifests.model_config import load_config
+from h3gate.runs import memory_plan, model_memory
+from h3gate.runs.setup import ModelNeeds, RunSpec, prepare
+
+GIB = 2**30
+
+
+def _stop(*_args, **_kwargs):
+    raise InputError("stop")
+
+
+def test_the_gate_s_upper_estimate_is_at_least_its_lower_bound_everywhere():
+    """At every layout, config, device and direction the gate's upper estimate is at least the lower bound that
+    refuses; the backward's phase outweighs the forward's, and more provider lanes cost more."""
+    seq_lens = {name: build_layout(load_layout(name), name).seq_len for name in layout_names()}
+    for config in ("tiny", "real"):
+        cfg = load_config(config).config
+        stages = cfg.num_layers + cfg.num_refiner_layers + 6  # tests/test_ws1_model.py checks the count
+        for name, rows in seq_lens.items():
+            for backward in (True, False):
+                lower = memory_plan.model_lower_bound_bytes(cfg, rows, stages, 12, backward)
+                for device, providers in (("cpu", 3), ("cuda", 7)):
+                    upper = model_memory.model_peak_estimate_bytes(cfg, rows, stages, providers, backward, device)
+                    assert upper >= lower, (config, name, backward, device)
+            assert model_memory.model_backward_phase(cfg, rows, stages, 7, "cuda") > (
+                model_memory.model_forward_phase(cfg, rows, stages, 7, True, "cuda")
+            )
+            fewer = model_memory.model_peak_estimate_bytes(cfg, rows, stages, 3, True, "cuda")
+            assert fewer < model_memory.model_peak_estimate_bytes(cfg, rows, stages, 7, True, "cuda")
+
+
+def test_the_trajectory_s_upper_estimate_holds_every_weight_and_grows_with_the_batch():
+    """Every weight resident: at real config the estimate is above the model's bf16 weights (about 62 GiB) times the
+    slack; a batch of two holds twice the evaluation's values."""
+    real = load_config("real").config
+    weights = model_memory.model_weight_bytes(real)
+    assert 60 * GIB < weights < 64 * GIB
+    medium = build_layout(load_layout("medium"), "medium").seq_len
+    one = model_memory.trajectory_peak_estimate_bytes(real, medium, 1, "cuda")
+    two = model_memory.trajectory_peak_estimate_bytes(real, medium, 2, "cuda")
+    assert one >= memory_plan.ALLOCATOR_SLACK["cuda"] * weights and two > one
+
+
+def test_the_plan_records_the_upper_estimate_and_warns_only_when_the_device_has_less(monkeypatch):
+    """The plan a ws1-model and a ws1-trajectory run record: the lower bound prepare checked, the upper estimate and
+    what the device had free; a device with less than the upper estimate (but more than the lower bound: not
+    refused) warns, one with enough does not."""
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 * GIB)
+    gate = prepare(RunSpec("model", "micro"), ModelNeeds(providers=3), read=False).memory
+    traj = prepare(RunSpec("model", "micro"), ModelNeeds(lanes=2, backward=False, evaluation_batch=1), read=False)
+    for plan in (gate, traj.memory):
+        assert plan.upper_bytes > plan.device_bytes > 0 and plan.available_bytes == 64 * GIB
+        assert plan.warning is None and plan.record()["upper_gib"] == round(plan.upper_bytes / GIB, 2)
+    assert gate.estimate == "whole-model gate, 3 provider lanes, forward and backward"
+    assert traj.memory.estimate == "trajectory evaluation, batch 1, every weight resident"
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: gate.device_bytes + 1)  # the negative control
+    low = prepare(RunSpec("model", "micro"), ModelNeeds(providers=3), read=False).memory
+    assert low.upper_bytes == gate.upper_bytes and low.warning is not None
+    assert low.warning.startswith("memory: the peak may reach") and low.warning.endswith("may run out of memory")
+
+
+def test_ws1_model_warns_when_the_upper_estimate_exceeds_what_is_free(run_cli, tmp_path, monkeypatch):
+    """Free host memory between the lower bound (20 MB at tiny/micro: not refused) and the upper estimate: one
+    warning line on stderr before the run reads its inputs (stopped there); with plenty free, none."""
+    monkeypatch.setattr(model_cmd, "read_inputs", _stop)
+    args = ("run", "ws1-model", "--out", tmp_path / "ev")
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 100 << 20)
+    code, _, err = run_cli(*args)
+    assert code == 2 and err.startswith("h3gate: warning: memory: the peak may reach 0.3 GiB (upper estimate")
+    assert "0.1 GiB available: the run may run out of memory\n" in err and err.endswith("h3gate: error: stop\n")
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
+    code, _, err = run_cli(*args, "--force")
+    assert code == 2 and err == "h3gate: error: stop\n"
+
+
+def test_ws1_trajectory_warns_when_the_upper_estimate_exceeds_what_is_free(run_cli, tmp_path, monkeypatch):
+    """The same for the trajectory (lower bound 11 MB at tiny/micro), stopped before its run folder is made."""
+    monkeypatch.setattr(trajectory_cmd, "enter_run", _stop)
+    args = ("run", "ws1-trajectory", "--out", tmp_path / "run")
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 12 << 20)
+    code, _, err = run_cli(*args)
+    assert code == 2 and err.startswith("h3gate: warning: memory: the peak may reach ")
+    assert err.count("\n") == 2 and err.endswith("h3gate: error: stop\n")
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
+    code, _, err = run_cli(*args)
+    assert code == 2 and err == "h3gate: error: stop\n"
+
+
+def test_a_streamed_range_warns_with_its_own_stages(capsys, monkeypatch):
+    """``--stream`` checks each range: its upper estimate counts the range's stages (its blocks, the refiner and the
+    six others), below the whole model's; the warning names it; with enough free, none."""
+    from types import SimpleNamespace
+
+    from h3gate.commands import model_stream_cmd
+    from h3gate.manifests.tolerances import load_tolerance
+
+    setup = prepare(RunSpec("model", "micro"), None, read=False)
+    s = SimpleNamespace(run=SimpleNamespace(layout="micro"), backward=True)
+    tol, cfg = load_tolerance("ws1-model"), setup.cfg
+    upper = model_memory.model_peak_estimate_bytes(cfg, 84, 1 + cfg.num_refiner_layers + 6, 3, True, "cpu")
+    assert upper < model_memory.model_peak_estimate_bytes(cfg, 84, len(split_stages(setup.graph)), 3, True, "cpu")
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 50 << 20)
+    model_stream_cmd._require_memory(s, setup, 1, tol)
+    err = capsys.readouterr().err
+    assert err.startswith(f"h3gate: warning: memory: the peak may reach {upper / GIB:.1f} GiB (upper estimate")
+    assert err.endswith("the run may run out of memory\n") and err.count("\n") == 1
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
+    model_stream_cmd._require_memory(s, setup, 1, tol)
+    assert capsys.readouterr().err == ""
