@@ -70,12 +70,18 @@ def test_provenance_fields_and_manifest_hashes(monkeypatch):
     manifest = ROOT / "manifests" / "configs" / "tiny.yaml"
     p = prov.provenance(command=["h3gate", "validate"], manifests=[manifest], device="cpu")
     required = json.loads((SCHEMAS / "common.schema.json").read_text())["$defs"]["provenance"]["required"]
-    assert sorted(p) == sorted([*required, "code_sha256", "revision_source", "dirty_files"])
+    optional = ["code_sha256", "revision_source", "dirty_files", "gemm_launch", "cuda_alloc_conf"]
+    assert sorted(p) == sorted([*required, *optional])
     assert p["code_sha256"] == prov.code_sha256() and re.fullmatch(r"[0-9a-f]{64}", p["code_sha256"])
     assert p["h3gate_version"] == h3gate.__version__
     assert p["manifests"] == {"manifests/configs/tiny.yaml": hashlib.sha256(manifest.read_bytes()).hexdigest()}
     assert p["command"] == ["h3gate", "validate"]
     assert p["triton_interpret"] == "1"
+    # the environment that picks kernels or places memory is recorded, null when unset
+    monkeypatch.setenv("H3GATE_GEMM_LAUNCH", "rows_dw_gluon")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    q = prov.provenance(command=["h3gate"], device="cpu")
+    assert q["gemm_launch"] == "rows_dw_gluon" and q["cuda_alloc_conf"] is None
     assert p["device"] == "cpu" and p["device_name"]
     assert p["python"] == ".".join(map(str, sys.version_info[:3]))
     assert p["time_utc"].endswith("Z")

@@ -118,3 +118,29 @@ def test_a_streamed_range_warns_with_its_own_stages(capsys, monkeypatch):
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
     model_stream_cmd._require_memory(s, setup, 1, tol)
     assert capsys.readouterr().err == ""
+
+
+def test_the_trajectory_is_refused_below_its_own_lower_bound_and_runs_at_it(monkeypatch):
+    """A trajectory's lower bound is every stored weight plus one evaluation's widest block values (not the gate's
+    five lanes and float64 golden, which it does not hold): one byte short is refused naming ws1-trajectory and the
+    layout; exactly the bound passes the check (negative control). At real config the weights dominate it."""
+    import h3gate.memory as memory
+
+    cfg, rows = load_config("tiny").config, build_layout(load_layout("micro"), "micro").seq_len
+    need = model_memory.trajectory_lower_bound_bytes(cfg, rows, 1)
+    assert need == model_memory.model_weight_bytes(cfg) + rows * memory_plan.streamed_peak_width(cfg) * 2
+    assert model_memory.trajectory_lower_bound_bytes(cfg, rows, 2) > need
+    needs = ModelNeeds(lanes=2, backward=False, evaluation_batch=1)
+    monkeypatch.setattr(memory, "device_available_bytes", lambda _device: need - 1)
+    try:
+        prepare(RunSpec("model", "micro"), needs, read=False)
+    except InputError as err:
+        assert str(err).startswith("ws1-trajectory --layout micro --config tiny") and "needs at least" in str(err)
+    else:
+        raise AssertionError("one byte short was not refused")
+    monkeypatch.setattr(memory, "device_available_bytes", lambda _device: need)
+    monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: need)
+    assert prepare(RunSpec("model", "micro"), needs, read=False).memory is not None
+    real = load_config("real").config
+    medium = build_layout(load_layout("medium"), "medium").seq_len
+    assert model_memory.model_weight_bytes(real) / model_memory.trajectory_lower_bound_bytes(real, medium, 1) > 0.9

@@ -186,6 +186,8 @@ def provenance(
         "allow_tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
         "allow_tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+        "gemm_launch": os.environ.get("H3GATE_GEMM_LAUNCH"),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "manifests": hashes,
         "command": [str(a) for a in (sys.argv if command is None else command)],
         "time_utc": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),

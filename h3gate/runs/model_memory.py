@@ -128,6 +128,14 @@ def trajectory_peak_estimate_bytes(cfg: ModelConfig, rows: int, batch: int, devi
     return _slacked(model_weight_bytes(cfg) + batch * per_item, device, CPU_FORWARD_PROCESS_BYTES)
 
 
+def trajectory_lower_bound_bytes(cfg: ModelConfig, rows: int, batch: int) -> int:
+    """A lower bound on what one ``run ws1-trajectory`` evaluation holds at once: every stored weight of the model
+    (:func:`model_weight_bytes`, resident for the whole run) and, per request of the ``batch``, the bf16 values a block
+    execution holds at its widest node (:func:`~h3gate.runs.memory_plan.streamed_peak_width`: the block input and the
+    node outputs live there, 2 bytes each)."""
+    return model_weight_bytes(cfg) + batch * rows * streamed_peak_width(cfg) * 2
+
+
 def plan_model_memory(
     cfg: ModelConfig, rows: int, stages: int, providers: int, backward: bool, batch: int | None, device: str,
     lower: int, host: int,

@@ -44,7 +44,7 @@ from h3gate.runs.memory_plan import (
     plan_block_memory,
     saved_values_bytes,
 )
-from h3gate.runs.model_memory import plan_model_memory
+from h3gate.runs.model_memory import plan_model_memory, trajectory_lower_bound_bytes
 from h3gate.runs.model_stages import StageWeights, model_inputs
 from h3gate.synth import SyntheticSource, layout_variant
 
@@ -368,10 +368,14 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
     what = f"--checkpoint {spec.checkpoint}" if spec.checkpoint is not None else "synthetic weights"
     check_weights(run.source, stages, cfg, what)
     if isinstance(needs, ModelNeeds):
-        need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), needs.lanes, needs.backward)
-        need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
-        require(need, f"ws1-model --layout {spec.layout} --config {run.config_name} (S={packed.seq_len})", device,
-                hint="use a smaller layout, --layers or --no-backward")  # fmt: skip
+        at = f"--layout {spec.layout} --config {run.config_name} (S={packed.seq_len})"
+        if needs.evaluation_batch is None:
+            need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), needs.lanes, needs.backward)
+            need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
+            require(need, f"ws1-model {at}", device, hint="use a smaller layout, --layers or --no-backward")
+        else:  # a trajectory: every weight resident, one evaluation's values
+            need = trajectory_lower_bound_bytes(cfg, packed.seq_len, needs.evaluation_batch)
+            require(need, f"ws1-trajectory {at}", device, hint="use a smaller layout")
         saved = saved_values_bytes(cfg, packed.seq_len, stages) if needs.save_tensors else 0
         if needs.save_tensors:
             require(saved, f"--save-tensors at --layout {spec.layout} --config {run.config_name} (every node's "
