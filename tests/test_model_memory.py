@@ -61,7 +61,7 @@ def test_the_plan_records_the_upper_estimate_and_warns_only_when_the_device_has_
     traj = prepare(RunSpec("model", "micro"), ModelNeeds(lanes=2, backward=False, evaluation_batch=1), read=False)
     for plan in (gate, traj.memory):
         assert plan.upper_bytes > plan.device_bytes > 0 and plan.available_bytes == 64 * GIB
-        assert plan.warning is None and plan.record()["upper_gib"] == round(plan.upper_bytes / GIB, 2)
+        assert plan.warning is None and plan.record()["upper_gib"] == round(plan.upper_bytes / GIB, 4)
     assert gate.estimate == "whole-model gate, 3 provider lanes, forward and backward"
     assert traj.memory.estimate == "trajectory evaluation, batch 1, every weight resident"
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: gate.device_bytes + 1)  # the negative control

@@ -175,10 +175,11 @@ class MemoryPlan:
                 "run out of memory")  # fmt: skip
 
     def record(self) -> dict:
-        upper = {} if self.upper_bytes is None else {"upper_gib": round(self.upper_bytes / GIB, 2)}
-        free = {} if self.available_bytes is None else {"available_gib": round(self.available_bytes / GIB, 2)}
-        return {"store": self.store, "estimate": self.estimate, "device_gib": round(self.device_bytes / GIB, 2),
-                "host_gib": round(self.host_bytes / GIB, 2), **upper, **free}  # fmt: skip
+        """GiB to 4 decimals (0.1 MB: tiny configs' plans are a few MB)."""
+        upper = {} if self.upper_bytes is None else {"upper_gib": round(self.upper_bytes / GIB, 4)}
+        free = {} if self.available_bytes is None else {"available_gib": round(self.available_bytes / GIB, 4)}
+        return {"store": self.store, "estimate": self.estimate, "device_gib": round(self.device_bytes / GIB, 4),
+                "host_gib": round(self.host_bytes / GIB, 4), **upper, **free}  # fmt: skip
 
 
 def streamed_peak_width(cfg: ModelConfig) -> int:
