@@ -85,7 +85,7 @@ def test_ws1_model_warns_when_the_upper_estimate_exceeds_what_is_free(run_cli, t
 
 
 def test_ws1_trajectory_warns_when_the_upper_estimate_exceeds_what_is_free(run_cli, tmp_path, monkeypatch):
-    """The same for the trajectory (lower bound 11 MB at tiny/micro), stopped before its run folder is made."""
+    """The same for the trajectory (lower bound 4.7 MB at tiny/micro), stopped before its run folder is made."""
     monkeypatch.setattr(trajectory_cmd, "enter_run", _stop)
     args = ("run", "ws1-trajectory", "--out", tmp_path / "run")
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 12 << 20)
