@@ -3,7 +3,7 @@ every gradient (each parameter by its checkpoint name) row by row; one wrong pac
 and backward); bad input is exit 2 before anything runs.
 
 The default runs as a user runs it: tiny config, micro layout, strict Triton kernels under the CPU interpreter,
-forward and the complete backward.
+forward and the complete backward (with ``--save-tensors``: the candidate's gradients under ``run ws2``'s keys).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _doc(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("model")
-    done = _run(["--quiet", "run", "ws1-model", "--out", str(tmp / "ev")], tmp)
+    done = _run(["--quiet", "run", "ws1-model", "--save-tensors", str(tmp / "saved"), "--out", str(tmp / "ev")], tmp)
     return done, _doc(tmp / "ev")
 
 
@@ -133,6 +133,51 @@ def assert_console_agrees(stdout: str, doc: dict) -> None:
     got["modality"] = None if got["modality"] in (None, "-") else got["modality"]
     for key in ("direction", "stage", "layer", "node", "operator", "row", "modality", "check"):
         assert got[key] == f.get(key), (key, got[key], f.get(key))
+
+
+def test_saved_gradients_are_run_ws2_s_keys_and_the_file_the_evidence_hashed(default_run, tmp_path) -> None:
+    """With the backward, ``candidate-grads`` holds the candidate's gradients under the keys and dtypes ``run ws2
+    --scope model --save-tensors`` writes (its one autograd pass, :func:`h3gate.parallel.ws2_scope.forward_backward`,
+    named here on the provider's table: the names and dtypes, not the bytes), every gradient the backward judged,
+    and ``cotangent:<output>`` the seeded cotangent as ws2 casts it; the evidence carries the file's sha256.
+    Negative control: one ulp in one gradient is another file."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from h3gate.evidence.provenance import sha256_file
+    from h3gate.parallel.ws2_scope import build_scope, cotangents, forward_backward
+    from h3gate.runs.setup import RunSpec, prepare, read_inputs
+
+    _, doc = default_run
+    saved = doc["saved_gradients"]
+    path = Path(saved["file"])
+    assert path == Path(doc["saved_tensors"]) / "candidate-grads.safetensors" and saved["why"] is None
+    assert sha256_file(path) == saved["sha256"]
+    grads = load_file(path)
+    assert saved["tensors"] == len(grads)
+    run = read_inputs(prepare(RunSpec("model", "micro", device="cpu", draw="device"), None, read=False))
+    scope = build_scope(run)
+    cots: dict = {}
+    values, theirs = forward_backward(scope, scope.inputs, scope.params, run.tables()["provider"], None,
+                                      lambda v: cots.update(cotangents(scope, v, doc["seed"])) or cots)  # fmt: skip
+    theirs.update({f"cotangent:{k}": c for k, c in cots.items()})
+    assert set(grads) == set(theirs) and len(grads) > 100
+    assert all((grads[k].dtype, grads[k].shape) == (theirs[k].dtype, theirs[k].shape) for k in grads)
+    for k, c in cots.items():
+        assert torch.equal(grads[f"cotangent:{k}"].view(torch.uint8), c.contiguous().view(torch.uint8)), k
+    bw = doc["backward"]
+    judged = {f"{'node' if r['kind'] == 'node' else 'param'}:{k}": r for k, r in bw["gradients"].items()}
+    judged.update({f"input:{k}": r for k, r in bw["leaves"].items()})
+    assert set(grads) == {*judged, *(f"cotangent:{k}" for k in cots)}
+    assert all([list(grads[k].shape), str(grads[k].dtype)] == [r["shape"], f"torch.{r['dtype']}"]
+               for k, r in judged.items())  # fmt: skip
+    bent = dict(grads)
+    bent["node:block.0.o_proj"] = grads["node:block.0.o_proj"].clone()
+    bent["node:block.0.o_proj"].view(torch.int16).view(-1)[3] += 1
+    save_file(bent, str(tmp_path / "bent.safetensors"))
+    assert hashlib.sha256((tmp_path / "bent.safetensors").read_bytes()).hexdigest() != saved["sha256"]
 
 
 @pytest.mark.slow  # 8 s on two idle cores: make test-slow; make test keeps the model's backward fault below and the
@@ -262,18 +307,62 @@ def test_save_tensors_beyond_host_memory_is_refused_before_running(monkeypatch) 
         prepare(RunSpec("model", "micro"), ModelNeeds(backward=False, save_tensors=True))
 
 
-def test_save_tensors_beyond_the_folder_s_free_disk_is_refused_before_running(run_cli, tmp_path, monkeypatch) -> None:
-    """The files ``--save-tensors`` writes against the folder's free disk, before any weight is read; one byte more
-    (the control) gets past the check (to the weights, stubbed: exit 3)."""
+def test_saved_gradients_count_against_host_memory_before_running(monkeypatch) -> None:
+    """With the backward, ``--save-tensors``' host copy counts the candidate's gradients: one byte less than
+    :func:`~h3gate.runs.memory_plan.saved_values_bytes` with them is refused naming them; the bound itself fits,
+    and so does the copy without the backward (the controls)."""
+    from h3gate import memory
+    from h3gate.runs import setup as run_setup
+    from h3gate.runs.memory_plan import saved_values_bytes
+    from h3gate.runs.setup import ModelNeeds, RunSpec, prepare
+
+    base = prepare(RunSpec("model", "micro"), read=False)
+    cfg, rows, stages = base.cfg, base.layout.seq_len, split_stages(base.graph)
+    need = saved_values_bytes(cfg, rows, stages, backward=True)
+    assert need > saved_values_bytes(cfg, rows, stages)
+    monkeypatch.setattr(run_setup, "model_lower_bound_bytes", lambda *a: 0)  # the gate's own bound apart
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: need - 1)
+    with pytest.raises(InputError, match=r"--save-tensors .*three executions and the candidate's gradients"):
+        prepare(RunSpec("model", "micro"), ModelNeeds(save_tensors=True))
+    prepare(RunSpec("model", "micro"), ModelNeeds(backward=False, save_tensors=True), read=False)
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: need)
+    prepare(RunSpec("model", "micro"), ModelNeeds(save_tensors=True), read=False)
+
+
+def test_without_the_backward_no_gradients_are_saved_and_the_record_says_why() -> None:
+    """``--no-backward``: no ``candidate-grads`` file, and ``saved_gradients`` names why (no file, no hash)."""
+    import torch
+
+    from h3gate.commands.model_cmd import saved_gradients, tensors_to_save
+    from h3gate.runs.setup import RunSpec, prepare, read_inputs
+    from h3gate.runs.ws1_model import ModelGateResult
+
+    setup = read_inputs(prepare(RunSpec("model", "micro", draw="device"), read=False))
+    result = ModelGateResult({}, "pass", [])
+    assert set(tensors_to_save(setup, result)) == {"inputs"}
+    record = saved_gradients(Path("nowhere"), result)
+    assert record == {"file": None, "tensors": 0, "sha256": None, "why": "--no-backward: no gradients computed"}
+    with_grads = ModelGateResult({}, "pass", [], grads={"node:x": torch.zeros(2)})  # the control
+    assert tensors_to_save(setup, with_grads)["candidate-grads"] == {"node:x": with_grads.grads["node:x"]}
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_save_tensors_beyond_the_folder_s_free_disk_is_refused_before_running(
+    run_cli, tmp_path, monkeypatch, backward
+) -> None:
+    """The files ``--save-tensors`` writes (with the backward: the candidate's gradients too) against the folder's
+    free disk, before any weight is read; one byte more (the control) gets past the check (to the weights,
+    stubbed: exit 3)."""
     from h3gate import memory
     from h3gate.commands import model_cmd
     from h3gate.runs.memory_plan import saved_values_bytes
     from h3gate.runs.setup import RunSpec, prepare
 
     setup = prepare(RunSpec("model", "micro"), read=False)
-    need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph))
+    need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph), backward)
     monkeypatch.setattr(model_cmd, "read_inputs", lambda setup: (_ for _ in ()).throw(RuntimeError("weights read")))
-    args = ["run", "ws1-model", "--no-backward", "--save-tensors", tmp_path / "t", "--out", tmp_path / "ev"]
+    flag = [] if backward else ["--no-backward"]
+    args = ["run", "ws1-model", *flag, "--save-tensors", tmp_path / "t", "--out", tmp_path / "ev"]
     monkeypatch.setattr(memory, "free_disk_bytes", lambda path: need - 1)
     code, out, err = run_cli(*args)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1

@@ -6,7 +6,8 @@ negative controls (an element no rank holds is an error; positions that lie give
 is exit 2 before any work; end to end (slow): ``run ws2 --topology tp2`` and ``run ws1-block --merge-order seg8``
 on the same config, layout and seed write byte-equal candidate files under the same keys, values and gradients
 (both backwards start from one cotangent, ``block_cotangent``), and a ``--merge-order single`` ws1-block run or one
-perturbed element is reported as a difference.
+perturbed element is reported as a difference; ``--scope model`` against ``run ws1-model --merge-order seg8``,
+its gradients included.
 """
 
 from __future__ import annotations
@@ -303,15 +304,25 @@ def test_the_saved_files_hold_what_the_ranks_computed(saved) -> None:
 @pytest.mark.slow
 def test_the_whole_model_at_tp2_writes_ws1_model_candidate_files_byte_for_byte(run_cli, tmp_path) -> None:
     """``--scope model``: the files of ``run ws1-model --merge-order seg8 --save-tensors`` (diffusers' argument
-    names for the inputs, ``output.video`` / ``output.audio``), byte for byte (about 140 s on two CPU cores)."""
+    names for the inputs, ``output.video`` / ``output.audio``), byte for byte, and its candidate's gradients
+    (``candidate-grads``: the stage-by-stage backward of the declared loss against the ranks' one autograd pass,
+    both from ``model_cotangents``) key for key. Negative control: one element of one saved gradient changed by
+    one ulp is reported, under its key only. (A few minutes on two CPU cores.)"""
     ws2, ws1 = tmp_path / "ws2", tmp_path / "ws1"
     code, _, err = run_cli("--quiet", "run", "ws2", "--topology", "tp2", "--scope", "model", *COMMON,
                            "--save-tensors", ws2, "--out", tmp_path / "ev-ws2")  # fmt: skip
     assert code == 0, err
-    code, _, err = run_cli("--quiet", "run", "ws1-model", "--merge-order", "seg8", "--no-backward", "--device", "cpu",
+    code, _, err = run_cli("--quiet", "run", "ws1-model", "--merge-order", "seg8", "--device", "cpu",
                            *COMMON, "--save-tensors", ws1, "--out", tmp_path / "ev-ws1")  # fmt: skip
     assert code == 0, err
-    for name in ("inputs", "candidate"):
+    for name in ("inputs", "candidate", "candidate-grads"):
         assert set(load_file(ws2 / f"{name}.safetensors")) == set(load_file(ws1 / f"{name}.safetensors")), name
         assert differing(ws2, ws1, name) == [], name
     assert {"output.video", "output.audio"} <= set(load_file(ws2 / "candidate.safetensors"))
+    grads = load_file(ws2 / "candidate-grads.safetensors")
+    assert {k.partition(":")[0] for k in grads} == {"node", "input", "param", "cotangent"}
+    assert {"input:video_rows", "input:audio_rows", "input:text", "cotangent:heads.video_select",
+            "cotangent:heads.audio_select", "node:block.0.o_proj"} <= set(grads)  # fmt: skip
+    key = next(k for k in sorted(grads) if k.startswith("param:block.0.") and grads[k].dtype == torch.bfloat16)
+    bent = _one_ulp_copy(ws2, tmp_path / "bent", "candidate-grads", key, 5)
+    assert differing(bent, ws1, "candidate-grads") == [key]

@@ -127,7 +127,8 @@ def run_ws1_model(
         Path | None,
         typer.Option(
             "--save-tensors",
-            help="Write inputs (diffusers' forward arguments) and provider/candidate/golden node values there.",
+            help="Write inputs (diffusers' forward arguments) and provider/candidate/golden node values there (with "
+            "the backward also the candidate's gradients as candidate-grads.safetensors, run ws2's keys).",
         ),
     ] = None,
     fault: FaultOpt = None,

@@ -126,7 +126,7 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     setup = prepare(spec, needs, read=False)  # with save_tensors: the saved copy against host memory
     warn_memory(setup.memory)
     if save_tensors is not None:
-        need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph))
+        need = saved_values_bytes(setup.cfg, setup.layout.seq_len, split_stages(setup.graph), backward)
         require_disk(need, Path(save_tensors), f"--save-tensors at --layout {layout} (S={setup.layout.seq_len})",
                      hint="bound it with --layers or use another folder")  # fmt: skip
     injected = parse_model_fault(settings.fault, setup) if settings.fault is not None else None
@@ -152,6 +152,7 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
         meta = {"config": setup.config_name, "layout": layout, "mode": mode, "seed": str(seed), "device": spec.device}
         save_tensor_files(Path(save_tensors), tensors_to_save(setup, result), meta)
         body["saved_tensors"] = display(Path(save_tensors))
+        body["saved_gradients"] = saved_gradients(Path(save_tensors), result)
     manifests = [*setup.manifests, tol_file]
     path = write_evidence(folder, f"{KIND}.json", KIND, body, manifests=manifests, device=setup.device)
     if settings.json:
@@ -219,13 +220,29 @@ SAVED_OUTPUTS = {"output.video": "heads.video_select", "output.audio": "heads.au
 
 def tensors_to_save(setup: Run, result: ModelGateResult) -> dict[str, dict[str, torch.Tensor]]:
     """``inputs`` (diffusers' names) and ``provider`` / ``candidate`` / ``golden`` keyed by node name, with the two
-    velocities under ``output.video`` and ``output.audio``."""
+    velocities under ``output.video`` and ``output.audio``; with the backward, ``candidate-grads``: the
+    candidate's gradients under ``run ws2 --scope model --save-tensors``' keys (``node:<node>``,
+    ``input:<leaf>``, ``param:<weight>``, ``cotangent:<output>``)."""
     files = {"inputs": diffusers_inputs(setup)}
     for who, values in result.values.items():
         nodes = {k: v.contiguous() for k, v in values.items()}
         nodes.update({key: nodes[node].clone() for key, node in SAVED_OUTPUTS.items()})
         files[who] = nodes
+    if result.grads:
+        files[GRADS_FILE] = dict(result.grads)
     return files
+
+
+GRADS_FILE = "candidate-grads"
+
+
+def saved_gradients(folder: Path, result: ModelGateResult) -> dict:
+    """The evidence's ``saved_gradients``: the ``candidate-grads`` file, its tensor count and sha256; without the
+    backward no file, and why."""
+    if not result.grads:
+        return {"file": None, "tensors": 0, "sha256": None, "why": "--no-backward: no gradients computed"}
+    path = folder / f"{GRADS_FILE}.safetensors"
+    return {"file": display(path), "tensors": len(result.grads), "sha256": sha256_file(path), "why": None}
 
 
 def _drift(d: dict | None) -> str:
@@ -299,6 +316,12 @@ def print_summary(doc: dict, path: Path) -> None:
         console.print(
             f"fault matrix: {matrix['caught']}/{matrix['total']} one-row faults caught, {matrix['located']} located"
         )
+    saved = doc.get("saved_gradients")
+    if saved is not None:
+        grads = saved["why"]
+        if saved["file"] is not None:
+            grads = f"{saved['file']} ({saved['tensors']} tensors, sha256 {saved['sha256'][:16]}...)"
+        console.print(f"tensors saved: {escape(doc['saved_tensors'])}; candidate gradients: {escape(grads)}")
     if doc.get("injected_fault"):
         console.print(f"[yellow]injected fault (negative control): {escape(doc['injected_fault'])}[/]")
     print_failing(console, doc["failing_checks"])

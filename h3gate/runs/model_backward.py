@@ -75,6 +75,9 @@ def backward(
     saving = [lane for lane in lanes.all() if lane.save]
     if incoming is None:
         incoming = model_incoming(gate.seed, saving)
+        if gate.keep_values:  # the cotangents as the heads' backward casts them (stage_vjp: the output's dtype)
+            cand = lanes.candidate
+            keep_grads(gate, {f"cotangent:{k}": g.to(cand.values[k].dtype) for k, g in incoming[cand.name].items()})
     grads: dict[str, dict] = {}
     autograd_forward: dict[str, dict] = {}
     stage_times = {}
@@ -94,6 +97,9 @@ def backward(
             if lane is not lanes.candidate:  # the candidate's stay: they are the rollout values _autograd_forward reads
                 lane.saved.pop(stage.label, None)
         stage_times[stage.label] = round(time.perf_counter() - t0, 4)
+    if gate.keep_values:  # the request's gradients, summed over the stages reading it (last reader first)
+        keep_grads(gate, {f"input:{k}": incoming[lanes.candidate.name][k] for k in LEAVES
+                          if k in incoming[lanes.candidate.name]})  # fmt: skip
     leaves = {k: grads.pop(k) for k in LEAVES if k in grads}
     return {
         "order": "backward execution order: stages from the heads back to the embeddings; within a stage its node "
@@ -103,6 +109,12 @@ def backward(
         "autograd_forward": autograd_forward,
         "stage_seconds": stage_times,
     }
+
+
+def keep_grads(gate: ModelGate, grads: Mapping[str, torch.Tensor]) -> None:
+    """Copy the candidate's gradients to the host under ``run ws2 --save-tensors``' keys (``node:<node>``,
+    ``param:<weight>``, ``input:<leaf>``, ``cotangent:<output>``) for ``--save-tensors``."""
+    gate.kept_grads.update({k: g.detach().cpu().contiguous().clone() for k, g in grads.items()})
 
 
 def lane_vjp(lane: Lane, stage: Stage, params, incoming: dict, overrides=None) -> StageGrads | None:
@@ -134,6 +146,10 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
             accumulate(own, results[lane.name].inputs)
     gold = flat(results[lanes.golden.name])
     cand = flat(results[lanes.candidate.name])
+    if gate.keep_values:
+        mine = results[lanes.candidate.name]
+        keep_grads(gate, {**{f"node:{n.name}": mine.nodes[n.name] for n in stage.nodes if n.name in mine.nodes},
+                          **{f"param:{k}": g for k, g in mine.params.items()}})  # fmt: skip
     prov = flat(results[lanes.provider.name])
     dims = {k: grad_row_dim(stage, k, v) for k, v in gold.items()}
     env = _envelope(lanes.providers, results, gold, dims)

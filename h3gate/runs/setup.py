@@ -376,10 +376,11 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
         else:  # a trajectory: every weight resident, one evaluation's values
             need = trajectory_lower_bound_bytes(cfg, packed.seq_len, needs.evaluation_batch)
             require(need, f"ws1-trajectory {at}", device, hint="use a smaller layout")
-        saved = saved_values_bytes(cfg, packed.seq_len, stages) if needs.save_tensors else 0
+        saved = saved_values_bytes(cfg, packed.seq_len, stages, needs.backward) if needs.save_tensors else 0
         if needs.save_tensors:
+            grads = " and the candidate's gradients" if needs.backward else ""
             require(saved, f"--save-tensors at --layout {spec.layout} --config {run.config_name} (every node's "
-                    "values, three executions)", "cpu", hint="bound it with --layers")  # fmt: skip
+                    f"values, three executions{grads})", "cpu", hint="bound it with --layers")  # fmt: skip
         run.memory = plan_model_memory(cfg, packed.seq_len, len(stages), needs.providers, needs.backward,
                                        needs.evaluation_batch, device, need, saved)  # fmt: skip
     run.bindings = bind_graph(run.graph, spec.mode, device, spec.merge)

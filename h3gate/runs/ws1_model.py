@@ -79,6 +79,7 @@ class ModelGate:
     fault_matrix: bool = False  # also run the one-row fault matrix (h3gate.runs.model_fault_matrix)
     tables: dict[str, OpTable] = field(default_factory=dict)
     kept: dict[str, Values] = field(default_factory=dict)
+    kept_grads: Values = field(default_factory=dict)  # --save-tensors: the candidate's gradients (run ws2's keys)
     sglang: SglangRun | None = None  # the candidate is SGLang's DiT (h3gate.runs.candidate), forward only
     sglang_isolated: Values = field(default_factory=dict)  # its teacher-forced node values
     clock: Clock = field(default_factory=Clock)  # started by a streamed range (h3gate.runs.model_stream)
@@ -134,6 +135,7 @@ class ModelGateResult:
     verdict: str
     failing: list[str]
     values: dict[str, Values] = field(default_factory=dict)
+    grads: Values = field(default_factory=dict)  # with keep_values and the backward: the candidate's gradients
 
 
 def steps(setup: Run, backward_on: bool) -> list[str]:
@@ -261,7 +263,7 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
         "backward_s": round(time.perf_counter() - started - forward_s, 4),
         "total_s": round(time.perf_counter() - started, 4),
     }
-    return ModelGateResult(report, report["verdict"], findings.failing, gate.kept)
+    return ModelGateResult(report, report["verdict"], findings.failing, gate.kept, gate.kept_grads)
 
 
 def _fault_matrix(gate: ModelGate, ctx: RowContext, findings: Findings) -> dict:
