@@ -299,12 +299,19 @@ def test_every_checkpoint_tensor_belongs_to_exactly_one_stage(config) -> None:
 
 def test_save_tensors_beyond_host_memory_is_refused_before_running(monkeypatch) -> None:
     from h3gate import memory
+    from h3gate.runs import setup as run_setup
+    from h3gate.runs.memory_plan import saved_values_bytes
     from h3gate.runs.setup import ModelNeeds, RunSpec, prepare
 
-    monkeypatch.setattr(memory, "device_available_bytes", lambda device: 12_500_000)  # between the two estimates
+    base = prepare(RunSpec("model", "micro"), read=False)
+    need = saved_values_bytes(base.cfg, base.layout.seq_len, split_stages(base.graph))
+    monkeypatch.setattr(run_setup, "model_lower_bound_bytes", lambda *a: 0)  # the gate's own bound apart
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: need - 1)
     prepare(RunSpec("model", "micro"), ModelNeeds(backward=False))  # without --save-tensors: fits
     with pytest.raises(InputError, match=r"--save-tensors at --layout micro --config tiny .*bound it with --layers"):
         prepare(RunSpec("model", "micro"), ModelNeeds(backward=False, save_tensors=True))
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: need)  # the bound itself fits
+    prepare(RunSpec("model", "micro"), ModelNeeds(backward=False, save_tensors=True))
 
 
 def test_saved_gradients_count_against_host_memory_before_running(monkeypatch) -> None:
