@@ -34,7 +34,7 @@ from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
 from h3gate.gate.compare import tensor_sha256
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
-from h3gate.gate.variants import provider_variants
+from h3gate.gate.variants import provider_lanes
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.graph.stages import split_stages
@@ -120,7 +120,7 @@ def ws1_model_command(settings: Ws1ModelCommand) -> int:
     check_forward_only(spec, backward, settings.fault_matrix)
     if settings.fault_matrix and settings.fault is not None:
         raise InputError("--fault-matrix with --fault: the matrix judges the clean run's views; run them apart")
-    providers = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
+    providers = provider_lanes(list(tol.row_rule.variants), spec.device)
     needs = ModelNeeds(backward=backward, save_tensors=save_tensors is not None, fault_matrix=settings.fault_matrix,
                        providers=providers)  # fmt: skip
     setup = prepare(spec, needs, read=False)  # with save_tensors: the saved copy against host memory

@@ -24,7 +24,7 @@ from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import code_sha256, sha256_file
 from h3gate.evidence.runfolder import enter_run, run_scope
 from h3gate.evidence.writer import write_evidence
-from h3gate.gate.variants import provider_variants
+from h3gate.gate.variants import provider_lanes
 from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.memory import require, require_disk
@@ -155,7 +155,7 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, blocks: int, tol: ToleranceP
     need = model_lower_bound_bytes(cfg, seq, stages, ModelNeeds().lanes, s.backward)
     require(need, f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, ranges of "
             f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)")  # fmt: skip
-    providers = len(provider_variants(list(tol.row_rule.variants), setup.device)[0])
+    providers = provider_lanes(list(tol.row_rule.variants), setup.device)
     warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0))
 
 

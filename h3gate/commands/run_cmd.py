@@ -24,7 +24,7 @@ from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
 from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
 from h3gate.gate.faults import DIRECTIONS, KINDS, RowFault
-from h3gate.gate.variants import provider_variants
+from h3gate.gate.variants import provider_lanes
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile, load_tolerance, tolerance_path
@@ -293,7 +293,7 @@ def ws1_block_command(settings: Ws1BlockCommand) -> int:
     started = time.perf_counter()
     tol_file, tol = check_gate_args(spec.mode, settings.tolerance, save_tensors, out, settings.force)
     check_forward_only(spec, settings.backward, settings.fault_matrix)
-    lanes = len(provider_variants(list(tol.row_rule.variants), spec.device)[0])
+    lanes = provider_lanes(list(tol.row_rule.variants), spec.device)
     needs = GateNeeds(lanes, settings.backward, settings.fault_matrix, save_golden=save_tensors is not None)
     setup = prepare(spec, needs, read=False)
     if save_tensors is not None:

@@ -26,7 +26,7 @@ from h3gate.graph.stages import split_stages
 from h3gate.memory import check_writable, require_saved
 from h3gate.parallel.ws2 import KIND, Gathered, Ws2Plan, Ws2Settings, plan_ws2, run_ws2, run_ws2_gathered
 from h3gate.paths import LOCAL_EVIDENCE, display
-from h3gate.runs.memory_plan import gathered_tensors_bytes
+from h3gate.runs.memory_plan import gathered_tensors_bytes, transformer_blocks
 
 EVIDENCE = f"{KIND}.json"
 
@@ -80,7 +80,7 @@ def _check_save_sizes(plan: Ws2Plan, folder: Path) -> None:
     """``--save-tensors``' gathered copy against host memory and the folder's disk, before any rank starts."""
     blocks = 1
     if plan.settings.scope == "model":
-        blocks = sum(1 for s in split_stages(plan.run.graph) if s.label.startswith(("block.", "refiner.")))
+        blocks = transformer_blocks(split_stages(plan.run.graph))
     host, disk = gathered_tensors_bytes(plan.cfg, plan.layout.seq_len, blocks)
     what = f"--save-tensors at --scope {plan.settings.scope} --layout {plan.settings.layout} (S={plan.layout.seq_len})"
     require_saved(host, disk, folder, f"{what}: the gathered values and gradients", "use a smaller layout")

@@ -98,6 +98,12 @@ def refusal(exc: RuntimeError) -> str:
     return f"refused at run time: {str(exc).splitlines()[0][:200]}"
 
 
+def provider_lanes(names: list[str], device: str) -> int:
+    """How many provider lanes (``default`` and each variant ``device`` can run) a gate evaluates: what the memory
+    plans count."""
+    return len(provider_variants(names, device)[0])
+
+
 def provider_variants(names: list[str], device: str) -> tuple[list[Variant], list[dict]]:
     """(variants to run, ``default`` first; skipped ``{"name", "reason"}`` records) for ``device``."""
     run: list[Variant] = [Variant("default", contextlib.nullcontext)]

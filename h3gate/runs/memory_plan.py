@@ -285,13 +285,19 @@ def model_fault_matrix_bytes(cfg: ModelConfig, seq_len: int) -> int:
     return (cfg.num_refiner_layers + 2) * 2 * 2 * seq_len * cfg.hidden_size * 4
 
 
+def transformer_blocks(stages: list[Stage]) -> int:
+    """The transformer block stages (``block.N``: every packed row); the refiner blocks run on the text rows only, so
+    a lower bound at ``S`` rows leaves them out."""
+    return sum(1 for s in stages if s.label.startswith("block."))
+
+
 def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage], backward: bool = False) -> int:
     """A lower bound on ``run ws1-model --save-tensors``' host memory and files: every transformer block's node
     values (six nodes ``H`` wide, eight ``N D``, gate-up ``2F`` and swiglu ``F`` per packed row) at bf16 (provider,
     candidate) plus float64 (golden); with the backward the candidate's gradients (bf16): each of those node outputs'
     and each block's weights'. The refiner blocks (text rows only, fewer than ``seq_len``) are not counted."""
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
-    blocks = sum(1 for s in stages if s.label.startswith("block."))
+    blocks = transformer_blocks(stages)
     nodes = blocks * seq_len * (6 * h + 8 * nd + 3 * f)
     grads = (nodes + blocks * (4 * h * nd + 3 * h * f)) * 2 if backward else 0
     return nodes * (2 + 2 + 8) + grads
