@@ -4,7 +4,8 @@
 #   medium: a 49-evaluation strict trajectory A; B beside an unrelated request (--batch-with), interrupted at step 20
 #           and resumed; compare A B; the provider P; compare A P;
 #   768p:   two strict steps, then a resumed third; one provider step (seconds per step);
-#   768p-call1, then 768p-call2 in a second device call on the warm host: the 768p runs carried across calls.
+#   768p-call1, then 768p-call2 in a second device call on the warm host: the 768p runs carried across calls;
+#   768p-full-A, 768p-full-P (to step $UNTIL, resumed by the next call), compare-768p: all 49 evaluations at 768p.
 # Only the JSON of each RUNDIR comes back ($OUT/runs.tgz); step tensors stay on the host (referenced by hash).
 . tools/gpu_common.sh
 budget=${BUDGET_S:-150}
@@ -52,6 +53,21 @@ for section in "$@"; do
       --out $runs/768p-A
     h traj-768p-P run ws1-trajectory "${real[@]}" --layout 768p --steps 50 --until 2 --resume --mode off \
       --out $runs/768p-P
+    ;;
+  768p-full-A | 768p-full-P)
+    # the 49-evaluation 768p trajectories over several device calls on one warm host: each call runs to step $UNTIL
+    # (default 48, the last) and the next resumes the RUNDIR (every saved step checked); A strict, P the provider
+    name=${section#768p-full-}
+    dir=$runs/768p-full-$name
+    mode=(--mode strict); [ "$name" = P ] && mode=(--mode off)
+    again=(); [ -f "$dir/ws1-trajectory.json" ] && again=(--resume)
+    timeout "${CAP_S:-560}" python3 -m h3gate run ws1-trajectory "${real[@]}" --layout 768p --steps 50 "${mode[@]}" \
+      --until "${UNTIL:-48}" "${again[@]}" --out "$dir" >>"$ev/logs/traj-768p-full-$name.log" 2>&1
+    echo "== traj-768p-full-$name: rc=$?, ${SECONDS} s: until ${UNTIL:-48} ${again[*]}"
+    tail -n 4 "$ev/logs/traj-768p-full-$name.log"
+    ;;
+  compare-768p)
+    h compare-768p-A-P compare $runs/768p-full-A $runs/768p-full-P --device cuda --out $ev/compare-768p-A-P
     ;;
   esac
 done

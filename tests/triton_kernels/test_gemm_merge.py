@@ -122,7 +122,7 @@ def test_row_parallel_forward_tp1_tp2_tp4_tp8_bitwise(m, k, n, dtype) -> None:
     assert rel(outs[0], F.linear(x.double(), w.double(), b.double())) < TOL[dtype]
 
 
-@pytest.mark.parametrize(("m", "k", "n", "dtype"), DX_SHAPES, ids=ids(SHAPES))
+@pytest.mark.parametrize(("m", "k", "n", "dtype"), DX_SHAPES, ids=ids(DX_SHAPES))
 def test_column_parallel_dx_tp1_tp2_tp4_tp8_bitwise(m, k, n, dtype) -> None:
     """dX = dY @ W reduces over N, which column parallelism splits: every degree gives the autograd dX's bytes."""
     x, w, _ = make(m, k, n, dtype)
