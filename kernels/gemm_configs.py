@@ -135,7 +135,7 @@ class GemmLaunch:
     seg8_tma: bool = True
     # The segmented-8 one-device forward runs the warp-specialised Gluon kernel (h3gate.kernels.gemm_gluon_seg8) on
     # Hopper in bfloat16 where its tiling applies (False: the Triton seg8 kernel; the same chunks, MMA, tree and bytes,
-    # to be confirmed on the H200: tools/gpu_seg8_gluon_check.py).
+    # measured equal on an H100: docs/measurements/h100/seg8-gluon-check.json).
     seg8_gluon: bool = True
     # The fused row-segment dW (h3gate.kernels.rows_dw) loads its tiles by TMA for one batch item with 16-byte aligned
     # operands (False: the pointer walk; the same chunks, values and MMA). Off until measured on the H200
@@ -143,13 +143,14 @@ class GemmLaunch:
     rows_dw_tma: bool = False
     # The one-device row-segment dW (all 8 segments, rounded once) runs the warp-specialised Gluon kernel
     # (h3gate.kernels.gemm_gluon_rows_dw) on Hopper in bfloat16 for one batch item where its tiling applies (False:
-    # rows_dw; the same chunks, MMA, tree and bytes, to be confirmed on the GPU: tools/gpu_seg8_gluon_dw_check.py).
-    # Off until measured there.
-    rows_dw_gluon: bool = False
+    # rows_dw; the same chunks, MMA, tree and bytes, measured equal on an H100 at the block's four weights and
+    # M = 264, 3160, 38974, and 1.5-3.2x faster: docs/measurements/h100/seg8-gluon-dw-check.json).
+    rows_dw_gluon: bool = True
     # The one-device seg8 dX (dY W, the column-parallel layers' backward) runs the Gluon seg8 kernel with W's boxes of
     # reduction rows (h3gate.kernels.gemm_gluon_seg8, ``dx``) on Hopper in bfloat16 where its tiling applies (False: the
-    # Triton seg8 kernel; the same chunks, MMA, tree and bytes, to be confirmed on the GPU). Off until measured there.
-    seg8_gluon_dx: bool = False
+    # Triton seg8 kernel; the same chunks, MMA, tree and bytes, measured equal on an H100 at the block's dX shapes and
+    # 1.3-1.7x faster at M >= 3160: docs/measurements/h100/seg8-gluon-dw-check.json).
+    seg8_gluon_dx: bool = True
 
 
 # Measurement only: ``H3GATE_GEMM_LAUNCH="rows_dw_gluon,rows_dw_tma=0"`` sets GemmLaunch knobs of this process's

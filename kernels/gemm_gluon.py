@@ -143,7 +143,8 @@ def _producer(a_desc, b_desc, b1_desc, b2_desc, bt_desc, bn_desc, a_ring, b_ring
     """The wide tiles, then (``NARROW`` > 0) the narrow tiles of the last columns, dealt on from the program after
     the one that took the last wide tile (as :mod:`h3gate.kernels.gemm` deals its tail tiles); ``OPERANDS``: the
     wide tiles' B loads (:func:`_produce`)."""
-    step = _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, k_tiles * 0,
+    start = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
+    step = _produce(a_desc, b_desc, b1_desc, b2_desc, bt_desc, a_ring, b_ring, bt_ring, full, empty, start,
                     gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles, BLOCK_B, B_TAIL,
                     BLOCK_K, GROUP, STAGES, A_ROWS, GROUPS, OPERANDS)  # fmt: skip
     if NARROW > 0:
@@ -277,8 +278,9 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_
               STAGES: gl.constexpr, SWAP: gl.constexpr, HAS_BIAS: gl.constexpr, TMA_STORE: gl.constexpr,
               A_ROWS: gl.constexpr, GROUPS: gl.constexpr):  # fmt: skip
     """The wide tiles (stored by TMA where ``TMA_STORE``), then the narrow ones (stored from registers)."""
+    start = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
     step = _consume(a_ring, b_ring, bt_ring, full, empty, c_desc, c1_desc, c2_desc, c_smem, c_ptr, bias_ptr, M, N,
-                    stride_cm, k_tiles * 0, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles,
+                    stride_cm, start, gl.program_id(0), num_tiles, num_pid_a, num_pid_b, 0, per_group, k_tiles,
                     C, BLOCK_B, B_TAIL, GROUP, STAGES, SWAP, HAS_BIAS, TMA_STORE, A_ROWS, GROUPS)  # fmt: skip
     if NARROW > 0:
         programs = gl.num_programs(0)

@@ -69,7 +69,7 @@ def _dw_producer(g_descs, x_descs, a_ring, b_ring, full, empty, num_tiles, num_p
     """Per tile (the consumers' order), per segment j, per ascending chunk c of it: dY rows ``c * BLOCK_K`` of
     segment j, columns ``pid_a * 128 + [0, 64)`` and ``+ [64, 128)`` (consumers 0, 1), and X's 128 columns from
     ``pid_b * 128`` into the ring; a slot is reloaded once both consumers released it."""
-    step = k_tiles * 0
+    step = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
     nbytes: gl.constexpr = 2 * g_descs[0].block_type.nbytes + x_descs[0].block_type.nbytes
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)

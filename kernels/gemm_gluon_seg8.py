@@ -181,7 +181,7 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
     the dX's, the weight gradient's: :mod:`h3gate.kernels.gemm_gluon_rows_dw`)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
-    step = k_tiles * 0
+    step = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
     base = scratch_ptr + (gl.program_id(0) * CONSUMERS + C).to(gl.int64) * FLOATS
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
@@ -231,7 +231,7 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
-    zero = num_tiles * 0  # the producer's unused narrow-tile and grouped-launch arguments
+    zero = gl.program_id(0) * 0  # the producer's unused narrow-tile and grouped-launch arguments
     gl.warp_specialize(
         [
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,

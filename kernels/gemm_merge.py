@@ -32,10 +32,10 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
 * backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY (a sum over
   packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`,
   every segment and the tree inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`; kernel id v3, v2
-  launched the single-walk dW kernel once per segment: the same bytes); where ``GemmLaunch.rows_dw_gluon`` (off
-  until measured) the one-device bfloat16 dW on Hopper runs the warp-specialised Gluon kernel
+  launched the single-walk dW kernel once per segment: the same bytes); where ``GemmLaunch.rows_dw_gluon`` (on)
+  the one-device bfloat16 dW on Hopper runs the warp-specialised Gluon kernel
   (:mod:`h3gate.kernels.gemm_gluon_rows_dw`, ``gluon_warp_specialised_rows_dw``; else ``triton_rows_dw``): the same
-  chunks, wgmma steps, tree and rounding, its bytes to be confirmed on the GPU.
+  chunks, wgmma steps, tree and rounding, its bytes equal to ``rows_dw``'s (``tools/gpu_seg8_gluon_dw_check.py``).
 * row invariance - the tiling never depends on M (M is not specialised); the tree is elementwise.
 * not bitwise with cuBLAS nor with the single-walk kernel (a different FP32 summation order).
 * tiling - the full layer's pinned config (:func:`fused_config`: its BLOCK_K; BLOCK_N capped at 128 so the
@@ -45,9 +45,9 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
   (:func:`_seg8_kernel`, every product) and, for the one-device forward in bfloat16 on Hopper where the layer's
   pinned BLOCK_K is its tiling's (:func:`gluon_tiling`), ``gluon_warp_specialised_seg8``
   (:mod:`h3gate.kernels.gemm_gluon_seg8`: the same chunks in the same wgmma k16 steps from zero per segment, the
-  same tree with the same slots, bias and rounding; its bytes equal to the Triton seg8 kernel's, to be confirmed on
-  the H200: ``tools/gpu_seg8_gluon_check.py``); the one-device dX (all 8 segments of the full layer, rounded or the
-  FP32 sum) likewise where ``GemmLaunch.seg8_gluon_dx`` (off until measured; W's (BLOCK_K x 128) boxes fed as an
+  same tree with the same slots, bias and rounding; its bytes equal to the Triton seg8 kernel's on Hopper:
+  ``tools/gpu_seg8_gluon_check.py``); the one-device dX (all 8 segments of the full layer, rounded or the
+  FP32 sum) likewise where ``GemmLaunch.seg8_gluon_dx`` (on; W's (BLOCK_K x 128) boxes fed as an
   MN-major B, as the Triton kernel's TMA dX walk feeds them; ``tools/gpu_seg8_gluon_dw_check.py``). The interpreter
   and other devices run ``triton_seg8``.
 * compilation - :data:`h3gate.kernels.common.STRICT_LAUNCH`: no FMA contraction, no FTZ; no TF32, no split beyond

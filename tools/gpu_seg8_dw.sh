@@ -4,10 +4,10 @@
 #   check        tools/gpu_seg8_dw_check.py: fused dW == v1 (8 launches + torch tree) byte for byte at the block's
 #                weights, M = 3160 and 38974 (one device, CP2 combined, db, the optional TMA walk), each timed next
 #                to v1 and the single walk; the seg8 norms' one-launch backward against v1 (bytes, time)
-#   gluon-dw     tools/gpu_seg8_gluon_dw_check.py: the Gluon row-segment dW (GemmLaunch.rows_dw_gluon, off in
+#   gluon-dw     tools/gpu_seg8_gluon_dw_check.py: the Gluon row-segment dW (GemmLaunch.rows_dw_gluon, on in
 #                PRODUCTION) == rows_dw byte for byte (small shapes with mid-chunk segment ends and empty segments; the
 #                block's four weights at M = 264, 3160, 38974, directly and through linear_row_grads), and the Gluon
-#                seg8 dX (GemmLaunch.seg8_gluon_dx, off) == the Triton seg8 dX (q/k/v, gate/up halves as FP32 sums;
+#                seg8 dX (GemmLaunch.seg8_gluon_dx, on) == the Triton seg8 dX (q/k/v, gate/up halves as FP32 sums;
 #                o, down rounded), each timed next to the Triton kernel and the single walk
 #   gluon        tools/gpu_seg8_gluon_check.py: the seg8 Gluon forward == the Triton seg8 kernel byte for byte (O with
 #                a bias, down; M = 264, 3160, 38974), timed next to it, the single walk and cuBLAS
@@ -15,8 +15,8 @@
 #                included) and test_row_merge.py compiled on CUDA
 #   block        bench ws1-block --merge-order seg8 at medium and 768p (strict, strict_seg8, provider): compare
 #                strict_seg8_over_strict with evidence/h200/bench-ws1-block-seg8rows-{medium,768p} (2.83x, 1.154x)
-#   block-gluon-dw  the same bench at medium with H3GATE_GEMM_LAUNCH=rows_dw_gluon,seg8_gluon_dx (the Gluon dW
-#                and dX in the seg8 arm; the record's gemm_launch says so): compare with `block`'s medium run
+#   block-triton-dw  the same bench at medium with H3GATE_GEMM_LAUNCH=rows_dw_gluon=0,seg8_gluon_dx=0 (the Triton
+#                dW and dX in the seg8 arm, as before the Gluon ones were on; the record's gemm_launch says so)
 #   block-gate   run ws1-block --merge-order seg8 at medium (the seg8 block through the gate, backward included)
 #   verbs        run ws1-ops (tiny, medium rows) and ws1-trajectory (medium, 7 steps) in the seg8 order
 #   ws2          run ws2 tp2, cp2 and tp2cp2 at released widths, block scope, medium (every gradient byte-equal)
@@ -37,9 +37,9 @@ for s in "$@"; do
         step 200 "bench-ws1-block-seg8dw-$L" $H bench ws1-block --merge-order seg8 --config real --layout "$L" \
           --device cuda --out "$ev/bench-ws1-block-seg8dw-$L"
       done;;
-    block-gluon-dw) step 200 bench-ws1-block-seg8gluondw-medium env H3GATE_GEMM_LAUNCH=rows_dw_gluon,seg8_gluon_dx $H bench \
-      ws1-block --merge-order seg8 --config real --layout medium --device cuda \
-      --out "$ev/bench-ws1-block-seg8gluondw-medium";;
+    block-triton-dw) step 200 bench-ws1-block-seg8tritondw-medium env H3GATE_GEMM_LAUNCH=rows_dw_gluon=0,seg8_gluon_dx=0 \
+      $H bench ws1-block --merge-order seg8 --config real --layout medium --device cuda \
+      --out "$ev/bench-ws1-block-seg8tritondw-medium";;
     block-gate) gate ws1-block-seg8dw-real-medium 0 run ws1-block --merge-order seg8 --config real --layout medium \
       --device cuda --mode strict;;
     verbs) gate ws1-ops-seg8-real 0 run ws1-ops --merge-order seg8 --config real --layouts tiny,medium --device cuda

@@ -1,11 +1,11 @@
 """On a Hopper GPU: the seg8 block backward's Gluon kernels against the Triton ones they replace, bytes and times.
 
-* dW: the Gluon row-segment weight gradient (kernels/gemm_gluon_rows_dw.py, ``GemmLaunch.rows_dw_gluon``, off in
-  PRODUCTION) against ``rows_dw`` (kernels/rows_dw.py, the pointer walk PRODUCTION runs): byte equality of the
-  one-device bfloat16 dW at the block's four weights (q/k/v, o, gate_up, down), M = 264, 3160 and 38974, called
-  directly and through ``linear_row_grads`` with the knob on (the dispatch); each timed next to ``rows_dw`` and the
-  single-walk dW kernel (``gemm_triton.matmul(..., a_trans=True)``).
-* dX: the Gluon seg8 kernel's dX (``dx``, ``GemmLaunch.seg8_gluon_dx``, off) against the Triton seg8 kernel
+* dW: the Gluon row-segment weight gradient (kernels/gemm_gluon_rows_dw.py, ``GemmLaunch.rows_dw_gluon``, on in
+  PRODUCTION since measured by this tool) against ``rows_dw`` (kernels/rows_dw.py, the pointer walk it replaces):
+  byte equality of the one-device bfloat16 dW at the block's four weights (q/k/v, o, gate_up, down), M = 264, 3160
+  and 38974, called directly and through ``linear_row_grads`` with the knob on (the dispatch); each timed next to
+  ``rows_dw`` and the single-walk dW kernel (``gemm_triton.matmul(..., a_trans=True)``).
+* dX: the Gluon seg8 kernel's dX (``dx``, ``GemmLaunch.seg8_gluon_dx``, on) against the Triton seg8 kernel
   (``gemm_merge._subtree`` with the knob off: its TMA walk, and its pointer walk): the column-parallel layers' FP32
   sum (q/k/v; gate/up as its two (F, K) halves) and the row-parallel layers' rounded dX (o, down); each timed next to
   the Triton seg8 dX and the single-walk dX (``gemm_triton.matmul``, the declared dX of the single merge order).
@@ -39,7 +39,8 @@ from h3gate.kernels.rows_dw import fused_dw_config, rows_dw
 from h3gate.kernels.rows_seg8 import GLUON_DW, dw_path, linear_row_grads
 
 ON = replace(PRODUCTION, rows_dw_gluon=True)
-ON_DX, POINTER = replace(PRODUCTION, seg8_gluon_dx=True), replace(PRODUCTION, seg8_tma=False)
+ON_DX, OFF_DX = replace(PRODUCTION, seg8_gluon_dx=True), replace(PRODUCTION, seg8_gluon_dx=False)
+POINTER = replace(OFF_DX, seg8_tma=False)
 # dX: (name, (N, K) of the reduction's weight, FP32 sum (column-parallel) or rounded (row-parallel))
 DX = [("q/k/v", (7168, 5376), True), ("gate_up_half", (14336, 5376), True), ("o", (5376, 7168), False),
       ("down", (5376, 14336), False)]  # fmt: skip
@@ -60,7 +61,7 @@ def check(name: str, m: int, n: int, k: int, gen: torch.Generator, timing: bool)
     gy = torch.randn(1, m, n, device="cuda", generator=gen).bfloat16()
     x = torch.randn(1, m, k, device="cuda", generator=gen).bfloat16()
     rows, cfg = one_device(m), fused_dw_config((n, k), torch.bfloat16)
-    ref = rows_dw(gy, x, rows, cfg, torch.bfloat16)  # PRODUCTION: the pointer walk
+    ref = rows_dw(gy, x, rows, cfg, torch.bfloat16)  # the pointer walk
     new = gluon_dw(gy[0], x[0])
     via = linear_row_grads(gy, x, (n, k), (n, k), rows, False, ON)[0]
     bounds = row_bounds(m)
@@ -95,7 +96,7 @@ def check_dx(name: str, m: int, full: tuple[int, int], fp32: bool, gen: torch.Ge
     n, k = full
     g2 = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) * n**-0.5).bfloat16()
-    ref, new = seg8_dx(g2, w, fp32, PRODUCTION), seg8_dx(g2, w, fp32, ON_DX)
+    ref, new = seg8_dx(g2, w, fp32, OFF_DX), seg8_dx(g2, w, fp32, ON_DX)
     rec: dict = {"dx": name, "m": m, "n": n, "k": k, "fp32_sum": fp32,
                  "path_with_knob": gemm_merge.forward_plan(g2, w, ON_DX, "dx")[0],
                  "bitwise_triton_seg8": torch.equal(new, ref),
@@ -105,7 +106,7 @@ def check_dx(name: str, m: int, full: tuple[int, int], fp32: bool, gen: torch.Ge
         scfg = gemm_config("dx", n, k, torch.bfloat16)
         rec["ms_single_walk"] = timed(lambda: matmul(g2, w, single, None, scfg, a_trans=False, b_trans=False))
         rec["ms_cublas"] = timed(lambda: g2 @ w)
-        rec["ms_triton_seg8"] = timed(lambda: seg8_dx(g2, w, fp32, PRODUCTION))
+        rec["ms_triton_seg8"] = timed(lambda: seg8_dx(g2, w, fp32, OFF_DX))
         rec["ms_gluon"] = timed(lambda: seg8_dx(g2, w, fp32, ON_DX))
         rec["gluon_over_single"] = rec["ms_gluon"] / rec["ms_single_walk"]
         rec["triton_seg8_over_gluon"] = rec["ms_triton_seg8"] / rec["ms_gluon"]

@@ -60,10 +60,17 @@ for section in "$@"; do
     name=${section#768p-full-}
     dir=$runs/768p-full-$name
     mode=(--mode strict); [ "$name" = P ] && mode=(--mode off)
-    again=(); [ -f "$dir/ws1-trajectory.json" ] && again=(--resume)
-    timeout "${CAP_S:-560}" python3 -m h3gate run ws1-trajectory "${real[@]}" --layout 768p --steps 50 "${mode[@]}" \
-      --until "${UNTIL:-48}" "${again[@]}" --out "$dir" >>"$ev/logs/traj-768p-full-$name.log" 2>&1
-    echo "== traj-768p-full-$name: rc=$?, ${SECONDS} s: until ${UNTIL:-48} ${again[*]}"
+    again=(); saved=0
+    if [ -f "$dir/ws1-trajectory.json" ]; then
+      again=(--resume); saved=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['steps_saved'])" \
+        "$dir/ws1-trajectory.json")
+    fi
+    cap=${CAP_S:-560}
+    until=${UNTIL:-48}  # auto: as many steps as $cap seconds hold at $STEP_S seconds a step after 60 s of setup
+    [ "$until" = auto ] && until=$(( saved + (cap - 60) / ${STEP_S:-8} - 1 )) && [ "$until" -gt 48 ] && until=48
+    timeout "$cap" python3 -m h3gate run ws1-trajectory "${real[@]}" --layout 768p --steps 50 "${mode[@]}" \
+      --until "$until" "${again[@]}" --out "$dir" >>"$ev/logs/traj-768p-full-$name.log" 2>&1
+    echo "== traj-768p-full-$name: rc=$?, ${SECONDS} s: from $saved until $until ${again[*]}"
     tail -n 4 "$ev/logs/traj-768p-full-$name.log"
     ;;
   compare-768p)

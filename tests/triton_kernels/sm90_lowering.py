@@ -119,9 +119,9 @@ def gluon_bwd_facts(dq: bool, ordered: bool, mapped: bool = False) -> dict:
     return _gluon_ptx(attention_bwd_gluon._bwd_ws_kernel, args, consts, attention_bwd_gluon.WS_MAXNREG)
 
 
-def gemm_gluon_facts(cfg, bias: bool, groups: int = 1) -> dict:
+def gemm_gluon_facts(cfg, bias: bool, groups: int = 1, one_chunk: bool = False) -> dict:
     """The warp-specialised Gluon GEMM forward with tiling ``cfg`` (a production ``GLUON_BUCKETS`` entry); ``groups``
-    > 1: the grouped launch of that many weights (``matmul_ws_grouped``)."""
+    > 1: the grouped launch of that many weights (``matmul_ws_grouped``); ``one_chunk``: K within one chunk."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
     y = torch.empty(300, 512, dtype=torch.bfloat16)
     split = bool(cfg.tail_block_n) and groups == 1
@@ -131,7 +131,7 @@ def gemm_gluon_facts(cfg, bias: bool, groups: int = 1) -> dict:
                      c2_desc=descs["c_desc"])  # fmt: skip
     args = {"c_ptr": y, "bias_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
     consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(gemm_gluon.launch_constants(cfg, split, bias, groups))
+    consts.update(gemm_gluon.launch_constants(cfg, split, bias, groups), **({"k_tiles": 1} if one_chunk else {}))
     return _gluon_ptx(gemm_gluon._gemm_ws_kernel, args, consts, consts.pop("maxnreg"))
 
 
@@ -144,16 +144,21 @@ SEG8_PATTERNS = {"fma": r"\bfma\.", "atomics": r"\b(?:atom|red)\.", "add.rn.f32"
                  "wgmma.b_mn_major": r"\bwgmma\.mma_async\.[^;]*,\s*0,\s*1;"}  # fmt: skip
 
 
-def gemm_seg8_facts(cfg, bias: bool, dx: bool = False) -> dict:
+# A launch specialises every integer argument equal to 1 as a constant: one tile of one chunk, one segment a chunk.
+ONE_CHUNK = {"num_tiles": 1, "num_pid_a": 1, "num_pid_b": 1, "k_tiles": 1, "cps": 1}
+
+
+def gemm_seg8_facts(cfg, bias: bool, dx: bool = False, one_chunk: bool = False) -> dict:
     """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg`` (``dx``: its dX,
     dY (M, N) W (N, K), into the FP32 sum the column-parallel layers round after), its output, bias and scratch
-    16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it)."""
+    16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it); ``one_chunk``:
+    specialised as a launch of one tile of one chunk is (:data:`ONE_CHUNK`)."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(*((256, 512) if dx else (512, 256)))
     y = torch.empty(300, 512, dtype=torch.float32 if dx else torch.bfloat16)
     descs = gemm_gluon_seg8.seg8_descriptors(x, w.bfloat16(), y, cfg, dx)
     args = {"bias_ptr": y, "c_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
     consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias, dx))
+    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias, dx), **(ONE_CHUNK if one_chunk else {}))
     return _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS,
                       ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
@@ -171,7 +176,20 @@ def gemm_rows_dw_facts(seq_len: int = 300) -> dict:
                       ("scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
 
+def one_chunk_facts() -> dict:
+    """The Gluon GEMMs specialised as a launch of one chunk is (K <= BLOCK_K): every one must compile."""
+    single = gemm_configs.GLUON_BUCKETS[0][1]
+    return {
+        "gemm_gluon": gemm_gluon_facts(next(iter(single.values())), bias=True, one_chunk=True),
+        "gemm_gluon_seg8": gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=True, one_chunk=True),
+        "gemm_gluon_seg8_dx": gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=False, dx=True, one_chunk=True),
+    }
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--one-chunk"]:
+        json.dump(one_chunk_facts(), sys.stdout)
+        return
     cfg = attention.attn_config(128, torch.bfloat16)
     fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n}
     bwd = {"D": 128, "EXP2": cfg.bwd_exp2_code, "FMA": cfg.bwd_fma, "INTERPRET": False, "ORDERED": True}

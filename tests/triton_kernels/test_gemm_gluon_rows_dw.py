@@ -20,7 +20,7 @@ from h3gate.kernels.row_merge import RowGroup, one_device, row_bounds
 gemm_gluon_rows_dw = pytest.importorskip("h3gate.kernels.gemm_gluon_rows_dw")  # Triton's Gluon (3.6 and later)
 
 BF16 = torch.bfloat16
-ON = replace(PRODUCTION, rows_dw_gluon=True)
+ON, OFF = replace(PRODUCTION, rows_dw_gluon=True), replace(PRODUCTION, rows_dw_gluon=False)
 CUDA = torch.device("cuda:0")
 BLOCK = {"q/k/v": (7168, 5376), "o": (5376, 7168), "gate_up": (28672, 5376), "down": (5376, 14336)}
 
@@ -45,8 +45,8 @@ def test_the_knob_on_runs_the_gluon_dw_for_the_block_weights_on_hopper(hopper, f
 
 def test_rows_dw_runs_everywhere_else(monkeypatch, hopper) -> None:
     o = BLOCK["o"]
-    assert _path(o, 3160, PRODUCTION) == rows_seg8.TRITON_DW  # the knob is off in PRODUCTION
-    assert not PRODUCTION.rows_dw_gluon or gemm_configs.launch_overrides()
+    assert _path(o, 3160, OFF) == rows_seg8.TRITON_DW  # the knob off
+    assert PRODUCTION.rows_dw_gluon or gemm_configs.launch_overrides()  # on in PRODUCTION
     assert _path(o, 3160, batch=2) == rows_seg8.TRITON_DW  # b-major segments: not one TMA box
     assert _path(o, 3160, dtype=torch.float32) == rows_seg8.TRITON_DW
     assert _path(o, 0) == rows_seg8.TRITON_DW
@@ -74,7 +74,7 @@ def test_linear_row_grads_launches_the_chosen_kernel(monkeypatch, hopper) -> Non
     monkeypatch.setattr(rows_seg8, "num_sms", lambda device: 132)
     gy, x = torch.zeros(1, 40, 32, dtype=BF16), torch.zeros(1, 40, 64, dtype=BF16)
     rows_seg8.linear_row_grads(gy, x, (32, 64), (32, 64), one_device(40), False, ON)
-    rows_seg8.linear_row_grads(gy, x, (32, 64), (32, 64), one_device(40), False)
+    rows_seg8.linear_row_grads(gy, x, (32, 64), (32, 64), one_device(40), False, OFF)
     assert calls == [("gluon", (40, 32), (40, 64)), ("triton", (1, 40, 32), (1, 40, 64))]
 
 
@@ -83,7 +83,8 @@ def test_the_launch_record_names_the_dw_path(monkeypatch) -> None:
     dw = gemm_merge.launch_record(x, w, ON)["dw"]
     assert dw == {"tiling": rows_seg8.fused_dw_config((32, 64), BF16).tag, "tma": False, "kernel": rows_seg8.TRITON_DW}
     monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
-    assert gemm_merge.launch_record(x, w)["dw"]["kernel"] == rows_seg8.TRITON_DW
+    assert gemm_merge.launch_record(x, w, OFF)["dw"]["kernel"] == rows_seg8.TRITON_DW
+    assert gemm_merge.launch_record(x, w)["dw"]["kernel"] == rows_seg8.GLUON_DW  # on in PRODUCTION
     dw = gemm_merge.launch_record(x, w, ON)["dw"]
     assert dw == {"tiling": gemm_gluon_rows_dw.ROWS_DW_GLUON.tag, "tma": True, "kernel": rows_seg8.GLUON_DW}
 
@@ -153,8 +154,8 @@ def test_gemm_launch_knobs_from_the_environment(monkeypatch) -> None:
     for bad in ("rows_dw_glu", "rows_dw_gluon=yes", "=1"):
         with pytest.raises(InputError, match="H3GATE_GEMM_LAUNCH"):
             gemm_configs.parse_launch(bad)
-    monkeypatch.setattr(gemm_configs, "PRODUCTION", replace(gemm_configs.GemmLaunch(), rows_dw_gluon=True))
-    assert gemm_configs.launch_overrides() == {"rows_dw_gluon": True}
+    monkeypatch.setattr(gemm_configs, "PRODUCTION", replace(gemm_configs.GemmLaunch(), rows_dw_gluon=False))
+    assert gemm_configs.launch_overrides() == {"rows_dw_gluon": False}
     monkeypatch.setattr(gemm_configs, "PRODUCTION", gemm_configs.GemmLaunch())
     assert gemm_configs.launch_overrides() == {}
 

@@ -109,20 +109,20 @@ def test_evidence_accepts_the_seg8_paths_and_nothing_unknown() -> None:
     assert list(validator.iter_errors(wrong))
 
 
-ON_DX = replace(PRODUCTION, seg8_gluon_dx=True)
+ON_DX, OFF_DX = replace(PRODUCTION, seg8_gluon_dx=True), replace(PRODUCTION, seg8_gluon_dx=False)
 QKV, GATE_UP = (7168, 5376), (28672, 5376)
 
 
 @pytest.mark.parametrize("layer", [QKV, O_PROJ, GATE_UP, DOWN])
 def test_the_dx_knob_runs_the_gluon_seg8_dx_on_hopper(hopper, layer) -> None:
     """dX = dY W (reduction over N, the column-parallel layers' TP split): the Gluon seg8 kernel where
-    ``seg8_gluon_dx`` (off in PRODUCTION), its BLOCK_K the layer's pinned dX one; else the Triton seg8 kernel."""
+    ``seg8_gluon_dx`` (on in PRODUCTION), its BLOCK_K the layer's pinned dX one; else the Triton seg8 kernel."""
     n, k = layer
     gluon = (gemm_merge.GLUON, gemm_gluon_seg8.SEG8_GLUON)
     assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), ON_DX, "dx") == gluon
     assert gemm_merge.pinned_config("dx", layer, BF16).block_k == gemm_gluon_seg8.SEG8_GLUON.block_k
     triton = (gemm_merge.TRITON, gemm_merge.fused_config("dx", layer, BF16))
-    assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), PRODUCTION, "dx") == triton
+    assert gemm_merge.forward_plan(_stub(3160, n), _weight(n, k), OFF_DX, "dx") == triton
 
 
 def test_the_dx_block_k_guard_and_other_devices(monkeypatch, hopper) -> None:
@@ -148,7 +148,7 @@ def test_the_dx_launches_the_chosen_kernel(monkeypatch, hopper) -> None:
     seg = gemm_merge.segment_size(1000, 64)
     for out in (BF16, None):
         gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, out, ON_DX)
-    gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, None, PRODUCTION)
+    gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, None, OFF_DX)
     gemm_merge._subtree(g2[:, :512], w[:512], range(4), (1000, 64), "dx", seg, None, None, ON_DX)
     gemm_merge._subtree(g2, w[:, :32], range(8), (1000, 64), "dx", seg, None, None, ON_DX)
     gluon = [("gluon", seg, True, BF16), ("gluon", seg, True, torch.float32)]
@@ -159,7 +159,8 @@ def test_the_launch_record_names_the_dx_path(monkeypatch) -> None:
     x, w = torch.zeros(5, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)
     assert gemm_merge.launch_record(x, w, ON_DX)["dx"]["kernel"] == gemm_merge.TRITON
     monkeypatch.setattr(selection, "device_class", lambda device: "cuda-sm90")
-    assert gemm_merge.launch_record(x, w)["dx"]["kernel"] == gemm_merge.TRITON
+    assert gemm_merge.launch_record(x, w, OFF_DX)["dx"]["kernel"] == gemm_merge.TRITON
+    assert gemm_merge.launch_record(x, w)["dx"]["kernel"] == gemm_merge.GLUON  # on in PRODUCTION
     assert gemm_merge.launch_record(x, w, ON_DX)["dx"] == {"tiling": gemm_gluon_seg8.SEG8_GLUON.tag, "tma": True,
                                                            "kernel": gemm_merge.GLUON}  # fmt: skip
 

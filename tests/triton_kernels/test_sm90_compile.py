@@ -188,3 +188,19 @@ def test_seg8_ptx_patterns_see_what_they_forbid() -> None:
     ptx = "fma.rn.f32 %r1, %r2, %r3, %r4;\natom.global.add.f32 %r5, [%rd1], %r6;\nred.global.add.f32 [%rd1], %r6;\n"
     assert len(re.findall(SEG8_PATTERNS["fma"], ptx)) == 1 and len(re.findall(SEG8_PATTERNS["atomics"], ptx)) == 2
     assert not re.findall(SEG8_PATTERNS["atomics"], "ld.shared.v2.f32 {%r1, %r2}, [%r3];\nst.shared.b32 [%r3], %r1;")
+
+
+@pytest.mark.slow
+def test_gluon_gemms_compile_for_a_launch_of_one_chunk() -> None:
+    """A launch specialises integer arguments equal to 1 as constants: with K within one chunk (``k_tiles`` = 1, as
+    the column-parallel dX of a 72-wide layer is) the ring step the producer and consumers carry must stay a tensor,
+    or the warp-specialised kernels do not compile (the single walk, the seg8 forward and its dX)."""
+    script = Path(__file__).with_name("sm90_lowering.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(script), "--one-chunk"], env=env, capture_output=True, text=True,
+                          timeout=420)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert sorted(got) == ["gemm_gluon", "gemm_gluon_seg8", "gemm_gluon_seg8_dx"], got
+    for name, facts in got.items():
+        assert facts["wgmma.mma_async"] > 0 and facts["cp.async.bulk.tensor"] >= 2, (name, facts)
