@@ -248,6 +248,7 @@ def test_stopped_at_step_3_and_resumed_equals_the_uninterrupted_run(run_b, run_a
     one, two = doc["invocations"]
     assert (one["resumed_from"], one["until"], [s["step"] for s in one["steps"]]) == (None, 3, [0, 1, 2, 3])
     assert (two["resumed_from"], two["until"], [s["step"] for s in two["steps"]]) == (4, None, [4, 5])
+    assert not any(inv.get("unrecorded") for inv in doc["invocations"])  # every invocation wrote its record
     a_dir, (a_result,) = run_a
     _ok(a_result)
     mine, theirs = _step_bytes(rundir), _step_bytes(a_dir)
@@ -461,6 +462,28 @@ def test_a_leftover_temp_file_is_removed_on_resume_and_is_not_a_step(run_b, tmp_
     got = _step_bytes(rundir)
     assert {k: got[k] for k in want} == want
     assert got["step-0004.safetensors"] == (run_b[0] / "steps" / "step-0004.safetensors").read_bytes()
+
+
+def test_steps_of_an_invocation_that_left_no_record_are_listed_as_unrecorded(run_b, tmp_path) -> None:
+    """An invocation stopped before it wrote ``ws1-trajectory.json`` (killed at a time limit, out of memory) leaves
+    its steps and no record: the resuming invocation lists those steps as one ``unrecorded`` invocation (each step's
+    seconds from its step record), before its own, and says so on the console."""
+    rundir = _copy(run_b, tmp_path)
+    (rundir / "ws1-trajectory.json").unlink()  # the first invocation (steps 0..3) never wrote its record
+    for k in (4, 5):
+        (rundir / "steps" / f"step-{k:04d}.json").unlink()
+        (rundir / "steps" / f"step-{k:04d}.safetensors").unlink()
+    code, out, err = _run([*TRAJ[1:], "--out", str(rundir), *STEPS, "--resume"], tmp_path)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "steps 0..3: saved by an invocation that left no record" in " ".join(out.split())
+    doc = _doc(rundir)
+    lost, mine = doc["invocations"]
+    assert lost["unrecorded"] is True and [s["step"] for s in lost["steps"]] == [0, 1, 2, 3]
+    sides = [json.loads((rundir / "steps" / f"step-{k:04d}.json").read_text(encoding="utf-8")) for k in range(4)]
+    assert [s["seconds"] for s in lost["steps"]] == [s["seconds"] for s in sides]
+    assert "unrecorded" not in mine and [s["step"] for s in mine["steps"]] == [4, 5]
+    assert (doc["steps_saved"], doc["complete"]) == (EVALUATIONS, True)
+    assert _step_bytes(rundir) == _step_bytes(run_b[0])
 
 
 def test_verify_last_on_a_folder_without_a_run_names_its_own_flag(tmp_path, run_cli) -> None:

@@ -61,12 +61,22 @@ def _previous(rundir: Path) -> list[dict]:
     return list(doc.get("invocations", []))
 
 
-def _step_files(rundir: Path) -> dict[str, str]:
-    out = {}
-    for side in sorted((rundir / STEPS).glob("step-*.json")):
-        record = load_json_file(side, display(side), MAX_EVIDENCE_BYTES)
-        out[record["file"]] = record["file_sha256"]
-    return out
+def _step_records(rundir: Path) -> list[dict]:
+    return [load_json_file(side, display(side), MAX_EVIDENCE_BYTES)
+            for side in sorted((rundir / STEPS).glob("step-*.json"))]  # fmt: skip
+
+
+def unrecorded(records: list[dict], invocations: list[dict]) -> list[dict]:
+    """The saved steps that no recorded invocation lists, as one ``unrecorded`` invocation (an invocation stopped
+    before it wrote its record: killed at a time limit, out of memory), each step's seconds from its step record;
+    its ``seconds`` is their sum (the stopped process's own time is unknown). None left: []."""
+    listed = {s["step"] for inv in invocations for s in inv["steps"]}
+    steps = [{"step": r["step"], "seconds": r["seconds"]} for r in records if r["step"] not in listed]
+    if not steps:
+        return []
+    total = sum(s["seconds"] for s in steps)
+    return [{"resumed_from": None, "until": None, "steps": steps, "verify_last": None, "seconds": round(total, 4),
+             "seconds_per_step": round(total / len(steps), 4), "unrecorded": True}]  # fmt: skip
 
 
 @run_scope
@@ -95,8 +105,10 @@ def ws1_trajectory_command(settings: Ws1TrajectoryCommand) -> int:
         body = run_ws1_trajectory(run, rundir, until, settings.resume, settings.verify_last, step)
     if single is not None:
         body["invocation"]["injected_fault"] = state.describe()
-    body["invocations"] = [*_previous(rundir), body["invocation"]]
-    body["step_files"] = _step_files(rundir)
+    records, previous = _step_records(rundir), _previous(rundir)
+    lost = unrecorded(records, [*previous, body["invocation"]])
+    body["invocations"] = [*previous, *lost, body["invocation"]]
+    body["step_files"] = {r["file"]: r["file_sha256"] for r in records}
     if run.setup.memory is not None:
         body["memory"] = run.setup.memory.record()
     path = write_evidence(rundir, EVIDENCE, KIND, body, device=settings.run.device)
@@ -130,6 +142,9 @@ def _summary(body: dict, path: Path) -> None:
     if inv["steps"]:
         console.print(f"this invocation: steps {inv['steps'][0]['step']}..{inv['steps'][-1]['step']}, "
                       f"{inv['seconds_per_step']:.2f} s per step")  # fmt: skip
+    for lost in (i for i in body["invocations"] if i.get("unrecorded")):
+        console.print(f"steps {lost['steps'][0]['step']}..{lost['steps'][-1]['step']}: saved by an invocation that "
+                      "left no record (stopped before it finished); kept, every saved step checked")  # fmt: skip
     if inv["verify_last"] is not None:
         v = inv["verify_last"]
         console.print(f"verify-last: step {v['step']} recomputed, bitwise: {'yes' if v['bitwise'] else 'NO'}")
