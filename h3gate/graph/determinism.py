@@ -10,7 +10,7 @@ a label (:func:`evaluation`) that names the pair and never enters the key.
 Fingerprint of a tensor row: its elements' bits as integers (``int16`` for 2-byte dtypes, ``int32``, ``int64``),
 times fixed pseudo-random odd 64-bit weights (one per column), summed in ``int64`` (arithmetic mod 2^64). A change
 of one element by ``d != 0`` changes the sum by ``d * w mod 2^64 != 0`` (``w`` odd), so any single-element change is
-seen; all of it runs as torch ops on the tensor's device.
+seen; on a GPU one Triton pass a tensor (:mod:`h3gate.kernels.fingerprint`), elsewhere torch ops, the same values.
 
 Failing or reported: pairs of a table registered as ``candidate`` (:meth:`Recorder.role`) fail the gate (strict
 kernels are deterministic by contract); the provider's and the golden's are reported.
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gate.errors import InputError
+from h3gate.kernels.fingerprint import row_sums
 
-_CHUNK = 1 << 22  # elements converted to int64 at a time
 _WIDTH = 4096  # row width of a whole-tensor fingerprint
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
 _MASK = (1 << 64) - 1
@@ -69,12 +69,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_sums(m: torch.Tensor) -> torch.Tensor:
-    """Per-row weighted sums (int64) of a 2-D integer tensor, a chunk of rows at a time."""
-    rows, cols = m.shape
-    w = weights(cols, m.device)
-    step = max(1, _CHUNK // max(cols, 1))
-    parts = [(m[i : i + step].to(torch.int64) * w).sum(1) for i in range(0, rows, step)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=m.device)
+    """Per-row weighted sums (int64) of a 2-D integer tensor (:func:`h3gate.kernels.fingerprint.row_sums`: one
+    pass on a GPU, torch ops elsewhere; the same values)."""
+    return row_sums(m, weights(m.shape[1], m.device))
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
