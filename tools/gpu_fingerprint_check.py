@@ -3,7 +3,7 @@ reference at released widths, values and times: per-row sums of a bf16 tensor's 
 38974; the FFN's 14336 columns), the whole-tensor fingerprint of the same tensors, and one node's observation cost
 (:func:`h3gate.graph.determinism.row_fingerprints` on its output plus :func:`whole` on an input) before and after.
 
-    PYTHONPATH=. python3 tools/gpu_fingerprint_check.py [--json F]
+    PYTHONPATH=.:tools python3 tools/gpu_fingerprint_check.py [--json F]
 """
 
 from __future__ import annotations
@@ -13,24 +13,10 @@ import json
 import sys
 
 import torch
+from gpu_seg8_dw_check import timed  # CUDA events, median of 10 calls after 2 warm-up
 
 from h3gate.graph import determinism
 from h3gate.kernels.fingerprint import row_sums_kernel, row_sums_reference
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Median milliseconds of ``fn`` (CUDA events, after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> int:
