@@ -53,13 +53,17 @@ def main() -> int:
     ap.add_argument("--topologies", default="cp2,tp2cp2,tp2sp")
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--one-device", type=Path, help="an earlier ws1-model --save-tensors folder of these settings")
     args = ap.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ws2-model-"))
-    one = work / "ws1-model"
-    rc, seconds, tail = h3gate("run", "ws1-model", "--merge-order", "seg8", "--device", "cpu", *COMMON,
-                               "--save-tensors", one, "--out", work / "ev-ws1-model")  # fmt: skip
-    doc: dict = {"settings": " ".join(COMMON), "one_device": {"exit": rc, "seconds": seconds},
-                 "host": platform.node(), "torch": torch.__version__, "topologies": {}}  # fmt: skip
+    one = args.one_device or work / "ws1-model"
+    rc, seconds, tail = 0, None, ""
+    if args.one_device is None:
+        rc, seconds, tail = h3gate("run", "ws1-model", "--merge-order", "seg8", "--device", "cpu", *COMMON,
+                                   "--save-tensors", one, "--out", work / "ev-ws1-model")  # fmt: skip
+    doc: dict = {"settings": " ".join(COMMON), "one_device": {"exit": rc, "seconds": seconds, "files": str(one),
+                 "run_here": args.one_device is None}, "host": platform.node(), "torch": torch.__version__,
+                 "topologies": {}}  # fmt: skip
     if rc != 0:
         print(f"ws1-model: exit {rc}\n{tail}")
         return 2

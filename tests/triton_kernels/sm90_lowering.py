@@ -21,6 +21,7 @@ from h3gate.kernels import (
     attention_config,
     attention_gluon,
     attention_tma,
+    fingerprint,
     gemm_configs,
     gemm_gluon,
     gemm_gluon_rows_dw,
@@ -186,9 +187,29 @@ def one_chunk_facts() -> dict:
     }
 
 
+def fingerprint_facts() -> dict:
+    """The fingerprint kernel (``kernels/fingerprint.py``) for each bit width it reads: its integer widening and
+    multiply-adds, and no floating-point instruction."""
+    from triton.compiler import ASTSource
+
+    out = {}
+    for bits in ("i16", "i32", "i64", "u8"):
+        sig = {"m_ptr": f"*{bits}", "w_ptr": "*i64", "out_ptr": "*i64", "rows": "i32", "cols": "i32",
+               "stride_r": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
+        consts = {"BLOCK_R": fingerprint.BLOCK_R, "BLOCK_C": fingerprint.BLOCK_C}
+        src = ASTSource(fn=fingerprint._row_sums_kernel, signature=sig, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+        out[bits] = {"cvt.s64.s16": ptx.count("cvt.s64.s16"), "mad.lo.s64": ptx.count("mad.lo.s64"),
+                     "float": len(re.findall(r"\.f(?:16|32|64)\b", ptx))}  # fmt: skip
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["--one-chunk"]:
         json.dump(one_chunk_facts(), sys.stdout)
+        return
+    if sys.argv[1:] == ["--fingerprint"]:
+        json.dump(fingerprint_facts(), sys.stdout)
         return
     cfg = attention.attn_config(128, torch.bfloat16)
     fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n}

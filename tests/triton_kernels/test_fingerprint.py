@@ -4,6 +4,12 @@ with sums that wrap; one changed element changes its own row's sum only."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -63,3 +69,18 @@ def test_no_rows_or_no_columns_give_zero_sums() -> None:
         m = torch.zeros(shape, dtype=torch.int16)
         w = weights(shape[1], m.device)
         assert torch.equal(row_sums_kernel(m, w), row_sums_reference(m, w))
+
+
+@pytest.mark.slow
+def test_the_kernel_lowers_for_hopper_with_integer_arithmetic_only() -> None:
+    """Compiled for sm_90 on the CPU: per bit width, 64-bit multiply-adds, int16 widened with sign extension (as
+    torch's ``.to(torch.int64)``), and no floating-point instruction."""
+    script = Path(__file__).with_name("sm90_lowering.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(script), "--fingerprint"], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert sorted(got) == ["i16", "i32", "i64", "u8"], got
+    assert all(f["mad.lo.s64"] > 0 and f["float"] == 0 for f in got.values()), got
+    assert got["i16"]["cvt.s64.s16"] > 0, got
