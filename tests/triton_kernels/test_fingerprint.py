@@ -4,17 +4,12 @@ with sums that wrap; one changed element changes its own row's sum only."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from h3gate.graph.determinism import weights
 from h3gate.kernels.fingerprint import BLOCK_C, BLOCK_R, row_sums, row_sums_kernel, row_sums_reference
+from tests.triton_kernels.test_sm90_compile import lowering_facts
 
 SHAPES = [(1, 1), (BLOCK_R + 1, BLOCK_C + 3), (9, 2 * BLOCK_C + 452), (3, 17)]
 
@@ -75,12 +70,7 @@ def test_no_rows_or_no_columns_give_zero_sums() -> None:
 def test_the_kernel_lowers_for_hopper_with_integer_arithmetic_only() -> None:
     """Compiled for sm_90 on the CPU: per bit width, 64-bit multiply-adds, int16 widened with sign extension (as
     torch's ``.to(torch.int64)``), and no floating-point instruction."""
-    script = Path(__file__).with_name("sm90_lowering.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(script), "--fingerprint"], env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout)
+    got = lowering_facts("--fingerprint")
     assert sorted(got) == ["i16", "i32", "i64", "u8"], got
     assert all(f["mad.lo.s64"] > 0 and f["float"] == 0 for f in got.values()), got
     assert got["i16"]["cvt.s64.s16"] > 0, got

@@ -26,13 +26,19 @@ TMA_STORE_SPILL = 8
 TMA_STORE_SPILL_SOURCES = 80
 
 
-@pytest.fixture(scope="module")
-def facts() -> dict:
+def lowering_facts(*flags: str) -> dict:
+    """What ``sm90_lowering.py FLAGS`` prints, run with the interpreter off (its own process)."""
     script = Path(__file__).with_name("sm90_lowering.py")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=420)
+    done = subprocess.run([sys.executable, str(script), *flags], env=env, capture_output=True, text=True,
+                          timeout=420)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return lowering_facts()
 
 
 def test_tma_forward_lowers_to_tma_copies_wgmma_and_the_declared_math(facts) -> None:
@@ -195,12 +201,7 @@ def test_gluon_gemms_compile_for_a_launch_of_one_chunk() -> None:
     """A launch specialises integer arguments equal to 1 as constants: with K within one chunk (``k_tiles`` = 1, as
     the column-parallel dX of a 72-wide layer is) the ring step the producer and consumers carry must stay a tensor,
     or the warp-specialised kernels do not compile (the single walk, the seg8 forward and its dX)."""
-    script = Path(__file__).with_name("sm90_lowering.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, str(script), "--one-chunk"], env=env, capture_output=True, text=True,
-                          timeout=420)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout)
+    got = lowering_facts("--one-chunk")
     assert sorted(got) == ["gemm_gluon", "gemm_gluon_seg8", "gemm_gluon_seg8_dx"], got
     for name, facts in got.items():
         assert facts["wgmma.mma_async"] > 0 and facts["cp.async.bulk.tensor"] >= 2, (name, facts)
