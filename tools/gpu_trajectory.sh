@@ -5,7 +5,8 @@
 #           and resumed; compare A B; the provider P; compare A P;
 #   768p:   two strict steps, then a resumed third; one provider step (seconds per step);
 #   768p-call1, then 768p-call2 in a second device call on the warm host: the 768p runs carried across calls;
-#   768p-full-A, 768p-full-P (to step $UNTIL, resumed by the next call), compare-768p: all 49 evaluations at 768p.
+#   768p-full-A, 768p-full-P (to step $UNTIL, resumed by the next call), compare-768p: all 49 evaluations at 768p;
+#   fingerprint: tools/gpu_fingerprint_check.py (the determinism record's fingerprint kernel: bytes and ms).
 # Only the JSON of each RUNDIR comes back ($OUT/runs.tgz); step tensors stay on the host (referenced by hash).
 . tools/gpu_common.sh
 budget=${BUDGET_S:-150}
@@ -72,6 +73,11 @@ for section in "$@"; do
       --until "$until" "${again[@]}" --out "$dir" >>"$ev/logs/traj-768p-full-$name.log" 2>&1
     echo "== traj-768p-full-$name: rc=$?, ${SECONDS} s: from $saved until $until ${again[*]}"
     tail -n 4 "$ev/logs/traj-768p-full-$name.log"
+    ;;
+  fingerprint)
+    # the determinism record's one-pass fingerprint (kernels/fingerprint.py) against its torch reference: bytes, ms
+    python3 tools/gpu_fingerprint_check.py --json "$ev/fingerprint-check.json" >"$ev/logs/fingerprint-check.log" 2>&1
+    echo "== fingerprint-check: rc=$?"; tail -n 5 "$ev/logs/fingerprint-check.log"
     ;;
   compare-768p)
     h compare-768p-A-P compare $runs/768p-full-A $runs/768p-full-P --device cuda --out $ev/compare-768p-A-P
