@@ -443,16 +443,27 @@ def test_step_0_whose_inputs_are_not_the_initial_latents_is_refused_naming_them(
     assert "step -1" not in line and "initial" in line, line
 
 
-def test_a_leftover_temp_file_is_removed_on_resume_and_is_not_a_step(run_b, tmp_path) -> None:
+def test_a_killed_invocation_leaves_temp_files_that_are_removed_and_steps_listed_as_unrecorded(run_b, tmp_path):
+    """Killed while writing step 4, before it wrote its record: the resuming invocation removes the half-written
+    temp files (never a step), and lists the steps the killed one saved as one ``unrecorded`` invocation (each
+    step's seconds from its step record) before its own, and says so on the console."""
     rundir = _copy(run_b, tmp_path)
     steps = rundir / "steps"
-    for k in (4, 5):  # back to "stopped after step 3, then killed while writing step 4"
+    (rundir / "ws1-trajectory.json").unlink()  # the killed invocation (steps 0..3 saved) wrote no record
+    for k in (4, 5):
         (steps / f"step-{k:04d}.json").unlink()
         (steps / f"step-{k:04d}.safetensors").unlink()
     want = _step_bytes(rundir)
     (steps / ".step-0004.safetensors.x.tmp").write_bytes(b"half a step file")
     (steps / ".step-0006.safetensors.x.tmp").write_bytes(b"\x00" * 100)
-    _ok(_run([*TRAJ, "--out", str(rundir), *STEPS, "--resume", "--until", "4"], tmp_path))
+    code, out, err = _run([*TRAJ[1:], "--out", str(rundir), *STEPS, "--resume", "--until", "4"], tmp_path)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "steps 0..3: saved by an invocation that left no record" in " ".join(out.split())
+    lost, mine = _doc(rundir)["invocations"]
+    assert lost["unrecorded"] is True and [s["step"] for s in lost["steps"]] == [0, 1, 2, 3]
+    sides = [json.loads((steps / f"step-{k:04d}.json").read_text(encoding="utf-8")) for k in range(4)]
+    assert [s["seconds"] for s in lost["steps"]] == [s["seconds"] for s in sides]
+    assert "unrecorded" not in mine
     assert sorted(p.name for p in steps.iterdir()) == sorted(
         f"step-{k:04d}.{x}" for k in range(5) for x in ("json", "safetensors")
     )
@@ -462,28 +473,6 @@ def test_a_leftover_temp_file_is_removed_on_resume_and_is_not_a_step(run_b, tmp_
     got = _step_bytes(rundir)
     assert {k: got[k] for k in want} == want
     assert got["step-0004.safetensors"] == (run_b[0] / "steps" / "step-0004.safetensors").read_bytes()
-
-
-def test_steps_of_an_invocation_that_left_no_record_are_listed_as_unrecorded(run_b, tmp_path) -> None:
-    """An invocation stopped before it wrote ``ws1-trajectory.json`` (killed at a time limit, out of memory) leaves
-    its steps and no record: the resuming invocation lists those steps as one ``unrecorded`` invocation (each step's
-    seconds from its step record), before its own, and says so on the console."""
-    rundir = _copy(run_b, tmp_path)
-    (rundir / "ws1-trajectory.json").unlink()  # the first invocation (steps 0..3) never wrote its record
-    for k in (4, 5):
-        (rundir / "steps" / f"step-{k:04d}.json").unlink()
-        (rundir / "steps" / f"step-{k:04d}.safetensors").unlink()
-    code, out, err = _run([*TRAJ[1:], "--out", str(rundir), *STEPS, "--resume"], tmp_path)
-    assert code == 0, out[-3000:] + err[-3000:]
-    assert "steps 0..3: saved by an invocation that left no record" in " ".join(out.split())
-    doc = _doc(rundir)
-    lost, mine = doc["invocations"]
-    assert lost["unrecorded"] is True and [s["step"] for s in lost["steps"]] == [0, 1, 2, 3]
-    sides = [json.loads((rundir / "steps" / f"step-{k:04d}.json").read_text(encoding="utf-8")) for k in range(4)]
-    assert [s["seconds"] for s in lost["steps"]] == [s["seconds"] for s in sides]
-    assert "unrecorded" not in mine and [s["step"] for s in mine["steps"]] == [4, 5]
-    assert (doc["steps_saved"], doc["complete"]) == (EVALUATIONS, True)
-    assert _step_bytes(rundir) == _step_bytes(run_b[0])
 
 
 def test_verify_last_on_a_folder_without_a_run_names_its_own_flag(tmp_path, run_cli) -> None:
