@@ -22,21 +22,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.test_ws2_save import differing  # keys of A's file whose dtype, shape or bytes differ in B's (or B lacks)
+
 COMMON = ("--config", "ws2-tiny", "--layout", "micro", "--seed", "0")
 FILES = ("inputs", "candidate", "candidate-grads")
 
 
-def differing(a: Path, b: Path, name: str) -> tuple[int, list[str]]:
-    """(keys in ``b/name``, keys of ``b/name.safetensors`` whose dtype, shape or bytes differ in ``a``'s file or
-    that ``a`` lacks, plus ``a``'s keys that ``b`` lacks)."""
-    mine, theirs = load_file(a / f"{name}.safetensors"), load_file(b / f"{name}.safetensors")
-    out = sorted(set(mine) - set(theirs))
-    for key, t in theirs.items():
-        other = mine.get(key)
-        same = other is not None and t.dtype == other.dtype and t.shape == other.shape
-        if not (same and torch.equal(t.contiguous().view(torch.uint8), other.contiguous().view(torch.uint8))):
-            out.append(key)
-    return len(theirs), out
+def compared(one: Path, saved: Path, name: str) -> dict:
+    """``saved/name``'s key count and the keys that differ from ``one/name`` (dtype, shape or bytes) or that one of
+    the two files lacks."""
+    keys, theirs = set(load_file(saved / f"{name}.safetensors")), set(load_file(one / f"{name}.safetensors"))
+    return {"keys": len(keys), "differing": differing(saved, one, name) + sorted(theirs - keys)}
 
 
 def h3gate(*args: str | Path) -> tuple[int, float, str]:
@@ -75,8 +71,7 @@ def main() -> int:
         rec: dict = {"exit": rc, "seconds": seconds}
         if rc == 0:
             for name in FILES:
-                count, keys = differing(one, saved, name)
-                rec[name] = {"keys": count, "differing": keys}
+                rec[name] = compared(one, saved, name)
             rec["byte_equal"] = all(not rec[name]["differing"] for name in FILES)
         else:
             rec["tail"] = tail
