@@ -4,6 +4,8 @@ against them are slow tests in tests/test_gpu_estimates.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from h3gate.commands import model_cmd, trajectory_cmd
 from h3gate.errors import InputError
 from h3gate.graph.stages import split_stages
@@ -144,3 +146,37 @@ def test_the_trajectory_is_refused_below_its_own_lower_bound_and_runs_at_it(monk
     real = load_config("real").config
     medium = build_layout(load_layout("medium"), "medium").seq_len
     assert model_memory.model_weight_bytes(real) / model_memory.trajectory_lower_bound_bytes(real, medium, 1) > 0.9
+
+
+
+def test_the_released_whole_model_backward_is_refused_on_one_h200_and_its_forward_and_medium_are_not(
+    run_cli, tmp_path, monkeypatch
+):
+    """The whole-model backward holds every saving lane's stage backward together (36 bytes per node element of a
+    block: the golden's FP64 values and gradients, provider, candidate, repeat, the batch of two): at 768p even a
+    streamed range of one block needs at least 236.7 GiB, refused with 139.3 GiB free before any weight is read,
+    naming the way out, and nothing written; its forward (102.7 GiB) and medium's backward (50.6 GiB, all 50 blocks)
+    are under it."""
+    from h3gate import memory
+
+    cfg = load_config("real").config
+    monkeypatch.setattr(memory, "device_available_bytes", lambda device: int(139.3 * GIB))
+    seq = {name: build_layout(load_layout(name), name).seq_len for name in ("medium", "768p")}
+
+    def need(layout: str, blocks: int, backward: bool) -> int:
+        stages = blocks + cfg.num_refiner_layers + 6
+        return memory_plan.model_lower_bound_bytes(cfg, seq[layout], stages, ModelNeeds().lanes, backward)
+
+    assert [round(need(*a) / GIB, 1) for a in (("768p", 1, True), ("768p", 50, False), ("medium", 50, True))] == [
+        236.7, 102.7, 50.6]  # fmt: skip
+    assert need("768p", 50, False) < 139.3 * GIB and need("medium", 50, True) < 139.3 * GIB  # not refused
+    element = memory_plan.block_node_elements(cfg, seq["768p"])
+    assert need("768p", 1, True) - need("768p", 1, False) >= (36 - 18) * element  # the backward's lanes held at once
+    out = tmp_path / "run"
+    code, _, err = run_cli("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--range-size", "1",
+                           "--out", out)  # fmt: skip
+    assert code == 2 and err == (
+        "h3gate: error: ws1-model --stream --layout 768p --config real (S=38974, ranges of 1 blocks): needs at least "
+        "236.7 GiB, 139.3 GiB of host memory available; use smaller ranges (--range-size) or --no-backward\n"
+    )
+    assert not out.exists()

@@ -154,7 +154,8 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, blocks: int, tol: ToleranceP
     stages = blocks + cfg.num_refiner_layers + 6
     need = model_lower_bound_bytes(cfg, seq, stages, ModelNeeds().lanes, s.backward)
     require(need, f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, ranges of "
-            f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)")  # fmt: skip
+            f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)" + (" or --no-backward"
+            if s.backward else ""))  # fmt: skip
     providers = provider_lanes(list(tol.row_rule.variants), setup.device)
     warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0))
 

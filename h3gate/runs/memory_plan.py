@@ -265,14 +265,26 @@ def _require(need: int, packed: PackedLayout, layout: str, config_name: str, dev
         )
 
 
+def block_node_elements(cfg: ModelConfig, seq_len: int) -> int:
+    """``E``: one block's node-output elements at ``seq_len`` rows (six nodes ``H`` wide, eight ``N D``, gate-up
+    ``2F`` and swiglu ``F`` per row)."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    return seq_len * (6 * h + 8 * nd + 3 * f)
+
+
 def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: int, backward: bool) -> int:
     """A lower bound on what a ws1-model run holds at once: one block's weights in bf16 + FP64 (twice under the
-    backward: parameter gradients); one block's node values at FP64 (golden) + bf16 for the provider, the
-    candidate and a batch of three; each lane's stage boundaries ``S x H`` (bf16, golden FP64), kept for every
-    stage when the backward runs."""
+    backward: parameter gradients); one block's node values ``E`` (:func:`block_node_elements`), forward at FP64
+    (golden) + bf16 for the provider, the candidate and a batch of three (``18 E`` bytes), or, with the backward,
+    every saving lane's stage backward held together until the stage's checks end
+    (:func:`h3gate.runs.model_backward.backward`: recomputed values and node gradients of the golden at FP64, the
+    provider, the candidate and its repeat at bf16, and the two items of the batch placement: ``36 E``); each lane's
+    stage boundaries ``S x H`` (bf16, golden FP64), kept for every stage when the backward runs."""
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     weights = (4 * h * nd + 3 * h * f) * (2 + 8) * (2 if backward else 1)
-    values = seq_len * (6 * h + 8 * nd + 3 * f) * (8 + 2 * (1 + 1 + 3))
+    forward = 8 + 2 * (1 + 1 + 3)
+    stage_backward = 2 * 8 + 2 * 2 * (1 + 1 + 1) + 2 * 2 * 2
+    values = block_node_elements(cfg, seq_len) * (stage_backward if backward else forward)
     boundaries = seq_len * h * (8 + 2 * lanes) * (stages if backward else 2)
     return weights + values + boundaries
 
