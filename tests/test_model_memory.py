@@ -4,8 +4,6 @@ against them are slow tests in tests/test_gpu_estimates.py."""
 
 from __future__ import annotations
 
-import pytest
-
 from h3gate.commands import model_cmd, trajectory_cmd
 from h3gate.errors import InputError
 from h3gate.graph.stages import split_stages
@@ -146,7 +144,6 @@ def test_the_trajectory_is_refused_below_its_own_lower_bound_and_runs_at_it(monk
     real = load_config("real").config
     medium = build_layout(load_layout("medium"), "medium").seq_len
     assert model_memory.model_weight_bytes(real) / model_memory.trajectory_lower_bound_bytes(real, medium, 1) > 0.9
-
 
 
 def test_the_released_whole_model_backward_is_refused_on_one_h200_and_its_forward_and_medium_are_not(
