@@ -66,6 +66,7 @@ for section in "$@"; do
       again=(--resume); saved=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['steps_saved'])" \
         "$dir/ws1-trajectory.json")
     fi
+    if [ "$saved" -ge 49 ]; then echo "== traj-768p-full-$name: all 49 steps saved, skipped"; continue; fi
     cap=${CAP_S:-560}
     until=${UNTIL:-48}  # auto: as many steps as $cap seconds hold at $STEP_S seconds a step after 60 s of setup
     [ "$until" = auto ] && until=$(( saved + (cap - 60) / ${STEP_S:-8} - 1 )) && [ "$until" -gt 48 ] && until=48
