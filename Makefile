@@ -2,7 +2,7 @@
 #   make demo          install into .venv and run the one-block gate on the embedded default (tiny, CPU when no GPU)
 #   make test          install the test extra into .venv and run lint + the test suite but the tests marked slow
 #                      (and those marked sglang, which make test-sglang runs in a pytest of their own)
-#   make test-slow     the tests marked slow (multi-rank TP8 / TP4xCP2 and the whole model under ws2, the fault
+#   make test-slow     the tests marked slow (the sm_90 compiles, multi-rank TP8 / TP4xCP2 and the whole model under ws2, the fault
 #                      matrix at the small and medium layouts, run arms' four-arm acceptance); CI runs both
 # and, for CI and the GPU host:
 #   make test-newest   the newest Triton (3.9) in .venv-newest: the default demo and the kernel tests

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # ~25 s of compiles: make test-slow and make test-newest run it, not make test
 
 
 def test_row_kernels_compile_for_sm90_without_fma():

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
+# The compiles take ~35 s of one core: make test-slow and make test-newest (every kernel test) run them, not make test.
+pytestmark = pytest.mark.slow
 
 
 # Spills of the Gluon forward with its output stored by TMA (attention_gluon.TMA_STORE_FROM), bounds set from compiles
@@ -196,7 +198,6 @@ def test_seg8_ptx_patterns_see_what_they_forbid() -> None:
     assert not re.findall(SEG8_PATTERNS["atomics"], "ld.shared.v2.f32 {%r1, %r2}, [%r3];\nst.shared.b32 [%r3], %r1;")
 
 
-@pytest.mark.slow
 def test_gluon_gemms_compile_for_a_launch_of_one_chunk() -> None:
     """A launch specialises integer arguments equal to 1 as constants: with K within one chunk (``k_tiles`` = 1, as
     the column-parallel dX of a 72-wide layer is) the ring step the producer and consumers carry must stay a tensor,
