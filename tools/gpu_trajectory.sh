@@ -9,6 +9,8 @@
 #   fingerprint: tools/gpu_fingerprint_check.py (the determinism record's fingerprint kernel: bytes and ms).
 # Only the JSON of each RUNDIR comes back ($OUT/runs.tgz); step tensors stay on the host (referenced by hash).
 . tools/gpu_common.sh
+# a long run on an 80 GB card: the 768p strict run ran out of memory with 5.2 GiB reserved but unallocated
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 budget=${BUDGET_S:-150}
 runs=/tmp/runs
 mkdir -p $runs

@@ -315,8 +315,10 @@ def observe(
     first = rec.first.get(key)
     label = _LABEL.get()
     if first is None:
-        # per-row fingerprints (8 bytes a row) stay on the device for the judged execution, in host memory otherwise
-        kept = outs if role == "candidate" else {k: v.to("cpu") for k, v in outs.items()}
+        # per-row fingerprints (8 bytes a row) are kept in host memory, whatever the role: a pair compares the whole
+        # fingerprints (host integers) and reads the rows only to name a mismatch's row, while a long run's unpaired
+        # first evaluations (a trajectory's every step: about 0.3 GB a 768p step) would otherwise fill the device
+        kept = {k: v.to("cpu") for k, v in outs.items()}
         rec.first[key] = _First(label, out_whole, kept)
         if override is not None:
             rec.roles.setdefault(-id(override), (override, "override"))  # held, so that its id stays unique
