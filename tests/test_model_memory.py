@@ -4,6 +4,8 @@ against them are slow tests in tests/test_gpu_estimates.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from h3gate.commands import model_cmd, trajectory_cmd
 from h3gate.errors import InputError
 from h3gate.graph.stages import split_stages
@@ -177,3 +179,25 @@ def test_the_released_whole_model_backward_is_refused_on_one_h200_and_its_forwar
         "236.7 GiB, 139.3 GiB of host memory available; use smaller ranges (--range-size) or --no-backward\n"
     )
     assert not out.exists()
+
+
+def test_the_trajectory_refuses_a_host_without_room_for_its_determinism_record(tmp_path, monkeypatch):
+    """The determinism record keeps every block node's per-row fingerprints of each evaluation in host memory until
+    the invocation ends (11.4 GiB for a 49-step 768p run): a host one byte short of the invocation's evaluations plus
+    one is refused before any weight is read, naming the way out; exactly enough passes (negative control); a resumed
+    run counts only the steps still to run."""
+    import h3gate.memory as memory
+    from h3gate.runs import ws1_trajectory as wt
+
+    real = load_config("real").config
+    assert round(49 * model_memory.record_host_bytes(real, 38974) / GIB, 1) == 11.4
+    run = wt.prepare_trajectory(wt.TrajectorySettings(steps=4))
+    need = 4 * model_memory.record_host_bytes(run.setup.cfg, run.setup.layout.seq_len)  # 3 evaluations and one more
+    monkeypatch.setattr(memory, "device_available_bytes", lambda _device: need - 1)
+    with pytest.raises(InputError, match=r"^--steps 4: the determinism record of 4 evaluations: needs at least .* GiB"
+                       r" of host memory available; stop earlier with --until and resume$"):  # fmt: skip
+        wt.check_run_range(run, tmp_path, None)
+    assert list(tmp_path.iterdir()) == []
+    wt.check_run_range(run, tmp_path, 1)  # two evaluations and one more fit
+    monkeypatch.setattr(memory, "device_available_bytes", lambda _device: need)
+    wt.check_run_range(run, tmp_path, None)

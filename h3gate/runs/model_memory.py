@@ -136,6 +136,15 @@ def trajectory_lower_bound_bytes(cfg: ModelConfig, rows: int, batch: int) -> int
     return model_weight_bytes(cfg) + batch * rows * streamed_peak_width(cfg) * 2
 
 
+def record_host_bytes(cfg: ModelConfig, rows: int) -> int:
+    """A lower bound on the host memory one trajectory evaluation adds to the determinism record
+    (:func:`h3gate.graph.determinism.observe`): every transformer block node output with packed rows keeps its per-row
+    fingerprints (one int64 a row, whatever the batch) in host memory until the invocation ends; the refiner's,
+    the embeddings' and the heads' are not counted. At 768p, 0.25 GB an evaluation."""
+    nodes = sum(1 for n in BLOCK_NODES if row_widths(cfg)[n] > 0)
+    return cfg.num_layers * nodes * rows * 8
+
+
 def plan_model_memory(
     cfg: ModelConfig, rows: int, stages: int, providers: int, backward: bool, batch: int | None, device: str,
     lower: int, host: int,

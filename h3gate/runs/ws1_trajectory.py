@@ -35,9 +35,10 @@ from h3gate.graph import determinism
 from h3gate.graph.core import OpTable
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.graph.stages import forward_stages, stage_params
-from h3gate.memory import require_disk, require_steps
+from h3gate.memory import require, require_disk, require_steps
 from h3gate.paths import display
 from h3gate.runs.block_rows import determinism_failure
+from h3gate.runs.model_memory import record_host_bytes
 from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare
 from h3gate.runs.trajectory_files import (
     MANIFEST,
@@ -315,13 +316,18 @@ def step_file_bytes(run: Trajectory) -> int:
 
 
 def check_run_range(run: Trajectory, rundir: Path, until: int | None) -> None:
-    """``--until`` inside the run's steps, and the free disk under RUNDIR for every step still to write."""
+    """``--until`` inside the run's steps; the free disk under RUNDIR for every step still to write; the host memory
+    the determinism record keeps for this invocation's evaluations (those steps and one more: a repeat pairs, a
+    ``--verify-last`` evaluates; :func:`~h3gate.runs.model_memory.record_host_bytes`)."""
     last = run.evaluations - 1
     if until is not None and not 0 <= until <= last:
         raise InputError(f"--until {until}: outside the run's steps 0 .. {last} (--steps {run.settings.steps})")
-    todo = (last if until is None else until) + 1 - len(complete_steps(rundir))
-    require_disk(max(todo, 0) * step_file_bytes(run), rundir, f"--steps {run.settings.steps} ({todo} step files)",
+    todo = max((last if until is None else until) + 1 - len(complete_steps(rundir)), 0)
+    require_disk(todo * step_file_bytes(run), rundir, f"--steps {run.settings.steps} ({todo} step files)",
                  hint="ask for fewer steps or free the disk")  # fmt: skip
+    record = (todo + 1) * record_host_bytes(run.setup.cfg, run.setup.layout.seq_len)
+    require(record, f"--steps {run.settings.steps}: the determinism record of {todo + 1} evaluations", "cpu",
+            hint="stop earlier with --until and resume")  # fmt: skip
 
 
 def open_rundir(run: Trajectory, rundir: Path, reuse: bool, flag: str = "--resume") -> dict:
