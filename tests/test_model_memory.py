@@ -199,5 +199,6 @@ def test_the_trajectory_refuses_a_host_without_room_for_its_determinism_record(t
         wt.check_run_range(run, tmp_path, None)
     assert list(tmp_path.iterdir()) == []
     wt.check_run_range(run, tmp_path, 1)  # two evaluations and one more fit
+    wt.check_run_range(run, tmp_path, None, advancing=False)  # --verify-last alone: one evaluation
     monkeypatch.setattr(memory, "device_available_bytes", lambda _device: need)
     wt.check_run_range(run, tmp_path, None)

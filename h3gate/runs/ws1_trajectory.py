@@ -315,18 +315,20 @@ def step_file_bytes(run: Trajectory) -> int:
     return rows * (2 if run.other is not None else 1) + STEP_FILE_OVERHEAD
 
 
-def check_run_range(run: Trajectory, rundir: Path, until: int | None) -> None:
+def check_run_range(run: Trajectory, rundir: Path, until: int | None, advancing: bool = True) -> None:
     """``--until`` inside the run's steps; the free disk under RUNDIR for every step still to write; the host memory
-    the determinism record keeps for this invocation's evaluations (those steps and one more: a repeat pairs, a
-    ``--verify-last`` evaluates; :func:`~h3gate.runs.model_memory.record_host_bytes`)."""
+    the determinism record keeps for this invocation's evaluations (the steps it runs, none when ``advancing`` is off
+    (``--verify-last`` alone), and one more: a repeat pairs, a ``--verify-last`` evaluates;
+    :func:`~h3gate.runs.model_memory.record_host_bytes`)."""
     last = run.evaluations - 1
     if until is not None and not 0 <= until <= last:
         raise InputError(f"--until {until}: outside the run's steps 0 .. {last} (--steps {run.settings.steps})")
     todo = max((last if until is None else until) + 1 - len(complete_steps(rundir)), 0)
     require_disk(todo * step_file_bytes(run), rundir, f"--steps {run.settings.steps} ({todo} step files)",
                  hint="ask for fewer steps or free the disk")  # fmt: skip
-    record = (todo + 1) * record_host_bytes(run.setup.cfg, run.setup.layout.seq_len)
-    require(record, f"--steps {run.settings.steps}: the determinism record of {todo + 1} evaluations", "cpu",
+    evaluations = (todo if advancing else 0) + 1
+    record = evaluations * record_host_bytes(run.setup.cfg, run.setup.layout.seq_len)
+    require(record, f"--steps {run.settings.steps}: the determinism record of {evaluations} evaluations", "cpu",
             hint="stop earlier with --until and resume")  # fmt: skip
 
 
@@ -359,7 +361,7 @@ def run_ws1_trajectory(
     """Start, resume or verify the prepared run (:func:`prepare_trajectory`) in ``rundir``; the ``ws1-trajectory``
     evidence body of this invocation."""
     started = time.perf_counter()
-    check_run_range(run, rundir, until)
+    check_run_range(run, rundir, until, advancing=resume or not check_last)
     fields = open_rundir(run, rundir, resume or check_last, "--resume" if resume else "--verify-last")
     steps = complete_steps(rundir)
     recorder = determinism.Recorder()
