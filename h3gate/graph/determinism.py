@@ -317,7 +317,7 @@ def observe(
     if first is None:
         # per-row fingerprints (8 bytes a row) are kept in host memory, whatever the role: a pair compares the whole
         # fingerprints (host integers) and reads the rows only to name a mismatch's row, while a long run's unpaired
-        # first evaluations (a trajectory's every step: about 0.3 GB a 768p step) would otherwise fill the device
+        # first evaluations (a trajectory's every step: about 0.25 GB a 768p step) would otherwise fill the device
         kept = {k: v.to("cpu") for k, v in outs.items()}
         rec.first[key] = _First(label, out_whole, kept)
         if override is not None:

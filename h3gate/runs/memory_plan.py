@@ -310,7 +310,7 @@ def saved_values_bytes(cfg: ModelConfig, seq_len: int, stages: list[Stage], back
     and each block's weights'. The refiner blocks (text rows only, fewer than ``seq_len``) are not counted."""
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     blocks = transformer_blocks(stages)
-    nodes = blocks * seq_len * (6 * h + 8 * nd + 3 * f)
+    nodes = blocks * block_node_elements(cfg, seq_len)
     grads = (nodes + blocks * (4 * h * nd + 3 * h * f)) * 2 if backward else 0
     return nodes * (2 + 2 + 8) + grads
 
