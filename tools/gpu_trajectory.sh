@@ -64,9 +64,9 @@ for section in "$@"; do
     dir=$runs/768p-full-$name
     mode=(--mode strict); [ "$name" = P ] && mode=(--mode off)
     again=(); saved=0
-    if [ -f "$dir/ws1-trajectory.json" ]; then
-      again=(--resume); saved=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['steps_saved'])" \
-        "$dir/ws1-trajectory.json")
+    # a started run (its manifest) is resumed, also one stopped by the cap mid-step: the steps saved are the sidecars
+    if [ -f "$dir/manifest.json" ]; then
+      again=(--resume); saved=$(ls "$dir"/steps/step-*.json 2>/dev/null | wc -l)
     fi
     if [ "$saved" -ge 49 ]; then echo "== traj-768p-full-$name: all 49 steps saved, skipped"; continue; fi
     cap=${CAP_S:-560}
