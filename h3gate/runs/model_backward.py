@@ -21,7 +21,8 @@ forward bitwise (training == rollout).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +40,7 @@ from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext, node_inputs, vjp_envelope
 from h3gate.runs.model_clock import lane_part
-from h3gate.runs.model_fault_matrix import keep_gradient, keep_node_vjp
+from h3gate.runs.model_fault_matrix import forget_gradient, keep_gradient, keep_node_vjp
 from h3gate.runs.model_forward import Findings, Lanes
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
 from h3gate.runs.model_stages import LEAVES, model_cotangents
@@ -134,45 +135,110 @@ def flat(g: StageGrads) -> dict[str, torch.Tensor]:
     return {**g.nodes, **g.params, **{k: v for k, v in g.inputs.items() if k in LEAVES}}
 
 
-def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gparams, findings) -> tuple[dict, dict]:
-    prov_in = {k: incoming[lanes.provider.name][k] for k in stage.outputs if k in incoming[lanes.provider.name]}
-    results: dict[str, StageGrads | None] = {}
+@dataclass
+class _Chained:
+    """One stage's chained backward reduced lane by lane (:func:`_chained`): the golden's, the provider's and the
+    candidate's gradients held; every other lane kept only as its records, so the device holds the golden's gradients
+    and at most one other lane's stage backward beside them (:func:`h3gate.runs.memory_plan.model_lower_bound_bytes`).
+    """
+
+    gold: dict[str, torch.Tensor]
+    dims: dict[str, int | None]
+    env: dict[str, dict] = field(default_factory=dict)
+    provider: StageGrads | None = None
+    cand: dict[str, torch.Tensor] = field(default_factory=dict)
+    repeat: dict[str, dict | None] = field(default_factory=dict)  # gradient -> agreement with the candidate
+    placed: dict[str, list[dict]] = field(default_factory=dict)  # gradient -> per placement, its agreement
+    agf: dict[str, dict] = field(default_factory=dict)
+
+
+def _chained(gate, lanes: Lanes, saving, incoming, stage: Stage, params, gparams) -> _Chained:
+    """Every saving lane's stage backward in lane order, each reduced before the next starts: the golden's gradients
+    (its recomputed forward dropped), each provider variant's row errors against them (the envelope), the
+    candidate's gradients and autograd-forward check, the repeat's and each batch placement's agreement with the
+    candidate."""
+    held: _Chained | None = None
     for lane in saving:
-        own = incoming[lane.name]
         overrides = gate.node_overrides if lane.kind == "candidate" else None
         with gate.clock.part(lane_part(lane.kind, lane.name, lane.variant, lane.batch)):
-            results[lane.name] = lane_vjp(lane, stage, lane.params(params, gparams), own, overrides)
-        if results[lane.name] is not None:
-            accumulate(own, results[lane.name].inputs)
-    gold = flat(results[lanes.golden.name])
-    cand = flat(results[lanes.candidate.name])
-    if gate.keep_values:
-        mine = results[lanes.candidate.name]
-        keep_grads(gate, {**{f"node:{n.name}": mine.nodes[n.name] for n in stage.nodes if n.name in mine.nodes},
-                          **{f"param:{k}": g for k, g in mine.params.items()}})  # fmt: skip
-    prov = flat(results[lanes.provider.name])
-    dims = {k: grad_row_dim(stage, k, v) for k, v in gold.items()}
-    env = _envelope(lanes.providers, results, gold, dims)
+            got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides)
+        if got is None:
+            continue
+        accumulate(incoming[lane.name], got.inputs)
+        grads = flat(got)
+        if held is None:  # the golden runs first (Lanes.all)
+            held = _Chained(grads, {k: grad_row_dim(stage, k, v) for k, v in grads.items()})
+        elif lane.kind == "provider":
+            _add_envelope(held.env, lane, grads, held.gold, held.dims)
+            if lane is lanes.provider:
+                held.provider = got  # its recomputed forward feeds the isolated node views
+        elif lane is lanes.candidate:
+            held.cand = grads
+            held.agf = _autograd_forward(lane, got, stage)
+            if gate.keep_values:
+                keep_grads(gate, {**{f"node:{n.name}": got.nodes[n.name] for n in stage.nodes if n.name in got.nodes},
+                                  **{f"param:{k}": g for k, g in got.params.items()}})  # fmt: skip
+        elif lane is lanes.repeat:
+            held.repeat = {k: agreement(v, held.cand[k], _agreement_dim(held.dims[k]), _mods(gate, stage, k, held))
+                           if k in held.cand else None for k, v in grads.items() if v is not None}  # fmt: skip
+        else:
+            for k in (k for k, v in grads.items() if k in held.cand and _placed_kind(stage, k, held.dims[k])):
+                rec = agreement(select_item(grads[k], 1, lane.batch[1]), held.cand[k], 1, _mods(gate, stage, k, held))
+                held.placed.setdefault(k, []).append({"batch": lane.batch[0], "position": lane.batch[1], **rec})
+        del got, grads
+    assert held is not None and held.provider is not None and held.cand, "the golden, provider and candidate ran"
+    return held
+
+
+def _agreement_dim(rd: int | None) -> int | None:
+    return None if rd == WHOLE else rd
+
+
+def _placed_kind(stage: Stage, key: str, rd: int | None) -> bool:
+    """Judged per batch placement: the gradients with packed/text/video/audio rows on dim 1, parameters not."""
+    return rd == 1 and _kind(stage, key) != "parameter"
+
+
+def _mods(gate, stage: Stage, key: str, held: _Chained) -> list[str] | None:
+    return row_labels(_rows_of(stage, key), held.cand[key], held.dims[key], gate.modalities)
+
+
+def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gparams, findings) -> tuple[dict, dict]:
+    """One stage's backward records: the chained lanes (:func:`_chained`), judged against the golden before it is
+    dropped; then the stage alone (:func:`_isolated`) and each node alone (:func:`_isolated_nodes`)."""
+    prov_in = {k: incoming[lanes.provider.name][k] for k in stage.outputs if k in incoming[lanes.provider.name]}
+    held = _chained(gate, lanes, saving, incoming, stage, params, gparams)
+    cand, prov, dims = held.cand, flat(held.provider), held.dims
+    order = _order(stage, held.gold)
+    present = {k: [who for who, has in (("candidate", k in cand), ("provider", prov.get(k) is not None))
+                   if not has] for k in order}  # fmt: skip
+    judged = set(held.gold)
+    chained = {k: _chained_view(gate, ctx, stage, k, cand[k], prov[k], held.gold[k], held.env.get(k, {}), dims[k],
+                                judged) for k in order if not present[k]}  # fmt: skip
+    states = [(lane.saved[stage.label], incoming[lane.name]) for lane in (lanes.provider, lanes.candidate)]
+    if ctx.keep:  # the fault matrix's chained views of a declared gradient (h3gate.runs.model_fault_matrix)
+        for k in chained:
+            keep_gradient(ctx, stage, k, "chained", cand, prov, held.gold, held.env, *states)
+    held.gold = {}
     with gate.clock.part("isolated"):
-        iso = _isolated(gate, lanes, stage, params, gparams, prov_in)
+        iso = _isolated(gate, lanes, stage, params, gparams, prov_in, prov, dims)
         per_node = _isolated_nodes(gate, ctx, stage, params, gparams, lanes.provider.saved[stage.label],
-                                   results[lanes.provider.name])  # fmt: skip
-    iso_results = {lanes.provider.name: results[lanes.provider.name], **iso["variants"]}
-    iso_env = _envelope(lanes.providers, iso_results, iso["golden"], dims)
-    again = flat(results[lanes.repeat.name])
-    placed = [(lane.batch, flat(results[lane.name])) for lane in lanes.batches if lane.save]
+                                   held.provider)  # fmt: skip
     records = {}
-    for key in _order(stage, gold):
-        missing = [who for who, v in (("candidate", cand), ("provider", prov), ("isolated", iso["candidate"]),
-                                      ("repeat", again)) if v.get(key) is None]  # fmt: skip
+    for key in order:
+        missing = [*present[key], *(["isolated"] if iso["candidate"].get(key) is None else []),
+                   *(["repeat"] if key not in held.repeat else [])]  # fmt: skip
         if missing:
             findings.failing.append(f"backward.{key}.gradient_missing ({', '.join(missing)})")
+            if ctx.keep:
+                forget_gradient(ctx, key)
             continue
-        rec = _record(gate, ctx, stage, key, dims[key], cand, prov, gold, env, iso, iso_env, again, placed,
-                      per_node.get(key, {}))  # fmt: skip
-        if ctx.keep:  # the fault matrix's views of a declared gradient (h3gate.runs.model_fault_matrix)
-            states = [(lane.saved[stage.label], incoming[lane.name]) for lane in (lanes.provider, lanes.candidate)]
-            keep_gradient(ctx, stage, key, cand, prov, gold, env, iso, iso_env, *states)
+        if ctx.keep:
+            keep_gradient(ctx, stage, key, "isolated", iso["candidate"], prov, iso["golden"], iso["env"], *states)
+        placed = held.placed.get(key, []) if _placed_kind(stage, key, dims[key]) else None
+        rec = _record(
+            gate, ctx, stage, key, cand, chained[key], iso, prov, held.repeat[key], placed, per_node.get(key, {})
+        )
         where = {"direction": "backward", "stage": stage.label, "layer": stage.layer, "node": key,
                  "operator": gradient_operator(gate.setup.graph.nodes, key)}  # fmt: skip
         first_bad = next((c["check"] for c in rec["checks"] if not c["pass"]), None)
@@ -185,11 +251,10 @@ def _stage(gate, ctx, lanes: Lanes, saving, incoming, stage: Stage, params, gpar
         if rec["batch_row"] is not None:
             findings.note_drift("backward_batch", where, rec["batch_row"])
         records[key] = rec
-    agf = _autograd_forward(lanes.candidate, results[lanes.candidate.name], stage)
-    for k, ok in agf.items():
+    for k, ok in held.agf.items():
         if not ok["bitwise"] and gate.tolerance.backward.autograd_forward_bitwise:
             findings.failing.append(f"backward.autograd_forward.{k}.bitwise")
-    return records, agf
+    return records, held.agf
 
 
 def _isolated_nodes(gate, ctx: RowContext, stage: Stage, params, gparams, saved, prov: StageGrads) -> dict:
@@ -234,39 +299,37 @@ def _order(stage: Stage, gold: Mapping[str, torch.Tensor]) -> list[str]:
     return [*nodes, *rest, *[k for k in LEAVES if k in gold]]
 
 
-def _envelope(providers: list[Lane], results: Mapping, gold: Mapping[str, torch.Tensor], dims: Mapping) -> dict:
-    env: dict[str, dict] = {k: {} for k in gold}
-    for lane in providers:
-        got = results.get(lane.name)
-        if got is None:
-            continue
-        values = flat(got)
-        name = "default" if lane.variant is None else lane.variant.name
-        for k in gold:
-            if values.get(k) is not None:
-                env[k][name] = row_errors(*rowed(values[k], dims[k])[:1], *rowed(gold[k], dims[k]))
-    return env
+def _add_envelope(env: dict[str, dict], lane: Lane, grads: Mapping[str, torch.Tensor], gold: Mapping, dims) -> None:
+    """Provider ``lane``'s row errors against ``gold``, per gradient, under the lane's variant name."""
+    name = "default" if lane.variant is None else lane.variant.name
+    for k in gold:
+        if grads.get(k) is not None:
+            env.setdefault(k, {})[name] = row_errors(*rowed(grads[k], dims[k])[:1], *rowed(gold[k], dims[k]))
 
 
-def _isolated(gate, lanes: Lanes, stage: Stage, params, gparams, prov_in: dict) -> dict:
-    """The stage alone on the provider's saved inputs and incoming gradients: candidate, FP64, provider variants."""
+def _isolated(gate, lanes: Lanes, stage: Stage, params, gparams, prov_in: dict, prov: Mapping, dims) -> dict:
+    """The stage alone on the provider's saved inputs and incoming gradients: FP64, the candidate (twice under the
+    determinism record), and the envelope of the provider (``prov``: its chained gradients, from those same inputs)
+    and of each variant, reduced to row errors as each variant ends."""
     saved = lanes.provider.saved[stage.label]
-    gold = stage_vjp(stage, to_float64(saved), gparams, lanes.golden.table, {k: v.double() for k, v in prov_in.items()})
+    gold = flat(stage_vjp(stage, to_float64(saved), gparams, lanes.golden.table,
+                          {k: v.double() for k, v in prov_in.items()}))  # fmt: skip
     with determinism.evaluation("isolated vjp"):
-        cand = stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides)
+        cand = flat(stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides))
         if determinism.active() is not None:  # its partner: the recorder compares the two
             with determinism.again():
                 stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides)
-    variants: dict[str, StageGrads] = {}
+    env: dict[str, dict] = {k: {} for k in gold}
+    _add_envelope(env, lanes.provider, prov, gold, dims)
     for lane in lanes.providers[1:]:
         if lane.refused is not None:
             continue
         try:
             with lane.entered():
-                variants[lane.name] = stage_vjp(stage, saved, params, lane.table, prov_in)
+                _add_envelope(env, lane, flat(stage_vjp(stage, saved, params, lane.table, prov_in)), gold, dims)
         except RuntimeError as exc:
             lane.refused = refusal(exc)
-    return {"golden": flat(gold), "candidate": flat(cand), "variants": variants}
+    return {"golden": gold, "candidate": cand, "env": env}
 
 
 def grad_row_dim(stage: Stage, key: str, t: torch.Tensor) -> int | None:
@@ -286,9 +349,11 @@ def rowed(t: torch.Tensor, rd: int | None) -> tuple[torch.Tensor, int | None]:
     return (t.reshape(1, -1), 0) if rd == WHOLE else (t, rd)
 
 
-def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, again, placed, readers) -> dict:
+def _chained_view(gate, ctx, stage: Stage, key: str, c, p, g, env: Mapping, rd: int | None, judged) -> dict:
+    """Gradient ``key``'s judgment against the chained golden ``g``: the error bound, the chained row view; and what
+    the rest of its record reuses (kind, modalities, the contract floor). ``judged``: the stage's golden gradients'
+    names."""
     tol = gate.tolerance.backward
-    c, p, g = cand[key], prov[key], gold[key]
     kind = _kind(stage, key)
     mods = row_labels(_rows_of(stage, key), c, rd, gate.modalities)
     err_c, err_p = error(c, g), error(p, g)
@@ -297,27 +362,32 @@ def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, agai
     else:
         bound = leaf_check(err_c, err_p, float(g.abs().max()), c.dtype == torch.bfloat16, tol.error_metric,
                            tol.leaf_factor, tol.leaf_floor, tol.bf16_ulp_allowance)  # fmt: skip
-    least = contract_floor(ctx.rule.contract_floor, _ops(stage, key, gold), "backward", c.dtype)
+    least = contract_floor(ctx.rule.contract_floor, _ops(stage, key, judged), "backward", c.dtype)
+    row = ctx.judge(rowed(c, rd)[0], env, *rowed(g, rd), at_least=least, mods=mods)
+    return {"kind": kind, "mods": mods, "least": least, "rd": rd, "row": row,
+            "error": {"candidate": err_c, "provider": err_p, "bound": bound}}  # fmt: skip
+
+
+def _record(gate, ctx, stage, key, cand, chained: dict, iso: dict, prov, repeat: dict, placed, readers) -> dict:
+    """Gradient ``key``'s record from its chained view (:func:`_chained_view`), the isolated stage (``iso``), the
+    repeat's agreement, the batch placements' (``None``: not judged per placement) and each reader's backward alone."""
+    tol = gate.tolerance.backward
+    c, kind, mods, least, rd = cand[key], chained["kind"], chained["mods"], chained["least"], chained["rd"]
     named = _node_view(readers) if readers else None
     rows = {
         **({"isolated_node": readers[named]} if readers else {}),
-        "chained": ctx.judge(rowed(c, rd)[0], env[key], *rowed(g, rd), at_least=least, mods=mods),
-        "isolated": ctx.judge(rowed(iso["candidate"][key], rd)[0], iso_env[key], *rowed(iso["golden"][key], rd),
+        "chained": chained["row"],
+        "isolated": ctx.judge(rowed(iso["candidate"][key], rd)[0], iso["env"][key], *rowed(iso["golden"][key], rd),
                               at_least=least, mods=mods),
     }  # fmt: skip
-    rd = None if rd == WHOLE else rd
-    repeat = agreement(again[key], c, rd, mods)
-    batch = None
-    if rd == 1 and kind != "parameter":
-        recs = [{"batch": s, "position": pos, **agreement(select_item(v[key], 1, pos), c, 1, mods)}
-                for (s, pos), v in placed if key in v]  # fmt: skip
-        batch = merged(recs)
+    rd = _agreement_dim(rd)
+    batch = None if placed is None else merged(placed)
     checks = []
     if tol.repeat_bitwise:
         checks.append(check("repeat_bitwise", repeat["bitwise"]))
     if tol.batch_row_bitwise and batch is not None:
         checks.append(check("batch_row_bitwise", batch["bitwise"]))
-    checks.append(bound_check(bound))
+    checks.append(bound_check(chained["error"]["bound"]))
     for view in ("isolated_node", "isolated", "chained"):
         row = rows.get(view)
         if row is not None:
@@ -327,15 +397,15 @@ def _record(gate, ctx, stage, key, rd, cand, prov, gold, env, iso, iso_env, agai
     return {
         "name": key, "kind": kind, "stage": stage.label, "layer": stage.layer, "shape": list(c.shape),
         "dtype": str(c.dtype).removeprefix("torch."), "row_dim": rd, "repeat": repeat, "batch_row": batch,
-        "chained": agreement(c, p, rd, mods), "isolated": agreement(iso["candidate"][key], p, rd, mods),
-        "error": {"candidate": err_c, "provider": err_p, "bound": bound}, "rows": rows, "checks": checks,
+        "chained": agreement(c, prov[key], rd, mods), "isolated": agreement(iso["candidate"][key], prov[key], rd, mods),
+        "error": chained["error"], "rows": rows, "checks": checks,
         "isolated_node": None if named is None else {"node": named,
                                                      "ratios": {r: c["ratio"] for r, c in readers.items()}},
         "pass": all(x["pass"] for x in checks),
     }  # fmt: skip
 
 
-def _ops(stage: Stage, key: str, gold: Mapping[str, torch.Tensor]) -> list[str]:
+def _ops(stage: Stage, key: str, gold: Iterable[str]) -> list[str]:
     """The operators whose backward made gradient ``key``: a node's own; for a parameter or the request, every
     node of the stage that back-propagated (its output has a gradient)."""
     node = next((n for n in stage.nodes if n.name == key), None)

@@ -155,12 +155,12 @@ def keep_node(ctx: RowContext, node: Node, iso: torch.Tensor, local: torch.Tenso
     }
 
 
-def keep_gradient(ctx: RowContext, stage: Stage, key: str, cand: Mapping, prov: Mapping, gold: Mapping,
-                  env: Mapping, iso: Mapping, iso_env: Mapping, isolated_state: tuple,
-                  chained_state: tuple) -> None:  # fmt: skip
-    """The backward hook (``runs/model_backward``): the isolated and chained views of gradient ``key`` where a
-    declared node's backward fault is judged; ``*_state``: (saved inputs, incoming gradients) of the stage for the
-    provider (isolated) and the candidate (chained), kept where a fault re-runs the stage."""
+def keep_gradient(ctx: RowContext, stage: Stage, key: str, view: str, cand: Mapping, prov: Mapping, gold: Mapping,
+                  env: Mapping, isolated_state: tuple, chained_state: tuple) -> None:  # fmt: skip
+    """The backward hook (``runs/model_backward``): ``view`` (``chained``, then ``isolated``) of gradient ``key``
+    where a declared node's backward fault is judged, against that view's FP64 ``gold`` and provider envelope
+    ``env``; ``*_state``: (saved inputs, incoming gradients) of the stage for the provider (isolated) and the
+    candidate (chained), kept where a fault re-runs the stage."""
     keep: MatrixKeep | None = ctx.kept.get(KEY)
     if keep is None or key not in keep.targets:
         return
@@ -169,17 +169,24 @@ def keep_gradient(ctx: RowContext, stage: Stage, key: str, cand: Mapping, prov: 
     mods = row_labels(node.meta["rows"], c, rd, ctx.modalities)
     least = contract_floor(ctx.rule.contract_floor, node.ops, "backward", c.dtype)
     rows = fault_rows_of(_rows(c, rd), mods)
-    keep.backward[key] = {
-        "isolated": RowView.of(iso["candidate"][key], iso["golden"][key], iso_env[key], rd, rows, least, mods),
-        "chained": RowView.of(c, gold[key], env[key], rd, rows, least, mods, sums=True),
-        "provider": error(prov[key], gold[key]),
-        "stage": stage,
-    }
+    views = keep.backward.setdefault(key, {"stage": stage})
+    if view == "isolated":
+        views["isolated"] = RowView.of(c, gold[key], env[key], rd, rows, least, mods)
+        return
+    views["chained"] = RowView.of(c, gold[key], env[key], rd, rows, least, mods, sums=True)
+    views["provider"] = error(prov[key], gold[key])
     if key in keep.rerun:
         incoming = {view: {k: g for k, g in state[1].items() if k in stage.outputs}
                     for view, state in (("isolated", isolated_state), ("chained", chained_state))}  # fmt: skip
         keep.stage_state[stage.label] = {"isolated": (dict(isolated_state[0]), incoming["isolated"]),
                                          "chained": (dict(chained_state[0]), incoming["chained"])}  # fmt: skip
+
+
+def forget_gradient(ctx: RowContext, key: str) -> None:
+    """A gradient the gate could not judge (a lane lacks it): none of its views is kept."""
+    keep: MatrixKeep | None = ctx.kept.get(KEY)
+    if keep is not None:
+        keep.backward.pop(key, None)
 
 
 def keep_node_vjp(ctx: RowContext, node: Node, source: str, cand: torch.Tensor, gold: torch.Tensor, env: Mapping,
