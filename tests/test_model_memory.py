@@ -79,7 +79,7 @@ def test_ws1_model_warns_when_the_upper_estimate_exceeds_what_is_free(run_cli, t
     args = ("run", "ws1-model", "--out", tmp_path / "ev")
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 100 << 20)
     code, _, err = run_cli(*args)
-    assert code == 2 and err.startswith("h3gate: warning: memory: the peak may reach 0.3 GiB (upper estimate")
+    assert code == 2 and err.startswith("h3gate: warning: memory: the peak may reach 0.2 GiB (upper estimate")
     assert "0.1 GiB available: the run may run out of memory\n" in err and err.endswith("h3gate: error: stop\n")
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
     code, _, err = run_cli(*args, "--force")
@@ -113,12 +113,12 @@ def test_a_streamed_range_warns_with_its_own_stages(capsys, monkeypatch):
     upper = model_memory.model_peak_estimate_bytes(cfg, 84, 1 + cfg.num_refiner_layers + 6, 3, True, "cpu")
     assert upper < model_memory.model_peak_estimate_bytes(cfg, 84, len(split_stages(setup.graph)), 3, True, "cpu")
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 50 << 20)
-    model_stream_cmd._require_memory(s, setup, 1, tol)
+    model_stream_cmd._require_memory(s, setup, [(0, 1)], tol)
     err = capsys.readouterr().err
     assert err.startswith(f"h3gate: warning: memory: the peak may reach {upper / GIB:.1f} GiB (upper estimate")
     assert err.endswith("the run may run out of memory\n") and err.count("\n") == 1
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
-    model_stream_cmd._require_memory(s, setup, 1, tol)
+    model_stream_cmd._require_memory(s, setup, [(0, 1)], tol)
     assert capsys.readouterr().err == ""
 
 
@@ -148,37 +148,45 @@ def test_the_trajectory_is_refused_below_its_own_lower_bound_and_runs_at_it(monk
     assert model_memory.model_weight_bytes(real) / model_memory.trajectory_lower_bound_bytes(real, medium, 1) > 0.9
 
 
-def test_the_released_whole_model_backward_is_refused_on_one_h200_and_its_forward_and_medium_are_not(
-    run_cli, tmp_path, monkeypatch
-):
-    """The whole-model backward holds every saving lane's stage backward together (36 bytes per node element of a
-    block: the golden's FP64 values and gradients, provider, candidate, repeat, the batch of two): at 768p even a
-    streamed range of one block needs at least 236.7 GiB, refused with 139.3 GiB free before any weight is read,
-    naming the way out, and nothing written; its forward (102.7 GiB) and medium's backward (50.6 GiB, all 50 blocks)
-    are under it."""
+def test_the_released_backward_fits_one_h200_in_ranges_of_one_block_and_not_of_four(run_cli, tmp_path, monkeypatch):
+    """The whole-model backward holds at its fullest the golden's FP64 stage backward beside the provider's values and
+    gradients and the candidate's gradients (22 bytes per node element of a block); every other lane runs after it,
+    reduced to records at once. At 768p a streamed range of one block needs at least 131.8 GiB (the last range, with
+    the final AdaLN and the heads; a middle one 119.3 GiB): under a 139.3 GiB H200. Ranges of four blocks (144.3 GiB
+    for the first) are refused before any weight is read, naming the way out, nothing written; the forward (102.7
+    GiB) and medium's whole backward (42.6 GiB) are under it."""
     from h3gate import memory
 
     cfg = load_config("real").config
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: int(139.3 * GIB))
     seq = {name: build_layout(load_layout(name), name).seq_len for name in ("medium", "768p")}
 
-    def need(layout: str, blocks: int, backward: bool) -> int:
-        stages = blocks + cfg.num_refiner_layers + 6
+    def need(layout: str, a: int, b: int, backward: bool) -> int:
+        stages = memory_plan.row_stages(cfg, b - a, a == 0, b == cfg.num_layers)
         return memory_plan.model_lower_bound_bytes(cfg, seq[layout], stages, ModelNeeds().lanes, backward)
 
-    assert [round(need(*a) / GIB, 1) for a in (("768p", 1, True), ("768p", 50, False), ("medium", 50, True))] == [
-        236.7, 102.7, 50.6]  # fmt: skip
-    assert need("768p", 50, False) < 139.3 * GIB and need("medium", 50, True) < 139.3 * GIB  # not refused
+    cases = (("768p", 1, 2, True), ("768p", 0, 1, True), ("768p", 49, 50, True), ("768p", 0, 4, True),
+             ("768p", 0, 50, False), ("medium", 0, 50, True))  # fmt: skip
+    assert [round(need(*a) / GIB, 1) for a in cases] == [119.3, 125.6, 131.8, 144.3, 102.7, 42.6]
     element = memory_plan.block_node_elements(cfg, seq["768p"])
-    assert need("768p", 1, True) - need("768p", 1, False) >= (36 - 18) * element  # the backward's lanes held at once
+    assert need("768p", 1, 2, True) >= 22 * element  # the fullest stage backward
     out = tmp_path / "run"
-    code, _, err = run_cli("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--range-size", "1",
+    code, _, err = run_cli("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--range-size", "4",
                            "--out", out)  # fmt: skip
     assert code == 2 and err == (
-        "h3gate: error: ws1-model --stream --layout 768p --config real (S=38974, ranges of 1 blocks): needs at least "
-        "236.7 GiB, 139.3 GiB of host memory available; use smaller ranges (--range-size) or --no-backward\n"
+        "h3gate: error: ws1-model --stream --layout 768p --config real (S=38974, ranges of 4 blocks): needs at least "
+        "144.3 GiB, 139.3 GiB of host memory available; use smaller ranges (--range-size) or --no-backward\n"
     )
     assert not out.exists()
+    from types import SimpleNamespace
+
+    from h3gate.commands import model_stream_cmd
+    from h3gate.manifests.tolerances import load_tolerance
+
+    setup = prepare(RunSpec("model", "768p", config="real"), None, read=False)
+    s = SimpleNamespace(run=SimpleNamespace(layout="768p"), backward=True)
+    ranges = [(a, a + 1) for a in range(cfg.num_layers)]
+    model_stream_cmd._require_memory(s, setup, ranges, load_tolerance("ws1-model"))  # not refused: the control
 
 
 def test_the_trajectory_refuses_a_host_without_room_for_its_determinism_record(tmp_path, monkeypatch):

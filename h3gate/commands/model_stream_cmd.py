@@ -30,7 +30,7 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.memory import require, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs import stream_files as files
-from h3gate.runs.memory_plan import model_lower_bound_bytes
+from h3gate.runs.memory_plan import model_lower_bound_bytes, row_stages
 from h3gate.runs.model_memory import plan_model_memory
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
@@ -147,16 +147,18 @@ def _prepared(s: Ws1ModelCommand, device: str | None = None, out: bool = True) -
     return setup, tol, tol_file
 
 
-def _require_memory(s: Ws1ModelCommand, setup: Run, blocks: int, tol: ToleranceProfile) -> None:
-    """A range of ``blocks`` blocks (with the stages before and after them) against the device's memory: the lower
-    bound refuses, the upper estimate (the gate's lanes over the range's stages) warns."""
-    cfg, seq = setup.cfg, setup.layout.seq_len
-    stages = blocks + cfg.num_refiner_layers + 6
-    need = model_lower_bound_bytes(cfg, seq, stages, ModelNeeds().lanes, s.backward)
+def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]], tol: ToleranceProfile) -> None:
+    """Each range of blocks (with the stages before and after them) against the device's memory: the largest lower
+    bound refuses, the upper estimate (the gate's lanes over the largest range's stages) warns."""
+    cfg, seq, last = setup.cfg, setup.layout.seq_len, setup.cfg.num_layers
+    blocks = max(b - a for a, b in ranges)
+    need = max(model_lower_bound_bytes(cfg, seq, row_stages(cfg, b - a, a == 0, b == last), ModelNeeds().lanes,
+                                       s.backward) for a, b in ranges)  # fmt: skip
     require(need, f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, ranges of "
             f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)" + (" or --no-backward"
             if s.backward else ""))  # fmt: skip
     providers = provider_lanes(list(tol.row_rule.variants), setup.device)
+    stages = blocks + cfg.num_refiner_layers + 6
     warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0))
 
 
@@ -227,7 +229,7 @@ def _one_range(s: Ws1ModelCommand) -> int:
         raise InputError("--from RUNDIR: needs --layers A:B (one of the run's ranges)")
     setup, tol, tol_file = _prepared(s)
     a, b = parse_layers(s.run.layers, setup.cfg)
-    _require_memory(s, setup, b - a, tol)
+    _require_memory(s, setup, [(a, b)], tol)
     rundir = Path(s.from_dir)
     doc = _check_plan(rundir, "--from", _settings_record(s, tol_file))
     if [a, b] not in doc["ranges"]:
@@ -273,7 +275,7 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
     ranges = parse_ranges(s.ranges, s.range_size, setup.cfg.num_layers)
     if s.resume is not None:
         ranges = [tuple(r) for r in _check_plan(Path(s.resume), "--resume", settings)["ranges"]]
-    _require_memory(s, setup, max(b - a for a, b in ranges), tol)
+    _require_memory(s, setup, ranges, tol)
     rundir = None
     if rank == 0:
         out = s.resume if s.resume is not None else s.out

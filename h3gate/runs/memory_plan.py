@@ -275,18 +275,26 @@ def block_node_elements(cfg: ModelConfig, seq_len: int) -> int:
 def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: int, backward: bool) -> int:
     """A lower bound on what a ws1-model run holds at once: one block's weights in bf16 + FP64 (twice under the
     backward: parameter gradients); one block's node values ``E`` (:func:`block_node_elements`), forward at FP64
-    (golden) + bf16 for the provider, the candidate and a batch of three (``18 E`` bytes), or, with the backward,
-    every saving lane's stage backward held together until the stage's checks end
-    (:func:`h3gate.runs.model_backward.backward`: recomputed values and node gradients of the golden at FP64, the
-    provider, the candidate and its repeat at bf16, and the two items of the batch placement: ``36 E``); each lane's
-    stage boundaries ``S x H`` (bf16, golden FP64), kept for every stage when the backward runs."""
+    (golden) + bf16 for the provider, the candidate and a batch of three (``18 E`` bytes), or, with the backward, a
+    stage backward at its fullest (:func:`h3gate.runs.model_backward.backward`: the golden's FP64 recomputed values
+    and node gradients beside the provider's bf16 values and gradients and the candidate's gradients: ``22 E``; the
+    other lanes run one at a time after it, reduced to records at once); each lane's stage boundaries ``S x H``
+    (bf16, golden FP64) for ``stages`` stages holding packed rows (:func:`row_stages`), kept for every such stage
+    when the backward runs."""
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     weights = (4 * h * nd + 3 * h * f) * (2 + 8) * (2 if backward else 1)
     forward = 8 + 2 * (1 + 1 + 3)
-    stage_backward = 2 * 8 + 2 * 2 * (1 + 1 + 1) + 2 * 2 * 2
+    stage_backward = 2 * 8 + 2 * 2 + 2
     values = block_node_elements(cfg, seq_len) * (stage_backward if backward else forward)
     boundaries = seq_len * h * (8 + 2 * lanes) * (stages if backward else 2)
     return weights + values + boundaries
+
+
+def row_stages(cfg: ModelConfig, blocks: int, first: bool = True, last: bool = True) -> int:
+    """The stages whose saved inputs hold every packed row, in a range of ``blocks`` transformer blocks: each block,
+    the packing (with the range from block 0: ``first``), the final AdaLN and the heads (with the range to the last
+    block: ``last``). The embeddings, the refiner and the time embedding read request, text or timestep rows."""
+    return blocks + (1 if first else 0) + (2 if last else 0)
 
 
 def model_fault_matrix_bytes(cfg: ModelConfig, seq_len: int) -> int:

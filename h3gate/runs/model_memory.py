@@ -92,26 +92,27 @@ def model_forward_phase(cfg: ModelConfig, rows: int, stages: int, providers: int
 
 
 def model_backward_phase(cfg: ModelConfig, rows: int, stages: int, providers: int, device: str) -> int:
-    """One block stage of the backward (:mod:`h3gate.runs.model_backward`), all held at once: each saving lane's
-    recomputation (:func:`~h3gate.graph.stages.stage_vjp`: node values and their retained gradients, parameter
-    gradients) kept until the stage's checks end, then the isolated stage backward's (the FP64 golden, the
-    candidate, each provider variant) beside them:
+    """One block stage of the backward (:mod:`h3gate.runs.model_backward`) at its fullest. The chained lanes run one
+    at a time, each reduced to its records before the next, beside the golden's node gradients (FP64), the provider's
+    recomputed values and gradients and the candidate's gradients (bf16); the golden's are dropped before the
+    isolated stage's FP64 backward, which runs beside the provider's and the candidate's. The fullest moments
+    (per ``E``): that FP64 backward running (values, gradients and autograd's saved intermediates, at most one FP64
+    per element: ``24``) beside the provider and the candidate (``4 + 2``), or the batch-of-2 placement running
+    (values, gradients, at most one FP32 intermediate per element, two items: ``2 * 8``) beside the golden's
+    gradients, the provider and the candidate (``8 + 4 + 2``):
 
-    * per ``W``: the parameters (``2 + 8``); the chained lanes' parameter gradients: golden FP64, providers,
-      candidate, repeat, the batch placement (summed over its items) in bf16 (``8 + 2 P + 2 + 2 + 2``); the isolated
-      ones: golden, candidate and ``P - 1`` variants (``8 + 2 + 2 (P - 1)``);
-    * per ``E``: values and gradients of the chained lanes (``16 + 4 P + 4 + 4 + 2 * 4``) and of the isolated ones
-      (``16 + 4 + 4 (P - 1)``), and autograd's saved intermediates of the FP64 lane running (at most one FP64 per
-      element, ``8``); the running op's backward temporaries (two FP64 per element of the widest node,
-      :func:`~h3gate.runs.memory_plan.streamed_peak_width`) and the golden attention's working set;
+    * per ``W``: the parameters (``2 + 8``); the held parameter gradients (golden FP64, the provider, the candidate,
+      the isolated candidate and the running lane's in bf16: ``8 + 4 * 2``);
+    * per ``E``: ``max(24 + 6, 14 + 16)``; the running op's backward temporaries (two FP64 per element of the widest
+      node, :func:`~h3gate.runs.memory_plan.streamed_peak_width`) and the golden attention's working set;
     * per ``X``: every stage's input still kept by each saving lane (at the heads' backward all of them) and each
-      saving lane's incoming and accumulated input gradients (``2 * ...``)."""
+      saving lane's incoming and accumulated input gradients (``2 * ...``). ``providers`` counts in the boundaries
+      only: a variant's stage backward is reduced to its row errors before the next lane runs."""
     w, e, x = stage_sizes(cfg, rows)
-    p = providers
-    weights = w * (2 + 8 + (8 + 2 * p + 2 + 2 + 2) + (8 + 2 + 2 * (p - 1)))
-    values = e * ((16 + 4 * p + 4 + 4 + 2 * 4) + (16 + 4 + 4 * (p - 1)) + 8)
+    weights = w * (2 + 8 + 8 + 4 * 2)
+    values = e * max(24 + 4 + 2, 8 + 4 + 2 + 2 * 8)
     working = rows * streamed_peak_width(cfg) * 2 * 8 + golden_attention_bytes(cfg, rows, device)
-    boundaries = x * (stages + 2) * _saving_bytes(p)
+    boundaries = x * (stages + 2) * _saving_bytes(providers)
     return weights + values + working + boundaries
 
 

@@ -42,7 +42,9 @@ from h3gate.runs.memory_plan import (
     model_fault_matrix_bytes,
     model_lower_bound_bytes,
     plan_block_memory,
+    row_stages,
     saved_values_bytes,
+    transformer_blocks,
 )
 from h3gate.runs.model_memory import plan_model_memory, trajectory_lower_bound_bytes
 from h3gate.runs.model_stages import StageWeights, model_inputs
@@ -370,7 +372,8 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
     if isinstance(needs, ModelNeeds):
         at = f"--layout {spec.layout} --config {run.config_name} (S={packed.seq_len})"
         if needs.evaluation_batch is None:
-            need = model_lower_bound_bytes(cfg, packed.seq_len, len(stages), needs.lanes, needs.backward)
+            rows = row_stages(cfg, transformer_blocks(stages))
+            need = model_lower_bound_bytes(cfg, packed.seq_len, rows, needs.lanes, needs.backward)
             need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
             require(need, f"ws1-model {at}", device, hint="use a smaller layout, --layers or --no-backward")
         else:  # a trajectory: every weight resident, one evaluation's values
