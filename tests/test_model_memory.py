@@ -189,6 +189,31 @@ def test_the_released_backward_fits_one_h200_in_ranges_of_one_block_and_not_of_f
     model_stream_cmd._require_memory(s, setup, ranges, load_tolerance("ws1-model"))  # not refused: the control
 
 
+def test_phase_1_alone_is_checked_against_its_own_bound(run_cli, tmp_path, monkeypatch):
+    """``--boundaries-only`` runs phase 1 only (one lane through one stage at a time: the golden's FP64 stage backward
+    and each lane's stage inputs over a checkpoint segment, 120.9 GiB at 768p): a plan whose 5:45 range could not be
+    gated on one H200 stores its boundaries; without ``--boundaries-only`` the same plan is refused naming its
+    ranges; with less than phase 1's bound free, phase 1 is refused naming it."""
+    from h3gate import memory
+    from h3gate.commands import model_stream_cmd
+
+    cfg = load_config("real").config
+    seq = build_layout(load_layout("768p"), "768p").seq_len
+    first = memory_plan.phase1_lower_bound_bytes(cfg, seq, ModelNeeds().lanes, True, 6)
+    assert round(first / GIB, 1) == 120.9
+    monkeypatch.setattr(model_stream_cmd, "read_inputs", _stop)
+    plan = ",".join(["0:1", "1:2", "2:3", "3:4", "4:5", "5:45", *(f"{a}:{a + 1}" for a in range(45, 50))])
+    args = ("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--ranges", plan)
+    for free, extra, want in ((139.3, ("--boundaries-only",), "h3gate: error: stop\n"),
+                              (139.3, (), "(S=38974, ranges of 40 blocks): needs at least"),
+                              (120.0, ("--boundaries-only",), "(S=38974, phase 1): needs at least 120.9 GiB")):
+        monkeypatch.setattr(memory, "device_available_bytes", lambda device, free=free: int(free * GIB))
+        monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda free=free: int(free * GIB))
+        code, _, err = run_cli(*args, *extra, "--out", tmp_path / "run", "--force")
+        assert code == 2 and want in err.splitlines()[-1] + "\n", (extra, err)
+    assert err.rstrip().endswith("use a smaller layout or --no-backward")
+
+
 def test_the_trajectory_refuses_a_host_without_room_for_its_determinism_record(tmp_path, monkeypatch):
     """The determinism record keeps every block node's per-row fingerprints of each evaluation in host memory until
     the invocation ends (11.4 GiB for a 49-step 768p run): a host one byte short of the invocation's evaluations plus

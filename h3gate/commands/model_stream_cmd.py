@@ -30,11 +30,11 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.memory import require, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs import stream_files as files
-from h3gate.runs.memory_plan import model_lower_bound_bytes, row_stages
+from h3gate.runs.memory_plan import model_lower_bound_bytes, phase1_lower_bound_bytes, row_stages
 from h3gate.runs.model_memory import plan_model_memory
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
-from h3gate.runs.model_stream import StreamPlan, boundary_bytes, build_plan, phase1, run_range
+from h3gate.runs.model_stream import SEGMENT, StreamPlan, boundary_bytes, build_plan, phase1, run_range
 from h3gate.runs.setup import ModelNeeds, Run, parse_layers, prepare, read_inputs
 from h3gate.runs.trajectory_files import differing_field
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, gate_context, lane_records, make_lanes
@@ -147,16 +147,28 @@ def _prepared(s: Ws1ModelCommand, device: str | None = None, out: bool = True) -
     return setup, tol, tol_file
 
 
-def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]], tol: ToleranceProfile) -> None:
-    """Each range of blocks (with the stages before and after them) against the device's memory: the largest lower
-    bound refuses, the upper estimate (the gate's lanes over the largest range's stages) warns."""
-    cfg, seq, last = setup.cfg, setup.layout.seq_len, setup.cfg.num_layers
+def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]], tol: ToleranceProfile,
+                    phase1: bool = False) -> None:  # fmt: skip
+    """The device's memory against the largest lower bound of what this invocation runs: phase 1 (``phase1``) and,
+    unless ``--boundaries-only``, phase 2 of each range of blocks (with the stages before and after them); the upper
+    estimate (the gate's lanes over the largest range's stages) warns."""
+    cfg, seq, last, lanes = setup.cfg, setup.layout.seq_len, setup.cfg.num_layers, ModelNeeds().lanes
     blocks = max(b - a for a, b in ranges)
-    need = max(model_lower_bound_bytes(cfg, seq, row_stages(cfg, b - a, a == 0, b == last), ModelNeeds().lanes,
-                                       s.backward) for a, b in ranges)  # fmt: skip
-    require(need, f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, ranges of "
-            f"{blocks} blocks)", setup.device, hint="use smaller ranges (--range-size)" + (" or --no-backward"
-            if s.backward else ""))  # fmt: skip
+    gated = [] if phase1 and s.boundaries_only else ranges
+    needs = [model_lower_bound_bytes(cfg, seq, row_stages(cfg, b - a, a == 0, b == last), lanes, s.backward)
+             for a, b in gated]  # fmt: skip
+    first = phase1_lower_bound_bytes(cfg, seq, lanes, s.backward, SEGMENT) if phase1 else 0
+    if not needs or first > max(needs):  # phase 1 holds the most: smaller ranges do not help
+        need, what, hint = first, "phase 1", "use a smaller layout" + (" or --no-backward" if s.backward else "")
+    else:
+        need, what = max(needs), f"ranges of {blocks} blocks"
+        hint = "use smaller ranges (--range-size)" + (" or --no-backward" if s.backward else "")
+    require(
+        need,
+        f"ws1-model --stream --layout {s.run.layout} --config {setup.config_name} (S={seq}, {what})",
+        setup.device,
+        hint=hint,
+    )
     providers = provider_lanes(list(tol.row_rule.variants), setup.device)
     stages = blocks + cfg.num_refiner_layers + 6
     warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0))
@@ -275,7 +287,7 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
     ranges = parse_ranges(s.ranges, s.range_size, setup.cfg.num_layers)
     if s.resume is not None:
         ranges = [tuple(r) for r in _check_plan(Path(s.resume), "--resume", settings)["ranges"]]
-    _require_memory(s, setup, ranges, tol)
+    _require_memory(s, setup, ranges, tol, phase1=True)
     rundir = None
     if rank == 0:
         out = s.resume if s.resume is not None else s.out

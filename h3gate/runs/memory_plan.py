@@ -290,6 +290,19 @@ def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: 
     return weights + values + boundaries
 
 
+def phase1_lower_bound_bytes(cfg: ModelConfig, seq_len: int, lanes: int, backward: bool, segment: int) -> int:
+    """A lower bound on what phase 1 of a streamed ws1-model run holds at once (:func:`h3gate.runs.model_stream.phase1`:
+    one lane through one stage at a time, nothing judged): one block's weights in bf16 and FP64 (under the backward
+    also the golden's FP64 parameter gradients); the golden's node values of a block at FP64 (``8 E``), under the
+    backward its recomputed values and node gradients (``16 E``); each lane's hidden state between stages, and under
+    the backward each lane's stage inputs over one checkpoint segment of ``segment`` stages (``S x H`` each, bf16,
+    golden FP64)."""
+    h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
+    weights = (4 * h * nd + 3 * h * f) * (2 + 8 + (8 if backward else 0))
+    values = block_node_elements(cfg, seq_len) * (16 if backward else 8)
+    return weights + values + seq_len * h * (8 + 2 * lanes) * (segment if backward else 1)
+
+
 def row_stages(cfg: ModelConfig, blocks: int, first: bool = True, last: bool = True) -> int:
     """The stages whose saved inputs hold every packed row, in a range of ``blocks`` transformer blocks: each block,
     the packing (with the range from block 0: ``first``), the final AdaLN and the heads (with the range to the last
