@@ -204,9 +204,11 @@ def test_phase_1_alone_is_checked_against_its_own_bound(run_cli, tmp_path, monke
     monkeypatch.setattr(model_stream_cmd, "read_inputs", _stop)
     plan = ",".join(["0:1", "1:2", "2:3", "3:4", "4:5", "5:45", *(f"{a}:{a + 1}" for a in range(45, 50))])
     args = ("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--ranges", plan)
-    for free, extra, want in ((139.3, ("--boundaries-only",), "h3gate: error: stop\n"),
-                              (139.3, (), "(S=38974, ranges of 40 blocks): needs at least"),
-                              (120.0, ("--boundaries-only",), "(S=38974, phase 1): needs at least 120.9 GiB")):
+    for free, extra, want in (
+        (139.3, ("--boundaries-only",), "h3gate: error: stop\n"),
+        (139.3, (), "(S=38974, ranges of 40 blocks): needs at least"),
+        (120.0, ("--boundaries-only",), "(S=38974, phase 1): needs at least 120.9 GiB"),
+    ):
         monkeypatch.setattr(memory, "device_available_bytes", lambda device, free=free: int(free * GIB))
         monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda free=free: int(free * GIB))
         code, _, err = run_cli(*args, *extra, "--out", tmp_path / "run", "--force")
