@@ -78,6 +78,18 @@ def device_available_bytes(device: str) -> int | None:
     return int(free)
 
 
+def device_peak_record(device: str) -> dict:
+    """``{"peak_allocated_gib": ...}``: the most the CUDA caching allocator handed out in this process so far
+    (``torch.cuda.max_memory_allocated``), to set beside a plan's bounds; ``{}`` on the CPU."""
+    if not device.startswith("cuda"):
+        return {}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(torch.device(device)) / 2**30, 4)}
+
+
 def require(nbytes: int, what: str, device: str = "cpu", hint: str = "") -> None:
     """Refuse ``what`` when its estimate ``nbytes`` exceeds the memory available on ``device``."""
     available = device_available_bytes(device)

@@ -3,16 +3,20 @@
 # repository root on the lent GPU host, with the wheels of `make wheelhouse` in .whl/ and the revision stamp. The run
 # folder lives on the host's disk ($RUNDIR, default /tmp/ws768): it survives from one call to the next while the
 # machine stays warm, so each section is one call (each under the 10-minute limit) and phase 1 resumes across calls:
-#   phase1:  boundaries of every lane before blocks 5 and 45 and after the heads (--ranges 0:5,5:45,45:50), run
-#            under a $CAP_S-second timeout; call it again until its log ends "verdict: incomplete (phase 1: ...)";
+#   phase1:  boundaries of every lane between the ranges $RANGES (default 0:5,5:45,45:50), under a $CAP_S-second
+#            timeout (--boundaries-only: phase 1's own memory bound); call it again until its log ends
+#            "verdict: incomplete (phase 1: ...)";
 #   first:   phase 2 of blocks 0:5 with the stages before them (embeddings, refiner, packing, time);
 #   last:    phase 2 of blocks 45:50 with the stages after them (final AdaLN, heads);
-#   merge:   phase 3 of the ranges gated (--partial: 5:45 is not, so the record fails as incomplete by design), the
-#            JSON records (plan, ranges, ws1-model.json) copied to $OUT/ev/ws1-model-768p-streamed and sealed there,
-#            and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the measured blocks.
-#   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then first; then last; then merge
-# Forward only by default (BACKWARD=--backward to add it: the memory estimate refuses a 768p range with the
-# backward on one H200); 5:45 makes two boundaries of ~8 GB (forward, 7 provider variants) fit the 64 GiB disk.
+#   A:B      phase 2 of the plan's range A:B (with BACKWARD=--backward: ranges of one block, RANGES=0:1,1:2,2:3,3:4,
+#            4:5,5:50 for the first blocks or 0:45,45:46,...,49:50 for the last: five boundaries of ~10.9 GB fit the
+#            64 GiB disk, eleven do not);
+#   merge:   phase 3 of the ranges gated (--partial: the others are not, so the record fails as incomplete by
+#            design), the JSON records (plan, ranges, ws1-model.json) copied to $OUT/ev/ws1-model-768p-streamed and
+#            sealed there, and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the
+#            measured blocks ($SIZE blocks a range, default 5).
+#   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then the ranges; then merge
+# Forward only by default (BACKWARD=--backward adds it: one block a range fits one H200 by the lower bound).
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 rundir=${RUNDIR:-/tmp/ws768}
@@ -28,13 +32,16 @@ for section in "$@"; do
     du -sh "$rundir/boundaries" ;;
   first) step "$cap" stream768-range-0-5 python3 -m h3gate run ws1-model "${opts[@]}" --layers 0:5 --from "$rundir" ;;
   last) step "$cap" stream768-range-45-50 python3 -m h3gate run ws1-model "${opts[@]}" --layers 45:50 --from "$rundir" ;;
+  [0-9]*:[0-9]*) step "$cap" "stream768-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
+    --layers "$section" --from "$rundir"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
   merge)
     step "$cap" stream768-merge python3 -m h3gate run ws1-model "${opts[@]}" --merge "$rundir" --partial
     dest=$ev/ws1-model-768p-streamed
     mkdir -p "$dest/ranges" && cp "$rundir/plan.json" "$rundir/ws1-model.json" "$dest/" && cp "$rundir"/ranges/*.json "$dest/ranges/"
     python3 -m h3gate seal "$dest" >"$ev/logs/stream768-seal.log" 2>&1; echo "== seal: rc=$?"
-    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size 5 | tee "$ev/logs/stream768-projection.txt"
-    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size 5 --json >"$dest/projection.json" ;;
+    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" | tee "$ev/logs/stream768-projection.txt"
+    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" --json >"$dest/projection.json" ;;
   *) echo "unknown section $section" >&2 ;;
   esac
 done

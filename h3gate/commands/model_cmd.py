@@ -38,7 +38,7 @@ from h3gate.gate.variants import provider_lanes
 from h3gate.graph import determinism
 from h3gate.graph.determinism import Injection
 from h3gate.graph.stages import split_stages
-from h3gate.memory import require_disk
+from h3gate.memory import device_peak_record, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.memory_plan import saved_values_bytes
@@ -184,7 +184,7 @@ def build_body(setup: Run, result: ModelGateResult, seed: int, tol_name: str, to
             for k, v in setup.inputs.items()
         },
         "tolerance": {"name": tol_name, "file": display(tol_file), "sha256": sha256_file(tol_file)},
-        **({"memory": setup.memory.record()} if setup.memory is not None else {}),
+        **({"memory": {**setup.memory.record(), **device_peak_record(setup.device)}} if setup.memory else {}),
         **result.report,
     }
 

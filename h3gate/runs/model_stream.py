@@ -42,6 +42,7 @@ from h3gate.graph import determinism
 from h3gate.graph.core import to_float64
 from h3gate.graph.stages import Stage, accumulate, last_readers
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.memory import device_peak_record
 from h3gate.runs import stream_files as files
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_backward import backward, lane_vjp, model_incoming
@@ -309,6 +310,7 @@ def run_range(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, 
             "backward_s": round(time.perf_counter() - started - forward_s, 4),
             "total_s": round(time.perf_counter() - started, 4),
             "blocks": b - a,
+            **device_peak_record(gate.device),
             "parts": totals(gate.clock.stages),
             "stages": gate.clock.stages,
         },
