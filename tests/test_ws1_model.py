@@ -87,6 +87,24 @@ def test_the_default_command_passes_with_strict_kernels(default_run) -> None:
             assert node["rows"]["chained"]["rows"] == seq_len, node["name"]
 
 
+def test_the_record_says_where_the_gate_s_time_goes(default_run) -> None:
+    """Every stage in each direction has its clock record, split into the gate's parts (the golden, the lanes, the
+    isolated views, judging); the parts sum to the stage's seconds, and the totals are those records' sums."""
+    _, doc = default_run
+    timing = doc["timing"]
+    labels = doc["model"]["stages"]
+    stages = timing["stages"]
+    assert [r["stage"] for r in stages if r["direction"] == "forward"] == labels
+    assert [r["stage"] for r in stages if r["direction"] == "backward"] == labels[::-1]
+    for rec in stages:
+        assert abs(sum(rec["parts"].values()) - rec["seconds"]) < 1e-4 + 1e-6 * len(rec["parts"]), rec
+    for direction in ("forward", "backward"):
+        total = timing["parts"][direction]
+        assert abs(total["seconds"] - sum(r["seconds"] for r in stages if r["direction"] == direction)) < 1e-3
+        assert total["golden"] > 0 and total["candidate"] > 0 and total["isolated"] > 0 and total["batch"] > 0
+    assert timing["parts"]["forward"]["seconds"] <= timing["forward_s"]
+
+
 def test_the_backward_judges_every_parameter_and_the_request(default_run) -> None:
     _, doc = default_run
     bw = doc["backward"]

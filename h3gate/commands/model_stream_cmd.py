@@ -29,12 +29,13 @@ from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.memory import require, require_disk
 from h3gate.paths import LOCAL_EVIDENCE, display
+from h3gate.runs import model_stream
 from h3gate.runs import stream_files as files
 from h3gate.runs.memory_plan import model_lower_bound_bytes, phase1_lower_bound_bytes, row_stages
 from h3gate.runs.model_memory import plan_model_memory
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
-from h3gate.runs.model_stream import SEGMENT, StreamPlan, boundary_bytes, build_plan, phase1, run_range
+from h3gate.runs.model_stream import StreamPlan, boundary_bytes, build_plan, phase1, run_range
 from h3gate.runs.setup import ModelNeeds, Run, parse_layers, prepare, read_inputs
 from h3gate.runs.trajectory_files import differing_field
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, gate_context, lane_records, make_lanes
@@ -157,7 +158,7 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]
     gated = [] if phase1 and s.boundaries_only else ranges
     needs = [model_lower_bound_bytes(cfg, seq, row_stages(cfg, b - a, a == 0, b == last), lanes, s.backward)
              for a, b in gated]  # fmt: skip
-    first = phase1_lower_bound_bytes(cfg, seq, lanes, s.backward, SEGMENT) if phase1 else 0
+    first = phase1_lower_bound_bytes(cfg, seq, lanes, s.backward, model_stream.SEGMENT) if phase1 else 0
     if not needs or first > max(needs):  # phase 1 holds the most: smaller ranges do not help
         need, what, hint = first, "phase 1", "use a smaller layout" + (" or --no-backward" if s.backward else "")
     else:

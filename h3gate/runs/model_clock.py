@@ -64,6 +64,15 @@ class Clock:
             rec["parts"][name] += self._now() - t0
 
 
+def device_sync(device: str) -> Callable[[], None] | None:
+    """What a running clock waits on: the CUDA device's queue (None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.synchronize
+
+
 def lane_part(kind: str, name: str, variant: object | None, batch: object | None) -> str:
     """The part a lane's pass belongs to."""
     if kind in ("golden", "provider") and variant is None:

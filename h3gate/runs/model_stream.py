@@ -31,7 +31,6 @@ At 768p (S = 38974, H = 5376, D = 128) a bf16 lane's hidden state is 0.42 GB (FP
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from h3gate.memory import device_peak_record
 from h3gate.runs import stream_files as files
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_backward import backward, lane_vjp, model_incoming
-from h3gate.runs.model_clock import Clock, totals
+from h3gate.runs.model_clock import Clock, device_sync, totals
 from h3gate.runs.model_forward import Findings, forward
 from h3gate.runs.ws1_model import ModelGate, first_profile, lane_records, make_lanes, new_recorder
 
@@ -93,10 +92,6 @@ def boundary_bytes(cfg: ModelConfig, seq_len: int, timesteps: int, lanes: list[d
         if lane["saved_for_backward"]:
             total += grads
     return total
-
-
-def _sync(device: str) -> Callable[[], None] | None:
-    return torch.cuda.synchronize if device.startswith("cuda") else None
 
 
 def _load_forward(gate: ModelGate, rundir: Path, block: int | None, lanes: list) -> None:
@@ -271,7 +266,7 @@ def run_range(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, 
     if r > 0:
         _load_forward(gate, rundir, blocks[r - 1], lanes.all())
     base_rule = ctx.record()
-    gate.clock = Clock(running=True, sync=_sync(gate.device))
+    gate.clock = Clock(running=True, sync=device_sync(gate.device))
     recorder = new_recorder(gate)
     fwd, bwd = Findings(), Findings()
     bw, incoming = None, None

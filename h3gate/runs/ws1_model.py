@@ -35,7 +35,7 @@ from h3gate.manifests.tolerances import ToleranceProfile
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.candidate import SglangRun, check_forward_only, fault_point
 from h3gate.runs.model_backward import backward
-from h3gate.runs.model_clock import Clock
+from h3gate.runs.model_clock import Clock, device_sync, totals
 from h3gate.runs.model_fault_matrix import KEY, MatrixKeep, run_model_fault_matrix
 from h3gate.runs.model_forward import Findings, Lanes, forward, note_determinism, promised
 from h3gate.runs.model_lanes import CapturedLane, Lane
@@ -82,7 +82,7 @@ class ModelGate:
     kept_grads: Values = field(default_factory=dict)  # --save-tensors: the candidate's gradients (run ws2's keys)
     sglang: SglangRun | None = None  # the candidate is SGLang's DiT (h3gate.runs.candidate), forward only
     sglang_isolated: Values = field(default_factory=dict)  # its teacher-forced node values
-    clock: Clock = field(default_factory=Clock)  # started by a streamed range (h3gate.runs.model_stream)
+    clock: Clock = field(default_factory=Clock)  # started by run_model_gate and by a streamed range
 
     @classmethod
     def of(cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, fault: RowFault | None = None,
@@ -236,6 +236,7 @@ def lane_records(lanes: Lanes) -> list[dict]:
 def run_model_gate(gate: ModelGate) -> ModelGateResult:
     """Every lane through every stage, forward then backward; see the module docstring."""
     started = time.perf_counter()
+    gate.clock = Clock(running=True, sync=device_sync(gate.device))
     ctx = gate_context(gate)
     if gate.sglang is not None:
         _sglang_isolated(gate)
@@ -262,6 +263,8 @@ def run_model_gate(gate: ModelGate) -> ModelGateResult:
         "forward_s": round(forward_s, 4),
         "backward_s": round(time.perf_counter() - started - forward_s, 4),
         "total_s": round(time.perf_counter() - started, 4),
+        "parts": totals(gate.clock.stages),
+        "stages": gate.clock.stages,
     }
     return ModelGateResult(report, report["verdict"], findings.failing, gate.kept, gate.kept_grads)
 
