@@ -3,7 +3,10 @@ loss (:data:`h3gate.runs.model_stages.LOSS`), one stage at a time from the heads
 
 Per stage, every saving lane recomputes the stage under autograd from its saved inputs and back-propagates the
 gradients its outputs received (:func:`h3gate.runs.model_stages.stage_vjp`): the FP64 golden, the provider under
-every variant (the chained envelope), the candidate, its repeat and its batch placement. Then the stage alone
+every variant (the chained envelope), the candidate, its repeat and its batch placement, one lane at a time, each
+reduced to what its records need before the next runs (the golden's, the provider's and the candidate's gradients
+are held; the others become row errors and agreements at once), and the golden's gradients are judged and dropped
+before the isolated stage's FP64 backward runs. Then the stage alone
 (isolated): the candidate's stage backward on the provider's saved inputs and the provider's incoming gradients,
 against the same stage backward in FP64, under the envelope of the provider's under every variant; a drift is
 located at its stage, not inherited. Then each node alone (``isolated_node``, as ws1-block's ``vjp`` view:
@@ -186,7 +189,8 @@ def _chained(gate, lanes: Lanes, saving, incoming, stage: Stage, params, gparams
                 rec = agreement(select_item(grads[k], 1, lane.batch[1]), held.cand[k], 1, _mods(gate, stage, k, held))
                 held.placed.setdefault(k, []).append({"batch": lane.batch[0], "position": lane.batch[1], **rec})
         del got, grads
-    assert held is not None and held.provider is not None and held.cand, "the golden, provider and candidate ran"
+    if held is None or held.provider is None or not held.cand:
+        raise RuntimeError(f"{stage.label}: the golden, the provider and the candidate must each run the backward")
     return held
 
 
