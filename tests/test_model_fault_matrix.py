@@ -217,7 +217,7 @@ def test_the_memory_plan_counts_what_the_matrix_keeps(monkeypatch) -> None:
     from h3gate.runs.setup import ModelNeeds
 
     blocks = transformer_blocks(split_stages(prepare(RunSpec("model", "micro"), read=False).graph))
-    gate = model_lower_bound_bytes(TINY, 84, row_stages(TINY, blocks), ModelNeeds().lanes, True)
+    gate = model_lower_bound_bytes(TINY, 84, row_stages(blocks), ModelNeeds().lanes, True)
     kept = model_fault_matrix_bytes(TINY, 84)
     assert kept == (TINY.num_refiner_layers + 2) * 2 * 2 * 84 * TINY.hidden_size * 4
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: gate + kept // 2)  # between the two

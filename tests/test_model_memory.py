@@ -162,7 +162,7 @@ def test_the_released_backward_fits_one_h200_in_ranges_of_one_block_and_not_of_f
     seq = {name: build_layout(load_layout(name), name).seq_len for name in ("medium", "768p")}
 
     def need(layout: str, a: int, b: int, backward: bool) -> int:
-        stages = memory_plan.row_stages(cfg, b - a, a == 0, b == cfg.num_layers)
+        stages = memory_plan.row_stages(b - a, a == 0, b == cfg.num_layers)
         return memory_plan.model_lower_bound_bytes(cfg, seq[layout], stages, ModelNeeds().lanes, backward)
 
     cases = (("768p", 1, 2, True), ("768p", 0, 1, True), ("768p", 49, 50, True), ("768p", 0, 4, True),

@@ -6,16 +6,15 @@
 #   phase1:  boundaries of every lane between the ranges $RANGES (default 0:5,5:45,45:50), under a $CAP_S-second
 #            timeout (--boundaries-only: phase 1's own memory bound); call it again until its log ends
 #            "verdict: incomplete (phase 1: ...)";
-#   first:   phase 2 of blocks 0:5 with the stages before them (embeddings, refiner, packing, time);
-#   last:    phase 2 of blocks 45:50 with the stages after them (final AdaLN, heads);
-#   A:B      phase 2 of the plan's range A:B (with BACKWARD=--backward: ranges of one block, RANGES=0:1,1:2,2:3,3:4,
-#            4:5,5:50 for the first blocks or 0:45,45:46,...,49:50 for the last: five boundaries of ~10.9 GB fit the
-#            64 GiB disk, eleven do not);
+#   A:B      phase 2 of the plan's range A:B: 0:5 carries the stages before the blocks (embeddings, refiner,
+#            packing, time), 45:50 those after them (final AdaLN, heads). With BACKWARD=--backward, ranges of one
+#            block: RANGES=0:1,1:2,2:3,3:4,4:5,5:50 for the first blocks or 0:45,45:46,...,49:50 for the last (five
+#            boundaries of ~10.9 GB fit the 64 GiB disk, eleven do not);
 #   merge:   phase 3 of the ranges gated (--partial: the others are not, so the record fails as incomplete by
 #            design), the JSON records (plan, ranges, ws1-model.json) copied to $OUT/ev/ws1-model-768p-streamed and
 #            sealed there, and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the
 #            measured blocks ($SIZE blocks a range, default 5).
-#   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then the ranges; then merge
+#   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then the ranges (0:5 45:50); then merge
 # Forward only by default (BACKWARD=--backward adds it: one block a range fits one H200 by the lower bound).
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -30,8 +29,6 @@ for section in "$@"; do
     step "$cap" stream768-phase1 python3 -m h3gate run ws1-model "${opts[@]}" --stream --boundaries-only \
       --ranges "${RANGES:-0:5,5:45,45:50}" "${where[@]}"
     du -sh "$rundir/boundaries" ;;
-  first) step "$cap" stream768-range-0-5 python3 -m h3gate run ws1-model "${opts[@]}" --layers 0:5 --from "$rundir" ;;
-  last) step "$cap" stream768-range-45-50 python3 -m h3gate run ws1-model "${opts[@]}" --layers 45:50 --from "$rundir" ;;
   [0-9]*:[0-9]*) step "$cap" "stream768-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
     --layers "$section" --from "$rundir"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;

@@ -156,7 +156,7 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]
     cfg, seq, last, lanes = setup.cfg, setup.layout.seq_len, setup.cfg.num_layers, ModelNeeds().lanes
     blocks = max(b - a for a, b in ranges)
     gated = [] if phase1 and s.boundaries_only else ranges
-    needs = [model_lower_bound_bytes(cfg, seq, row_stages(cfg, b - a, a == 0, b == last), lanes, s.backward)
+    needs = [model_lower_bound_bytes(cfg, seq, row_stages(b - a, a == 0, b == last), lanes, s.backward)
              for a, b in gated]  # fmt: skip
     first = phase1_lower_bound_bytes(cfg, seq, lanes, s.backward, model_stream.SEGMENT) if phase1 else 0
     if not needs or first > max(needs):  # phase 1 holds the most: smaller ranges do not help

@@ -303,7 +303,7 @@ def phase1_lower_bound_bytes(cfg: ModelConfig, seq_len: int, lanes: int, backwar
     return weights + values + seq_len * h * (8 + 2 * lanes) * (segment if backward else 1)
 
 
-def row_stages(cfg: ModelConfig, blocks: int, first: bool = True, last: bool = True) -> int:
+def row_stages(blocks: int, first: bool = True, last: bool = True) -> int:
     """The stages whose saved inputs hold every packed row, in a range of ``blocks`` transformer blocks: each block,
     the packing (with the range from block 0: ``first``), the final AdaLN and the heads (with the range to the last
     block: ``last``). The embeddings, the refiner and the time embedding read request, text or timestep rows."""

@@ -372,8 +372,8 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
     if isinstance(needs, ModelNeeds):
         at = f"--layout {spec.layout} --config {run.config_name} (S={packed.seq_len})"
         if needs.evaluation_batch is None:
-            rows = row_stages(cfg, transformer_blocks(stages))
-            need = model_lower_bound_bytes(cfg, packed.seq_len, rows, needs.lanes, needs.backward)
+            packed_stages = row_stages(transformer_blocks(stages))
+            need = model_lower_bound_bytes(cfg, packed.seq_len, packed_stages, needs.lanes, needs.backward)
             need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
             require(need, f"ws1-model {at}", device, hint="use a smaller layout, --layers or --no-backward")
         else:  # a trajectory: every weight resident, one evaluation's values
