@@ -168,6 +168,7 @@ def test_tiny_forward_through_diffusers_is_finite_and_nontrivial(ours):
     assert (out2.sample - out.sample).abs().mean().item() > 0.1
 
 
+@pytest.mark.slow  # the released widths on the CPU (~9 s of one core): make test-slow, which .ci/run also runs
 def test_real_block0_forward_cpu():
     """Block 0 at the released 33B widths with synthetic weights: finite, non-trivial, modulations O(0.1-0.5)."""
     src = SyntheticSource(REAL, SEED)
