@@ -25,7 +25,7 @@ from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import block_cotangent
 from h3gate.kernels.gemm_configs import launch_overrides
 from h3gate.ops.registry import check_merge
-from h3gate.runs.setup import RunSpec, prepare
+from h3gate.runs.setup import Run, RunSpec, prepare
 
 KIND = "bench-ws1-block"
 WARMUP = 3
@@ -69,22 +69,11 @@ def ratios(stats: dict) -> dict:
     return out
 
 
-def bench_block(
-    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None, merge: str = "single"
-) -> tuple[dict, list[Path]]:
-    """Time the strict block and the provider block side by side: the ``bench-ws1-block`` body and the manifests
-    read (the caller, ``h3gate bench ws1-block``, writes and prints; this runs under its numerics switch).
-
-    ``progress(label)`` is called before each timed phase. ``merge="seg8"`` adds a third arm, ``strict_seg8``: the
-    strict block with every operator in the seg8 merge order (what TP ranks share), timed in the same rounds.
-    """
-    if not device.startswith("cuda"):
-        raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
-    setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict"))
-    graph, bindings = setup.graph, setup.bindings
-    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
-    seg8 = seg8_arm(tables, graph, device, merge)
-    x, params = setup.inputs.tensors, setup.params
+def block_calls(setup: Run) -> dict[str, Callable[[OpTable], Callable[[], object]]]:
+    """Per timed phase, a maker of one call of the block under an op table: ``forward`` (``no_grad``) and
+    ``forward_backward`` (one backward of the seeded cotangent into fresh leaves: the inputs, ``temb`` and every
+    parameter; returns the input's gradient)."""
+    graph, x, params = setup.graph, setup.inputs.tensors, setup.params
     h = x["hidden_states"]
     cot = block_cotangent(0, h.shape[1], h.shape[2], h.device)
 
@@ -108,9 +97,29 @@ def bench_block(
 
         return run
 
+    return {"forward": forward, "forward_backward": forward_backward}
+
+
+def bench_block(
+    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None, merge: str = "single"
+) -> tuple[dict, list[Path]]:
+    """Time the strict block and the provider block side by side: the ``bench-ws1-block`` body and the manifests
+    read (the caller, ``h3gate bench ws1-block``, writes and prints; this runs under its numerics switch).
+
+    ``progress(label)`` is called before each timed phase. ``merge="seg8"`` adds a third arm, ``strict_seg8``: the
+    strict block with every operator in the seg8 merge order (what TP ranks share), timed in the same rounds.
+    """
+    if not device.startswith("cuda"):
+        raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
+    setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict"))
+    graph, bindings = setup.graph, setup.bindings
+    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+    seg8 = seg8_arm(tables, graph, device, merge)
+    x, params = setup.inputs.tensors, setup.params
+    makers = block_calls(setup)
     results: dict[str, dict] = {}
     timed: dict[str, dict[str, Callable[[], object]]] = {}
-    for phase, make in (("forward", forward), ("forward_backward", forward_backward)):
+    for phase, make in makers.items():
         if progress is not None:
             progress(f"{phase} (provider and strict, {ITERS} rounds)")
         clocks: dict = {}
