@@ -26,6 +26,7 @@ one-device group of its own rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -40,8 +41,10 @@ Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 Partial = Callable[[int, int], Sequence[torch.Tensor]]
 
 
+@functools.lru_cache(maxsize=256)
 def row_bounds(seq_len: int) -> tuple[int, ...]:
-    """The 9 segment boundaries ``r_i = min(i * L, S)``, ``L = ceil(S / 8)``, of S packed rows (module docstring)."""
+    """The 9 segment boundaries ``r_i = min(i * L, S)``, ``L = ceil(S / 8)``, of S packed rows (module docstring);
+    memoised: a block's backward asks for them thousands of times."""
     length = -(-seq_len // SEGMENTS)
     return tuple(min(i * length, seq_len) for i in range(SEGMENTS + 1))
 
@@ -114,7 +117,9 @@ def rows_for(op: str, local_rows: int) -> RowGroup:
 
 def local_spans(group: RowGroup) -> list[tuple[int, int]]:
     """The LOCAL row range ``[lo, hi)`` of each segment the rank owns (empty ones too), in order."""
-    return [(group.bounds[i] - group.lo, group.bounds[i + 1] - group.lo) for i in group.owned]
+    bounds, owned = group.bounds, group.owned
+    lo = bounds[owned.start]
+    return [(bounds[i] - lo, bounds[i + 1] - lo) for i in owned]
 
 
 def row_sum(
@@ -129,6 +134,25 @@ def row_sum(
     per-segment partials were computed in one pass: each (owned segments, *shape) FP32): the owned segments'
     subtree, one all-gather of all of them (flattened together), the tree's upper levels. Unrounded."""
     shapes = [torch.Size(s) for s in shapes]
+    if partial is None and not shapes and stacked:  # stacked sums alone: each level one add of strided row views
+        flat = [t.reshape(t.shape[0], -1) for t in stacked]
+        level = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
+        while level.shape[0] > 1:
+            level = level[0::2] + level[1::2]
+        total = group.merge(level[0])
+    else:
+        total = group.merge(_segment_tree(group, partial, shapes, device, stacked))
+    out, at = [], 0
+    for sh in [*shapes, *(t.shape[1:] for t in stacked)]:
+        out.append(total[at : at + sh.numel()].view(sh))
+        at += sh.numel()
+    return out
+
+
+def _segment_tree(group: RowGroup, partial: Partial | None, shapes: list[torch.Size], device,
+                  stacked: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """:func:`row_sum`'s owned subtree, segment by segment: each segment's partials (``+0`` where empty) and its
+    slices of ``stacked`` flattened into one row, the rows added pairwise level by level."""
     width = sum(s.numel() for s in shapes)
     level = []
     for k, (lo, hi) in enumerate(local_spans(group)):
@@ -140,12 +164,7 @@ def row_sum(
         level.append(torch.cat(flat + [t[k].reshape(-1) for t in stacked]))
     while len(level) > 1:
         level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
-    total = group.merge(level[0])
-    out, at = [], 0
-    for sh in [*shapes, *(t.shape[1:] for t in stacked)]:
-        out.append(total[at : at + sh.numel()].view(sh))
-        at += sh.numel()
-    return out
+    return level[0]
 
 
 def seq_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

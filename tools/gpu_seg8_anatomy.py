@@ -10,6 +10,10 @@ is the kernels' alone; with the host's enqueue milliseconds, and a cProfile of e
 (behind a spin, top functions by own time). An arm whose host time is near its device time in the first timing is
 host-bound there, and the second timing says what its kernels cost.
 
+``kernels``: the device time of each kernel of the block's forward + backward in both orders (``torch.profiler``,
+CUDA activity, 5 calls after warm-up): per kernel name, its milliseconds a call and its launches a call, the
+largest first, and the kernels whose time differs most between the orders.
+
 ``gemm``: the two GEMMs whose reduction a TP layout splits (O with its bias, FFN-down) at ``--rows``: cuBLAS, the
 single walk (production tiling, 128 x 256), the single walk on the seg8 kernel's 128 x 128 tile, the seg8 forward
 (production: the tree's pending subtrees in registers, shared memory and global scratch) and this file's
@@ -206,10 +210,47 @@ def block_section(layout: str, head_start_us: float) -> dict:
     return rec
 
 
+def _kernel_ms(fn, calls: int) -> dict[str, dict]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, dict] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        row = out.setdefault(ev.name[:160], {"ms": 0.0, "launches": 0})
+        row["ms"] += ev.time_range.elapsed_us() / 1e3 / calls
+        row["launches"] += 1
+    for row in out.values():
+        row["launches"] /= calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def kernel_section(layout: str, calls: int = 5) -> dict:
+    setup = prepare(RunSpec("block", layout, "real", None, "cuda", 0, "strict"))
+    tables = {"strict": candidate_table(setup.bindings)}
+    seg8_arm(tables, setup.graph, "cuda", "seg8")
+    make = block_calls(setup)["forward_backward"]
+    arms = {who: _kernel_ms(make(t), calls) for who, t in tables.items()}
+    totals = {who: {"ms": sum(r["ms"] for r in rows.values()), "launches": sum(r["launches"] for r in rows.values())}
+              for who, rows in arms.items()}  # fmt: skip
+    names = set(arms["strict"]) | set(arms["strict_seg8"])
+    delta = {n: arms["strict_seg8"].get(n, {"ms": 0.0})["ms"] - arms["strict"].get(n, {"ms": 0.0})["ms"] for n in names}
+    top = dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:25])
+    rec = {"layout": layout, "calls": calls, "totals": totals, "seg8_minus_single_ms": top,
+           "arms": {who: dict(list(rows.items())[:30]) for who, rows in arms.items()}}  # fmt: skip
+    print(json.dumps({"kernels": {"totals": totals, "delta": top}}), flush=True)
+    return rec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--sections", nargs="+", default=["block", "gemm"], choices=["block", "gemm"])
+    ap.add_argument("--sections", nargs="+", default=["block", "gemm"], choices=["block", "gemm", "kernels"])
     ap.add_argument("--layouts", nargs="+", default=["medium"])
     ap.add_argument("--rows", type=int, nargs="+", default=[3160, 38974])
     ap.add_argument("--reps", type=int, default=10)
@@ -221,6 +262,8 @@ def main() -> int:
             try:
                 if section == "block":
                     doc["block"] = [block_section(layout, args.head_start_us) for layout in args.layouts]
+                elif section == "kernels":
+                    doc["kernels"] = [kernel_section(layout) for layout in args.layouts]
                 else:
                     doc["gemm"] = gemm_section(args.rows, args.reps)
             except Exception:  # noqa: BLE001 - the other section still runs; the traceback is recorded

@@ -195,3 +195,26 @@ def test_the_one_pass_table_partials_are_the_per_segment_table_sums() -> None:
             o = None if other is None else other[:, lo:hi].contiguous()
             want = table_grad(g[:, lo:hi].contiguous(), idx[lo:hi], rows, torch.float32, other=o)
             assert torch.equal(got[k], want), k
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4, 8])
+def test_the_stacked_row_sum_is_the_segment_by_segment_tree(degree: int) -> None:
+    """row_sum over stacked partials alone (the production callers) adds whole rows level by level; the bytes are
+    the segment-by-segment tree's, at every CP degree, for a non-contiguous stack and a stack of two; a changed
+    pairing (one level's operands swapped across pairs) is observable on the same data."""
+    from h3gate.kernels import row_merge
+
+    owned = 8 // degree
+    group = RowGroup(degree, degree - 1, S, lambda t: [t * (j + 1) for j in range(degree)])
+    a = rand((5, owned, 3), 7, 1e3, torch.float32).transpose(0, 1)  # (owned, 5, 3), not contiguous
+    b = rand((owned, 4), 8, 1e-3, torch.float32)
+    for stacked in ([a], [a, b]):
+        got = row_merge.row_sum(group, None, [], DEVICE, stacked)
+        tree = group.merge(row_merge._segment_tree(group, None, [], DEVICE, stacked))
+        want = torch.cat([t.reshape(-1) for t in got])
+        assert [tuple(t.shape) for t in got] == [tuple(t.shape[1:]) for t in stacked]
+        assert torch.equal(want, tree)
+    if owned >= 4:  # the control: ((p0 + p2) + (p1 + p3)) is another sum of the same partials
+        rows = a.reshape(owned, -1)
+        other = (rows[0] + rows[2]) + (rows[1] + rows[3])
+        assert not torch.equal(other, ((rows[0] + rows[1]) + (rows[2] + rows[3])))
