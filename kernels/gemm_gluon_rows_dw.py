@@ -56,7 +56,7 @@ from h3gate.kernels.common import STRICT_LAUNCH
 from h3gate.kernels.gemm_configs import GemmConfig
 from h3gate.kernels.gemm_gluon import AB_ROWS, _tile_coords, _tma_load
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, cdiv, desc
-from h3gate.kernels.gemm_gluon_seg8 import CONSUMERS, SEGMENTS, _consumer
+from h3gate.kernels.gemm_gluon_seg8 import CONSUMERS, SEGMENTS, SLOT_LAYOUT, _consumer
 from h3gate.kernels.row_merge import row_bounds
 
 # 128 dW rows x 128 dW columns, BLOCK_K 64, GROUP_M 8 (the dW tables'), two consumers, a ring of 4.
@@ -100,7 +100,7 @@ def _rows_dw_ws_kernel(g0, g1, g2, g3, g4, g5, g6, g7, x0, x1, x2, x3, x4, x5, x
     x_descs = (x0, x1, x2, x3, x4, x5, x6, x7)
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2 * BLOCK_K, 64], g_descs[0].layout)
     b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, 128], x_descs[0].layout)
-    slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, 128], gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))
+    slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, 128], SLOT_LAYOUT)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):

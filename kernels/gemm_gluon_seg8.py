@@ -22,7 +22,7 @@ ring, 32 KB a stage at 128 columns. Two layouts, picked by the tiling's ``block_
 
 * 128 (production, :data:`SEG8_GLUON`): the slots by how often they are used. Level 1 (written at every even segment,
   read at every odd one) in registers: acc + s0 = 128 of the 240 (level 2 there as well, 192, makes ptxas spill).
-  Level 2 (2 writes, 2 reads a tile) in shared memory, 32 KB a consumer, rows XOR-swizzled; with a ring of 4
+  Level 2 (2 writes, 2 reads a tile) in shared memory, 32 KB a consumer (:data:`SLOT_LAYOUT`); with a ring of 4
   (128 KB) 192 KB. Level 4 (1 write at j = 3, 1 read at j = 7) in global scratch, 32 KB a consumer (8 MB at 132
   programs), addressed in the accumulator's register layout so that each thread reads back only what it wrote
   (program order, no barrier). The output is stored from registers (no staging buffer). Per tile and consumer the
@@ -61,6 +61,12 @@ from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 SEG8_GLUON = GemmConfig(128, 128, 64, 16, 4, 4, persistent=True, tma=True, gluon=True)
 SEGMENTS = gl.constexpr(8)
 CONSUMERS = gl.constexpr(2)
+# A consumer's level-2 slot in shared memory, written and read in the accumulator's own register layout (wgmma's m64
+# fragment: a warp's lanes hold rows r .. r + 7, 8 columns each, a pair of FP32 per lane). Its 8-element vectors are
+# XOR-swizzled by row % 4, so the 4 rows r .. r + 3 of one access land on the 4 distinct 32-byte bank groups: a warp's
+# 256 bytes take the 2 wavefronts a 128-byte bank width allows. The earlier (2, 1, 8) swizzle moved pairs inside one
+# 32-byte group and measured 8-way (loads) and 11-way (stores) conflicts on an H100 (docs/ws2-merge-order.md).
+SLOT_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 4, order=[1, 0]))
 
 
 def halves(cfg: GemmConfig) -> tuple[int, int]:
@@ -222,9 +228,8 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
     if B_TAIL > 0:  # the slots in global scratch, the output staged for TMA stores
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_B], c_desc.layout)
         slots = c_smem  # unused
-    else:  # each consumer's level-2 subtree, rows XOR-swizzled against bank conflicts
-        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, BLOCK_B],
-                                          gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0]))  # fmt: skip
+    else:  # each consumer's level-2 subtree (SLOT_LAYOUT)
+        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, BLOCK_B], SLOT_LAYOUT)
         c_smem = slots  # unused: stored from registers
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 46 on the lent GPU host (from the repository root, the wheels of `make wheelhouse` in .whl/): the seg8 merge
+# order's kernels checked byte for byte, taken apart and benched. One call runs the sections named:
+#   checks             the Gluon seg8 forward against the Triton seg8 kernel (--quick, then O and down at M = 3160
+#                      and 38974) and the Gluon row-segment dW and seg8 dX against theirs (--quick, then M = 3160);
+#                      any byte difference fails the section (rc 1)
+#   anatomy            tools/gpu_seg8_anatomy.py: the medium block both orders (host vs device, per-kernel device
+#                      time) and the O / down GEMMs at M = 3160 and 38974 (tile, restarts, slots)
+#   ncu                Nsight Compute on the first seg8 forward launch at M = 38974 (O): shared-memory bank
+#                      conflicts, warp stalls, occupancy
+#   block-<layout>     bench ws1-block --merge-order seg8 at medium or 768p (single, seg8 and the provider side by side)
+#   model-<layout>     bench ws1-model --merge-order seg8 at medium or 768p
+#   usage: tools/gpu_seg8.sh checks anatomy ncu block-medium
+. tools/gpu_common.sh
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+H="python3 -m h3gate"
+for s in "$@"; do
+  case $s in
+  checks)
+    step 60 seg8-gluon-check-quick python3 tools/gpu_seg8_gluon_check.py --quick
+    step 150 seg8-gluon-check python3 tools/gpu_seg8_gluon_check.py --rows 3160 38974 --json "$ev/seg8-gluon-check.json"
+    step 60 seg8-gluon-dw-check-quick python3 tools/gpu_seg8_gluon_dw_check.py --quick
+    step 150 seg8-gluon-dw-check python3 tools/gpu_seg8_gluon_dw_check.py --rows 3160 --json "$ev/seg8-gluon-dw-check.json" ;;
+  anatomy)
+    step 200 seg8-anatomy python3 tools/gpu_seg8_anatomy.py --sections block kernels gemm --json "$ev/seg8-anatomy.json" ;;
+  ncu)
+    if command -v ncu >/dev/null; then
+      step 120 ncu-seg8 ncu --section WarpStateStats --section MemoryWorkloadAnalysis_Tables --section SpeedOfLight \
+        --section Occupancy -k regex:seg8_ws -c 1 python3 tools/gpu_seg8_anatomy.py --sections gemm --rows 38974 \
+        --reps 1 --json /tmp/ncu-anatomy.json
+    else echo "== ncu: not on this host"; fi ;;
+  block-medium|block-768p) L=${s#block-}
+    step 300 "bench-ws1-block-seg8-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
+      --merge-order seg8 --out "$ev/bench-ws1-block-seg8-$L" ;;
+  model-medium|model-768p) L=${s#model-}
+    step 420 "bench-ws1-model-seg8-$L" $H bench ws1-model --config real --layout "$L" --device cuda \
+      --merge-order seg8 --out "$ev/bench-ws1-model-seg8-$L" ;;
+  *) echo "unknown section $s"; exit 2 ;;
+  esac
+done
+tar czf "$out/evidence.tgz" -C "$ev" .
