@@ -8,6 +8,8 @@
 #                      time) and the O / down GEMMs at M = 3160 and 38974 (tile, restarts, slots)
 #   ncu                Nsight Compute on the first seg8 forward launch at M = 38974 (O): shared-memory bank
 #                      conflicts, warp stalls, occupancy
+#   dw                 the row-segment dW next to the single-walk dW (the block's four weights, M = 3160 and 38974),
+#                      then Nsight Compute on each at q/k/v, M = 3160
 #   block-<layout>     bench ws1-block --merge-order seg8 at medium or 768p (single, seg8 and the provider side by side)
 #   model-<layout>     bench ws1-model --merge-order seg8 at medium or 768p
 #   usage: tools/gpu_seg8.sh checks anatomy ncu block-medium
@@ -29,6 +31,15 @@ for s in "$@"; do
         --section Occupancy -k regex:seg8_ws -c 1 python3 tools/gpu_seg8_anatomy.py --sections gemm --rows 38974 \
         --reps 1 --json /tmp/ncu-anatomy.json
     else echo "== ncu: not on this host"; fi ;;
+  dw)
+    step 120 seg8-dw python3 tools/gpu_seg8_anatomy.py --sections dw --json "$ev/seg8-dw.json"
+    if command -v ncu >/dev/null; then
+      for k in _rows_dw_ws_kernel _gemm_kernel; do
+        step 90 "ncu$k" ncu --section WarpStateStats --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis_Tables --section SchedulerStats -k "regex:^$k" -c 1 \
+          python3 tools/gpu_seg8_anatomy.py --sections dw --rows 3160 --reps 1 --json /tmp/ncu-dw.json
+      done
+    fi ;;
   block-medium|block-768p) L=${s#block-}
     step 300 "bench-ws1-block-seg8-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
       --merge-order seg8 --out "$ev/bench-ws1-block-seg8-$L" ;;

@@ -10,6 +10,10 @@ is the kernels' alone; with the host's enqueue milliseconds, and a cProfile of e
 (behind a spin, top functions by own time). An arm whose host time is near its device time in the first timing is
 host-bound there, and the second timing says what its kernels cost.
 
+``dw``: the row-segment weight gradient (the Gluon kernel, one launch) next to the single-walk dW (the Triton
+kernel the single order runs) at the block's four weights and ``--rows``; run under Nsight Compute with ``-k`` to
+see either alone.
+
 ``kernels``: the device time of each kernel of the block's forward + backward in both orders (``torch.profiler``,
 CUDA activity, 5 calls after warm-up): per kernel name, its milliseconds a call and its launches a call, the
 largest first, and the kernels whose time differs most between the orders.
@@ -45,9 +49,12 @@ from h3gate.bench.timing import side_by_side, spin_cycles
 from h3gate.graph.executions import candidate_table
 from h3gate.kernels import gemm, gemm_merge
 from h3gate.kernels.common import STRICT_LAUNCH, num_sms
+from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_gluon import _producer, _store, _tile_coords, matmul_ws
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
+from h3gate.kernels.gemm_gluon_rows_dw import rows_dw_ws
 from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, SEGMENTS, _segment, matmul_seg8_ws
+from h3gate.kernels.gemm_triton import matmul
 from h3gate.numerics import strict_numerics
 from h3gate.runs.setup import RunSpec, prepare
 
@@ -171,6 +178,31 @@ def gemm_section(rows: list[int], reps: int) -> list[dict]:
     return out
 
 
+DW = {"q/k/v": (7168, 5376), "o": (5376, 7168), "gate_up": (28672, 5376), "down": (5376, 14336)}  # (N, K)
+
+
+def _dw_times(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> dict:
+    g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    dw, single = (torch.empty((n, k), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    scfg = gemm_config("dw", n, k, torch.bfloat16)
+    ms = {"single": span_ms(lambda: matmul(g, x, single, None, scfg, a_trans=True, b_trans=False), reps),
+          "rows_dw_gluon": span_ms(lambda: rows_dw_ws(g, x, dw, num_sms(g.device)), reps)}  # fmt: skip
+    return {"single_tiling": scfg.tag, "ms": ms, "gluon_over_single": ms["rows_dw_gluon"] / ms["single"]}
+
+
+def dw_section(rows: list[int], reps: int) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for m in rows:
+        for name, (n, k) in DW.items():
+            rec = {"weight": name, "m": m, "n": n, "k": k, **_dw_times(m, n, k, gen, reps)}
+            print(json.dumps(rec), flush=True)
+            out.append(rec)
+            torch.cuda.empty_cache()
+    return out
+
+
 def _profile(fn, cycles: int, calls: int, top: int) -> dict:
     prof = cProfile.Profile()
     for _ in range(calls):
@@ -250,7 +282,7 @@ def kernel_section(layout: str, calls: int = 5) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--sections", nargs="+", default=["block", "gemm"], choices=["block", "gemm", "kernels"])
+    ap.add_argument("--sections", nargs="+", default=["block", "gemm"], choices=["block", "gemm", "kernels", "dw"])
     ap.add_argument("--layouts", nargs="+", default=["medium"])
     ap.add_argument("--rows", type=int, nargs="+", default=[3160, 38974])
     ap.add_argument("--reps", type=int, default=10)
@@ -262,6 +294,8 @@ def main() -> int:
             try:
                 if section == "block":
                     doc["block"] = [block_section(layout, args.head_start_us) for layout in args.layouts]
+                elif section == "dw":
+                    doc["dw"] = dw_section(args.rows, args.reps)
                 elif section == "kernels":
                     doc["kernels"] = [kernel_section(layout) for layout in args.layouts]
                 else:
