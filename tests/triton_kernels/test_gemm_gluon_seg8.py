@@ -16,9 +16,21 @@ from h3gate.kernels.gemm_configs import PRODUCTION
 from tests.triton_kernels.test_gemm_gluon import _stub, _weight  # what the dispatch reads of x and the weight
 
 gemm_gluon_seg8 = pytest.importorskip("h3gate.kernels.gemm_gluon_seg8")  # Triton's Gluon (3.6 and later)
+gluon = pytest.importorskip("triton.experimental.gluon")
+gl = gluon.language
 
 BF16 = torch.bfloat16
 O_PROJ, DOWN = (5376, 7168), (5376, 14336)
+
+
+@gluon.jit
+def _slot_store(out_ptr, SHARED: gl.constexpr, CONFLICTS: gl.constexpr):
+    """An accumulator of ``_tree_onchip`` stored to a slot of layout SHARED, asserting Triton's bank-conflict count."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+    acc = gl.zeros([64, 128], gl.float32, layout)
+    slot = gl.allocate_shared_memory(gl.float32, [64, 128], SHARED)
+    gl.static_assert(gl.bank_conflicts(acc.type, slot.type) == CONFLICTS)
+    slot.store(acc)
 
 
 @pytest.fixture
@@ -173,28 +185,33 @@ def test_the_dx_host_side_refuses_the_scratch_tiling() -> None:
         gemm_gluon_seg8.matmul_seg8_ws(g2, w, y, None, cfg, 64, 132, dx=True)
 
 
-def _bank_conflicts(shared, nb: int = 128) -> int:
-    """Triton's own count (``gl.bank_conflicts``: excess accesses per wavefront) of a consumer's (64, nb) FP32
-    accumulator in wgmma's register layout (``_tree_onchip``'s) stored to / loaded from ``shared``."""
-    from triton._C.libtriton import gluon_ir, ir
-    from triton.experimental.gluon import language as gl
+def _slot_compiles(shared, conflicts: int) -> bool:
+    """Whether a consumer's (64, 128) FP32 accumulator in wgmma's register layout (``_tree_onchip``'s), stored to
+    ``shared``, compiles for sm_90 under the assertion that Triton counts ``conflicts`` bank conflicts for it
+    (``gl.bank_conflicts``: excess accesses per wavefront, evaluated while the kernel is built)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.experimental.gluon._runtime import GluonASTSource
 
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    builder = gluon_ir.GluonOpBuilder(ctx)
-    if not hasattr(builder, "get_shared_bank_conflicts"):
-        pytest.skip("this Triton has no shared-memory bank-conflict count (gl.bank_conflicts, Triton 3.7 on)")
-    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, nb, 16])
-    return builder.get_shared_bank_conflicts(acc._to_ir(builder), shared._to_ir(builder), [64, nb], 32)
+    if not hasattr(gl, "bank_conflicts"):
+        pytest.skip("this Triton has no gl.bank_conflicts (Triton 3.7 on)")
+    sig = {"out_ptr": "*fp32", "SHARED": "constexpr", "CONFLICTS": "constexpr"}
+    src = GluonASTSource(fn=_slot_store, signature=sig, constexprs={"SHARED": shared, "CONFLICTS": conflicts})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4})
+    except CompileTimeAssertionFailure:
+        return False
+    return True
 
 
 def test_the_tree_slot_in_shared_memory_has_no_bank_conflicts() -> None:
     """The level-2 slot of the seg8 forward, its dX and the row-segment dW (SLOT_LAYOUT, 64 x 128 FP32 a consumer):
     written and read in the accumulator's register layout with no bank conflict. The control: the row-XOR swizzle it
-    replaced, (2, 1, 8), counts 3 excess accesses a wavefront (4x; ncu on an H100 saw 8-way loads and 11-way stores)."""
-    from triton.experimental.gluon import language as gl
-
-    assert _bank_conflicts(gemm_gluon_seg8.SLOT_LAYOUT.value) == 0
-    assert _bank_conflicts(gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0])) == 3
+    replaced, (2, 1, 8), counts 3 excess accesses a wavefront (4x; ncu on an H100 saw 8-way loads and 11-way stores),
+    so the same assertion of 0 fails to compile there."""
+    old = gl.SwizzledSharedLayout(2, 1, 8, order=[1, 0])
+    assert _slot_compiles(gemm_gluon_seg8.SLOT_LAYOUT.value, 0)
+    assert _slot_compiles(old, 3) and not _slot_compiles(old, 0)
     rows_dw = pytest.importorskip("h3gate.kernels.gemm_gluon_rows_dw")
     assert rows_dw.SLOT_LAYOUT is gemm_gluon_seg8.SLOT_LAYOUT  # the dW kernel allocates the same slot
