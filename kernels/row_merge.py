@@ -134,14 +134,12 @@ def row_sum(
     per-segment partials were computed in one pass: each (owned segments, *shape) FP32): the owned segments'
     subtree, one all-gather of all of them (flattened together), the tree's upper levels. Unrounded."""
     shapes = [torch.Size(s) for s in shapes]
-    if partial is None and not shapes and stacked:  # stacked sums alone: each level one add of strided row views
+    if partial is None and not shapes and stacked:  # the stacked sums alone: already one row a segment
         flat = [t.reshape(t.shape[0], -1) for t in stacked]
         level = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)
-        while level.shape[0] > 1:
-            level = level[0::2] + level[1::2]
-        total = group.merge(level[0])
     else:
-        total = group.merge(_segment_tree(group, partial, shapes, device, stacked))
+        level = _segment_rows(group, partial, shapes, device, stacked)
+    total = group.merge(subtree(level))
     out, at = [], 0
     for sh in [*shapes, *(t.shape[1:] for t in stacked)]:
         out.append(total[at : at + sh.numel()].view(sh))
@@ -149,10 +147,18 @@ def row_sum(
     return out
 
 
-def _segment_tree(group: RowGroup, partial: Partial | None, shapes: list[torch.Size], device,
+def subtree(level: torch.Tensor) -> torch.Tensor:
+    """The tree over the rows of ``level`` (owned segments, width), FP32: ``(p0 + p1)``, ``(p2 + p3)``, ... then the
+    same over those, until one row is left (elementwise IEEE adds, the older subtree the left operand)."""
+    while level.shape[0] > 1:
+        level = level[0::2] + level[1::2]
+    return level[0]
+
+
+def _segment_rows(group: RowGroup, partial: Partial | None, shapes: list[torch.Size], device,
                   stacked: Sequence[torch.Tensor]) -> torch.Tensor:  # fmt: skip
-    """:func:`row_sum`'s owned subtree, segment by segment: each segment's partials (``+0`` where empty) and its
-    slices of ``stacked`` flattened into one row, the rows added pairwise level by level."""
+    """:func:`row_sum`'s (owned segments, width) FP32 rows: each segment's partials (``+0`` where empty) and its
+    slices of ``stacked``, flattened into one row."""
     width = sum(s.numel() for s in shapes)
     level = []
     for k, (lo, hi) in enumerate(local_spans(group)):
@@ -162,9 +168,7 @@ def _segment_tree(group: RowGroup, partial: Partial | None, shapes: list[torch.S
                 raise ValueError(f"row seg8 partial: {p.dtype} {tuple(p.shape)}, expected float32 {tuple(sh)}")
         flat = [p.reshape(-1) for p in parts] or [torch.zeros(width, dtype=torch.float32, device=device)]
         level.append(torch.cat(flat + [t[k].reshape(-1) for t in stacked]))
-    while len(level) > 1:
-        level = [level[j] + level[j + 1] for j in range(0, len(level), 2)]
-    return level[0]
+    return torch.stack(level)
 
 
 def seq_slice(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -221,10 +221,16 @@ def _profile(fn, cycles: int, calls: int, top: int) -> dict:
     return rows
 
 
-def block_section(layout: str, head_start_us: float) -> dict:
+def _block_arms(layout: str) -> tuple:
+    """The real block at ``layout`` (the one run setup) and its strict tables in both orders."""
     setup = prepare(RunSpec("block", layout, "real", None, "cuda", 0, "strict"))
     tables = {"strict": candidate_table(setup.bindings)}
     seg8_arm(tables, setup.graph, "cuda", "seg8")
+    return setup, tables
+
+
+def block_section(layout: str, head_start_us: float) -> dict:
+    setup, tables = _block_arms(layout)
     rec: dict = {"layout": layout, "seq_len": setup.layout.seq_len, "head_start_us": head_start_us, "phases": {}}
     cycles = spin_cycles(head_start_us)
     for phase, make in block_calls(setup).items():
@@ -263,9 +269,7 @@ def _kernel_ms(fn, calls: int) -> dict[str, dict]:
 
 
 def kernel_section(layout: str, calls: int = 5) -> dict:
-    setup = prepare(RunSpec("block", layout, "real", None, "cuda", 0, "strict"))
-    tables = {"strict": candidate_table(setup.bindings)}
-    seg8_arm(tables, setup.graph, "cuda", "seg8")
+    setup, tables = _block_arms(layout)
     make = block_calls(setup)["forward_backward"]
     arms = {who: _kernel_ms(make(t), calls) for who, t in tables.items()}
     totals = {who: {"ms": sum(r["ms"] for r in rows.values()), "launches": sum(r["launches"] for r in rows.values())}

@@ -198,23 +198,34 @@ def test_the_one_pass_table_partials_are_the_per_segment_table_sums() -> None:
 
 
 @pytest.mark.parametrize("degree", [1, 2, 4, 8])
-def test_the_stacked_row_sum_is_the_segment_by_segment_tree(degree: int) -> None:
-    """row_sum over stacked partials alone (the production callers) adds whole rows level by level; the bytes are
-    the segment-by-segment tree's, at every CP degree, for a non-contiguous stack and a stack of two; a changed
-    pairing (one level's operands swapped across pairs) is observable on the same data."""
+def test_the_stacked_row_sum_is_the_declared_tree(degree: int) -> None:
+    """row_sum over stacked partials alone (the production callers) and over per-segment partials: the bytes of the
+    declared tree written out here, ``((p0 + p1) + (p2 + p3)) + ...`` over the rank's segments, then the merge, at
+    every CP degree, for a non-contiguous stack and a stack of two. The control: another pairing of the same
+    partials, ``(p0 + p2) + (p1 + p3)``, gives other bytes on this data, so the comparison sees the order."""
     from h3gate.kernels import row_merge
 
     owned = 8 // degree
     group = RowGroup(degree, degree - 1, S, lambda t: [t * (j + 1) for j in range(degree)])
     a = rand((5, owned, 3), 7, 1e3, torch.float32).transpose(0, 1)  # (owned, 5, 3), not contiguous
     b = rand((owned, 4), 8, 1e-3, torch.float32)
+
+    def declared(rows: list[torch.Tensor]) -> torch.Tensor:
+        while len(rows) > 1:
+            rows = [rows[j] + rows[j + 1] for j in range(0, len(rows), 2)]
+        return rows[0]
+
     for stacked in ([a], [a, b]):
+        rows = [torch.cat([t[k].reshape(-1) for t in stacked]) for k in range(owned)]
+        want = group.merge(declared(rows))
         got = row_merge.row_sum(group, None, [], DEVICE, stacked)
-        tree = group.merge(row_merge._segment_tree(group, None, [], DEVICE, stacked))
-        want = torch.cat([t.reshape(-1) for t in got])
         assert [tuple(t.shape) for t in got] == [tuple(t.shape[1:]) for t in stacked]
-        assert torch.equal(want, tree)
-    if owned >= 4:  # the control: ((p0 + p2) + (p1 + p3)) is another sum of the same partials
-        rows = a.reshape(owned, -1)
-        other = (rows[0] + rows[2]) + (rows[1] + rows[3])
-        assert not torch.equal(other, ((rows[0] + rows[1]) + (rows[2] + rows[3])))
+        assert torch.equal(torch.cat([t.reshape(-1) for t in got]), want)
+    starts = [lo for lo, _ in row_merge.local_spans(group)]
+    for stacked in ([a], [a, b]):
+        rows = [torch.cat([t[k].reshape(-1) for t in stacked]) for k in range(owned)]
+        per = row_merge.row_sum(group, lambda lo, hi, rows=rows: [rows[starts.index(lo)]], [rows[0].shape], DEVICE)
+        assert torch.equal(per[0], group.merge(declared(rows)))  # the per-segment path, the same tree
+    if owned >= 4:
+        r = a.reshape(owned, -1)
+        assert not torch.equal((r[0] + r[2]) + (r[1] + r[3]), declared([r[0], r[1], r[2], r[3]]))
