@@ -349,3 +349,59 @@ def test_the_default_range_plans() -> None:
     assert parse_ranges(None, None, 2) == [(0, 1), (1, 2)]
     assert parse_ranges(None, None, 50) == [(a, a + 5) for a in range(0, 50, 5)]
     assert parse_ranges(None, 7, 50)[-1] == (49, 50) and parse_ranges("0:5,5:45,45:50", None, 50)[1] == (5, 45)
+
+
+def _refused_after(stages: int):
+    """A provider variant that runs ``stages`` stages, then fails as sdpa-math runs out of memory at a long S."""
+    from h3gate.gate.variants import Variant
+
+    entered = {"n": 0}
+
+    @contextlib.contextmanager
+    def enter():
+        entered["n"] += 1
+        if entered["n"] > stages:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 340.00 GiB")
+        yield
+
+    return Variant("oom", enter)
+
+
+def test_a_lane_refused_in_the_forward_gets_no_cotangents() -> None:
+    from h3gate.graph.core import OpTable
+    from h3gate.graph.model import OUTPUTS
+    from h3gate.runs.model_backward import model_incoming
+    from h3gate.runs.model_lanes import Lane
+
+    outputs = {name: torch.zeros(1, 3, 2) for name in OUTPUTS}
+    kept = Lane("provider", "provider", OpTable(lambda op: None), dict(outputs), save=True)
+    refused = Lane("provider:oom", "provider", OpTable(lambda op: None), {}, save=True, refused="refused at run time: out of memory")
+    incoming = model_incoming(0, [kept, refused])
+    assert incoming["provider:oom"] == {} and set(incoming["provider"]) == set(OUTPUTS)
+    with pytest.raises(KeyError, match="heads.video_select"):  # control: the refusal is what spares the lane
+        model_incoming(0, [Lane("provider:oom", "provider", OpTable(lambda op: None), {}, save=True)])
+
+
+@pytest.mark.slow  # mode off with the backward, plain and streamed, a variant refused at its first stage (~10 s on two cores)
+def test_a_variant_refused_in_the_forward_streams_with_the_backward(tmp_path, monkeypatch) -> None:
+    """A provider variant refused at run time (sdpa-math at 768p) is recorded as skipped by both runs; phase 1's
+    backward and the ranges go on without it, to the unsharded record."""
+    from h3gate.runs import ws1_model
+
+    real = ws1_model.provider_variants
+    monkeypatch.setattr(ws1_model, "provider_variants",
+                        lambda names, device: _with_variant(real(names, device), _refused_after(0)))  # fmt: skip
+    plain = _cli("--quiet", "run", "ws1-model", *BACKWARD, "--out", tmp_path / "plain")
+    monkeypatch.setattr(ws1_model, "provider_variants",
+                        lambda names, device: _with_variant(real(names, device), _refused_after(0)))  # fmt: skip
+    streamed = _cli("--quiet", "run", "ws1-model", *BACKWARD, "--stream", "--out", tmp_path / "streamed")
+    assert streamed[0] == plain[0] == 0, (plain, streamed)
+    doc = _doc(tmp_path / "streamed")
+    skipped = doc["row_rule"]["variants_skipped"]
+    assert any(s["name"] == "oom" and "out of memory" in s["reason"] for s in skipped), skipped
+    assert_same_record(_doc(tmp_path / "plain"), doc)
+
+
+def _with_variant(made, variant):
+    run, skipped = made
+    return [*run, variant], skipped

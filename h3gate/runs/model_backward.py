@@ -57,9 +57,12 @@ WHOLE = -1  # grad_row_dim of a parameter gradient: judged as one row
 
 def model_incoming(seed: int, lanes: list[Lane]) -> dict[str, dict[str, torch.Tensor]]:
     """Per saving lane, the gradients the model's outputs receive (the declared loss's seeded cotangents; FP64 for
-    the golden)."""
+    the golden); none for a lane refused at run time (it has no outputs, and its backward is skipped)."""
     incoming: dict[str, dict[str, torch.Tensor]] = {}
     for lane in lanes:
+        if lane.refused is not None:
+            incoming[lane.name] = {}
+            continue
         cot = model_cotangents(seed, lane.values, lane.batch)
         incoming[lane.name] = {k: (v.double() if lane.golden else v) for k, v in cot.items()}
     return incoming
