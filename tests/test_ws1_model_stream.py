@@ -375,14 +375,15 @@ def test_a_lane_refused_in_the_forward_gets_no_cotangents() -> None:
 
     outputs = {name: torch.zeros(1, 3, 2) for name in OUTPUTS}
     kept = Lane("provider", "provider", OpTable(lambda op: None), dict(outputs), save=True)
-    refused = Lane("provider:oom", "provider", OpTable(lambda op: None), {}, save=True, refused="refused at run time: out of memory")
+    no_table = OpTable(lambda op: None)
+    refused = Lane("provider:oom", "provider", no_table, {}, save=True, refused="refused at run time: out of memory")
     incoming = model_incoming(0, [kept, refused])
     assert incoming["provider:oom"] == {} and set(incoming["provider"]) == set(OUTPUTS)
     with pytest.raises(KeyError, match="heads.video_select"):  # control: the refusal is what spares the lane
         model_incoming(0, [Lane("provider:oom", "provider", OpTable(lambda op: None), {}, save=True)])
 
 
-@pytest.mark.slow  # mode off with the backward, plain and streamed, a variant refused at its first stage (~10 s on two cores)
+@pytest.mark.slow  # mode off with the backward, plain and streamed, a variant refused at once (~10 s on two cores)
 def test_a_variant_refused_in_the_forward_streams_with_the_backward(tmp_path, monkeypatch) -> None:
     """A provider variant refused at run time (sdpa-math at 768p) is recorded as skipped by both runs; phase 1's
     backward and the ranges go on without it, to the unsharded record."""
