@@ -92,12 +92,19 @@ def _make_p(d: Path) -> list[Result]:
 MAKERS = {"c": _make_c, "b": _make_b, "a": _make_a, "p": _make_p}  # longest first
 
 
-def _shared(factory: pytest.TempPathFactory, name: str) -> tuple[Path, list[Result]]:
+def _wanted(request: pytest.FixtureRequest) -> set[str]:
+    """The runs (``run_<key>`` fixtures) some selected test of this session uses."""
+    used = {f for item in request.session.items for f in getattr(item, "fixturenames", ())}
+    return {key for key in MAKERS if f"run_{key}" in used}
+
+
+def _shared(factory: pytest.TempPathFactory, name: str, wanted: set[str]) -> tuple[Path, list[Result]]:
     """Run ``name``'s RUNDIR, made once per session, with the results of its invocations; treat it as read-only.
 
     Under xdist the runs live in the session's shared temp folder, each made under a file lock by the first worker
     that gets the lock; a worker that finds the run it needs being made by another makes a run nobody has started
-    yet (longest first) while it waits, so both workers are busy while the runs are made."""
+    yet and a selected test uses (``wanted``, longest first) while it waits, so both workers are busy while the runs
+    are made."""
     root = factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
@@ -124,7 +131,7 @@ def _shared(factory: pytest.TempPathFactory, name: str) -> tuple[Path, list[Resu
         for key in MAKERS:
             if (folder / "results.json").is_file():
                 break
-            if key != name:
+            if key != name and key in wanted:
                 make(key, wait=False)
         make(name, wait=True)
     results = json.loads((folder / "results.json").read_text(encoding="utf-8"))
@@ -132,23 +139,23 @@ def _shared(factory: pytest.TempPathFactory, name: str) -> tuple[Path, list[Resu
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory):
-    return _shared(tmp_path_factory, "a")
+def run_a(tmp_path_factory, request):
+    return _shared(tmp_path_factory, "a", _wanted(request))
 
 
 @pytest.fixture(scope="module")
-def run_b(tmp_path_factory):
-    return _shared(tmp_path_factory, "b")
+def run_b(tmp_path_factory, request):
+    return _shared(tmp_path_factory, "b", _wanted(request))
 
 
 @pytest.fixture(scope="module")
-def run_c(tmp_path_factory):
-    return _shared(tmp_path_factory, "c")
+def run_c(tmp_path_factory, request):
+    return _shared(tmp_path_factory, "c", _wanted(request))
 
 
 @pytest.fixture(scope="module")
-def run_p(tmp_path_factory):
-    return _shared(tmp_path_factory, "p")
+def run_p(tmp_path_factory, request):
+    return _shared(tmp_path_factory, "p", _wanted(request))
 
 
 def _compare(a: Path, b: Path, tmp: Path) -> tuple[int, dict]:
@@ -302,6 +309,9 @@ def test_verify_last_fails_when_the_saved_velocity_is_not_the_models(run_a, tmp_
 # 4. batch invariance
 
 
+# batch invariance is gated at every node in make test by ws1-block's and ws1-model's batch lanes; the trajectory's
+# own batched run (25 s of make test's 300 on two cores) runs in make test-slow, which .ci/run runs too
+@pytest.mark.slow
 def test_a_batched_run_equals_the_unbatched_one(run_c, run_a, tmp_path) -> None:
     rundir, (first, second) = run_c
     _ok(first)
