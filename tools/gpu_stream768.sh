@@ -8,8 +8,10 @@
 #            "verdict: incomplete (phase 1: ...)";
 #   A:B      phase 2 of the plan's range A:B: 0:5 carries the stages before the blocks (embeddings, refiner,
 #            packing, time), 45:50 those after them (final AdaLN, heads). With BACKWARD=--backward, ranges of one
-#            block: RANGES=0:1,1:2,2:3,3:4,4:5,5:50 for the first blocks or 0:45,45:46,...,49:50 for the last (five
-#            boundaries of ~10.9 GB fit the 64 GiB disk, eleven do not);
+#            block, e.g. RANGES=0:1,1:2,2:3,3:50 or 0:47,47:48,48:49,49:50 (a boundary with the backward's 12 lanes is
+#            14.37 GB, so four fit the 64 GiB disk and six do not; measured 2026-12-06). Measured on the H200: phase 2
+#            of a one-block range with the backward needs more than its 141 GB (block 49 ran out of memory at 137.75
+#            GiB allocated; evidence/h200/PROVENANCE-preface.md);
 #   merge:   phase 3 of the ranges gated (--partial: the others are not, so the record fails as incomplete by
 #            design), the JSON records (plan, ranges, ws1-model.json) copied to $OUT/ev/ws1-model-768p-streamed and
 #            sealed there, and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the
