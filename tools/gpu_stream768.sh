@@ -17,7 +17,8 @@
 #            sealed there, and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the
 #            measured blocks ($SIZE blocks a range, default 5).
 #   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then the ranges (0:5 45:50); then merge
-# Forward only by default (BACKWARD=--backward adds it: one block a range fits one H200 by the lower bound).
+# Forward only by default (BACKWARD=--backward adds it: one block a range is under one H200 by the lower bound, but
+# ran out of memory there, as measured above).
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 rundir=${RUNDIR:-/tmp/ws768}
