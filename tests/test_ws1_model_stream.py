@@ -351,17 +351,13 @@ def test_the_default_range_plans() -> None:
     assert parse_ranges(None, 7, 50)[-1] == (49, 50) and parse_ranges("0:5,5:45,45:50", None, 50)[1] == (5, 45)
 
 
-def _refused_after(stages: int):
-    """A provider variant that runs ``stages`` stages, then fails as sdpa-math runs out of memory at a long S."""
+def _refused_variant():
+    """A provider variant that fails when entered, as a variant that runs out of memory at a long S (at 768p)."""
     from h3gate.gate.variants import Variant
-
-    entered = {"n": 0}
 
     @contextlib.contextmanager
     def enter():
-        entered["n"] += 1
-        if entered["n"] > stages:
-            raise RuntimeError("CUDA out of memory. Tried to allocate 340.00 GiB")
+        raise RuntimeError("CUDA out of memory. Tried to allocate 340.00 GiB")
         yield
 
     return Variant("oom", enter)
@@ -385,16 +381,16 @@ def test_a_lane_refused_in_the_forward_gets_no_cotangents() -> None:
 
 @pytest.mark.slow  # mode off with the backward, plain and streamed, a variant refused at once (~10 s on two cores)
 def test_a_variant_refused_in_the_forward_streams_with_the_backward(tmp_path, monkeypatch) -> None:
-    """A provider variant refused at run time (sdpa-math at 768p) is recorded as skipped by both runs; phase 1's
+    """A provider variant refused at run time (out of memory) is recorded as skipped by both runs; phase 1's
     backward and the ranges go on without it, to the unsharded record."""
     from h3gate.runs import ws1_model
 
     real = ws1_model.provider_variants
     monkeypatch.setattr(ws1_model, "provider_variants",
-                        lambda names, device: _with_variant(real(names, device), _refused_after(0)))  # fmt: skip
+                        lambda names, device: _with_variant(real(names, device), _refused_variant()))  # fmt: skip
     plain = _cli("--quiet", "run", "ws1-model", *BACKWARD, "--out", tmp_path / "plain")
     monkeypatch.setattr(ws1_model, "provider_variants",
-                        lambda names, device: _with_variant(real(names, device), _refused_after(0)))  # fmt: skip
+                        lambda names, device: _with_variant(real(names, device), _refused_variant()))  # fmt: skip
     streamed = _cli("--quiet", "run", "ws1-model", *BACKWARD, "--stream", "--out", tmp_path / "streamed")
     assert streamed[0] == plain[0] == 0, (plain, streamed)
     doc = _doc(tmp_path / "streamed")
