@@ -148,34 +148,43 @@ def test_the_trajectory_is_refused_below_its_own_lower_bound_and_runs_at_it(monk
     assert model_memory.model_weight_bytes(real) / model_memory.trajectory_lower_bound_bytes(real, medium, 1) > 0.9
 
 
-def test_the_released_backward_fits_one_h200_in_ranges_of_one_block_and_not_of_four(run_cli, tmp_path, monkeypatch):
-    """The whole-model backward holds at its fullest the golden's FP64 stage backward beside the provider's values and
-    gradients and the candidate's gradients (22 bytes per node element of a block); every other lane runs after it,
-    reduced to records at once. At 768p a streamed range of one block needs at least 131.8 GiB (the last range, with
-    the final AdaLN and the heads; a middle one 119.3 GiB): under a 139.3 GiB H200. Ranges of four blocks (144.3 GiB
-    for the first) are refused before any weight is read, naming the way out, nothing written; the forward (102.7
-    GiB) and medium's whole backward (42.6 GiB) are under it."""
+def test_the_released_backward_fits_one_h200_in_ranges_of_up_to_seven_blocks_holding_on_the_host(
+    run_cli, tmp_path, monkeypatch
+):
+    """The whole-model backward holds at its fullest, everything on the device, the golden's FP64 stage backward
+    beside the provider's values and gradients and the candidate's gradients (22 bytes per node element of a block).
+    At 768p that does not fit one H200 (139.3 GiB available), so the gate holds on the host: the golden's gradients
+    and, while the other lanes run, the provider's wait in host memory, and the fullest moment is the forward's
+    (18 bytes per element: the golden's FP64 values beside the bf16 lanes'). A streamed range of one block then needs
+    at least 100.1-112.6 GiB (the last range, with the final AdaLN and the heads, the most), four blocks 125.0 GiB;
+    ranges of eight blocks (150.0 GiB) are refused before any weight is read, naming the way out, nothing written.
+    The control: at medium everything stays on the device (41.0 GiB with the host, 42.6 without)."""
     from h3gate import memory
 
     cfg = load_config("real").config
     monkeypatch.setattr(memory, "device_available_bytes", lambda device: int(139.3 * GIB))
     seq = {name: build_layout(load_layout(name), name).seq_len for name in ("medium", "768p")}
+    assert model_memory.hold_on_host(cfg, seq["768p"], 7, True, "cuda")
+    assert not model_memory.hold_on_host(cfg, seq["medium"], 7, True, "cuda")
+    assert not model_memory.hold_on_host(cfg, seq["768p"], 7, False, "cuda")  # no backward, nothing to hold
+    assert not model_memory.hold_on_host(cfg, seq["768p"], 7, True, "cpu")  # on the CPU the host is the device
 
-    def need(layout: str, a: int, b: int, backward: bool) -> int:
+    def need(layout: str, a: int, b: int, backward: bool, host: bool = True) -> int:
         stages = memory_plan.row_stages(b - a, a == 0, b == cfg.num_layers)
-        return memory_plan.model_lower_bound_bytes(cfg, seq[layout], stages, ModelNeeds().lanes, backward)
+        return memory_plan.model_lower_bound_bytes(cfg, seq[layout], stages, ModelNeeds().lanes, backward, host)
 
     cases = (("768p", 1, 2, True), ("768p", 0, 1, True), ("768p", 49, 50, True), ("768p", 0, 4, True),
-             ("768p", 0, 50, False), ("medium", 0, 50, True))  # fmt: skip
-    assert [round(need(*a) / GIB, 1) for a in cases] == [119.3, 125.6, 131.8, 144.3, 102.7, 42.6]
+             ("768p", 0, 8, True), ("768p", 0, 50, False), ("medium", 0, 50, True))  # fmt: skip
+    assert [round(need(*a) / GIB, 1) for a in cases] == [100.1, 106.3, 112.6, 125.0, 150.0, 102.7, 41.0]
+    assert [round(need(*a, host=False) / GIB, 1) for a in cases[:3]] == [119.3, 125.6, 131.8]
     element = memory_plan.block_node_elements(cfg, seq["768p"])
-    assert need("768p", 1, 2, True) >= 22 * element  # the fullest stage backward
+    assert need("768p", 1, 2, True, host=False) >= 22 * element > need("768p", 1, 2, True) >= 18 * element
     out = tmp_path / "run"
-    code, _, err = run_cli("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--range-size", "4",
+    code, _, err = run_cli("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--range-size", "8",
                            "--out", out)  # fmt: skip
     assert code == 2 and err == (
-        "h3gate: error: ws1-model --stream --layout 768p --config real (S=38974, ranges of 4 blocks): needs at least "
-        "144.3 GiB, 139.3 GiB of host memory available; use smaller ranges (--range-size) or --no-backward\n"
+        "h3gate: error: ws1-model --stream --layout 768p --config real (S=38974, ranges of 8 blocks): needs at least "
+        "150.0 GiB, 139.3 GiB of host memory available; use smaller ranges (--range-size) or --no-backward\n"
     )
     assert not out.exists()
     from types import SimpleNamespace
@@ -185,13 +194,13 @@ def test_the_released_backward_fits_one_h200_in_ranges_of_one_block_and_not_of_f
 
     setup = prepare(RunSpec("model", "768p", config="real"), None, read=False)
     s = SimpleNamespace(run=SimpleNamespace(layout="768p"), backward=True)
-    ranges = [(a, a + 1) for a in range(cfg.num_layers)]
+    ranges = [(a, a + 4) for a in range(0, 48, 4)] + [(48, 50)]
     model_stream_cmd._require_memory(s, setup, ranges, load_tolerance("ws1-model"))  # not refused: the control
 
 
 def test_phase_1_alone_is_checked_against_its_own_bound(run_cli, tmp_path, monkeypatch):
-    """``--boundaries-only`` runs phase 1 only (one lane through one stage at a time: the golden's FP64 stage backward
-    and each lane's stage inputs over a checkpoint segment, 120.9 GiB at 768p): a plan whose 5:45 range could not be
+    """``--boundaries-only`` runs phase 1 only (one lane through one stage at a time: the golden's FP64 node values
+    and each lane's stage inputs over a checkpoint segment, 82.4 GiB at 768p): a plan whose 5:45 range could not be
     gated on one H200 stores its boundaries; without ``--boundaries-only`` the same plan is refused naming its
     ranges; with less than phase 1's bound free, phase 1 is refused naming it."""
     from h3gate import memory
@@ -200,14 +209,14 @@ def test_phase_1_alone_is_checked_against_its_own_bound(run_cli, tmp_path, monke
     cfg = load_config("real").config
     seq = build_layout(load_layout("768p"), "768p").seq_len
     first = memory_plan.phase1_lower_bound_bytes(cfg, seq, ModelNeeds().lanes, True, 6)
-    assert round(first / GIB, 1) == 120.9
+    assert round(first / GIB, 1) == 82.4
     monkeypatch.setattr(model_stream_cmd, "read_inputs", _stop)
     plan = ",".join(["0:1", "1:2", "2:3", "3:4", "4:5", "5:45", *(f"{a}:{a + 1}" for a in range(45, 50))])
     args = ("run", "ws1-model", "--config", "real", "--layout", "768p", "--stream", "--ranges", plan)
     for free, extra, want in (
         (139.3, ("--boundaries-only",), "h3gate: error: stop\n"),
         (139.3, (), "(S=38974, ranges of 40 blocks): needs at least"),
-        (120.0, ("--boundaries-only",), "(S=38974, phase 1): needs at least 120.9 GiB"),
+        (80.0, ("--boundaries-only",), "(S=38974, phase 1): needs at least 82.4 GiB"),
     ):
         monkeypatch.setattr(memory, "device_available_bytes", lambda device, free=free: int(free * GIB))
         monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda free=free: int(free * GIB))

@@ -402,3 +402,32 @@ def test_a_variant_refused_in_the_forward_streams_with_the_backward(tmp_path, mo
 def _with_variant(made, variant):
     run, skipped = made
     return [*run, variant], skipped
+
+
+@pytest.mark.slow  # mode off, backward fault: plain, plain and streamed holding on the host (~10 s; the stage
+# backward's keeps are checked bitwise in make test: tests/test_stage_keep.py)
+def test_holding_on_the_host_gives_the_same_record_and_locates_a_backward_fault(tmp_path, monkeypatch) -> None:
+    """The backward holding on the host (the golden's gradients and the waiting provider's in host memory, as at 768p
+    on one H200) gives the record of the run holding on the device, plain and streamed, to the field: a one-row
+    backward fault is still caught at its row and named after its maker. The records say where the run held."""
+    from h3gate.commands import model_stream_cmd
+    from h3gate.runs import setup, ws1_model
+
+    fault = [*BACKWARD, "--fault", "block.0.ffn_down:70:scale:backward"]
+    code, _ = _cli("--quiet", "run", "ws1-model", *fault, "--out", tmp_path / "device")
+    for module in (setup, ws1_model, model_stream_cmd):
+        monkeypatch.setattr(module, "hold_on_host", lambda cfg, rows, providers, backward, device: backward)
+    held, _ = _cli("--quiet", "run", "ws1-model", *fault, "--out", tmp_path / "host")
+    streamed, _ = _cli("--quiet", "run", "ws1-model", *fault, "--stream", "--out", tmp_path / "streamed")
+    assert code == held == streamed == 1
+    device, host = _doc(tmp_path / "device"), _doc(tmp_path / "host")
+    failure = host["first_row_failure"]
+    assert (failure["direction"], failure["node"], failure["row"], failure["operator"]) == (
+        "backward", "block.0.swiglu", 70, "block.0.ffn_down",
+    )  # fmt: skip
+    assert "hold" not in device["memory"] and host["memory"]["hold"] == "host"
+    assert_same_record(device, host)
+    doc = _doc(tmp_path / "streamed")
+    assert_same_record(device, doc)
+    ranges = [json.loads(p.read_text()) for p in sorted((tmp_path / "streamed" / "ranges").glob("*.json"))]
+    assert ranges and {r["timing"]["held"] for r in ranges} == {"host"}

@@ -34,7 +34,10 @@ for section in "$@"; do
     du -sh "$rundir/boundaries" ;;
   [0-9]*:[0-9]*) step "$cap" "stream768-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
     --layers "$section" --from "$rundir"
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader ;;
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    dest=$ev/ws1-model-768p-streamed${BACKWARD:+-bwd}  # the plan and the range records so far, merged or not
+    mkdir -p "$dest/ranges" && cp "$rundir/plan.json" "$dest/" && cp "$rundir"/ranges/*.json "$dest/ranges/" 2>/dev/null
+    find "$rundir" -maxdepth 2 -name 'h3gate-traceback*' -exec cp {} "$ev/logs/" \; ;;
   merge)
     step "$cap" stream768-merge python3 -m h3gate run ws1-model "${opts[@]}" --merge "$rundir" --partial
     dest=$ev/ws1-model-768p-streamed

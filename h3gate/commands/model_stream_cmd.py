@@ -32,7 +32,7 @@ from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs import model_stream
 from h3gate.runs import stream_files as files
 from h3gate.runs.memory_plan import model_lower_bound_bytes, phase1_lower_bound_bytes, row_stages
-from h3gate.runs.model_memory import plan_model_memory
+from h3gate.runs.model_memory import hold_on_host, plan_model_memory
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
 from h3gate.runs.model_stream import StreamPlan, boundary_bytes, build_plan, phase1, run_range
@@ -156,7 +156,9 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]
     cfg, seq, last, lanes = setup.cfg, setup.layout.seq_len, setup.cfg.num_layers, ModelNeeds().lanes
     blocks = max(b - a for a, b in ranges)
     gated = [] if phase1 and s.boundaries_only else ranges
-    needs = [model_lower_bound_bytes(cfg, seq, row_stages(b - a, a == 0, b == last), lanes, s.backward)
+    providers = provider_lanes(list(tol.row_rule.variants), setup.device)
+    hold = hold_on_host(cfg, seq, providers, s.backward, setup.device)  # as ModelGate.of decides for each range
+    needs = [model_lower_bound_bytes(cfg, seq, row_stages(b - a, a == 0, b == last), lanes, s.backward, hold)
              for a, b in gated]  # fmt: skip
     first = phase1_lower_bound_bytes(cfg, seq, lanes, s.backward, model_stream.SEGMENT) if phase1 else 0
     if not needs or first > max(needs):  # phase 1 holds the most: smaller ranges do not help
@@ -170,9 +172,8 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]
         setup.device,
         hint=hint,
     )
-    providers = provider_lanes(list(tol.row_rule.variants), setup.device)
     stages = blocks + cfg.num_refiner_layers + 6
-    warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0))
+    warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0, hold))
 
 
 def _gate(s: Ws1ModelCommand, setup: Run, tol, step=None) -> ModelGate:

@@ -18,8 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from h3gate.graph import determinism
 from h3gate.graph.core import Graph, Node, OpTable, Values
-from h3gate.graph.execute import NO_HOOKS, Hooks, Override, run_chained
+from h3gate.graph.execute import NO_HOOKS, Hooks, Override, iter_graph, run_chained
 from h3gate.graph.model import METADATA, OUTPUTS
+from h3gate.graph.parked import Fetched, park, to_host
 
 # Parameter prefixes of the stages that are not embedded blocks (those read ``meta["param_prefix"]``).
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
@@ -202,6 +203,61 @@ class StageGrads:
     forward: Values  # the recomputed forward (detached): equals the no_grad forward when autograd is sound
 
 
+@dataclass(frozen=True)
+class Keep:
+    """What :func:`stage_vjp` keeps of the stage it recomputes, and where. ``forward``: every node value (else the
+    stage's outputs only: the others are dropped after their last reader in the stage, as
+    :func:`~h3gate.graph.execute.iter_graph` does, so autograd alone holds what it saved); ``nodes``: every node
+    output's gradient (else none: the inputs' and the parameters' only); ``host``: each node and parameter gradient
+    moved to host memory as it is made (:mod:`h3gate.graph.parked`). None of them changes an operation or its order:
+    the gradients' bytes are those of ``Keep()``."""
+
+    forward: bool = True
+    nodes: bool = True
+    host: bool = False
+
+
+KEEP_ALL = Keep()
+
+
+class _Observed(Mapping):
+    """``name -> (tensor, row axis)`` read lazily, for :func:`h3gate.graph.determinism.observe` to fingerprint
+    parked gradients one at a time on the device."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dims: Mapping[str, int | None]) -> None:
+        self.tensors, self.dims = tensors, dims
+
+    def __getitem__(self, key: str) -> tuple[torch.Tensor, int | None]:
+        return self.tensors[key], self.dims.get(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _kept_grad(into: dict[str, torch.Tensor], name: str, host: bool) -> Callable[[torch.Tensor], None]:
+    """A tensor hook keeping the gradient it sees as ``retain_grad`` would (a contiguous copy: the engine may reuse
+    the tensor it passes), on the host with ``host``. Unlike ``retain_grad`` it outlives the tensor's Python object,
+    so a dropped node value still reports its gradient."""
+
+    def hook(grad: torch.Tensor) -> None:
+        into[name] = to_host(grad) if host else grad.detach().clone(memory_format=torch.contiguous_format)
+
+    return hook
+
+
+def _recomputed(stage: Stage, x: Values, p: Values, ops: OpTable, overrides, every: bool) -> Iterator[tuple]:
+    """``(name, value)`` of each node of ``stage`` recomputed on ``x`` (every value held until the end with
+    ``every``, else each dropped after its last reader)."""
+    if every:
+        yield from run_stage(stage, x, p, ops, overrides).items()
+        return
+    for node, out in iter_graph(stage.graph, {k: x[k] for k in stage.external}, p, ops, overrides):
+        yield node.name, out
+
+
 def stage_vjp(
     stage: Stage,
     saved: Mapping[str, torch.Tensor],
@@ -209,32 +265,45 @@ def stage_vjp(
     ops: OpTable,
     incoming: Mapping[str, torch.Tensor],
     overrides: Mapping[str, Override] | None = None,
+    keep: Keep = KEEP_ALL,
 ) -> StageGrads:
     """Recompute ``stage`` under autograd from ``saved`` and back-propagate ``incoming`` (output -> gradient, cast to
-    the output's dtype)."""
+    the output's dtype); ``keep``: what is kept, and where (:class:`Keep`). With ``keep.host`` the node and
+    parameter gradients come back in host memory; the inputs' stay on the device (the next stage reads them)."""
     wrt = differentiable(stage, saved)
     x = {k: (v.detach().requires_grad_(True) if k in wrt else v) for k, v in saved.items() if k in stage.external}
     p = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     determinism.copies(p, params)
+    kept: dict[str, torch.Tensor] = {}
+    forward: dict[str, torch.Tensor] = {}
+    outs, cots = [], []
     with torch.enable_grad():
-        values = run_stage(stage, x, p, ops, overrides)
-        for v in values.values():
-            if v.requires_grad:
-                v.retain_grad()
-        outs = [values[k] for k in stage.outputs if k in incoming and values[k].requires_grad]
-        grads = [incoming[k].to(values[k].dtype) for k in stage.outputs if k in incoming and values[k].requires_grad]
+        for name, v in _recomputed(stage, x, p, ops, overrides, keep.forward):
+            if keep.nodes and v.requires_grad:
+                v.register_hook(_kept_grad(kept, name, keep.host))
+            if keep.forward or name in stage.outputs:
+                forward[name] = v
+            if name in stage.outputs and name in incoming and v.requires_grad:
+                outs.append(v)
+                cots.append(incoming[name].to(v.dtype))
+            del v
         if outs:
-            torch.autograd.backward(outs, grads)
+            torch.autograd.backward(outs, cots)
+        del outs, cots
+    pgrads = {k: v.grad for k, v in p.items() if v.grad is not None}
     grads = StageGrads(
-        nodes={k: v.grad for k, v in values.items() if v.grad is not None},
+        nodes={n.name: kept[n.name] for n in stage.nodes if n.name in kept},
         inputs={k: x[k].grad for k in wrt if x[k].grad is not None},
-        params={k: v.grad for k, v in p.items() if v.grad is not None},
-        forward={k: v.detach() for k, v in values.items()},
+        params=park(pgrads) if keep.host else pgrads,
+        forward={k: v.detach() for k, v in forward.items()},
     )
+    del pgrads, p
     dims = {n.name: n.row_dim for n in stage.nodes}
-    outs = {k: (g, dims.get(k)) for part in (grads.nodes, grads.inputs, grads.params) for k, g in part.items()}
+    tensors = {k: g for part in (grads.nodes, grads.inputs, grads.params) for k, g in part.items()}
+    device = next(v.device for v in (*saved.values(), *params.values()) if isinstance(v, torch.Tensor))
+    observed = _Observed(Fetched(tensors, device) if keep.host else tensors, dims)
     fed = {**{k: saved[k] for k in stage.external if k in saved}, **{f"d{k}": v for k, v in incoming.items()}}
-    determinism.observe(stage.label, "stage_vjp", ops, overrides or None, fed, params, outs)
+    determinism.observe(stage.label, "stage_vjp", ops, overrides or None, fed, params, observed)
     return grads
 
 

@@ -164,6 +164,7 @@ class MemoryPlan:
     estimate: str
     upper_bytes: int | None = None
     available_bytes: int | None = None
+    hold: str = "device"  # where a whole-model backward holds the golden's gradients (runs.model_memory.hold_on_host)
 
     @property
     def warning(self) -> str | None:
@@ -178,8 +179,9 @@ class MemoryPlan:
         """GiB to 4 decimals (0.1 MB: tiny configs' plans are a few MB)."""
         upper = {} if self.upper_bytes is None else {"upper_gib": round(self.upper_bytes / GIB, 4)}
         free = {} if self.available_bytes is None else {"available_gib": round(self.available_bytes / GIB, 4)}
+        hold = {"hold": self.hold} if self.hold != "device" else {}
         return {"store": self.store, "estimate": self.estimate, "device_gib": round(self.device_bytes / GIB, 4),
-                "host_gib": round(self.host_bytes / GIB, 4), **upper, **free}  # fmt: skip
+                "host_gib": round(self.host_bytes / GIB, 4), **upper, **free, **hold}  # fmt: skip
 
 
 def streamed_peak_width(cfg: ModelConfig) -> int:
@@ -272,7 +274,9 @@ def block_node_elements(cfg: ModelConfig, seq_len: int) -> int:
     return seq_len * (6 * h + 8 * nd + 3 * f)
 
 
-def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: int, backward: bool) -> int:
+def model_lower_bound_bytes(
+    cfg: ModelConfig, seq_len: int, stages: int, lanes: int, backward: bool, host: bool = False
+) -> int:
     """A lower bound on what a ws1-model run holds at once: one block's weights in bf16 + FP64 (twice under the
     backward: parameter gradients); one block's node values ``E`` (:func:`block_node_elements`), forward at FP64
     (golden) + bf16 for the provider, the candidate and a batch of three (``18 E`` bytes), or, with the backward, a
@@ -280,12 +284,14 @@ def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: 
     and node gradients beside the provider's bf16 values and gradients and the candidate's gradients: ``22 E``; the
     other lanes run one at a time after it, reduced to records at once); each lane's stage boundaries ``S x H``
     (bf16, golden FP64) for ``stages`` stages holding packed rows (:func:`row_stages`), kept for every such stage
-    when the backward runs."""
+    when the backward runs. Holding on the host (``host``, :func:`h3gate.runs.model_memory.hold_on_host`), the
+    golden's gradients wait in host memory and its values are dropped after their last reader: the isolated stage
+    backward still runs beside the provider's values and gradients and the candidate's (``6 E``)."""
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     weights = (4 * h * nd + 3 * h * f) * (2 + 8) * (2 if backward else 1)
     forward = 8 + 2 * (1 + 1 + 3)
-    stage_backward = 2 * 8 + 2 * 2 + 2
-    values = block_node_elements(cfg, seq_len) * (stage_backward if backward else forward)
+    stage_backward = 2 * 2 + 2 if host else 2 * 8 + 2 * 2 + 2
+    values = block_node_elements(cfg, seq_len) * (max(forward, stage_backward) if backward else forward)
     boundaries = seq_len * h * (8 + 2 * lanes) * (stages if backward else 2)
     return weights + values + boundaries
 
@@ -293,13 +299,13 @@ def model_lower_bound_bytes(cfg: ModelConfig, seq_len: int, stages: int, lanes: 
 def phase1_lower_bound_bytes(cfg: ModelConfig, seq_len: int, lanes: int, backward: bool, segment: int) -> int:
     """A lower bound on what phase 1 of a streamed ws1-model run holds at once (:func:`h3gate.runs.model_stream.phase1`:
     one lane through one stage at a time, nothing judged): one block's weights in bf16 and FP64 (under the backward
-    also the golden's FP64 parameter gradients); the golden's node values of a block at FP64 (``8 E``), under the
-    backward its recomputed values and node gradients (``16 E``); each lane's hidden state between stages, and under
-    the backward each lane's stage inputs over one checkpoint segment of ``segment`` stages (``S x H`` each, bf16,
-    golden FP64)."""
+    also the golden's FP64 parameter gradients); the golden's node values of a block at FP64 in the forward (``8 E``;
+    its stage backward keeps no node value or gradient beyond what autograd saved: ``INPUTS_ONLY``); each lane's
+    hidden state between stages, and under the backward each lane's stage inputs over one checkpoint segment of
+    ``segment`` stages (``S x H`` each, bf16, golden FP64)."""
     h, nd, f = cfg.hidden_size, cfg.num_attention_heads * cfg.attention_head_dim, cfg.ffn_dim
     weights = (4 * h * nd + 3 * h * f) * (2 + 8 + (8 if backward else 0))
-    values = block_node_elements(cfg, seq_len) * (16 if backward else 8)
+    values = block_node_elements(cfg, seq_len) * 8
     return weights + values + seq_len * h * (8 + 2 * lanes) * (segment if backward else 1)
 
 

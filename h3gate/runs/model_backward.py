@@ -39,12 +39,13 @@ from h3gate.graph import determinism
 from h3gate.graph.core import Node, to_float64
 from h3gate.graph.execute import iter_node_vjps
 from h3gate.graph.model import OUTPUTS
-from h3gate.graph.stages import Stage, StageGrads, accumulate, stage_vjp
+from h3gate.graph.stages import KEEP_ALL, Keep, Stage, StageGrads, accumulate, stage_vjp
 from h3gate.runs.block_records import bound_check, check
 from h3gate.runs.block_rows import RowContext, node_inputs, vjp_envelope
 from h3gate.runs.model_clock import lane_part
 from h3gate.runs.model_fault_matrix import forget_gradient, keep_gradient, keep_node_vjp
 from h3gate.runs.model_forward import Findings, Lanes
+from h3gate.runs.model_hold import LEAN, golden_keep, golden_read, lane_keep, parked, unparked
 from h3gate.runs.model_lanes import Lane, contract_floor, merged, row_labels, select_item
 from h3gate.runs.model_stages import LEAVES, model_cotangents
 
@@ -124,12 +125,16 @@ def keep_grads(gate: ModelGate, grads: Mapping[str, torch.Tensor]) -> None:
     gate.kept_grads.update({k: g.detach().cpu().contiguous().clone() for k, g in grads.items()})
 
 
-def lane_vjp(lane: Lane, stage: Stage, params, incoming: dict, overrides=None) -> StageGrads | None:
+def lane_vjp(
+    lane: Lane, stage: Stage, params, incoming: dict, overrides=None, keep: Keep = KEEP_ALL
+) -> StageGrads | None:
+    """``lane``'s stage backward (:func:`~h3gate.graph.stages.stage_vjp`, keeping ``keep``); None once the lane is
+    refused (a variant refused at run time here becomes so)."""
     if lane.refused is not None:
         return None
     try:
         with lane.entered(), determinism.evaluation(f"backward: {lane.name}"):
-            return stage_vjp(stage, lane.saved[stage.label], params, lane.table, incoming, overrides)
+            return stage_vjp(stage, lane.saved[stage.label], params, lane.table, incoming, overrides, keep)
     except RuntimeError as exc:
         if lane.variant is None:
             raise
@@ -148,7 +153,7 @@ class _Chained:
     and at most one other lane's stage backward beside them (:func:`h3gate.runs.memory_plan.model_lower_bound_bytes`).
     """
 
-    gold: dict[str, torch.Tensor]
+    gold: Mapping[str, torch.Tensor]
     dims: dict[str, int | None]
     env: dict[str, dict] = field(default_factory=dict)
     provider: StageGrads | None = None
@@ -166,18 +171,22 @@ def _chained(gate, lanes: Lanes, saving, incoming, stage: Stage, params, gparams
     held: _Chained | None = None
     for lane in saving:
         overrides = gate.node_overrides if lane.kind == "candidate" else None
+        keep = lane_keep(gate.hold_on_host, lane, lanes.provider)
         with gate.clock.part(lane_part(lane.kind, lane.name, lane.variant, lane.batch)):
-            got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides)
+            got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides, keep)
         if got is None:
             continue
         accumulate(incoming[lane.name], got.inputs)
-        grads = flat(got)
         if held is None:  # the golden runs first (Lanes.all)
-            held = _Chained(grads, {k: grad_row_dim(stage, k, v) for k, v in grads.items()})
-        elif lane.kind == "provider":
+            gold = golden_read(flat(got), gate.hold_on_host, gate.device)
+            held = _Chained(gold, {k: grad_row_dim(stage, k, v) for k, v in flat(got).items()})
+            del got, gold
+            continue
+        grads = flat(got)
+        if lane.kind == "provider":
             _add_envelope(held.env, lane, grads, held.gold, held.dims)
-            if lane is lanes.provider:
-                held.provider = got  # its recomputed forward feeds the isolated node views
+            if lane is lanes.provider:  # its recomputed forward feeds the isolated node views
+                held.provider = parked(got) if gate.hold_on_host else got
         elif lane is lanes.candidate:
             held.cand = grads
             held.agf = _autograd_forward(lane, got, stage)
@@ -194,6 +203,8 @@ def _chained(gate, lanes: Lanes, saving, incoming, stage: Stage, params, gparams
         del got, grads
     if held is None or held.provider is None or not held.cand:
         raise RuntimeError(f"{stage.label}: the golden, the provider and the candidate must each run the backward")
+    if gate.hold_on_host:
+        held.provider = unparked(held.provider, gate.device)
     return held
 
 
@@ -319,13 +330,16 @@ def _isolated(gate, lanes: Lanes, stage: Stage, params, gparams, prov_in: dict, 
     determinism record), and the envelope of the provider (``prov``: its chained gradients, from those same inputs)
     and of each variant, reduced to row errors as each variant ends."""
     saved = lanes.provider.saved[stage.label]
-    gold = flat(stage_vjp(stage, to_float64(saved), gparams, lanes.golden.table,
-                          {k: v.double() for k, v in prov_in.items()}))  # fmt: skip
+    got = stage_vjp(stage, to_float64(saved), gparams, lanes.golden.table, {k: v.double() for k, v in prov_in.items()},
+                    keep=golden_keep(gate.hold_on_host))  # fmt: skip
+    gold = golden_read(flat(got), gate.hold_on_host, gate.device)
+    del got
+    table, lean = gate.tables["candidate"], LEAN
     with determinism.evaluation("isolated vjp"):
-        cand = flat(stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides))
+        cand = flat(stage_vjp(stage, saved, params, table, prov_in, gate.node_overrides, lean))
         if determinism.active() is not None:  # its partner: the recorder compares the two
             with determinism.again():
-                stage_vjp(stage, saved, params, gate.tables["candidate"], prov_in, gate.node_overrides)
+                stage_vjp(stage, saved, params, table, prov_in, gate.node_overrides, lean)
     env: dict[str, dict] = {k: {} for k in gold}
     _add_envelope(env, lanes.provider, prov, gold, dims)
     for lane in lanes.providers[1:]:
@@ -333,7 +347,9 @@ def _isolated(gate, lanes: Lanes, stage: Stage, params, gparams, prov_in: dict, 
             continue
         try:
             with lane.entered():
-                _add_envelope(env, lane, flat(stage_vjp(stage, saved, params, lane.table, prov_in)), gold, dims)
+                got = stage_vjp(stage, saved, params, lane.table, prov_in, keep=lean)
+                _add_envelope(env, lane, flat(got), gold, dims)
+                del got
         except RuntimeError as exc:
             lane.refused = refusal(exc)
     return {"golden": gold, "candidate": cand, "env": env}

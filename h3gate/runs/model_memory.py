@@ -53,15 +53,27 @@ def _slacked(phase: int, device: str, process: int = CPU_PROCESS_BYTES) -> int:
 
 
 def model_peak_estimate_bytes(
-    cfg: ModelConfig, rows: int, stages: int, providers: int, backward: bool, device: str
+    cfg: ModelConfig, rows: int, stages: int, providers: int, backward: bool, device: str, host: bool = False
 ) -> int:
     """An upper estimate of a ``run ws1-model`` peak (:mod:`h3gate.runs.ws1_model`; a streamed range holds one
     range's stages of the same lanes, no more): the larger of the forward and the backward phase at a block stage,
     with ``providers`` provider lanes (the default and the variants this device runs) beside the FP64 golden, the
-    candidate, its repeat and two batch placements (3 and 2 items), times the slack."""
+    candidate, its repeat and two batch placements (3 and 2 items), times the slack; ``host``: the backward holds on
+    the host (:func:`hold_on_host`)."""
     forward = model_forward_phase(cfg, rows, stages, providers, backward, device)
-    phase = max(forward, model_backward_phase(cfg, rows, stages, providers, device)) if backward else forward
-    return _slacked(phase, device)
+    back = model_backward_phase(cfg, rows, stages, providers, device, host) if backward else 0
+    return _slacked(max(forward, back), device)
+
+
+def hold_on_host(cfg: ModelConfig, rows: int, providers: int, backward: bool, device: str) -> bool:
+    """Whether the backward holds on the host (:attr:`h3gate.runs.ws1_model.ModelGate.hold_on_host`): on a CUDA
+    device, when one block stage's backward with everything on the device (:func:`model_backward_phase`, its own
+    stage's boundaries only) times the slack exceeds what the device has available. The arithmetic is the same
+    either way; only where the held tensors wait differs."""
+    if not backward or device == "cpu":
+        return False
+    need = _slacked(model_backward_phase(cfg, rows, 1, providers, device), device)
+    return need > memory.device_available_bytes(device)
 
 
 def _saving_bytes(providers: int) -> int:
@@ -91,7 +103,8 @@ def model_forward_phase(cfg: ModelConfig, rows: int, stages: int, providers: int
     return w * (2 + 8) + e * (8 + 2 + 2 + 5 * 2) + working + boundaries
 
 
-def model_backward_phase(cfg: ModelConfig, rows: int, stages: int, providers: int, device: str) -> int:
+def model_backward_phase(cfg: ModelConfig, rows: int, stages: int, providers: int, device: str,
+                         host: bool = False) -> int:  # fmt: skip
     """One block stage of the backward (:mod:`h3gate.runs.model_backward`) at its fullest. The chained lanes run one
     at a time, each reduced to its records before the next, beside the golden's node gradients (FP64), the provider's
     recomputed values and gradients and the candidate's gradients (bf16); the golden's are dropped before the
@@ -99,7 +112,9 @@ def model_backward_phase(cfg: ModelConfig, rows: int, stages: int, providers: in
     (per ``E``): that FP64 backward running (values, gradients and autograd's saved intermediates, at most one FP64
     per element: ``24``) beside the provider and the candidate (``4 + 2``), or the batch-of-2 placement running
     (values, gradients, at most one FP32 intermediate per element, two items: ``2 * 8``) beside the golden's
-    gradients, the provider and the candidate (``8 + 4 + 2``):
+    gradients, the provider and the candidate (``8 + 4 + 2``). Holding on the host (``host``): the golden's
+    gradients and, while the other lanes run, the provider's wait in host memory, and the golden keeps only what
+    autograd saved (``8``): ``max(8 + 4 + 2, 2 * 8 + 2)``.
 
     * per ``W``: the parameters (``2 + 8``); the held parameter gradients (golden FP64, the provider, the candidate,
       the isolated candidate and the running lane's in bf16: ``8 + 4 * 2``);
@@ -110,7 +125,7 @@ def model_backward_phase(cfg: ModelConfig, rows: int, stages: int, providers: in
       only: a variant's stage backward is reduced to its row errors before the next lane runs."""
     w, e, x = stage_sizes(cfg, rows)
     weights = w * (2 + 8 + 8 + 4 * 2)
-    values = e * max(24 + 4 + 2, 8 + 4 + 2 + 2 * 8)
+    values = e * (max(8 + 4 + 2, 2 * 8 + 2) if host else max(24 + 4 + 2, 8 + 4 + 2 + 2 * 8))
     working = rows * streamed_peak_width(cfg) * 2 * 8 + golden_attention_bytes(cfg, rows, device)
     boundaries = x * (stages + 2) * _saving_bytes(providers)
     return weights + values + working + boundaries
@@ -148,16 +163,18 @@ def record_host_bytes(cfg: ModelConfig, rows: int) -> int:
 
 def plan_model_memory(
     cfg: ModelConfig, rows: int, stages: int, providers: int, backward: bool, batch: int | None, device: str,
-    lower: int, host: int,
+    lower: int, host: int, hold: bool = False,
 ) -> MemoryPlan:  # fmt: skip
     """The plan a whole-model run records (``lower``: the bound :func:`h3gate.runs.setup.prepare` refused on;
-    ``host``: ``--save-tensors``' host copy): the gate's upper estimate, or with ``batch`` set a trajectory's, and
-    what the device (host memory on the CPU) has free, for the warning (never a refusal)."""
+    ``host``: ``--save-tensors``' host copy; ``hold``: the backward holds on the host, :func:`hold_on_host`): the
+    gate's upper estimate, or with ``batch`` set a trajectory's, and what the device (host memory on the CPU) has
+    free, for the warning (never a refusal)."""
     if batch is None:
         what = f"whole-model gate, {providers} provider lanes, " + ("forward and backward" if backward else "forward")
-        upper = model_peak_estimate_bytes(cfg, rows, stages, providers, backward, device)
+        what += ", the golden's gradients held in host memory" if hold else ""
+        upper = model_peak_estimate_bytes(cfg, rows, stages, providers, backward, device, hold)
     else:
         what = f"trajectory evaluation, batch {batch}, every weight resident"
         upper = trajectory_peak_estimate_bytes(cfg, rows, batch, device)
     free = memory_plan.available_memory_bytes() if device == "cpu" else memory.device_available_bytes(device)
-    return MemoryPlan("device", lower, host, what, upper, free)
+    return MemoryPlan("device", lower, host, what, upper, free, "host" if hold else "device")

@@ -39,7 +39,7 @@ import torch
 from h3gate.gate.compare import bits, bitwise_equal
 from h3gate.graph import determinism
 from h3gate.graph.core import to_float64
-from h3gate.graph.stages import Stage, accumulate, last_readers
+from h3gate.graph.stages import Keep, Stage, accumulate, last_readers
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.memory import device_peak_record
 from h3gate.runs import stream_files as files
@@ -51,6 +51,7 @@ from h3gate.runs.ws1_model import ModelGate, first_profile, lane_records, make_l
 
 Span = tuple[int, int]
 SEGMENT = 6  # stages phase 1's backward recomputes and holds at once (a longer range: host checkpoints between)
+INPUTS_ONLY = Keep(forward=False, nodes=False)  # phase 1 hands on the stage inputs' gradients, nothing else
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict) -> None:
         gparams = to_float64(params)
         for lane in saving:
             overrides = gate.node_overrides if lane.kind == "candidate" else None
-            got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides)
+            got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides, INPUTS_ONLY)
             if got is not None:
                 accumulate(incoming[lane.name], got.inputs)
             for k in stage.outputs:
@@ -306,6 +307,7 @@ def run_range(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, 
             "total_s": round(time.perf_counter() - started, 4),
             "blocks": b - a,
             **device_peak_record(gate.device),
+            "held": "host" if gate.hold_on_host else "device",
             "parts": totals(gate.clock.stages),
             "stages": gate.clock.stages,
         },

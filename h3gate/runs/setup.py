@@ -46,7 +46,7 @@ from h3gate.runs.memory_plan import (
     saved_values_bytes,
     transformer_blocks,
 )
-from h3gate.runs.model_memory import plan_model_memory, trajectory_lower_bound_bytes
+from h3gate.runs.model_memory import hold_on_host, plan_model_memory, trajectory_lower_bound_bytes
 from h3gate.runs.model_stages import StageWeights, model_inputs
 from h3gate.synth import SyntheticSource, layout_variant
 
@@ -371,9 +371,11 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
     check_weights(run.source, stages, cfg, what)
     if isinstance(needs, ModelNeeds):
         at = f"--layout {spec.layout} --config {run.config_name} (S={packed.seq_len})"
+        hold = needs.evaluation_batch is None and hold_on_host(cfg, packed.seq_len, needs.providers, needs.backward,
+                                                               device)  # fmt: skip
         if needs.evaluation_batch is None:
             packed_stages = row_stages(transformer_blocks(stages))
-            need = model_lower_bound_bytes(cfg, packed.seq_len, packed_stages, needs.lanes, needs.backward)
+            need = model_lower_bound_bytes(cfg, packed.seq_len, packed_stages, needs.lanes, needs.backward, hold)
             need += model_fault_matrix_bytes(cfg, packed.seq_len) if needs.fault_matrix and needs.backward else 0
             require(need, f"ws1-model {at}", device, hint="use a smaller layout, --layers or --no-backward")
         else:  # a trajectory: every weight resident, one evaluation's values
@@ -385,5 +387,5 @@ def _prepare_model(run: Run, needs: GateNeeds | ModelNeeds | None) -> None:
             require(saved, f"--save-tensors at --layout {spec.layout} --config {run.config_name} (every node's "
                     f"values, three executions{grads})", "cpu", hint="bound it with --layers")  # fmt: skip
         run.memory = plan_model_memory(cfg, packed.seq_len, len(stages), needs.providers, needs.backward,
-                                       needs.evaluation_batch, device, need, saved)  # fmt: skip
+                                       needs.evaluation_batch, device, need, saved, hold)  # fmt: skip
     run.bindings = bind_graph(run.graph, spec.mode, device, spec.merge)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gate.gate.faults import RowFault
-from h3gate.gate.variants import provider_variants
+from h3gate.gate.variants import provider_lanes, provider_variants
 from h3gate.graph import determinism
 from h3gate.graph.core import OpTable, Values, to_float64
 from h3gate.graph.execute import run_chained
@@ -39,6 +39,7 @@ from h3gate.runs.model_clock import Clock, device_sync, totals
 from h3gate.runs.model_fault_matrix import KEY, MatrixKeep, run_model_fault_matrix
 from h3gate.runs.model_forward import Findings, Lanes, forward, note_determinism, promised
 from h3gate.runs.model_lanes import CapturedLane, Lane
+from h3gate.runs.model_memory import hold_on_host
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, StageWeights
 from h3gate.runs.setup import Run
 
@@ -67,6 +68,15 @@ NOTES = (
 )
 
 
+def _holds_on_host(run: Run, tolerance: ToleranceProfile, backward: bool) -> bool:
+    """The run's memory plan's choice (:func:`h3gate.runs.model_memory.hold_on_host`), or, for a run prepared without
+    one (a streamed range), the same choice made now."""
+    if run.memory is not None and run.memory.estimate.startswith("whole-model gate"):
+        return run.memory.hold == "host"
+    providers = provider_lanes(list(tolerance.row_rule.variants), run.device)
+    return hold_on_host(run.cfg, run.layout.seq_len, providers, backward, run.device)
+
+
 @dataclass
 class ModelGate:
     setup: Run
@@ -83,6 +93,9 @@ class ModelGate:
     sglang: SglangRun | None = None  # the candidate is SGLang's DiT (h3gate.runs.candidate), forward only
     sglang_isolated: Values = field(default_factory=dict)  # its teacher-forced node values
     clock: Clock = field(default_factory=Clock)  # started by run_model_gate and by a streamed range
+    # The backward parks the golden's gradients and, while the other lanes run, the provider's in host memory
+    # (h3gate.runs.model_memory.hold_on_host; the same bytes): a 768p block's backward does not fit one H200 otherwise.
+    hold_on_host: bool = False
 
     @classmethod
     def of(cls, run: Run, tolerance: ToleranceProfile, backward: bool = True, fault: RowFault | None = None,
@@ -98,6 +111,8 @@ class ModelGate:
         elif fault is not None:
             dims = {**{n.name: n.row_dim for n in run.graph.nodes}, **dict.fromkeys(LEAVES, 1)}
             overrides = {fault.node: fault.override(run.graph.node(fault.node), dims)}
+        if "hold_on_host" not in options:
+            options["hold_on_host"] = _holds_on_host(run, tolerance, backward)
         return cls(run, tolerance, run.seed, backward, overrides, sglang=sglang, **options)
 
     @property
