@@ -11,6 +11,7 @@ backward seconds by part and the allocator's peak, writes OUTDIR/hold-check.json
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 import json
 import sys
@@ -20,22 +21,15 @@ VOLATILE = {"timing", "provenance", "memory", "wall_s", "setup_s", "forward_s", 
             "stage_seconds"}  # fmt: skip
 
 
-def _strip(x):
-    if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items() if k not in VOLATILE}
-    if isinstance(x, list):
-        return [_strip(v) for v in x]
-    return x
+def _lines(doc: dict) -> list[str]:
+    """The record as sorted JSON lines, the volatile fields (timing, provenance, the memory plan) left out."""
 
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in VOLATILE}
+        return [strip(v) for v in x] if isinstance(x, list) else x
 
-def _differences(a, b, path: str = "$") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{path}.{k}: only in one" for k in sorted(set(a) ^ set(b))]
-        return out + [d for k in a if k in b for d in _differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, list) and isinstance(b, list):
-        out = [] if len(a) == len(b) else [f"{path}: {len(a)} vs {len(b)} items"]
-        return out + [d for i, (x, y) in enumerate(zip(a, b, strict=False)) for d in _differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+    return json.dumps(strip(doc), indent=1, sort_keys=True).splitlines()
 
 
 def _run(args: list[str], out: Path) -> tuple[int, dict]:
@@ -68,7 +62,11 @@ def main(argv: list[str]) -> int:
     for module in (setup, ws1_model):  # the choice forced to the host
         module.hold_on_host = lambda cfg, rows, providers, backward, dev: backward
     _, host = _run(args, out / "host")
-    diffs = _differences(_strip(device), _strip(host))
+    diffs = [
+        d
+        for d in difflib.unified_diff(_lines(device), _lines(host), lineterm="", n=0)
+        if d[:1] in "+-" and d[:3] not in ("+++", "---")
+    ]
     report = {"args": args, "device": _summary(device), "host": _summary(host), "differences": diffs[:50],
               "same_record": not diffs}  # fmt: skip
     (out / "hold-check.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
