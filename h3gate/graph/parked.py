@@ -3,9 +3,10 @@
 A gate that must keep a large set of tensors (the FP64 golden's node gradients of a 768p block: 41 GB) while other
 work runs on the device moves them to host memory as they are made (:func:`to_host`) and reads them through
 :class:`Fetched`, a mapping that copies one back to the device per lookup and keeps nothing. Copies are exact: the
-bytes read are the bytes parked. Host copies are pageable: torch's page-locked pool rounds a block up to a power of
-two (a 768p block's 41 GB of FP64 gradients would lock about 68 GB), so copies run at pageable speed instead and the
-host holds what is parked, no more.
+bytes read are the bytes parked. A tensor read back many times is parked page-locked (``pinned``): copies then run
+at the copy engines' speed, but torch's page-locked pool rounds each block up to a power of two, so the host locks up
+to twice what is parked (the golden's 41 GB at 768p: about 68 GB) and keeps it cached for the next stage. A tensor
+parked once and read back once stays pageable.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from collections.abc import Iterator, Mapping
 import torch
 
 
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous, pageable host copy of ``t`` (module docstring); a host ``t`` is copied too, so that the caller
-    owns the result whatever the device."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """A contiguous host copy of ``t``, page-locked with ``pinned`` when ``t`` is on a CUDA device (module docstring);
+    a host ``t`` is copied too, so that the caller owns the result whatever the device."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned and t.is_cuda)
     return out.copy_(t.detach())
 
 
-def park(tensors: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+def park(tensors: Mapping[str, torch.Tensor | None], pinned: bool = False) -> dict[str, torch.Tensor | None]:
     """Every tensor of ``tensors`` in host memory (:func:`to_host`), same keys, same order (``None`` kept)."""
-    return {k: None if v is None else to_host(v) for k, v in tensors.items()}
+    return {k: None if v is None else to_host(v, pinned) for k, v in tensors.items()}
 
 
 def unpark(tensors: Mapping[str, torch.Tensor | None], device: torch.device | str) -> dict[str, torch.Tensor | None]:

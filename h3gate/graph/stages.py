@@ -209,7 +209,8 @@ class Keep:
     stage's outputs only: the others are dropped after their last reader in the stage, as
     :func:`~h3gate.graph.execute.iter_graph` does, so autograd alone holds what it saved); ``nodes``: every node
     output's gradient (else none: the inputs' and the parameters' only); ``host``: each node and parameter gradient
-    moved to host memory as it is made (:mod:`h3gate.graph.parked`). None of them changes an operation or its order:
+    moved to page-locked host memory as it is made (:mod:`h3gate.graph.parked`; its readers fetch it back many
+    times). None of them changes an operation or its order:
     the gradients' bytes are those of ``Keep()``."""
 
     forward: bool = True
@@ -243,7 +244,7 @@ def _kept_grad(into: dict[str, torch.Tensor], name: str, host: bool) -> Callable
     so a dropped node value still reports its gradient."""
 
     def hook(grad: torch.Tensor) -> None:
-        into[name] = to_host(grad) if host else grad.detach().clone(memory_format=torch.contiguous_format)
+        into[name] = to_host(grad, pinned=True) if host else grad.detach().clone(memory_format=torch.contiguous_format)
 
     return hook
 
@@ -294,7 +295,7 @@ def stage_vjp(
     grads = StageGrads(
         nodes={n.name: kept[n.name] for n in stage.nodes if n.name in kept},
         inputs={k: x[k].grad for k in wrt if x[k].grad is not None},
-        params=park(pgrads) if keep.host else pgrads,
+        params=park(pgrads, pinned=True) if keep.host else pgrads,
         forward={k: v.detach() for k, v in forward.items()},
     )
     del pgrads, p
