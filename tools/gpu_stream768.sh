@@ -9,16 +9,17 @@
 #   A:B      phase 2 of the plan's range A:B: 0:5 carries the stages before the blocks (embeddings, refiner,
 #            packing, time), 45:50 those after them (final AdaLN, heads). With BACKWARD=--backward, ranges of one
 #            block, e.g. RANGES=0:1,1:2,2:3,3:50 or 0:47,47:48,48:49,49:50 (a boundary with the backward's 12 lanes is
-#            14.37 GB, so four fit the 64 GiB disk and six do not; measured 2026-12-06). Measured on the H200: phase 2
-#            of a one-block range with the backward needs more than its 141 GB (block 49 ran out of memory at 137.75
-#            GiB allocated; evidence/h200/PROVENANCE-preface.md);
+#            14.37 GB, so four fit the 64 GiB disk and six do not; measured 2026-12-06). Measured on the H200 with
+#            everything on the device: phase 2 of a one-block range with the backward needs more than its 141 GB
+#            (block 49 ran out of memory at 137.75 GiB allocated; evidence/h200/PROVENANCE-preface.md). The gate now
+#            holds on the host there (runs/model_memory.hold_on_host; not yet run at 768p); the range's record and
+#            plan are copied to $OUT/ev/ws1-model-768p-streamed[-bwd] after each range, merged or not;
 #   merge:   phase 3 of the ranges gated (--partial: the others are not, so the record fails as incomplete by
 #            design), the JSON records (plan, ranges, ws1-model.json) copied to $OUT/ev/ws1-model-768p-streamed and
 #            sealed there, and tools/project_ws1_model.py's projection of the full gate on 1 and 8 GPUs from the
 #            measured blocks ($SIZE blocks a range, default 5).
 #   usage: tools/gpu_stream768.sh phase1 [phase1 ...]; then the ranges (0:5 45:50); then merge
-# Forward only by default (BACKWARD=--backward adds it: one block a range is under one H200 by the lower bound, but
-# ran out of memory there, as measured above).
+# Forward only by default (BACKWARD=--backward adds it: one block a range, holding on the host).
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 rundir=${RUNDIR:-/tmp/ws768}
