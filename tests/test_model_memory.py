@@ -79,7 +79,7 @@ def test_ws1_model_warns_when_the_upper_estimate_exceeds_what_is_free(run_cli, t
     args = ("run", "ws1-model", "--out", tmp_path / "ev")
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 100 << 20)
     code, _, err = run_cli(*args)
-    assert code == 2 and err.startswith("h3gate: warning: memory: the peak may reach 0.2 GiB (upper estimate")
+    assert code == 2 and err.startswith("h3gate: warning: memory: the peak may reach 0.3 GiB (upper estimate")
     assert "0.1 GiB available: the run may run out of memory\n" in err and err.endswith("h3gate: error: stop\n")
     monkeypatch.setattr(memory_plan, "available_memory_bytes", lambda: 64 << 30)  # the negative control
     code, _, err = run_cli(*args, "--force")
