@@ -173,7 +173,8 @@ def _require_memory(s: Ws1ModelCommand, setup: Run, ranges: list[tuple[int, int]
         hint=hint,
     )
     stages = blocks + cfg.num_refiner_layers + 6
-    warn_memory(plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0, hold))
+    setup.memory = plan_model_memory(cfg, seq, stages, providers, s.backward, None, setup.device, need, 0, hold)
+    warn_memory(setup.memory)  # the plan's hold is the ranges' (ModelGate.of reads it): decided once
 
 
 def _gate(s: Ws1ModelCommand, setup: Run, tol, step=None) -> ModelGate:

@@ -177,13 +177,11 @@ def _chained(gate, lanes: Lanes, saving, incoming, stage: Stage, params, gparams
         if got is None:
             continue
         accumulate(incoming[lane.name], got.inputs)
-        if held is None:  # the golden runs first (Lanes.all)
-            gold = golden_read(flat(got), gate.hold_on_host, gate.device)
-            held = _Chained(gold, {k: grad_row_dim(stage, k, v) for k, v in flat(got).items()})
-            del got, gold
-            continue
         grads = flat(got)
-        if lane.kind == "provider":
+        if held is None:  # the golden runs first (Lanes.all)
+            dims = {k: grad_row_dim(stage, k, v) for k, v in grads.items()}
+            held = _Chained(golden_read(grads, gate.hold_on_host, gate.device), dims)
+        elif lane.kind == "provider":
             _add_envelope(held.env, lane, grads, held.gold, held.dims)
             if lane is lanes.provider:  # its recomputed forward feeds the isolated node views
                 held.provider = parked(got) if gate.hold_on_host else got
