@@ -35,11 +35,10 @@ from h3gate.runs.memory_plan import (
 # counted (docs/measurements/gpu-estimates.md); the backward's :data:`~h3gate.runs.memory_plan.CPU_PROCESS_BYTES`
 # (128 MiB) would put the estimate at ten times the peak.
 CPU_FORWARD_PROCESS_BYTES = 8 << 20
-# The CPU process's own buffers and heap under the whole-model gate with the backward: once every lane but the default
-# provider drops its node values after their last reader, the tiny gate's resident peak measured 274-275 MB before
-# that change and 295-326 MB after it (four runs; glibc's heap is left fragmented by the early frees, the likeliest
-# cause, not isolated), above the 298 MB the estimate gave with CPU_PROCESS_BYTES: raised after that CI failure,
-# docs/measurements/gpu-estimates.md.
+# The CPU process's own buffers and heap under the whole-model gate with the backward: with every lane but the default
+# provider dropping its node values after their last reader, the tiny gate's resident peak measures 274-326 MB, above
+# the 298 MB CPU_PROCESS_BYTES would give (glibc's heap fragmented by the early frees, the likeliest cause, not
+# isolated); docs/measurements/gpu-estimates.md.
 CPU_BACKWARD_PROCESS_BYTES = 192 << 20
 
 
