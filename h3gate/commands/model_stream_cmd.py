@@ -35,7 +35,7 @@ from h3gate.runs.memory_plan import model_lower_bound_bytes, phase1_lower_bound_
 from h3gate.runs.model_memory import hold_on_host, plan_model_memory
 from h3gate.runs.model_merge import merge_ranges, range_timing
 from h3gate.runs.model_stages import timestep_count
-from h3gate.runs.model_stream import StreamPlan, boundary_bytes, build_plan, phase1, run_range
+from h3gate.runs.model_stream import Share, StreamPlan, boundary_bytes, build_plan, phase1, run_range
 from h3gate.runs.setup import ModelNeeds, Run, parse_layers, prepare, read_inputs
 from h3gate.runs.trajectory_files import differing_field
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, gate_context, lane_records, make_lanes
@@ -300,8 +300,7 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
         rundir = _share_path(rundir, device)
     read_inputs(setup)
     with progress(KIND, None, started) as step:
-        if rank == 0:
-            _phase1(s, setup, tol, rundir, settings, step)
+        _phase1(s, setup, tol, rundir, settings, step, Share(rank, world, lambda: _barrier(device)))
         _barrier(device)
         doc = files.read_plan(rundir, "--stream")
         plan = _plan_of(doc, setup)
@@ -316,16 +315,20 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
     return _merge(s, setup, tol_file, rundir, plan, started, world)
 
 
-def _phase1(s, setup: Run, tol, rundir: Path, settings: dict, step) -> None:
+def _phase1(s, setup: Run, tol, rundir: Path, settings: dict, step, share: Share) -> None:
+    """Phase 1 on every rank, each its own lanes (:class:`~h3gate.runs.model_stream.Share`); rank 0 writes the plan
+    first and its phase-1 seconds after (wall seconds: every boundary waits for all ranks)."""
     gate = _gate(s, setup, tol, step)
-    if not (rundir / files.PLAN).is_file():
+    if share.rank == 0 and not (rundir / files.PLAN).is_file():
         files.write_plan(rundir, _new_plan(s, setup, gate, settings, rundir))
+    share.barrier()
     doc = files.read_plan(rundir, "--resume")
     ctx = gate_context(gate)
-    seconds = phase1(gate, ctx, rundir, _plan_of(doc, setup), step)
-    if "phase1" not in doc or any(seconds.values()):
+    seconds = phase1(gate, ctx, rundir, _plan_of(doc, setup), step, share)
+    if share.rank == 0 and ("phase1" not in doc or any(seconds.values())):
         prior = doc.get("phase1", {"forward_s": 0.0, "backward_s": 0.0, "calls": 0})
-        doc["phase1"] = {k: round(prior[k] + seconds[k], 4) for k in seconds} | {"calls": prior["calls"] + 1}
+        doc["phase1"] = {k: round(prior[k] + seconds[k], 4) for k in ("forward_s", "backward_s")}
+        doc["phase1"] |= {"calls": prior["calls"] + 1, "ranks": share.world}
         files.write_plan(rundir, doc)
 
 

@@ -31,7 +31,8 @@ At 768p (S = 38974, H = 5376, D = 128) a bf16 lane's hidden state is 0.42 GB (FP
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -103,29 +104,90 @@ def _load_forward(gate: ModelGate, rundir: Path, block: int | None, lanes: list)
         lane.refused = refused.get(lane.name)
 
 
-def _store_forward(rundir: Path, block: int | None, lanes: list) -> None:
-    files.write_boundary(rundir, block, "forward", {lane.name: lane.values for lane in lanes},
-                         {lane.name: lane.refused for lane in lanes})  # fmt: skip
+def _store(rundir: Path, block: int | None, direction: str, tensors: dict, refused: dict, spent: dict,
+           share: Share) -> None:  # fmt: skip
+    """A boundary's lanes: written by this process alone, or by every rank its own lanes, then joined by rank 0
+    (between two barriers, so that every rank sees the boundary stored before it goes on)."""
+    seconds = {k: round(v, 4) for k, v in spent.items()}
+    if share.world == 1:
+        files.write_boundary(rundir, block, direction, tensors, refused, seconds)
+        return
+    files.write_boundary_part(rundir, block, direction, tensors, refused, seconds, share.rank)
+    share.barrier()
+    if share.rank == 0:
+        files.join_boundary(rundir, block, direction, share.world, share.order)
+    share.barrier()
 
 
-def _advance(gate: ModelGate, lanes: list, span: Span, last: dict[str, int]) -> None:
-    """The lanes through stages ``span`` without judging (saving stage inputs where ``lane.save``)."""
+def _now(gate: ModelGate) -> float:
+    """Phase 1's clock: seconds, once the device's queue is done."""
+    sync = device_sync(gate.device)
+    if sync is not None:
+        sync()
+    return time.perf_counter()
+
+
+def _advance(gate: ModelGate, lanes: list, span: Span, last: dict[str, int], spent: dict | None = None) -> None:
+    """The lanes through stages ``span`` without judging (saving stage inputs where ``lane.save``); with ``spent``,
+    each lane's seconds are added to it."""
     for i in range(*span):
         stage = gate.stages[i]
         params = gate.weights.load(stage)
         gparams = to_float64(params)
         for lane in lanes:
+            t0 = _now(gate) if spent is not None else 0.0
             lane.run(stage, lane.params(params, gparams))
+            if spent is not None:
+                spent[lane.name] = spent.get(lane.name, 0.0) + _now(gate) - t0
         done = [name for name, reader in last.items() if reader == i]
         for lane in lanes:
             lane.release(done)
         del params, gparams
 
 
-def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, progress=None) -> dict:
-    """Store every boundary (module docstring), continuing after the last stored one; seconds per direction."""
+@dataclass(frozen=True)
+class Share:
+    """This process's part of phase 1 under torch's launcher. Phase 1 judges nothing, so every lane's chain is
+    independent of the others': each rank runs the lanes :func:`lane_ranks` gives it, writes their files of every
+    boundary, and rank 0 joins the sidecars (:func:`h3gate.runs.stream_files.join_boundary`) in the plan's lane
+    ``order``. The bytes of every file are those one process writes."""
+
+    rank: int = 0
+    world: int = 1
+    barrier: Callable[[], None] = field(default=lambda: None)
+    order: list[str] = field(default_factory=list)
+
+
+GOLDEN_WEIGHT = 2  # the FP64 golden's phase-1 work against a bf16 lane's, for the split (measured: sidecar seconds)
+
+
+def lane_weight(lane) -> int:
+    """A lane's declared phase-1 cost: its batch size, times :data:`GOLDEN_WEIGHT` for the golden."""
+    return (1 if lane.batch is None else lane.batch[0]) * (GOLDEN_WEIGHT if lane.golden else 1)
+
+
+def lane_ranks(lanes: list, world: int) -> dict[str, int]:
+    """Each lane's rank in phase 1: heaviest first (:func:`lane_weight`; equal weights in lane order) onto the least
+    loaded rank (equal loads: the lowest rank). A function of the lanes and ``world`` alone."""
+    load = [0] * world
+    out: dict[str, int] = {}
+    for lane in sorted(lanes, key=lambda x: -lane_weight(x)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[lane.name] = r
+        load[r] += lane_weight(lane)
+    return out
+
+
+def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, progress=None,
+           share: Share | None = None) -> dict:  # fmt: skip
+    """Store every boundary (module docstring), continuing after the last stored one, this rank's lanes
+    (``share``); wall seconds per direction."""
+    share = share or Share()
     step = progress or (lambda label: None)
-    lanes = make_lanes(gate, ctx).all()
+    every = make_lanes(gate, ctx).all()
+    share = Share(share.rank, share.world, share.barrier, [lane.name for lane in every])
+    mine = lane_ranks(every, share.world)
+    lanes = [lane for lane in every if mine[lane.name] == share.rank]
     saving = [lane for lane in lanes if lane.save]
     last = last_readers(gate.stages)
     blocks = plan.boundaries
@@ -141,27 +203,30 @@ def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, pro
         _load_forward(gate, rundir, blocks[first - 1], lanes)
     for r in range(first, len(plan.ranges)):
         step(f"phase 1 forward: blocks {plan.ranges[r][0]}:{plan.ranges[r][1]}")
-        _advance(gate, lanes, plan.spans[r], last)
-        _store_forward(rundir, blocks[r], lanes)
+        spent: dict[str, float] = {}
+        _advance(gate, lanes, plan.spans[r], last, spent)
+        _store(rundir, blocks[r], "forward", {lane.name: lane.values for lane in lanes},
+               {lane.name: lane.refused for lane in lanes}, spent, share)  # fmt: skip
     seconds["forward_s"] = time.perf_counter() - t0
     if gate.backward:
         t0 = time.perf_counter()
-        _phase1_backward(gate, rundir, plan, saving, last, step)
+        _phase1_backward(gate, rundir, plan, saving, last, step, share)
         seconds["backward_s"] = time.perf_counter() - t0
     return {k: round(v, 4) for k, v in seconds.items()}
 
 
-def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: list, last, step) -> None:
+def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: list, last, step, share: Share) -> None:
     """Each saving lane's incoming gradients at every boundary between ranges, last range first."""
     blocks = plan.boundaries
     if len(blocks) == 1:  # one range: phase 2 starts its backward from the model's cotangents
         return
+    names = [lane.name for lane in saving]
     stored = [j for j in range(len(blocks) - 1) if files.stored(rundir, blocks[j], "backward")]
     if stored:
         j = min(stored)
         if j == 0:
             return
-        grads, refused = files.read_boundary(rundir, blocks[j], "backward", gate.device)
+        grads, refused = files.read_boundary(rundir, blocks[j], "backward", gate.device, names)
         incoming = {lane.name: dict(grads[lane.name]) for lane in saving}
         start = j  # range j's backward is stored at boundary j - 1
     else:
@@ -171,6 +236,7 @@ def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: li
         start = len(plan.ranges) - 1
     for r in range(start, 0, -1):
         step(f"phase 1 backward: blocks {plan.ranges[r][0]}:{plan.ranges[r][1]}")
+        spent: dict[str, float] = {}
         _load_forward(gate, rundir, blocks[r - 1], saving)  # recompute the range from its stored start
         for lane in saving:
             lane.save = False
@@ -180,23 +246,25 @@ def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: li
         for seg in segments:  # each segment's start kept in host memory; the last one's stays in the lanes
             marks.append({lane.name: {k: v.to("cpu") for k, v in lane.values.items()} for lane in saving})
             if seg != segments[-1]:
-                _advance(gate, saving, seg, last)
+                _advance(gate, saving, seg, last, spent)
         for seg, mark in reversed(list(zip(segments, marks, strict=True))):
             for lane in saving:
                 lane.values = {k: v.to(gate.device) for k, v in mark[lane.name].items()}
                 lane.save, lane.saved = True, {}
-            _advance(gate, saving, seg, last)
-            _vjps(gate, saving, seg, incoming)
+            _advance(gate, saving, seg, last, spent)
+            _vjps(gate, saving, seg, incoming, spent)
         refused = {lane.name: lane.refused for lane in saving}
-        files.write_boundary(rundir, blocks[r - 1], "backward", incoming, refused)
+        _store(rundir, blocks[r - 1], "backward", incoming, refused, spent, share)
 
 
-def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict) -> None:
-    """Every saving lane's stage backward over ``span``, last stage first, summing into ``incoming``."""
+def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict, spent: dict) -> None:
+    """Every saving lane's stage backward over ``span``, last stage first, summing into ``incoming``; each lane's
+    seconds added to ``spent``."""
     for stage in reversed(gate.stages[slice(*span)]):
         params = gate.weights.load(stage)
         gparams = to_float64(params)
         for lane in saving:
+            t0 = _now(gate)
             overrides = gate.node_overrides if lane.kind == "candidate" else None
             got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides, INPUTS_ONLY)
             if got is not None:
@@ -204,6 +272,8 @@ def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict) -> None:
             for k in stage.outputs:
                 incoming[lane.name].pop(k, None)
             lane.saved.pop(stage.label, None)
+            del got
+            spent[lane.name] = spent.get(lane.name, 0.0) + _now(gate) - t0
         del params, gparams
 
 

@@ -20,6 +20,7 @@ and JSON only; every JSON is an evidence document (``schemas/ws1-model-stream-pl
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -76,11 +77,8 @@ def read_plan(rundir: Path, flag: str) -> dict:
     return read_json(path, PLAN_KIND, f"{PLAN_KIND} document")
 
 
-def write_boundary(
-    rundir: Path, block: int | None, direction: str, tensors: dict[str, dict[str, torch.Tensor]], refused: dict
-) -> None:
-    """Every lane's tensors (``lane -> name -> tensor``), then the sidecar naming their sha256 and refusals."""
-    folder = rundir / BOUNDARIES / boundary_name(block)
+def _write_lanes(folder: Path, direction: str, tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict]:
+    """Each lane's tensors in ``folder/direction/<lane>.safetensors``; per lane its file, sha256 and tensor count."""
     (folder / direction).mkdir(parents=True, exist_ok=True)
     files = {}
     for lane, values in tensors.items():
@@ -88,8 +86,56 @@ def write_boundary(
         cpu = {k: v.detach().contiguous().cpu() for k, v in values.items()}
         atomic_write_safetensors({path: cpu}, {"lane": lane}, f"{display(path)}")
         files[lane] = {"file": f"{direction}/{path.name}", "sha256": sha256_file(path), "tensors": len(cpu)}
+    return files
+
+
+def _sidecar(rundir: Path, block: int | None, direction: str, files: dict, refused: dict, seconds: dict) -> None:
     rel = f"{BOUNDARIES}/{boundary_name(block)}/{direction}.json"
-    write_doc(rundir, rel, BOUNDARY_KIND, {"direction": direction, "block": block, "lanes": files, "refused": refused})
+    body = {"direction": direction, "block": block, "lanes": files, "refused": refused}
+    write_doc(rundir, rel, BOUNDARY_KIND, body | ({"seconds": seconds} if seconds else {}))
+
+
+def write_boundary(
+    rundir: Path,
+    block: int | None,
+    direction: str,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    refused: dict,
+    seconds: dict[str, float] | None = None,
+) -> None:
+    """Every lane's tensors (``lane -> name -> tensor``), then the sidecar naming their sha256, refusals and the
+    seconds each lane spent reaching them (``seconds``, phase 1's clock)."""
+    folder = rundir / BOUNDARIES / boundary_name(block)
+    _sidecar(rundir, block, direction, _write_lanes(folder, direction, tensors), refused, seconds or {})
+
+
+def part_path(rundir: Path, block: int | None, direction: str, rank: int) -> Path:
+    return rundir / BOUNDARIES / boundary_name(block) / f"{direction}.rank-{rank}.part"
+
+
+def write_boundary_part(
+    rundir: Path, block: int | None, direction: str, tensors: dict, refused: dict, seconds: dict, rank: int
+) -> None:
+    """One rank's lanes of a boundary (phase 1 split by lane over ranks): their tensor files, then a part file
+    (JSON, not evidence: :func:`join_boundary` folds the parts into the sidecar and removes them)."""
+    folder = rundir / BOUNDARIES / boundary_name(block)
+    files = _write_lanes(folder, direction, tensors)
+    part = {"lanes": files, "refused": refused, "seconds": seconds}
+    path = part_path(rundir, block, direction, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(part), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def join_boundary(rundir: Path, block: int | None, direction: str, world: int, order: list[str]) -> None:
+    """The sidecar of a boundary whose lanes ``world`` ranks wrote (:func:`write_boundary_part`), lanes in
+    ``order`` (the plan's: the sidecar a single rank writes), then the parts removed."""
+    parts = [json.loads(part_path(rundir, block, direction, r).read_text(encoding="utf-8")) for r in range(world)]
+    merged = {key: {k: v for p in parts for k, v in p[key].items()} for key in ("lanes", "refused", "seconds")}
+    ordered = {key: {n: merged[key][n] for n in order if n in merged[key]} for key in merged}
+    _sidecar(rundir, block, direction, ordered["lanes"], ordered["refused"], ordered["seconds"])
+    for r in range(world):
+        part_path(rundir, block, direction, r).unlink()
 
 
 def stored(rundir: Path, block: int | None, direction: str) -> bool:
