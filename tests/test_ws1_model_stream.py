@@ -126,6 +126,10 @@ def test_a_streamed_run_gives_the_unsharded_record(runs) -> None:
     _stored_as_estimated(runs["tmp"] / "streamed", {lane["name"] for lane in streamed["lanes"]}, ("forward",))
 
 
+def streamed_lanes(runs: dict) -> list[dict]:
+    return _doc(runs["tmp"] / "streamed")["lanes"]
+
+
 def test_the_projection_tool_reads_the_measured_ranges(runs, capsys) -> None:
     import importlib.util
 
@@ -142,6 +146,13 @@ def test_the_projection_tool_reads_the_measured_ranges(runs, capsys) -> None:
     assert one["phase2_s"] == proj["phase2_work_s"] and one["phase2_s"] / 5 < eight["phase2_s"] < one["phase2_s"]
     # three values each rounded to 0.1 s: their sums differ by at most 3 * 0.05 s
     assert abs(one["total_s"] - (proj["phase1_s"] + one["phase2_s"])) <= 0.15 + 1e-9
+    # phase 1 split by lane: every lane's seconds are in the sidecars; on 8 ranks the slowest rank's share
+    lanes = doc["phase1_lanes_s"]["forward"]
+    assert set(lanes) == {lane["name"] for lane in streamed_lanes(runs)} and all(v > 0 for v in lanes.values())
+    assert one["phase1_from"] == eight["phase1_from"] == "per-lane seconds" and one["phase1_s"] == proj["phase1_s"]
+    assert one["phase1_s"] - sum(lanes.values()) * 25 - 0.1 < eight["phase1_s"] < one["phase1_s"]
+    # phase 1 ran 2 blocks, its backward (none here) would cover range 1:2; projected: 50 blocks, backward 5:50
+    assert proj["phase1_scale"] == {"forward": 25.0, "backward": 45.0}
 
 
 def test_an_interrupted_run_resumes_to_the_same_record(runs) -> None:
