@@ -154,7 +154,7 @@ def run_ws1_model(
             "--stream",
             help="Streamed gate in a RUNDIR: phase 1 stores every lane's values and gradients at each range "
             "boundary, phase 2 gates each range from them, phase 3 merges (same record and verdict). Under "
-            "torchrun the ranges are split over the ranks.",
+            "torchrun phase 1's lanes and then the ranges are split over the ranks.",
         ),
     ] = False,
     ranges: Annotated[
