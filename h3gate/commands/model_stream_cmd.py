@@ -42,7 +42,7 @@ from h3gate.runs.ws1_model import ModelGate, ModelGateResult, gate_context, lane
 
 SMALL_MODEL = 8  # configs up to this many blocks get one range per block by default, larger ones DEFAULT_RANGE
 DEFAULT_RANGE = 5
-BARRIER_TIMEOUT = timedelta(hours=12)  # phase 1 runs on rank 0 while the others wait
+BARRIER_TIMEOUT = timedelta(hours=12)  # a rank waits for the slowest one at each boundary and after its ranges
 
 
 def parse_ranges(ranges: str | None, size: int | None, num_layers: int) -> list[tuple[int, int]]:
@@ -97,23 +97,33 @@ def _distributed() -> tuple[int, int]:
 
 
 def _init_ranks(device: str) -> str:
-    """Join the launcher's process group (NCCL on CUDA, one GPU per local rank; gloo on the CPU); the rank's
+    """Join the launcher's process group: NCCL on CUDA with one GPU per local rank; gloo on the CPU, or where the
+    host's ranks outnumber its GPUs (local rank R on GPU R mod count: processes sharing one GPU). The rank's
     device."""
     import torch.distributed as dist
 
+    backend = "gloo"
     if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        count = torch.cuda.device_count()
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % count}"
         torch.cuda.set_device(torch.device(device))
+        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= count else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=BARRIER_TIMEOUT)
+        dist.init_process_group(backend, timeout=BARRIER_TIMEOUT)
     return device
+
+
+def _on_nccl() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "nccl"
 
 
 def _share_path(path: Path | None, device: str) -> Path:
     """Rank 0's run folder, sent to every rank as bytes (no pickle)."""
     import torch.distributed as dist
 
-    on = device if device.startswith("cuda") else "cpu"
+    on = device if _on_nccl() else "cpu"
     data = torch.tensor(list(str(path).encode()) if path is not None else [], dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=on)
     dist.broadcast(size, 0)
@@ -126,7 +136,7 @@ def _barrier(device: str) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        if device.startswith("cuda"):
+        if _on_nccl():
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
