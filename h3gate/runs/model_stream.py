@@ -11,7 +11,8 @@ without judging and stores, at every boundary, each lane's live values (what lat
 :func:`h3gate.runs.model_backward.backward` holds in ``incoming`` there). Its backward recomputes one range at a
 time from the range's stored forward boundary, in segments of :data:`SEGMENT` stages whose starting values a first
 pass keeps in host memory (checkpointing), so the device holds one segment's stage inputs per saving lane, never
-the range's or the model's.
+the range's or the model's. Under torch's launcher phase 1 is split by lane (:class:`Share`): each rank runs its
+lanes and writes their files; rank 0 joins each boundary's sidecar, which names every lane's seconds.
 
 Phase 2 (:func:`run_range`) gates one range on its own: the gate's own ``forward`` / ``backward`` over the range's
 stages, every lane started from the stored boundary; its node and gradient records are those an unsharded run

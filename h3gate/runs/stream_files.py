@@ -12,7 +12,9 @@
     RUNDIR/ws1-model.json                     phase 3: the merged record
 
 Every file is written atomically (temp file, ``os.replace``); a boundary's sidecar is written after its tensor
-files, so a boundary is stored exactly when its sidecar exists and every file hashes to what it says. safetensors
+files, so a boundary is stored exactly when its sidecar exists and every file hashes to what it says. Ranks sharing
+phase 1 by lane each write their lanes' files and a ``<direction>.rank-R.part`` (JSON, not evidence), which rank 0
+joins into the sidecar and removes. safetensors
 and JSON only; every JSON is an evidence document (``schemas/ws1-model-stream-plan``, ``ws1-model-boundary``,
 ``ws1-model-range``), so ``h3gate seal`` takes the folder. Folder convention: :mod:`h3gate.evidence.runfolder`.
 """
