@@ -38,11 +38,13 @@ for section in "$@"; do
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     dest=$ev/ws1-model-768p-streamed${BACKWARD:+-bwd}  # the plan and the range records so far, merged or not
     mkdir -p "$dest/ranges" && cp "$rundir/plan.json" "$dest/" && cp "$rundir"/ranges/*.json "$dest/ranges/" 2>/dev/null
+    (cd "$rundir" && find boundaries -name '*.json' -exec cp --parents {} "$dest/" \;)  # phase 1's per-lane seconds
     find "$rundir" -maxdepth 2 -name 'h3gate-traceback*' -exec cp {} "$ev/logs/" \; ;;
   merge)
     step "$cap" stream768-merge python3 -m h3gate run ws1-model "${opts[@]}" --merge "$rundir" --partial
     dest=$ev/ws1-model-768p-streamed
     mkdir -p "$dest/ranges" && cp "$rundir/plan.json" "$rundir/ws1-model.json" "$dest/" && cp "$rundir"/ranges/*.json "$dest/ranges/"
+    (cd "$rundir" && find boundaries -name '*.json' -exec cp --parents {} "$dest/" \;)
     python3 -m h3gate seal "$dest" >"$ev/logs/stream768-seal.log" 2>&1; echo "== seal: rc=$?"
     python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" | tee "$ev/logs/stream768-projection.txt"
     python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" --json >"$dest/projection.json" ;;
