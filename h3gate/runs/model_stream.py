@@ -159,7 +159,9 @@ class Share:
     order: list[str] = field(default_factory=list)
 
 
-GOLDEN_WEIGHT = 2  # the FP64 golden's phase-1 work against a bf16 lane's, for the split (measured: sidecar seconds)
+# the FP64 golden's phase-1 work against a bf16 lane's, for the split: measured on an H100 at medium, the golden's
+# lane took 7.2 s of phase 1's 15.3 lane-seconds, each other lane 0.3-1.6 s (docs/measurements/h100/phase1-split-*)
+GOLDEN_WEIGHT = 6
 
 
 def lane_weight(lane) -> int:
