@@ -15,18 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+from h3gate.runs.stream_files import phase1_seconds
+
 
 def sidecars(rundir: Path) -> dict[str, dict]:
     return {str(p.relative_to(rundir)): json.loads(p.read_text(encoding="utf-8"))
             for p in sorted((rundir / "boundaries").glob("*/*.json"))}  # fmt: skip
-
-
-def lane_seconds(sides: dict[str, dict]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
-    for side in sides.values():
-        for lane, sec in side.get("seconds", {}).items():
-            out[side["direction"]][lane] = round(out[side["direction"]].get(lane, 0.0) + sec, 4)
-    return out
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -37,7 +31,7 @@ def compare(a: Path, b: Path) -> dict:
     differ += [n for n in sb if n not in sa]
     return {"a": str(a), "b": str(b), "sidecars": len(sa), "files": files, "byte_equal": not differ,
             "differing_sidecars": differ, "phase1": plans,
-            "lane_seconds": {str(a): lane_seconds(sa), str(b): lane_seconds(sb)}}  # fmt: skip
+            "lane_seconds": {str(a): phase1_seconds(a), str(b): phase1_seconds(b)}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

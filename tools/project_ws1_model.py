@@ -31,6 +31,8 @@ import math
 import sys
 from pathlib import Path
 
+from h3gate.runs.stream_files import phase1_seconds
+
 PARTS = ("golden", "provider", "variants", "candidate", "repeat", "batch", "isolated", "isolated_envelope", "judging")
 
 
@@ -59,16 +61,6 @@ def per_block(stages: list[dict]) -> dict:
         if s["stage"] not in blocks:
             other[s["stage"]] = other.get(s["stage"], 0.0) + s["seconds"]
     return {"blocks_measured": sorted(blocks, key=lambda b: int(b.split(".")[1])), "per_block": mean, "other": other}
-
-
-def phase1_lanes(rundir: Path) -> dict[str, dict[str, float]]:
-    """Per direction, per lane: phase 1's seconds summed over the stored boundaries' sidecars (none: older runs)."""
-    out: dict[str, dict[str, float]] = {"forward": {}, "backward": {}}
-    for path in sorted((rundir / "boundaries").glob("*/*.json")):
-        side = json.loads(path.read_text(encoding="utf-8"))
-        for lane, sec in side.get("seconds", {}).items():
-            out[side["direction"]][lane] = out[side["direction"]].get(lane, 0.0) + sec
-    return out
 
 
 def _phase1_on(plan: dict, lanes_s: dict, scale: dict[str, float], gpus: int) -> float | None:
@@ -130,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = json.loads((args.rundir / "plan.json").read_text(encoding="utf-8"))
     measured = per_block(_stages(args.rundir))
     run_blocks = plan["ranges"][-1][1]
-    lanes_s = phase1_lanes(args.rundir)
+    lanes_s = phase1_seconds(args.rundir)
     proj = project(measured, plan, lanes_s, args.blocks, args.range_size, [int(g) for g in args.gpus.split(",")])
     doc = {"rundir": str(args.rundir), "run_blocks": run_blocks, "phase1_measured": plan.get("phase1"),
            "phase1_lanes_s": lanes_s, **measured, "projection": proj}  # fmt: skip

@@ -29,9 +29,7 @@ class Clock:
     _current: dict | None = None
 
     def _now(self) -> float:
-        if self.sync is not None:
-            self.sync()
-        return time.perf_counter()
+        return synced_now(self.sync)
 
     @contextlib.contextmanager
     def stage(self, label: str, direction: str) -> Iterator[None]:
@@ -62,6 +60,13 @@ class Clock:
             yield
         finally:
             rec["parts"][name] += self._now() - t0
+
+
+def synced_now(sync: Callable[[], None] | None) -> float:
+    """Seconds (``time.perf_counter``) once ``sync`` (the device's queue, :func:`device_sync`) has returned."""
+    if sync is not None:
+        sync()
+    return time.perf_counter()
 
 
 def device_sync(device: str) -> Callable[[], None] | None:

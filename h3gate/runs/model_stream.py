@@ -47,7 +47,7 @@ from h3gate.memory import device_peak_record
 from h3gate.runs import stream_files as files
 from h3gate.runs.block_rows import RowContext
 from h3gate.runs.model_backward import backward, lane_vjp, model_incoming
-from h3gate.runs.model_clock import Clock, device_sync, totals
+from h3gate.runs.model_clock import Clock, device_sync, synced_now, totals
 from h3gate.runs.model_forward import Findings, forward
 from h3gate.runs.ws1_model import ModelGate, first_profile, lane_records, make_lanes, new_recorder
 
@@ -106,9 +106,9 @@ def _load_forward(gate: ModelGate, rundir: Path, block: int | None, lanes: list)
 
 
 def _store(rundir: Path, block: int | None, direction: str, tensors: dict, refused: dict, spent: dict,
-           share: Share) -> None:  # fmt: skip
-    """A boundary's lanes: written by this process alone, or by every rank its own lanes, then joined by rank 0
-    (between two barriers, so that every rank sees the boundary stored before it goes on)."""
+           share: Share, order: list[str]) -> None:  # fmt: skip
+    """A boundary's lanes: written by this process alone, or by every rank its own lanes, then joined by rank 0 in
+    the lanes' ``order`` (between two barriers, so that every rank sees the boundary stored before it goes on)."""
     seconds = {k: round(v, 4) for k, v in spent.items()}
     if share.world == 1:
         files.write_boundary(rundir, block, direction, tensors, refused, seconds)
@@ -116,30 +116,23 @@ def _store(rundir: Path, block: int | None, direction: str, tensors: dict, refus
     files.write_boundary_part(rundir, block, direction, tensors, refused, seconds, share.rank)
     share.barrier()
     if share.rank == 0:
-        files.join_boundary(rundir, block, direction, share.world, share.order)
+        files.join_boundary(rundir, block, direction, share.world, order)
     share.barrier()
-
-
-def _now(gate: ModelGate) -> float:
-    """Phase 1's clock: seconds, once the device's queue is done."""
-    sync = device_sync(gate.device)
-    if sync is not None:
-        sync()
-    return time.perf_counter()
 
 
 def _advance(gate: ModelGate, lanes: list, span: Span, last: dict[str, int], spent: dict | None = None) -> None:
     """The lanes through stages ``span`` without judging (saving stage inputs where ``lane.save``); with ``spent``,
     each lane's seconds are added to it."""
+    sync = device_sync(gate.device)
     for i in range(*span):
         stage = gate.stages[i]
         params = gate.weights.load(stage)
         gparams = to_float64(params)
         for lane in lanes:
-            t0 = _now(gate) if spent is not None else 0.0
+            t0 = synced_now(sync) if spent is not None else 0.0
             lane.run(stage, lane.params(params, gparams))
             if spent is not None:
-                spent[lane.name] = spent.get(lane.name, 0.0) + _now(gate) - t0
+                spent[lane.name] = spent.get(lane.name, 0.0) + synced_now(sync) - t0
         done = [name for name, reader in last.items() if reader == i]
         for lane in lanes:
             lane.release(done)
@@ -150,13 +143,12 @@ def _advance(gate: ModelGate, lanes: list, span: Span, last: dict[str, int], spe
 class Share:
     """This process's part of phase 1 under torch's launcher. Phase 1 judges nothing, so every lane's chain is
     independent of the others': each rank runs the lanes :func:`lane_ranks` gives it, writes their files of every
-    boundary, and rank 0 joins the sidecars (:func:`h3gate.runs.stream_files.join_boundary`) in the plan's lane
-    ``order``. The bytes of every file are those one process writes."""
+    boundary, and rank 0 joins the sidecars (:func:`h3gate.runs.stream_files.join_boundary`) in the lanes' order.
+    The bytes of every file are those one process writes."""
 
     rank: int = 0
     world: int = 1
     barrier: Callable[[], None] = field(default=lambda: None)
-    order: list[str] = field(default_factory=list)
 
 
 # the FP64 golden's phase-1 work against a bf16 lane's, for the split: measured on an H100 at medium, the golden's
@@ -188,7 +180,7 @@ def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, pro
     share = share or Share()
     step = progress or (lambda label: None)
     every = make_lanes(gate, ctx).all()
-    share = Share(share.rank, share.world, share.barrier, [lane.name for lane in every])
+    order = [lane.name for lane in every]
     mine = lane_ranks(every, share.world)
     lanes = [lane for lane in every if mine[lane.name] == share.rank]
     saving = [lane for lane in lanes if lane.save]
@@ -209,16 +201,17 @@ def phase1(gate: ModelGate, ctx: RowContext, rundir: Path, plan: StreamPlan, pro
         spent: dict[str, float] = {}
         _advance(gate, lanes, plan.spans[r], last, spent)
         _store(rundir, blocks[r], "forward", {lane.name: lane.values for lane in lanes},
-               {lane.name: lane.refused for lane in lanes}, spent, share)  # fmt: skip
+               {lane.name: lane.refused for lane in lanes}, spent, share, order)  # fmt: skip
     seconds["forward_s"] = time.perf_counter() - t0
     if gate.backward:
         t0 = time.perf_counter()
-        _phase1_backward(gate, rundir, plan, saving, last, step, share)
+        _phase1_backward(gate, rundir, plan, saving, last, step, share, order)
         seconds["backward_s"] = time.perf_counter() - t0
     return {k: round(v, 4) for k, v in seconds.items()}
 
 
-def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: list, last, step, share: Share) -> None:
+def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: list, last, step, share: Share,
+                     order: list[str]) -> None:  # fmt: skip
     """Each saving lane's incoming gradients at every boundary between ranges, last range first."""
     blocks = plan.boundaries
     if len(blocks) == 1:  # one range: phase 2 starts its backward from the model's cotangents
@@ -257,17 +250,18 @@ def _phase1_backward(gate: ModelGate, rundir: Path, plan: StreamPlan, saving: li
             _advance(gate, saving, seg, last, spent)
             _vjps(gate, saving, seg, incoming, spent)
         refused = {lane.name: lane.refused for lane in saving}
-        _store(rundir, blocks[r - 1], "backward", incoming, refused, spent, share)
+        _store(rundir, blocks[r - 1], "backward", incoming, refused, spent, share, order)
 
 
 def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict, spent: dict) -> None:
     """Every saving lane's stage backward over ``span``, last stage first, summing into ``incoming``; each lane's
     seconds added to ``spent``."""
+    sync = device_sync(gate.device)
     for stage in reversed(gate.stages[slice(*span)]):
         params = gate.weights.load(stage)
         gparams = to_float64(params)
         for lane in saving:
-            t0 = _now(gate)
+            t0 = synced_now(sync)
             overrides = gate.node_overrides if lane.kind == "candidate" else None
             got = lane_vjp(lane, stage, lane.params(params, gparams), incoming[lane.name], overrides, INPUTS_ONLY)
             if got is not None:
@@ -276,7 +270,7 @@ def _vjps(gate: ModelGate, saving: list, span: Span, incoming: dict, spent: dict
                 incoming[lane.name].pop(k, None)
             lane.saved.pop(stage.label, None)
             del got
-            spent[lane.name] = spent.get(lane.name, 0.0) + _now(gate) - t0
+            spent[lane.name] = spent.get(lane.name, 0.0) + synced_now(sync) - t0
         del params, gparams
 
 

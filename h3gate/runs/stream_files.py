@@ -14,15 +14,14 @@
 Every file is written atomically (temp file, ``os.replace``); a boundary's sidecar is written after its tensor
 files, so a boundary is stored exactly when its sidecar exists and every file hashes to what it says. Ranks sharing
 phase 1 by lane each write their lanes' files and a ``<direction>.rank-R.part`` (JSON, not evidence), which rank 0
-joins into the sidecar and removes. safetensors
-and JSON only; every JSON is an evidence document (``schemas/ws1-model-stream-plan``, ``ws1-model-boundary``,
-``ws1-model-range``), so ``h3gate seal`` takes the folder. Folder convention: :mod:`h3gate.evidence.runfolder`.
+joins into the sidecar and removes. safetensors and JSON only; every JSON is an evidence document
+(``schemas/ws1-model-stream-plan``, ``ws1-model-boundary``, ``ws1-model-range``), so ``h3gate seal`` takes the
+folder. Folder convention: :mod:`h3gate.evidence.runfolder`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.errors import InputError
 from h3gate.evidence.provenance import sha256_file
-from h3gate.evidence.writer import atomic_write_safetensors, write_evidence
+from h3gate.evidence.writer import atomic_write_safetensors, atomic_write_text, write_evidence
 from h3gate.paths import display
 
 PLAN = "plan.json"
@@ -123,10 +122,7 @@ def write_boundary_part(
     folder = rundir / BOUNDARIES / boundary_name(block)
     files = _write_lanes(folder, direction, tensors)
     part = {"lanes": files, "refused": refused, "seconds": seconds}
-    path = part_path(rundir, block, direction, rank)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(part), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(part_path(rundir, block, direction, rank), json.dumps(part))
 
 
 def join_boundary(rundir: Path, block: int | None, direction: str, world: int, order: list[str]) -> None:
@@ -138,6 +134,17 @@ def join_boundary(rundir: Path, block: int | None, direction: str, world: int, o
     _sidecar(rundir, block, direction, ordered["lanes"], ordered["refused"], ordered["seconds"])
     for r in range(world):
         part_path(rundir, block, direction, r).unlink()
+
+
+def phase1_seconds(rundir: Path) -> dict[str, dict[str, float]]:
+    """Per direction, per lane: phase 1's seconds summed over the stored boundaries' sidecars (empty where they
+    name none)."""
+    out: dict[str, dict[str, float]] = {d: {} for d in DIRECTIONS}
+    for path in sorted((rundir / BOUNDARIES).glob("*/*.json")):
+        side = read_json(path, BOUNDARY_KIND, "boundary sidecar")
+        for lane, sec in side.get("seconds", {}).items():
+            out[side["direction"]][lane] = round(out[side["direction"]].get(lane, 0.0) + sec, 4)
+    return out
 
 
 def stored(rundir: Path, block: int | None, direction: str) -> bool:
