@@ -25,15 +25,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 rundir=${RUNDIR:-/tmp/ws768}
 df -h "$(dirname "$rundir")" | tail -1
 cap=${CAP_S:-540}
+# no step runs past $END_S seconds into the call ($RESERVE_S, default 40, kept for the merge and the copies)
+capped() { local left=$(( ${END_S:-585} - ${RESERVE_S:-40} - SECONDS )); (( left < 1 )) && left=1; echo $(( left < cap ? left : cap )); }
 opts=(--config real --layout 768p --device cuda --mode strict "${BACKWARD:---no-backward}")
 for section in "$@"; do
   case $section in
   phase1)
     if [ -f "$rundir/plan.json" ]; then where=(--resume "$rundir"); else where=(--out "$rundir"); fi
-    step "$cap" stream768-phase1 python3 -m h3gate run ws1-model "${opts[@]}" --stream --boundaries-only \
+    step "$(capped)" stream768-phase1 python3 -m h3gate run ws1-model "${opts[@]}" --stream --boundaries-only \
       --ranges "${RANGES:-0:5,5:45,45:50}" "${where[@]}"
     du -sh "$rundir/boundaries" ;;
-  [0-9]*:[0-9]*) step "$cap" "stream768-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
+  [0-9]*:[0-9]*) step "$(capped)" "stream768-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
     --layers "$section" --from "$rundir"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     dest=$ev/ws1-model-768p-streamed${BACKWARD:+-bwd}  # the plan and the range records so far, merged or not
