@@ -27,15 +27,16 @@ df -h "$(dirname "$rundir")" | tail -1
 cap=${CAP_S:-540}
 # no step runs past $END_S seconds into the call ($RESERVE_S, default 40, kept for the merge and the copies)
 capped() { local left=$(( ${END_S:-585} - ${RESERVE_S:-40} - SECONDS )); (( left < 1 )) && left=1; echo $(( left < cap ? left : cap )); }
+tag=stream768${BACKWARD:+-bwd}${TAG:+-$TAG}  # the logs' prefix
 opts=(--config real --layout 768p --device cuda --mode strict "${BACKWARD:---no-backward}")
 for section in "$@"; do
   case $section in
   phase1)
     if [ -f "$rundir/plan.json" ]; then where=(--resume "$rundir"); else where=(--out "$rundir"); fi
-    step "$(capped)" stream768-phase1 python3 -m h3gate run ws1-model "${opts[@]}" --stream --boundaries-only \
+    step "$(capped)" "$tag-phase1" python3 -m h3gate run ws1-model "${opts[@]}" --stream --boundaries-only \
       --ranges "${RANGES:-0:5,5:45,45:50}" "${where[@]}"
     du -sh "$rundir/boundaries" ;;
-  [0-9]*:[0-9]*) step "$(capped)" "stream768-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
+  [0-9]*:[0-9]*) step "$(capped)" "$tag-range-${section/:/-}" python3 -m h3gate run ws1-model "${opts[@]}" \
     --layers "$section" --from "$rundir"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     dest=$ev/ws1-model-768p-streamed${BACKWARD:+-bwd}  # the plan and the range records so far, merged or not
@@ -43,12 +44,12 @@ for section in "$@"; do
     (cd "$rundir" && find boundaries -name '*.json' -exec cp --parents {} "$dest/" \;)  # phase 1's per-lane seconds
     find "$rundir" -maxdepth 2 -name 'h3gate-traceback*' -exec cp {} "$ev/logs/" \; ;;
   merge)
-    step "$cap" stream768-merge python3 -m h3gate run ws1-model "${opts[@]}" --merge "$rundir" --partial
-    dest=$ev/ws1-model-768p-streamed
+    step "$cap" "$tag-merge" python3 -m h3gate run ws1-model "${opts[@]}" --merge "$rundir" --partial
+    dest=$ev/ws1-model-768p-streamed${BACKWARD:+-bwd}
     mkdir -p "$dest/ranges" && cp "$rundir/plan.json" "$rundir/ws1-model.json" "$dest/" && cp "$rundir"/ranges/*.json "$dest/ranges/"
     (cd "$rundir" && find boundaries -name '*.json' -exec cp --parents {} "$dest/" \;)
-    python3 -m h3gate seal "$dest" >"$ev/logs/stream768-seal.log" 2>&1; echo "== seal: rc=$?"
-    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" | tee "$ev/logs/stream768-projection.txt"
+    python3 -m h3gate seal "$dest" >"$ev/logs/$tag-seal.log" 2>&1; echo "== seal: rc=$?"
+    python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" | tee "$ev/logs/$tag-projection.txt"
     python3 tools/project_ws1_model.py "$rundir" --blocks 50 --range-size "${SIZE:-5}" --json >"$dest/projection.json" ;;
   *) echo "unknown section $section" >&2 ;;
   esac
