@@ -68,3 +68,24 @@ def test_a_candidate_hash_a_forward_value_or_a_candidate_flag_that_moves_is_not(
         lambda r: r["backward"]["leaves"]["w"]["error"]["candidate"].update(rel_l2=2.1e-3),
     ]
     assert [_judge(c)["same_arithmetic"] for c in changes] == [False] * len(changes)
+
+
+def test_ignored_top_level_keys_are_left_out_of_both_and_only_those(tmp_path):
+    """A plain against a streamed record: ``--ignore streamed --ignore memory`` leaves out how each ran; any other
+    difference still fails (control)."""
+    import json
+
+    tool = _tool()
+    plain, streamed = copy.deepcopy(RECORD), copy.deepcopy(RECORD)
+    plain["memory"] = {"peak": 1}
+    streamed.update(memory={"peak": 2}, streamed={"ranges": [[0, 1]]})
+    for name, doc in (("plain", plain), ("streamed", streamed)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc), encoding="utf-8")
+    a, b = (tmp_path / "plain.json"), (tmp_path / "streamed.json")
+    assert not tool.compare(tool.body(a), tool.body(b), 1e-12)["same_arithmetic"]
+    ignore = ("streamed", "memory")
+    assert tool.compare(tool.body(a, ignore), tool.body(b, ignore), 1e-12)["same_arithmetic"]
+    streamed["nodes"][0]["error"]["candidate"]["rel_l2"] = 2e-3
+    b.write_text(json.dumps(streamed), encoding="utf-8")
+    out = tool.compare(tool.body(a, ignore), tool.body(b, ignore), 1e-12)
+    assert not out["same_arithmetic"] and out["forward"]["other_differing"] == {"$.nodes[].error.candidate.rel_l2": 1}

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Compare two gate records of one command (``run ws1-block`` / ``run ws1-model``) run by two revisions.
 
-    python3 tools/compare_gate_records.py BEFORE.json AFTER.json [--out comparison.json]
+    python3 tools/compare_gate_records.py BEFORE.json AFTER.json [--ignore KEY ...] [--out comparison.json]
+
+Also a plain run against a streamed one of the same revision (``--ignore streamed --ignore memory``: the streamed
+run's ranges and its per-range memory plan name how it ran, not what it judged).
 
 Reports, with ``provenance`` and ``timing`` left out (they name the run):
 
@@ -60,9 +63,9 @@ def fold(path: str) -> str:
     return re.sub(r"\[\d+\]", "[]", path)
 
 
-def body(path: Path) -> dict[str, Any]:
+def body(path: Path, ignore: tuple[str, ...] = ()) -> dict[str, Any]:
     record = json.loads(path.read_text(encoding="utf-8"))
-    return {k: v for k, v in record.items() if k not in ("provenance", "timing")}
+    return {k: v for k, v in record.items() if k not in ("provenance", "timing", *ignore)}
 
 
 def compare(before: dict[str, Any], after: dict[str, Any], rel: float) -> dict[str, Any]:
@@ -104,10 +107,12 @@ def main() -> int:
     ap.add_argument("before", type=Path)
     ap.add_argument("after", type=Path)
     ap.add_argument("--rel", type=float, default=1e-12, help="largest relative change of a candidate's error")
+    ap.add_argument("--ignore", action="append", default=[], help="a top-level key left out of both (repeatable)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    result = {"before": str(args.before), "after": str(args.after),
-              **compare(body(args.before), body(args.after), args.rel)}  # fmt: skip
+    ignore = tuple(args.ignore)
+    result = {"before": str(args.before), "after": str(args.after), "ignored": list(ignore),
+              **compare(body(args.before, ignore), body(args.after, ignore), args.rel)}  # fmt: skip
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.write_text(text + "\n", encoding="utf-8")
