@@ -41,6 +41,17 @@ def test_every_lane_has_one_rank_and_the_loads_are_balanced(world) -> None:
     assert lane_weight(LANES[0]) == GOLDEN_WEIGHT and lane_weight(LANES[-1]) == 3
 
 
+def test_a_rank_names_its_device_as_the_plain_run_does() -> None:
+    """Ranks sharing or splitting GPUs: a bare ``cuda`` stays ``cuda`` (the rank's current device), so the merged
+    record's ``device`` is the plain run's (on an H100 the two records differed in this field alone before);
+    an explicit index or the CPU is the rank's own device."""
+    from h3gate.commands.model_stream_cmd import spec_device
+
+    assert spec_device("cuda", "cuda:1") == "cuda"
+    assert spec_device("cuda:0", "cuda:1") == "cuda:1"
+    assert spec_device("cpu", "cpu") == "cpu"
+
+
 def test_joined_parts_are_the_sidecar_one_process_writes(tmp_path) -> None:
     tensors = {"golden": {"x": torch.arange(4.0, dtype=torch.float64)}, "provider": {"x": torch.ones(3)},
                "candidate": {"x": torch.zeros(2, dtype=torch.bfloat16)}}  # fmt: skip

@@ -113,6 +113,13 @@ def _init_ranks(device: str) -> str:
     return device
 
 
+def spec_device(requested: str, rank_device: str) -> str:
+    """The device a rank's run places its tensors on and its records name: a bare ``cuda`` as requested (torch's
+    current device, which :func:`_init_ranks` set to the rank's GPU), so that a streamed record names the device as
+    the plain run's does; any other request, the rank's own device."""
+    return requested if requested == "cuda" else rank_device
+
+
 def _on_nccl() -> bool:
     import torch.distributed as dist
 
@@ -295,7 +302,7 @@ def _stream(s: Ws1ModelCommand) -> int:
 
 
 def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: float) -> int:
-    setup, tol, tol_file = _prepared(s, device, out=rank == 0)
+    setup, tol, tol_file = _prepared(s, spec_device(s.run.device, device), out=rank == 0)
     settings = _settings_record(s, tol_file)
     ranges = parse_ranges(s.ranges, s.range_size, setup.cfg.num_layers)
     if s.resume is not None:
