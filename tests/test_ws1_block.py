@@ -217,6 +217,9 @@ def test_default_run_exit_code_and_evidence(default_run):
     validate_document(doc, "ws1-block")
 
 
+# ~17 s on two cores: make test-slow (.ci/run runs both); in make test the default command runs every declared kernel
+# through the same gate (tests/test_gate_trust.py)
+@pytest.mark.slow
 def test_declared_kernels_through_the_gate(small, tmp_path):
     """The operators' declared kernels (Triton, interpreted on CPU) through the whole gate, forward and backward."""
     from h3gate.evidence.writer import write_evidence

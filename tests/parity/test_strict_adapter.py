@@ -148,6 +148,7 @@ def test_strict_rows_do_not_depend_on_the_rest_of_the_batch(model) -> None:
     assert _same(alone, (both[0][1:], both[1][1:]))
 
 
+@pytest.mark.slow  # ~15 s on two cores: make test-slow (.ci/run runs both)
 def test_training_gradients_reach_the_modules_own_parameters_and_repeat_bitwise() -> None:
     """The second pass runs with the module's gradient checkpointing on: every block under torch.utils.checkpoint,
     recomputed in the backward (traced as such); the gradients are bitwise those of the first pass."""
