@@ -15,8 +15,10 @@
 . tools/gpu_common.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 cap=${CAP_S:-300}
-opts=(--config "${CONFIG:-real}" --layout "${LAYOUT:-medium}" --device "${DEVICE:-cuda}" --mode strict "${BACKWARD:---no-backward}")
-ranges=${RANGES:-0:13,13:25,25:38,38:50}
+opts=(--config "${CONFIG:-real}" --layout "${LAYOUT:-medium}" --device "${DEVICE:-cuda}" --mode strict
+      "${BACKWARD:---no-backward}")
+stream=(--stream --ranges "${RANGES:-0:13,13:25,25:38,38:50}")
+gate=(-m h3gate run ws1-model "${opts[@]}" "${stream[@]}")
 launch=(python3 -m torch.distributed.run --standalone --nproc-per-node)
 keep() {  # keep RUNDIR NAME: the merged record, the plan and the range records (never the boundaries)
   mkdir -p "$ev/$2/ranges" && cp "$1"/plan.json "$1"/ws1-model.json "$ev/$2/" && cp "$1"/ranges/*.json "$ev/$2/ranges/"
@@ -26,12 +28,13 @@ keep() {  # keep RUNDIR NAME: the merged record, the plan and the range records 
 for section in "$@"; do
   n=${section#*:}
   case $section in
-  plain) step "$cap" medium-plain python3 -m h3gate run ws1-model "${opts[@]}" --out "$ev/ws1-model-real-medium-plain" ;;
-  ranks:*) step "$cap" "medium-streamed-$n" "${launch[@]}" "$n" -m h3gate run ws1-model "${opts[@]}" --stream --ranges "$ranges" --out "/tmp/s$n"
+  plain) step "$cap" medium-plain python3 -m h3gate run ws1-model "${opts[@]}" --out "$ev/ws1-model-real-medium-plain"
+    ;;
+  ranks:*) step "$cap" "medium-streamed-$n" "${launch[@]}" "$n" "${gate[@]}" --out "/tmp/s$n"
     keep "/tmp/s$n" "ws1-model-real-medium-streamed-$n" ;;
-  resume:*) step "${STOP_S:-45}" "medium-stopped-$n" "${launch[@]}" "$n" -m h3gate run ws1-model "${opts[@]}" --stream --ranges "$ranges" --out "/tmp/r$n"
+  resume:*) step "${STOP_S:-45}" "medium-stopped-$n" "${launch[@]}" "$n" "${gate[@]}" --out "/tmp/r$n"
     ls /tmp/r"$n" /tmp/r"$n"/ranges 2>/dev/null | tr '\n' ' '; echo
-    step "$cap" "medium-resumed-$n" "${launch[@]}" "$n" -m h3gate run ws1-model "${opts[@]}" --stream --ranges "$ranges" --resume "/tmp/r$n"
+    step "$cap" "medium-resumed-$n" "${launch[@]}" "$n" "${gate[@]}" --resume "/tmp/r$n"
     keep "/tmp/r$n" "ws1-model-real-medium-resumed-$n" ;;
   *) echo "unknown section $section" >&2 ;;
   esac
