@@ -105,9 +105,10 @@ def _init_ranks(device: str) -> str:
     backend = "gloo"
     if device.startswith("cuda"):
         count = torch.cuda.device_count()
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % count}"
-        torch.cuda.set_device(torch.device(device))
+        rank_device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % count}"
+        torch.cuda.set_device(torch.device(rank_device))
         backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= count else "gloo"
+        device = spec_device(device, rank_device)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=BARRIER_TIMEOUT)
     return device
@@ -302,7 +303,7 @@ def _stream(s: Ws1ModelCommand) -> int:
 
 
 def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: float) -> int:
-    setup, tol, tol_file = _prepared(s, spec_device(s.run.device, device), out=rank == 0)
+    setup, tol, tol_file = _prepared(s, device, out=rank == 0)
     settings = _settings_record(s, tol_file)
     ranges = parse_ranges(s.ranges, s.range_size, setup.cfg.num_layers)
     if s.resume is not None:
