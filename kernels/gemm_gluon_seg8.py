@@ -149,16 +149,17 @@ def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base
 
 @gluon.jit
 def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C: gl.constexpr, NB: gl.constexpr,
-                 STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
-    """One tile's 8 segments for consumer C, the pending subtree of 1 segment in registers (``s0``), of 2 in this
-    consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout); the adds
-    of :func:`_fold`. Returns (the tree, a placeholder, the ring step after the tile)."""
+                 STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8):  # fmt: skip
+    """One tile's ``NSEG`` (8 or 4) segments for consumer C, the pending subtree of 1 segment in registers (``s0``),
+    of 2 in this consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout;
+    8 segments only); the adds of :func:`_fold` (with 4 segments its first four: ``(p0 + p1) + (p2 + p3)``). Returns
+    (the tree, a placeholder, the ring step after the tile)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     acc = gl.zeros([64, NB], gl.float32, layout)
     acc_t = gl.zeros([64, 8], gl.float32, layout_t)
     s0 = acc
-    for j in range(SEGMENTS):
+    for j in range(NSEG):
         acc, acc_t, step = _segment(a_ring, b_ring, b_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
                                     NB, 0, 8, STAGES, OPERANDS)  # fmt: skip
         if j % 2 == 0:
@@ -169,10 +170,11 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
                 slot.store(acc)
             else:
                 acc = slot.load(layout) + acc
-                if j == 3:
-                    gl.store(ptrs, acc)
-                else:
-                    acc = gl.load(ptrs) + acc
+                if NSEG == 8:
+                    if j == 3:
+                        gl.store(ptrs, acc)
+                    else:
+                        acc = gl.load(ptrs) + acc
     return acc, acc_t, step
 
 
@@ -180,11 +182,12 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
 def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr, M, N,
               stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr,
               NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-              OPERANDS: gl.constexpr = 0):  # fmt: skip
+              OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8):  # fmt: skip
     """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
     scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
     rounding. ``OPERANDS`` (on chip only): the slots' operand layout (:func:`h3gate.kernels.gemm_gluon._mma_chunk`:
-    the dX's, the weight gradient's: :mod:`h3gate.kernels.gemm_gluon_rows_dw`)."""
+    the dX's, the weight gradient's: :mod:`h3gate.kernels.gemm_gluon_rows_dw`); ``NSEG`` (on chip only): 8
+    segments, or 4 (the weight gradient's row segments: the tree ``(q0 + q1) + (q2 + q3)``, no global slot)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
     step = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
@@ -200,7 +203,8 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
             acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots.index(C),
-                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, OPERANDS)  # fmt: skip
+                                            _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, OPERANDS,
+                                            NSEG)  # fmt: skip
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
     if NT > 0:

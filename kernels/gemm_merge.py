@@ -30,9 +30,10 @@ construction. Contract (restated in ``manifests/operators/gemm.yaml``, entries `
   output dtype: in the kernel's epilogue when one device owns all 8 segments, else :func:`finish` after
   :func:`combine`. dX the same without bias.
 * backward of :func:`linear_merge` - dX by the segmented-8 order over N; dW = dY^T @ X and db = sum_m dY (a sum over
-  packed rows, which TP does not split but CP does) in the row-segment order of :mod:`h3gate.kernels.row_merge`,
-  every segment and the tree inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`; kernel id v3, v2
-  launched the single-walk dW kernel once per segment: the same bytes); where ``GemmLaunch.rows_dw_gluon`` (on)
+  packed rows, which TP does not split but CP does) in a weight gradient's row-segment order
+  (:func:`h3gate.kernels.row_merge.dw_bounds`: 4 segments, the pairs of the 8; CP degrees 1, 2, 4), every segment
+  and the tree inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`; kernel id v4, v3 had the 8 row
+  segments); where ``GemmLaunch.rows_dw_gluon`` (on)
   the one-device bfloat16 dW on Hopper runs the warp-specialised Gluon kernel
   (:mod:`h3gate.kernels.gemm_gluon_rows_dw`, ``gluon_warp_specialised_rows_dw``; else ``triton_rows_dw``): the same
   chunks, wgmma steps, tree and rounding, its bytes equal to ``rows_dw``'s (``tools/gpu_seg8_gluon_dw_check.py``).
@@ -83,7 +84,7 @@ from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
 from h3gate.kernels.rows_seg8 import dw_record, linear_row_grads, linear_rows
 
-KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v3"
+KERNEL_ID = "triton:h3gate.gemm_seg8_fp32acc:v4"
 ROLES = ("fwd", "dx")
 TRITON, GLUON = "triton_seg8", "gluon_warp_specialised_seg8"  # the forward's kernel paths
 _DTYPES = (torch.bfloat16, torch.float32)

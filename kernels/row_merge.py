@@ -19,6 +19,12 @@ This fixes one order that every CP degree in {1, 2, 4, 8} evaluates, and that th
 So CP1 = CP2 = CP4 = CP8 byte for byte: the same segments over the same rows, each partial from the same values
 by the same kernel, the same tree. Not bitwise the single-walk operators' gradients (another FP32 order).
 
+A GEMM's weight gradient (dW and db) is split by CP alone (TP splits its output, never its rows; under SP the
+GEMMs' inputs are gathered to the CP rows), and CP goes to 4: its rows are cut into ``DW_SEGMENTS = 4`` segments,
+the pairs of the 8 (``[r_{2j}, r_{2j+2})``, :func:`dw_bounds`), summed as ``(q0 + q1) + (q2 + q3)``. CP``n`` rank c
+owns pair segments ``[c * 4/n, (c + 1) * 4/n)``, the same rows as above; CP8 would split a pair and is refused
+(:meth:`RowGroup.dw_owned`). Half the segments halve the restarts and the pending subtrees of the fused dW kernels.
+
 The active group is a context (:func:`packed_rows`), read by the operators at FORWARD time and kept for their
 backward (autograd may run the backward on another thread): outside any context a ``*_seg8`` operator uses the
 one-device group of its own rows.
@@ -37,6 +43,9 @@ import torch
 from h3gate.errors import InputError
 from h3gate.kernels.merge_tree import SEGMENTS, combine, owned_segments
 
+DW_SEGMENTS = 4  # a GEMM weight gradient's row segments: the pairs of the 8 (module docstring)
+DW_DEGREES = (1, 2, 4)  # the CP degrees that split a GEMM weight gradient's rows along whole pair segments
+
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 Partial = Callable[[int, int], Sequence[torch.Tensor]]
 
@@ -47,6 +56,12 @@ def row_bounds(seq_len: int) -> tuple[int, ...]:
     memoised: a block's backward asks for them thousands of times."""
     length = -(-seq_len // SEGMENTS)
     return tuple(min(i * length, seq_len) for i in range(SEGMENTS + 1))
+
+
+def dw_bounds(seq_len: int) -> tuple[int, ...]:
+    """The 5 boundaries ``r_0, r_2, r_4, r_6, r_8`` of a GEMM weight gradient's ``DW_SEGMENTS`` row segments (the pairs
+    of :func:`row_bounds`' 8; module docstring): ``min(j * 2L, S)``."""
+    return row_bounds(seq_len)[:: SEGMENTS // DW_SEGMENTS]
 
 
 def cp_row_bounds(seq_len: int, degree: int) -> tuple[int, ...]:
@@ -80,6 +95,17 @@ class RowGroup:
     @property
     def hi(self) -> int:
         return self.bounds[self.owned.stop]
+
+    @property
+    def dw_owned(self) -> range:
+        """The pair segments (of :func:`dw_bounds`' 4) this rank owns for a GEMM weight gradient: its rows, whole."""
+        if self.degree not in DW_DEGREES:
+            raise InputError(
+                f"gemm weight gradient: CP degree {self.degree} splits a row segment pair (the order has "
+                f"{DW_SEGMENTS} row segments); supported CP degrees: {DW_DEGREES}"
+            )
+        per = DW_SEGMENTS // self.degree
+        return range(self.rank * per, (self.rank + 1) * per)
 
     def merge(self, subtree: torch.Tensor) -> torch.Tensor:
         return subtree if self.degree == 1 else combine(self.gather(subtree.contiguous()), self.degree, op="row seg8")

@@ -3,8 +3,9 @@
 ``dW = dY^T X`` (N_loc, K_loc) and ``db = sum_rows dY`` (N_loc,) over the packed rows of ``dY`` (B, S_loc, N_loc) and
 ``X`` (B, S_loc, K_loc), in :mod:`h3gate.kernels.row_merge`'s order. Contract:
 
-* segments - the 8 row segments ``[r_i, r_i+1)``, ``r_i = min(i * L, S)``, ``L = ceil(S / 8)`` of the GLOBAL S packed
-  rows (a function of S alone); a CP rank owns segments ``[c * 8/n, (c + 1) * 8/n)``, its local rows shifted by its
+* segments - the 4 row segments ``[r'_j, r'_j+1)``, ``r'_j = min(j * L', S)``, ``L' = 2 ceil(S / 8)`` of the GLOBAL
+  S packed rows (a function of S alone: the pairs of :mod:`h3gate.kernels.row_merge`'s 8, :func:`~h3gate.kernels.
+  row_merge.dw_bounds`); a CP rank (n <= 4) owns segments ``[c * 4/n, (c + 1) * 4/n)``, its local rows shifted by its
   first row. A segment's rows are walked b-major (batch item 0's rows of the segment, then item 1's, ...), exactly
   the rows ``seq_slice(t, lo, hi).reshape(-1, width)`` lists.
 * per segment (dW) - one program per BLOCK_M x BLOCK_N tile of dW (persistent: tiles pid, pid + #programs, ...)
@@ -15,22 +16,23 @@
   alone, with the full layer's ``gemm_config("dw", N, K, dtype)`` BLOCK_K; an empty segment gives +0.
 * per segment (db) - the colsum kernel's walk on the segment's rows: ascending 32-row chunks, each reduced by
   ``tl.sum``'s fixed tree (the same (32, 128) tile and 4 warps as :func:`h3gate.kernels.gemm_triton.colsum`), FP32.
-* tree - ``((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))`` in IEEE FP32 adds (no FMA: STRICT_LAUNCH), each add
-  done as soon as its sibling is: dW's pending subtrees (at most three) in the program's own scratch slots (as
-  :mod:`h3gate.kernels.gemm_merge`), db's in registers. A rank evaluates the levels over its owned segments.
-* cast points - ``finish``: when the device owns all 8 segments, one RNE rounding to the output dtype in the epilogue;
+* tree - ``(q0 + q1) + (q2 + q3)`` in IEEE FP32 adds (no FMA: STRICT_LAUNCH), each add done as soon as its sibling
+  is: dW's pending subtrees (at most two) in the program's own scratch slots (as :mod:`h3gate.kernels.gemm_merge`),
+  db's in registers. A rank evaluates the levels over its owned segments.
+* cast points - ``finish``: when the device owns all 4 segments, one RNE rounding to the output dtype in the epilogue;
   else the FP32 subtree, which the caller all-gathers, combines (:meth:`RowGroup.merge`) and rounds.
 
-Bitwise ``rows_seg8``'s v1 weight gradient (8 launches of the single-walk dW kernel into FP32 partials and the tree
-by torch): the same products added in the same order. The tile shape (BLOCK_N capped at 128 so the accumulator and a
-slot tile fit the registers), the grid, the tile order and the loads (pointer loads; TMA loads with the tail chunk's
-rows past the segment zeroed on chip where ``GemmLaunch.rows_dw_tma``, off until measured) are scheduling, never
-arithmetic.
+Bitwise the single-walk dW kernel launched once per segment into FP32 partials and the tree added by torch
+(``tests/triton_kernels/test_row_merge.py``): the same products added in the same order. The tile shape (BLOCK_N capped
+at 128 so the accumulator and a slot tile fit the registers), the grid, the tile order and the loads (pointer loads; TMA
+loads with the tail chunk's rows past the segment zeroed on chip where ``GemmLaunch.rows_dw_tma``, off until measured)
+are scheduling, never arithmetic.
 
 Predicted gain (H200: ~4.8 TB/s HBM, ~990 TFLOP/s dense BF16). Per weight (N, K) v1 moved about 186 N K bytes beside
 the GEMM: 8 FP32 partials written (32 N K), copied by ``torch.cat`` (64 N K), 7 tree adds (84 N K), the rounding
-(6 N K). This kernel writes the 2 N K rounded bytes and keeps 7 slot stores and loads per tile in L2 (the per-program
-slots, 132 x 3 x 64 KiB = 25 MiB, are reused tile after tile). The GEMM's own work is 2 M N K FLOPs:
+(6 N K). This kernel writes the 2 N K rounded bytes and keeps 3 slot stores and loads per tile in L2 (the per-program
+slots, 132 x 2 x 64 KiB = 17 MiB, are reused tile after tile; 7 with the 8 segments the order had until 2026-12-07).
+The GEMM's own work is 2 M N K FLOPs:
 
 =========================  =========  ==========  ============  ==========  ==============
 weight (N x K)             M          GEMM (ms)   v1 bytes      v1 (ms)     v1 / GEMM
@@ -61,8 +63,7 @@ from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, num_sms, tma_allocat
 from h3gate.kernels.exact import fold_segment, helper, mma, rne
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
 from h3gate.kernels.gemm_triton import tile_coords
-from h3gate.kernels.merge_tree import SEGMENTS
-from h3gate.kernels.row_merge import RowGroup
+from h3gate.kernels.row_merge import RowGroup, dw_bounds
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on the H100/H200 (the tightest target)
 COLSUM_ROWS, COLSUM_WIDTH, COLSUM_WARPS = 32, 128, 4  # gemm_triton.colsum's tile and warps: its tl.sum tree
@@ -154,7 +155,7 @@ def _rows_dw_kernel(
     """OUT (N, K) = the tree over the C owned segments SEG0, ..., SEG0 + C - 1 of dY^T X, per tile: each segment
     walked from acc = 0, pending subtrees in this program's scratch slots (slot l: a finished subtree of 2^l
     segments), merged as soon as their sibling is done. ``FINISH``: one RNE rounding to OUT's dtype; else OUT is
-    the FP32 subtree. Persistent: program ``pid`` owns tiles pid, pid + NUM_PROGS, ... and its three slots."""
+    the FP32 subtree. Persistent: program ``pid`` owns tiles pid, pid + NUM_PROGS, ... and its two slots."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(N, BLOCK_M)
     num_pid_n = tl.cdiv(K, BLOCK_N)
@@ -162,7 +163,7 @@ def _rows_dw_kernel(
         a_desc = tl.make_tensor_descriptor(g_ptr, [S_LOC, N], [stride_g, 1], [BLOCK_K, BLOCK_M])
         b_desc = tl.make_tensor_descriptor(x_ptr, [S_LOC, K], [stride_x, 1], [BLOCK_K, BLOCK_N])
     tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    slots = scratch_ptr + pid.to(tl.int64) * (3 * BLOCK_M * BLOCK_N) + tile
+    slots = scratch_ptr + pid.to(tl.int64) * (2 * BLOCK_M * BLOCK_N) + tile
     for tile_id in range(pid, num_pid_m * num_pid_n, NUM_PROGS):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,8 +233,11 @@ def _rows_colsum_kernel(
 
 
 def _segments(rows: RowGroup) -> dict:
-    """The kernels' segment arguments of ``rows``: L, S, the rank's first row and first owned segment."""
-    return dict(L=-(-rows.seq_len // SEGMENTS), S_GLOB=rows.seq_len, LO=rows.lo, SEG0=rows.owned.start)
+    """The kernels' segment arguments of ``rows``: L' (the pair segments' length), S, the rank's first row, its first
+    owned segment and how many it owns (C)."""
+    owned = rows.dw_owned
+    length = dw_bounds(rows.seq_len)[1] if rows.seq_len else 0
+    return dict(L=length, S_GLOB=rows.seq_len, LO=rows.lo, SEG0=owned.start, C=len(owned))
 
 
 def _tma_fits(g: torch.Tensor, x: torch.Tensor) -> bool:
@@ -252,7 +256,7 @@ def rows_dw(
     launch: GemmLaunch = PRODUCTION,
 ) -> torch.Tensor:
     """dW (N_loc, K_loc) of contiguous ``g`` (B, S_loc, N_loc) and ``x`` (B, S_loc, K_loc) over ``rows``' owned
-    segments: rounded to ``dtype`` (the device owns all 8 segments), or the FP32 subtree (``dtype`` None). TMA loads
+    segments: rounded to ``dtype`` (the device owns all 4 segments), or the FP32 subtree (``dtype`` None). TMA loads
     where ``launch.rows_dw_tma`` and the operands allow them."""
     batch, s_loc, n = g.shape
     k = x.shape[-1]
@@ -262,11 +266,11 @@ def rows_dw(
     out = torch.empty((n, k), dtype=dtype or torch.float32, device=x.device)
     tiles = -(-n // cfg.block_m) * -(-k // cfg.block_n)
     progs = max(1, min(tiles, num_sms(x.device)))
-    scratch = torch.empty((progs, 3, cfg.block_m, cfg.block_n), dtype=torch.float32, device=x.device)
+    scratch = torch.empty((progs, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=x.device)
     _rows_dw_kernel[(progs,)](
         g, x, out, scratch, n, k, s_loc, batch, **_segments(rows), stride_g=n, stride_x=k, stride_o=k,
         NUM_PROGS=progs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        C=len(rows.owned), FINISH=dtype is not None, BATCHED=batch > 1, USE_TMA=tma, INTERPRET=INTERPRET,
+        FINISH=dtype is not None, BATCHED=batch > 1, USE_TMA=tma, INTERPRET=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **STRICT_LAUNCH,
     )  # fmt: skip
     return out
@@ -279,7 +283,7 @@ def rows_colsum(g: torch.Tensor, rows: RowGroup, dtype: torch.dtype | None) -> t
     out = torch.empty(n, dtype=dtype or torch.float32, device=g.device)
     _rows_colsum_kernel[(triton.cdiv(n, COLSUM_WIDTH),)](
         g, out, n, s_loc, batch, **_segments(rows), stride_g=n, BLOCK_R=COLSUM_ROWS, BLOCK_N=COLSUM_WIDTH,
-        C=len(rows.owned), FINISH=dtype is not None, BATCHED=batch > 1, INTERPRET=INTERPRET,
+        FINISH=dtype is not None, BATCHED=batch > 1, INTERPRET=INTERPRET,
         num_warps=COLSUM_WARPS, **STRICT_LAUNCH,
     )  # fmt: skip
     return out

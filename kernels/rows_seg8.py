@@ -2,13 +2,14 @@
 
 The forward of every operator here is its single-device operator's, launch for launch (the same bytes); only the
 gradients that sum over packed rows change order: they follow :mod:`h3gate.kernels.row_merge` (8 row segments
-fixed by S, each the operator's own reduction on that segment's rows at FP32, the fixed tree, one rounding).
+fixed by S, 4 for a GEMM's weight gradient, each the operator's own reduction on that segment's rows at FP32, the
+fixed tree, one rounding).
 
-* :func:`linear_row_grads` - dW = dY^T X (and db = sum dY): every segment's partial and the tree inside one program
-  per dW tile (:mod:`h3gate.kernels.rows_dw`: per segment the single-walk dW kernel's walk with the FULL layer's
-  BLOCK_K, ``gemm_config("dw", N, K, dtype)``; db per segment the colsum kernel's walk), one launch each, rounded in
-  the epilogue on one device; no partial buffers. v1 launched the single-walk kernels once per segment into FP32
-  partials and added them with torch: the same bytes.
+* :func:`linear_row_grads` - dW = dY^T X (and db = sum dY) over a weight gradient's 4 row segments (the pairs of
+  the 8: :func:`~h3gate.kernels.row_merge.dw_bounds`; only CP splits them, CP <= 4): every segment's partial and
+  the tree ``(q0 + q1) + (q2 + q3)`` inside one program per dW tile (:mod:`h3gate.kernels.rows_dw`: per segment the
+  single-walk dW kernel's walk with the FULL layer's BLOCK_K, ``gemm_config("dw", N, K, dtype)``; db per segment the
+  colsum kernel's walk), one launch each, rounded in the epilogue on one device; no partial buffers.
 * ``h3_rmsnorm_modulate_seg8`` / ``final_adaln_out_seg8`` - dx per row exactly ``h3_rmsnorm_modulate``'s (every
   row's dx is its own); per segment the weight partial (the kernel's 32-row program partials, programs starting at
   the segment's first row, by ``gather.sum_rows``' order at FP32) and the shift / scale table partials
@@ -50,7 +51,7 @@ def dw_path(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.
             full: tuple[int, int], launch: GemmLaunch = PRODUCTION) -> str:  # fmt: skip
     """The weight gradient's kernel for dY (B, S, N) and X (B, S, K) (``shape`` = (B, S, N, K)) of a slice of the
     ``full`` layer: ``GLUON_DW`` (:mod:`h3gate.kernels.gemm_gluon_rows_dw`) where ``launch.rows_dw_gluon`` on a Hopper
-    GPU (never interpreted) for the one-device dW (all 8 segments, rounded once) of one batch item in bfloat16, the
+    GPU (never interpreted) for the one-device dW (all 4 segments, rounded once) of one batch item in bfloat16, the
     full layer's dW BLOCK_K the Gluon tiling's (the same chunks) and N, K multiples of 8 (TMA rows, and every
     segment's first row 16-byte aligned); else ``TRITON_DW`` (:func:`h3gate.kernels.rows_dw.rows_dw`)."""
     batch, seq, n, k = shape

@@ -10,9 +10,9 @@ the same functions, no communication, which is what the one-device ``*_seg8`` op
   never depends on the slice). dX: reduction over N, which TP splits: the rank's segmented-8 subtree of
   ``dY[:, N_r] @ W[N_r, :]`` (its owned segments), gathered, the tree's upper levels, one rounding. ``halves``
   (gate/up, fused (2F, K) weight owned as chunk pairs): each half is its own (F, K) segmented-8 reduction and
-  ``dX = rne(T_value + T_gate)`` (one FP32 add of the two trees). dW = dY^T @ X in the row-segment order over the
-  packed rows (:func:`h3gate.kernels.rows_seg8.linear_row_grads`: one fused launch, :mod:`h3gate.kernels.rows_dw`;
-  merged over CP, unsplit by TP).
+  ``dX = rne(T_value + T_gate)`` (one FP32 add of the two trees). dW = dY^T @ X in a weight gradient's row-segment
+  order over the packed rows (4 segments: :func:`h3gate.kernels.rows_seg8.linear_row_grads`, one fused launch,
+  :mod:`h3gate.kernels.rows_dw`; merged over CP, unsplit by TP).
 * :class:`RowLinear` (attention O, FFN down; weight columns = the rank's K) - forward: the rank's subtree over its
   K segments, gathered, upper levels, one rounding: every rank holds the full Y. dX (its K columns): the full
   segmented-8 walk over N (unsplit), one rounding. dW (its columns) = dY^T @ X_r in the row-segment order.
@@ -45,7 +45,7 @@ from h3gate.kernels.norms import HEAD_DIM, check_qk, qk_rmsnorm, rms_backward_se
 from h3gate.kernels.row_merge import local_spans, row_sum, rows_for
 from h3gate.kernels.rows_seg8 import linear_row_grads, linear_rows, weight_partials
 
-KERNEL_ID = "triton:h3gate.tp_layers_seg8:v2"
+KERNEL_ID = "triton:h3gate.tp_layers_seg8:v3"
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 

@@ -34,7 +34,7 @@ from h3gate.kernels.common import num_sms
 from h3gate.kernels.gemm_configs import PRODUCTION, gemm_config
 from h3gate.kernels.gemm_gluon_rows_dw import rows_dw_ws
 from h3gate.kernels.gemm_triton import matmul
-from h3gate.kernels.row_merge import one_device, row_bounds
+from h3gate.kernels.row_merge import dw_bounds, one_device
 from h3gate.kernels.rows_dw import fused_dw_config, rows_dw
 from h3gate.kernels.rows_seg8 import GLUON_DW, dw_path, linear_row_grads
 
@@ -45,8 +45,8 @@ POINTER = replace(OFF_DX, seg8_tma=False)
 DX = [("q/k/v", (7168, 5376), True), ("gate_up_half", (14336, 5376), True), ("o", (5376, 7168), False),
       ("down", (5376, 14336), False)]  # fmt: skip
 DX_QUICK = [("dx_n200", 77, (200, 136), True), ("dx_n1000", 300, (1000, 264), False)]
-# (name, S, N, K): segments of 3 rows and two empty ones (S = 17), of 13 rows (S = 100: every chunk a tail), a
-# segment of 1000 rows (S = 7999: 15 whole chunks and a tail of 40 rows, the last segment 999), partial 128 x 128
+# (name, S, N, K): weight-gradient segments of 6 rows and an empty one (S = 17), of 26 rows (S = 100: every chunk a
+# tail), of 2000 rows (S = 7999: 31 whole chunks and a tail of 16 rows, the last segment 1999), partial 128 x 128
 # tiles of dW (N = 200, K = 72), one row.
 QUICK = [("s17", 17, 256, 128), ("s100", 100, 200, 72), ("s7999", 7999, 384, 256), ("s1", 1, 128, 128)]
 
@@ -64,7 +64,7 @@ def check(name: str, m: int, n: int, k: int, gen: torch.Generator, timing: bool)
     ref = rows_dw(gy, x, rows, cfg, torch.bfloat16)  # the pointer walk
     new = gluon_dw(gy[0], x[0])
     via = linear_row_grads(gy, x, (n, k), (n, k), rows, False, ON)[0]
-    bounds = row_bounds(m)
+    bounds = dw_bounds(m)
     rec: dict = {"weight": name, "m": m, "n": n, "k": k, "segment_rows": [b - a for a, b in pairwise(bounds)],
                  "path_with_knob": dw_path((1, m, n, k), gy.dtype, gy.device, rows, (n, k), ON),
                  "bitwise_rows_dw": torch.equal(new, ref), "operator_bitwise": torch.equal(via, ref)}  # fmt: skip

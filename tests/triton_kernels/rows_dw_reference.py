@@ -1,6 +1,7 @@
 """The reference of the fused row-segment weight gradient (kernels/rows_dw.py): ``rows_seg8.linear_row_grads`` v1,
-which launched the single-walk dW kernel (and the colsum kernel) once per row segment into FP32 partials and added
-them with ``row_merge.row_sum``'s torch tree. Test code only: the fused kernel must equal it byte for byte."""
+which launched the single-walk dW kernel (and the colsum kernel) once per segment of a weight gradient (the 4 pairs of
+row segments, ``row_merge.dw_bounds``) into FP32 partials and added them with ``row_merge.subtree``'s torch tree.
+Test code only: the fused kernel must equal it byte for byte."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ import torch
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_triton import colsum, matmul
 from h3gate.kernels.merge_tree import finish
-from h3gate.kernels.row_merge import RowGroup, row_sum, seq_slice
+from h3gate.kernels.row_merge import RowGroup, dw_bounds, row_sum, seq_slice, subtree
 from h3gate.kernels.rows_dw import fp32_out_config
 
 F32 = torch.float32
+
+
+def dw_spans(group: RowGroup) -> list[tuple[int, int]]:
+    """The LOCAL rows ``[lo, hi)`` of each weight-gradient segment the rank owns (empty ones too), in order."""
+    bounds, owned = dw_bounds(group.seq_len), group.dw_owned
+    return [(bounds[i] - bounds[owned.start], bounds[i + 1] - bounds[owned.start]) for i in owned]
 
 
 def linear_row_grads_v1(
@@ -27,30 +34,25 @@ def linear_row_grads_v1(
     spans_of=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """v1's (dW, db): per segment ``matmul`` (a_trans, the full layer's dw tiling, FP32 out) and ``colsum`` at FP32
-    on the segment's rows, ``row_sum``'s tree and merge, one rounding (``launch``, the fused kernel's launch choices,
-    is not v1's). ``spans_of`` (a negative control) replaces ``row_merge.local_spans`` for the segment rows."""
-    import h3gate.kernels.row_merge as rm
-
+    on the segment's rows, the tree and the group's merge, one rounding (``launch``, the fused kernel's launch
+    choices, is not v1's). ``spans_of`` (a negative control) replaces :func:`dw_spans` for the segment rows."""
     x = x.reshape(1, -1) if x.ndim == 1 else x
     n_loc, k_loc = gy.shape[-1], x.shape[-1]
     cfg = fp32_out_config(gemm_config("dw", full[0], full[1], x.dtype), x.dtype)
     g3 = gy.reshape(*x.shape[:-1], n_loc)
-
-    def partial(lo: int, hi: int) -> list[torch.Tensor]:
+    width = w_shape[0] * w_shape[1] + (w_shape[0] if bias else 0)
+    level = []
+    for lo, hi in (spans_of or dw_spans)(rows):
+        if hi == lo:
+            level.append(torch.zeros(width, dtype=F32, device=x.device))
+            continue
         gs, xs = seq_slice(g3, lo, hi).reshape(-1, n_loc), seq_slice(x, lo, hi).reshape(-1, k_loc)
         dw = torch.empty(w_shape, dtype=F32, device=x.device)
         matmul(gs, xs, dw, None, cfg, a_trans=True, b_trans=False)
-        return [dw, colsum(gs, F32)] if bias else [dw]
-
-    shapes = [w_shape, (w_shape[0],)] if bias else [w_shape]
-    original = rm.local_spans
-    if spans_of is not None:
-        rm.local_spans = spans_of
-    try:
-        sums = row_sum(rows, partial, shapes, x.device)
-    finally:
-        rm.local_spans = original
-    return finish(sums[0], None, x.dtype), (finish(sums[1], None, x.dtype) if bias else None)
+        level.append(torch.cat([dw.reshape(-1)] + ([colsum(gs, F32)] if bias else [])))
+    total = rows.merge(subtree(torch.stack(level)))
+    dw = finish(total[: w_shape[0] * w_shape[1]].view(w_shape), None, x.dtype)
+    return dw, (finish(total[w_shape[0] * w_shape[1] :], None, x.dtype) if bias else None)
 
 
 def rmsnorm_rows_backward_v1(x, weight, rstd, g, scale, idx, rows: RowGroup, need=(True, True, True)):

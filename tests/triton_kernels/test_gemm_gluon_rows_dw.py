@@ -15,7 +15,7 @@ import torch
 from h3gate.errors import InputError
 from h3gate.kernels import gemm_configs, gemm_merge, rows_seg8, selection
 from h3gate.kernels.gemm_configs import PRODUCTION
-from h3gate.kernels.row_merge import RowGroup, one_device, row_bounds
+from h3gate.kernels.row_merge import DW_SEGMENTS, RowGroup, dw_bounds, one_device
 
 gemm_gluon_rows_dw = pytest.importorskip("h3gate.kernels.gemm_gluon_rows_dw")  # Triton's Gluon (3.6 and later)
 
@@ -107,7 +107,7 @@ def test_evidence_accepts_the_dw_paths_and_nothing_unknown() -> None:
 
 def _chunks(cps: int, total: int) -> list[int]:
     """Each segment's chunk count as the consumers' walk (``gemm_gluon_seg8._segment``) derives it."""
-    return [min(min(j * cps, total) + cps, total) - min(j * cps, total) for j in range(8)]
+    return [min(min(j * cps, total) + cps, total) - min(j * cps, total) for j in range(DW_SEGMENTS)]
 
 
 @pytest.mark.parametrize("block_k", [64, 128])
@@ -116,7 +116,7 @@ def test_segments_as_chunk_counts_are_each_segments_own(block_k) -> None:
     and the block's; negative control: T = ceil(S / BLOCK_K) (chunks of the rows, not of the segments) differs."""
     wrong = 0
     for s in [*range(1, 1100), 3160, 38974]:
-        bounds = row_bounds(s)
+        bounds = dw_bounds(s)
         want = [-(-(b - a) // block_k) for a, b in zip(bounds, bounds[1:], strict=False)]
         cps, total = gemm_gluon_rows_dw.segment_chunks(s, block_k)
         assert _chunks(cps, total) == want, s
@@ -125,18 +125,18 @@ def test_segments_as_chunk_counts_are_each_segments_own(block_k) -> None:
 
 
 def test_each_segment_has_descriptors_over_its_rows_alone() -> None:
-    """Segment i's boxes address rows [r_i, r_i+1) of dY and X (base at r_i, shape ending at the segment's end, so
-    the tail chunk's further rows are TMA's zero fill); empty segments repeat segment 0's (never loaded)."""
-    s = 17  # L = 3: segments of 3 rows, the sixth of 2, the last two empty
+    """Segment i's boxes address rows [r'_i, r'_i+1) of dY and X (base at r'_i, shape ending at the segment's end,
+    so the tail chunk's further rows are TMA's zero fill); empty segments repeat segment 0's (never loaded)."""
+    s = 17  # L' = 6: segments of 6 rows, the third of 5, the last empty
     g, x = torch.zeros(s, 32, dtype=BF16), torch.zeros(s, 128, dtype=BF16)
     g_descs, x_descs = gemm_gluon_rows_dw.segment_descriptors(g, x, 64)
-    bounds = row_bounds(s)
+    bounds = dw_bounds(s)
     for i, (gd, xd) in enumerate(zip(g_descs, x_descs, strict=True)):
         lo, hi = (bounds[i], bounds[i + 1]) if bounds[i + 1] > bounds[i] else bounds[:2]
         for d, t, box in ((gd, g, [64, 64]), (xd, x, [64, 128])):
             want = (t[lo].data_ptr(), [hi - lo, t.shape[1]], box)
             assert (d.base.data_ptr(), list(d.shape), list(d.block_shape)) == want, i
-    assert [list(d.shape)[0] for d in g_descs] == [3, 3, 3, 3, 3, 2, 3, 3]
+    assert [list(d.shape)[0] for d in g_descs] == [6, 6, 5, 6]
 
 
 def test_the_host_side_refuses_other_tilings() -> None:

@@ -18,7 +18,7 @@ from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.kernels.norms import rmsnorm_modulate
-from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, packed_rows, row_bounds
+from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, dw_bounds, packed_rows, row_bounds
 from h3gate.kernels.rows_seg8 import (
     adaln_gate_residual_seg8,
     h3_rmsnorm_modulate_seg8,
@@ -136,7 +136,11 @@ def test_forward_and_row_gradients_equal_at_every_cp_degree(op: str) -> None:
     if single is not None:  # forward and the per-row input gradient are the single-device operator's bytes
         out1, grads1 = _run(single, args, g, grad_args)
         assert torch.equal(out, out1) and torch.equal(grads[0], grads1[0])
-    for degree in (2, 4, 8):
+    gemm = "gemm" in op  # a GEMM weight gradient's 4 row segments: CP8 would split a pair, refused
+    if gemm:
+        with pytest.raises(InputError, match="CP degree 8 splits a row segment pair"):
+            simulated_cp(fn, args, g, grad_args, 8)
+    for degree in (2, 4) if gemm else (2, 4, 8):
         bounds, ranks = simulated_cp(fn, args, g, grad_args, degree)
         for r, result in enumerate(ranks):
             if result is None:
@@ -149,11 +153,12 @@ def test_forward_and_row_gradients_equal_at_every_cp_degree(op: str) -> None:
 
 
 def test_the_row_order_is_observable_on_a_crafted_column() -> None:
-    """dW column 0 = sum over rows of g[r, 0] * 1 at 1024 rows (segments of 128): 1 in segment 0, +2^25 in segment
-    2, -2^25 in segment 3, each in its own dW chunk. The tree gives ((1 + 0) + (2^25 - 2^25)) = 1; one ascending
-    walk over all rows gives 0, and so does a CP2 "merge" that walks each rank's rows and adds the two sums."""
+    """dW column 0 = sum over rows of g[r, 0] * 1 at 1024 rows (the weight gradient's 4 segments of 256): 1 in
+    segment 0, +2^25 and then -2^25 in segment 1, each in its own dW chunk. The tree gives
+    (1 + (2^25 - 2^25)) + (0 + 0) = 1; one ascending walk over all rows gives 0, and so does a CP2 "merge" that walks
+    each rank's rows and adds the two sums."""
     f32, rows = torch.float32, 1024
-    assert row_bounds(rows)[:5] == (0, 128, 256, 384, 512)
+    assert dw_bounds(rows) == (0, 256, 512, 768, 1024)
     x, w = torch.ones((1, rows, 16), dtype=f32, device=DEVICE), torch.zeros((16, 16), dtype=f32, device=DEVICE)
     gy = torch.zeros((1, rows, 16), dtype=f32, device=DEVICE)
     gy[0, 0, 0], gy[0, 256, 0], gy[0, 384, 0] = 1.0, 2.0**25, -(2.0**25)
@@ -161,6 +166,30 @@ def test_the_row_order_is_observable_on_a_crafted_column() -> None:
     _, (dw_single,) = _run(linear, (x, w), gy, (1,))
     naive = sum(_run(linear, (x, w), gy, (1,), slice(lo, hi))[1][0] for lo, hi in ((0, 512), (512, rows)))
     assert (dw[0, 0].item(), dw_single[0, 0].item(), naive[0, 0].item()) == (1.0, 0.0, 0.0)
+
+
+def test_the_weight_gradient_is_the_tree_of_its_four_pair_segments() -> None:
+    """One device, FP32 (the kernel's sums unrounded): dW is ``(q0 + q1) + (q2 + q3)`` of the single-walk dW kernel
+    on each pair of row segments (``dw_bounds``: 83 rows as 22, 22, 22, 17). Control, a crafted column at 1024 rows:
+    1 in row segment 0, +2^25 then -2^25 in row segment 1 (one pair, each in its own chunk); the pair's walk loses
+    the 1 (dW 0), where a tree over the 8 row segments keeps it ((1 + 0) + ... = 1)."""
+    f32, (n, k) = torch.float32, (48, 32)
+    x, gy = rand((1, S, k), 30, dtype=f32), rand((1, S, n), 31, dtype=f32)
+    got, _ = linear_row_grads(gy, x, (n, k), (n, k), RowGroup(1, 0, S, lambda t: [t]), False)
+    bounds, cfg = dw_bounds(S), gemm_config("dw", n, k, f32)
+    assert bounds == (0, 22, 44, 66, 83)
+    q = [matmul(gy[0, a:b], x[0, a:b], torch.empty((n, k), dtype=f32, device=DEVICE), None, cfg, a_trans=True,
+                b_trans=False) for a, b in zip(bounds, bounds[1:], strict=False)]  # fmt: skip
+    assert torch.equal(got, (q[0] + q[1]) + (q[2] + q[3]))
+    rows = 1024
+    xc, gc = torch.ones((1, rows, 16), dtype=f32, device=DEVICE), torch.zeros((1, rows, 16), dtype=f32, device=DEVICE)
+    gc[0, 0, 0], gc[0, 128, 0], gc[0, 192, 0] = 1.0, 2.0**25, -(2.0**25)
+    dw, _ = linear_row_grads(gc, xc, (16, 16), (16, 16), RowGroup(1, 0, rows, lambda t: [t]), False)
+    b8, cfg = row_bounds(rows), gemm_config("dw", 16, 16, f32)
+    p = [matmul(gc[0, a:b], xc[0, a:b], torch.empty((16, 16), dtype=f32, device=DEVICE), None, cfg, a_trans=True,
+                b_trans=False) for a, b in zip(b8, b8[1:], strict=False)]  # fmt: skip
+    tree8 = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    assert b8[:3] == (0, 128, 256) and (dw[0, 0].item(), tree8[0, 0].item()) == (0.0, 1.0)
 
 
 def test_a_shard_that_is_not_the_groups_rows_is_refused() -> None:
@@ -171,11 +200,13 @@ def test_a_shard_that_is_not_the_groups_rows_is_refused() -> None:
 
 def test_a_segment_partial_is_the_single_walk_dw_kernel_on_its_rows() -> None:
     """At the released tiling (128 x 256 x 64; the FP32 output runs 2 pipeline stages instead of 3 on CUDA), the
-    segment partial rounded once is the single-walk dW kernel's bytes on the segment's rows: CP8 rank 0 of 320 rows
-    holds segment 0 alone, and the other ranks' subtrees are zeros."""
+    segment partial rounded once is the single-walk dW kernel's bytes on the segment's rows: CP4 rank 0 of 320 rows
+    holds the weight gradient's segment 0 alone (rows 0-79, the pair of row segments 0 and 1), and the other ranks'
+    subtrees are zeros."""
     n, k = 1024, 5376
-    x, gy = rand((1, 40, k), 20), rand((1, 40, n), 21)
-    group = RowGroup(8, 0, 320, lambda t: [t] + [torch.zeros_like(t)] * 7)
+    assert dw_bounds(320) == (0, 80, 160, 240, 320)
+    x, gy = rand((1, 80, k), 20), rand((1, 80, n), 21)
+    group = RowGroup(4, 0, 320, lambda t: [t] + [torch.zeros_like(t)] * 3)
     got, _ = linear_row_grads(gy, x, (n, k), (n, k), group, False)
     want = torch.empty((n, k), dtype=BF16, device=DEVICE)
     matmul(gy[0], x[0], want, None, gemm_config("dw", n, k, BF16), a_trans=True, b_trans=False)

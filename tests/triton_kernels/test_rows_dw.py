@@ -1,8 +1,9 @@
 """The fused row-segment weight gradient (kernels/rows_dw.py, ``rows_seg8.linear_row_grads`` v2) under Triton's
-interpreter: dW and db byte-equal to v1 (the single-walk dW and colsum kernels launched once per row segment, the
-torch tree; ``rows_dw_reference.py``) for bfloat16 and float32, S with uneven and empty segments, batch items,
-N / K off the tile, with and without bias; every CP rank's FP32 subtree combined in rank order = one device's bytes;
-and negative controls: another segment order or a row moved between segments is not those bytes."""
+interpreter: dW and db byte-equal to v1 (the single-walk dW and colsum kernels launched once per weight-gradient
+segment, the 4 pairs of row segments, and the torch tree; ``rows_dw_reference.py``) for bfloat16 and float32, S with
+uneven and empty segments, batch items, N / K off the tile, with and without bias; every CP rank's FP32 subtree combined
+in rank order = one device's bytes; and negative controls: another segment order or a row moved between segments is not
+those bytes."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import os
 import pytest
 import torch
 
+from h3gate.errors import InputError
 from h3gate.kernels.merge_tree import combine, finish
-from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, local_spans, one_device, row_bounds
+from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, dw_bounds, local_spans, one_device
 from h3gate.kernels.rows_dw import fused_dw_config, rows_colsum, rows_dw
 from h3gate.kernels.rows_seg8 import linear_row_grads
-from tests.triton_kernels.rows_dw_reference import linear_row_grads_v1
+from tests.triton_kernels.rows_dw_reference import dw_spans, linear_row_grads_v1
 
 BF16, F32 = torch.bfloat16, torch.float32
 # CPU under the interpreter (tests/conftest.py); ``TRITON_INTERPRET=0`` on a GPU host runs these compiled on CUDA.
@@ -35,9 +37,9 @@ def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-# (B, S, N, K, bias): S = 83 segments of 11 (the last 6); S = 5 < 8 rows (segments 5-7 empty); S = 17 (L = 3,
-# segments 6-7 empty); two batch items of 37 rows (L = 5, the last segment 2 rows); N, K off the tile, K > 128 (the
-# fused tile's BLOCK_N 128 against v1's 256).
+# (B, S, N, K, bias): S = 83 in segments of 22 (the last 17); S = 5 < 8 rows (segments of 2, the last empty); S = 17
+# (L' = 6, the last segment empty); two batch items of 37 rows (L' = 10, the last segment 7 rows); N, K off the tile,
+# K > 128 (the fused tile's BLOCK_N 128 against v1's 256).
 CASES = [(1, 83, 48, 40, True), (1, 5, 20, 24, True), (1, 17, 16, 16, False), (2, 37, 33, 130, True)]
 
 
@@ -64,7 +66,7 @@ def subtrees(gy, x, degree: int, bias: bool) -> list[torch.Tensor]:
     return out
 
 
-def check_cp(gy, x, bias: bool, degrees=(2, 4, 8)) -> None:
+def check_cp(gy, x, bias: bool, degrees=(2, 4)) -> None:
     """Per degree: the combined subtrees rounded are one device's bytes, and every rank's ``linear_row_grads``
     (its rows, the all-gather answering every rank's subtree) sends its own subtree and returns them too."""
     s, n, k = x.shape[-2], gy.shape[-1], x.shape[-1]
@@ -87,33 +89,38 @@ def check_cp(gy, x, bias: bool, degrees=(2, 4, 8)) -> None:
 
 
 def test_cp_ranks_subtrees_combine_to_one_devices_bytes() -> None:
-    """S = 83, float32 (every bit of the FP32 sums shows): CP2 / CP4 / CP8, dW and db."""
+    """S = 83, float32 (every bit of the FP32 sums shows): CP2 / CP4, dW and db; CP8 would split a segment pair and
+    is refused, naming the degree."""
     gy, x = case(1, 83, 24, 20, F32, seed=3)
     check_cp(gy, x, True)
+    bounds = cp_row_bounds(83, 8)
+    with pytest.raises(InputError, match="CP degree 8 splits a row segment pair"):
+        linear_row_grads(gy[:, : bounds[1]], x[:, : bounds[1]], (24, 20), (24, 20), RowGroup(8, 0, 83, None), True)
 
 
 def _permuted(group: RowGroup) -> list[tuple[int, int]]:
-    """Segments 1 and 2 swapped: ((p0 + p2) + (p1 + p3)) + ... (a sibling swap would add the same values)."""
-    spans = local_spans(group)
+    """Segments 1 and 2 swapped: (q0 + q2) + (q1 + q3) (a sibling swap would add the same values)."""
+    spans = dw_spans(group)
     return [spans[0], spans[2], spans[1], *spans[3:]]
 
 
 def _shifted(group: RowGroup) -> list[tuple[int, int]]:
     """Segment 2's first row moved to the end of segment 1."""
-    spans = local_spans(group)
+    spans = dw_spans(group)
     (lo1, hi1), (lo2, hi2) = spans[1], spans[2]
     return [spans[0], (lo1, hi1 + 1), (lo2 + 1, hi2), *spans[3:]]
 
 
 def crafted(dtype: torch.dtype):
-    """S = 83 (segments of 11 rows) of random values, but dY's columns 0 and 1 crafted over X's column of ones: the
-    sums in dW[0:2, 0] see the row order even after a rounding to bfloat16. Column 0: 1, 1, 2^25, -2^25 as the first
-    row of segments 0-3: declared ((1 + 1) + (2^25 - 2^25)) = 2, segments 1 and 2 swapped ((1 + 2^25) + (1 - 2^25))
-    = 0. Column 1: 1 in segments 0 and 1, 2^25 at segment 2's first row and -2^25 three rows later: declared 2,
-    with that first row in segment 1 ((1 + (1 + 2^25)) + (-2^25)) = 0."""
+    """S = 83 (weight-gradient segments of 22 rows, the last 17) of random values, but dY's columns 0 and 1 crafted
+    over X's column of ones: the sums in dW[0:2, 0] see the row order even after a rounding to bfloat16. Column 0:
+    1, 1, 2^25, -2^25 as the first row of segments 0-3: declared (1 + 1) + (2^25 - 2^25) = 2, segments 1 and 2
+    swapped (1 + 2^25) + (1 - 2^25) = 0. Column 1: 1 in segments 0 and 1, 2^25 at segment 2's first row and -2^25
+    three rows later: declared 2, with that first row in segment 1 (1 + (1 + 2^25)) + (-2^25) = 0."""
     gy, x = case(1, 83, 48, 40, dtype, seed=5)
     gy[..., :2], x[..., 0] = 0, 1
-    for col, rows in ((0, (0, 11, 22, 33)), (1, (0, 11, 22, 25))):
+    assert dw_bounds(83) == (0, 22, 44, 66, 83)
+    for col, rows in ((0, (0, 22, 44, 66)), (1, (0, 22, 44, 47))):
         for row, value in zip(rows, (1.0, 1.0, 2.0**25, -(2.0**25)), strict=True):
             gy[0, row, col] = value
     return gy, x
@@ -147,13 +154,14 @@ def test_fused_dw_sweep_and_cp_at_every_degree(dtype) -> None:
             want = linear_row_grads_v1(gy, x, (n, k), (n, k), one_device(s), bias)
             assert same(got[0], want[0]) and same(got[1], want[1]), (batch, s, n, k, bias)
         if s >= 8:  # every rank holds rows (run ws2 refuses a plan that leaves one without)
-            check_cp(gy, x, True, degrees=(2, 4, 8) if row_bounds(s)[7] < s else (2, 4))
+            check_cp(gy, x, True)
 
 
 @pytest.mark.slow  # 3 s of interpreted launches; the tool prints the whole block's counts
-def test_one_launch_per_weight_gradient_where_v1_launched_eight() -> None:
+def test_one_launch_per_weight_gradient_where_v1_launched_four() -> None:
     """tools/count_seg8_launches.py's counter on one seg8 linear's backward (dX and dW, bias): v1 launched the dW
-    kernel and the colsum once per row segment (8 + 8) and added with torch; now one dW and one colsum launch."""
+    kernel and the colsum once per weight-gradient segment (4 + 4) and added with torch; now one dW and one colsum
+    launch."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -175,11 +183,11 @@ def test_one_launch_per_weight_gradient_where_v1_launched_eight() -> None:
         with tool.weight_grads(version), tool.counting() as counts[version]:
             h3_attention_o_gemm_seg8(*leaves).backward(gy)
     v1, v2 = counts["v1"], counts["v2"]
-    assert (v1["triton._gemm_kernel"], v1["triton._colsum_kernel"], v1["triton._rows_dw_kernel"]) == (8, 8, 0)
+    assert (v1["triton._gemm_kernel"], v1["triton._colsum_kernel"], v1["triton._rows_dw_kernel"]) == (4, 4, 0)
     assert (v2["triton._gemm_kernel"], v2["triton._colsum_kernel"], v2["triton._rows_dw_kernel"]) == (0, 0, 1)
     assert v2["triton._rows_colsum_kernel"] == 1 and v1["triton._seg8_kernel"] == v2["triton._seg8_kernel"] == 1
-    # v1's per-segment rows (8 concatenations, stacked) added by row_merge.subtree: one add a level, 3 levels
-    assert v1["aten.cat"] == 8 and v1["aten.add"] == 3 and v2["aten.cat"] == v2["aten.add"] == 0
+    # v1's per-segment rows (4 concatenations, stacked) added by row_merge.subtree: one add a level, 2 levels
+    assert v1["aten.cat"] == 4 and v1["aten.add"] == 2 and v2["aten.cat"] == v2["aten.add"] == 0
 
 
 def norm_case(batch: int, s: int, h: int, seed: int = 0):

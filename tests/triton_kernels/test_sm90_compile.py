@@ -159,14 +159,14 @@ def test_gluon_rows_dw_lowers_mn_major_without_fma_atomics_or_spills(facts) -> N
     """The row-segment Gluon weight gradient (``gemm_gluon_rows_dw``, production tiling) lowers for sm_90, ptxas
     keeping its wgmma asynchronous without spills, no FMA, no libdevice call, no atomics: per consumer one m64n128k16
     MMA of 4 k16 steps a chunk, both operands read MN-major from shared memory (trans-a and trans-b set: the form the
-    Triton ``rows_dw`` pointer walk lowers to), the producer's per-segment TMA loads (8 segments x (two dY boxes + the
-    X box, two copies of 64 columns): 32), the tree's IEEE adds at its three fold sites (no bias: 384), the level-2
-    slot in shared memory and the level-4 slot and the output as its only global traffic. The forward's wgmma
-    (K-major operands) counts no MN-major MMA: the pattern tells the two apart."""
+    Triton ``rows_dw`` pointer walk lowers to), the producer's per-segment TMA loads (4 segments x (two dY boxes + the
+    X box, two copies of 64 columns): 16), the tree's IEEE adds at its two fold sites (no bias: 256), the level-2
+    slot in shared memory and the output as its only global traffic (no level-4 slot with 4 segments: no global
+    load). The forward's wgmma (K-major operands) counts no MN-major MMA: the pattern tells the two apart."""
     got = facts["gemm_gluon_rows_dw"]
-    assert got["wgmma.mma_async"] == got["wgmma.mn_major"] == 8 and got["cp.async.bulk.tensor"] == 32, got
-    assert got["setmaxnreg"] >= 4 and got["add.rn.f32"] == 384, got
-    assert got["st.global"] == 128 and got["ld.global"] == 64, got
+    assert got["wgmma.mma_async"] == got["wgmma.mn_major"] == 8 and got["cp.async.bulk.tensor"] == 16, got
+    assert got["setmaxnreg"] >= 4 and got["add.rn.f32"] == 256, got
+    assert got["st.global"] == 64 and got["ld.global"] == 0, got
     assert got["ld.shared.v2"] >= 64 and got["st.shared.v2"] >= 64, got
     assert got["fma"] == got["fma.rn.f32"] == got["atomics"] == got["libdevice"] == 0, got
     assert got["wgmma_serialized"] is False and got["spill_bytes"] == 0, got
