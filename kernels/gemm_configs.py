@@ -141,10 +141,10 @@ class GemmLaunch:
     # operands (False: the pointer walk; the same chunks, values and MMA). Off until measured on the H200
     # (tools/gpu_seg8_dw_check.py compares both walks' bytes and times).
     rows_dw_tma: bool = False
-    # The one-device row-segment dW (all 8 segments, rounded once) runs the warp-specialised Gluon kernel
+    # The one-device row-segment dW (all 4 segments, rounded once) runs the warp-specialised Gluon kernel
     # (h3gate.kernels.gemm_gluon_rows_dw) on Hopper in bfloat16 for one batch item where its tiling applies (False:
     # rows_dw; the same chunks, MMA, tree and bytes, measured equal on an H100 at the block's four weights and
-    # M = 264, 3160, 38974, and 1.5-3.2x faster: docs/measurements/h100/seg8-gluon-dw-check.json).
+    # M = 3160, 38974, and 1.4-2.0x faster: docs/measurements/h100/seg8-gluon-dw4-check.json).
     rows_dw_gluon: bool = True
     # The one-device seg8 dX (dY W, the column-parallel layers' backward) runs the Gluon seg8 kernel with W's boxes of
     # reduction rows (h3gate.kernels.gemm_gluon_seg8, ``dx``) on Hopper in bfloat16 where its tiling applies (False: the

@@ -13,8 +13,8 @@ pair of TMA descriptors whose global shape is the segment's rows alone (base at 
 bytes: 16-byte aligned for widths that are multiples of 8), so the TMA unit zero-fills them; no shared-memory pass. An
 empty segment (S < 4 L') gives +0. The tree ``(p0 + p1) + (p2 + p3)`` and its slots are the seg8 forward's on-chip
 layout (level 1 in registers, level 2 in shared memory; ``NSEG`` 4: no global slot; IEEE FP32 adds without contraction);
-one RNE rounding to bfloat16, stored from registers. The bytes are claimed equal to ``rows_dw``'s, to be confirmed on
-the GPU (``tools/gpu_seg8_gluon_dw_check.py``).
+one RNE rounding to bfloat16, stored from registers. The bytes equal ``rows_dw``'s, measured on an H100
+(``tools/gpu_seg8_gluon_dw_check.py``, docs/measurements/h100/seg8-gluon-dw4-check.json).
 
 Segments as chunk counts: the consumers' walk (``gemm_gluon_seg8._segment``) gives segment j the chunks
 ``[min(j cps, T), min((j + 1) cps, T))`` of a chunk sequence of T. With ``cps = ceil(L' / BLOCK_K)`` and
@@ -36,9 +36,9 @@ a chunk with both operands' transpose bits set (trans-a, trans-b: the form the T
 
 Cost: the MMA work is the chunks, ``4 ceil(L' / 64)`` a tile against the single walk's ``ceil(S / 64)``: at
 S = 3160 (L' = 790) 52 against 50 (+4 %), at S = 38974 612 against 609; the tile reads 1.33x the single walk's
-operand bytes a FLOP (128 x 128 against 128 x 256) and drains its MMAs 4 times a tile. With the 8 segments the order
-had until 2026-12-07 (7 chunks a segment at S = 3160, 8 drains, a global slot) it measured 1.81-1.98x the
-single-walk dW at S = 3160 and 1.27-1.57x at 38974 (H100, docs/ws2-merge-order.md). Host: 8 descriptors a launch.
+operand bytes a FLOP (128 x 128 against 128 x 256) and drains its MMAs 4 times a tile. Measured (H100): 1.46-1.71x
+the single-walk dW at S = 3160 and 1.07-1.25x at 38974, where the 8 segments the order had until 2026-12-07 (7 chunks
+a segment at S = 3160, 8 drains, a global slot) measured 1.81-2.72x and 1.14-1.57x. Host: 8 descriptors a launch.
 
 GPU only (Gluon has no interpreter); sm_90, bfloat16, one batch item, rows 16-byte aligned (TMA).
 """
