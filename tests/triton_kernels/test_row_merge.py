@@ -200,13 +200,13 @@ def test_a_shard_that_is_not_the_groups_rows_is_refused() -> None:
 
 def test_a_segment_partial_is_the_single_walk_dw_kernel_on_its_rows() -> None:
     """At the released tiling (128 x 256 x 64; the FP32 output runs 2 pipeline stages instead of 3 on CUDA), the
-    segment partial rounded once is the single-walk dW kernel's bytes on the segment's rows: CP4 rank 0 of 320 rows
-    holds the weight gradient's segment 0 alone (rows 0-79, the pair of row segments 0 and 1), and the other ranks'
+    segment partial rounded once is the single-walk dW kernel's bytes on the segment's rows: CP4 rank 0 of 160 rows
+    holds the weight gradient's segment 0 alone (rows 0-39, the pair of row segments 0 and 1), and the other ranks'
     subtrees are zeros."""
     n, k = 1024, 5376
-    assert dw_bounds(320) == (0, 80, 160, 240, 320)
-    x, gy = rand((1, 80, k), 20), rand((1, 80, n), 21)
-    group = RowGroup(4, 0, 320, lambda t: [t] + [torch.zeros_like(t)] * 3)
+    assert dw_bounds(160) == (0, 40, 80, 120, 160)
+    x, gy = rand((1, 40, k), 20), rand((1, 40, n), 21)
+    group = RowGroup(4, 0, 160, lambda t: [t] + [torch.zeros_like(t)] * 3)
     got, _ = linear_row_grads(gy, x, (n, k), (n, k), group, False)
     want = torch.empty((n, k), dtype=BF16, device=DEVICE)
     matmul(gy[0], x[0], want, None, gemm_config("dw", n, k, BF16), a_trans=True, b_trans=False)
