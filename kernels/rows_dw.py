@@ -3,11 +3,11 @@
 ``dW = dY^T X`` (N_loc, K_loc) and ``db = sum_rows dY`` (N_loc,) over the packed rows of ``dY`` (B, S_loc, N_loc) and
 ``X`` (B, S_loc, K_loc), in :mod:`h3gate.kernels.row_merge`'s order. Contract:
 
-* segments - the 4 row segments ``[r'_j, r'_j+1)``, ``r'_j = min(j * L', S)``, ``L' = 2 ceil(S / 8)`` of the GLOBAL
-  S packed rows (a function of S alone: the pairs of :mod:`h3gate.kernels.row_merge`'s 8, :func:`~h3gate.kernels.
-  row_merge.dw_bounds`); a CP rank (n <= 4) owns segments ``[c * 4/n, (c + 1) * 4/n)``, its local rows shifted by its
-  first row. A segment's rows are walked b-major (batch item 0's rows of the segment, then item 1's, ...), exactly
-  the rows ``seq_slice(t, lo, hi).reshape(-1, width)`` lists.
+* segments - the 4 row segments ``[r'_j, r'_j+1)``, ``r'_j = min(j * L', S)``, ``L' = 2 ceil(S / 8)`` of the GLOBAL S
+  packed rows (a function of S alone: the pairs of the 8 row segments, :func:`h3gate.kernels.row_merge.dw_bounds`); a CP
+  rank (n <= 4) owns segments ``[c * 4/n, (c + 1) * 4/n)``, its local rows shifted by its first row. A segment's rows
+  are walked b-major (batch item 0's rows of the segment, then item 1's, ...), exactly the rows
+  ``seq_slice(t, lo, hi).reshape(-1, width)`` lists.
 * per segment (dW) - one program per BLOCK_M x BLOCK_N tile of dW (persistent: tiles pid, pid + #programs, ...)
   walks each owned segment's rows from ``acc = 0`` in FP32 in ascending BLOCK_K-row chunks,
   ``acc = dot(dY_chunk^T, X_chunk, acc)`` (:func:`h3gate.kernels.exact.mma`: BF16 on the tensor cores with an FP32
@@ -23,10 +23,10 @@
   else the FP32 subtree, which the caller all-gathers, combines (:meth:`RowGroup.merge`) and rounds.
 
 Bitwise the single-walk dW kernel launched once per segment into FP32 partials and the tree added by torch
-(``tests/triton_kernels/test_row_merge.py``): the same products added in the same order. The tile shape (BLOCK_N capped
-at 128 so the accumulator and a slot tile fit the registers), the grid, the tile order and the loads (pointer loads; TMA
-loads with the tail chunk's rows past the segment zeroed on chip where ``GemmLaunch.rows_dw_tma``, off until measured)
-are scheduling, never arithmetic.
+(``tests/triton_kernels/rows_dw_reference.py``): the same products added in the same order. The tile shape (BLOCK_N
+capped at 128 so the accumulator and a slot tile fit the registers), the grid, the tile order and the loads (pointer
+loads; TMA loads with the tail chunk's rows past the segment zeroed on chip where ``GemmLaunch.rows_dw_tma``, off until
+measured) are scheduling, never arithmetic.
 
 Predicted gain (H200: ~4.8 TB/s HBM, ~990 TFLOP/s dense BF16). Per weight (N, K) v1 moved about 186 N K bytes beside
 the GEMM: 8 FP32 partials written (32 N K), copied by ``torch.cat`` (64 N K), 7 tree adds (84 N K), the rounding
