@@ -159,6 +159,7 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
     acc = gl.zeros([64, NB], gl.float32, layout)
     acc_t = gl.zeros([64, 8], gl.float32, layout_t)
     s0 = acc
+    gl.static_assert(NSEG == 8 or NSEG == 4, "the on-chip tree folds 8 or 4 segments")
     for j in range(NSEG):
         acc, acc_t, step = _segment(a_ring, b_ring, b_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
                                     NB, 0, 8, STAGES, OPERANDS)  # fmt: skip

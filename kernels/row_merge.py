@@ -44,7 +44,6 @@ from h3gate.errors import InputError
 from h3gate.kernels.merge_tree import SEGMENTS, combine, owned_segments
 
 DW_SEGMENTS = 4  # a GEMM weight gradient's row segments: the pairs of the 8 (module docstring)
-DW_DEGREES = (1, 2, 4)  # the CP degrees that split a GEMM weight gradient's rows along whole pair segments
 
 Gather = Callable[[torch.Tensor], list[torch.Tensor]]
 Partial = Callable[[int, int], Sequence[torch.Tensor]]
@@ -98,14 +97,15 @@ class RowGroup:
 
     @property
     def dw_owned(self) -> range:
-        """The pair segments (of :func:`dw_bounds`' 4) this rank owns for a GEMM weight gradient: its rows, whole."""
-        if self.degree not in DW_DEGREES:
+        """The pair segments (of :func:`dw_bounds`' 4) this rank owns for a GEMM weight gradient: the pairs of its
+        :attr:`owned` row segments, refused where those are not whole pairs (CP8)."""
+        pair, owned = SEGMENTS // DW_SEGMENTS, self.owned
+        if len(owned) % pair:
             raise InputError(
                 f"gemm weight gradient: CP degree {self.degree} splits a row segment pair (the order has "
-                f"{DW_SEGMENTS} row segments); supported CP degrees: {DW_DEGREES}"
+                f"{DW_SEGMENTS} row segments); supported CP degrees: up to {DW_SEGMENTS}"
             )
-        per = DW_SEGMENTS // self.degree
-        return range(self.rank * per, (self.rank + 1) * per)
+        return range(owned.start // pair, owned.stop // pair)
 
     def merge(self, subtree: torch.Tensor) -> torch.Tensor:
         return subtree if self.degree == 1 else combine(self.gather(subtree.contiguous()), self.degree, op="row seg8")

@@ -236,8 +236,7 @@ def _segments(rows: RowGroup) -> dict:
     """The kernels' segment arguments of ``rows``: L' (the pair segments' length), S, the rank's first row, its first
     owned segment and how many it owns (C)."""
     owned = rows.dw_owned
-    length = dw_bounds(rows.seq_len)[1] if rows.seq_len else 0
-    return dict(L=length, S_GLOB=rows.seq_len, LO=rows.lo, SEG0=owned.start, C=len(owned))
+    return dict(L=dw_bounds(rows.seq_len)[1], S_GLOB=rows.seq_len, LO=rows.lo, SEG0=owned.start, C=len(owned))
 
 
 def _tma_fits(g: torch.Tensor, x: torch.Tensor) -> bool:

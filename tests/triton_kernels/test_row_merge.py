@@ -18,7 +18,7 @@ from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import h3_attention_o_gemm_seg8
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.kernels.norms import rmsnorm_modulate
-from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, dw_bounds, packed_rows, row_bounds
+from h3gate.kernels.row_merge import RowGroup, cp_row_bounds, dw_bounds, one_device, packed_rows, row_bounds
 from h3gate.kernels.rows_seg8 import (
     adaln_gate_residual_seg8,
     h3_rmsnorm_modulate_seg8,
@@ -175,7 +175,7 @@ def test_the_weight_gradient_is_the_tree_of_its_four_pair_segments() -> None:
     the 1 (dW 0), where a tree over the 8 row segments keeps it ((1 + 0) + ... = 1)."""
     f32, (n, k) = torch.float32, (48, 32)
     x, gy = rand((1, S, k), 30, dtype=f32), rand((1, S, n), 31, dtype=f32)
-    got, _ = linear_row_grads(gy, x, (n, k), (n, k), RowGroup(1, 0, S, lambda t: [t]), False)
+    got, _ = linear_row_grads(gy, x, (n, k), (n, k), one_device(S), False)
     bounds, cfg = dw_bounds(S), gemm_config("dw", n, k, f32)
     assert bounds == (0, 22, 44, 66, 83)
     q = [matmul(gy[0, a:b], x[0, a:b], torch.empty((n, k), dtype=f32, device=DEVICE), None, cfg, a_trans=True,
@@ -184,7 +184,7 @@ def test_the_weight_gradient_is_the_tree_of_its_four_pair_segments() -> None:
     rows = 1024
     xc, gc = torch.ones((1, rows, 16), dtype=f32, device=DEVICE), torch.zeros((1, rows, 16), dtype=f32, device=DEVICE)
     gc[0, 0, 0], gc[0, 128, 0], gc[0, 192, 0] = 1.0, 2.0**25, -(2.0**25)
-    dw, _ = linear_row_grads(gc, xc, (16, 16), (16, 16), RowGroup(1, 0, rows, lambda t: [t]), False)
+    dw, _ = linear_row_grads(gc, xc, (16, 16), (16, 16), one_device(rows), False)
     b8, cfg = row_bounds(rows), gemm_config("dw", 16, 16, f32)
     p = [matmul(gc[0, a:b], xc[0, a:b], torch.empty((16, 16), dtype=f32, device=DEVICE), None, cfg, a_trans=True,
                 b_trans=False) for a, b in zip(b8, b8[1:], strict=False)]  # fmt: skip
