@@ -51,6 +51,7 @@ from h3gate.graph.stages import Stage, iter_stages, split_stages
 from h3gate.inventory import expected_inventory
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import Binding, bind, check_merge, fails_closed
 from h3gate.schedule import euler_step
@@ -78,7 +79,7 @@ class StrictSession:
     bindings: dict[str, NodeBinding]
     lora: dict[str, LoraSlot] = field(default_factory=dict)
     lora_binding: Binding | None = None
-    merge: str = "single"
+    merge: str = DEFAULT_MERGE_ORDER
     trace: list[dict] = field(default_factory=list)
     calls: int = 0
     observer: Callable[[Node, torch.Tensor], None] | None = None
@@ -92,7 +93,7 @@ class StrictSession:
         LoRA layers and the trace."""
         return {
             "mode": self.mode,
-            **({"merge_order": self.merge} if self.merge != "single" else {}),
+            "merge_order": self.merge,
             "calls": self.calls,
             "bindings": {n: b.record() for n, b in self.bindings.items()},
             **({"launches": self.launches} if self.launches else {}),
@@ -316,7 +317,7 @@ def euler_steps(
 @contextlib.contextmanager
 def strict(
     model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None,
-    merge: str = "single",
+    merge: str = DEFAULT_MERGE_ORDER,
 ) -> Iterator[StrictSession]:  # fmt: skip
     """Bind h3gate's kernels into ``model`` (and h3gate's Euler step into ``scheduler``: a MiniMaxH3Scheduler or a
     pipeline holding them) for the ``with`` block (module docstring); yields the session. ``merge``: the merge order
@@ -358,7 +359,7 @@ class _CallableModule(types.ModuleType):
 
     def __call__(
         self, model: torch.nn.Module, mode: str = "strict", device: str | None = None, scheduler: Any = None,
-        merge: str = "single",
+        merge: str = DEFAULT_MERGE_ORDER,
     ):  # fmt: skip
         if type(model).__name__ == SGLANG_CLASS:
             if scheduler is not None:

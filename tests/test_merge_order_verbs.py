@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from h3gate.evidence.schema import validate_document
+from h3gate.graph.block import build_block_graph
+from h3gate.graph.executions import bind_graph
+from h3gate.graph.model import build_model_graph
 from h3gate.kernels import rows_seg8
 from h3gate.manifests.model_config import load_config
+from h3gate.manifests.tolerances import load_tolerance
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.ops import registry
 from h3gate.ops.cases import CASES
 from h3gate.runs import ws1_ops as opsgate
+from h3gate.runs.model_forward import promised
+from h3gate.runs.ws1_block import _promise_reason
 from h3gate.runs.ws1_trajectory import TrajectorySettings, manifest_fields, operator_bindings, prepare_trajectory
 
 TWINNED = sorted(op for op in registry.specs() if f"{op}_seg8" in registry.specs())
@@ -75,7 +83,7 @@ def test_ws1_ops_under_seg8_runs_each_twin_as_its_operators_binding() -> None:
     assert {r["op"]: r["reason"] for r in not_run if opsgate.is_twin(r["op"])} == {
         f"{op}_seg8": f"runs as {op} (--merge-order seg8)" for op in TWINNED
     }
-    single_ops, _ = opsgate.default_ops(sorted(CASES))
+    single_ops, _ = opsgate.default_ops(sorted(CASES), "single")
     assert {f"{op}_seg8" for op in TWINNED} <= set(single_ops)  # single: the twins run by their own names
     for op in TWINNED:
         header = opsgate.operator_header(op, "cpu", "seg8")
@@ -104,6 +112,62 @@ def test_an_operator_without_a_twin_runs_its_single_kernel_and_says_so() -> None
     assert opsgate.merge_record("residual_add", "single") == {
         "requested": "single", "actual": "single", "operator": "residual_add", "reason": "",
     }  # fmt: skip
+
+
+def test_the_default_merge_order_is_seg8_everywhere(run_cli) -> None:
+    """One default (h3gate.merge_order): the run setup, the trajectory, the strict API and the CLI all bind seg8."""
+    assert DEFAULT_MERGE_ORDER == "seg8"
+    assert prepare_trajectory(TrajectorySettings()).setup.spec.merge == "seg8"
+    code, out, err = run_cli("run", "ws1-block", "--help")
+    assert code == 0 and "[default: seg8]" in " ".join(out.split()), out
+
+
+# The forward promises follow the binding: a twin that changes the forward's order (O, down: TP splits K) inherits
+# neither the device promise (a tolerance's isolated_bitwise_on: the single walk measured bitwise with cuBLAS on CUDA)
+# nor its operator's provider_bitwise; a twin whose forward is its operator's kernel (forward_as_single: only the
+# backward's row or N sums change) keeps both.
+ORDER_CHANGING_TWINS = {"h3_attention_o_gemm_seg8", "h3_ffn_down_gemm_seg8"}
+
+
+@pytest.mark.parametrize("merge", ["single", "seg8"])
+def test_a_node_keeps_its_single_forward_only_where_no_twin_changes_its_order(merge) -> None:
+    graph = build_block_graph(load_config("tiny").config)
+    bindings = bind_graph(graph, "strict", "cpu", merge)
+    changed = {n for n, nb in bindings.items() if not nb.single_forward}
+    if merge == "single":
+        assert changed == set()
+        return
+    assert changed == {"o_proj", "ffn_down"}
+    for op in TWINNED:
+        assert registry.spec(f"{op}_seg8").contract.forward_as_single == (f"{op}_seg8" not in ORDER_CHANGING_TWINS)
+    # the gated residual's twin declares provider_bitwise false (its dgate is another order) and forwards as its
+    # operator, whose contract promises the provider's bytes: the node keeps that promise
+    assert not registry.spec("adaln_gate_residual_seg8").contract.provider_bitwise
+    assert bindings["residual_attn"].provider_bitwise and bindings["residual_mlp"].provider_bitwise
+    assert not any(op.startswith("block") for op in changed)
+
+
+@pytest.mark.parametrize("merge", ["single", "seg8"])
+def test_the_device_promise_applies_to_a_gemm_node_only_with_its_single_forward(merge) -> None:
+    cfg = load_config("tiny").config
+    graph = build_model_graph(cfg, layers=(0, 1))
+    gate = SimpleNamespace(
+        tolerance=load_tolerance("ws1-model"), device="cuda", sglang=None,
+        bindings=bind_graph(graph, "strict", "cpu", merge),
+    )  # fmt: skip
+    applies = {n.name: promised(gate, n)[1] for n in graph.nodes if n.name.startswith("block.0.")}
+    gemms = {f"block.0.{n}": True for n in ("q_proj", "k_proj", "v_proj", "ffn_gate_up")}
+    assert {n: applies[n] for n in gemms} == gemms
+    assert applies["block.0.o_proj"] == applies["block.0.ffn_down"] == (merge == "single")
+    gate.device = "cpu"  # listed for CUDA only
+    assert not promised(gate, next(n for n in graph.nodes if n.name == "block.0.q_proj"))[1]
+
+
+def test_the_record_says_why_a_device_promise_does_not_apply() -> None:
+    assert _promise_reason(True, True, True, True, "cuda") == "listed for cuda devices (isolated_bitwise_on)"
+    assert _promise_reason(True, False, True, False, "cuda") == (
+        "listed for cuda devices (isolated_bitwise_on) for the single walk; a merge twin runs"
+    )
 
 
 # 2. refusals: exit 2, one line, nothing written

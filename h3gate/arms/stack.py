@@ -32,6 +32,7 @@ from h3gate.kernels.tp_layers import check_tp_order
 from h3gate.layout import PackedLayout
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.memory import require, require_steps
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import RunSpec, prepare
 from h3gate.schedule import AUDIO_SHIFT, VIDEO_SHIFT
@@ -61,7 +62,7 @@ class ArmsSettings:
     rollout: str = "diffusers"
     sglang_quality: str = "lossless"
     sglang_attention: str | None = None
-    merge: str = "single"
+    merge: str = DEFAULT_MERGE_ORDER
     tp: int = 1
     ulysses: int = 1
 

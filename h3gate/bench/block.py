@@ -24,6 +24,7 @@ from h3gate.graph.execute import run_backward, run_chained, without_grouped
 from h3gate.graph.executions import bind_graph, candidate_table, provider_table
 from h3gate.graph.inputs import block_cotangent
 from h3gate.kernels.gemm_configs import launch_overrides
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.ops.registry import check_merge
 from h3gate.runs.setup import Run, RunSpec, prepare
 
@@ -101,7 +102,11 @@ def block_calls(setup: Run) -> dict[str, Callable[[OpTable], Callable[[], object
 
 
 def bench_block(
-    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None, merge: str = "single"
+    layout: str,
+    config: str,
+    device: str,
+    progress: Callable[[str], None] | None = None,
+    merge: str = DEFAULT_MERGE_ORDER,
 ) -> tuple[dict, list[Path]]:
     """Time the strict block and the provider block side by side: the ``bench-ws1-block`` body and the manifests
     read (the caller, ``h3gate bench ws1-block``, writes and prints; this runs under its numerics switch).

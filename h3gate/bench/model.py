@@ -43,6 +43,7 @@ from h3gate.graph.core import OpTable
 from h3gate.graph.executions import NodeBinding, candidate_table, provider_table
 from h3gate.graph.stages import Stage, backward_stages, forward_stages, stage_params
 from h3gate.memory import require
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.runs.model_stages import LEAVES, LOSS, RECOMPUTATION, model_cotangents
 from h3gate.runs.setup import Run, RunSpec, prepare, read_inputs
 
@@ -205,7 +206,11 @@ def _setup(layout: str, config: str, device: str) -> Run:
 
 
 def bench_model(
-    layout: str, config: str, device: str, progress: Callable[[str], None] | None = None, merge: str = "single"
+    layout: str,
+    config: str,
+    device: str,
+    progress: Callable[[str], None] | None = None,
+    merge: str = DEFAULT_MERGE_ORDER,
 ) -> tuple[dict, list[Path]]:
     """Time the strict model and the provider model side by side: the ``bench-ws1-model`` body and the manifests
     read (the caller, ``h3gate bench ws1-model``, writes and prints; this runs under its numerics switch).

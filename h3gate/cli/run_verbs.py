@@ -27,6 +27,7 @@ from h3gate.cli.base import (
     run_app,
     run_command,
 )
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.numerics import resolve_device
 
 
@@ -57,7 +58,7 @@ def run_ws1_block(
         ),
     ] = False,
     fault: FaultOpt = None,
-    merge_order: MergeOpt = "single",
+    merge_order: MergeOpt = DEFAULT_MERGE_ORDER,
     candidate: CandidateOpt = "h3gate",
     sglang_quality: SglangQualityOpt = "lossless",
     sglang_attention_backend: SglangAttentionOpt = None,
@@ -141,7 +142,7 @@ def run_ws1_model(
             "1 + 2^-6 and last 16 columns zeroed; exit 1 unless every fault is caught and located.",
         ),
     ] = False,
-    merge_order: MergeOpt = "single",
+    merge_order: MergeOpt = DEFAULT_MERGE_ORDER,
     candidate: CandidateOpt = "h3gate",
     sglang_quality: SglangQualityOpt = "lossless",
     sglang_attention_backend: SglangAttentionOpt = None,
@@ -256,7 +257,7 @@ def run_ws1_trajectory(
     shift: Annotated[float, typer.Option("--shift", help="The video grid's shift (audio keeps 3.0).")] = 12.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the synthetic weights and the request.")] = 0,
     mode: Annotated[str, typer.Option("--mode", help="strict | audit | auto | off (the provider)")] = "strict",
-    merge_order: MergeOpt = "single",
+    merge_order: MergeOpt = DEFAULT_MERGE_ORDER,
     device: DeviceOpt = "auto",
     batch_with: Annotated[
         int | None,
@@ -337,7 +338,7 @@ def run_arms(
     ] = "diffusers",
     sglang_quality: SglangQualityOpt = "lossless",
     sglang_attention_backend: SglangAttentionOpt = None,
-    merge_order: MergeOpt = "single",
+    merge_order: MergeOpt = DEFAULT_MERGE_ORDER,
     tp: Annotated[
         int,
         typer.Option(
@@ -464,7 +465,7 @@ def run_ws1_ops(
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "tiny",
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
-    merge_order: MergeOpt = "single",
+    merge_order: MergeOpt = DEFAULT_MERGE_ORDER,
     out: Annotated[Path | None, out_option("ws1-ops")] = None,
     force: ForceOpt = False,
     json_: JsonOpt = False,

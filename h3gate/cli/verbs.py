@@ -212,9 +212,13 @@ def bench(
     layout: Annotated[str, typer.Option("--layout", help="A layout of manifests/layouts.yaml (row count).")] = "medium",
     config: Annotated[str, typer.Option("--config", help="tiny | real | PATH.yaml (widths and dtypes).")] = "real",
     merge_order: Annotated[
-        str,
-        typer.Option("--merge-order", help="seg8: also time the strict path in the TP merge order (a third arm)."),
-    ] = "single",
+        str | None,
+        typer.Option(
+            "--merge-order",
+            help="seg8 (default for ws1-block / ws1-model): also time the strict path in the TP merge order (a third "
+            "arm beside the single walk); single: the single walk only.",
+        ),
+    ] = None,
     device: DeviceOpt = "cuda",
     out: Annotated[Path | None, out_option("bench/<ws1-block|ws1-model|ops>-<config>-<layout>")] = None,
     force: ForceOpt = False,

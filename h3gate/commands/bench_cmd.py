@@ -18,30 +18,33 @@ from rich.table import Table
 from h3gate.commands.console import print_verdict, progress, stdout_console
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "bench"
 
 
-def check_bench_merge(target: str | None, merge: str) -> None:
-    """``--merge-order``: single or seg8, and seg8 only for the block and the model (an operator is named itself)."""
+def check_bench_merge(target: str | None, merge: str | None) -> str:
+    """``--merge-order`` (None: the default order): single or seg8, given only for the block and the model (an
+    operator is named itself). The order the block and the model time beside the single walk."""
     from h3gate.ops.registry import check_merge
 
-    check_merge(merge)
-    if merge != "single" and target not in ("ws1-block", "ws1-model"):
+    if merge is not None and target not in ("ws1-block", "ws1-model"):
         raise InputError("--merge-order: applies to bench ws1-block and ws1-model (operators: --op NAME_seg8)")
+    return check_merge(DEFAULT_MERGE_ORDER if merge is None else merge)
 
 
 @dataclass(frozen=True)
 class BenchCommand:
     """``bench``'s settings: a ``target`` (ws1-block, ws1-model) or operators ``ops``, the layout giving the row
-    count, the config giving widths and dtypes, and ``merge`` (seg8: a third arm for the block and the model)."""
+    count, the config giving widths and dtypes, and ``merge`` (None: the default order; seg8: a third arm for the block
+    and the model, beside the single walk)."""
 
     target: str | None = None
     ops: tuple[str, ...] = ()
     layout: str = "medium"
     config: str = "real"
-    merge: str = "single"
+    merge: str | None = None
     device: str = "cuda"
     out: Path | None = None
     json: bool = False
@@ -53,7 +56,7 @@ def bench_command(settings: BenchCommand) -> int:
     """Time what ``settings`` names, write its evidence and print it; 0 every criterion held, 1 otherwise."""
     target, ops, layout, config = settings.target, list(settings.ops), settings.layout, settings.config
     device, out, json_, merge = settings.device, settings.out, settings.json, settings.merge
-    check_bench_merge(target, merge)
+    merge = check_bench_merge(target, merge)
     if not device.startswith("cuda"):
         raise InputError("bench needs --device cuda")
     check_out(out, settings.force)

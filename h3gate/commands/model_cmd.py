@@ -177,6 +177,7 @@ def build_body(setup: Run, result: ModelGateResult, seed: int, tol_name: str, to
         "layout": layout_record(setup.layout),
         "device": setup.device,
         "mode": setup.mode,
+        "merge_order": setup.spec.merge,
         "seed": seed,
         "checkpoint": setup.checkpoint,
         "inputs": {

@@ -30,6 +30,7 @@ from h3gate.layout import parse_layouts
 from h3gate.manifests.layouts import LAYOUTS_FILE
 from h3gate.manifests.model_config import load_config
 from h3gate.memory import require
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.paths import LOCAL_EVIDENCE, MANIFESTS, display
 
 KIND = "ws1-ops"
@@ -52,7 +53,7 @@ class Ws1OpsCommand:
     config: str = "tiny"
     device: str = "cpu"
     seed: int = 0
-    merge: str = "single"
+    merge: str = DEFAULT_MERGE_ORDER
     out: Path | None = None
     json: bool = False
     force: bool = False

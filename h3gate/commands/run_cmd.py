@@ -272,6 +272,7 @@ def build_body(
         "layout": layout_record(setup.layout),
         "device": setup.device,
         "mode": mode,
+        "merge_order": setup.spec.merge,
         "seed": seed,
         "layer": LAYER,
         "checkpoint": setup.checkpoint,

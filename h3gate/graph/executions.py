@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from h3gate.errors import InputError
 from h3gate.graph.core import Graph, OpTable
+from h3gate.manifests.operators import Contract
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.ops import registry
 from h3gate.ops.golden import attention_golden, sinusoid_fp64
 from h3gate.ops.registry import Binding
@@ -33,6 +35,13 @@ def golden_table() -> OpTable:
     timestep sinusoid at float64 (the reference casts to float32, as diffusers does)."""
 
     return provider_table({"h3_full_attention": attention_golden, "timestep_sinusoid_h3": sinusoid_fp64})
+
+
+def _forward_contract(b: Binding) -> Contract:
+    """The contract whose forward promise holds for ``b``: the operator's own where its bound twin declares
+    ``forward_as_single`` (the same forward bytes), else the bound kernel's."""
+    twin = registry.spec(b.bound).contract if b.bound else None
+    return registry.spec(b.op).contract if twin is None or twin.forward_as_single else twin
 
 
 @dataclass(frozen=True)
@@ -71,11 +80,19 @@ class NodeBinding:
         return "+".join(b.kernel_id for b in self.bindings)
 
     @property
-    def provider_bitwise(self) -> bool:
-        """Whether every op either runs the reference or a kernel whose contract declares ``provider_bitwise``."""
+    def single_forward(self) -> bool:
+        """Whether every op's forward is its own single-walk kernel's (or the reference's): no merge twin bound, or
+        a twin whose contract declares ``forward_as_single``. A device-measured forward promise needs this."""
         return all(
-            b.actual == "provider" or registry.spec(b.bound or b.op).contract.provider_bitwise for b in self.bindings
+            b.actual == "provider" or not b.bound or registry.spec(b.bound).contract.forward_as_single
+            for b in self.bindings
         )
+
+    @property
+    def provider_bitwise(self) -> bool:
+        """Whether every op's forward runs the reference or a kernel whose contract declares ``provider_bitwise`` (a
+        twin declaring ``forward_as_single`` forwards as its operator's kernel: that contract's promise)."""
+        return all(b.actual == "provider" or _forward_contract(b).provider_bitwise for b in self.bindings)
 
     def record(self) -> dict:
         return {
@@ -89,7 +106,7 @@ class NodeBinding:
         }
 
 
-def bind_graph(graph: Graph, mode: str, device: str, merge: str = "single") -> dict[str, NodeBinding]:
+def bind_graph(graph: Graph, mode: str, device: str, merge: str = DEFAULT_MERGE_ORDER) -> dict[str, NodeBinding]:
     """Bind every op of every node for ``mode`` on ``device`` in merge order ``merge``; strict mode raises naming the
     first node that would run anything but its declared strict kernel."""
     registry.check_merge(merge)

@@ -42,6 +42,9 @@ class Contract(Strict):
     atomics: bool = False
     dtypes: list[Literal["float32", "bfloat16", "float16", "int64"]] = Field(min_length=1)
     provider_bitwise: bool
+    # A merge twin whose forward is its operator's single-walk kernel, byte for byte (only the backward's order
+    # differs): a device-measured promise of the single walk's forward (a tolerance's isolated_bitwise_on) holds.
+    forward_as_single: bool = False
     backward: str
     supported: str
     accuracy: Accuracy | None = None

@@ -25,11 +25,11 @@ from typing import Literal
 
 from h3gate.errors import InputError
 from h3gate.manifests.operators import OperatorSpec, load_operator_specs
+from h3gate.merge_order import DEFAULT_MERGE_ORDER, MERGE_ORDERS
 from h3gate.numerics import interpreter_problem
 
 Mode = Literal["strict", "audit", "auto", "off"]
 MODES: tuple[str, ...] = ("strict", "audit", "auto", "off")
-MERGE_ORDERS: tuple[str, ...] = ("single", "seg8")
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def merge_twin(name: str, merge: str) -> str:
     return twin if check_merge(merge) == "seg8" and twin in specs() else name
 
 
-def bind(name: str, mode: str, device: str, merge: str = "single") -> Binding:
+def bind(name: str, mode: str, device: str, merge: str = DEFAULT_MERGE_ORDER) -> Binding:
     check_mode(mode)
     target = merge_twin(name, merge)
     if target != name:

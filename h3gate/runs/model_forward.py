@@ -283,13 +283,16 @@ def _bound(gate: ModelGate, err: dict) -> dict:
 
 def promised(gate: ModelGate, node: Node) -> tuple[bool, bool]:
     """(listed, applies) of the isolated-bitwise promise: profile entries are node-name patterns
-    (``block.*.norm1``); a device-kind entry applies whatever the kernel contract says."""
+    (``block.*.norm1``); a device-kind entry, measured for the single walk, applies whatever the kernel contract says
+    while each op's forward is its single-walk kernel's (no merge twin that changes the forward's order)."""
     tol = gate.tolerance.forward
     kind = "cuda" if gate.device.startswith("cuda") else "cpu"
     on_device = any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise_on.get(kind, []))
     listed = on_device or any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise)
-    contract = gate.sglang is None and gate.bindings[node.name].provider_bitwise  # SGLang declares no contract
-    return listed, on_device or (listed and contract)
+    nb = gate.bindings[node.name]
+    contract = gate.sglang is None and nb.provider_bitwise  # SGLang declares no contract
+    single = gate.sglang is not None or nb.single_forward  # SGLang's module runs its own kernels, never a twin
+    return listed, (on_device and single) or (listed and contract)
 
 
 def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, cand, mods) -> dict:

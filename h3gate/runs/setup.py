@@ -32,6 +32,7 @@ from h3gate.layout import PackedLayout, build_layout
 from h3gate.manifests.layouts import LAYOUTS_FILE, load_layout
 from h3gate.manifests.model_config import ModelConfig, config_names, load_config
 from h3gate.memory import require
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.ops.registry import check_merge
 from h3gate.paths import MANIFESTS
 from h3gate.runs.candidate import check_candidate, sglang_candidate
@@ -73,7 +74,7 @@ class RunSpec:
     device: str = "cpu"
     seed: int = 0
     mode: str = "strict"
-    merge: str = "single"
+    merge: str = DEFAULT_MERGE_ORDER
     layers: str | None = None
     blocks: int | None = None
     draw: str = "cpu"

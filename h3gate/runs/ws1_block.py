@@ -273,8 +273,10 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
         n = node.name
         nb = bindings[n]
         err_c, err_p = fw.errors[n]
+        single = gate.sglang is not None or nb.single_forward  # SGLang's module runs its own kernels, never a twin
+        on_device = n in device_promised and single
         listed = n in tol.isolated_bitwise or n in device_promised
-        promised = listed and ((nb.provider_bitwise and gate.sglang is None) or n in device_promised)
+        promised = listed and ((nb.provider_bitwise and gate.sglang is None) or on_device)
         checks = []
         if gate.sglang is not None and n in gate.sglang.uncovered:
             checks.append(check("captured", False, f"SGLang: {gate.sglang.uncovered[n]}"))
@@ -293,7 +295,7 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
             checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
         failing += [failure(f"forward.{n}", c) for c in checks if not c["pass"]]
-        reason = _promise_reason(listed, promised, n in device_promised, device_kind)
+        reason = _promise_reason(listed, promised, n in device_promised, single, device_kind)
         head = {"name": n, "owner_row": node.owner_row, "ops": list(node.ops), "inputs": list(node.inputs),
                 "meta": dict(node.meta)}  # fmt: skip
         prov, cand = fw.store.stored("provider", n), fw.store.stored("candidate", n)
@@ -322,11 +324,13 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
     return nodes, failing
 
 
-def _promise_reason(listed: bool, promised: bool, on_device: bool, device_kind: str) -> str:
+def _promise_reason(listed: bool, promised: bool, on_device: bool, single: bool, device_kind: str) -> str:
     if not listed:
         return "not listed in the tolerance profile"
-    if on_device:
+    if on_device and single:
         return f"listed for {device_kind} devices (isolated_bitwise_on)"
+    if on_device and not promised:
+        return f"listed for {device_kind} devices (isolated_bitwise_on) for the single walk; a merge twin runs"
     if promised:
         return "listed; every op runs the reference or a provider_bitwise kernel"
     return "listed, but a kernel's contract declares provider_bitwise: false"

@@ -42,6 +42,7 @@ from h3gate.gate.variants import provider_variants
 from h3gate.kernels import launches
 from h3gate.manifests.model_config import ModelConfig
 from h3gate.manifests.tolerances import load_tolerance
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.ops import registry
 from h3gate.ops.case import OpCase, in_batch, mutate_rows, randn, to_float64
 from h3gate.ops.cases import build_case
@@ -164,7 +165,7 @@ def run_case(
     seed: int,
     backward: bool = True,
     kernel: Callable | None = None,
-    merge: str = "single",
+    merge: str = DEFAULT_MERGE_ORDER,
 ) -> OpResult:
     """Everything ws1-ops records for one operator at one row count, in merge order ``merge`` (module docstring).
     ``kernel`` replaces the bound strict kernel (a negative control: a deliberately wrong kernel must fail)."""
@@ -363,7 +364,7 @@ def merge_record(op: str, merge: str) -> dict:
     return {"requested": merge, "actual": actual, "operator": target, "reason": reason}
 
 
-def operator_header(op: str, device: str, merge: str = "single") -> dict:
+def operator_header(op: str, device: str, merge: str = DEFAULT_MERGE_ORDER) -> dict:
     """The operator's binding in merge order ``merge``, the merge record, and the contract facts (of the operator
     that runs) evidence restates next to what was measured."""
     spec = registry.spec(registry.merge_twin(op, merge))
@@ -383,7 +384,7 @@ def operator_header(op: str, device: str, merge: str = "single") -> dict:
     }
 
 
-def default_ops(known: Sequence[str], merge: str = "single") -> tuple[list[str], list[dict]]:
+def default_ops(known: Sequence[str], merge: str = DEFAULT_MERGE_ORDER) -> tuple[list[str], list[dict]]:
     """Operators with a case builder and a declared kernel; the others, with the reason they do not run. Under
     ``seg8`` a twin runs as its operator's binding, not a second time by its own name."""
     run, skipped = [], []

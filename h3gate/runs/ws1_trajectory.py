@@ -36,6 +36,7 @@ from h3gate.graph.core import OpTable
 from h3gate.graph.model import OUTPUTS, derive_metadata, raw_metadata
 from h3gate.graph.stages import forward_stages, stage_params
 from h3gate.memory import require, require_disk, require_steps
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.paths import display
 from h3gate.runs.block_rows import determinism_failure
 from h3gate.runs.model_memory import record_host_bytes
@@ -65,7 +66,7 @@ class TrajectorySettings:
     checkpoint: Path | None = None
     device: str = "cpu"
     mode: str = "strict"
-    merge: str = "single"
+    merge: str = DEFAULT_MERGE_ORDER
     steps: int = 6
     shift: float = VIDEO_SHIFT
     seed: int = 0

@@ -53,6 +53,7 @@ from h3gate.graph.model import build_model_graph
 from h3gate.kernels import launches
 from h3gate.kernels.tp_layers import check_tp_order
 from h3gate.manifests.model_config import ModelConfig
+from h3gate.merge_order import DEFAULT_MERGE_ORDER
 from h3gate.numerics import strict_numerics
 from h3gate.ops.registry import check_merge, check_mode
 
@@ -259,7 +260,7 @@ def _install(session: SglangSession, p: _Patches, b: Bound, refusals: Refusals) 
 
 @contextlib.contextmanager
 def bind_strict(
-    model: torch.nn.Module, mode: str = "strict", device: str | None = None, merge: str = "single"
+    model: torch.nn.Module, mode: str = "strict", device: str | None = None, merge: str = DEFAULT_MERGE_ORDER
 ) -> Iterator[SglangSession]:
     """Bind h3gate's operators into SGLang's ``model`` for the ``with`` block (module docstring); yields the session.
     ``device`` defaults to the parameters' device type (``cuda`` / ``cpu``: Triton's interpreter)."""
