@@ -28,14 +28,14 @@ FFN channels a rank owns are exactly its segments (otherwise TPn is refused for 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from h3gate.errors import InputError
 from h3gate.kernels.common import needs_graph
-from h3gate.kernels.gemm import check_linear
+from h3gate.kernels.gemm import check_linear, linear_grouped
 from h3gate.kernels.gemm import forward as single_walk
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_merge import rank_slice, segment_partials
@@ -168,6 +168,11 @@ class ColumnLinear(torch.autograd.Function):
 
 
 def _column_forward(x: torch.Tensor, w: torch.Tensor, full: tuple[int, int]) -> torch.Tensor:
+    """The single walk with the full layer's tiling: a layer whole here (one device) by the operator's declared
+    forward path (:func:`h3gate.kernels.gemm.forward`, the Gluon kernel on Hopper), a rank's rows of W by the Triton
+    kernel; the same K walk, so the same bytes."""
+    if tuple(w.shape) == tuple(full):
+        return single_walk(x, w, None)
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty((x2.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     cfg = gemm_config("fwd", full[0], full[1], x.dtype, x2.shape[0])
@@ -260,7 +265,21 @@ def _column_op(op: str, halves: bool):
     return fn
 
 
+def _column_grouped(op: str, fn: Callable) -> Callable:
+    """``grouped(x, weights)`` of a column twin (q, k, v: :func:`h3gate.graph.execute.sibling_gemms`): without an
+    autograd graph one grouped launch of the single walk (:func:`h3gate.kernels.gemm.linear_grouped`: bitwise the
+    calls one by one), else the twin a weight at a time (its dX in the segmented-8 order)."""
+
+    def grouped(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if needs_graph(x, *weights):
+            return [fn(x, w) for w in weights]
+        return linear_grouped(x, weights, op=op)
+
+    return grouped
+
+
 h3_qkv_gemm_seg8 = _column_op("h3_qkv_gemm_seg8", halves=False)
+h3_qkv_gemm_seg8.grouped = _column_grouped("h3_qkv_gemm_seg8", h3_qkv_gemm_seg8)
 h3_ffn_gate_up_gemm_seg8 = _column_op("h3_ffn_gate_up_gemm_seg8", halves=True)
 
 

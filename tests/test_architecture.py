@@ -31,6 +31,7 @@ ROOMS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "h3gate.bounded",
             "h3gate.numerics",
             "h3gate.ranks",
+            "h3gate.merge_order",
         ),
     ),
     ("evidence", ("h3gate.evidence",)),

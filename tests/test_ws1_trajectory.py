@@ -367,7 +367,7 @@ def test_the_provider_drifts_from_step_0_located_to_a_node(run_p, run_a, tmp_pat
         (["--steps", "9"], "schedule.steps differs"),
         ([*STEPS, "--mode", "off"], "mode differs"),
         ([*STEPS, "--batch-with", "3"], "batch.with_seed differs"),
-        ([*STEPS, "--merge-order", "seg8"], "merge_order differs from the saved run (saved 'single', now 'seg8')"),
+        ([*STEPS, "--merge-order", "single"], "merge_order differs from the saved run (saved 'seg8', now 'single')"),
     ],
     ids=["steps", "mode", "batch-with", "merge-order"],
 )

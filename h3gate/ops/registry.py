@@ -25,7 +25,7 @@ from typing import Literal
 
 from h3gate.errors import InputError
 from h3gate.manifests.operators import OperatorSpec, load_operator_specs
-from h3gate.merge_order import DEFAULT_MERGE_ORDER, MERGE_ORDERS
+from h3gate.merge_order import MERGE_ORDERS
 from h3gate.numerics import interpreter_problem
 
 Mode = Literal["strict", "audit", "auto", "off"]
@@ -167,7 +167,10 @@ def merge_twin(name: str, merge: str) -> str:
     return twin if check_merge(merge) == "seg8" and twin in specs() else name
 
 
-def bind(name: str, mode: str, device: str, merge: str = DEFAULT_MERGE_ORDER) -> Binding:
+def bind(name: str, mode: str, device: str, merge: str = "single") -> Binding:
+    """What operator ``name`` runs in ``mode`` on ``device``: the named operator itself by default (``bench --op``,
+    ``ws1-ops`` cases), or its declared twin under ``merge="seg8"`` (a graph bound in a run's merge order,
+    :func:`h3gate.graph.executions.bind_graph`, whose default is :data:`h3gate.merge_order.DEFAULT_MERGE_ORDER`)."""
     check_mode(mode)
     target = merge_twin(name, merge)
     if target != name:

@@ -90,14 +90,16 @@ def test_strict_mode_runs_the_strict_kernels_bitwise_as_the_gates_do(model) -> N
     # the session names the schedule each kernel launched, node by node (interpreted pointer walks on the CPU)
     (att,) = session.record()["launches"]["block.0.attention"]["h3_full_attention"]
     assert att["forward"] == att["backward"] == "triton_pointer" and att["interpreted"] == attention.INTERPRET
-    assert set(session.record()["launches"]["block.0.o_proj"]) == {"h3_attention_o_gemm"}
+    # the default merge order (seg8) binds O's twin: its launches are noted under the twin's name
+    assert session.record()["merge_order"] == "seg8"
+    assert set(session.record()["launches"]["block.0.o_proj"]) == {"h3_attention_o_gemm_seg8"}
 
 
 def test_strict_mode_groups_each_blocks_q_k_v_into_one_call_traced_per_node(model, monkeypatch) -> None:
     """As the graph executor, the adapter hands a block's q, k and v to the strict GEMM's grouped call (one Gluon
     launch on an H200 at 1024-8191 rows; here it runs them one by one, the same bytes): one call a block, one trace
     record a node, the outputs those of the ungrouped graph."""
-    from h3gate.kernels import gemm
+    from h3gate.kernels import gemm, tp_layers
 
     calls: list[int] = []
     real = gemm.linear_grouped
@@ -107,6 +109,7 @@ def test_strict_mode_groups_each_blocks_q_k_v_into_one_call_traced_per_node(mode
         return real(x, weights, op=op)
 
     monkeypatch.setattr(gemm, "linear_grouped", counted)
+    monkeypatch.setattr(tp_layers, "linear_grouped", counted)  # the Q/K/V twin's (the default merge order)
     args, x = _args()
     graph = build_model_graph(CFG)
     with torch.no_grad():
