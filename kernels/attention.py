@@ -78,7 +78,7 @@ from h3gate.kernels.attention_config import (
 from h3gate.kernels.attention_gluon import forward_gluon_ws
 from h3gate.kernels.attention_math import fwd_step, gather_rows, log2, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, cached, check_tensor
-from h3gate.kernels.exact import helper, rne
+from h3gate.kernels.exact import helper, rne, zeros
 from h3gate.manifests.operators import DEVICE_CLASSES, PathTable
 
 KERNEL_ID = "triton:h3gate.full_attention_fa2_fixedkv:v2"
@@ -114,8 +114,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_scal
     rows = base + packed_rows(ord_ptr, offs_m, S, ORDERED)[:, None] * stride_s + offs_d[None, :]
     q = tl.load(q_ptr + rows, mask=mask_m[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    l_i = zeros((BLOCK_M,), tl.float32)
+    acc = zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in range(0, n_full):
         m_i, l_i, acc = _fwd_block(q, m_i, l_i, acc, k_ptr, v_ptr, base, j * BLOCK_N, S, stride_s, qk_scale,

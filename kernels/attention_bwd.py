@@ -45,7 +45,7 @@ import triton.language as tl
 from h3gate.kernels.attention_config import AttnConfig, qk_scale
 from h3gate.kernels.attention_math import exp2_fwd, gather_rows, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
-from h3gate.kernels.exact import f32, helper, mma, rne
+from h3gate.kernels.exact import f32, helper, mma, rne, zeros
 
 
 @triton.jit
@@ -99,7 +99,7 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr
     else:
         lse = tl.load(lse_ptr + stat + offs_m)
         dl = tl.load(delta_ptr + stat + offs_m)
-    qk_t = mma(k, tl.trans(q), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
+    qk_t = mma(k, tl.trans(q), zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
     if FMA:  # declared: one explicit fma per score (module docstring)
         p_t = exp2_fwd(tl.fma(qk_t, qk_scale, -lse[None, :]), EXP2, INTERPRET)
     else:
@@ -107,7 +107,7 @@ def _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr
     if MASK:
         p_t = tl.where(offs_m[None, :] < S, p_t, 0.0)
     dv = mma(rne(p_t, do.dtype, INTERPRET), do, dv, INTERPRET)
-    dp_t = mma(v, tl.trans(do), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
+    dp_t = mma(v, tl.trans(do), zeros((BLOCK_N, BLOCK_M), tl.float32), INTERPRET)
     ds = rne(p_t * (dp_t - dl[None, :]), q.dtype, INTERPRET)
     dk = mma(ds, q, dk, INTERPRET)
     return dk, dv
@@ -129,8 +129,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     k = tl.load(k_ptr + rows, mask=kv_valid[:, None], other=0.0)
     v = tl.load(v_ptr + rows, mask=kv_valid[:, None], other=0.0)
     q_desc, do_desc = _walk_descs(q_ptr, do_ptr, base, S, stride_s, BLOCK_M, D, USE_TMA)
-    dk = tl.zeros((BLOCK_N, D), tl.float32)
-    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    dk = zeros((BLOCK_N, D), tl.float32)
+    dv = zeros((BLOCK_N, D), tl.float32)
     m_full = S // BLOCK_M
     for j in range(0, m_full):
         dk, dv = _dkdv_block(k, v, dk, dv, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, base, stat, j * BLOCK_M,
@@ -151,14 +151,14 @@ def _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, k_desc, v_desc, base, start, S, 
               FMA: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     offs_n = start + tl.arange(0, BLOCK_N)
     k, v = _walk_tiles(k_ptr, v_ptr, k_desc, v_desc, base, start, S, stride_s, BLOCK_N, D, MASK, USE_TMA)
-    qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
+    qk = mma(q, tl.trans(k), zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
     if FMA:  # declared: one explicit fma per score (module docstring)
         p = exp2_fwd(tl.fma(qk, qk_scale, -lse[:, None]), EXP2, INTERPRET)
     else:
         p = exp2_fwd(qk * qk_scale - lse[:, None], EXP2, INTERPRET)
     if MASK:
         p = tl.where(offs_n[None, :] < S, p, 0.0)
-    dp = mma(do, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
+    dp = mma(do, tl.trans(v), zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
     ds = p * (dp - dl[:, None])
     return mma(rne(ds, k.dtype, INTERPRET), k, dq, INTERPRET)
 
@@ -180,7 +180,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, ord_ptr,
     lse = tl.load(lse_ptr + stat + offs_m, mask=mask_m, other=0.0)
     dl = tl.load(delta_ptr + stat + offs_m, mask=mask_m, other=0.0)
     k_desc, v_desc = _walk_descs(k_ptr, v_ptr, base, S, stride_s, BLOCK_N, D, USE_TMA)
-    dq = tl.zeros((BLOCK_M, D), tl.float32)
+    dq = zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in range(0, n_full):
         dq = _dq_block(q, do, lse, dl, dq, k_ptr, v_ptr, k_desc, v_desc, base, j * BLOCK_N, S, stride_s, qk_scale,

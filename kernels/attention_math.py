@@ -8,7 +8,7 @@ import torch
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from h3gate.kernels.exact import helper, mma, rne
+from h3gate.kernels.exact import helper, mma, rne, zeros
 
 
 @helper
@@ -58,13 +58,13 @@ def fwd_step(q, k, v, m_i, l_i, acc, offs_n, S, qk_scale, BLOCK_M: tl.constexpr,
              MASK: tl.constexpr, EXP2: tl.constexpr, FMA: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """One KV block of the online softmax (module docstring) on loaded k, v tiles (rows past S zero, masked)."""
     if FMA:  # declared: one explicit fma per score (see the module docstring)
-        qk = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
+        qk = mma(q, tl.trans(k), zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET)
         if MASK:
             qk = tl.where(offs_n[None, :] < S, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = exp2_fwd(tl.fma(qk, qk_scale, -m_new[:, None]), EXP2, INTERPRET)
     else:
-        s = mma(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
+        s = mma(q, tl.trans(k), zeros((BLOCK_M, BLOCK_N), tl.float32), INTERPRET) * qk_scale
         if MASK:
             s = tl.where(offs_n[None, :] < S, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

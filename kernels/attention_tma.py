@@ -27,7 +27,7 @@ import triton.language as tl
 from h3gate.kernels.attention_config import AttnConfig, qk_scale
 from h3gate.kernels.attention_math import fwd_step, log2, packed_rows
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, tma_allocator
-from h3gate.kernels.exact import rne
+from h3gate.kernels.exact import rne, zeros
 
 
 @triton.jit
@@ -46,8 +46,8 @@ def _attn_fwd_tma_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, ord_ptr, S, H, qk_
     else:
         q = tl.make_tensor_descriptor(q_ptr + base, [S, D], [stride_s, 1], [BLOCK_M, D]).load([pid_m * BLOCK_M, 0])
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    l_i = zeros((BLOCK_M,), tl.float32)
+    acc = zeros((BLOCK_M, D), tl.float32)
     n_full = S // BLOCK_N
     for j in tl.range(0, n_full):
         offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)

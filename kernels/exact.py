@@ -30,6 +30,23 @@ def helper(fn):
     return fn if INTERPRET else triton.jit(fn)
 
 
+# triton.language.standard's cdiv, zeros and zeros_like, with the same bodies: Triton jit functions that the interpreter
+# re-patches on every call (about a millisecond each); as helpers they cost nothing there and compile the same.
+@helper
+def cdiv(x, div):
+    return (x + (div - 1)) // div
+
+
+@helper
+def zeros(shape, dtype):
+    return tl.full(shape, 0, dtype)
+
+
+@helper
+def zeros_like(x):
+    return tl.full(x.shape, 0, x.dtype)
+
+
 @helper
 def f32(x, INTERPRET: tl.constexpr):
     if x.dtype == tl.bfloat16:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.common import INTERPRET
+from h3gate.kernels.exact import zeros
 
 _CHUNK = 1 << 22  # elements the reference converts to int64 at a time
 BLOCK_R = 8  # rows per program
@@ -38,7 +39,7 @@ def _row_sums_kernel(m_ptr, w_ptr, out_ptr, rows, cols, stride_r, BLOCK_R: tl.co
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < rows
     base = m_ptr + r.to(tl.int64)[:, None] * stride_r
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
+    acc = zeros([BLOCK_R, BLOCK_C], dtype=tl.int64)
     for c0 in range(0, cols, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         inside = c < cols

@@ -97,7 +97,7 @@ def _segment_partial_kernel(
     cm = cols < H
     start = tl.load(cstart_ptr + k)
     end = tl.load(cend_ptr + k)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = exact.zeros([BLOCK_H], dtype=tl.float32)
     for i in range(0, n_sub):  # n_sub = sub-tiles in the longest chunk; shorter chunks add exact zeros
         p = start + i * SUB + tl.arange(0, SUB)
         valid = p < end
@@ -122,13 +122,13 @@ def _segment_reduce_kernel(
     cm = cols < H
     first = tl.load(seg_cstart_ptr + j)
     last = tl.load(seg_cstart_ptr + j + 1)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = exact.zeros([BLOCK_H], dtype=tl.float32)
     for i in range(0, max_chunks):
         k = first + i
         valid = k < last
         # The chunk test compared per lane (not a scalar broadcast into the mask: Triton 3.9's interpreter loads only
         # under a boolean mask, and a broadcast scalar comparison is not one there).
-        live = cm & (k + tl.zeros_like(cols) < last)
+        live = cm & (k + exact.zeros_like(cols) < last)
         v = tl.load(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, mask=live, other=0.0)
         acc = tl.where(valid, acc + v, acc)
     out = exact.rne(acc, out_ptr.dtype.element_ty, INTERPRET)
@@ -174,7 +174,7 @@ def segment_sum(
 ) -> torch.Tensor:
     """(B, M, H) contributions ``a`` (times ``c`` when given), summed per segment -> (B, num_segments, H)."""
     nb, _, h = a.shape
-    block_h = min(next_pow2(h), 128)
+    block_h = min(next_pow2(h), 128 * ROW_SCALE)  # a column's sum is its own: it does not depend on its neighbours
     part = torch.empty((nb, max(plan.num_chunks, 1), h), dtype=torch.float32, device=a.device)
     cc = a if c is None else c
     if plan.num_chunks:

@@ -76,7 +76,7 @@ from h3gate.kernels.common import (
     num_sms,
     tma_allocator,
 )
-from h3gate.kernels.exact import fold_segment, helper, mma, rne
+from h3gate.kernels.exact import cdiv, fold_segment, helper, mma, rne, zeros
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import check_linear
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
@@ -142,8 +142,8 @@ def _walk(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, length, stride_am, strid
         b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_br
     else:
         b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_br + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(length, BLOCK_K)):
+    acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(cdiv(length, BLOCK_K)):
         if EVEN_R:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             if B_TRANS:
@@ -168,8 +168,8 @@ def _walk_tma(a_desc, b_desc, off_m, off_n, start, length, BLOCK_M: tl.constexpr
               BLOCK_K: tl.constexpr, B_TRANS: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     """:func:`_walk` with TMA tile loads (the single walk's ``tma`` variant): the same chunks, values and MMA; rows or
     columns past the tensor are zero-filled by the TMA unit (a segment ends at a chunk boundary or at R)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(length, BLOCK_K)):
+    acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(cdiv(length, BLOCK_K)):
         off_k = start + ki * BLOCK_K
         a = a_desc.load([off_m, off_k])
         if B_TRANS:
@@ -194,8 +194,8 @@ def _seg8_kernel(
     RNE rounding to OUT's dtype; else OUT is the FP32 subtree. Persistent: program ``pid`` owns tiles pid, pid +
     NUM_PROGS, ..., and its three scratch slots."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = cdiv(M, BLOCK_M)
+    num_pid_n = cdiv(N, BLOCK_N)
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, [M, R_LOC], [stride_am, 1], [BLOCK_M, BLOCK_K])
         if B_TRANS:
@@ -210,7 +210,7 @@ def _seg8_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(C):
             start = pid * 0 + j * SEG  # a scalar tensor in both the compiled kernel and the interpreter
             length = tl.maximum(tl.minimum(R_LOC - start, SEG), 0)

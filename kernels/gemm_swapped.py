@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH
-from h3gate.kernels.exact import f32, helper, rne
+from h3gate.kernels.exact import cdiv, f32, helper, rne, zeros
 from h3gate.kernels.gemm_configs import GemmConfig
 
 
@@ -62,7 +62,7 @@ def _gemm_swapped_kernel(
     BLOCK_M + TAIL_M; the chunks of one weight block are adjacent programs (they share its weight tiles in L2)."""
     CHUNK: tl.constexpr = BLOCK_M + TAIL_M
     pid = tl.program_id(0)
-    num_chunks = tl.cdiv(M, CHUNK)
+    num_chunks = cdiv(M, CHUNK)
     pid_n = pid // num_chunks
     off_n = pid_n * BLOCK_N
     off_t = (pid % num_chunks) * CHUNK
@@ -70,12 +70,12 @@ def _gemm_swapped_kernel(
     offs_t = off_t + tl.arange(0, BLOCK_M)
     mask_n = offs_n < N
     mask_t = offs_t < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if TAIL_M > 0:
         offs_u = off_t + BLOCK_M + tl.arange(0, TAIL_M)
         mask_u = offs_u < M
-        acc_u = tl.zeros((BLOCK_N, TAIL_M), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
+        acc_u = zeros((BLOCK_N, TAIL_M), dtype=tl.float32)
+    k_tiles = cdiv(K, BLOCK_K)
     if USE_TMA:  # out-of-bounds rows/columns are zero-filled by the TMA unit
         w_desc = tl.make_tensor_descriptor(w_ptr, [N, K], [stride_wn, 1], [BLOCK_N, BLOCK_K])
         x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_M, BLOCK_K])

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, aligned, num_sms, tma_allocator
-from h3gate.kernels.exact import helper, mma, rne
+from h3gate.kernels.exact import cdiv, helper, mma, rne, zeros
 from h3gate.kernels.gemm_configs import GemmConfig, tail_split
 from h3gate.kernels.gemm_swapped import matmul_swapped
 
@@ -47,7 +47,7 @@ def _tile(
     offs_n = off_n + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         # Out-of-bounds rows/columns are zero-filled by the TMA unit.
         for ki in range(k_tiles):
@@ -147,10 +147,10 @@ def _gemm_kernel(
     took the last wide tile. Without a tail N_SPLIT == N. Either way each output element gets the same K walk.
     """
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N_SPLIT, BLOCK_N)
+    num_pid_m = cdiv(M, BLOCK_M)
+    num_pid_n = cdiv(N_SPLIT, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    k_tiles = tl.cdiv(R, BLOCK_K)
+    k_tiles = cdiv(R, BLOCK_K)
     if USE_TMA:
         if A_TRANS:
             a_desc = tl.make_tensor_descriptor(a_ptr, [R, M], [stride_ar, 1], [BLOCK_K, BLOCK_M])
@@ -179,7 +179,7 @@ def _gemm_kernel(
             ct_desc = tl.make_tensor_descriptor(c_ptr, [M, N], [stride_cm, 1], [BLOCK_M, TAIL_N])
         else:
             bt_desc, ct_desc = b_ptr, c_ptr
-        num_pid_t = tl.cdiv(N - N_SPLIT, TAIL_N)
+        num_pid_t = cdiv(N - N_SPLIT, TAIL_N)
         first = (pid + NUM_PROGS - num_tiles % NUM_PROGS) % NUM_PROGS
         for tile_id in tl.range(first, num_pid_m * num_pid_t, NUM_PROGS, flatten=FLATTEN):
             pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_t, GROUP_M)
@@ -195,7 +195,7 @@ def _colsum_kernel(g_ptr, out_ptr, M, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.cons
     """out[n] = sum_m g[m, n]: rows in ascending BLOCK_R chunks, each chunk reduced by tl.sum's fixed tree; FP32."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = zeros((BLOCK_N,), dtype=tl.float32)
     for m0 in range(0, M, BLOCK_R):
         offs_r = m0 + tl.arange(0, BLOCK_R)
         ptrs = g_ptr + offs_r.to(tl.int64)[:, None] * N + offs_n[None, :]

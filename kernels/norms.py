@@ -107,7 +107,7 @@ def _rms_fwd_kernel(
             n = _modulated(n, sc_raw, sh_raw, DT, INTERPRET)
         tl.store(out_ptr + offs, exact.rne(n, DT, INTERPRET), mask=m)
     else:  # wide rows: NCH column chunks of BLOCK_H, two passes (the second re-reads x, an L2 hit)
-        acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        acc = exact.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         for c in tl.static_range(NCH):
             cc = c * BLOCK_H + cols
             m = rm[:, None] & (cc < H)[None, :]
@@ -150,7 +150,7 @@ def _rms_bwd_kernel(
     cols = tl.arange(0, BLOCK_H)
     cm = cols < H
     w = exact.f32(tl.load(w_ptr + cols, mask=cm, other=0.0), INTERPRET)[None, :]
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    dw = exact.zeros([BLOCK_H], dtype=tl.float32)
     if SEGMENTED:
         k = pid * 0
         for t in tl.static_range(1, NSEG):

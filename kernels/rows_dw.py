@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from h3gate.kernels.common import INTERPRET, STRICT_LAUNCH, num_sms, tma_allocator
-from h3gate.kernels.exact import fold_segment, helper, mma, rne
+from h3gate.kernels.exact import cdiv, fold_segment, helper, mma, rne, zeros, zeros_like
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.row_merge import RowGroup, dw_bounds
@@ -115,8 +115,8 @@ def _walk(g_ptr, x_ptr, offs_m, offs_n, mask_m, mask_n, lo, seg_rows, length, S_
     walk's ``a_trans`` loads (dY's (BLOCK_K, BLOCK_M) tile transposed on chip, X's (BLOCK_K, BLOCK_N) tile) and
     MMA, rows past the segment's end masked to zero."""
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(length, BLOCK_K)):
+    acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(cdiv(length, BLOCK_K)):
         j = ki * BLOCK_K + offs_k
         in_k = j < length
         row = _rows(j, lo, seg_rows, S_LOC, BATCHED)
@@ -133,7 +133,7 @@ def _walk_tma(a_desc, b_desc, off_m, off_n, lo, length, BLOCK_M: tl.constexpr, B
     """:func:`_walk` with TMA tile loads (one item, rows ``lo + [0, length)``): the whole chunks as loaded, then the
     tail chunk with its rows past the segment's end set to zero before the MMA (the same values as the masked loads;
     rows past the tensor's end are zero-filled by the TMA unit)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     full = length // BLOCK_K
     for ki in range(full):
         a = tl.trans(a_desc.load([lo + ki * BLOCK_K, off_m]))
@@ -142,7 +142,7 @@ def _walk_tma(a_desc, b_desc, off_m, off_n, lo, length, BLOCK_M: tl.constexpr, B
         in_k = (tl.arange(0, BLOCK_K) < length - full * BLOCK_K)[:, None]
         a = a_desc.load([lo + full * BLOCK_K, off_m])
         b = b_desc.load([lo + full * BLOCK_K, off_n])
-        acc = mma(tl.trans(tl.where(in_k, a, tl.zeros_like(a))), tl.where(in_k, b, tl.zeros_like(b)), acc, INTERPRET)
+        acc = mma(tl.trans(tl.where(in_k, a, zeros_like(a))), tl.where(in_k, b, zeros_like(b)), acc, INTERPRET)
     return acc
 
 
@@ -157,8 +157,8 @@ def _rows_dw_kernel(
     segments), merged as soon as their sibling is done. ``FINISH``: one RNE rounding to OUT's dtype; else OUT is
     the FP32 subtree. Persistent: program ``pid`` owns tiles pid, pid + NUM_PROGS, ... and its two slots."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(N, BLOCK_M)
-    num_pid_n = tl.cdiv(K, BLOCK_N)
+    num_pid_m = cdiv(N, BLOCK_M)
+    num_pid_n = cdiv(K, BLOCK_N)
     if USE_TMA:  # one batch item (BATCHED False): the segment's rows are contiguous
         a_desc = tl.make_tensor_descriptor(g_ptr, [S_LOC, N], [stride_g, 1], [BLOCK_K, BLOCK_M])
         b_desc = tl.make_tensor_descriptor(x_ptr, [S_LOC, K], [stride_x, 1], [BLOCK_K, BLOCK_N])
@@ -170,7 +170,7 @@ def _rows_dw_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < N
         mask_n = offs_n < K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(C):
             lo, hi = _bounds(pid * 0 + SEG0 + j, L, S_GLOB, LO)  # scalar tensors, compiled and interpreted
             if USE_TMA:
@@ -199,14 +199,14 @@ def _rows_colsum_kernel(
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
-    s0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    s1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    s2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    s0 = zeros((BLOCK_N,), dtype=tl.float32)
+    s1 = zeros((BLOCK_N,), dtype=tl.float32)
+    s2 = zeros((BLOCK_N,), dtype=tl.float32)
+    acc = zeros((BLOCK_N,), dtype=tl.float32)
     for j in tl.static_range(C):
         lo, hi = _bounds(pid * 0 + SEG0 + j, L, S_GLOB, LO)
         length = BATCH * (hi - lo)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = zeros((BLOCK_N,), dtype=tl.float32)
         for m0 in range(0, length, BLOCK_R):
             jj = m0 + offs_r
             row = _rows(jj, lo, hi - lo, S_LOC, BATCHED)
