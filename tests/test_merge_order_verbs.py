@@ -81,7 +81,7 @@ def test_ws1_ops_under_seg8_runs_each_twin_as_its_operators_binding() -> None:
     ops, not_run = opsgate.default_ops(sorted(CASES), "seg8")
     assert not any(opsgate.is_twin(op) for op in ops) and set(TWINNED) <= set(ops)
     assert {r["op"]: r["reason"] for r in not_run if opsgate.is_twin(r["op"])} == {
-        f"{op}_seg8": f"runs as {op} (--merge-order seg8)" for op in TWINNED
+        f"{op}_seg8": f"runs as {op} (merge order seg8)" for op in TWINNED
     }
     single_ops, _ = opsgate.default_ops(sorted(CASES), "single")
     assert {f"{op}_seg8" for op in TWINNED} <= set(single_ops)  # single: the twins run by their own names

@@ -215,7 +215,8 @@ def plan_stack(settings: ArmsSettings) -> tuple[Stack, object]:
     )  # fmt: skip
     if settings.ulysses > 1 and cfg.num_attention_heads % settings.ulysses:
         raise InputError(f"--ulysses {settings.ulysses}: {cfg.num_attention_heads} heads do not divide among the ranks")
-    check_tp_order(settings.tp, settings.merge, cfg, f"--tp {settings.tp}", "add --merge-order seg8")
+    remedy = "drop --merge-order single (seg8, the default, is)"
+    check_tp_order(settings.tp, settings.merge, cfg, f"--tp {settings.tp}", remedy)
     require(batch_bytes(cfg, layout.seq_len, settings.batch, settings.steps), f"--batch {settings.batch} --steps "
             f"{settings.steps} at --layout {settings.layout} --config {config_name}", device, hint="ask for a smaller "
             "batch")  # fmt: skip

@@ -342,7 +342,7 @@ def run_arms(
     tp: Annotated[
         int,
         typer.Option(
-            "--tp", help="SGLang's tensor parallelism for the rollout (gloo ranks on the CPU; --merge-order seg8)."
+            "--tp", help="SGLang's tensor parallelism for the rollout (gloo ranks on the CPU; the seg8 merge order)."
         ),
     ] = 1,
     ulysses: Annotated[

@@ -3,10 +3,10 @@
 
 Rows come from the named layouts' sequence lengths (tiny 264, small 925, medium 3160, 768p 38974), widths and dtypes
 from ``--config``. Without ``--op`` every operator that declares a strict kernel and has a case builder runs; the
-others are listed under ``not_run``. ``--merge-order seg8`` runs each operator's declared ``_seg8`` twin in its place
-(an operator without one runs its single kernel, recorded per operator; :mod:`h3gate.runs.ws1_ops`). Exit 0 when
-every declared promise held, 1 when one did not (evidence still written), 2 for bad input (unknown operator / layout
-/ config / merge order, an operator without its strict kernel).
+others are listed under ``not_run``. The seg8 merge order (the default) runs each operator's declared ``_seg8`` twin
+in its place (an operator without one runs its single kernel, recorded per operator; :mod:`h3gate.runs.ws1_ops`).
+Exit 0 when every declared promise held, 1 when one did not (evidence still written), 2 for bad input (unknown
+operator / layout / config / merge order, an operator without its strict kernel).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _name(o: dict) -> str:
 
 
 def _merge_line(operators: list[dict]) -> str | None:
-    """Under ``--merge-order seg8``: which operators ran a seg8 twin and which had none (their single kernel ran)."""
+    """Under the seg8 merge order: which operators ran a seg8 twin and which had none (their single kernel ran)."""
     records = [o["merge"] for o in operators if "merge" in o]
     if not records or records[0]["requested"] != "seg8":
         return None

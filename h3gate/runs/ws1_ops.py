@@ -17,7 +17,7 @@ For one operator and one row count it runs, on the case's inputs (``h3gate.ops.c
   device offers (``forward.rows``, ``backward[i].rows``), so one wrong row fails however long the tensor.
 
 ``merge`` (``--merge-order``): under ``seg8`` an operator with a declared ``<op>_seg8`` twin runs the twin's case,
-kernel and contract (what every ``--merge-order seg8`` gate binds for it); one without a twin runs its single kernel,
+kernel and contract (what every seg8 gate, the default, binds for it); one without a twin runs its single kernel,
 recorded as such (``merge``: the order requested, the one the kernel that ran is in, the operator that ran, why they
 differ). The merge order never changes what a case checks.
 
@@ -357,7 +357,7 @@ def merge_record(op: str, merge: str) -> dict:
     reason = ""
     if actual != merge:
         reason = (
-            f"no declared {op}_seg8 twin: its single kernel runs, as every --merge-order seg8 gate binds it"
+            f"no declared {op}_seg8 twin: its single kernel runs, as every seg8 gate binds it"
             if merge == "seg8"
             else f"{op} is the declared seg8 twin of {op.removesuffix('_seg8')}, run by name"
         )
@@ -390,7 +390,7 @@ def default_ops(known: Sequence[str], merge: str = DEFAULT_MERGE_ORDER) -> tuple
     run, skipped = [], []
     for op in sorted(registry.specs()):
         if merge == "seg8" and is_twin(op):
-            skipped.append({"op": op, "reason": f"runs as {op.removesuffix('_seg8')} (--merge-order seg8)"})
+            skipped.append({"op": op, "reason": f"runs as {op.removesuffix('_seg8')} (merge order seg8)"})
         elif op not in known:
             skipped.append({"op": op, "reason": "no case builder"})
         elif registry.spec(op).kernel is None:

@@ -167,8 +167,11 @@ def test_ulysses2_rollout_is_byte_for_byte_one_device_in_both_letters(tiny, tmp_
             "--fault block.0.o_proj:168 --rollout sglang: blocks.0.attn.out_proj's output has 168 rows",
         ),
         (["--fault", "block.0.o_proj:3:backward"], "only forward scale faults"),
-        (["--tp", "2"], "--tp 2: merge order 'single' is not TP-invariant; add --merge-order seg8"),
-        (["--tp", "2", "--merge-order", "seg8"], "TP2 rank 0: "),  # the tiny config's 2 heads
+        (
+            ["--tp", "2", "--merge-order", "single"],
+            "--tp 2: merge order 'single' is not TP-invariant; drop --merge-order single",
+        ),
+        (["--tp", "2"], "TP2 rank 0: "),  # the tiny config's 2 heads (in the default order)
         (["--tp", "0"], "--tp 0: must be at least 1"),
         (["--lora-rank", "2"], "--lora-rank with --rollout sglang: SGLang's DiT holds the base weights only"),
         (["--ulysses", "2"], "--ulysses 2: SGLang's Ulysses rollout takes one request (--batch 1"),
