@@ -61,9 +61,11 @@ def pytest_runtest_protocol(item, nextitem):
 # xdist's own ``loadgroup`` cannot carry this on pytest >= 9.2 (it appends the group to ``item._nodeid``, which pytest
 # no longer reads: pytest-dev/pytest-xdist#1386), so the workers write each test's unit to a file when they have
 # collected (the controller collects nothing) and the controller's scheduler, a LoadScopeScheduling, reads it.
-# Order: tests marked ``slow`` that share nothing first, then the shared units, then the rest, in collection order,
-# so no long test is among the last ones handed out.
+# Order: tests marked ``slow`` that share nothing first, then the shared units (the longest first: LONG_UNITS, each
+# a default command run once for its module, 0.5-2 minutes on two cores), then the rest, in collection order, so no
+# long test is among the last ones handed out.
 PER_WORKER_MODULE_FIXTURES = {"one_thread"}
+LONG_UNITS = ("tests/test_ws1_model.py", "tests/test_gate_trust.py", "tests/test_ws1_trajectory.py")
 SHARED_SCOPES = {"module", "package", "class"}
 UNITS_ENV = "H3GATE_TEST_XDIST_UNITS"
 
@@ -130,6 +132,7 @@ def pytest_collection_modifyitems(config, items):
     units = {id(item): _unit(item) for item in items}
     slow = [i for i in items if units[id(i)] is None and i.get_closest_marker("slow") is not None]
     shared = [i for i in items if units[id(i)] is not None]
+    shared.sort(key=lambda i: next((k for k, u in enumerate(LONG_UNITS) if units[id(i)] == u), len(LONG_UNITS)))
     rest = [i for i in items if units[id(i)] is None and i.get_closest_marker("slow") is None]
     items[:] = slow + shared + rest
     body = json.dumps({i.nodeid: units[id(i)] for i in items if units[id(i)] is not None})
