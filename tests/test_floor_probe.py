@@ -37,6 +37,7 @@ def test_a_probe_that_fails_part_way_still_writes_what_it_recorded(tmp_path):
     assert doc["meta"]["layout"] == "tiny" and doc["meta"]["torch"] == torch.__version__
 
 
+@pytest.mark.slow  # 6-9 s on two cores: make test-slow (.ci/run runs both); make test's budget
 def test_the_cached_arms_skip_exactly_the_named_nodes_and_keep_the_output():
     with strict_numerics("cpu"):
         setup = prepare(RunSpec("block", "tiny"))

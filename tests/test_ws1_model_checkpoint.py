@@ -61,6 +61,7 @@ def _ws1_model(run_cli, *args):
     return run_cli("--quiet", "run", "ws1-model", "--no-backward", "--device", "cpu", *args)
 
 
+@pytest.mark.slow  # 9 s on two cores: make test-slow (.ci/run runs both); make test's budget
 def test_a_sharded_checkpoint_runs_the_gate(run_cli, checkpoints, tmp_path):
     complete, _ = checkpoints
     code, _, err = _ws1_model(run_cli, "--checkpoint", complete, "--layers", "0:1", "--out", tmp_path / "ev")

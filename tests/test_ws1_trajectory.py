@@ -290,6 +290,7 @@ def test_verify_last_recomputes_the_last_step_bitwise(run_a, tmp_path) -> None:
     assert len(doc["invocations"]) == 2 and _step_bytes(rundir) == before
 
 
+@pytest.mark.slow  # 6 s on two cores: make test-slow (.ci/run runs both); make test's budget
 def test_verify_last_fails_when_the_saved_velocity_is_not_the_models(run_a, tmp_path) -> None:
     rundir = _copy(run_a, tmp_path)
     last = EVALUATIONS - 1
@@ -453,6 +454,7 @@ def test_step_0_whose_inputs_are_not_the_initial_latents_is_refused_naming_them(
     assert "step -1" not in line and "initial" in line, line
 
 
+@pytest.mark.slow  # 6 s on two cores: make test-slow (.ci/run runs both); make test's budget
 def test_a_killed_invocation_leaves_temp_files_that_are_removed_and_steps_listed_as_unrecorded(run_b, tmp_path):
     """Killed while writing step 4, before it wrote its record: the resuming invocation removes the half-written
     temp files (never a step), and lists the steps the killed one saved as one ``unrecorded`` invocation (each

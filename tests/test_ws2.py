@@ -242,6 +242,7 @@ def test_a_crash_is_exit_3_never_a_verdict(run_cli, monkeypatch, tmp_path) -> No
     assert not (tmp_path / "out" / "ws2.json").exists()
 
 
+@pytest.mark.slow  # 5-8 s on two cores: make test-slow (.ci/run runs both); make test's budget
 def test_a_failing_rank_is_an_error_naming_the_rank(tmp_path) -> None:
     from h3gate.parallel.ws2 import Ws2Settings, _launch, plan_ws2
 
