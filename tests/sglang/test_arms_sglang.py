@@ -77,7 +77,7 @@ def test_the_rollout_record_says_what_sglang_ran(acceptance):
     assert rollout["sglang"]["attention_backend"]["resolved"] and rollout["sglang"]["degrees"]["tp"] == 1
     assert rollout["packing"]["cu_seqlens"] == [0, MICRO_ROWS, 2 * MICRO_ROWS, 192]  # padded to 64
     r, p = rollout["letters"]["R"], rollout["letters"]["P"]
-    assert r["strict_binding"] == {"active": True, "mode": "strict", "merge_order": "single", "tp": 1, "ulysses": 1,
+    assert r["strict_binding"] == {"active": True, "mode": "strict", "merge_order": "seg8", "tp": 1, "ulysses": 1,
                                    "forwards": 2, "findings": 0}  # fmt: skip
     assert p["strict_binding"] is None and p["operators"] == "sglang as shipped"
 

@@ -125,7 +125,7 @@ def test_the_runtime_record_says_the_binding_ran_with_the_fused_site_mounted(tin
         after = runtime_record(tiny.model, "lossless")["strict_binding"]
     finally:
         assert not set_quality(tiny.model, "exact")
-    assert during == {"active": True, "mode": "strict", "merge_order": "single", "tp": 1, "ulysses": 1,
+    assert during == {"active": True, "mode": "strict", "merge_order": "seg8", "tp": 1, "ulysses": 1,
                       "forwards": 1, "findings": 0}  # fmt: skip
     assert after["active"] is False and after["forwards"] == 1
     site = session.record()["fused_paths"]["rmsnorm_adaln_site_mounted"]
