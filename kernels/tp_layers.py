@@ -7,8 +7,9 @@ the same functions, no communication, which is what the one-device ``*_seg8`` op
 
 * :class:`ColumnLinear` (Q/K/V, FFN gate/up; weight rows = the rank's output columns) - forward: the single-walk
   kernel on the rank's rows with the full layer's tiling ``gemm_config("fwd", N, K, dtype, M)`` (an element's K walk
-  never depends on the slice). dX: reduction over N, which TP splits: the rank's segmented-8 subtree of
-  ``dY[:, N_r] @ W[N_r, :]`` (its owned segments), gathered, the tree's upper levels, one rounding. ``halves``
+  never depends on the slice; a whole layer, TP1, by the operator's declared forward path, the same walk). dX:
+  reduction over N, which TP splits: the rank's segmented-8 subtree of ``dY[:, N_r] @ W[N_r, :]`` (its owned
+  segments), gathered, the tree's upper levels, one rounding. ``halves``
   (gate/up, fused (2F, K) weight owned as chunk pairs): each half is its own (F, K) segmented-8 reduction and
   ``dX = rne(T_value + T_gate)`` (one FP32 add of the two trees). dW = dY^T @ X in a weight gradient's row-segment
   order over the packed rows (4 segments: :func:`h3gate.kernels.rows_seg8.linear_row_grads`, one fused launch,

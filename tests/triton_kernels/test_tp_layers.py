@@ -87,6 +87,40 @@ def test_column_twins_forward_bitwise_single_walk_and_dx_equal_at_every_degree(o
     assert float((dx.double().reshape(-1, 192) - ref).norm() / ref.norm()) < 5e-3
 
 
+def test_a_column_forward_is_the_single_walk_whole_or_on_a_rank_s_rows_with_or_without_a_graph() -> None:
+    """TP1's forward with a graph runs the operator's declared path, a rank's by the Triton kernel on its rows with
+    the full layer's tiling: both the single walk's bytes, column for column."""
+    x, w = rand((2, 9, 192), 3), rand((1024, 192), 4, 192**-0.5)
+    plain = linear(x, w)
+    whole = ColumnLinear.apply(x.clone().requires_grad_(), w, (1024, 192), False, MergeGroup(1, 0, lambda t: [t]))
+    assert torch.equal(whole.detach(), plain)
+    for degree in (2, 8):
+        rows = rank_rows(1024, degree, degree - 1, False)
+        group = MergeGroup(degree, degree - 1, lambda t, n=degree: [t] * n)
+        part = ColumnLinear.apply(x.clone().requires_grad_(), w[rows].contiguous(), (1024, 192), False, group)
+        assert torch.equal(part.detach(), plain[..., rows]), degree
+
+
+def test_the_qkv_twin_groups_siblings_without_a_graph_and_keeps_its_backward_with_one(monkeypatch) -> None:
+    """q, k, v by one grouped call of the single walk when nothing needs a graph (bitwise the calls one by one); with
+    a graph, the twin a weight at a time, so the dX stays in the segmented-8 order."""
+    from h3gate.kernels import tp_layers
+
+    calls: list[int] = []
+    real = tp_layers.linear_grouped
+    monkeypatch.setattr(tp_layers, "linear_grouped", lambda x, ws, op: calls.append(len(ws)) or real(x, ws, op=op))
+    x = rand((2, 9, 192), 5)
+    ws = [rand((256, 192), 6 + i, 192**-0.5) for i in range(3)]
+    outs = h3_qkv_gemm_seg8.grouped(x, ws)
+    assert calls == [3] and all(torch.equal(o, h3_qkv_gemm_seg8(x, w)) for o, w in zip(outs, ws, strict=True))
+    xg = x.clone().requires_grad_()
+    sum(o.float().sum() for o in h3_qkv_gemm_seg8.grouped(xg, ws)).backward()
+    assert calls == [3]  # the graph path never grouped
+    x1 = x.clone().requires_grad_()
+    sum(h3_qkv_gemm_seg8(x1, w).float().sum() for w in ws).backward()
+    assert torch.equal(xg.grad, x1.grad)
+
+
 def test_the_gate_up_halves_are_their_own_trees() -> None:
     """Negative control: the gate/up dX is two trees (value half, gate half) added once, not one seg8 tree over the
     fused N. A crafted row (N = 640, F = 320): 1 at n = 0, +2^25 at n = 300 (value half) and -2^25 at n = 330 (gate
