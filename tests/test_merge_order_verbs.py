@@ -201,7 +201,7 @@ def test_a_seg8_trajectory_passes_names_its_twins_and_refuses_a_resume_in_single
         assert doc["bindings"][op]["kernel_id"] == registry.spec(f"{op}_seg8").kernel_id
 
     before = _tree(rundir)  # negative control: the same run resumed in the other order is refused, nothing written
-    _one_line_refusal(run_cli(*TRAJ, "--out", rundir, "--steps", "4", "--resume"),
+    _one_line_refusal(run_cli(*TRAJ, "--out", rundir, "--steps", "4", "--resume", "--merge-order", "single"),
                       "--resume", "merge_order differs from the saved run (saved 'seg8', now 'single')")  # fmt: skip
     assert _tree(rundir) == before
 
@@ -248,5 +248,5 @@ def test_a_twin_wrong_on_one_row_fails_only_the_seg8_run(run_cli, tmp_path, monk
     doc = json.loads((tmp_path / "seg8" / "ws1-ops.json").read_text(encoding="utf-8"))
     assert any(f.startswith("adaln_gate_residual S=84: forward row rule") and f": row {row}:" in f
                for f in doc["failures"]), doc["failures"]  # fmt: skip
-    code, out, err = run_cli(*base, "--out", tmp_path / "single")
+    code, out, err = run_cli(*base, "--merge-order", "single", "--out", tmp_path / "single")
     assert code == 0, out[-3000:] + err[-3000:]
