@@ -250,3 +250,13 @@ def test_a_twin_wrong_on_one_row_fails_only_the_seg8_run(run_cli, tmp_path, monk
                for f in doc["failures"]), doc["failures"]  # fmt: skip
     code, out, err = run_cli(*base, "--merge-order", "single", "--out", tmp_path / "single")
     assert code == 0, out[-3000:] + err[-3000:]
+
+
+def test_a_title_names_the_merge_order_only_where_h3gate_s_kernels_ran_in_one() -> None:
+    from h3gate.commands.explain import merge_label
+
+    assert merge_label({"mode": "strict", "merge_order": "seg8"}) == ", merge order seg8"
+    assert merge_label({"mode": "audit", "merge_order": "single"}) == ", merge order single"
+    assert merge_label({"mode": "off", "merge_order": "seg8"}) == ""  # the provider's ops
+    assert merge_label({"mode": "strict", "merge_order": "seg8", "candidate": {"versions": {}}}) == ""  # SGLang's
+    assert merge_label({"mode": "strict"}) == ""  # a record made before the order was recorded

@@ -21,6 +21,13 @@ def weights(checkpoint: dict | None) -> str:
     return f"the checkpoint {checkpoint['path']}"
 
 
+def merge_label(doc: dict) -> str:
+    """``, merge order seg8`` for a title: the order h3gate's kernels summed the split reductions in (none in mode off,
+    for SGLang's DiT as the candidate, or for a record made before it was recorded)."""
+    order = doc.get("merge_order")
+    return "" if order is None or doc.get("mode") == "off" or doc.get("candidate") else f", merge order {order}"
+
+
 def candidate(doc: dict) -> str:
     """What a gate judged: SGLang's DiT, or h3gate's kernels in the run's mode."""
     cand = doc.get("candidate")

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
-from h3gate.commands.explain import gate_detail, gate_lines
+from h3gate.commands.explain import gate_detail, gate_lines, merge_label
 from h3gate.commands.run_cmd import (
     check_gate_args,
     determinism_line,
@@ -266,7 +266,7 @@ def stage_table(doc: dict, dropped: frozenset[str] = frozenset()) -> Table:
     who = "" if cand is None else f", candidate sglang {cand['versions']['sglang']} (quality {cand['quality']})"
     table = Table(
         title=f"ws1-model {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
-        f"mode {doc['mode']}, layers {doc['model']['layers'][0]}:{doc['model']['layers'][1]}{who}"
+        f"mode {doc['mode']}{merge_label(doc)}, layers {doc['model']['layers'][0]}:{doc['model']['layers'][1]}{who}"
     )
     cols = [c for c in MODEL_COLUMNS if c not in dropped]
     for col in cols:

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from h3gate.bounded import MAX_EVIDENCE_BYTES, load_json_file
 from h3gate.commands.console import fit_table, print_fitted, print_verdict, progress, stdout_console
-from h3gate.commands.explain import determinism_line, failing_header, gate_detail, gate_lines
+from h3gate.commands.explain import determinism_line, failing_header, gate_detail, gate_lines, merge_label
 from h3gate.errors import EXIT_FAIL, EXIT_PASS, InputError
 from h3gate.evidence.provenance import sha256_file
 from h3gate.evidence.runfolder import check_out, enter_run, run_scope
@@ -187,7 +187,7 @@ def block_table(doc: dict, dropped: frozenset[str] = frozenset()) -> Table:
     who = "" if cand is None else f", candidate sglang {cand['versions']['sglang']} (quality {cand['quality']})"
     table = Table(
         title=f"ws1-block {doc['config']['name']} / {layout['name']} (S={layout['seq_len']}), {doc['device']}, "
-        f"mode {doc['mode']}{who}"
+        f"mode {doc['mode']}{merge_label(doc)}{who}"
     )
     cols = [c for c in BLOCK_COLUMNS if c not in dropped]
     for col in cols:
