@@ -221,11 +221,14 @@ def test_default_run_exit_code_and_evidence(default_run):
 # through the same gate (tests/test_gate_trust.py)
 @pytest.mark.slow
 def test_declared_kernels_through_the_gate(small, tmp_path):
-    """The operators' declared kernels (Triton, interpreted on CPU) through the whole gate, forward and backward."""
+    """The operators' declared kernels (Triton, interpreted on CPU) through the whole gate, forward and backward, in
+    the single order: each operator's own kernel (the default order's twins: tests/test_merge_order_verbs.py)."""
     from h3gate.evidence.writer import write_evidence
+    from h3gate.graph.executions import bind_graph
 
     cfg, layout, params, inputs = small
-    result = run_block_gate(_gate(small, "auto"))
+    single = bind_graph(build_block_graph(cfg), "auto", "cpu", "single")
+    result = run_block_gate(_gate(small, "auto", bindings=single))
     rep = result.report
     for node in rep["nodes"]:
         declared = all(registry.spec(op).kernel is not None for op in node["ops"])
@@ -257,8 +260,8 @@ def test_declared_kernels_through_the_gate(small, tmp_path):
     x = torch.empty(1, layout.seq_len, wo.shape[1], dtype=wo.dtype)
     assert launched["o_proj"] == {"h3_attention_o_gemm": [gemm.launch_record(x, wo)]}
     checkpoint = {"kind": "synthetic", "path": None, "seed": 0}
-    setup = run_setup.Run(run_setup.RunSpec("block", mode="auto"), "tiny", cfg, layout, None, checkpoint, [],
-                          block=run_setup.BlockData(params, inputs))  # fmt: skip
+    spec = run_setup.RunSpec("block", mode="auto", merge="single")
+    setup = run_setup.Run(spec, "tiny", cfg, layout, None, checkpoint, [], block=run_setup.BlockData(params, inputs))
     tol = load_tolerance("ws1-block")
     body = run_cmd.build_body(setup, result, "auto", 0, tol, tolerance_path("ws1-block"))
     write_evidence(tmp_path, "ws1-block.json", "ws1-block", body)  # validates against the schema
