@@ -81,6 +81,7 @@ def test_malformed_yaml_fails_with_breadcrumb(home):
     assert "malformed YAML" in done.stderr
 
 
+@pytest.mark.slow  # 9 s on two cores: make test-slow (.ci/run runs both); make test's budget
 def test_cross_checks_fail(home):
     """A checkpoint config drifting from configs/real.yaml, a wrong declared seq_len, a broken cross-file $ref."""
     path = home / "manifests" / "checkpoints" / "minimax-h3-42ed227.yaml"
