@@ -11,7 +11,9 @@ A missing (non-finite) error never passes.
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from dataclasses import dataclass
 
 BF16_MANTISSA_BITS = 7
 
@@ -53,3 +55,24 @@ def leaf_check(
             rec["pass"] = True
             rec["passed_by"] = "ulp"
     return rec
+
+
+@dataclass(frozen=True)
+class IsolatedPromise:
+    """Whether a node's isolated-bitwise promise applies: ``listed`` in the profile (``isolated_bitwise``, or
+    ``isolated_bitwise_on`` for this device kind: ``on_device``), and ``applies``."""
+
+    listed: bool
+    on_device: bool
+    applies: bool
+
+
+def isolated_promise(forward, device: str, node: str, provider_bitwise: bool, single_forward: bool) -> IsolatedPromise:
+    """The one decision of both gates. Profile entries are fnmatch patterns over node names (``block.*.norm1``). A
+    plain entry applies where every kernel's contract declares ``provider_bitwise``; a device-kind entry, measured
+    for the single walk, applies whatever the contracts say while each op's forward is its single-walk kernel's
+    (``single_forward``: no merge twin that changes the forward's order)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    on_device = any(fnmatch.fnmatchcase(node, p) for p in forward.isolated_bitwise_on.get(kind, []))
+    listed = on_device or any(fnmatch.fnmatchcase(node, p) for p in forward.isolated_bitwise)
+    return IsolatedPromise(listed, on_device, (on_device and single_forward) or (listed and provider_bitwise))

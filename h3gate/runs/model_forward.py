@@ -9,7 +9,6 @@ under every variant. Every node gets the checks of the tolerance profile's ``for
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.invariance import filler_records, with_fillers
 from h3gate.gate.rows import describe, row_errors
-from h3gate.gate.tolerance import error_check
+from h3gate.gate.tolerance import error_check, isolated_promise
 from h3gate.graph import determinism
 from h3gate.graph.core import Node, Values, to_float64
 from h3gate.graph.execute import iter_isolated
@@ -282,17 +281,12 @@ def _bound(gate: ModelGate, err: dict) -> dict:
 
 
 def promised(gate: ModelGate, node: Node) -> tuple[bool, bool]:
-    """(listed, applies) of the isolated-bitwise promise: profile entries are node-name patterns
-    (``block.*.norm1``); a device-kind entry, measured for the single walk, applies whatever the kernel contract says
-    while each op's forward is its single-walk kernel's (no merge twin that changes the forward's order)."""
-    tol = gate.tolerance.forward
-    kind = "cuda" if gate.device.startswith("cuda") else "cpu"
-    on_device = any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise_on.get(kind, []))
-    listed = on_device or any(fnmatch.fnmatchcase(node.name, p) for p in tol.isolated_bitwise)
+    """(listed, applies) of the node's isolated-bitwise promise (:func:`h3gate.gate.tolerance.isolated_promise`)."""
     nb = gate.bindings[node.name]
-    contract = gate.sglang is None and nb.provider_bitwise  # SGLang declares no contract
-    single = gate.sglang is not None or nb.single_forward  # SGLang's module runs its own kernels, never a twin
-    return listed, (on_device and single) or (listed and contract)
+    sglang = gate.sglang is not None  # SGLang declares no contract and runs its own kernels, never a twin
+    p = isolated_promise(gate.tolerance.forward, gate.device, node.name, not sglang and nb.provider_bitwise,
+                         sglang or nb.single_forward)  # fmt: skip
+    return p.listed, p.applies
 
 
 def _record(gate, node: Node, judged: _Judged, repeat: dict, batch: dict, prov, cand, mods) -> dict:

@@ -33,7 +33,7 @@ from h3gate.gate.drift import first_drift
 from h3gate.gate.faults import RowFault
 from h3gate.gate.invariance import GRAD_PLACEMENTS
 from h3gate.gate.rows import describe
-from h3gate.gate.tolerance import error_check
+from h3gate.gate.tolerance import error_check, isolated_promise
 from h3gate.gate.variants import Variant
 from h3gate.graph import determinism
 from h3gate.graph.core import Graph, OpTable, Values, to_float64
@@ -267,16 +267,15 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
     """One record per node (checks of the tolerance profile's forward section): (records, failing checks)."""
     tol, modalities = gate.tolerance.forward, gate.inputs.modalities
     device_kind = "cuda" if gate.device.startswith("cuda") else "cpu"
-    device_promised = set(tol.isolated_bitwise_on.get(device_kind, []))
+    sglang = gate.sglang is not None  # SGLang declares no contract and runs its own kernels, never a twin
     nodes, failing = [], []
     for node in gate.graph.nodes:
         n = node.name
         nb = bindings[n]
         err_c, err_p = fw.errors[n]
-        single = gate.sglang is not None or nb.single_forward  # SGLang's module runs its own kernels, never a twin
-        on_device = n in device_promised and single
-        listed = n in tol.isolated_bitwise or n in device_promised
-        promised = listed and ((nb.provider_bitwise and gate.sglang is None) or on_device)
+        single = sglang or nb.single_forward
+        promise = isolated_promise(tol, gate.device, n, not sglang and nb.provider_bitwise, single)
+        listed, promised = promise.listed, promise.applies
         checks = []
         if gate.sglang is not None and n in gate.sglang.uncovered:
             checks.append(check("captured", False, f"SGLang: {gate.sglang.uncovered[n]}"))
@@ -295,7 +294,7 @@ def _node_records(gate: BlockGate, bindings: Mapping[str, NodeBinding], fw: Forw
             why = "; ".join(f"{b.op}: {b.reason}" for b in nb.bindings if b.fallback)
             checks.append(check("no_fallback", False, f"audit mode: ran the provider reference ({why})"))
         failing += [failure(f"forward.{n}", c) for c in checks if not c["pass"]]
-        reason = _promise_reason(listed, promised, n in device_promised, single, device_kind)
+        reason = _promise_reason(listed, promised, promise.on_device, single, device_kind)
         head = {"name": n, "owner_row": node.owner_row, "ops": list(node.ops), "inputs": list(node.inputs),
                 "meta": dict(node.meta)}  # fmt: skip
         prov, cand = fw.store.stored("provider", n), fw.store.stored("candidate", n)
