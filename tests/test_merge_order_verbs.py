@@ -170,6 +170,57 @@ def test_the_record_says_why_a_device_promise_does_not_apply() -> None:
     )
 
 
+def _twins(bindings) -> set[str]:
+    """The ops bound to a merge twin (a record naming a ``bound`` operator other than its own)."""
+    return {b.op for nb in bindings.values() for b in nb.bindings if b.bound and b.bound != b.op}
+
+
+@pytest.mark.parametrize("merge", ["single", "seg8"])
+def test_the_bench_times_the_single_walk_as_strict_whatever_the_default(merge, monkeypatch) -> None:
+    """``bench ws1-block`` / ``ws1-model``: the ``strict`` arm is the single walk (what every order is measured
+    against), the ``strict_seg8`` arm the twins; bound in the default order, strict would time seg8 against itself."""
+    from h3gate.bench import block as bench_block
+    from h3gate.bench import model as bench_model
+
+    graph = build_block_graph(load_config("tiny").config)
+    tables, strict, seg8 = bench_block.arm_tables(graph, "cpu", merge)
+    assert _twins(strict) == set() and tables["strict"]["h3_attention_o_gemm"] is not None
+    if merge == "single":
+        assert list(tables) == ["provider", "strict"] and seg8 == {}
+    else:
+        assert list(tables) == ["provider", "strict", "strict_seg8"]
+        assert {"h3_attention_o_gemm", "h3_ffn_down_gemm"} <= _twins(seg8)
+    specs = []
+
+    def stop(spec, *args, **kwargs):
+        specs.append(spec)
+        raise LookupError("stopped after the run spec")
+
+    monkeypatch.setattr(bench_block, "prepare", stop)
+    monkeypatch.setattr(bench_model, "prepare", stop)
+    for bench in (
+        lambda: bench_block.bench_block("micro", "tiny", "cuda"),
+        lambda: bench_model._setup("micro", "tiny", "cuda"),
+    ):
+        with pytest.raises(LookupError):
+            bench()
+    assert [s.merge for s in specs] == [bench_block.STRICT_ORDER] * 2 == ["single"] * 2
+
+
+@pytest.mark.parametrize("scope", ["block", "model"])
+def test_ws2_draws_its_weights_where_the_ws1_verb_of_its_scope_does(scope) -> None:
+    """``run ws2 --save-tensors`` compares with ``run ws1-block`` / ``ws1-model --save-tensors`` only if both draw
+    the synthetic weights alike (on a GPU a device draw gives other values than the CPU's generator)."""
+    from h3gate.commands.model_cmd import MODEL_RUN
+    from h3gate.commands.run_cmd import Ws1BlockCommand
+    from h3gate.parallel.ws2 import Ws2Settings, plan_ws2
+    from h3gate.runs.setup import SCOPE_DRAW
+
+    ws1 = {"block": Ws1BlockCommand.run.draw, "model": MODEL_RUN.draw}
+    assert ws1 == SCOPE_DRAW == {"block": "cpu", "model": "device"}
+    assert plan_ws2(Ws2Settings("tp2", scope=scope)).run.spec.draw == ws1[scope]
+
+
 # 2. refusals: exit 2, one line, nothing written
 
 

@@ -44,9 +44,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from h3gate.bench.block import block_calls, seg8_arm
+from h3gate.bench.block import STRICT_ORDER, arm_tables, block_calls
 from h3gate.bench.timing import side_by_side, spin_cycles
-from h3gate.graph.executions import candidate_table
 from h3gate.kernels import gemm, gemm_merge
 from h3gate.kernels.common import STRICT_LAUNCH, num_sms
 from h3gate.kernels.gemm_configs import gemm_config
@@ -223,9 +222,9 @@ def _profile(fn, cycles: int, calls: int, top: int) -> dict:
 
 def _block_arms(layout: str) -> tuple:
     """The real block at ``layout`` (the one run setup) and its strict tables in both orders."""
-    setup = prepare(RunSpec("block", layout, "real", None, "cuda", 0, "strict"))
-    tables = {"strict": candidate_table(setup.bindings)}
-    seg8_arm(tables, setup.graph, "cuda", "seg8")
+    setup = prepare(RunSpec("block", layout, "real", None, "cuda", 0, "strict", merge=STRICT_ORDER))
+    tables, _, _ = arm_tables(setup.graph, "cuda", "seg8")
+    del tables["provider"]
     return setup, tables
 
 

@@ -34,14 +34,20 @@ WARMUP_S = 0.5
 ITERS = 20
 
 
-def seg8_arm(tables: dict, graph, device: str, merge: str) -> dict:
-    """With ``merge == "seg8"``, add the ``strict_seg8`` table (bound strict, seg8 twins) and return its bindings."""
+STRICT_ORDER = "single"  # the ``strict`` arm: the single walk, the time every other merge order is measured against
 
+
+def arm_tables(graph: Graph, device: str, merge: str) -> tuple[dict[str, OpTable], dict, dict]:
+    """The timed arms: ``provider``; ``strict``, bound in :data:`STRICT_ORDER` whatever the default order; with
+    ``merge == "seg8"`` also ``strict_seg8`` (bound strict, seg8 twins: what TP ranks share). Returns the tables, the
+    strict arm's bindings and the seg8 arm's (empty without it)."""
+    bindings = bind_graph(graph, "strict", device, STRICT_ORDER)
+    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
     if check_merge(merge) != "seg8":
-        return {}
-    bindings = bind_graph(graph, "strict", device, "seg8")
-    tables["strict_seg8"] = candidate_table(bindings)
-    return bindings
+        return tables, bindings, {}
+    seg8 = bind_graph(graph, "strict", device, "seg8")
+    tables["strict_seg8"] = candidate_table(seg8)
+    return tables, bindings, seg8
 
 
 ONE_BY_ONE = "strict_one_by_one"
@@ -111,15 +117,14 @@ def bench_block(
     """Time the strict block and the provider block side by side: the ``bench-ws1-block`` body and the manifests
     read (the caller, ``h3gate bench ws1-block``, writes and prints; this runs under its numerics switch).
 
-    ``progress(label)`` is called before each timed phase. ``merge="seg8"`` adds a third arm, ``strict_seg8``: the
-    strict block with every operator in the seg8 merge order (what TP ranks share), timed in the same rounds.
+    ``progress(label)`` is called before each timed phase. ``strict`` is the single walk; ``merge="seg8"`` adds a
+    third arm, ``strict_seg8`` (:func:`arm_tables`), timed in the same rounds.
     """
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
-    setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict"))
-    graph, bindings = setup.graph, setup.bindings
-    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
-    seg8 = seg8_arm(tables, graph, device, merge)
+    setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict", merge=STRICT_ORDER))
+    graph = setup.graph
+    tables, bindings, seg8 = arm_tables(graph, device, merge)
     x, params = setup.inputs.tensors, setup.params
     makers = block_calls(setup)
     results: dict[str, dict] = {}

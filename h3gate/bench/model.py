@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from h3gate.bench import energy
-from h3gate.bench.block import phase_tables, ratios, seg8_arm
+from h3gate.bench.block import STRICT_ORDER, arm_tables, phase_tables, ratios
 from h3gate.bench.nodes import method as step_method
 from h3gate.bench.nodes import step_times
 from h3gate.bench.timing import side_by_side
 from h3gate.errors import InputError
 from h3gate.graph.core import OpTable
-from h3gate.graph.executions import NodeBinding, candidate_table, provider_table
+from h3gate.graph.executions import NodeBinding
 from h3gate.graph.stages import Stage, backward_stages, forward_stages, stage_params
 from h3gate.memory import require
 from h3gate.merge_order import DEFAULT_MERGE_ORDER
@@ -202,7 +202,8 @@ def _setup(layout: str, config: str, device: str) -> Run:
     drawn on the device's generator, nothing read yet."""
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
-    return prepare(RunSpec("model", layout, config, None, device, SEED, "strict", draw="device"), read=False)
+    spec = RunSpec("model", layout, config, None, device, SEED, "strict", merge=STRICT_ORDER, draw="device")
+    return prepare(spec, read=False)
 
 
 def bench_model(
@@ -215,11 +216,11 @@ def bench_model(
     """Time the strict model and the provider model side by side: the ``bench-ws1-model`` body and the manifests
     read (the caller, ``h3gate bench ws1-model``, writes and prints; this runs under its numerics switch).
 
-    ``progress(label)`` is called before loading and before each timed phase. ``merge="seg8"`` adds the
-    ``strict_seg8`` arm (every operator in the seg8 merge order), timed in the same rounds.
+    ``progress(label)`` is called before loading and before each timed phase. ``strict`` is the single walk;
+    ``merge="seg8"`` adds the ``strict_seg8`` arm (every operator in the seg8 merge order), timed in the same rounds.
     """
     run = read_inputs(_setup(layout, config, device))
-    name, cfg, packed, graph, bindings = run.config_name, run.cfg, run.layout, run.graph, run.bindings
+    name, cfg, packed, graph = run.config_name, run.cfg, run.layout, run.graph
     source, stages, manifests = run.source, run.stages, run.manifests
     what = f"bench ws1-model --layout {layout} --config {name} --device {device} (S={packed.seq_len})"
     param_bytes = _check_memory(source, packed, cfg, what, device)
@@ -227,8 +228,7 @@ def bench_model(
         progress(f"parameters and inputs ({param_bytes / 2**30:.1f} GiB of weights)")
     params = _load_params(source, device)
     inputs = run.inputs
-    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
-    seg8 = seg8_arm(tables, graph, device, merge)
+    tables, bindings, seg8 = arm_tables(graph, device, merge)
     with torch.no_grad():
         cot = model_cotangents(SEED, forward_stages(stages, inputs, stage_params(stages, params), tables["provider"]))
     iters = iters_for(packed.seq_len)

@@ -44,12 +44,12 @@ from h3gate.runs.candidate import check_forward_only, fault_point
 from h3gate.runs.memory_plan import saved_values_bytes
 from h3gate.runs.model_backward import LEAF_ROWS
 from h3gate.runs.model_stages import timestep_count
-from h3gate.runs.setup import ModelNeeds, Run, RunSpec, prepare, read_inputs
+from h3gate.runs.setup import SCOPE_DRAW, ModelNeeds, Run, RunSpec, prepare, read_inputs
 from h3gate.runs.ws1_model import ModelGate, ModelGateResult, run_model_gate, steps
 
 KIND = "ws1-model"
 DEFAULT_LAYOUT = "micro"
-MODEL_RUN = RunSpec("model", DEFAULT_LAYOUT, draw="device")  # synthetic weights drawn on the run's device
+MODEL_RUN = RunSpec("model", DEFAULT_LAYOUT, draw=SCOPE_DRAW["model"])
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from h3gate.parallel.ws2_scope import SCOPES, Fault, build_scope, cotangents, fo
 from h3gate.paths import display
 from h3gate.ranks import run_ranks
 from h3gate.runs.block_rows import determinism_failure
-from h3gate.runs.setup import Run, RunSpec, check_device, prepare, read_inputs
+from h3gate.runs.setup import SCOPE_DRAW, Run, RunSpec, check_device, prepare, read_inputs
 
 KIND = "ws2"
 TOPOLOGIES: dict[str, tuple[int, int, bool]] = {
@@ -160,8 +160,8 @@ def plan_ws2(s: Ws2Settings) -> Ws2Plan:
             raise InputError(f"--topology {s.topology}: {tp * cp} ranks need {tp * cp} GPUs, this machine has "
                              f"{torch.cuda.device_count()} (one NCCL rank per GPU)")  # fmt: skip
     device = "cpu" if s.device == "cpu" else "cuda:0"
-    run = prepare(RunSpec(s.scope, s.layout, s.config, None, device, s.seed, "strict", "seg8", draw="device"),
-                  read=False)  # fmt: skip
+    spec = RunSpec(s.scope, s.layout, s.config, None, device, s.seed, "strict", "seg8", draw=SCOPE_DRAW[s.scope])
+    run = prepare(spec, read=False)
     cfg, layout, graph = run.cfg, run.layout, run.graph
     check_alignment(tp, cfg.num_attention_heads, cfg.attention_head_dim, cfg.hidden_size, cfg.ffn_dim, torch.bfloat16)
     if cfg.num_attention_heads % (tp * cp):

@@ -54,6 +54,9 @@ from h3gate.synth import SyntheticSource, layout_variant
 LAYER = 0  # the block the one-block gate runs
 SCOPES = ("block", "model")
 DRAWS = ("cpu", "device")
+# where the gates draw a scope's synthetic weights: a block on the CPU (the same values on every device), the model
+# on the run's device (a 33B model is not drawn on a CPU); every verb of one scope draws alike, so their files compare
+SCOPE_DRAW = {"block": "cpu", "model": "device"}
 UNRELATED_ITEMS = 2  # batch placements need at most two unrelated requests (a batch of 3)
 
 
@@ -77,7 +80,7 @@ class RunSpec:
     merge: str = DEFAULT_MERGE_ORDER
     layers: str | None = None
     blocks: int | None = None
-    draw: str = "cpu"
+    draw: str = SCOPE_DRAW["block"]
     candidate: str = "h3gate"
     sglang_quality: str = "lossless"
     sglang_attention: str | None = None
