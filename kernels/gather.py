@@ -40,6 +40,7 @@ from h3gate.kernels.common import (
 
 CHUNK = 256
 SUB = 32  # rows per sub-tile of a chunk
+SEGMENTS_PER_PROGRAM = 32 if INTERPRET else 1  # the segment reduce (interpreted: fewer, larger programs)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -113,26 +114,27 @@ def _segment_partial_kernel(
 
 @triton.jit
 def _segment_reduce_kernel(
-    part_ptr, seg_cstart_ptr, out_ptr, H, max_chunks, part_bs, out_bs, out_rs,
-    BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+    part_ptr, seg_cstart_ptr, out_ptr, H, num_segments, max_chunks, part_bs, out_bs, out_rs,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    j = tl.program_id(0)
+    """out[b, j] = the chunk partials of segment j added in ascending chunk order from 0.0, for BLOCK_S segments and
+    BLOCK_H columns a program (each element its own sequential sum: the tile shape is not arithmetic)."""
+    segs = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     b = tl.program_id(2).to(tl.int64)
+    sm = segs < num_segments
     cm = cols < H
-    first = tl.load(seg_cstart_ptr + j)
-    last = tl.load(seg_cstart_ptr + j + 1)
-    acc = exact.zeros([BLOCK_H], dtype=tl.float32)
+    first = tl.load(seg_cstart_ptr + segs, mask=sm, other=0)
+    last = tl.load(seg_cstart_ptr + segs + 1, mask=sm, other=0)
+    acc = exact.zeros([BLOCK_S, BLOCK_H], dtype=tl.float32)
     for i in range(0, max_chunks):
         k = first + i
-        valid = k < last
-        # The chunk test compared per lane (not a scalar broadcast into the mask: Triton 3.9's interpreter loads only
-        # under a boolean mask, and a broadcast scalar comparison is not one there).
-        live = cm & (k + exact.zeros_like(cols) < last)
-        v = tl.load(part_ptr + b * part_bs + k.to(tl.int64) * H + cols, mask=live, other=0.0)
-        acc = tl.where(valid, acc + v, acc)
+        live = (k < last)[:, None] & cm[None, :]
+        v = tl.load(part_ptr + b * part_bs + k.to(tl.int64)[:, None] * H + cols[None, :], mask=live, other=0.0)
+        acc = tl.where(live, acc + v, acc)
     out = exact.rne(acc, out_ptr.dtype.element_ty, INTERPRET)
-    tl.store(out_ptr + b * out_bs + j.to(tl.int64) * out_rs + cols, out, mask=cm)
+    rows = segs.to(tl.int64)[:, None] * out_rs
+    tl.store(out_ptr + b * out_bs + rows + cols[None, :], out, mask=sm[:, None] & cm[None, :])
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,10 @@ def segment_sum(
             SUB=SUB, BLOCK_H=block_h, PRODUCT=c is not None, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
         )  # fmt: skip
     out = torch.empty((nb, plan.num_segments, h), dtype=out_dtype, device=a.device)
-    _segment_reduce_kernel[(plan.num_segments, triton.cdiv(h, block_h), nb)](
-        part, plan.seg_chunk_start, out, h, plan.max_chunks, part.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
+    block_s = min(next_pow2(plan.num_segments), SEGMENTS_PER_PROGRAM)
+    _segment_reduce_kernel[(triton.cdiv(plan.num_segments, block_s), triton.cdiv(h, block_h), nb)](
+        part, plan.seg_chunk_start, out, h, plan.num_segments, plan.max_chunks, part.stride(0), out.stride(0),
+        out.stride(1), BLOCK_S=block_s, BLOCK_H=block_h, INTERPRET=INTERPRET, num_warps=4, **STRICT_LAUNCH,
     )  # fmt: skip
     return out
 

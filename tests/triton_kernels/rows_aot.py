@@ -50,7 +50,8 @@ def variants():
     )
     yield "segment.partial", g._segment_partial_kernel, seg, dict(SUB=32, BLOCK_H=128, PRODUCT=True), False
     yield "segment.reduce", g._segment_reduce_kernel, dict(part_ptr=F, seg_cstart_ptr=I64, out_ptr=B, H="i32",
-          max_chunks="i32", part_bs="i32", out_bs="i32", out_rs="i32"), dict(BLOCK_H=128), False  # fmt: skip
+          num_segments="i32", max_chunks="i32", part_bs="i32", out_bs="i32", out_rs="i32"),\
+        dict(BLOCK_S=1, BLOCK_H=128), False  # fmt: skip
     for mod, rf in ((True, False), (False, True)):
         yield f"rms.fwd.mod{mod:d}", n._rms_fwd_kernel, fwd, dict(BLOCK_M=16, BLOCK_H=128, NCH=1, MODULATE=mod,
               ROUND_FIRST=rf, SAVE_RSTD=True), False  # fmt: skip
