@@ -43,8 +43,8 @@ class Scope:
 
 def build_scope(run: Run) -> Scope:
     """The graph, parameters and inputs of a prepared run's scope (:func:`h3gate.runs.setup.prepare` with
-    ``scope`` and its scope's draw, :data:`h3gate.runs.setup.SCOPE_DRAW`): block 0 with its parameters and inputs, or the whole model with every
-    parameter read."""
+    ``scope`` and its draw, :data:`h3gate.runs.setup.SCOPE_DRAW`): block 0 with its parameters and inputs, or the
+    whole model with every parameter read."""
     if run.spec.scope == "block":
         return Scope("block", run.graph, run.params, dict(run.inputs.tensors), BLOCK_LEAVES, (run.graph.output,))
 
