@@ -223,7 +223,7 @@ def _profile(fn, cycles: int, calls: int, top: int) -> dict:
 def _block_arms(layout: str) -> tuple:
     """The real block at ``layout`` (the one run setup) and its strict tables in both orders."""
     setup = prepare(RunSpec("block", layout, "real", None, "cuda", 0, "strict", merge=STRICT_ORDER))
-    tables, _, _ = arm_tables(setup.graph, "cuda", "seg8")
+    tables, _ = arm_tables(setup.graph, setup.bindings, "cuda", "seg8")
     del tables["provider"]
     return setup, tables
 

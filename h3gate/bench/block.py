@@ -37,17 +37,16 @@ ITERS = 20
 STRICT_ORDER = "single"  # the ``strict`` arm: the single walk, the time every other merge order is measured against
 
 
-def arm_tables(graph: Graph, device: str, merge: str) -> tuple[dict[str, OpTable], dict, dict]:
-    """The timed arms: ``provider``; ``strict``, bound in :data:`STRICT_ORDER` whatever the default order; with
-    ``merge == "seg8"`` also ``strict_seg8`` (bound strict, seg8 twins: what TP ranks share). Returns the tables, the
-    strict arm's bindings and the seg8 arm's (empty without it)."""
-    bindings = bind_graph(graph, "strict", device, STRICT_ORDER)
-    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(bindings)}
+def arm_tables(graph: Graph, strict: dict, device: str, merge: str) -> tuple[dict[str, OpTable], dict]:
+    """The timed arms: ``provider``; ``strict``, the run setup's bindings (``strict``: a run prepared in
+    :data:`STRICT_ORDER`, whatever the default order); with ``merge == "seg8"`` also ``strict_seg8`` (bound strict,
+    seg8 twins: what TP ranks share). Returns the tables and the seg8 arm's bindings (empty without it)."""
+    tables: dict[str, OpTable] = {"provider": provider_table(), "strict": candidate_table(strict)}
     if check_merge(merge) != "seg8":
-        return tables, bindings, {}
+        return tables, {}
     seg8 = bind_graph(graph, "strict", device, "seg8")
     tables["strict_seg8"] = candidate_table(seg8)
-    return tables, bindings, seg8
+    return tables, seg8
 
 
 ONE_BY_ONE = "strict_one_by_one"
@@ -123,8 +122,8 @@ def bench_block(
     if not device.startswith("cuda"):
         raise InputError(f"--device {device}: bench needs --device cuda (CUDA-event timings)")
     setup = prepare(RunSpec("block", layout, config, None, device, 0, "strict", merge=STRICT_ORDER))
-    graph = setup.graph
-    tables, bindings, seg8 = arm_tables(graph, device, merge)
+    graph, bindings = setup.graph, setup.bindings
+    tables, seg8 = arm_tables(graph, bindings, device, merge)
     x, params = setup.inputs.tensors, setup.params
     makers = block_calls(setup)
     results: dict[str, dict] = {}

@@ -220,7 +220,7 @@ def bench_model(
     ``merge="seg8"`` adds the ``strict_seg8`` arm (every operator in the seg8 merge order), timed in the same rounds.
     """
     run = read_inputs(_setup(layout, config, device))
-    name, cfg, packed, graph = run.config_name, run.cfg, run.layout, run.graph
+    name, cfg, packed, graph, bindings = run.config_name, run.cfg, run.layout, run.graph, run.bindings
     source, stages, manifests = run.source, run.stages, run.manifests
     what = f"bench ws1-model --layout {layout} --config {name} --device {device} (S={packed.seq_len})"
     param_bytes = _check_memory(source, packed, cfg, what, device)
@@ -228,7 +228,7 @@ def bench_model(
         progress(f"parameters and inputs ({param_bytes / 2**30:.1f} GiB of weights)")
     params = _load_params(source, device)
     inputs = run.inputs
-    tables, bindings, seg8 = arm_tables(graph, device, merge)
+    tables, seg8 = arm_tables(graph, bindings, device, merge)
     with torch.no_grad():
         cot = model_cotangents(SEED, forward_stages(stages, inputs, stage_params(stages, params), tables["provider"]))
     iters = iters_for(packed.seq_len)

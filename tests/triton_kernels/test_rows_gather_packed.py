@@ -39,6 +39,23 @@ def test_segment_sum_multi_chunk_determinism():
     assert torch.equal(out1[0, 3], torch.zeros(h)) and not torch.signbit(out1[0, 3]).any()
 
 
+def test_segment_sum_is_the_same_bytes_whatever_the_segments_a_program_reduces(monkeypatch):
+    """The reduce takes SEGMENTS_PER_PROGRAM segments a program (a tile shape): 70 segments (a ragged last program,
+    empty segments), two batch items, one segment a program and 32 give the same bytes, accurate vs float64."""
+    m, h, n = 600, 8, 70
+    seg = torch.randint(0, n - 5, (m,), generator=torch.Generator().manual_seed(3))  # the last 5 segments empty
+    seg[:280] = 7  # one segment over two chunks
+    a = randn((2, m, h), FP32)
+    plan = gather.segment_plan(seg, n)
+    outs = {}
+    for per in (1, 32):
+        monkeypatch.setattr(gather, "SEGMENTS_PER_PROGRAM", per)
+        outs[per] = gather.segment_sum(a, plan, BF16)
+    assert bits_equal(outs[1], outs[32])
+    gold = torch.zeros(2, n, h, dtype=torch.float64).index_add_(1, seg, a.double())
+    assert rel(outs[32].double(), gold) < 1e-2 and torch.equal(outs[32][:, n - 5 :], torch.zeros(2, 5, h, dtype=BF16))
+
+
 def test_index_select_gradient_with_duplicates_is_deterministic():
     x = randn((2, 20, 33), BF16)
     sel = torch.tensor([3, 5, 3, 19, 0, 5, 5, 3, 3])
