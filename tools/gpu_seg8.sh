@@ -10,6 +10,7 @@
 #                      conflicts, warp stalls, occupancy
 #   dw                 the row-segment dW next to the single-walk dW (the block's four weights, M = 3160 and 38974),
 #                      then Nsight Compute on each at q/k/v, M = 3160
+#   dw-tilings         the row-segment dW at M = 3160 at other ring depths and tile swizzles (bytes checked equal)
 #   block-<layout>     bench ws1-block --merge-order seg8 at medium or 768p (single, seg8 and the provider side by side)
 #   model-<layout>     bench ws1-model --merge-order seg8 at medium or 768p
 #   usage: tools/gpu_seg8.sh checks anatomy ncu block-medium
@@ -40,6 +41,9 @@ for s in "$@"; do
           python3 tools/gpu_seg8_anatomy.py --sections dw --rows 3160 --reps 1 --json /tmp/ncu-dw.json
       done
     fi ;;
+  dw-tilings)
+    step 150 seg8-dw-tilings python3 tools/gpu_seg8_anatomy.py --sections dw --rows 3160 \
+      --json "$ev/seg8-dw-tilings.json" ;;
   block-medium|block-768p) L=${s#block-}
     step 300 "bench-ws1-block-seg8-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
       --merge-order seg8 --out "$ev/bench-ws1-block-seg8-$L" ;;

@@ -11,8 +11,9 @@ is the kernels' alone; with the host's enqueue milliseconds, and a cProfile of e
 host-bound there, and the second timing says what its kernels cost.
 
 ``dw``: the row-segment weight gradient (the Gluon kernel, one launch) next to the single-walk dW (the Triton
-kernel the single order runs) at the block's four weights and ``--rows``; run under Nsight Compute with ``-k`` to
-see either alone.
+kernel the single order runs) at the block's four weights and ``--rows``, and the Gluon kernel at other ring depths
+and tile swizzles (``DW_TILINGS``, each checked byte-equal to the production tiling); run under Nsight Compute with
+``-k`` to see one alone.
 
 ``kernels``: the device time of each kernel of the block's forward + backward in both orders (``torch.profiler``,
 CUDA activity, 5 calls after warm-up): per kernel name, its milliseconds a call and its launches a call, the
@@ -51,7 +52,7 @@ from h3gate.kernels.common import STRICT_LAUNCH, num_sms
 from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_gluon import _producer, _store, _tile_coords, matmul_ws
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
-from h3gate.kernels.gemm_gluon_rows_dw import rows_dw_ws
+from h3gate.kernels.gemm_gluon_rows_dw import ROWS_DW_GLUON, rows_dw_ws
 from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, SEGMENTS, _segment, matmul_seg8_ws
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.numerics import strict_numerics
@@ -180,14 +181,28 @@ def gemm_section(rows: list[int], reps: int) -> list[dict]:
 DW = {"q/k/v": (7168, 5376), "o": (5376, 7168), "gate_up": (28672, 5376), "down": (5376, 14336)}  # (N, K)
 
 
+# The row-segment dW's ring depth and tile swizzle (scheduling only: the bytes must equal the production tiling's).
+DW_TILINGS = {"s5_g8": (5, 8), "s4_g16": (4, 16), "s5_g16": (5, 16), "s3_g8": (3, 8)}
+
+
 def _dw_times(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> dict:
     g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-    dw, single = (torch.empty((n, k), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    dw, single, other = (torch.empty((n, k), dtype=torch.bfloat16, device="cuda") for _ in range(3))
     scfg = gemm_config("dw", n, k, torch.bfloat16)
+    sms = num_sms(g.device)
     ms = {"single": span_ms(lambda: matmul(g, x, single, None, scfg, a_trans=True, b_trans=False), reps),
-          "rows_dw_gluon": span_ms(lambda: rows_dw_ws(g, x, dw, num_sms(g.device)), reps)}  # fmt: skip
-    return {"single_tiling": scfg.tag, "ms": ms, "gluon_over_single": ms["rows_dw_gluon"] / ms["single"]}
+          "rows_dw_gluon": span_ms(lambda: rows_dw_ws(g, x, dw, sms), reps)}  # fmt: skip
+    rec: dict = {"single_tiling": scfg.tag, "ms": ms, "same_bytes": {}}
+    for label, (stages, group) in DW_TILINGS.items():
+        cfg = replace(ROWS_DW_GLUON, num_stages=stages, group_m=group)
+        try:
+            ms[label] = span_ms(lambda cfg=cfg: rows_dw_ws(g, x, other, sms, cfg), reps)
+            rec["same_bytes"][label] = bool(torch.equal(other.view(torch.int16), dw.view(torch.int16)))
+        except Exception as exc:  # noqa: BLE001 - a tiling that fails to build is recorded, not fatal
+            rec.setdefault("failed", {})[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    rec["over_single"] = {key: v / ms["single"] for key, v in ms.items()}
+    return rec
 
 
 def dw_section(rows: list[int], reps: int) -> list[dict]:
