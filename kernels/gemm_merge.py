@@ -281,12 +281,15 @@ def _check_owned(op: str, owned: range) -> None:
         )
 
 
-def _check_operand(op: str, arg: str, t: torch.Tensor, red_dim: int, device: torch.device | None) -> None:
-    """check_tensor, except that a zero-width slice (a rank whose owned segments are all empty) is accepted."""
+def _check_operand(op: str, arg: str, t: torch.Tensor, red_dim: int, device: torch.device | None,
+                   column_slice: bool = False) -> None:  # fmt: skip
+    """check_tensor, except that a zero-width slice (a rank whose owned segments are all empty) is accepted, and with
+    ``column_slice`` a 2-D view of some of a matrix's columns (strided rows, unit stride along them)."""
     if isinstance(t, torch.Tensor) and -t.ndim <= red_dim < t.ndim and t.shape[red_dim] == 0:
         check_tensor(op, arg, torch.empty(1, dtype=t.dtype, device=t.device), _DTYPES, device=device)
         return
-    check_tensor(op, arg, t, _DTYPES, device=device)
+    sliced = column_slice and isinstance(t, torch.Tensor) and t.ndim == 2 and t.stride(-1) == 1
+    check_tensor(op, arg, t, _DTYPES, device=device, contiguous=not sliced)
 
 
 def _check_local(
@@ -302,7 +305,7 @@ def _check_local(
     ):
         raise InputError(f"{op}: full_shape: {full_shape!r}, expected the full layer's weight shape (N, K) > 0")
     _check_owned(op, owned)
-    _check_operand(op, "a_local", a, -1, None)
+    _check_operand(op, "a_local", a, -1, None, column_slice=True)
     if a.ndim < 1 or a.shape[:-1].numel() == 0:
         raise InputError(f"{op}: a_local: no rows (shape {tuple(a.shape)})")
     red, other = (1, 0) if role == "fwd" else (0, 1)
@@ -337,8 +340,8 @@ def _subtree(
 ) -> torch.Tensor:
     """The owned segments reduced by the tree's lower levels (one fused launch): FP32 (M, Nout), or with
     ``out_dtype`` (all 8 segments owned) the finished output: + bias, one rounding. The one-device dX (all 8
-    segments of the full layer) by :func:`forward_plan`'s "dx" path (16-byte aligned copies for the Gluon kernel's
-    TMA where needed: the same bytes)."""
+    segments of the full layer) by :func:`forward_plan`'s "dx" path (a column slice of dY read in place where TMA
+    can, else 16-byte aligned copies for the Gluon kernel's TMA: the same bytes)."""
     rows = a.shape[:-1].numel()
     n_out = b.shape[0] if role == "fwd" else b.shape[1]
     if a.shape[-1] == 0:  # every owned segment is empty: each partial, and their sum, is +0
@@ -349,7 +352,8 @@ def _subtree(
     if role == "dx" and len(owned) == SEGMENTS and tuple(b.shape) == tuple(full_shape):
         path, cfg = forward_plan(a2, b, launch, "dx")
         if path == GLUON:
-            a2, b = aligned(a2.contiguous()), aligned(b.contiguous())
+            b = aligned(b.contiguous())
+            a2 = a2 if _tma_fits(a2, b) else aligned(a2.contiguous())
             return matmul_seg8_ws(a2, b, out, None, cfg, seg, num_sms(a.device), dx=True)
     cfg = fused_config(role, tuple(full_shape), a.dtype)
     _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, role == "fwd", launch)
@@ -376,6 +380,15 @@ def segment_partials(
     Returns a view of the rank's partial buffer (its first slot)."""
     seg = _check_local(op, a_local, b_local, owned, full_shape, role)
     return _subtree(a_local, b_local, owned, tuple(full_shape), role, seg, launch=launch)
+
+
+def segment_total(a: torch.Tensor, b: torch.Tensor, full_shape: tuple[int, int], role: str = "dx", *,
+                  out_dtype: torch.dtype, op: str = "gemm_seg8",
+                  launch: GemmLaunch = PRODUCTION) -> torch.Tensor:  # fmt: skip
+    """One device, the whole layer: all 8 segments, the whole tree and one rounding to ``out_dtype`` in the kernel's
+    epilogue; the bytes of ``finish(segment_partials(a, b, range(8), full_shape, role), None, out_dtype)``."""
+    seg = _check_local(op, a, b, range(SEGMENTS), full_shape, role)
+    return _subtree(a, b, range(SEGMENTS), tuple(full_shape), role, seg, None, out_dtype, launch=launch)
 
 
 # -------------------------------------------------------------------------------------------------- the operator

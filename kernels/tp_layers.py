@@ -39,7 +39,7 @@ from h3gate.kernels.common import needs_graph
 from h3gate.kernels.gemm import check_linear, linear_grouped
 from h3gate.kernels.gemm import forward as single_walk
 from h3gate.kernels.gemm_configs import gemm_config
-from h3gate.kernels.gemm_merge import rank_slice, segment_partials
+from h3gate.kernels.gemm_merge import rank_slice, segment_partials, segment_total
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.kernels.merge_tree import SEGMENTS, combine, finish, owned_segments
 from h3gate.kernels.norms import HEAD_DIM, check_qk, qk_rmsnorm, rms_backward_segments, rms_forward
@@ -135,16 +135,21 @@ def check_alignment(degree: int, heads: int, head_dim: int, hidden: int, ffn: in
 # ------------------------------------------------------------------------------------------------ column-parallel
 
 
-def _column_dx(g2: torch.Tensor, w: torch.Tensor, full: tuple[int, int], halves: bool, group: MergeGroup):
-    """The column-parallel dX FP32 sum (before the rounding), merged over the group."""
+def _column_dx(g2: torch.Tensor, w: torch.Tensor, full: tuple[int, int], halves: bool, group: MergeGroup,
+               dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The column-parallel dX: the FP32 sum merged over the group, one rounding to ``dtype`` (a whole layer on one
+    device: rounded in the kernel's epilogue). ``halves``: each half's sum (its columns of dY read in place), one FP32
+    add, one rounding."""
     if not halves:
-        return group.merge(segment_partials(g2, w, group.owned, full, "dx", op="tp column dX"))
+        if group.degree == 1 and tuple(w.shape) == tuple(full):
+            return segment_total(g2, w, full, "dx", out_dtype=dtype, op="tp column dX")
+        return finish(group.merge(segment_partials(g2, w, group.owned, full, "dx", op="tp column dX")), None, dtype)
     f_loc, half = w.shape[0] // 2, (full[0] // 2, full[1])
     value, gate = (
-        group.merge(segment_partials(g2[:, s].contiguous(), w[s], group.owned, half, "dx", op="tp gate/up dX"))
+        group.merge(segment_partials(g2[:, s], w[s], group.owned, half, "dx", op="tp gate/up dX"))
         for s in (slice(0, f_loc), slice(f_loc, 2 * f_loc))
     )
-    return value + gate
+    return finish(value + gate, None, dtype)
 
 
 class ColumnLinear(torch.autograd.Function):
@@ -162,7 +167,7 @@ class ColumnLinear(torch.autograd.Function):
         g2 = gy.reshape(-1, w.shape[0]).contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = finish(_column_dx(g2, w, ctx.full, ctx.halves, ctx.group), None, x.dtype).view(x.shape)
+            dx = _column_dx(g2, w, ctx.full, ctx.halves, ctx.group, x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
             dw = linear_row_grads(gy, x, tuple(w.shape), ctx.full, ctx.rows, False)[0]
         return dx, dw, None, None, None

@@ -8,7 +8,9 @@
 * dX: the Gluon seg8 kernel's dX (``dx``, ``GemmLaunch.seg8_gluon_dx``, on) against the Triton seg8 kernel
   (``gemm_merge._subtree`` with the knob off: its TMA walk, and its pointer walk): the column-parallel layers' FP32
   sum (q/k/v; gate/up as its two (F, K) halves) and the row-parallel layers' rounded dX (o, down); each timed next to
-  the Triton seg8 dX and the single-walk dX (``gemm_triton.matmul``, the declared dX of the single merge order).
+  the Triton seg8 dX and the single-walk dX (``gemm_triton.matmul``, the declared dX of the single merge order). The
+  column sums also read from a column slice of a wider dY (gate/up's halves, in place) and rounded in the kernel's
+  epilogue (``segment_total``, the one-device column dX) against the FP32 sum rounded after.
 
 CUDA events, median of repeated calls after warm-up. ``--quick``: small shapes (bytes only): for dW segments ending
 mid-chunk, empty segments (S = 17, 100), partial tiles (N = 200, K = 72), one row; for dX a partial last chunk and
@@ -34,6 +36,7 @@ from h3gate.kernels.common import num_sms
 from h3gate.kernels.gemm_configs import PRODUCTION, gemm_config
 from h3gate.kernels.gemm_gluon_rows_dw import rows_dw_ws
 from h3gate.kernels.gemm_triton import matmul
+from h3gate.kernels.merge_tree import finish
 from h3gate.kernels.row_merge import dw_bounds, one_device
 from h3gate.kernels.rows_dw import fused_dw_config, rows_dw
 from h3gate.kernels.rows_seg8 import GLUON_DW, dw_path, linear_row_grads
@@ -101,6 +104,12 @@ def check_dx(name: str, m: int, full: tuple[int, int], fp32: bool, gen: torch.Ge
                  "path_with_knob": gemm_merge.forward_plan(g2, w, ON_DX, "dx")[0],
                  "bitwise_triton_seg8": torch.equal(new, ref),
                  "triton_pointer_bitwise": torch.equal(seg8_dx(g2, w, fp32, POINTER), ref)}  # fmt: skip
+    if fp32:  # the column layers: dY's columns read in place (gate/up's halves), the rounding in the epilogue
+        wide = torch.zeros((m, 2 * n), dtype=g2.dtype, device="cuda")
+        wide[:, n:] = g2
+        rec["column_slice_bitwise"] = torch.equal(seg8_dx(wide[:, n:], w, True, ON_DX), ref)
+        rounded = gemm_merge.segment_total(g2, w, (n, k), "dx", out_dtype=g2.dtype, launch=ON_DX)
+        rec["rounded_in_kernel_bitwise"] = torch.equal(rounded, finish(ref, None, g2.dtype))
     if timing:
         single = torch.empty((m, k), dtype=torch.bfloat16, device="cuda")
         scfg = gemm_config("dx", n, k, torch.bfloat16)
@@ -110,6 +119,12 @@ def check_dx(name: str, m: int, full: tuple[int, int], fp32: bool, gen: torch.Ge
         rec["ms_gluon"] = timed(lambda: seg8_dx(g2, w, fp32, ON_DX))
         rec["gluon_over_single"] = rec["ms_gluon"] / rec["ms_single_walk"]
         rec["triton_seg8_over_gluon"] = rec["ms_triton_seg8"] / rec["ms_gluon"]
+        if fp32:
+            rec["ms_gluon_then_round"] = timed(lambda: finish(seg8_dx(g2, w, True, ON_DX), None, g2.dtype))
+            rec["ms_gluon_rounded"] = timed(
+                lambda: gemm_merge.segment_total(g2, w, (n, k), "dx", out_dtype=g2.dtype, launch=ON_DX)
+            )
+            rec["ms_contiguous_copy"] = timed(lambda: wide[:, n:].contiguous())
     return rec
 
 
@@ -122,6 +137,7 @@ def run_dx(rows: list[int], quick: bool, gen: torch.Generator) -> tuple[list[dic
     for name, m, full, fp32, timing in cases:
         rec = check_dx(name, m, full, fp32, gen, timing)
         ok = rec["bitwise_triton_seg8"] and rec["triton_pointer_bitwise"] and rec["path_with_knob"] == gemm_merge.GLUON
+        ok = ok and rec.get("column_slice_bitwise", True) and rec.get("rounded_in_kernel_bitwise", True)
         bad += not ok
         print(f"{name:12s} {full} M={m}: {'bitwise' if ok else 'DIFFERENT'} {rec}", flush=True)
         records.append(rec)

@@ -135,6 +135,27 @@ def test_column_parallel_dx_tp1_tp2_tp4_tp8_bitwise(m, k, n, dtype) -> None:
     assert rel(dx, gy.double() @ w.double()) < TOL[dtype]
 
 
+@pytest.mark.parametrize(("m", "k", "n", "dtype"), DX_SHAPES, ids=ids(DX_SHAPES))
+def test_one_device_total_and_column_slices_keep_the_bytes(m, k, n, dtype) -> None:
+    """``segment_total`` (the whole tree rounded in the kernel) is ``finish`` of TP1's subtree, for dX and the
+    forward; a column slice of a wider dY (strided rows, as the gate/up halves are read) gives its contiguous copy's
+    bytes, whole and on a TP2 rank's segments. Control: the slice's neighbour columns give other bytes."""
+    x, w, _ = make(m, k, n, dtype)
+    wide = rand((m, 2 * n + 8), dtype, gen(4))
+    gy = wide[:, n + 8 :]  # strided rows: the second half of a fused (value | gate) gradient
+    assert not gy.is_contiguous() and gy.stride(-1) == 1
+    whole = segment_partials(gy.contiguous(), w, range(8), (n, k), "dx").clone()
+    assert torch.equal(segment_partials(gy, w, range(8), (n, k), "dx"), whole)
+    assert torch.equal(gemm_merge.segment_total(gy, w, (n, k), "dx", out_dtype=dtype), finish(whole, None, dtype))
+    half = rank_slice("dx", (n, k), dtype, 2, 1)
+    sub = segment_partials(gy[:, half].contiguous(), w[half], range(4, 8), (n, k), "dx").clone()
+    assert torch.equal(segment_partials(gy[:, half], w[half], range(4, 8), (n, k), "dx"), sub)
+    assert not torch.equal(segment_partials(wide[:, :n], w, range(8), (n, k), "dx"), whole)
+    xf, wf, b = make(m, n, k, dtype)
+    assert torch.equal(gemm_merge.segment_total(xf, wf, (k, n), "fwd", out_dtype=dtype),
+                       finish(segment_partials(xf, wf, range(8), (k, n)), None, dtype))  # fmt: skip
+
+
 def test_unsplit_sides_use_the_pinned_tiling() -> None:
     """The other side of each layer: a column-parallel forward (N_r output columns, all 8 K segments), a row-parallel
     dX (K_r output columns, all 8 N segments) and a rank's dW (the row-segment order over M, the full layer's dw
@@ -267,6 +288,10 @@ def test_another_combine_order_changes_fp32_bytes_on_random_data() -> None:
         ),
         (lambda x, w, b: segment_partials(x, w, range(8), (96, 130), "dw"), "gemm_seg8: role: 'dw'"),
         (lambda x, w, b: segment_partials(x, w, range(8), (96, 0)), "gemm_seg8: full_shape: (96, 0)"),
+        (
+            lambda x, w, b: segment_partials(x.T.contiguous().T, w, range(8), (96, 130)),
+            "gemm_seg8: a_local: non-contiguous tensor",
+        ),
         (lambda x, w, b: segment_partials(x, w, range(2), (96, 130)), "gemm_seg8: a_local: last dim 130, expected 128"),
         (
             lambda x, w, b: segment_partials(x, w.T.contiguous(), range(8), (96, 130)),
