@@ -4,6 +4,7 @@
 #   checks             the Gluon seg8 forward against the Triton seg8 kernel (--quick, then O and down at M = 3160
 #                      and 38974) and the Gluon row-segment dW and seg8 dX against theirs (--quick, then M = 3160);
 #                      any byte difference fails the section (rc 1)
+#   checks-bwd         the backward half of checks alone (the Gluon dW and dX, --quick then M = 3160)
 #   anatomy            tools/gpu_seg8_anatomy.py: the medium block both orders (host vs device, per-kernel device
 #                      time) and the O / down GEMMs at M = 3160 and 38974 (tile, restarts, slots)
 #   ncu                Nsight Compute on the first seg8 forward launch at M = 38974 (O): shared-memory bank
@@ -22,6 +23,9 @@ for s in "$@"; do
   checks)
     step 60 seg8-gluon-check-quick python3 tools/gpu_seg8_gluon_check.py --quick
     step 150 seg8-gluon-check python3 tools/gpu_seg8_gluon_check.py --rows 3160 38974 --json "$ev/seg8-gluon-check.json"
+    step 60 seg8-gluon-dw-check-quick python3 tools/gpu_seg8_gluon_dw_check.py --quick
+    step 150 seg8-gluon-dw-check python3 tools/gpu_seg8_gluon_dw_check.py --rows 3160 --json "$ev/seg8-gluon-dw-check.json" ;;
+  checks-bwd)
     step 60 seg8-gluon-dw-check-quick python3 tools/gpu_seg8_gluon_dw_check.py --quick
     step 150 seg8-gluon-dw-check python3 tools/gpu_seg8_gluon_dw_check.py --rows 3160 --json "$ev/seg8-gluon-dw-check.json" ;;
   anatomy)
