@@ -101,6 +101,23 @@ def require(nbytes: int, what: str, device: str = "cpu", hint: str = "") -> None
         )
 
 
+def release_cached(device: str) -> None:
+    """Hand the CUDA caching allocator's unused blocks back to the driver (another process on the GPU may need
+    them); nothing on the CPU."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def turns_to_fit(nbytes: int | None, sharing: int, available: int | None) -> int:
+    """How many turns ``sharing`` processes on one device take to each hold ``nbytes`` (an upper estimate): 1 when
+    all of them fit at once (or a size is unknown), else ``sharing``: one at a time."""
+    if nbytes is None or available is None or sharing <= 1 or nbytes * sharing <= available:
+        return 1
+    return sharing
+
+
 def free_disk_bytes(path: Path) -> int | None:
     """Free bytes of the file system that holds ``path`` (its nearest existing folder; None if unknown)."""
     here = Path(path).absolute()

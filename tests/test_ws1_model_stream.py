@@ -328,6 +328,48 @@ def test_two_ranks_under_torchrun_give_the_unsharded_record(tmp_path) -> None:
     assert text["0"].splitlines()[-1].startswith("verdict: ") and text["1"].startswith("rank 1: ranges 1:2 gated")
 
 
+TURNS_MAIN = """import sys
+from h3gate.commands import model_stream_cmd
+from h3gate.cli import main
+
+model_stream_cmd.turns_to_fit = lambda nbytes, sharing, available: sharing  # as if two gates did not fit at once
+sys.exit(main())
+"""
+
+
+def test_ranks_sharing_a_device_that_cannot_hold_both_gates_take_turns(runs, tmp_path, monkeypatch) -> None:
+    """Two ranks on one device (the CPU here) whose phase-2 gates do not fit it together gate their ranges one rank
+    at a time (``device_turns`` 2 in the record) and give the unsharded record."""
+    from h3gate.ranks import run_ranks
+
+    (tmp_path / "turns_main.py").write_text(TURNS_MAIN, encoding="utf-8")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+    args = ["--quiet", "run", "ws1-model", *OFF, "--stream", "--out", str(tmp_path / "streamed")]
+    errors = run_ranks("turns_main", 2, tmp_path / "launch", 1, 1200, args=args)
+    assert errors == [], errors
+    doc = _doc(tmp_path / "streamed")
+    assert_same_record(_doc(runs["tmp"] / "plain"), doc)
+    assert doc["streamed"]["world_size"] == 2 and doc["streamed"]["device_turns"] == 2
+    assert [r["rank"] for r in doc["streamed"]["ranges"]] == [0, 1]
+
+
+def test_which_ranks_share_a_device_and_when_they_take_turns() -> None:
+    """Local rank R on GPU R mod count; the CPU is one device for every local rank. Turns: all at once where the
+    upper estimate fits ``sharing`` times, else one at a time (4 ranks of ~20 GiB on a 79 GiB H100: 4 turns)."""
+    from h3gate.commands.model_stream_cmd import device_share
+    from h3gate.memory import turns_to_fit
+
+    assert [device_share("cuda", r, 4, 1) for r in range(4)] == [(4, 0), (4, 1), (4, 2), (4, 3)]
+    assert [device_share("cuda", r, 4, 2) for r in range(4)] == [(2, 0), (2, 0), (2, 1), (2, 1)]
+    assert [device_share("cuda", r, 3, 2) for r in range(3)] == [(2, 0), (1, 0), (2, 1)]
+    assert [device_share("cuda", r, 8, 8) for r in range(8)] == [(1, 0)] * 8
+    assert [device_share("cpu", r, 2, 4) for r in range(2)] == [(2, 0), (2, 1)]
+    gib = 2**30
+    assert turns_to_fit(20 * gib, 4, 79 * gib) == 4 and turns_to_fit(20 * gib, 2, 79 * gib) == 1
+    assert turns_to_fit(20 * gib, 1, 10 * gib) == 1 and turns_to_fit(None, 4, 79 * gib) == 1
+    assert turns_to_fit(20 * gib, 4, None) == 1
+
+
 @pytest.mark.slow  # a one-row fault in block 1, strict kernels, plain and streamed (~2 min on two cores)
 def test_a_fault_in_block_1_is_located_where_the_unsharded_run_locates_it(tmp_path) -> None:
     fault = ["--fault", "block.1.o_proj:5"]

@@ -27,7 +27,7 @@ from h3gate.evidence.writer import write_evidence
 from h3gate.gate.variants import provider_lanes
 from h3gate.graph.determinism import Injection
 from h3gate.manifests.tolerances import ToleranceProfile
-from h3gate.memory import require, require_disk
+from h3gate.memory import release_cached, require, require_disk, turns_to_fit
 from h3gate.paths import LOCAL_EVIDENCE, display
 from h3gate.runs import model_stream
 from h3gate.runs import stream_files as files
@@ -112,6 +112,29 @@ def _init_ranks(device: str) -> str:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=BARRIER_TIMEOUT)
     return device
+
+
+def device_share(device: str, local_rank: int, local_world: int, gpus: int) -> tuple[int, int]:
+    """(how many of the host's ranks share this rank's device, this rank's place among them): local rank R runs on
+    GPU R mod ``gpus`` (:func:`_init_ranks`); on the CPU every local rank shares the host's memory."""
+    count = max(1, min(gpus if device.startswith("cuda") else 1, local_world))
+    return len(range(local_rank % count, local_world, count)), local_rank // count
+
+
+def _phase2_turns(setup: Run) -> tuple[int, int]:
+    """(turns, this rank's turn) of phase 2: ranks sharing a device gate their ranges at once where the plan's upper
+    estimate fits that many times in what the device has free, else one at a time (the most turns any rank needs,
+    agreed over the ranks: every rank waits at each turn's barrier)."""
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if setup.device.startswith("cuda") and torch.cuda.is_available() else 1
+    local, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    sharing, place = device_share(setup.device, local, world, gpus)
+    need = turns_to_fit(setup.memory.upper_bytes, sharing, setup.memory.available_bytes)
+    agreed = torch.tensor([need], dtype=torch.int64, device=setup.device if _on_nccl() else "cpu")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    turns = int(agreed.item())
+    return turns, (place if turns > 1 else 0)
 
 
 def spec_device(requested: str, rank_device: str) -> str:
@@ -324,13 +347,18 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
         plan = _plan_of(doc, setup)
         if s.boundaries_only:
             return _boundaries_done(rank, rundir, plan)
-        mine = list(range(rank, len(plan.ranges), world))
-        done = _run_ranges(s, setup, tol, rundir, plan, mine, step)
-        _barrier(device)
+        mine, done = list(range(rank, len(plan.ranges), world)), []
+        turns, turn = _phase2_turns(setup) if world > 1 else (1, 0)
+        for t in range(turns):  # ranks sharing a device that cannot hold their gates at once take turns
+            if t == turn:
+                release_cached(device)
+                done = _run_ranges(s, setup, tol, rundir, plan, mine, step)
+                release_cached(device)
+            _barrier(device)
     if rank != 0:
         print(f"rank {rank}: ranges {', '.join(done) or 'none new'} gated into {display(rundir)}", flush=True)
         return EXIT_PASS
-    return _merge(s, setup, tol_file, rundir, plan, started, world)
+    return _merge(s, setup, tol_file, rundir, plan, started, (world, turns))
 
 
 def _phase1(s, setup: Run, tol, rundir: Path, settings: dict, step, share: Share) -> None:
@@ -365,10 +393,13 @@ def _merge_only(s: Ws1ModelCommand) -> int:
     doc = _check_plan(rundir, "--merge", _settings_record(s, tol_file))
     rundir = enter_run(rundir, rundir, reuse=True, flag="--merge")
     read_inputs(setup)
-    return _merge(s, setup, tol_file, rundir, _plan_of(doc, setup), started, None)
+    return _merge(s, setup, tol_file, rundir, _plan_of(doc, setup), started, (None, None))
 
 
-def _merge(s, setup: Run, tol_file: Path, rundir: Path, plan: StreamPlan, started: float, world) -> int:
+def _merge(s, setup: Run, tol_file: Path, rundir: Path, plan: StreamPlan, started: float,
+           ranks: tuple[int | None, int | None]) -> int:  # fmt: skip
+    """Phase 3; ``ranks``: (world size, phase 2's turns on a shared device) of the run that gated the ranges, or
+    (None, None) for ``--merge``."""
     have = [i for i, (a, b) in enumerate(plan.ranges) if files.range_path(rundir, a, b).is_file()]
     missing = [f"{a}:{b}" for i, (a, b) in enumerate(plan.ranges) if i not in have]
     if missing and not s.partial:
@@ -384,7 +415,8 @@ def _merge(s, setup: Run, tol_file: Path, rundir: Path, plan: StreamPlan, starte
         report["verdict"] = "fail"
     doc = files.read_plan(rundir, "--merge")
     report["streamed"] = {
-        "folder": display(rundir), "world_size": world, "plan": {"ranges": doc["ranges"], "memory": doc["memory"]},
+        "folder": display(rundir), "world_size": ranks[0], "device_turns": ranks[1],
+        "plan": {"ranges": doc["ranges"], "memory": doc["memory"]},
         "phase1": doc.get("phase1"), "ranges_missing": missing,
         "ranges": [range_timing(r, r.get("rank")) for r in ranges],
     }  # fmt: skip
