@@ -349,9 +349,9 @@ def _streamed(s: Ws1ModelCommand, rank: int, world: int, device: str, started: f
             return _boundaries_done(rank, rundir, plan)
         mine, done = list(range(rank, len(plan.ranges), world)), []
         turns, turn = _phase2_turns(setup) if world > 1 else (1, 0)
+        release_cached(device)  # phase 1's cached blocks, before any rank's turn
         for t in range(turns):  # ranks sharing a device that cannot hold their gates at once take turns
             if t == turn:
-                release_cached(device)
                 done = _run_ranges(s, setup, tol, rundir, plan, mine, step)
                 release_cached(device)
             _barrier(device)
