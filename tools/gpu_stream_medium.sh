@@ -7,6 +7,8 @@
 #   plain       run ws1-model, one process: $ev/ws1-model-real-medium-plain
 #   ranks:N     --stream over N ranks, ranges $RANGES (default 0:13,13:25,25:38,38:50, round-robin over the ranks):
 #               the merged record, plan and range records in $ev/ws1-model-real-medium-streamed-N
+#   profile     the plain run under tools/profile_gate.py (where the host waits and which functions judge):
+#               $ev/profile-medium.json
 #   resume:N    --stream over N ranks stopped by `timeout $STOP_S` (default 45), then --resume over N ranks:
 #               $ev/ws1-model-real-medium-resumed-N
 # After each streamed section, tools/compare_gate_records.py against the plain record (the streamed run's `streamed`
@@ -30,6 +32,8 @@ for section in "$@"; do
   case $section in
   plain) step "$cap" medium-plain python3 -m h3gate run ws1-model "${opts[@]}" --out "$ev/ws1-model-real-medium-plain"
     ;;
+  profile) step "$cap" medium-profile python3 tools/profile_gate.py --json "$ev/profile-medium.json" -- \
+    run ws1-model "${opts[@]}" --out /tmp/profiled ;;
   ranks:*) step "$cap" "medium-streamed-$n" "${launch[@]}" "$n" "${gate[@]}" --out "/tmp/s$n"
     keep "/tmp/s$n" "ws1-model-real-medium-streamed-$n" ;;
   resume:*) step "${STOP_S:-45}" "medium-stopped-$n" "${launch[@]}" "$n" "${gate[@]}" --out "/tmp/r$n"
