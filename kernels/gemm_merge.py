@@ -463,8 +463,7 @@ class _LinearSeg8(torch.autograd.Function):
         g2 = gy.reshape(-1, n).contiguous()  # a contiguous copy changes layout, never values
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            seg = segment_size(n, pinned_config("dx", (n, k), x.dtype).block_k)
-            dx = _subtree(g2, weight, range(SEGMENTS), (n, k), "dx", seg, None, x.dtype, ctx.launch).view(x.shape)
+            dx = segment_total(g2, weight, (n, k), "dx", out_dtype=x.dtype, op=ctx.op, launch=ctx.launch).view(x.shape)
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] or want_db:
             dw, db = linear_row_grads(gy, x, (n, k), (n, k), ctx.rows, want_db, ctx.launch)

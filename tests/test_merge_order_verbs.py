@@ -186,6 +186,7 @@ def test_the_bench_times_the_single_walk_as_strict_whatever_the_default(merge, m
     strict = bind_graph(graph, "strict", "cpu", bench_block.STRICT_ORDER)
     tables, seg8 = bench_block.arm_tables(graph, strict, "cpu", merge)
     assert _twins(strict) == set()  # the single walk binds no twin
+    assert tables["strict"]["h3_attention_o_gemm"] is not None  # the strict arm is the given bindings' table
     if merge == "single":
         assert list(tables) == ["provider", "strict"] and seg8 == {}
     else:

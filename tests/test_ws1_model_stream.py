@@ -356,14 +356,15 @@ def test_ranks_sharing_a_device_that_cannot_hold_both_gates_take_turns(runs, tmp
 def test_which_ranks_share_a_device_and_when_they_take_turns() -> None:
     """Local rank R on GPU R mod count; the CPU is one device for every local rank. Turns: all at once where the
     upper estimate fits ``sharing`` times, else one at a time (4 ranks of ~20 GiB on a 79 GiB H100: 4 turns)."""
-    from h3gate.commands.model_stream_cmd import device_share
+    from h3gate.commands.model_stream_cmd import placement
     from h3gate.memory import turns_to_fit
 
-    assert [device_share("cuda", r, 4, 1) for r in range(4)] == [(4, 0), (4, 1), (4, 2), (4, 3)]
-    assert [device_share("cuda", r, 4, 2) for r in range(4)] == [(2, 0), (2, 0), (2, 1), (2, 1)]
-    assert [device_share("cuda", r, 3, 2) for r in range(3)] == [(2, 0), (1, 0), (2, 1)]
-    assert [device_share("cuda", r, 8, 8) for r in range(8)] == [(1, 0)] * 8
-    assert [device_share("cpu", r, 2, 4) for r in range(2)] == [(2, 0), (2, 1)]
+    assert [placement("cuda", r, 4, 1) for r in range(4)] == [(0, 4, 0), (0, 4, 1), (0, 4, 2), (0, 4, 3)]
+    assert [placement("cuda", r, 4, 2) for r in range(4)] == [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]
+    assert [placement("cuda", r, 3, 2) for r in range(3)] == [(0, 2, 0), (1, 1, 0), (0, 2, 1)]
+    assert [placement("cuda", r, 8, 8) for r in range(8)] == [(r, 1, 0) for r in range(8)]
+    assert [placement("cuda", r, 2, 8) for r in range(2)] == [(0, 1, 0), (1, 1, 0)]  # fewer ranks than GPUs
+    assert [placement("cpu", r, 2, 4) for r in range(2)] == [(0, 2, 0), (0, 2, 1)]
     gib = 2**30
     assert turns_to_fit(20 * gib, 4, 79 * gib) == 4 and turns_to_fit(20 * gib, 2, 79 * gib) == 1
     assert turns_to_fit(20 * gib, 1, 10 * gib) == 1 and turns_to_fit(None, 4, 79 * gib) == 1

@@ -98,27 +98,36 @@ def _distributed() -> tuple[int, int]:
 
 def _init_ranks(device: str) -> str:
     """Join the launcher's process group: NCCL on CUDA with one GPU per local rank; gloo on the CPU, or where the
-    host's ranks outnumber its GPUs (local rank R on GPU R mod count: processes sharing one GPU). The rank's
-    device."""
+    host's ranks outnumber its GPUs (processes sharing one GPU, :func:`placement`). The rank's device."""
     import torch.distributed as dist
 
     backend = "gloo"
     if device.startswith("cuda"):
-        count = torch.cuda.device_count()
-        rank_device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % count}"
+        gpu, _, _ = _local_placement(device)
+        rank_device = f"cuda:{gpu}"
         torch.cuda.set_device(torch.device(rank_device))
-        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= count else "gloo"
+        backend = "nccl" if _local_world() <= torch.cuda.device_count() else "gloo"
         device = spec_device(device, rank_device)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=BARRIER_TIMEOUT)
     return device
 
 
-def device_share(device: str, local_rank: int, local_world: int, gpus: int) -> tuple[int, int]:
-    """(how many of the host's ranks share this rank's device, this rank's place among them): local rank R runs on
-    GPU R mod ``gpus`` (:func:`_init_ranks`); on the CPU every local rank shares the host's memory."""
+def placement(device: str, local_rank: int, local_world: int, gpus: int) -> tuple[int, int, int]:
+    """(this rank's GPU, how many of the host's ranks share its device, its place among them): local rank R runs on
+    GPU R mod ``gpus``; on the CPU every local rank shares the host's memory."""
     count = max(1, min(gpus if device.startswith("cuda") else 1, local_world))
-    return len(range(local_rank % count, local_world, count)), local_rank // count
+    return local_rank % count, len(range(local_rank % count, local_world, count)), local_rank // count
+
+
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _local_placement(device: str) -> tuple[int, int, int]:
+    """:func:`placement` of this process, from torch's launcher's environment and the GPUs this host has."""
+    gpus = torch.cuda.device_count() if device.startswith("cuda") and torch.cuda.is_available() else 1
+    return placement(device, int(os.environ.get("LOCAL_RANK", "0")), _local_world(), gpus)
 
 
 def _phase2_turns(setup: Run) -> tuple[int, int]:
@@ -127,9 +136,7 @@ def _phase2_turns(setup: Run) -> tuple[int, int]:
     agreed over the ranks: every rank waits at each turn's barrier)."""
     import torch.distributed as dist
 
-    gpus = torch.cuda.device_count() if setup.device.startswith("cuda") and torch.cuda.is_available() else 1
-    local, world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    sharing, place = device_share(setup.device, local, world, gpus)
+    _, sharing, place = _local_placement(setup.device)
     need = turns_to_fit(setup.memory.upper_bytes, sharing, setup.memory.available_bytes)
     agreed = torch.tensor([need], dtype=torch.int64, device=setup.device if _on_nccl() else "cpu")
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
