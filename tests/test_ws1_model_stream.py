@@ -337,6 +337,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow  # two gloo ranks launched by torchrun (~8 s of one core), kept out of make test's budget
 def test_ranks_sharing_a_device_that_cannot_hold_both_gates_take_turns(runs, tmp_path, monkeypatch) -> None:
     """Two ranks on one device (the CPU here) whose phase-2 gates do not fit it together gate their ranges one rank
     at a time (``device_turns`` 2 in the record) and give the unsharded record."""
