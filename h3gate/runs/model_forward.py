@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from h3gate.gate.compare import agreement, error
+from h3gate.gate.compare import agreement, error, tensor_sha256
 from h3gate.gate.invariance import filler_records, with_fillers
 from h3gate.gate.rows import describe, row_errors
 from h3gate.gate.tolerance import error_check, isolated_promise
@@ -24,7 +24,6 @@ from h3gate.graph import determinism
 from h3gate.graph.core import Node, Values, to_float64
 from h3gate.graph.execute import iter_isolated
 from h3gate.graph.stages import Stage, last_readers
-from h3gate.hashing import resolved, sha256_later
 from h3gate.kernels import launches
 from h3gate.runs.block_records import bound_check, check, failure
 from h3gate.runs.block_rows import RowContext, isolated_envelope
@@ -147,8 +146,6 @@ def forward(
         for lane in lanes.all():
             lane.release(done)
         del params, gparams
-    for rec in stage_records:
-        rec["outputs"] = resolved(rec["outputs"])
     return nodes, stage_records
 
 
@@ -209,8 +206,7 @@ def _stage(
             findings.note_drift(f"forward_{key}", where, agree)
         findings.note_drift("forward_isolated", where, rec["isolated"])
         records.append(rec)
-    # hashed on a worker while the next stages run (read back at the end of forward)
-    outputs = {k: {"provider": sha256_later(prov[k]), "candidate": sha256_later(cand[k])} for k in stage.outputs}
+    outputs = {k: {"provider": tensor_sha256(prov[k]), "candidate": tensor_sha256(cand[k])} for k in stage.outputs}
     return records, outputs
 
 
