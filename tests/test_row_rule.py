@@ -83,6 +83,48 @@ def test_spread_is_leave_one_out():
     assert spread({"default": variants["default"]}, groups) == {"default": None}
 
 
+def _spread_by_definition(variants, groups):
+    """The rule's leave-one-out spread one variant at a time: the envelope of the others, then the worst ratio."""
+    out = {}
+    for name, errs in variants.items():
+        others = [e for k, e in variants.items() if k != name]
+        if not others:
+            out[name] = None
+            continue
+        env = envelope(others, groups)
+        ratio = torch.where(env > 0, errs / torch.where(env > 0, env, 1.0), torch.where(errs > 0, math.inf, 1.0))
+        top = float(ratio.max())
+        out[name] = top if math.isfinite(top) else None
+    return out
+
+
+@pytest.mark.parametrize("scope", ["row", "modality", "tensor"])
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_spread_equals_its_definition_value_for_value(scope, count):
+    gen = torch.Generator().manual_seed(count)
+    rows = 41
+    mods = [("text", "video", "audio")[i % 3] for i in range(rows)]
+    variants = {}
+    for v in range(count):
+        e = torch.rand(rows, generator=gen, dtype=torch.float64)
+        e[torch.rand(rows, generator=gen) < 0.2] = 0.0  # zero envelopes: the inf / 1 branches
+        e[v] = 0.25  # ties across variants
+        variants[f"v{v}"] = e
+    variants["v1"][7] = math.inf  # a non-finite candidate row in one variant
+    groups = group_ids(rows, mods, scope)
+    got = spread(variants, groups)
+    assert list(got) == list(variants) and got == _spread_by_definition(variants, groups)
+
+
+def test_group_ids_are_memoised_per_modality_list():
+    mods = ["text", "video", "video", "audio"]
+    first = group_ids(4, mods, "modality")
+    assert group_ids(4, list(mods), "modality") is first and first.tolist() == [0, 1, 1, 2]
+    assert group_ids(4, mods[:3] + ["text"], "modality").tolist() == [0, 1, 1, 0]
+    assert group_ids(4, mods[:3], "modality").tolist() == [0, 0, 0, 0]  # the list does not name every row
+    assert group_ids(4, mods, "row").tolist() == [0, 1, 2, 3] and group_ids(4, mods, "tensor").tolist() == [0] * 4
+
+
 def test_rule_hash_changes_with_any_field():
     rule = load_tolerance("ws1-block").row_rule.model_dump(mode="json")
     other = {**rule, "factor": rule["factor"] + 0.01}

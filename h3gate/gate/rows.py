@@ -18,6 +18,7 @@ A whole-tensor error dilutes one bad row by ``sqrt(rows)``; this rule judges eac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -83,10 +84,17 @@ def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | Non
 
 
 def group_ids(rows: int, modalities: Sequence[str] | None, scope: str) -> torch.Tensor:
-    """Group index per row for an envelope scope: one group per row, per modality, or one for the tensor."""
+    """Group index per row for an envelope scope: one group per row, per modality, or one for the tensor (a shared
+    tensor, memoised: read it, never write it)."""
+    by_modality = scope == "modality" and modalities is not None and len(modalities) == rows
+    return _group_ids(rows, tuple(modalities) if by_modality else None, "modality" if by_modality else scope)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_ids(rows: int, modalities: tuple[str, ...] | None, scope: str) -> torch.Tensor:
     if scope == "row":
         return torch.arange(rows)
-    if scope == "tensor" or modalities is None or len(modalities) != rows:
+    if modalities is None:
         return torch.zeros(rows, dtype=torch.long)
     names = {m: i for i, m in enumerate(GROUP_NAMES)}
     return torch.tensor([names.get(m, len(names)) for m in modalities], dtype=torch.long)
@@ -171,17 +179,24 @@ def _num(x: float | None) -> str:
 
 
 def spread(variants: Mapping[str, torch.Tensor], groups: torch.Tensor) -> dict[str, float | None]:
-    """Leave-one-out calibration: per variant, ``max_r e_r(v) / E_r(other variants)`` (None without others)."""
-    out: dict[str, float | None] = {}
-    for name, errs in variants.items():
-        others = [e for k, e in variants.items() if k != name]
-        if not others:
-            out[name] = None
-            continue
-        env = envelope(others, groups)
-        ratio = torch.where(env > 0, errs / torch.where(env > 0, env, 1.0), torch.where(errs > 0, math.inf, 1.0))
-        out[name] = _finite(float(ratio.max()))
-    return out
+    """Leave-one-out calibration: per variant, ``max_r e_r(v) / E_r(other variants)`` (None without others).
+
+    All variants at once: each variant's per-group max, then the max over the other variants as the larger of the
+    running maxima before and after it (max is exact, so this is :func:`envelope` of the others, value for value)."""
+    names = list(variants)
+    if len(names) < 2:
+        return dict.fromkeys(names)
+    errs = torch.stack([variants[n] for n in names])
+    count = len(names)
+    per_group = torch.full((count, int(groups.max()) + 1), -math.inf, dtype=errs.dtype)
+    per_group = per_group.scatter_reduce(1, groups.expand(count, -1), errs, reduce="amax")
+    before = torch.full_like(per_group, -math.inf)
+    after = torch.full_like(per_group, -math.inf)
+    before[1:] = per_group[:-1].cummax(dim=0).values
+    after[:-1] = per_group.flip(0)[:-1].cummax(dim=0).values.flip(0)
+    env = torch.maximum(before, after)[:, groups]
+    ratio = torch.where(env > 0, errs / torch.where(env > 0, env, 1.0), torch.where(errs > 0, math.inf, 1.0))
+    return {n: _finite(v) for n, v in zip(names, ratio.amax(dim=1).tolist(), strict=True)}
 
 
 def rule_sha256(rule: Mapping) -> str:
