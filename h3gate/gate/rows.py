@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from h3gate.kernels.row_error import row_error_norms
+
 ULP_AT_ONE: dict[torch.dtype, float] = {
     torch.bfloat16: 2.0**-7,
     torch.float16: 2.0**-10,
@@ -64,8 +66,9 @@ def row_chunks(rows: int, width: int) -> list[tuple[int, int]]:
 def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | None) -> torch.Tensor:
     """Per-row relative L2 error of ``candidate`` against ``golden`` (float64, on the CPU); see the module doc.
 
-    Rows are upcast in chunks of whole rows (:func:`row_chunks`), so each row's norms are reduced within one chunk
-    and the float64 working set stays at two chunks."""
+    The norms: on a GPU one pass of :mod:`h3gate.kernels.row_error` (each element widened to float64 once, its
+    fixed reduction order), elsewhere torch's float64 norms over rows upcast in chunks of whole rows
+    (:func:`row_chunks`: the float64 working set stays at two chunks)."""
     if candidate.shape != golden.shape:
         raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(golden.shape)}")
     c = _row_major(candidate, row_dim)
@@ -73,12 +76,9 @@ def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | Non
     width = c[0].numel() if c.shape[0] else 0
     parts = []
     for r0, r1 in row_chunks(c.shape[0], width):
-        cc = c[r0:r1].reshape(r1 - r0, -1).to(torch.float64)
-        gg = g[r0:r1].reshape(r1 - r0, -1).to(torch.float64)
-        num = torch.linalg.vector_norm(cc - gg, dim=1)
-        den = torch.linalg.vector_norm(gg, dim=1)
+        num, den, finite = row_error_norms(c[r0:r1].reshape(r1 - r0, -1), g[r0:r1].reshape(r1 - r0, -1))
         err = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), torch.where(num > 0, math.inf, 0.0))
-        err = torch.where(torch.isfinite(cc).all(dim=1), err, math.inf)
+        err = torch.where(finite, err, math.inf)
         parts.append(torch.where(torch.isnan(err), math.inf, err).cpu())
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 

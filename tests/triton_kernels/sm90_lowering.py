@@ -26,6 +26,7 @@ from h3gate.kernels import (
     gemm_gluon,
     gemm_gluon_rows_dw,
     gemm_gluon_seg8,
+    row_error,
 )
 
 FACTS = ("cp.async.bulk.tensor", "wgmma.mma_async", "ex2.approx.ftz.f32", "fma.rn.f32", "setmaxnreg",
@@ -204,12 +205,34 @@ def fingerprint_facts() -> dict:
     return out
 
 
+def row_error_facts() -> dict:
+    """The row-error kernel (``kernels/row_error.py``) for each candidate dtype against a float64 golden: its
+    float64 multiply-adds and ptxas's spilled bytes."""
+    from triton.compiler import ASTSource
+
+    out = {}
+    for cand in ("bf16", "f32", "f64"):
+        sig = {"c_ptr": f"*{cand.replace('f32', 'fp32').replace('f64', 'fp64')}", "g_ptr": "*fp64",
+               "num_ptr": "*fp64", "den_ptr": "*fp64", "bad_ptr": "*i32", "rows": "i32", "cols": "i32",
+               "stride_c": "i32", "stride_g": "i32",
+               **dict.fromkeys(("BLOCK_R", "BLOCK_C", "INTERPRET"), "constexpr")}  # fmt: skip
+        consts = {"BLOCK_R": row_error.BLOCK_R, "BLOCK_C": row_error.BLOCK_C, "INTERPRET": False}
+        src = ASTSource(fn=row_error._row_error_kernel, signature=sig, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+        found = len(re.findall(r"\b(?:fma\.rn|mul\.rn|mul)\.f64\b", ptx))
+        out[f"{cand}-f64"] = {"f64 fma/mul": found, **ptxas_report(ptx)}
+    return out
+
+
 def main() -> None:
     if sys.argv[1:] == ["--one-chunk"]:
         json.dump(one_chunk_facts(), sys.stdout)
         return
     if sys.argv[1:] == ["--fingerprint"]:
         json.dump(fingerprint_facts(), sys.stdout)
+        return
+    if sys.argv[1:] == ["--row-error"]:
+        json.dump(row_error_facts(), sys.stdout)
         return
     cfg = attention.attn_config(128, torch.bfloat16)
     fwd = {"D": 128, "EXP2": cfg.exp2_code, "FMA": cfg.fwd_fma, "INTERPRET": False, "BLOCK_M": 64, "BLOCK_N": cfg.fwd_n}
