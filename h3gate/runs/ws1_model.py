@@ -18,6 +18,7 @@ direction, stage, layer, node (or parameter), packed row and modality, in execut
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -137,7 +138,11 @@ class ModelGate:
 
     @property
     def modalities(self) -> list[str]:
-        return list(self.setup.layout.row_modalities())
+        return list(self._modalities)
+
+    @functools.cached_property
+    def _modalities(self) -> tuple[str, ...]:
+        return tuple(self.setup.layout.row_modalities())  # a Python loop over the packed rows: read once
 
     def step(self, label: str) -> None:
         if self.progress is not None:
