@@ -90,7 +90,7 @@ def group_ids(rows: int, modalities: Sequence[str] | None, scope: str) -> torch.
     return _group_ids(rows, tuple(modalities) if by_modality else None, "modality" if by_modality else scope)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _group_ids(rows: int, modalities: tuple[str, ...] | None, scope: str) -> torch.Tensor:
     if scope == "row":
         return torch.arange(rows)
