@@ -23,6 +23,7 @@ from h3gate.kernels.exact import f32, helper, zeros
 
 BLOCK_R = 4  # rows per program
 BLOCK_C = 256  # columns a step (two 4 x 256 float64 accumulators: 64 registers a thread at 4 warps)
+MAX_KERNEL_COLS = 1 << 16  # the widest row the kernel walks (256 steps); wider rows: torch's norms
 
 
 def row_error_norms_reference(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +84,17 @@ def row_error_norms_kernel(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tens
     return num.sqrt(), den.sqrt(), bad == 0
 
 
+def kernel_walks(cols: int) -> bool:
+    """Whether rows of ``cols`` elements go to the kernel: one program walks a row alone, so a row wider than
+    :data:`MAX_KERNEL_COLS` (a whole weight judged as one row: up to 1.2e8 elements at released widths) takes
+    torch's norms, which spread it over the device."""
+    return cols <= MAX_KERNEL_COLS
+
+
 def row_error_norms(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`row_error_norms_kernel` on a GPU, :func:`row_error_norms_reference` elsewhere (on the CPU the
-    interpreter would cost more than the torch ops it replaces)."""
-    return row_error_norms_kernel(c, g) if c.is_cuda and not INTERPRET else row_error_norms_reference(c, g)
+    """:func:`row_error_norms_kernel` on a GPU for rows the kernel walks (:func:`kernel_walks`),
+    :func:`row_error_norms_reference` otherwise (on the CPU the interpreter would cost more than the torch ops it
+    replaces)."""
+    if c.is_cuda and not INTERPRET and kernel_walks(c.shape[1]):
+        return row_error_norms_kernel(c, g)
+    return row_error_norms_reference(c, g)

@@ -67,8 +67,8 @@ def row_errors(candidate: torch.Tensor, golden: torch.Tensor, row_dim: int | Non
     """Per-row relative L2 error of ``candidate`` against ``golden`` (float64, on the CPU); see the module doc.
 
     The norms: on a GPU one pass of :mod:`h3gate.kernels.row_error` (each element widened to float64 once, its
-    fixed reduction order), elsewhere torch's float64 norms over rows upcast in chunks of whole rows
-    (:func:`row_chunks`: the float64 working set stays at two chunks)."""
+    fixed reduction order) for rows of up to 2^16 elements, otherwise torch's float64 norms over rows upcast in
+    chunks of whole rows (:func:`row_chunks`: the float64 working set stays at two chunks)."""
     if candidate.shape != golden.shape:
         raise ValueError(f"shape mismatch {tuple(candidate.shape)} vs {tuple(golden.shape)}")
     c = _row_major(candidate, row_dim)
