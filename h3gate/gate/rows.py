@@ -100,12 +100,16 @@ def _group_ids(rows: int, modalities: tuple[str, ...] | None, scope: str) -> tor
     return torch.tensor([names.get(m, len(names)) for m in modalities], dtype=torch.long)
 
 
+def group_max(errors: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``(..., G)``: per group, the max of ``errors`` (``(..., R)``) over the group's rows (-inf for no rows)."""
+    lead = errors.shape[:-1]
+    top = torch.full((*lead, int(groups.max()) + 1), -math.inf, dtype=errors.dtype)
+    return top.scatter_reduce(-1, groups.expand(*lead, -1), errors, reduce="amax")
+
+
 def widen(errors: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """Each row's value replaced by the max over its group."""
-    top = torch.full((int(groups.max()) + 1,), -math.inf, dtype=errors.dtype).scatter_reduce(
-        0, groups, errors, reduce="amax"
-    )
-    return top[groups]
+    return group_max(errors, groups)[..., groups]
 
 
 def envelope(variants: Sequence[torch.Tensor], groups: torch.Tensor) -> torch.Tensor:
@@ -187,9 +191,7 @@ def spread(variants: Mapping[str, torch.Tensor], groups: torch.Tensor) -> dict[s
     if len(names) < 2:
         return dict.fromkeys(names)
     errs = torch.stack([variants[n] for n in names])
-    count = len(names)
-    per_group = torch.full((count, int(groups.max()) + 1), -math.inf, dtype=errs.dtype)
-    per_group = per_group.scatter_reduce(1, groups.expand(count, -1), errs, reduce="amax")
+    per_group = group_max(errs, groups)
     before = torch.full_like(per_group, -math.inf)
     after = torch.full_like(per_group, -math.inf)
     before[1:] = per_group[:-1].cummax(dim=0).values

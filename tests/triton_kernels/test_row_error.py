@@ -99,8 +99,7 @@ def test_the_row_errors_on_the_kernel_equal_the_rule_on_torch(monkeypatch) -> No
 
 
 def test_a_row_too_wide_for_one_program_takes_the_torch_norms() -> None:
-    """A whole weight judged as one row (5376 x 21504 elements at released widths) is not walked by one program:
-    measured on an H100, the medium backward's blocks took 29 s each that way against 3 s with torch's norms."""
+    """A whole weight judged as one row (5376 x 21504 elements at released widths) is not left to one program."""
     assert kernel_walks(5376) and kernel_walks(21504) and kernel_walks(MAX_KERNEL_COLS)
     assert not kernel_walks(MAX_KERNEL_COLS + 1) and not kernel_walks(5376 * 21504)
 
