@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from h3gate.graph import determinism
+from h3gate.graph import determinism, fingerprints
 from h3gate.graph.block import block_params, build_block_graph
 from h3gate.graph.inputs import build_block_inputs
 from h3gate.layout import build_layout
@@ -28,18 +28,18 @@ ROW = 3  # the packed row the injection touches (a text row of SMALL)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_every_single_element_one_ulp_change_changes_its_rows_fingerprint(dtype):
     t = torch.randn(2, 7, 13, generator=torch.Generator().manual_seed(0)).to(dtype)
-    base = determinism.row_fingerprints(t, 1)
-    assert base.shape == (7,) and torch.equal(base, determinism.row_fingerprints(t.clone(), 1))
+    base = fingerprints.row_fingerprints(t, 1)
+    assert base.shape == (7,) and torch.equal(base, fingerprints.row_fingerprints(t.clone(), 1))
     for flat in range(t.numel()):
         u = t.clone()
         u.view(-1)[flat] = torch.nextafter(u.view(-1)[flat].double(), torch.tensor(float("inf"))).to(dtype)
         if torch.equal(u, t):  # the next double rounds back: take the dtype's next value through its bits
             u = t.clone()
-            determinism._bits(u).view(-1)[flat] += 1
-        got = determinism.row_fingerprints(u, 1)
+            fingerprints.bits(u).view(-1)[flat] += 1
+        got = fingerprints.row_fingerprints(u, 1)
         row = (flat // 13) % 7
         assert (got != base).nonzero().flatten().tolist() == [row]
-        assert int(determinism.whole(u)) != int(determinism.whole(t))
+        assert int(fingerprints.whole(u)) != int(fingerprints.whole(t))
 
 
 def test_bump_changes_exactly_one_element_per_batch_item():

@@ -7,10 +7,11 @@ its inputs, parameters and cotangent); the first evaluation of a key keeps its o
 later one is compared with them (a *pair*). Which pass an evaluation belongs to (chained, isolated, repeat, ...) is
 a label (:func:`evaluation`) that names the pair and never enters the key.
 
-Fingerprint of a tensor row: its elements' bits as integers (``int16`` for 2-byte dtypes, ``int32``, ``int64``),
-times fixed pseudo-random odd 64-bit weights (one per column), summed in ``int64`` (arithmetic mod 2^64). A change
-of one element by ``d != 0`` changes the sum by ``d * w mod 2^64 != 0`` (``w`` odd), so any single-element change is
-seen; on a GPU one Triton pass a tensor (:mod:`h3gate.kernels.fingerprint`), elsewhere torch ops, the same values.
+Fingerprints (:mod:`h3gate.graph.fingerprints`): exact int64 sums of a tensor's bits, per row and whole. They stay
+on the device until the recorder reads them back: :func:`observe` queues an evaluation and :meth:`Recorder.flush`
+reads the queue's fingerprints in one transfer a device every :data:`FLUSH_EVERY` evaluations (and before any count,
+mismatch or record is read), so the executor never waits for the device on the recorder's account. Keys, pairs and
+mismatches are then settled in evaluation order, as if each had been settled at once.
 
 Failing or reported: pairs of a table registered as ``candidate`` (:meth:`Recorder.role`) fail the gate (strict
 kernels are deterministic by contract); the provider's and the golden's are reported.
@@ -32,86 +33,29 @@ from dataclasses import dataclass, field
 import torch
 
 from h3gate.errors import InputError
-from h3gate.kernels.fingerprint import row_sums
+from h3gate.graph.fingerprints import MASK, bits, row_fingerprints, whole
 
-_WIDTH = 4096  # row width of a whole-tensor fingerprint
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
-_MASK = (1 << 64) - 1
+FLUSH_EVERY = 64  # evaluations queued between two reads of their fingerprints
 
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A splitmix64-style finaliser on int64 tensors (wrapping arithmetic; arithmetic shifts, same on every device)."""
-    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
-    x = torch.bitwise_xor(x, x >> 30) * -4658895280553007687
-    x = torch.bitwise_xor(x, x >> 27) * -7723592293110705685
-    return torch.bitwise_xor(x, x >> 31)
-
-
-_WEIGHTS: dict[tuple[int, str, int], torch.Tensor] = {}
-
-
-def weights(n: int, device: torch.device, salt: int = 0) -> torch.Tensor:
-    """``n`` fixed pseudo-random odd int64 weights on ``device`` (cached)."""
-    key = (n, str(device), salt)
-    if key not in _WEIGHTS:
-        j = torch.arange(n, dtype=torch.int64, device=device) + (salt << 40)
-        _WEIGHTS[key] = torch.bitwise_or(_mix(_mix(j)), 1)
-    return _WEIGHTS[key]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.dtype == torch.bool:
-        return t.to(torch.uint8)
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.contiguous().view(_BITS[t.element_size()])
-
-
-def _row_sums(m: torch.Tensor) -> torch.Tensor:
-    """Per-row weighted sums (int64) of a 2-D integer tensor (:func:`h3gate.kernels.fingerprint.row_sums`: one
-    pass on a GPU, torch ops elsewhere; the same values)."""
-    return row_sums(m, weights(m.shape[1], m.device))
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """One int64 fingerprint of the whole of ``t`` (a 0-d tensor on its device): its flat bits cut into rows of
-    :data:`_WIDTH`, each row's sum weighted by a second set of odd weights (element weight: a product of odd
-    numbers, so still odd)."""
-    with torch.no_grad():
-        flat = _bits(t).reshape(-1)
-        body = flat.numel() - flat.numel() % _WIDTH
-        rows = [_row_sums(flat[:body].view(-1, _WIDTH))] if body else []
-        if body < flat.numel():
-            rows.append(_row_sums(flat[body:].reshape(1, -1)))
-        sums = torch.cat(rows) if rows else torch.zeros(1, dtype=torch.int64, device=flat.device)
-        return (sums * weights(sums.numel(), sums.device, salt=1)).sum()
-
-
-def row_fingerprints(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:
-    """Per-row exact integer fingerprint (module docstring): int64 of length ``t.shape[row_dim]``, on ``t``'s
-    device; one entry (:func:`whole`) when ``row_dim`` is None or beyond ``t``'s axes."""
-    if row_dim is None or t.ndim <= row_dim:
-        return whole(t).reshape(1)
-    with torch.no_grad():
-        b = _bits(t)
-        return _row_sums(b.movedim(row_dim, 0).reshape(b.shape[row_dim], -1))
+Fingerprint = int | torch.Tensor  # a value read back, or a 0-d int64 on its device still to be read
 
 
 class _TensorCache:
     """Whole-tensor fingerprints of input and parameter tensors, by identity and version (weakly held: an entry
-    whose tensor is gone or was written since is never used)."""
+    whose tensor is gone or was written since is never used); an entry may still be on its device
+    (:meth:`settle` replaces it by its value once read)."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple[weakref.ref, int, tuple, int]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int, tuple, Fingerprint]] = {}
+        self._unread: list[int] = []  # keys put with a device fingerprint since the last settle
 
-    def get(self, t: torch.Tensor) -> int | None:
+    def get(self, t: torch.Tensor) -> Fingerprint | None:
         hit = self._seen.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[3]
         return None
 
-    def put(self, t: torch.Tensor, fp: int) -> None:
+    def put(self, t: torch.Tensor, fp: Fingerprint) -> None:
         key = id(t)
 
         def gone(ref: weakref.ref) -> None:  # drop the entry with its tensor (unless the id was reused meanwhile)
@@ -119,6 +63,21 @@ class _TensorCache:
                 del self._seen[key]
 
         self._seen[key] = (weakref.ref(t, gone), t._version, tuple(t.shape), fp)
+        if isinstance(fp, torch.Tensor):
+            self._unread.append(key)
+
+    def unread(self) -> list[torch.Tensor]:
+        """The device fingerprints of live entries put since the last :meth:`settle`."""
+        hits = [self._seen.get(k) for k in self._unread]
+        return [hit[3] for hit in hits if hit is not None and isinstance(hit[3], torch.Tensor)]
+
+    def settle(self, read: Mapping[int, int]) -> None:
+        """Each live device fingerprint replaced by its value (``read``: id of the 0-d tensor -> value)."""
+        for k in self._unread:
+            hit = self._seen.get(k)
+            if hit is not None and isinstance(hit[3], torch.Tensor):
+                self._seen[k] = (*hit[:3], read[id(hit[3])])
+        self._unread = []
 
 
 class Reads(Mapping):
@@ -161,7 +120,7 @@ def copies(copied: Mapping[str, torch.Tensor], originals: Mapping[str, torch.Ten
             continue
         fp = rec.params.get(src)
         if fp is None:
-            fp = int(whole(src)) & _MASK
+            fp = whole(src)
             rec.params.put(src, fp)
         rec.params.put(t, fp)
 
@@ -174,8 +133,51 @@ class _First:
 
 
 @dataclass
+class _Queued:
+    """One evaluation reported and not yet settled: its key's host parts (node, kind, table id, role, setting,
+    override id), its pass, the fingerprints of its inputs and parameters, and its outputs' per-row and whole
+    fingerprints (on the device)."""
+
+    head: tuple
+    label: str
+    inputs: list[tuple[str, tuple, str, Fingerprint]]
+    params: list[tuple[str, Fingerprint]]
+    rows: dict[str, torch.Tensor]
+    whole: dict[str, torch.Tensor]
+
+    def unread(self) -> list[torch.Tensor]:
+        fps = [fp for *_, fp in self.inputs] + [fp for _, fp in self.params] + list(self.whole.values())
+        return [fp for fp in fps if isinstance(fp, torch.Tensor)]
+
+
+def _read(scalars: Sequence[torch.Tensor]) -> dict[int, int]:
+    """``id -> value`` of 0-d int64 device tensors, read back in one transfer a device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for s in scalars:
+        by_device.setdefault(s.device, []).append(s)
+    read: dict[int, int] = {}
+    for group in by_device.values():
+        for s, v in zip(group, torch.stack(group).tolist(), strict=True):
+            read[id(s)] = int(v) & MASK
+    return read
+
+
+def _to_host(firsts: Sequence[_First]) -> None:
+    """The per-row fingerprints of ``firsts`` moved to host memory (8 bytes a row), one transfer a device: a pair
+    compares whole fingerprints and reads rows only to name a mismatch's row, while a long run's unpaired first
+    evaluations (a trajectory's every step: about 0.25 GB a 768p step) would otherwise fill the device."""
+    parts = [(f, k, r) for f in firsts for k, r in f.rows.items() if r.device.type != "cpu"]
+    for device in {r.device for *_, r in parts}:
+        mine = [(f, k, r) for f, k, r in parts if r.device == device]
+        flat = torch.cat([r.reshape(-1) for *_, r in mine]).cpu()
+        for (f, k, r), piece in zip(mine, flat.split([r.numel() for *_, r in mine]), strict=True):
+            f.rows[k] = piece.view(r.shape)
+
+
+@dataclass
 class Recorder:
-    """The determinism record of one run (module docstring)."""
+    """The determinism record of one run (module docstring). ``first``, ``pairs`` and ``mismatches`` hold the
+    evaluations settled so far: :meth:`flush` settles the queued ones (:meth:`failing` and :meth:`record` do)."""
 
     roles: dict[int, tuple[object, str]] = field(default_factory=dict)
     first: dict[tuple, _First] = field(default_factory=dict)
@@ -183,6 +185,7 @@ class Recorder:
     pairs: dict[str, int] = field(default_factory=dict)  # role -> pairs compared
     mismatches: list[dict] = field(default_factory=list)
     params: _TensorCache = field(default_factory=_TensorCache)
+    queue: list[_Queued] = field(default_factory=list)
 
     def role(self, table: object, name: str) -> None:
         """Name the role of an op table (``candidate`` pairs fail; the others are reported)."""
@@ -195,12 +198,52 @@ class Recorder:
             self.roles[id(table)] = hit = (table, "other")
         return hit[1]
 
+    def flush(self) -> None:
+        """Read the queued evaluations' fingerprints back (one transfer a device) and settle them in order."""
+        queue, self.queue = self.queue, []
+        unread = {id(fp): fp for fp in self.params.unread()}
+        unread.update((id(fp), fp) for q in queue for fp in q.unread())
+        read = _read(list(unread.values()))
+        self.params.settle(read)
+        kept = [first for q in queue if (first := self._settle(q, read)) is not None]
+        _to_host(kept)
+
+    def _settle(self, q: _Queued, read: Mapping[int, int]) -> _First | None:
+        """Key ``q``; keep it as the key's first evaluation (returned) or compare it with that one."""
+
+        def value(fp: Fingerprint) -> int:
+            return read[id(fp)] if isinstance(fp, torch.Tensor) else fp
+
+        inputs = tuple((k, shape, dtype, value(fp)) for k, shape, dtype, fp in q.inputs)
+        key = (*q.head, inputs, tuple((k, value(fp)) for k, fp in q.params))
+        whole_read = {k: read[id(w)] for k, w in q.whole.items()}
+        first = self.first.get(key)
+        if first is None:
+            self.first[key] = first = _First(q.label, whole_read, dict(q.rows))
+            return first
+        node, kind, _, role = q.head[:4]
+        self.pairs[role] = self.pairs.get(role, 0) + 1
+        for k, w in whole_read.items():
+            if first.whole.get(k) == w and first.rows[k].shape == q.rows[k].shape:
+                continue
+            a, b = first.rows[k], q.rows[k].to(first.rows[k].device)
+            row = None
+            if a.shape == b.shape:
+                diff = (a != b).nonzero()
+                row = int(diff[0, 0]) if diff.numel() else None
+            self.mismatches.append({"node": node, "kind": kind, "value": k, "role": role,
+                                    "passes": [first.label, q.label], "row": row, "rows": int(a.numel())})  # fmt: skip
+            break
+        return None
+
     def failing(self) -> list[dict]:
+        self.flush()
         return [m for m in self.mismatches if m["role"] == "candidate"]
 
     def record(self) -> dict:
         """The evidence block: what was compared and every mismatch (candidate ones fail); a run that evaluated no
         node twice on bit-identical inputs says so (``note``) rather than claim coverage."""
+        self.flush()
         out = {
             "rule": RULE,
             "evaluations": self.evaluations,
@@ -258,23 +301,13 @@ def setting(name: str) -> contextlib.AbstractContextManager:
     return _bound(_SETTING, name)
 
 
-def _input_key(rec: Recorder, values: Mapping[str, torch.Tensor | None]) -> list[tuple[str, tuple, str, object]]:
-    """(name, shape, dtype, fingerprint) of each input: a cached int, or a device scalar still to be read."""
-    out = []
-    for k, v in values.items():
-        if isinstance(v, torch.Tensor):
-            hit = rec.params.get(v)
-            out.append((k, tuple(v.shape), str(v.dtype), hit if hit is not None else whole(v)))
-    return out
-
-
-def _params_key(rec: Recorder, params: Mapping[str, torch.Tensor]) -> list[tuple[str, int | torch.Tensor]]:
-    out: list[tuple[str, int | torch.Tensor]] = []
-    for k, v in params.items():
-        if isinstance(v, torch.Tensor):
-            hit = rec.params.get(v)
-            out.append((k, hit if hit is not None else whole(v)))
-    return out
+def _key_part(rec: Recorder, t: torch.Tensor) -> Fingerprint:
+    """The fingerprint of an input or parameter: cached, or computed now on its device and cached."""
+    fp = rec.params.get(t)
+    if fp is None:
+        fp = whole(t)
+        rec.params.put(t, fp)
+    return fp
 
 
 def observe(
@@ -286,65 +319,21 @@ def observe(
     params: Mapping[str, torch.Tensor],
     outputs: Mapping[str, tuple[torch.Tensor, int | None]],
 ) -> None:
-    """Report one evaluation of ``node_name`` (``outputs``: name -> (tensor, row axis)) to the active recorder."""
+    """Report one evaluation of ``node_name`` (``outputs``: name -> (tensor, row axis)) to the active recorder:
+    queued, its fingerprints computed on the device and read back with the queue's (:meth:`Recorder.flush`)."""
     rec = _RECORDER.get()
     if rec is None:
         return
-    ins = _input_key(rec, inputs)
-    pks = _params_key(rec, params)
-    outs = {k: row_fingerprints(t, rd) for k, (t, rd) in outputs.items() if isinstance(t, torch.Tensor)}
-    scalars = [fp for *_, fp in ins if isinstance(fp, torch.Tensor)]
-    scalars += [fp for _, fp in pks if isinstance(fp, torch.Tensor)]
-    scalars += [whole(r) for r in outs.values()]
-    host = [int(x) & _MASK for x in torch.stack([x.to(scalars[0].device) for x in scalars]).tolist()] if scalars else []
-    it = iter(host)
-    in_key = []
-    for (k, shape, dtype, fp), t in zip(ins, [v for v in inputs.values() if isinstance(v, torch.Tensor)], strict=True):
-        value = next(it) if isinstance(fp, torch.Tensor) else fp
-        rec.params.put(t, value)
-        in_key.append((k, shape, dtype, value))
-    p_key = []
-    for (k, fp), t in zip(pks, [v for v in params.values() if isinstance(v, torch.Tensor)], strict=True):
-        value = next(it) if isinstance(fp, torch.Tensor) else fp
-        rec.params.put(t, value)
-        p_key.append((k, value))
-    out_whole = {k: next(it) for k in outs}
+    ins = [(k, tuple(v.shape), str(v.dtype), _key_part(rec, v)) for k, v in inputs.items() if torch.is_tensor(v)]
+    pks = [(k, _key_part(rec, v)) for k, v in params.items() if isinstance(v, torch.Tensor)]
+    rows = {k: row_fingerprints(t, rd) for k, (t, rd) in outputs.items() if isinstance(t, torch.Tensor)}
+    if override is not None:
+        rec.roles.setdefault(-id(override), (override, "override"))  # held, so that its id stays unique
+    head = (node_name, kind, id(table), rec.role_of(table), _SETTING.get(), id(override))
+    rec.queue.append(_Queued(head, _LABEL.get(), ins, pks, rows, {k: whole(r) for k, r in rows.items()}))
     rec.evaluations += 1
-    role = rec.role_of(table)
-    key = (node_name, kind, id(table), role, _SETTING.get(), id(override), tuple(in_key), tuple(p_key))
-    first = rec.first.get(key)
-    label = _LABEL.get()
-    if first is None:
-        # per-row fingerprints (8 bytes a row) are kept in host memory, whatever the role: a pair compares the whole
-        # fingerprints (host integers) and reads the rows only to name a mismatch's row, while a long run's unpaired
-        # first evaluations (a trajectory's every step: about 0.25 GB a 768p step) would otherwise fill the device
-        kept = {k: v.to("cpu") for k, v in outs.items()}
-        rec.first[key] = _First(label, out_whole, kept)
-        if override is not None:
-            rec.roles.setdefault(-id(override), (override, "override"))  # held, so that its id stays unique
-        return
-    rec.pairs[role] = rec.pairs.get(role, 0) + 1
-    for k, w in out_whole.items():
-        if first.whole.get(k) == w and first.rows[k].shape == outs[k].shape:
-            continue
-        a, b = first.rows[k], outs[k].to(first.rows[k].device)
-        if a.shape != b.shape:
-            row = None
-        else:
-            diff = (a != b).nonzero()
-            row = int(diff[0, 0]) if diff.numel() else None
-        rec.mismatches.append(
-            {
-                "node": node_name,
-                "kind": kind,
-                "value": k,
-                "role": role,
-                "passes": [first.label, label],
-                "row": row,
-                "rows": int(a.numel()),
-            }  # fmt: skip
-        )
-        break
+    if len(rec.queue) >= FLUSH_EVERY:
+        rec.flush()
 
 
 @dataclass(frozen=True)
@@ -436,7 +425,7 @@ def bump(t: torch.Tensor, row: int, row_dim: int | None, item: int | None = None
         index[row_dim] = min(row, out.shape[row_dim] - 1)
         if row_dim > 0:
             index[0] = slice(None) if item is None else min(item, out.shape[0] - 1)
-    _bits(out)[tuple(index)] += 1
+    bits(out)[tuple(index)] += 1
     out = out.reshape(t.shape)
     return out if not t.requires_grad else t + (out - t).detach()
 

@@ -314,6 +314,7 @@ def _findings(f: Findings) -> dict:
 
 def _det(recorder: determinism.Recorder, since: dict | None = None) -> dict:
     """The recorder's counts and mismatches (since a previous snapshot)."""
+    recorder.flush()
     now = {"evaluations": recorder.evaluations, "keys": len(recorder.first), "pairs": dict(recorder.pairs),
            "mismatches": list(recorder.mismatches)}  # fmt: skip
     if since is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3gate.graph.determinism import weights
+from h3gate.graph.fingerprints import weights
 from h3gate.kernels.fingerprint import BLOCK_C, BLOCK_R, row_sums_kernel, row_sums_reference
 from tests.triton_kernels.test_sm90_compile import lowering_facts
 
