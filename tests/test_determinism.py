@@ -50,6 +50,50 @@ def test_bump_changes_exactly_one_element_per_batch_item():
     assert torch.all((u.view(torch.int16) - t.view(torch.int16)).abs() <= 1)
 
 
+# -- the recorder's queue ----------------------------------------------------------------------------------------
+
+
+def _observe_sequence(recorder: determinism.Recorder, drift_at: int) -> None:
+    """70 evaluations of two nodes: ``a`` on the same inputs each time (the ``drift_at``-th output one ulp off in
+    row 2), ``b`` on fresh input tensors with equal bytes, a parameter read each time."""
+    x = torch.arange(12.0).reshape(4, 3)
+    w = torch.ones(3)
+    with determinism.recording(recorder):
+        for i in range(35):
+            out = x * 2
+            if i == drift_at:
+                out = determinism.bump(out, 2, 0)
+            with determinism.evaluation(f"pass {i}"):
+                determinism.observe("a", "forward", "table", None, {"x": x}, {"w": w}, {"out": (out, 0)})
+                determinism.observe("b", "forward", "table", None, {"x": x.clone()}, {}, {"out": (x + 1, None)})
+
+
+def test_the_queue_settles_as_if_each_evaluation_were_settled_at_once(monkeypatch):
+    records = {}
+    for every in (1, 5, determinism.FLUSH_EVERY):
+        monkeypatch.setattr(determinism, "FLUSH_EVERY", every)
+        recorder = determinism.Recorder()
+        recorder.role("table", "candidate")
+        _observe_sequence(recorder, drift_at=33)
+        records[every] = recorder.record()
+    assert records[1] == records[5] == records[determinism.FLUSH_EVERY]
+    got = records[1]
+    assert got["evaluations"] == 70 and got["keys"] == 2 and got["pairs"] == {"candidate": 68} and not got["pass"]
+    assert [(m["node"], m["row"], m["passes"]) for m in got["mismatches"]] == [("a", 2, ["pass 0", "pass 33"])]
+
+
+def test_evaluations_wait_in_the_queue_until_a_flush_or_a_read():
+    recorder = determinism.Recorder()
+    recorder.role("table", "candidate")
+    _observe_sequence(recorder, drift_at=-1)
+    queued = 70 % determinism.FLUSH_EVERY
+    assert len(recorder.queue) == queued and recorder.queue  # the last ones are not settled yet
+    settled = sum(recorder.pairs.values())
+    assert recorder.failing() == [] and not recorder.queue
+    assert sum(recorder.pairs.values()) == settled + queued == 68
+    assert all(r.device.type == "cpu" for f in recorder.first.values() for r in f.rows.values())
+
+
 # -- the gate ----------------------------------------------------------------------------------------------------
 
 
