@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from h3gate.kernels.fingerprint import row_sums
+from h3gate.kernels.fingerprint import WIDTH, row_sums, whole_sum
 
-_WIDTH = 4096  # row width of a whole-tensor fingerprint
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
 MASK = (1 << 64) - 1  # an int64 fingerprint read as an unsigned 64-bit integer
 
@@ -55,16 +54,12 @@ def _row_sums(m: torch.Tensor) -> torch.Tensor:
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """One int64 fingerprint of the whole of ``t`` (a 0-d tensor on its device): its flat bits cut into rows of
-    :data:`_WIDTH`, each row's sum weighted by a second set of odd weights (element weight: a product of odd
-    numbers, so still odd)."""
+    :data:`~h3gate.kernels.fingerprint.WIDTH`, each row's sum weighted by a second set of odd weights (element
+    weight: a product of odd numbers, so still odd); :func:`h3gate.kernels.fingerprint.whole_sum`."""
     with torch.no_grad():
         flat = bits(t).reshape(-1)
-        body = flat.numel() - flat.numel() % _WIDTH
-        rows = [_row_sums(flat[:body].view(-1, _WIDTH))] if body else []
-        if body < flat.numel():
-            rows.append(_row_sums(flat[body:].reshape(1, -1)))
-        sums = torch.cat(rows) if rows else torch.zeros(1, dtype=torch.int64, device=flat.device)
-        return (sums * weights(sums.numel(), sums.device, salt=1)).sum()
+        rows = max(1, -(-flat.numel() // WIDTH))
+        return whole_sum(flat, weights(WIDTH, flat.device), weights(1 << (rows - 1).bit_length(), flat.device, salt=1))
 
 
 def row_fingerprints(t: torch.Tensor, row_dim: int | None) -> torch.Tensor:

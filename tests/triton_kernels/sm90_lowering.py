@@ -189,8 +189,8 @@ def one_chunk_facts() -> dict:
 
 
 def fingerprint_facts() -> dict:
-    """The fingerprint kernel (``kernels/fingerprint.py``) for each bit width it reads: its integer widening and
-    multiply-adds, and no floating-point instruction."""
+    """The fingerprint kernels (``kernels/fingerprint.py``: per row, and whole) for each bit width they read: their
+    integer widening and multiply-adds, and no floating-point instruction."""
     from triton.compiler import ASTSource
 
     out = {}
@@ -198,10 +198,20 @@ def fingerprint_facts() -> dict:
         sig = {"m_ptr": f"*{bits}", "w_ptr": "*i64", "out_ptr": "*i64", "rows": "i32", "cols": "i32",
                "stride_r": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
         consts = {"BLOCK_R": fingerprint.BLOCK_R, "BLOCK_C": fingerprint.BLOCK_C}
-        src = ASTSource(fn=fingerprint._row_sums_kernel, signature=sig, constexprs=consts)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
-        out[bits] = {"cvt.s64.s16": ptx.count("cvt.s64.s16"), "mad.lo.s64": ptx.count("mad.lo.s64"),
-                     "float": len(re.findall(r"\.f(?:16|32|64)\b", ptx))}  # fmt: skip
+        rows = ASTSource(fn=fingerprint._row_sums_kernel, signature=sig, constexprs=consts)
+        sig = {"f_ptr": f"*{bits}", "w_ptr": "*i64", "v_ptr": "*i64", "out_ptr": "*i64", "n": "i64",
+               **dict.fromkeys(("WIDTH", "BLOCK", "STEPS"), "constexpr")}  # fmt: skip
+        consts = {
+            "WIDTH": fingerprint.WIDTH,
+            "BLOCK": fingerprint.BLOCK,
+            "STEPS": fingerprint.CHUNK // fingerprint.BLOCK,
+        }
+        whole = ASTSource(fn=fingerprint._whole_sum_kernel, signature=sig, constexprs=consts)
+        for name, src in (("rows", rows), ("whole", whole)):
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4}).asm["ptx"]
+            out[f"{name}-{bits}"] = {"cvt.s64.s16": ptx.count("cvt.s64.s16"), "mad.lo.s64": ptx.count("mad.lo.s64"),
+                                     "mul.lo.s64": ptx.count("mul.lo.s64"),
+                                     "float": len(re.findall(r"\.f(?:16|32|64)\b", ptx))}  # fmt: skip
     return out
 
 

@@ -1,6 +1,6 @@
-"""The one-pass fingerprint kernel (kernels/fingerprint.py) against its torch reference, under the interpreter: the
-same int64 values for every bit width the determinism check feeds it, at row and column counts off its blocks,
-with sums that wrap; one changed element changes its own row's sum only."""
+"""The one-pass fingerprint kernels (kernels/fingerprint.py) against their torch references, under the interpreter:
+the same int64 values for every bit width the determinism check feeds them, at row, column and element counts off
+their blocks, with sums that wrap; one changed element changes its own row's sum only, and the whole sum."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from h3gate.graph.fingerprints import weights
-from h3gate.kernels.fingerprint import BLOCK_C, BLOCK_R, row_sums_kernel, row_sums_reference
+from h3gate.kernels.fingerprint import (
+    BLOCK_C,
+    BLOCK_R,
+    CHUNK,
+    WIDTH,
+    row_sums_kernel,
+    row_sums_reference,
+    whole_sum_kernel,
+    whole_sum_reference,
+)
 from tests.triton_kernels.test_sm90_compile import lowering_facts
 
 SHAPES = [(1, 1), (BLOCK_R + 1, BLOCK_C + 3), (9, 2 * BLOCK_C + 452), (3, 17)]
@@ -65,11 +74,64 @@ def test_no_rows_or_no_columns_give_zero_sums() -> None:
         assert torch.equal(row_sums_kernel(m, w), row_sums_reference(m, w))
 
 
+SIZES = [1, WIDTH - 1, WIDTH, WIDTH + 1, CHUNK + WIDTH + 7, 2 * CHUNK + 5]
+
+
+def _whole_weights(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return weights(WIDTH, torch.device("cpu")), weights(max(1, -(-n // WIDTH)), torch.device("cpu"), salt=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("n", SIZES)
+def test_the_whole_sum_kernel_gives_the_reference_value(dtype, n) -> None:
+    flat = _bits(dtype, (1, n), 3).reshape(-1)
+    w, v = _whole_weights(n)
+    want = whole_sum_reference(flat, w, v)
+    assert want.shape == () and torch.equal(whole_sum_kernel(flat, w, v), want)
+
+
+def test_the_whole_sum_is_the_sum_over_elements_in_any_order() -> None:
+    """The reference's row sums of the WIDTH-wide cut, weighted per row, equal the element-wise formula summed at
+    once and summed backwards (mod 2^64), near the int64 limits."""
+    n = CHUNK + 3 * WIDTH + 11
+    flat = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64)
+    flat[::3] = torch.iinfo(torch.int64).min
+    w, v = _whole_weights(n)
+    i = torch.arange(n)
+    terms = flat * w[i % WIDTH] * v[i // WIDTH]
+    assert torch.equal(whole_sum_reference(flat, w, v), terms.sum())
+    assert torch.equal(whole_sum_kernel(flat, w, v), terms.flip(0).sum())
+
+
+def test_one_changed_element_changes_the_whole_sum() -> None:
+    """Negative controls: one bit of one element, and two unequal elements swapped, change the sum."""
+    n = CHUNK + WIDTH + 7
+    flat = _bits(torch.int16, (1, n), 4).reshape(-1)
+    w, v = _whole_weights(n)
+    base = whole_sum_kernel(flat, w, v)
+    for at in (0, WIDTH, CHUNK + 1, n - 1):
+        bent = flat.clone()
+        bent[at] ^= 1
+        assert not torch.equal(whole_sum_kernel(bent, w, v), base), at
+    swapped = flat.clone()
+    j = int((flat != flat[5]).nonzero()[0])
+    swapped[5], swapped[j] = flat[j], flat[5]
+    assert not torch.equal(whole_sum_kernel(swapped, w, v), base)
+
+
+def test_no_elements_give_a_zero_sum() -> None:
+    flat = torch.zeros(0, dtype=torch.int16)
+    w, v = _whole_weights(0)
+    assert torch.equal(whole_sum_kernel(flat, w, v), whole_sum_reference(flat, w, v))
+    assert int(whole_sum_kernel(flat, w, v)) == 0
+
+
 @pytest.mark.slow
-def test_the_kernel_lowers_for_hopper_with_integer_arithmetic_only() -> None:
-    """Compiled for sm_90 on the CPU: per bit width, 64-bit multiply-adds, int16 widened with sign extension (as
-    torch's ``.to(torch.int64)``), and no floating-point instruction."""
+def test_the_kernels_lower_for_hopper_with_integer_arithmetic_only() -> None:
+    """Compiled for sm_90 on the CPU, per kernel and bit width: 64-bit multiply-adds (the whole sum: its weight
+    product too), int16 widened with sign extension (as torch's ``.to(torch.int64)``), no floating point."""
     got = lowering_facts("--fingerprint")
-    assert sorted(got) == ["i16", "i32", "i64", "u8"], got
+    assert sorted(got) == [f"{k}-{b}" for k in ("rows", "whole") for b in ("i16", "i32", "i64", "u8")], got
     assert all(f["mad.lo.s64"] > 0 and f["float"] == 0 for f in got.values()), got
-    assert got["i16"]["cvt.s64.s16"] > 0, got
+    assert all(got[f"whole-{b}"]["mul.lo.s64"] > 0 for b in ("i16", "i32", "i64", "u8")), got
+    assert got["rows-i16"]["cvt.s64.s16"] > 0 and got["whole-i16"]["cvt.s64.s16"] > 0, got
