@@ -4,7 +4,8 @@
 # interrupted streamed run resumed gives it too. Real config, strict, forward only by default (BACKWARD=--backward
 # adds it: two ranks then hold two gates' backward on one device; CONFIG, LAYOUT, DEVICE: a CPU rehearsal at tiny).
 # Sections, in order, each under $CAP_S seconds:
-#   plain       run ws1-model, one process: $ev/ws1-model-real-medium-plain
+#   plain       run ws1-model, one process: $ev/ws1-model-real-medium-plain (-$TAG where TAG is set: two plain runs,
+#               e.g. forward and with the backward, in one call; the streamed sections compare with the untagged one)
 #   ranks:N     --stream over N ranks, ranges $RANGES (default 0:13,13:25,25:38,38:50, round-robin over the ranks):
 #               the merged record, plan and range records in $ev/ws1-model-real-medium-streamed-N
 #   profile     the plain run under tools/profile_gate.py (where the host waits and which functions judge):
@@ -30,7 +31,8 @@ keep() {  # keep RUNDIR NAME: the merged record, the plan and the range records 
 for section in "$@"; do
   n=${section#*:}
   case $section in
-  plain) step "$cap" medium-plain python3 -m h3gate run ws1-model "${opts[@]}" --out "$ev/ws1-model-real-medium-plain"
+  plain) step "$cap" "medium-plain${TAG:+-$TAG}" python3 -m h3gate run ws1-model "${opts[@]}" \
+    --out "$ev/ws1-model-real-medium-plain${TAG:+-$TAG}"
     ;;
   profile) step "$cap" medium-profile python3 tools/profile_gate.py --json "$ev/profile-medium.json" -- \
     run ws1-model "${opts[@]}" --out /tmp/profiled ;;
