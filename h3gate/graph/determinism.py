@@ -324,7 +324,8 @@ def observe(
     rec = _RECORDER.get()
     if rec is None:
         return
-    ins = [(k, tuple(v.shape), str(v.dtype), _key_part(rec, v)) for k, v in inputs.items() if torch.is_tensor(v)]
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    ins = [(k, tuple(v.shape), str(v.dtype), _key_part(rec, v)) for k, v in tensors.items()]
     pks = [(k, _key_part(rec, v)) for k, v in params.items() if isinstance(v, torch.Tensor)]
     rows = {k: row_fingerprints(t, rd) for k, (t, rd) in outputs.items() if isinstance(t, torch.Tensor)}
     if override is not None:

@@ -55,7 +55,8 @@ def _row_sums(m: torch.Tensor) -> torch.Tensor:
 def whole(t: torch.Tensor) -> torch.Tensor:
     """One int64 fingerprint of the whole of ``t`` (a 0-d tensor on its device): its flat bits cut into rows of
     :data:`~h3gate.kernels.fingerprint.WIDTH`, each row's sum weighted by a second set of odd weights (element
-    weight: a product of odd numbers, so still odd); :func:`h3gate.kernels.fingerprint.whole_sum`."""
+    weight: a product of odd numbers, so still odd); :func:`h3gate.kernels.fingerprint.whole_sum`. The row weights
+    are asked for a power-of-two count (fewer cached sizes): :func:`weights` of ``n`` is a prefix of any longer."""
     with torch.no_grad():
         flat = bits(t).reshape(-1)
         rows = max(1, -(-flat.numel() // WIDTH))

@@ -135,3 +135,11 @@ def test_the_kernels_lower_for_hopper_with_integer_arithmetic_only() -> None:
     assert all(f["mad.lo.s64"] > 0 and f["float"] == 0 for f in got.values()), got
     assert all(got[f"whole-{b}"]["mul.lo.s64"] > 0 for b in ("i16", "i32", "i64", "u8")), got
     assert got["rows-i16"]["cvt.s64.s16"] > 0 and got["whole-i16"]["cvt.s64.s16"] > 0, got
+
+
+def test_weights_of_n_are_a_prefix_of_any_longer() -> None:
+    """What the whole fingerprint relies on when it asks for a power-of-two count of row weights."""
+    for salt in (0, 1):
+        longer = weights(5000, torch.device("cpu"), salt)
+        assert all(torch.equal(weights(n, torch.device("cpu"), salt), longer[:n]) for n in (1, 7, 4096)), salt
+    assert not torch.equal(weights(7, torch.device("cpu"), 0), weights(7, torch.device("cpu"), 1))
