@@ -313,10 +313,9 @@ def _findings(f: Findings) -> dict:
 
 
 def _det(recorder: determinism.Recorder, since: dict | None = None) -> dict:
-    """The recorder's counts and mismatches (since a previous snapshot)."""
-    recorder.flush()
-    now = {"evaluations": recorder.evaluations, "keys": len(recorder.first), "pairs": dict(recorder.pairs),
-           "mismatches": list(recorder.mismatches)}  # fmt: skip
+    """The recorder's counts and mismatches (since a previous snapshot), from its record."""
+    record = recorder.record()
+    now = {k: record[k] for k in ("evaluations", "keys", "pairs")} | {"mismatches": list(record["mismatches"])}
     if since is None:
         return now
     return {
