@@ -2,6 +2,7 @@
 """On a Hopper GPU: where the seg8 merge order's cost over the single walk goes (issue 46), from the repo root.
 
     python3 tools/gpu_seg8_anatomy.py --json OUT.json [--sections block gemm] [--layouts medium] [--rows 3160 38974]
+                                      [--sustained]
 
 ``block``: the strict block (real widths) in both orders, forward and forward + backward, timed twice by
 :func:`h3gate.bench.timing.side_by_side` as ``bench ws1-block`` times them: as the bench does (the host enqueues each
@@ -24,7 +25,9 @@ single walk (production tiling, 128 x 256), the single walk on the seg8 kernel's
 (production: the tree's pending subtrees in registers, shared memory and global scratch) and this file's
 ``_seq_kernel``: the seg8 kernel's segments, each restarted from zero and drained, added into one running total in
 registers (no slots; another summation order, timed only). Tile, restart and slot costs are the differences of
-consecutive columns. CUDA events over ``--reps`` back-to-back calls after warm-up, the median of 5 such spans.
+consecutive columns. CUDA events over ``--reps`` back-to-back calls after warm-up, the median of 5 such spans;
+``--sustained`` adds each variant's milliseconds and joules a call in a stream at the power cap, the variants
+interleaved round by round (:func:`h3gate.bench.energy.sustained`), where a variant's clocks are its own.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from h3gate.bench import energy
 from h3gate.bench.block import STRICT_ORDER, arm_tables, block_calls
 from h3gate.bench.timing import side_by_side, spin_cycles
 from h3gate.kernels import gemm, gemm_merge
@@ -140,7 +144,10 @@ def span_ms(fn, reps: int) -> float:
     return statistics.median(spans)
 
 
-def gemm_section(rows: list[int], reps: int) -> list[dict]:
+def gemm_section(rows: list[int], reps: int, steady: bool = False) -> list[dict]:
+    """Per layer and M: each variant's milliseconds a call back to back (:func:`span_ms`) and, ``steady``, the
+    variants' sustained milliseconds and joules a call in one interleaved set of rounds
+    (:func:`h3gate.bench.energy.sustained`): at the power cap, the number to compare."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for m in rows:
@@ -170,6 +177,13 @@ def gemm_section(rows: list[int], reps: int) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - a variant that fails to build is recorded, not fatal
                     rec.setdefault("failed", {})[label] = f"{type(exc).__name__}: {str(exc)[:300]}"
             ms = rec["ms"]
+            if steady:
+                rec["sustained"] = energy.sustained({label: calls[label] for label in ms})
+                arms = rec["sustained"]["arms"]
+                rec["sustained_over_single"] = {
+                    key: {u: a[u] / arms["single"][u] for u in ("ms_per_call", "j_per_call") if u in a}
+                    for key, a in arms.items() if "single" in arms
+                }  # fmt: skip
             rec["over_single"] = {key: v / ms["single"] for key, v in ms.items() if "single" in ms}
             print(json.dumps(rec), flush=True)
             out.append(rec)
@@ -305,6 +319,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[3160, 38974])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--head-start-us", type=float, default=60000.0)
+    ap.add_argument("--sustained", action="store_true", help="gemm: also the variants' sustained ms and J a call")
     args = ap.parse_args()
     doc: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with strict_numerics():
@@ -317,7 +332,7 @@ def main() -> int:
                 elif section == "kernels":
                     doc["kernels"] = [kernel_section(layout) for layout in args.layouts]
                 else:
-                    doc["gemm"] = gemm_section(args.rows, args.reps)
+                    doc["gemm"] = gemm_section(args.rows, args.reps, args.sustained)
             except Exception:  # noqa: BLE001 - the other section still runs; the traceback is recorded
                 doc.setdefault("errors", {})[section] = traceback.format_exc()[-3000:]
                 print(doc["errors"][section], file=sys.stderr, flush=True)

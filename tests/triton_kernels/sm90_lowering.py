@@ -24,6 +24,7 @@ from h3gate.kernels import (
     fingerprint,
     gemm_configs,
     gemm_gluon,
+    gemm_gluon_plan,
     gemm_gluon_rows_dw,
     gemm_gluon_seg8,
     row_error,
@@ -178,6 +179,25 @@ def gemm_rows_dw_facts(seq_len: int = 300) -> dict:
                       ("scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
 
+def onchip_tree_facts(block_n: int, stages: int) -> dict:
+    """The seg8 forward's on-chip tree (level 1 in registers, level 2 in shared memory) at ``block_n`` columns, one
+    MMA a k16 step, a ring of ``stages``: ptxas's spilled bytes and the shared memory the tiling takes. 128 is
+    production; 256 is the single walk's tile, whose accumulator and level-1 subtree need 2 x 128 FP32 registers a
+    consumer thread (the limit is 255)."""
+    cfg = gemm_configs.GemmConfig(128, block_n, 64, 16, 4, stages, persistent=True, tma=True, gluon=True)
+    x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
+    y = torch.empty(300, 512, dtype=torch.bfloat16)
+    descs = {"a_desc": gemm_gluon_plan.desc(x, [128, 64]), "b_desc": gemm_gluon_plan.desc(w, [block_n, 64])}
+    consts = {**gemm_gluon_seg8.seg8_constants(cfg, True), "BLOCK_B": block_n, "B_TAIL": 0, "bt_desc": None,
+              "c_desc": None}  # fmt: skip
+    aligned = ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm")
+    args = {"bias_ptr": y, "c_ptr": y, **descs}
+    facts = _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS, aligned)
+    ring = stages * (128 + block_n) * 64 * 2
+    slots = 2 * 64 * block_n * 4
+    return {**facts, "block_n": block_n, "stages": stages, "shared_bytes": ring + slots, "regs_c": consts["REGS_C"]}
+
+
 def one_chunk_facts() -> dict:
     """The Gluon GEMMs specialised as a launch of one chunk is (K <= BLOCK_K): every one must compile."""
     single = gemm_configs.GLUON_BUCKETS[0][1]
@@ -240,6 +260,9 @@ def main() -> None:
         return
     if sys.argv[1:] == ["--fingerprint"]:
         json.dump(fingerprint_facts(), sys.stdout)
+        return
+    if sys.argv[1:] == ["--register-wall"]:
+        json.dump({"128": onchip_tree_facts(128, 4), "256": onchip_tree_facts(256, 2)}, sys.stdout)
         return
     if sys.argv[1:] == ["--row-error"]:
         json.dump(row_error_facts(), sys.stdout)

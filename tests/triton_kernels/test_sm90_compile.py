@@ -206,3 +206,17 @@ def test_gluon_gemms_compile_for_a_launch_of_one_chunk() -> None:
     assert sorted(got) == ["gemm_gluon", "gemm_gluon_seg8", "gemm_gluon_seg8_dx"], got
     for name, facts in got.items():
         assert facts["wgmma.mma_async"] > 0 and facts["cp.async.bulk.tensor"] >= 2, (name, facts)
+
+
+def test_the_on_chip_tree_fits_128_columns_and_spills_at_the_single_walks_256() -> None:
+    """Why the seg8 forward's tile is 128 columns where the single walk's is 256 (docs/ws2-merge-order.md): with the
+    tree's level-1 subtree in registers beside the accumulator, 128 columns compile without spills (production), and
+    the same kernel at 256 columns (a ring of 2, to fit the shared memory) spills, since the accumulator and the
+    subtree alone are 2 x 128 FP32 registers a consumer thread, over the 255 a thread may have."""
+    got = lowering_facts("--register-wall")
+    narrow, wide = got["128"], got["256"]
+    assert narrow["spill_bytes"] == 0 and not narrow["wgmma_serialized"], narrow
+    assert wide["spill_bytes"] > 0, wide
+    assert narrow["wgmma.mma_async"] == wide["wgmma.mma_async"] == 8, (narrow, wide)
+    assert wide["add.rn.f32"] == 2 * narrow["add.rn.f32"], (narrow, wide)  # the same tree over twice the columns
+    assert wide["shared_bytes"] <= 232448 and wide["regs_c"] == narrow["regs_c"] < 256, wide
