@@ -220,3 +220,17 @@ def test_the_on_chip_tree_fits_128_columns_and_spills_at_the_single_walks_256() 
     assert narrow["wgmma.mma_async"] == wide["wgmma.mma_async"] == 8, (narrow, wide)
     assert wide["add.rn.f32"] == 2 * narrow["add.rn.f32"], (narrow, wide)  # the same tree over twice the columns
     assert wide["shared_bytes"] <= 232448 and wide["regs_c"] == narrow["regs_c"] < 256, wide
+
+
+@pytest.mark.parametrize("kind", ["gemm_gluon_seg8", "gemm_gluon_seg8_dx"])
+def test_the_consumer_skew_adds_only_its_start_signal(facts, kind) -> None:
+    """``GemmLaunch.seg8_skew`` (consumer 1 started ``SEG8_SKEW`` chunks behind consumer 0) compiles to the production
+    kernel's arithmetic and memory traffic (MMAs, the tree's adds, global and shared accesses) plus the start signal:
+    consumer 0's two arrive sites (in its chunk walk, and at its end for a program with fewer chunks) and consumer 1's
+    one wait; no spills, the wgmma still asynchronous. The production kernel has neither (the negative control)."""
+    base, skew = facts[kind], facts[f"{kind}_skew"]
+    same = ("wgmma.mma_async", "add.rn.f32", "st.global", "ld.global", "ld.shared.v2", "st.shared.v2", "fma", "atomics")
+    assert {k: skew[k] for k in same} == {k: base[k] for k in same}, (base, skew)
+    assert skew["mbarrier.arrive"] == base["mbarrier.arrive"] + 2, (base, skew)
+    assert skew["mbarrier.wait"] == base["mbarrier.wait"] + 1, (base, skew)
+    assert skew["spill_bytes"] == 0 and skew["wgmma_serialized"] is False, skew
