@@ -70,7 +70,7 @@ def test_provenance_fields_and_manifest_hashes(monkeypatch):
     manifest = ROOT / "manifests" / "configs" / "tiny.yaml"
     p = prov.provenance(command=["h3gate", "validate"], manifests=[manifest], device="cpu")
     required = json.loads((SCHEMAS / "common.schema.json").read_text())["$defs"]["provenance"]["required"]
-    optional = ["code_sha256", "revision_source", "dirty_files", "gemm_launch", "cuda_alloc_conf"]
+    optional = ["code_sha256", "revision_source", "dirty_files", "gemm_launch", "cuda_alloc_conf", "intra_op_threads"]
     assert sorted(p) == sorted([*required, *optional])
     assert p["code_sha256"] == prov.code_sha256() and re.fullmatch(r"[0-9a-f]{64}", p["code_sha256"])
     assert p["h3gate_version"] == h3gate.__version__
@@ -82,6 +82,14 @@ def test_provenance_fields_and_manifest_hashes(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     q = prov.provenance(command=["h3gate"], device="cpu")
     assert q["gemm_launch"] == "rows_dw_gluon" and q["cuda_alloc_conf"] is None
+    # the intra-op thread count (on the CPU the provider's bytes can depend on it) as torch has it
+    import torch
+
+    from h3gate.numerics import threads
+
+    with threads(1):
+        assert prov.provenance(command=["h3gate"], device="cpu")["intra_op_threads"] == 1
+    assert p["intra_op_threads"] == torch.get_num_threads()
     assert p["device"] == "cpu" and p["device_name"]
     assert p["python"] == ".".join(map(str, sys.version_info[:3]))
     assert p["time_utc"].endswith("Z")

@@ -188,6 +188,7 @@ def provenance(
         "triton_interpret": os.environ.get("TRITON_INTERPRET"),
         "gemm_launch": os.environ.get("H3GATE_GEMM_LAUNCH"),
         "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "intra_op_threads": torch.get_num_threads(),
         "manifests": hashes,
         "command": [str(a) for a in (sys.argv if command is None else command)],
         "time_utc": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
