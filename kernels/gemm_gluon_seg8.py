@@ -65,6 +65,9 @@ SEGMENTS = gl.constexpr(8)
 # folds. At most the ring's depth less one (consumer 0 must issue them before consumer 1 frees a stage); each stage
 # of skew is one stage less of the producer's lead on consumer 0. Scheduling only: each consumer's walk is unchanged.
 SEG8_SKEW = 2
+# The tiling whose tree keeps its level-4 slots in shared memory too (``l4_shared``, measurement only): a ring of 3, so
+# that ring (96 KB) and three slots a consumer (2 x 64 KB) fit the 227 KB a block may have.
+L4_SHARED_TILING = GemmConfig(128, 128, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
 CONSUMERS = gl.constexpr(2)
 # A consumer's level-2 slot in shared memory, written and read in the accumulator's own register layout (wgmma's m64
 # fragment: a warp's lanes hold rows r .. r + 7, 8 columns each, a pair of FP32 per lane). Its 8-element vectors are
@@ -155,11 +158,12 @@ def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base
 @gluon.jit
 def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C: gl.constexpr, NB: gl.constexpr,
                  STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8, go=None,
-                 GO: gl.constexpr = 0):  # fmt: skip
+                 GO: gl.constexpr = 0, slot4=None):  # fmt: skip
     """One tile's ``NSEG`` (8 or 4) segments for consumer C, the pending subtree of 1 segment in registers (``s0``),
     of 2 in this consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout;
-    8 segments only); the adds of :func:`_fold` (with 4 segments its first four: ``(p0 + p1) + (p2 + p3)``); ``go``,
-    ``GO``: the start signal (:func:`_consumer`). Returns (the tree, a placeholder, the ring step after the tile)."""
+    8 segments only) or, given ``slot4``, in that shared-memory slot; the adds of :func:`_fold` (with 4 segments its
+    first four: ``(p0 + p1) + (p2 + p3)``); ``go``, ``GO``: the start signal (:func:`_consumer`). Returns (the tree, a
+    placeholder, the ring step after the tile)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     acc = gl.zeros([64, NB], gl.float32, layout)
@@ -179,9 +183,14 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
                 acc = slot.load(layout) + acc
                 if NSEG == 8:
                     if j == 3:
-                        gl.store(ptrs, acc)
-                    else:
+                        if slot4 is None:
+                            gl.store(ptrs, acc)
+                        else:
+                            slot4.store(acc)
+                    elif slot4 is None:
                         acc = gl.load(ptrs) + acc
+                    else:
+                        acc = slot4.load(layout) + acc
     return acc, acc_t, step
 
 
@@ -190,7 +199,7 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
               stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr,
               NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
               OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8, go=None, ARRIVE: gl.constexpr = 0,
-              WAIT: gl.constexpr = 0):  # fmt: skip
+              WAIT: gl.constexpr = 0, L4_SHARED: gl.constexpr = False):  # fmt: skip
     """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
     scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
     rounding. ``OPERANDS`` (on chip only): the slots' operand layout (:func:`h3gate.kernels.gemm_gluon._mma_chunk`:
@@ -200,7 +209,8 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
     The start signal (on chip only; scheduling, no byte changes): ``WAIT`` (consumer 1) waits on the barrier ``go``
     before its first chunk; ``ARRIVE`` > 0 (consumer 0) arrives on it once its ring step reaches ``ARRIVE``, or at its
     end if its program has fewer chunks. Consumer 1 then walks the same chunks ``ARRIVE`` steps behind, so the two
-    reach a segment end, where each drains its MMAs and folds, at different times."""
+    reach a segment end, where each drains its MMAs and folds, at different times. ``L4_SHARED`` (on chip, 8
+    segments): the level-4 subtree in shared memory, ``slots.index(CONSUMERS + C)``, instead of global scratch."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
     step = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
@@ -217,9 +227,10 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
             _store_tma(acc, c_desc, c_smem.index(2 * C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
+            slot4 = slots.index(CONSUMERS + C) if L4_SHARED else None
             acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots.index(C),
                                             _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, OPERANDS,
-                                            NSEG, go, ARRIVE)  # fmt: skip
+                                            NSEG, go, ARRIVE, slot4)  # fmt: skip
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
     if ARRIVE > 0:  # noqa: SIM102 - ARRIVE is a constexpr: without it the arrival is not compiled
@@ -234,13 +245,14 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
                     num_pid_a, num_pid_b, k_tiles, cps, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
                     BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                     REGS_C: gl.constexpr, REGS_P: gl.constexpr, OPERANDS: gl.constexpr,
-                    SKEW: gl.constexpr = 0):  # fmt: skip
+                    SKEW: gl.constexpr = 0, L4_SHARED: gl.constexpr = False):  # fmt: skip
     """``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp producer are workers. A tile: 128 A (X) rows x
     (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (``scratch_ptr``: (programs, 2, 1, 64, BLOCK_B) FP32, the level-4 slot)
     or BLOCK_B (``scratch_ptr``: (programs, 2, 3, 64, 2 * BLOCK_B), every slot); ``cps`` chunks a segment.
     ``OPERANDS`` B_ROWS (dX = dY W, B_TAIL 0): A is dY, B = W's (BLOCK_K x BLOCK_B) boxes of reduction rows.
     ``SKEW`` > 0 (B_TAIL 0, at most STAGES - 1): consumer 1 starts when consumer 0 has issued ``SKEW`` chunks
-    (:func:`_consumer`'s start signal)."""
+    (:func:`_consumer`'s start signal). ``L4_SHARED`` (B_TAIL 0): each consumer's level-4 slot in shared memory too,
+    another 32 KB a consumer (a ring of 3 at most), no global scratch."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
     if OPERANDS == B_ROWS:
         b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_B], b_desc.layout)
@@ -253,8 +265,8 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
     if B_TAIL > 0:  # the slots in global scratch, the output staged for TMA stores
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_B], c_desc.layout)
         slots = c_smem  # unused
-    else:  # each consumer's level-2 subtree (SLOT_LAYOUT)
-        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, BLOCK_B], SLOT_LAYOUT)
+    else:  # each consumer's level-2 subtree (SLOT_LAYOUT), then (L4_SHARED) each one's level-4 subtree
+        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (1 + L4_SHARED), 64, BLOCK_B], SLOT_LAYOUT)
         c_smem = slots  # unused: stored from registers
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -268,10 +280,10 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
         [
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
                          M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 0, BLOCK_B, B_TAIL, GROUP,
-                         STAGES, HAS_BIAS, OPERANDS, SEGMENTS, go.index(0), SKEW, 0)),
+                         STAGES, HAS_BIAS, OPERANDS, SEGMENTS, go.index(0), SKEW, 0, L4_SHARED)),
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
                          M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 1, BLOCK_B, B_TAIL, GROUP,
-                         STAGES, HAS_BIAS, OPERANDS, SEGMENTS, go.index(0), 0, SKEW)),
+                         STAGES, HAS_BIAS, OPERANDS, SEGMENTS, go.index(0), 0, SKEW, L4_SHARED)),
             (_producer, (a_desc, b_desc, b_desc, b_desc, bt_desc, b_desc, a_ring, b_ring, bt_ring, full, empty,
                          num_tiles, num_pid_a, num_pid_b, zero, zero, zero, zero, k_tiles, BLOCK_B, B_TAIL, 0,
                          BLOCK_K, GROUP, STAGES, 128, 1, OPERANDS)),
@@ -291,23 +303,28 @@ def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Gem
             "c_desc": desc(y, [64, nb]) if nt else None}  # fmt: skip
 
 
-def seg8_constants(cfg: GemmConfig, bias: bool, dx: bool = False, skew: int = 0) -> dict:
+def seg8_constants(cfg: GemmConfig, bias: bool, dx: bool = False, skew: int = 0, l4_shared: bool = False) -> dict:
     """The kernel's compile-time constants and register limit for ``cfg`` (a bias added or not; ``dx``: B's boxes
-    of reduction rows; ``skew``: consumer 1's start, in chunks behind consumer 0, on chip only)."""
+    of reduction rows; on chip only: ``skew``, consumer 1's start in chunks behind consumer 0, and ``l4_shared``, the
+    level-4 slots in shared memory, which takes a ring of at most 3)."""
     nb, nt = halves(cfg)
     if not 0 <= skew < cfg.num_stages:
         raise ValueError(f"gemm_gluon_seg8: a skew of {skew} chunks with a ring of {cfg.num_stages}")
+    if l4_shared and (nt or cfg.num_stages > 3):
+        raise ValueError(f"gemm_gluon_seg8: the level-4 slots in shared memory with tiling {cfg.tag}")
     return {"BLOCK_B": nb, "B_TAIL": nt, "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages,
             "HAS_BIAS": bias, "REGS_C": REGS[0], "REGS_P": REGS[1], "maxnreg": WS_MAXNREG,
-            "OPERANDS": B_ROWS if dx else K_MAJOR, "SKEW": 0 if nt else skew}  # fmt: skip
+            "OPERANDS": B_ROWS if dx else K_MAJOR, "SKEW": 0 if nt else skew, "L4_SHARED": l4_shared}  # fmt: skip
 
 
 def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig,
-                   seg: int, programs: int, dx: bool = False, skew: int = 0) -> torch.Tensor:  # fmt: skip
+                   seg: int, programs: int, dx: bool = False, skew: int = 0,
+                   l4_shared: bool = False) -> torch.Tensor:  # fmt: skip
     """``y (M, N)`` = the segmented-8 ``x (M, K) @ w (N, K)^T [+ bias]`` (``dx``: ``x (M, K) @ w (K, N)``, the
     column-parallel dX dY W) (contiguous bfloat16, 16-byte aligned rows and bases, CUDA, sm_90) with segments of
     ``seg`` columns of x (a multiple of ``cfg.block_k``, the layer's pinned BLOCK_K), ``programs`` the SM count;
-    ``skew``: consumer 1 starts that many chunks behind consumer 0 (scheduling only: :data:`SEG8_SKEW`)."""
+    ``skew``: consumer 1 starts that many chunks behind consumer 0 (scheduling only: :data:`SEG8_SKEW`); ``l4_shared``:
+    the tree's level-4 slots in shared memory (a ring of 3; where a value waits, not what it is)."""
     m, k = x.shape
     n = w.shape[1] if dx else w.shape[0]
     if seg % cfg.block_k or cfg.block_m != 128 or (dx and halves(cfg)[1]):
@@ -319,6 +336,7 @@ def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torc
     _seg8_ws_kernel[(p.grid,)](
         **seg8_descriptors(x, w, y, cfg, dx), c_ptr=y, bias_ptr=bias if bias is not None else y, scratch_ptr=scratch,
         M=m, N=n, stride_cm=y.stride(0), num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, k_tiles=p.k_tiles,
-        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None, dx, skew), **STRICT_LAUNCH,
+        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None, dx, skew, l4_shared),
+        **STRICT_LAUNCH,
     )  # fmt: skip
     return y

@@ -77,10 +77,11 @@ def _gluon_ptx(kernel, args: dict, consts: dict, maxnreg: int, patterns: dict | 
     }
     opts = {"num_warps": 4, "num_stages": 1, "maxnreg": maxnreg, "enable_fp_fusion": False}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    ptx = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                         target=GPUTarget("cuda", 90, 64), options=opts).asm["ptx"]  # fmt: skip
+    compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 64), options=opts)  # fmt: skip
+    ptx = compiled.asm["ptx"]
     more = {name: len(re.findall(pattern, ptx)) for name, pattern in (patterns or {}).items()}
-    return {**{w: ptx.count(w) for w in FACTS}, **more, **ptxas_report(ptx)}
+    return {**{w: ptx.count(w) for w in FACTS}, **more, **ptxas_report(ptx), "shared": compiled.metadata.shared}
 
 
 def _sources(args: dict, consts: dict, copies: dict, mapped: bool) -> None:
@@ -152,18 +153,19 @@ SEG8_PATTERNS = {"mbarrier.arrive": r"\bmbarrier\.arrive\b", "mbarrier.wait": r"
 ONE_CHUNK = {"num_tiles": 1, "num_pid_a": 1, "num_pid_b": 1, "k_tiles": 1, "cps": 1}
 
 
-def gemm_seg8_facts(cfg, bias: bool, dx: bool = False, one_chunk: bool = False, skew: int = 0) -> dict:
+def gemm_seg8_facts(cfg, bias: bool, dx: bool = False, one_chunk: bool = False, skew: int = 0,
+                    l4_shared: bool = False) -> dict:  # fmt: skip
     """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg`` (``dx``: its dX,
     dY (M, N) W (N, K), into the FP32 sum the column-parallel layers round after), its output, bias and scratch
     16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it); ``one_chunk``:
     specialised as a launch of one tile of one chunk is (:data:`ONE_CHUNK`); ``skew``: consumer 1's start behind
-    consumer 0 (``GemmLaunch.seg8_skew``)."""
+    consumer 0 (``GemmLaunch.seg8_skew``); ``l4_shared``: the level-4 slots in shared memory."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(*((256, 512) if dx else (512, 256)))
     y = torch.empty(300, 512, dtype=torch.float32 if dx else torch.bfloat16)
     descs = gemm_gluon_seg8.seg8_descriptors(x, w.bfloat16(), y, cfg, dx)
     args = {"bias_ptr": y, "c_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
     consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias, dx, skew), **(ONE_CHUNK if one_chunk else {}))
+    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias, dx, skew, l4_shared), **(ONE_CHUNK if one_chunk else {}))
     return _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS,
                       ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
@@ -300,6 +302,9 @@ def main() -> None:
     skew = gemm_gluon_seg8.SEG8_SKEW
     out["gemm_gluon_seg8_skew"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=True, skew=skew)
     out["gemm_gluon_seg8_dx_skew"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=False, dx=True, skew=skew)
+    ring3 = gemm_gluon_seg8.L4_SHARED_TILING
+    out["gemm_gluon_seg8_l4shared"] = gemm_seg8_facts(ring3, bias=True, l4_shared=True)
+    out["gemm_gluon_seg8_ring3"] = gemm_seg8_facts(ring3, bias=True)
     json.dump(out, sys.stdout)
 
 

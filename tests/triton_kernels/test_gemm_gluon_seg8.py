@@ -251,6 +251,18 @@ def test_the_skew_is_bounded_by_the_ring_and_dropped_off_chip() -> None:
     assert 0 < gemm_gluon_seg8.SEG8_SKEW < cfg.num_stages
 
 
+def test_the_level_4_slots_in_shared_memory_need_a_ring_of_3_on_chip() -> None:
+    """``l4_shared``: three slots a consumer in shared memory leave room for a ring of 3 at most; the 256-wide
+    tiling (slots in global scratch) and production's ring of 4 are refused."""
+    ring3 = gemm_gluon_seg8.L4_SHARED_TILING
+    assert ring3 == replace(gemm_gluon_seg8.SEG8_GLUON, num_stages=3)
+    assert gemm_gluon_seg8.seg8_constants(ring3, True, l4_shared=True)["L4_SHARED"] is True
+    assert gemm_gluon_seg8.seg8_constants(gemm_gluon_seg8.SEG8_GLUON, True)["L4_SHARED"] is False
+    for bad in (gemm_gluon_seg8.SEG8_GLUON, replace(ring3, block_n=256)):
+        with pytest.raises(ValueError, match="level-4 slots in shared memory"):
+            gemm_gluon_seg8.seg8_constants(bad, True, l4_shared=True)
+
+
 def test_evidence_accepts_a_consumer_skew_of_one_or_more() -> None:
     from jsonschema import Draft202012Validator
 

@@ -234,3 +234,24 @@ def test_the_consumer_skew_adds_only_its_start_signal(facts, kind) -> None:
     assert skew["mbarrier.arrive"] == base["mbarrier.arrive"] + 2, (base, skew)
     assert skew["mbarrier.wait"] == base["mbarrier.wait"] + 1, (base, skew)
     assert skew["spill_bytes"] == 0 and skew["wgmma_serialized"] is False, skew
+
+
+# The shared memory a block may have on an H100 / H200 (227 KB).
+BLOCK_SHARED = 232448
+
+
+def test_the_level_4_slot_in_shared_memory_leaves_only_the_output_and_bias_global(facts) -> None:
+    """``l4_shared`` (measurement only): the tree's level-4 slots move from global scratch to shared memory, with a
+    ring of 3 so that ring and slots fit a block's shared memory. Against the same ring with the slots in global
+    scratch (the control): the same MMAs and adds, the level-4 stores and loads gone from global memory (left: the
+    output's 64 stores and the bias's 32 loads) and twice the slot load sites in shared memory; no spills; the shared
+    memory within a block's."""
+    l4, ring3, production = facts["gemm_gluon_seg8_l4shared"], facts["gemm_gluon_seg8_ring3"], facts["gemm_gluon_seg8"]
+    same = ("wgmma.mma_async", "add.rn.f32", "fma", "atomics")
+    assert {k: l4[k] for k in same} == {k: ring3[k] for k in same}, (l4, ring3)
+    assert (ring3["st.global"], ring3["ld.global"]) == (production["st.global"], production["ld.global"]), ring3
+    assert (l4["st.global"], l4["ld.global"]) == (ring3["st.global"] - 64, ring3["ld.global"] - 64) == (64, 32), l4
+    # the slots' load sites double; Triton 3.9 emits the two slots' stores from one site (3.7: two)
+    assert l4["ld.shared.v2"] == 2 * ring3["ld.shared.v2"] and l4["st.shared.v2"] >= ring3["st.shared.v2"], l4
+    assert l4["spill_bytes"] == 0 and l4["wgmma_serialized"] is False, l4
+    assert ring3["shared"] < production["shared"] < l4["shared"] <= BLOCK_SHARED, (ring3, production, l4)
