@@ -57,7 +57,7 @@ for s in "$@"; do
       --json "$ev/seg8-dw-tilings.json" ;;
   skew)
     step 60 seg8-gluon-check-quick python3 tools/gpu_seg8_gluon_check.py --quick
-    step 200 seg8-gluon-check-skew python3 tools/gpu_seg8_gluon_check.py --rows 3160 38974 \
+    step 300 seg8-gluon-check-skew python3 tools/gpu_seg8_gluon_check.py --rows 3160 38974 \
       --json "$ev/seg8-gluon-check-skew.json"
     step 60 seg8-gluon-dw-check-quick python3 tools/gpu_seg8_gluon_dw_check.py --quick
     step 150 seg8-gluon-dw-check-skew python3 tools/gpu_seg8_gluon_dw_check.py --rows 3160 \
