@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm_configs import GemmConfig
+from h3gate.kernels.gemm_configs import GemmConfig, GemmLaunch
 from h3gate.kernels.gemm_gluon import B_ROWS, K_MAJOR, _mainloop, _producer, _store, _store_tma, _tile_coords
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 
@@ -291,6 +291,11 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
         [4, 1],
         [REGS_C, REGS_P],
     )  # fmt: skip
+
+
+def skew_of(launch: GemmLaunch) -> int:
+    """Consumer 1's start behind consumer 0, in chunks, under ``launch``: :data:`SEG8_SKEW` where ``seg8_skew``."""
+    return SEG8_SKEW if launch.seg8_skew else 0
 
 
 def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, dx: bool = False) -> dict:
