@@ -250,7 +250,7 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
     (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (``scratch_ptr``: (programs, 2, 1, 64, BLOCK_B) FP32, the level-4 slot)
     or BLOCK_B (``scratch_ptr``: (programs, 2, 3, 64, 2 * BLOCK_B), every slot); ``cps`` chunks a segment.
     ``OPERANDS`` B_ROWS (dX = dY W, B_TAIL 0): A is dY, B = W's (BLOCK_K x BLOCK_B) boxes of reduction rows.
-    ``SKEW`` > 0 (B_TAIL 0, at most STAGES - 1): consumer 1 starts when consumer 0 has issued ``SKEW`` chunks
+    ``SKEW`` > 0 (B_TAIL 0, below STAGES): consumer 1 starts when consumer 0 has issued ``SKEW`` chunks
     (:func:`_consumer`'s start signal). ``L4_SHARED`` (B_TAIL 0): each consumer's level-4 slot in shared memory too,
     another 32 KB a consumer (a ring of 3 at most), no global scratch."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
@@ -313,13 +313,13 @@ def seg8_constants(cfg: GemmConfig, bias: bool, dx: bool = False, skew: int = 0,
     of reduction rows; on chip only: ``skew``, consumer 1's start in chunks behind consumer 0, and ``l4_shared``, the
     level-4 slots in shared memory, which takes a ring of at most 3)."""
     nb, nt = halves(cfg)
-    if not 0 <= skew < cfg.num_stages:
-        raise ValueError(f"gemm_gluon_seg8: a skew of {skew} chunks with a ring of {cfg.num_stages}")
+    if not 0 <= skew < cfg.num_stages or (skew and nt):
+        raise ValueError(f"gemm_gluon_seg8: a skew of {skew} chunks with tiling {cfg.tag}")
     if l4_shared and (nt or cfg.num_stages > 3):
         raise ValueError(f"gemm_gluon_seg8: the level-4 slots in shared memory with tiling {cfg.tag}")
     return {"BLOCK_B": nb, "B_TAIL": nt, "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages,
             "HAS_BIAS": bias, "REGS_C": REGS[0], "REGS_P": REGS[1], "maxnreg": WS_MAXNREG,
-            "OPERANDS": B_ROWS if dx else K_MAJOR, "SKEW": 0 if nt else skew, "L4_SHARED": l4_shared}  # fmt: skip
+            "OPERANDS": B_ROWS if dx else K_MAJOR, "SKEW": skew, "L4_SHARED": l4_shared}  # fmt: skip
 
 
 def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig,

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -154,18 +155,23 @@ ONE_CHUNK = {"num_tiles": 1, "num_pid_a": 1, "num_pid_b": 1, "k_tiles": 1, "cps"
 
 
 def gemm_seg8_facts(cfg, bias: bool, dx: bool = False, one_chunk: bool = False, skew: int = 0,
-                    l4_shared: bool = False) -> dict:  # fmt: skip
+                    l4_shared: bool = False, one_mma: bool = False) -> dict:  # fmt: skip
     """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg`` (``dx``: its dX,
     dY (M, N) W (N, K), into the FP32 sum the column-parallel layers round after), its output, bias and scratch
     16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it); ``one_chunk``:
     specialised as a launch of one tile of one chunk is (:data:`ONE_CHUNK`); ``skew``: consumer 1's start behind
-    consumer 0 (``GemmLaunch.seg8_skew``); ``l4_shared``: the level-4 slots in shared memory."""
+    consumer 0 (``GemmLaunch.seg8_skew``); ``l4_shared``: the level-4 slots in shared memory; ``one_mma``: B as one
+    MMA of all ``cfg.block_n`` columns with the tree on chip, also at 256 (which production runs as two halves with
+    the slots in global scratch)."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(*((256, 512) if dx else (512, 256)))
     y = torch.empty(300, 512, dtype=torch.float32 if dx else torch.bfloat16)
     descs = gemm_gluon_seg8.seg8_descriptors(x, w.bfloat16(), y, cfg, dx)
+    consts = gemm_gluon_seg8.seg8_constants(cfg, bias, dx, skew, l4_shared)
+    if one_mma:
+        descs.update(b_desc=gemm_gluon_plan.desc(w.bfloat16(), [cfg.block_n, cfg.block_k]), bt_desc=None, c_desc=None)
+        consts.update(BLOCK_B=cfg.block_n, B_TAIL=0)
     args = {"bias_ptr": y, "c_ptr": y, **{n: d for n, d in descs.items() if d is not None}}
-    consts = {n: None for n, d in descs.items() if d is None}
-    consts.update(gemm_gluon_seg8.seg8_constants(cfg, bias, dx, skew, l4_shared), **(ONE_CHUNK if one_chunk else {}))
+    consts.update({n: None for n, d in descs.items() if d is None}, **(ONE_CHUNK if one_chunk else {}))
     return _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS,
                       ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
@@ -183,23 +189,16 @@ def gemm_rows_dw_facts(seq_len: int = 300) -> dict:
                       ("scratch_ptr", "c_ptr", "N", "stride_cm"))  # fmt: skip
 
 
-def onchip_tree_facts(block_n: int, stages: int) -> dict:
-    """The seg8 forward's on-chip tree (level 1 in registers, level 2 in shared memory) at ``block_n`` columns, one
-    MMA a k16 step, a ring of ``stages``: ptxas's spilled bytes and the shared memory the tiling takes. 128 is
-    production; 256 is the single walk's tile, whose accumulator and level-1 subtree need 2 x 128 FP32 registers a
-    consumer thread (the limit is 255)."""
-    cfg = gemm_configs.GemmConfig(128, block_n, 64, 16, 4, stages, persistent=True, tma=True, gluon=True)
-    x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(512, 256, dtype=torch.bfloat16)
-    y = torch.empty(300, 512, dtype=torch.bfloat16)
-    descs = {"a_desc": gemm_gluon_plan.desc(x, [128, 64]), "b_desc": gemm_gluon_plan.desc(w, [block_n, 64])}
-    consts = {**gemm_gluon_seg8.seg8_constants(cfg, True), "BLOCK_B": block_n, "B_TAIL": 0, "bt_desc": None,
-              "c_desc": None}  # fmt: skip
-    aligned = ("bias_ptr", "scratch_ptr", "c_ptr", "N", "stride_cm")
-    args = {"bias_ptr": y, "c_ptr": y, **descs}
-    facts = _gluon_ptx(gemm_gluon_seg8._seg8_ws_kernel, args, consts, consts.pop("maxnreg"), SEG8_PATTERNS, aligned)
-    ring = stages * (128 + block_n) * 64 * 2
-    slots = 2 * 64 * block_n * 4
-    return {**facts, "block_n": block_n, "stages": stages, "shared_bytes": ring + slots, "regs_c": consts["REGS_C"]}
+def register_wall_facts() -> dict:
+    """The seg8 forward's on-chip tree (level 1 in registers, level 2 in shared memory) with one MMA of all the
+    tile's columns: at 128 (production, a ring of 4) and at 256, the single walk's tile, whose accumulator and
+    level-1 subtree need 2 x 128 FP32 registers a consumer thread, over the 255 a thread may have (a ring of 2, to fit
+    the shared memory). With the consumers' register limit."""
+    out = {}
+    for block_n, stages in ((128, 4), (256, 2)):
+        cfg = replace(gemm_gluon_seg8.SEG8_GLUON, block_n=block_n, num_stages=stages)
+        out[str(block_n)] = {**gemm_seg8_facts(cfg, bias=True, one_mma=True), "regs_c": gemm_gluon_plan.REGS[0]}
+    return out
 
 
 def one_chunk_facts() -> dict:
@@ -266,7 +265,7 @@ def main() -> None:
         json.dump(fingerprint_facts(), sys.stdout)
         return
     if sys.argv[1:] == ["--register-wall"]:
-        json.dump({"128": onchip_tree_facts(128, 4), "256": onchip_tree_facts(256, 2)}, sys.stdout)
+        json.dump(register_wall_facts(), sys.stdout)
         return
     if sys.argv[1:] == ["--row-error"]:
         json.dump(row_error_facts(), sys.stdout)

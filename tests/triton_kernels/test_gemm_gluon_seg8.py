@@ -238,16 +238,16 @@ def test_the_skew_knob_reaches_the_launch_and_its_record(monkeypatch, hopper) ->
     assert "consumer_skew" not in gemm_merge.launch_record(x, w, skewed)["forward"]  # the Triton kernel: no consumers
 
 
-def test_the_skew_is_bounded_by_the_ring_and_dropped_off_chip() -> None:
+def test_the_skew_is_bounded_by_the_ring_and_refused_off_chip() -> None:
     """Consumer 0 must issue the skew's chunks before consumer 1 frees a stage: a skew of the ring's depth or more
-    (or below 0) is refused; the 256-wide tiling (slots in global scratch) runs without one."""
+    (or below 0) is refused, and so is any skew of the 256-wide tiling (slots in global scratch: no start signal)."""
     cfg = gemm_gluon_seg8.SEG8_GLUON
     assert gemm_gluon_seg8.seg8_constants(cfg, True, skew=cfg.num_stages - 1)["SKEW"] == cfg.num_stages - 1
-    for bad in (cfg.num_stages, -1):
-        with pytest.raises(ValueError, match=f"a skew of {bad} chunks"):
-            gemm_gluon_seg8.seg8_constants(cfg, True, skew=bad)
     wide = replace(cfg, block_n=256, num_stages=3)
-    assert gemm_gluon_seg8.seg8_constants(wide, True, skew=2)["SKEW"] == 0
+    for tiling, bad in ((cfg, cfg.num_stages), (cfg, -1), (wide, 2)):
+        with pytest.raises(ValueError, match=f"a skew of {bad} chunks with tiling {tiling.tag}"):
+            gemm_gluon_seg8.seg8_constants(tiling, True, skew=bad)
+    assert gemm_gluon_seg8.seg8_constants(wide, True)["SKEW"] == 0
     assert 0 < gemm_gluon_seg8.SEG8_SKEW < cfg.num_stages
 
 

@@ -26,6 +26,8 @@ pytestmark = pytest.mark.slow
 # knob off) spills nothing.
 TMA_STORE_SPILL = 8
 TMA_STORE_SPILL_SOURCES = 80
+# The shared memory a block may have on an H100 / H200 (227 KB).
+BLOCK_SHARED = 232448
 
 
 def lowering_facts(*flags: str) -> dict:
@@ -219,7 +221,7 @@ def test_the_on_chip_tree_fits_128_columns_and_spills_at_the_single_walks_256() 
     assert wide["spill_bytes"] > 0, wide
     assert narrow["wgmma.mma_async"] == wide["wgmma.mma_async"] == 8, (narrow, wide)
     assert wide["add.rn.f32"] == 2 * narrow["add.rn.f32"], (narrow, wide)  # the same tree over twice the columns
-    assert wide["shared_bytes"] <= 232448 and wide["regs_c"] == narrow["regs_c"] < 256, wide
+    assert wide["shared"] <= BLOCK_SHARED and wide["regs_c"] == narrow["regs_c"] < 256, wide
 
 
 @pytest.mark.parametrize("kind", ["gemm_gluon_seg8", "gemm_gluon_seg8_dx"])
@@ -234,10 +236,6 @@ def test_the_consumer_skew_adds_only_its_start_signal(facts, kind) -> None:
     assert skew["mbarrier.arrive"] == base["mbarrier.arrive"] + 2, (base, skew)
     assert skew["mbarrier.wait"] == base["mbarrier.wait"] + 1, (base, skew)
     assert skew["spill_bytes"] == 0 and skew["wgmma_serialized"] is False, skew
-
-
-# The shared memory a block may have on an H100 / H200 (227 KB).
-BLOCK_SHARED = 232448
 
 
 def test_the_level_4_slot_in_shared_memory_leaves_only_the_output_and_bias_global(facts) -> None:
