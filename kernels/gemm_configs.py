@@ -151,11 +151,6 @@ class GemmLaunch:
     # Triton seg8 kernel; the same chunks, MMA, tree and bytes, measured equal on an H100 at the block's dX shapes and
     # 1.3-1.7x faster at M >= 3160: docs/measurements/h100/seg8-gluon-dw-check.json).
     seg8_gluon_dx: bool = True
-    # The Gluon seg8 forward and dX start consumer 1 h3gate.kernels.gemm_gluon_seg8.SEG8_SKEW chunks behind consumer 0,
-    # so that the two consumers' segment ends (each drains its MMAs and folds its tree there) fall at different times.
-    # Each consumer's chunks, MMAs and tree are unchanged, so the bytes should be too: off until a GPU has checked them
-    # (tools/gpu_seg8_gluon_check.py, tools/gpu_seg8_gluon_dw_check.py) and timed it.
-    seg8_skew: bool = False
 
 
 # Measurement only: ``H3GATE_GEMM_LAUNCH="rows_dw_gluon,rows_dw_tma=0"`` sets GemmLaunch knobs of this process's

@@ -179,12 +179,10 @@ def _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C: gl.constexpr,
 
 @gluon.jit
 def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C: gl.constexpr, NB: gl.constexpr,
-              NT: gl.constexpr, STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0, go=None,
-              GO: gl.constexpr = 0):  # fmt: skip
+              NT: gl.constexpr, STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """This consumer's 64 A rows of one tile over the ascending chunks, one chunk's MMAs kept in flight while the next
     chunk's barrier is awaited (``OPERANDS``: :func:`_mma_chunk`'s); returns (acc, acc_t, the ring step after the
-    tile). ``GO`` > 0: arrive on the barrier ``go`` when the ring step reaches ``GO`` (once a program: the step only
-    grows), after this consumer issued ring step ``GO - 1``'s MMAs (scheduling only)."""
+    tile)."""
     for ki in range(k_tiles):
         acc, acc_t = _mma_chunk(a_ring, b_ring, bt_ring, full, step, acc, acc_t, C, NB, NT, STAGES, OPERANDS)
         if NT > 0:
@@ -194,9 +192,6 @@ def _mainloop(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, acc, acc_t, C
         if ki > 0:
             mbarrier.arrive(empty.index((step - 1) % STAGES), count=1)
         step += 1
-        if GO > 0:  # noqa: SIM102 - GO is a constexpr: without it the arrival is not compiled
-            if step == GO:
-                mbarrier.arrive(go, count=1)
     if NT > 0:
         acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
     else:

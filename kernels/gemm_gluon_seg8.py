@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from h3gate.kernels.common import STRICT_LAUNCH
-from h3gate.kernels.gemm_configs import GemmConfig, GemmLaunch
+from h3gate.kernels.gemm_configs import GemmConfig
 from h3gate.kernels.gemm_gluon import B_ROWS, K_MAJOR, _mainloop, _producer, _store, _store_tma, _tile_coords
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 
@@ -60,14 +60,6 @@ from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 # global scratch (see above).
 SEG8_GLUON = GemmConfig(128, 128, 64, 16, 4, 4, persistent=True, tma=True, gluon=True)
 SEGMENTS = gl.constexpr(8)
-# Consumer 1's start behind consumer 0, in chunks, where GemmLaunch.seg8_skew is on: the two then reach each segment
-# end, where a consumer drains its MMAs and folds its tree, two chunks apart, and one's MMAs can run while the other
-# folds. At most the ring's depth less one (consumer 0 must issue them before consumer 1 frees a stage); each stage
-# of skew is one stage less of the producer's lead on consumer 0. Scheduling only: each consumer's walk is unchanged.
-SEG8_SKEW = 2
-# The tiling whose tree keeps its level-4 slots in shared memory too (``l4_shared``, measurement only): a ring of 3, so
-# that ring (96 KB) and three slots a consumer (2 x 64 KB) fit the 227 KB a block may have.
-L4_SHARED_TILING = GemmConfig(128, 128, 64, 16, 4, 3, persistent=True, tma=True, gluon=True)
 CONSUMERS = gl.constexpr(2)
 # A consumer's level-2 slot in shared memory, written and read in the accumulator's own register layout (wgmma's m64
 # fragment: a warp's lanes hold rows r .. r + 7, 8 columns each, a pair of FP32 per lane). Its 8-element vectors are
@@ -122,17 +114,17 @@ def _slot_ptrs(base, layout: gl.constexpr, W: gl.constexpr, COL0: gl.constexpr, 
 @gluon.jit
 def _segment(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, j, layout: gl.constexpr,
              layout_t: gl.constexpr, C: gl.constexpr, NB: gl.constexpr, NT: gl.constexpr, NT_L: gl.constexpr,
-             STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0, go=None, GO: gl.constexpr = 0):  # fmt: skip
+             STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0):  # fmt: skip
     """Segment ``j``'s partial: its chunks (none: +0) from zero accumulators (``acc_t``: NT_L columns, NT of them
-    multiplied) by the single walk's :func:`_mainloop` (``OPERANDS``: the slots' operand layout; ``go``, ``GO``: its
-    start signal); returns (acc, acc_t, the ring step after it)."""
+    multiplied) by the single walk's :func:`_mainloop` (``OPERANDS``: the slots' operand layout); returns (acc,
+    acc_t, the ring step after it)."""
     lo = gl.minimum(j * cps, k_tiles)
     n = gl.minimum(lo + cps, k_tiles) - lo
     acc = gl.zeros([64, NB], gl.float32, layout)
     acc_t = gl.zeros([64, NT_L], gl.float32, layout_t)
     if n > 0:
         acc, acc_t, step = _mainloop(a_ring, b_ring, bt_ring, full, empty, step, n, acc, acc_t, C, NB, NT, STAGES,
-                                     OPERANDS, go, GO)  # fmt: skip
+                                     OPERANDS)  # fmt: skip
     return acc, acc_t, step
 
 
@@ -157,13 +149,11 @@ def _tree_scratch(a_ring, b_ring, bt_ring, full, empty, step, k_tiles, cps, base
 
 @gluon.jit
 def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C: gl.constexpr, NB: gl.constexpr,
-                 STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8, go=None,
-                 GO: gl.constexpr = 0, slot4=None):  # fmt: skip
+                 STAGES: gl.constexpr, OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8):  # fmt: skip
     """One tile's ``NSEG`` (8 or 4) segments for consumer C, the pending subtree of 1 segment in registers (``s0``),
     of 2 in this consumer's shared-memory ``slot``, of 4 in its global scratch (``ptrs``, in the accumulator's layout;
-    8 segments only) or, given ``slot4``, in that shared-memory slot; the adds of :func:`_fold` (with 4 segments its
-    first four: ``(p0 + p1) + (p2 + p3)``); ``go``, ``GO``: the start signal (:func:`_consumer`). Returns (the tree, a
-    placeholder, the ring step after the tile)."""
+    8 segments only); the adds of :func:`_fold` (with 4 segments its first four: ``(p0 + p1) + (p2 + p3)``). Returns
+    (the tree, a placeholder, the ring step after the tile)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     layout_t: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     acc = gl.zeros([64, NB], gl.float32, layout)
@@ -172,7 +162,7 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
     gl.static_assert(NSEG == 8 or NSEG == 4, "the on-chip tree folds 8 or 4 segments")
     for j in range(NSEG):
         acc, acc_t, step = _segment(a_ring, b_ring, b_ring, full, empty, step, k_tiles, cps, j, layout, layout_t, C,
-                                    NB, 0, 8, STAGES, OPERANDS, go, GO)  # fmt: skip
+                                    NB, 0, 8, STAGES, OPERANDS)  # fmt: skip
         if j % 2 == 0:
             s0 = acc
         else:
@@ -183,14 +173,9 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
                 acc = slot.load(layout) + acc
                 if NSEG == 8:
                     if j == 3:
-                        if slot4 is None:
-                            gl.store(ptrs, acc)
-                        else:
-                            slot4.store(acc)
-                    elif slot4 is None:
-                        acc = gl.load(ptrs) + acc
+                        gl.store(ptrs, acc)
                     else:
-                        acc = slot4.load(layout) + acc
+                        acc = gl.load(ptrs) + acc
     return acc, acc_t, step
 
 
@@ -198,25 +183,16 @@ def _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slot, ptrs, C:
 def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr, M, N,
               stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, C: gl.constexpr, NB: gl.constexpr,
               NT: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-              OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8, go=None, ARRIVE: gl.constexpr = 0,
-              WAIT: gl.constexpr = 0, L4_SHARED: gl.constexpr = False):  # fmt: skip
+              OPERANDS: gl.constexpr = 0, NSEG: gl.constexpr = 8):  # fmt: skip
     """Consumer C's 64 rows of the program's tiles (:func:`_producer`'s order): the tree (NT > 0: through global
     scratch, each half stored by TMA through its staging buffer; else on chip, stored from registers), + bias, one
     rounding. ``OPERANDS`` (on chip only): the slots' operand layout (:func:`h3gate.kernels.gemm_gluon._mma_chunk`:
     the dX's, the weight gradient's: :mod:`h3gate.kernels.gemm_gluon_rows_dw`); ``NSEG`` (on chip only): 8
-    segments, or 4 (the weight gradient's row segments: the tree ``(q0 + q1) + (q2 + q3)``, no global slot).
-
-    The start signal (on chip only; scheduling, no byte changes): ``WAIT`` (consumer 1) waits on the barrier ``go``
-    before its first chunk; ``ARRIVE`` > 0 (consumer 0) arrives on it once its ring step reaches ``ARRIVE``, or at its
-    end if its program has fewer chunks. Consumer 1 then walks the same chunks ``ARRIVE`` steps behind, so the two
-    reach a segment end, where each drains its MMAs and folds, at different times. ``L4_SHARED`` (on chip, 8
-    segments): the level-4 subtree in shared memory, ``slots.index(CONSUMERS + C)``, instead of global scratch."""
+    segments, or 4 (the weight gradient's row segments: the tree ``(q0 + q1) + (q2 + q3)``, no global slot)."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NB, 16])
     FLOATS: gl.constexpr = 3 * 64 * (NB + NT) if NT > 0 else 64 * NB  # this consumer's global scratch
     step = gl.program_id(0) * 0  # a tensor even where a launch specialises k_tiles = 1 as a constant
     base = scratch_ptr + (gl.program_id(0) * CONSUMERS + C).to(gl.int64) * FLOATS
-    if WAIT > 0:
-        mbarrier.wait(go, 0)
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_a, pid_b = _tile_coords(t, num_pid_a, num_pid_b, GROUP)
         off_i = pid_a * 128 + C * 64
@@ -227,15 +203,11 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
             _store_tma(acc, c_desc, c_smem.index(2 * C), bias_ptr, off_i, off_j, N, NB, HAS_BIAS)
             _store_tma(acc_t, c_desc, c_smem.index(2 * C + 1), bias_ptr, off_i, off_j + NB, N, NT, HAS_BIAS)
         else:
-            slot4 = slots.index(CONSUMERS + C) if L4_SHARED else None
             acc, acc_t, step = _tree_onchip(a_ring, b_ring, full, empty, step, k_tiles, cps, slots.index(C),
                                             _slot_ptrs(base, layout, NB, 0, NB), C, NB, STAGES, OPERANDS,
-                                            NSEG, go, ARRIVE, slot4)  # fmt: skip
+                                            NSEG)  # fmt: skip
             offs_i = off_i + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             _store(acc, c_ptr, bias_ptr, offs_i, off_j, M, N, stride_cm, NB, False, HAS_BIAS)
-    if ARRIVE > 0:  # noqa: SIM102 - ARRIVE is a constexpr: without it the arrival is not compiled
-        if step < ARRIVE:
-            mbarrier.arrive(go, count=1)
     if NT > 0:
         tma.store_wait(0)
 
@@ -244,15 +216,11 @@ def _consumer(a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr
 def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_ptr, M, N, stride_cm, num_tiles,
                     num_pid_a, num_pid_b, k_tiles, cps, BLOCK_B: gl.constexpr, B_TAIL: gl.constexpr,
                     BLOCK_K: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    REGS_C: gl.constexpr, REGS_P: gl.constexpr, OPERANDS: gl.constexpr,
-                    SKEW: gl.constexpr = 0, L4_SHARED: gl.constexpr = False):  # fmt: skip
+                    REGS_C: gl.constexpr, REGS_P: gl.constexpr, OPERANDS: gl.constexpr):  # fmt: skip
     """``num_warps`` = 4 (consumer 0); consumer 1 and the one-warp producer are workers. A tile: 128 A (X) rows x
     (BLOCK_B + B_TAIL) B (W) rows, B_TAIL 0 (``scratch_ptr``: (programs, 2, 1, 64, BLOCK_B) FP32, the level-4 slot)
     or BLOCK_B (``scratch_ptr``: (programs, 2, 3, 64, 2 * BLOCK_B), every slot); ``cps`` chunks a segment.
-    ``OPERANDS`` B_ROWS (dX = dY W, B_TAIL 0): A is dY, B = W's (BLOCK_K x BLOCK_B) boxes of reduction rows.
-    ``SKEW`` > 0 (B_TAIL 0, below STAGES): consumer 1 starts when consumer 0 has issued ``SKEW`` chunks
-    (:func:`_consumer`'s start signal). ``L4_SHARED`` (B_TAIL 0): each consumer's level-4 slot in shared memory too,
-    another 32 KB a consumer (a ring of 3 at most), no global scratch."""
+    ``OPERANDS`` B_ROWS (dX = dY W, B_TAIL 0): A is dY, B = W's (BLOCK_K x BLOCK_B) boxes of reduction rows."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BLOCK_K], a_desc.layout)
     if OPERANDS == B_ROWS:
         b_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, BLOCK_B], b_desc.layout)
@@ -265,25 +233,23 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
     if B_TAIL > 0:  # the slots in global scratch, the output staged for TMA stores
         c_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * CONSUMERS, 64, BLOCK_B], c_desc.layout)
         slots = c_smem  # unused
-    else:  # each consumer's level-2 subtree (SLOT_LAYOUT), then (L4_SHARED) each one's level-4 subtree
-        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS * (1 + L4_SHARED), 64, BLOCK_B], SLOT_LAYOUT)
+    else:  # each consumer's level-2 subtree (SLOT_LAYOUT)
+        slots = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 64, BLOCK_B], SLOT_LAYOUT)
         c_smem = slots  # unused: stored from registers
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
-    mbarrier.init(go.index(0), count=1)
     zero = gl.program_id(0) * 0  # the producer's unused narrow-tile and grouped-launch arguments
     gl.warp_specialize(
         [
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
                          M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 0, BLOCK_B, B_TAIL, GROUP,
-                         STAGES, HAS_BIAS, OPERANDS, SEGMENTS, go.index(0), SKEW, 0, L4_SHARED)),
+                         STAGES, HAS_BIAS, OPERANDS)),
             (_consumer, (a_ring, b_ring, bt_ring, full, empty, c_desc, c_smem, slots, c_ptr, bias_ptr, scratch_ptr,
                          M, N, stride_cm, num_tiles, num_pid_a, num_pid_b, k_tiles, cps, 1, BLOCK_B, B_TAIL, GROUP,
-                         STAGES, HAS_BIAS, OPERANDS, SEGMENTS, go.index(0), 0, SKEW, L4_SHARED)),
+                         STAGES, HAS_BIAS, OPERANDS)),
             (_producer, (a_desc, b_desc, b_desc, b_desc, bt_desc, b_desc, a_ring, b_ring, bt_ring, full, empty,
                          num_tiles, num_pid_a, num_pid_b, zero, zero, zero, zero, k_tiles, BLOCK_B, B_TAIL, 0,
                          BLOCK_K, GROUP, STAGES, 128, 1, OPERANDS)),
@@ -291,11 +257,6 @@ def _seg8_ws_kernel(a_desc, b_desc, bt_desc, c_desc, c_ptr, bias_ptr, scratch_pt
         [4, 1],
         [REGS_C, REGS_P],
     )  # fmt: skip
-
-
-def skew_of(launch: GemmLaunch) -> int:
-    """Consumer 1's start behind consumer 0, in chunks, under ``launch``: :data:`SEG8_SKEW` where ``seg8_skew``."""
-    return SEG8_SKEW if launch.seg8_skew else 0
 
 
 def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: GemmConfig, dx: bool = False) -> dict:
@@ -308,28 +269,20 @@ def seg8_descriptors(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Gem
             "c_desc": desc(y, [64, nb]) if nt else None}  # fmt: skip
 
 
-def seg8_constants(cfg: GemmConfig, bias: bool, dx: bool = False, skew: int = 0, l4_shared: bool = False) -> dict:
+def seg8_constants(cfg: GemmConfig, bias: bool, dx: bool = False) -> dict:
     """The kernel's compile-time constants and register limit for ``cfg`` (a bias added or not; ``dx``: B's boxes
-    of reduction rows; on chip only: ``skew``, consumer 1's start in chunks behind consumer 0, and ``l4_shared``, the
-    level-4 slots in shared memory, which takes a ring of at most 3)."""
+    of reduction rows)."""
     nb, nt = halves(cfg)
-    if not 0 <= skew < cfg.num_stages or (skew and nt):
-        raise ValueError(f"gemm_gluon_seg8: a skew of {skew} chunks with tiling {cfg.tag}")
-    if l4_shared and (nt or cfg.num_stages > 3):
-        raise ValueError(f"gemm_gluon_seg8: the level-4 slots in shared memory with tiling {cfg.tag}")
     return {"BLOCK_B": nb, "B_TAIL": nt, "BLOCK_K": cfg.block_k, "GROUP": cfg.group_m, "STAGES": cfg.num_stages,
             "HAS_BIAS": bias, "REGS_C": REGS[0], "REGS_P": REGS[1], "maxnreg": WS_MAXNREG,
-            "OPERANDS": B_ROWS if dx else K_MAJOR, "SKEW": skew, "L4_SHARED": l4_shared}  # fmt: skip
+            "OPERANDS": B_ROWS if dx else K_MAJOR}  # fmt: skip
 
 
 def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, cfg: GemmConfig,
-                   seg: int, programs: int, dx: bool = False, skew: int = 0,
-                   l4_shared: bool = False) -> torch.Tensor:  # fmt: skip
+                   seg: int, programs: int, dx: bool = False) -> torch.Tensor:  # fmt: skip
     """``y (M, N)`` = the segmented-8 ``x (M, K) @ w (N, K)^T [+ bias]`` (``dx``: ``x (M, K) @ w (K, N)``, the
     column-parallel dX dY W) (contiguous bfloat16, 16-byte aligned rows and bases, CUDA, sm_90) with segments of
-    ``seg`` columns of x (a multiple of ``cfg.block_k``, the layer's pinned BLOCK_K), ``programs`` the SM count;
-    ``skew``: consumer 1 starts that many chunks behind consumer 0 (scheduling only: :data:`SEG8_SKEW`); ``l4_shared``:
-    the tree's level-4 slots in shared memory (a ring of 3; where a value waits, not what it is)."""
+    ``seg`` columns of x (a multiple of ``cfg.block_k``, the layer's pinned BLOCK_K), ``programs`` the SM count."""
     m, k = x.shape
     n = w.shape[1] if dx else w.shape[0]
     if seg % cfg.block_k or cfg.block_m != 128 or (dx and halves(cfg)[1]):
@@ -341,7 +294,6 @@ def matmul_seg8_ws(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, bias: torc
     _seg8_ws_kernel[(p.grid,)](
         **seg8_descriptors(x, w, y, cfg, dx), c_ptr=y, bias_ptr=bias if bias is not None else y, scratch_ptr=scratch,
         M=m, N=n, stride_cm=y.stride(0), num_tiles=p.tiles, num_pid_a=p.pid_a, num_pid_b=p.pid_b, k_tiles=p.k_tiles,
-        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None, dx, skew, l4_shared),
-        **STRICT_LAUNCH,
+        cps=seg // cfg.block_k, num_warps=4, **seg8_constants(cfg, bias is not None, dx), **STRICT_LAUNCH,
     )  # fmt: skip
     return y

@@ -80,7 +80,7 @@ from h3gate.kernels.exact import cdiv, fold_segment, helper, mma, rne, zeros
 from h3gate.kernels.gemm import _operator as gemm_operator
 from h3gate.kernels.gemm import check_linear
 from h3gate.kernels.gemm_configs import PRODUCTION, GemmConfig, GemmLaunch, gemm_config
-from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, matmul_seg8_ws, skew_of
+from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, matmul_seg8_ws
 from h3gate.kernels.gemm_triton import tile_coords
 from h3gate.kernels.merge_tree import DEGREES, SEGMENTS, finish, owned_segments
 from h3gate.kernels.rows_seg8 import dw_record, linear_row_grads, linear_rows
@@ -354,7 +354,7 @@ def _subtree(
         if path == GLUON:
             b = aligned(b.contiguous())
             a2 = a2 if _tma_fits(a2, b) else aligned(a2.contiguous())
-            return matmul_seg8_ws(a2, b, out, None, cfg, seg, num_sms(a.device), dx=True, skew=skew_of(launch))
+            return matmul_seg8_ws(a2, b, out, None, cfg, seg, num_sms(a.device), dx=True)
     cfg = fused_config(role, tuple(full_shape), a.dtype)
     _launch(a2, b, out, bias, cfg, seg, len(owned), out_dtype is not None, role == "fwd", launch)
     return out
@@ -424,9 +424,7 @@ def launch_record(x: torch.Tensor, weight: torch.Tensor, launch: GemmLaunch = PR
     n, k = weight.shape
     fits = launch.seg8_tma and _tma_fits(x.reshape(-1, k), weight)
     rec = {role: forward_plan(x, weight, launch, role) for role in ROLES}
-    rec = {role: {"tiling": cfg.tag, "tma": path == GLUON or fits, "kernel": path,
-                  **({"consumer_skew": skew_of(launch)} if path == GLUON and skew_of(launch) else {})}
-           for role, (path, cfg) in rec.items()}  # fmt: skip
+    rec = {role: {"tiling": cfg.tag, "tma": path == GLUON or fits, "kernel": path} for role, (path, cfg) in rec.items()}
     rec = {"forward": rec["fwd"], "dx": rec["dx"], "dw": dw_record(x, (n, k), linear_rows(op, x), launch)}
     return {**rec, "interpreted": INTERPRET}
 
@@ -440,7 +438,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, l
     if path == GLUON:
         x2, w2 = (aligned(t.contiguous()) for t in (x.reshape(-1, k), weight))
         y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-        matmul_seg8_ws(x2, w2, y, bias, cfg, seg, num_sms(x.device), skew=skew_of(launch))
+        matmul_seg8_ws(x2, w2, y, bias, cfg, seg, num_sms(x.device))
     else:
         y = _subtree(x, weight, range(SEGMENTS), (n, k), "fwd", seg, bias, x.dtype, launch)
     return y.view(*x.shape[:-1], n)

@@ -12,14 +12,10 @@
 #   dw                 the row-segment dW next to the single-walk dW (the block's four weights, M = 3160 and 38974),
 #                      then Nsight Compute on each at q/k/v, M = 3160
 #   dw-tilings         the row-segment dW at M = 3160 at other ring depths and tile swizzles (bytes checked equal)
-#   skew               the consumer skew (GemmLaunch.seg8_skew, off): the forward check (--quick, then O and down at
-#                      M = 3160 and 38974; its variants include skews 1-3) and the dX check (--quick, then M = 3160),
-#                      bytes against the Triton seg8 kernel and times against production
 #   floor              the O / down GEMM variants at M = 38974 in a sustained stream at the power cap (ms and J a
 #                      call, interleaved): the 128 x 128 single walk against the 128 x 256 one decides whether the
 #                      768p forward target is in reach (docs/ws2-merge-order.md)
 #   block-<layout>     bench ws1-block --merge-order seg8 at medium or 768p (single, seg8 and the provider side by side)
-#   block-<layout>-skew  the same with H3GATE_GEMM_LAUNCH=seg8_skew
 #   model-<layout>     bench ws1-model --merge-order seg8 at medium or 768p
 #   usage: tools/gpu_seg8.sh checks anatomy ncu block-medium
 . tools/gpu_common.sh
@@ -55,19 +51,9 @@ for s in "$@"; do
   dw-tilings)
     step 150 seg8-dw-tilings python3 tools/gpu_seg8_anatomy.py --sections dw --rows 3160 \
       --json "$ev/seg8-dw-tilings.json" ;;
-  skew)
-    step 60 seg8-gluon-check-quick python3 tools/gpu_seg8_gluon_check.py --quick
-    step 300 seg8-gluon-check-skew python3 tools/gpu_seg8_gluon_check.py --rows 3160 38974 \
-      --json "$ev/seg8-gluon-check-skew.json"
-    step 60 seg8-gluon-dw-check-quick python3 tools/gpu_seg8_gluon_dw_check.py --quick
-    step 150 seg8-gluon-dw-check-skew python3 tools/gpu_seg8_gluon_dw_check.py --rows 3160 \
-      --json "$ev/seg8-gluon-dw-check-skew.json" ;;
   floor)
     step 240 seg8-floor python3 tools/gpu_seg8_anatomy.py --sections gemm --rows 38974 --sustained \
       --json "$ev/seg8-floor.json" ;;
-  block-medium-skew|block-768p-skew) L=${s#block-}; L=${L%-skew}
-    H3GATE_GEMM_LAUNCH=seg8_skew step 300 "bench-ws1-block-seg8-skew-$L" $H bench ws1-block --config real \
-      --layout "$L" --device cuda --merge-order seg8 --out "$ev/bench-ws1-block-seg8-skew-$L" ;;
   block-medium|block-768p) L=${s#block-}
     step 300 "bench-ws1-block-seg8-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
       --merge-order seg8 --out "$ev/bench-ws1-block-seg8-$L" ;;

@@ -24,12 +24,10 @@ largest first, and the kernels whose time differs most between the orders.
 single walk (production tiling, 128 x 256), the single walk on the seg8 kernel's 128 x 128 tile, the seg8 forward
 (production: the tree's pending subtrees in registers, shared memory and global scratch) and this file's
 ``_seq_kernel``: the seg8 kernel's segments, each restarted from zero and drained, added into one running total in
-registers (no slots; another summation order, timed only); then the seg8 forward with consumer 1 ``SEG8_SKEW``
-chunks behind (``GemmLaunch.seg8_skew``) and with the level-4 slots in shared memory (``l4_shared``). Tile, restart
-and slot costs are the differences of consecutive columns. CUDA events over ``--reps`` back-to-back calls after
-warm-up, the median of 5 such spans; ``--sustained`` adds each variant's milliseconds and joules a call in a stream
-at the power cap, the variants interleaved round by round (:func:`h3gate.bench.energy.sustained`), where a variant's
-clocks are its own.
+registers (no slots; another summation order, timed only). Tile, restart and slot costs are the differences of
+consecutive columns. CUDA events over ``--reps`` back-to-back calls after warm-up, the median of 5 such spans;
+``--sustained`` adds each variant's milliseconds and joules a call in a stream at the power cap, the variants
+interleaved round by round (:func:`h3gate.bench.energy.sustained`), where a variant's clocks are its own.
 """
 
 from __future__ import annotations
@@ -59,14 +57,7 @@ from h3gate.kernels.gemm_configs import gemm_config
 from h3gate.kernels.gemm_gluon import _producer, _store, _tile_coords, matmul_ws
 from h3gate.kernels.gemm_gluon_plan import REGS, WS_MAXNREG, desc, plan
 from h3gate.kernels.gemm_gluon_rows_dw import ROWS_DW_GLUON, rows_dw_ws
-from h3gate.kernels.gemm_gluon_seg8 import (
-    L4_SHARED_TILING,
-    SEG8_GLUON,
-    SEG8_SKEW,
-    SEGMENTS,
-    _segment,
-    matmul_seg8_ws,
-)
+from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, SEGMENTS, _segment, matmul_seg8_ws
 from h3gate.kernels.gemm_triton import matmul
 from h3gate.numerics import strict_numerics
 from h3gate.runs.setup import RunSpec, prepare
@@ -175,10 +166,6 @@ def gemm_section(rows: list[int], reps: int, steady: bool = False) -> list[dict]
                 "seg8": lambda x=x, w=w, b=b, y=y, seg=seg: matmul_seg8_ws(x, w, y, b, SEG8_GLUON, seg,
                                                                            num_sms(x.device)),
                 "seg8_running_total": lambda x=x, w=w, b=b: seq_fold(x, w, b),
-                "seg8_skew": lambda x=x, w=w, b=b, y=y, seg=seg: matmul_seg8_ws(
-                    x, w, y, b, SEG8_GLUON, seg, num_sms(x.device), skew=SEG8_SKEW),
-                "seg8_l4_shared": lambda x=x, w=w, b=b, y=y, seg=seg: matmul_seg8_ws(
-                    x, w, y, b, L4_SHARED_TILING, seg, num_sms(x.device), l4_shared=True),
             }  # fmt: skip
             rec: dict = {"layer": name, "m": m, "n": n, "k": k, "single_path": path, "single_tiling": cfg.tag, "ms": {}}
             ref = F.linear(x.float(), w.float(), None if b is None else b.float())

@@ -1,11 +1,10 @@
 """On a Hopper GPU: the segmented-8 Gluon forward (kernels/gemm_gluon_seg8.py, the one-device seg8 operator's path
 there) against the Triton seg8 kernel (``_seg8_kernel``; ``GemmLaunch.seg8_gluon`` off): byte equality at the block's
 row-parallel layers (O with a bias, down), M = 264, 3160 and 38974, for the production tiling (128 x 128, the tree's
-levels 1 and 2 on chip), its rings of 5 and 3, a 128 x 256 variant (every slot in global scratch), consumer 1 started
-1, 2 or 3 chunks behind consumer 0 (``GemmLaunch.seg8_skew``) and the level-4 slots in shared memory (a ring of 3),
-all scheduling only; then each timed next
-to the single-walk forward (kernels/gemm.py's declared path) and cuBLAS (``F.linear``, TF32 off), CUDA events, median
-of repeated calls after warm-up, with ratios to cuBLAS (cuBLAS ms / kernel ms: 1.0 is cuBLAS's throughput).
+levels 1 and 2 on chip), its rings of 5 and 3 and a 128 x 256 variant (every slot in global scratch); then each
+timed next to the single-walk forward (kernels/gemm.py's declared path) and cuBLAS (``F.linear``, TF32 off), CUDA
+events, median of repeated calls after warm-up, with ratios to cuBLAS (cuBLAS ms / kernel ms: 1.0 is cuBLAS's
+throughput).
 ``--quick``: small shapes with a partial last chunk, empty segments and partial tiles (bytes only, a smoke test).
 
     python3 tools/gpu_seg8_gluon_check.py [--rows 264 3160 38974] [--json OUT.json]   # exit 1 on any difference
@@ -26,7 +25,7 @@ from gpu_seg8_dw_check import timed  # CUDA events, the median of 10 calls after
 from h3gate.kernels import gemm, gemm_merge
 from h3gate.kernels.common import num_sms
 from h3gate.kernels.gemm_configs import PRODUCTION
-from h3gate.kernels.gemm_gluon_seg8 import L4_SHARED_TILING, SEG8_GLUON, matmul_seg8_ws
+from h3gate.kernels.gemm_gluon_seg8 import SEG8_GLUON, matmul_seg8_ws
 
 LAYERS = {"o": (5376, 7168, True), "down": (5376, 14336, False)}  # (N, K, bias)
 # (name, M, N, K, bias): a partial last chunk (K = 1000: S = 128, 16 chunks, the last one 40 columns of zero fill),
@@ -34,25 +33,19 @@ LAYERS = {"o": (5376, 7168, True), "down": (5376, 14336, False)}  # (N, K, bias)
 # tile of 8 columns; with 256-column tiles its second half is past N), one row.
 QUICK = [("k1000", 300, 328, 1000, True), ("k200", 77, 136, 200, False), ("k7168", 1, 264, 7168, True)]
 TRITON = replace(PRODUCTION, seg8_gluon=False)
-# (tiling, consumer 1's start behind consumer 0 in chunks, the level-4 slots in shared memory): production (128 x 128,
-# levels 1 and 2 of the tree on chip, a ring of 4), its rings of 5 and 3, 128 x (128 + 128) with every slot in global
-# scratch (a ring of 3), the skews, and the level-4 slots on chip (a ring of 3)
-S3, S5 = L4_SHARED_TILING, replace(SEG8_GLUON, num_stages=5)
-VARIANTS = {"gluon": (SEG8_GLUON, 0, False), "gluon_s5": (S5, 0, False), "gluon_s3": (S3, 0, False),
-            "gluon_n256_scratch": (replace(SEG8_GLUON, block_n=256, num_stages=3), 0, False),
-            "gluon_skew1": (SEG8_GLUON, 1, False), "gluon_skew2": (SEG8_GLUON, 2, False),
-            "gluon_skew3": (SEG8_GLUON, 3, False), "gluon_s5_skew2": (S5, 2, False),
-            "gluon_l4shared": (S3, 0, True), "gluon_l4shared_skew1": (S3, 1, True)}  # fmt: skip
+# production (128 x 128, levels 1 and 2 of the tree on chip, a ring of 4), its rings of 5 and 3, and 128 x (128 + 128)
+# with every slot in global scratch (a ring of 3)
+VARIANTS = {"gluon": SEG8_GLUON, "gluon_s5": replace(SEG8_GLUON, num_stages=5),
+            "gluon_s3": replace(SEG8_GLUON, num_stages=3),
+            "gluon_n256_scratch": replace(SEG8_GLUON, block_n=256, num_stages=3)}  # fmt: skip
 
 
-def seg8_gluon(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg, skew: int = 0,
-               l4: bool = False) -> torch.Tensor:  # fmt: skip
-    """The Gluon seg8 forward with tiling ``cfg``, consumer 1 ``skew`` chunks behind and (``l4``) the level-4 slots in
-    shared memory (the operator's own call where these are production's)."""
+def seg8_gluon(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg) -> torch.Tensor:
+    """The Gluon seg8 forward with tiling ``cfg`` (the operator's own call where ``cfg`` is production's)."""
     n, k = w.shape
     seg = gemm_merge.segment_size(k, gemm_merge.pinned_config("fwd", (n, k), x.dtype).block_k)
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    return matmul_seg8_ws(x, w, y, b, cfg, seg, num_sms(x.device), skew=skew, l4_shared=l4)
+    return matmul_seg8_ws(x, w, y, b, cfg, seg, num_sms(x.device))
 
 
 def operands(m: int, n: int, k: int, bias: bool, gen: torch.Generator):
@@ -68,15 +61,15 @@ def check(name: str, m: int, n: int, k: int, bias: bool, gen: torch.Generator, t
     ref = gemm_merge.linear_merge(x, w, b, launch=TRITON)  # the Triton seg8 kernel
     rec: dict = {"layer": name, "m": m, "n": n, "k": k, "bias": bias, "operator_path": path,
                  "operator_bitwise": torch.equal(gemm_merge.linear_merge(x, w, b), ref)}  # fmt: skip
-    for var, (cfg, skew, l4) in VARIANTS.items():
-        rec[f"{var}_bitwise"] = torch.equal(seg8_gluon(x, w, b, cfg, skew, l4), ref)
+    for var, cfg in VARIANTS.items():
+        rec[f"{var}_bitwise"] = torch.equal(seg8_gluon(x, w, b, cfg), ref)
     if not timing:
         return rec
     rec["single_walk_path"] = gemm.forward_plan(x, w)[0]
     ms = {"cublas": timed(lambda: F.linear(x, w, b)), "single_walk": timed(lambda: gemm.forward(x, w, b)),
           "triton_seg8": timed(lambda: gemm_merge.linear_merge(x, w, b, launch=TRITON))}  # fmt: skip
-    for var, (cfg, skew, l4) in VARIANTS.items():
-        ms[var] = timed(lambda cfg=cfg, skew=skew, l4=l4: seg8_gluon(x, w, b, cfg, skew, l4))
+    for var, cfg in VARIANTS.items():
+        ms[var] = timed(lambda cfg=cfg: seg8_gluon(x, w, b, cfg))
     rec["ms"] = ms
     rec["vs_cublas"] = {key: ms["cublas"] / v for key, v in ms.items() if key != "cublas"}
     rec["gluon_over_single_walk"] = ms["gluon"] / ms["single_walk"]

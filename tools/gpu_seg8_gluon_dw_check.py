@@ -5,13 +5,12 @@
   byte equality of the one-device bfloat16 dW at the block's four weights (q/k/v, o, gate_up, down), M = 264, 3160
   and 38974, called directly and through ``linear_row_grads`` with the knob on (the dispatch); each timed next to
   ``rows_dw`` and the single-walk dW kernel (``gemm_triton.matmul(..., a_trans=True)``).
-* dX: the Gluon seg8 kernel's dX (``dx``, ``GemmLaunch.seg8_gluon_dx``, on; and with ``seg8_skew``) against the
-  Triton seg8 kernel (``gemm_merge._subtree`` with the knob off: its TMA walk, and its pointer walk): the
-  column-parallel layers' FP32 sum (q/k/v; gate/up as its two (F, K) halves) and the row-parallel layers' rounded
-  dX (o, down); each timed next to the Triton seg8 dX and the single-walk dX (``gemm_triton.matmul``, the declared
-  dX of the single merge order). The column sums also read from a column slice of a wider dY (gate/up's halves, in
-  place) and rounded in the kernel's epilogue (``segment_total``, the one-device column dX) against the FP32 sum
-  rounded after.
+* dX: the Gluon seg8 kernel's dX (``dx``, ``GemmLaunch.seg8_gluon_dx``, on) against the Triton seg8 kernel
+  (``gemm_merge._subtree`` with the knob off: its TMA walk, and its pointer walk): the column-parallel layers' FP32
+  sum (q/k/v; gate/up as its two (F, K) halves) and the row-parallel layers' rounded dX (o, down); each timed next to
+  the Triton seg8 dX and the single-walk dX (``gemm_triton.matmul``, the declared dX of the single merge order). The
+  column sums also read from a column slice of a wider dY (gate/up's halves, in place) and rounded in the kernel's
+  epilogue (``segment_total``, the one-device column dX) against the FP32 sum rounded after.
 
 CUDA events, median of repeated calls after warm-up. ``--quick``: small shapes (bytes only): for dW segments ending
 mid-chunk, empty segments (S = 17, 100), partial tiles (N = 200, K = 72), one row; for dX a partial last chunk and
@@ -44,7 +43,6 @@ from h3gate.kernels.rows_seg8 import GLUON_DW, dw_path, linear_row_grads
 
 ON = replace(PRODUCTION, rows_dw_gluon=True)
 ON_DX, OFF_DX = replace(PRODUCTION, seg8_gluon_dx=True), replace(PRODUCTION, seg8_gluon_dx=False)
-SKEW_DX = replace(ON_DX, seg8_skew=True)  # consumer 1 started SEG8_SKEW chunks behind consumer 0
 POINTER = replace(OFF_DX, seg8_tma=False)
 # dX: (name, (N, K) of the reduction's weight, FP32 sum (column-parallel) or rounded (row-parallel))
 DX = [("q/k/v", (7168, 5376), True), ("gate_up_half", (14336, 5376), True), ("o", (5376, 7168), False),
@@ -105,8 +103,7 @@ def check_dx(name: str, m: int, full: tuple[int, int], fp32: bool, gen: torch.Ge
     rec: dict = {"dx": name, "m": m, "n": n, "k": k, "fp32_sum": fp32,
                  "path_with_knob": gemm_merge.forward_plan(g2, w, ON_DX, "dx")[0],
                  "bitwise_triton_seg8": torch.equal(new, ref),
-                 "triton_pointer_bitwise": torch.equal(seg8_dx(g2, w, fp32, POINTER), ref),
-                 "skew_bitwise": torch.equal(seg8_dx(g2, w, fp32, SKEW_DX), ref)}  # fmt: skip
+                 "triton_pointer_bitwise": torch.equal(seg8_dx(g2, w, fp32, POINTER), ref)}  # fmt: skip
     if fp32:  # the column layers: dY's columns read in place (gate/up's halves), the rounding in the epilogue
         wide = torch.zeros((m, 2 * n), dtype=g2.dtype, device="cuda")
         wide[:, n:] = g2
@@ -120,7 +117,6 @@ def check_dx(name: str, m: int, full: tuple[int, int], fp32: bool, gen: torch.Ge
         rec["ms_cublas"] = timed(lambda: g2 @ w)
         rec["ms_triton_seg8"] = timed(lambda: seg8_dx(g2, w, fp32, OFF_DX))
         rec["ms_gluon"] = timed(lambda: seg8_dx(g2, w, fp32, ON_DX))
-        rec["ms_gluon_skew"] = timed(lambda: seg8_dx(g2, w, fp32, SKEW_DX))
         rec["gluon_over_single"] = rec["ms_gluon"] / rec["ms_single_walk"]
         rec["triton_seg8_over_gluon"] = rec["ms_triton_seg8"] / rec["ms_gluon"]
         if fp32:
@@ -142,7 +138,6 @@ def run_dx(rows: list[int], quick: bool, gen: torch.Generator) -> tuple[list[dic
         rec = check_dx(name, m, full, fp32, gen, timing)
         ok = rec["bitwise_triton_seg8"] and rec["triton_pointer_bitwise"] and rec["path_with_knob"] == gemm_merge.GLUON
         ok = ok and rec.get("column_slice_bitwise", True) and rec.get("rounded_in_kernel_bitwise", True)
-        ok = ok and rec["skew_bitwise"]
         bad += not ok
         print(f"{name:12s} {full} M={m}: {'bitwise' if ok else 'DIFFERENT'} {rec}", flush=True)
         records.append(rec)

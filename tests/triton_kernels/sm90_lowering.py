@@ -142,8 +142,7 @@ def gemm_gluon_facts(cfg, bias: bool, groups: int = 1, one_chunk: bool = False) 
 
 # Instructions the strict kernels must not emit (FMA contraction, atomics), the tree's FP32 adds and slot traffic, and
 # the wgmma reading both operands, or B alone, MN-major from shared memory (its last two immediates: trans-a, trans-b).
-SEG8_PATTERNS = {"mbarrier.arrive": r"\bmbarrier\.arrive\b", "mbarrier.wait": r"\bmbarrier\.try_wait\b",
-                 "fma": r"\bfma\.", "atomics": r"\b(?:atom|red)\.", "add.rn.f32": r"\badd\.rn\.f32\b",
+SEG8_PATTERNS = {"fma": r"\bfma\.", "atomics": r"\b(?:atom|red)\.", "add.rn.f32": r"\badd\.rn\.f32\b",
                  "ld.global": r"\bld\.global\.", "st.global": r"\bst\.global\.", "libdevice": r"__nv_",
                  "ld.shared.v2": r"\bld\.shared\.v2\.", "st.shared.v2": r"\bst\.shared\.v2\.",
                  "wgmma.mn_major": r"\bwgmma\.mma_async\.[^;]*,\s*1,\s*1;",
@@ -154,19 +153,17 @@ SEG8_PATTERNS = {"mbarrier.arrive": r"\bmbarrier\.arrive\b", "mbarrier.wait": r"
 ONE_CHUNK = {"num_tiles": 1, "num_pid_a": 1, "num_pid_b": 1, "k_tiles": 1, "cps": 1}
 
 
-def gemm_seg8_facts(cfg, bias: bool, dx: bool = False, one_chunk: bool = False, skew: int = 0,
-                    l4_shared: bool = False, one_mma: bool = False) -> dict:  # fmt: skip
+def gemm_seg8_facts(cfg, bias: bool, dx: bool = False, one_chunk: bool = False, one_mma: bool = False) -> dict:
     """The warp-specialised segmented-8 Gluon forward (``gemm_gluon_seg8``) with tiling ``cfg`` (``dx``: its dX,
     dY (M, N) W (N, K), into the FP32 sum the column-parallel layers round after), its output, bias and scratch
     16-byte aligned, N and the output's row stride multiples of 16 (as the block's layers launch it); ``one_chunk``:
-    specialised as a launch of one tile of one chunk is (:data:`ONE_CHUNK`); ``skew``: consumer 1's start behind
-    consumer 0 (``GemmLaunch.seg8_skew``); ``l4_shared``: the level-4 slots in shared memory; ``one_mma``: B as one
-    MMA of all ``cfg.block_n`` columns with the tree on chip, also at 256 (which production runs as two halves with
-    the slots in global scratch)."""
+    specialised as a launch of one tile of one chunk is (:data:`ONE_CHUNK`); ``one_mma``: B as one MMA of all
+    ``cfg.block_n`` columns with the tree on chip, also at 256 (which production runs as two halves with the slots
+    in global scratch)."""
     x, w = torch.empty(300, 256, dtype=torch.bfloat16), torch.empty(*((256, 512) if dx else (512, 256)))
     y = torch.empty(300, 512, dtype=torch.float32 if dx else torch.bfloat16)
     descs = gemm_gluon_seg8.seg8_descriptors(x, w.bfloat16(), y, cfg, dx)
-    consts = gemm_gluon_seg8.seg8_constants(cfg, bias, dx, skew, l4_shared)
+    consts = gemm_gluon_seg8.seg8_constants(cfg, bias, dx)
     if one_mma:
         descs.update(b_desc=gemm_gluon_plan.desc(w.bfloat16(), [cfg.block_n, cfg.block_k]), bt_desc=None, c_desc=None)
         consts.update(BLOCK_B=cfg.block_n, B_TAIL=0)
@@ -298,12 +295,6 @@ def main() -> None:
     out["gemm_gluon_seg8"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=True)
     out["gemm_gluon_rows_dw"] = gemm_rows_dw_facts()
     out["gemm_gluon_seg8_dx"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=False, dx=True)
-    skew = gemm_gluon_seg8.SEG8_SKEW
-    out["gemm_gluon_seg8_skew"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=True, skew=skew)
-    out["gemm_gluon_seg8_dx_skew"] = gemm_seg8_facts(gemm_gluon_seg8.SEG8_GLUON, bias=False, dx=True, skew=skew)
-    ring3 = gemm_gluon_seg8.L4_SHARED_TILING
-    out["gemm_gluon_seg8_l4shared"] = gemm_seg8_facts(ring3, bias=True, l4_shared=True)
-    out["gemm_gluon_seg8_ring3"] = gemm_seg8_facts(ring3, bias=True)
     json.dump(out, sys.stdout)
 
 

@@ -152,8 +152,8 @@ def test_the_dx_launches_the_chosen_kernel(monkeypatch, hopper) -> None:
     the finished output or the FP32 sum (the column-parallel layers round after their merge); a rank's segments, a
     slice of the layer, or the knob off: the Triton seg8 launch."""
     calls = []
-    gluon_call = lambda g, w, y, b, cfg, seg, p, dx, skew: calls.append(("gluon", seg, dx, y.dtype, skew))  # noqa: E731
-    monkeypatch.setattr(gemm_merge, "matmul_seg8_ws", gluon_call)
+    monkeypatch.setattr(gemm_merge, "matmul_seg8_ws",
+                        lambda g, w, y, b, cfg, seg, p, dx: calls.append(("gluon", seg, dx, y.dtype)))  # fmt: skip
     monkeypatch.setattr(gemm_merge, "_launch", lambda a, b, out, *args: calls.append(("triton", out.dtype)))
     monkeypatch.setattr(gemm_merge, "num_sms", lambda device: 132)
     g2, w = torch.zeros(5, 1000, dtype=BF16), torch.zeros(1000, 64, dtype=BF16)
@@ -163,10 +163,8 @@ def test_the_dx_launches_the_chosen_kernel(monkeypatch, hopper) -> None:
     gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, None, OFF_DX)
     gemm_merge._subtree(g2[:, :512], w[:512], range(4), (1000, 64), "dx", seg, None, None, ON_DX)
     gemm_merge._subtree(g2, w[:, :32], range(8), (1000, 64), "dx", seg, None, None, ON_DX)
-    gemm_merge._subtree(g2, w, range(8), (1000, 64), "dx", seg, None, None, replace(ON_DX, seg8_skew=True))
-    gluon = [("gluon", seg, True, BF16, 0), ("gluon", seg, True, torch.float32, 0)]
-    skewed = [("gluon", seg, True, torch.float32, gemm_gluon_seg8.SEG8_SKEW)]
-    assert calls == gluon + [("triton", torch.float32)] * 3 + skewed and seg == 128
+    gluon = [("gluon", seg, True, BF16), ("gluon", seg, True, torch.float32)]
+    assert calls == gluon + [("triton", torch.float32)] * 3 and seg == 128
 
 
 def test_the_launch_record_names_the_dx_path(monkeypatch) -> None:
@@ -217,60 +215,3 @@ def test_the_tree_slot_in_shared_memory_has_no_bank_conflicts() -> None:
     assert _slot_compiles(old, 3) and not _slot_compiles(old, 0)
     rows_dw = pytest.importorskip("h3gate.kernels.gemm_gluon_rows_dw")
     assert rows_dw.SLOT_LAYOUT is gemm_gluon_seg8.SLOT_LAYOUT  # the dW kernel allocates the same slot
-
-
-def test_the_skew_knob_reaches_the_launch_and_its_record(monkeypatch, hopper) -> None:
-    """``GemmLaunch.seg8_skew`` (off in PRODUCTION): the Gluon seg8 forward launched with consumer 1 ``SEG8_SKEW``
-    chunks behind, and the launch record saying so for the forward and the dX; off, no skew and no field."""
-    skewed = replace(PRODUCTION, seg8_skew=True)
-    assert not PRODUCTION.seg8_skew
-    calls = []
-    monkeypatch.setattr(gemm_merge, "matmul_seg8_ws", lambda *a, skew: calls.append(skew))
-    monkeypatch.setattr(gemm_merge, "num_sms", lambda device: 132)
-    x, w = torch.zeros(5, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)
-    for launch in (PRODUCTION, skewed):
-        gemm_merge._forward(x, w, None, launch)
-    assert calls == [0, gemm_gluon_seg8.SEG8_SKEW]
-    rec = gemm_merge.launch_record(x, w, skewed)
-    assert rec["forward"]["consumer_skew"] == rec["dx"]["consumer_skew"] == gemm_gluon_seg8.SEG8_SKEW
-    assert "consumer_skew" not in gemm_merge.launch_record(x, w)["forward"]
-    monkeypatch.setattr(selection, "device_class", lambda device: "cpu-interpreter")
-    assert "consumer_skew" not in gemm_merge.launch_record(x, w, skewed)["forward"]  # the Triton kernel: no consumers
-
-
-def test_the_skew_is_bounded_by_the_ring_and_refused_off_chip() -> None:
-    """Consumer 0 must issue the skew's chunks before consumer 1 frees a stage: a skew of the ring's depth or more
-    (or below 0) is refused, and so is any skew of the 256-wide tiling (slots in global scratch: no start signal)."""
-    cfg = gemm_gluon_seg8.SEG8_GLUON
-    assert gemm_gluon_seg8.seg8_constants(cfg, True, skew=cfg.num_stages - 1)["SKEW"] == cfg.num_stages - 1
-    wide = replace(cfg, block_n=256, num_stages=3)
-    for tiling, bad in ((cfg, cfg.num_stages), (cfg, -1), (wide, 2)):
-        with pytest.raises(ValueError, match=f"a skew of {bad} chunks with tiling {tiling.tag}"):
-            gemm_gluon_seg8.seg8_constants(tiling, True, skew=bad)
-    assert gemm_gluon_seg8.seg8_constants(wide, True)["SKEW"] == 0
-    assert 0 < gemm_gluon_seg8.SEG8_SKEW < cfg.num_stages
-
-
-def test_the_level_4_slots_in_shared_memory_need_a_ring_of_3_on_chip() -> None:
-    """``l4_shared``: three slots a consumer in shared memory leave room for a ring of 3 at most; the 256-wide
-    tiling (slots in global scratch) and production's ring of 4 are refused."""
-    ring3 = gemm_gluon_seg8.L4_SHARED_TILING
-    assert ring3 == replace(gemm_gluon_seg8.SEG8_GLUON, num_stages=3)
-    assert gemm_gluon_seg8.seg8_constants(ring3, True, l4_shared=True)["L4_SHARED"] is True
-    assert gemm_gluon_seg8.seg8_constants(gemm_gluon_seg8.SEG8_GLUON, True)["L4_SHARED"] is False
-    for bad in (gemm_gluon_seg8.SEG8_GLUON, replace(ring3, block_n=256)):
-        with pytest.raises(ValueError, match="level-4 slots in shared memory"):
-            gemm_gluon_seg8.seg8_constants(bad, True, l4_shared=True)
-
-
-def test_evidence_accepts_a_consumer_skew_of_one_or_more() -> None:
-    from jsonschema import Draft202012Validator
-
-    from h3gate.evidence.schema import registry
-
-    reg = registry()
-    launch = reg.resolver(base_uri="common.schema.json").lookup("#/$defs/launch").contents
-    validator = Draft202012Validator(launch, registry=reg)
-    fwd = {"tiling": gemm_gluon_seg8.SEG8_GLUON.tag, "tma": True, "kernel": gemm_merge.GLUON}
-    assert not list(validator.iter_errors({"forward": {**fwd, "consumer_skew": 2}, "interpreted": False}))
-    assert list(validator.iter_errors({"forward": {**fwd, "consumer_skew": 0}, "interpreted": False}))

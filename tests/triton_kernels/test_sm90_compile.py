@@ -222,34 +222,3 @@ def test_the_on_chip_tree_fits_128_columns_and_spills_at_the_single_walks_256() 
     assert narrow["wgmma.mma_async"] == wide["wgmma.mma_async"] == 8, (narrow, wide)
     assert wide["add.rn.f32"] == 2 * narrow["add.rn.f32"], (narrow, wide)  # the same tree over twice the columns
     assert wide["shared"] <= BLOCK_SHARED and wide["regs_c"] == narrow["regs_c"] < 256, wide
-
-
-@pytest.mark.parametrize("kind", ["gemm_gluon_seg8", "gemm_gluon_seg8_dx"])
-def test_the_consumer_skew_adds_only_its_start_signal(facts, kind) -> None:
-    """``GemmLaunch.seg8_skew`` (consumer 1 started ``SEG8_SKEW`` chunks behind consumer 0) compiles to the production
-    kernel's arithmetic and memory traffic (MMAs, the tree's adds, global and shared accesses) plus the start signal:
-    consumer 0's two arrive sites (in its chunk walk, and at its end for a program with fewer chunks) and consumer 1's
-    one wait; no spills, the wgmma still asynchronous. The production kernel has neither (the negative control)."""
-    base, skew = facts[kind], facts[f"{kind}_skew"]
-    same = ("wgmma.mma_async", "add.rn.f32", "st.global", "ld.global", "ld.shared.v2", "st.shared.v2", "fma", "atomics")
-    assert {k: skew[k] for k in same} == {k: base[k] for k in same}, (base, skew)
-    assert skew["mbarrier.arrive"] == base["mbarrier.arrive"] + 2, (base, skew)
-    assert skew["mbarrier.wait"] == base["mbarrier.wait"] + 1, (base, skew)
-    assert skew["spill_bytes"] == 0 and skew["wgmma_serialized"] is False, skew
-
-
-def test_the_level_4_slot_in_shared_memory_leaves_only_the_output_and_bias_global(facts) -> None:
-    """``l4_shared`` (measurement only): the tree's level-4 slots move from global scratch to shared memory, with a
-    ring of 3 so that ring and slots fit a block's shared memory. Against the same ring with the slots in global
-    scratch (the control): the same MMAs and adds, the level-4 stores and loads gone from global memory (left: the
-    output's 64 stores and the bias's 32 loads) and twice the slot load sites in shared memory; no spills; the shared
-    memory within a block's."""
-    l4, ring3, production = facts["gemm_gluon_seg8_l4shared"], facts["gemm_gluon_seg8_ring3"], facts["gemm_gluon_seg8"]
-    same = ("wgmma.mma_async", "add.rn.f32", "fma", "atomics")
-    assert {k: l4[k] for k in same} == {k: ring3[k] for k in same}, (l4, ring3)
-    assert (ring3["st.global"], ring3["ld.global"]) == (production["st.global"], production["ld.global"]), ring3
-    assert (l4["st.global"], l4["ld.global"]) == (ring3["st.global"] - 64, ring3["ld.global"] - 64) == (64, 32), l4
-    # the slots' load sites double; Triton 3.9 emits the two slots' stores from one site (3.7: two)
-    assert l4["ld.shared.v2"] == 2 * ring3["ld.shared.v2"] and l4["st.shared.v2"] >= ring3["st.shared.v2"], l4
-    assert l4["spill_bytes"] == 0 and l4["wgmma_serialized"] is False, l4
-    assert ring3["shared"] < production["shared"] < l4["shared"] <= BLOCK_SHARED, (ring3, production, l4)
