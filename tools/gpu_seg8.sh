@@ -15,6 +15,7 @@
 #   floor              the O / down GEMM variants at M = 38974 in a sustained stream at the power cap (ms and J a
 #                      call, interleaved): the 128 x 128 single walk against the 128 x 256 one decides whether the
 #                      768p forward target is in reach (docs/ws2-merge-order.md)
+#   floor-medium       the same at M = 3160 (the medium layout's rows)
 #   block-<layout>     bench ws1-block --merge-order seg8 at medium or 768p (single, seg8 and the provider side by side)
 #   model-<layout>     bench ws1-model --merge-order seg8 at medium or 768p
 #   usage: tools/gpu_seg8.sh checks anatomy ncu block-medium
@@ -51,9 +52,9 @@ for s in "$@"; do
   dw-tilings)
     step 150 seg8-dw-tilings python3 tools/gpu_seg8_anatomy.py --sections dw --rows 3160 \
       --json "$ev/seg8-dw-tilings.json" ;;
-  floor)
-    step 240 seg8-floor python3 tools/gpu_seg8_anatomy.py --sections gemm --rows 38974 --sustained \
-      --json "$ev/seg8-floor.json" ;;
+  floor|floor-medium) rows=38974; [ "$s" = floor-medium ] && rows=3160
+    step 240 "seg8-$s" python3 tools/gpu_seg8_anatomy.py --sections gemm --rows "$rows" --sustained \
+      --json "$ev/seg8-$s.json" ;;
   block-medium|block-768p) L=${s#block-}
     step 300 "bench-ws1-block-seg8-$L" $H bench ws1-block --config real --layout "$L" --device cuda \
       --merge-order seg8 --out "$ev/bench-ws1-block-seg8-$L" ;;
